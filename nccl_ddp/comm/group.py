@@ -1,0 +1,98 @@
+"""The backend interface: `ProcessGroup` (one per group of ranks), `Work` handles and `ReduceOp`.
+
+Backends (`host.py`, `nccl.py`) implement `ProcessGroup`; everything above `comm/` talks to this
+interface only. Buffers are the backend's native arrays: NumPy for "host", CuPy for "nccl";
+conversion from other frameworks happens in `comm/api.py` through DLPack.
+"""
+from __future__ import annotations
+
+import abc
+import enum
+from typing import Any, Callable, Optional, Sequence
+
+
+class ReduceOp(str, enum.Enum):
+    SUM = "sum"
+    AVG = "avg"
+    MAX = "max"
+    MIN = "min"
+    PROD = "prod"
+
+    @classmethod
+    def parse(cls, op: "ReduceOp | str") -> "ReduceOp":
+        try:
+            return op if isinstance(op, ReduceOp) else cls(str(op).lower())
+        except ValueError:
+            raise ValueError(
+                f"unknown reduce op {op!r}; use one of {[o.value for o in cls]}") from None
+
+
+class Work(abc.ABC):
+    """Handle of an asynchronous collective. Keeps its buffers alive until it completes."""
+
+    @abc.abstractmethod
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Block until done (host backend) or until the caller's current stream waits for it (nccl).
+
+        Raises `CommTimeout` after `timeout` seconds (None: the group's default timeout) and
+        `CommError` if the collective failed. Returns True.
+        """
+
+    @abc.abstractmethod
+    def is_completed(self) -> bool:
+        """True once the collective has finished (or failed: `wait` then raises)."""
+
+    @abc.abstractmethod
+    def result(self) -> Any:
+        """The output array(s); waits first."""
+
+
+class ProcessGroup(abc.ABC):
+    """A set of ranks that run collectives together, in the same order on every member.
+
+    `stream`: where the collective is ordered. On "nccl" a device Stream (None: the group's comm
+    stream); on "host" a `device.HostStream` (None: the group's own worker thread). Either way the
+    collective runs after the work already submitted to that stream, and work submitted to the
+    stream afterwards runs after it. Submit a group's collectives from one stream at a time.
+    """
+
+    backend: str          # "host" | "nccl"
+    rank: int             # this process's rank within the group
+    size: int             # number of ranks in the group
+    ranks: tuple          # global ranks of the members, in group-rank order
+    timeout: float        # default seconds for blocking waits
+    name: str             # for error messages: "world", "group[0,2]", ...
+
+    @abc.abstractmethod
+    def all_reduce(self, buf, op: ReduceOp = ReduceOp.SUM, stream=None) -> Work:
+        """Reduce `buf` across the group, in place."""
+
+    @abc.abstractmethod
+    def broadcast(self, buf, root: int = 0, stream=None) -> Work:
+        """Copy `buf` of group rank `root` into `buf` on every rank, in place."""
+
+    @abc.abstractmethod
+    def all_gather(self, out, inp, stream=None) -> Work:
+        """`out` (flat, size * inp.size elements) receives every rank's `inp`, in rank order."""
+
+    @abc.abstractmethod
+    def reduce_scatter(self, out, inp, op: ReduceOp = ReduceOp.SUM, stream=None) -> Work:
+        """`inp` (flat, size * out.size) is reduced; rank r gets chunk r in `out`."""
+
+    @abc.abstractmethod
+    def barrier(self, stream=None) -> Work:
+        """Completes once every rank of the group has reached it."""
+
+    @abc.abstractmethod
+    def new_subgroup(self, ranks: Sequence[int]) -> Optional["ProcessGroup"]:
+        """Collective over this group: a group of the given global ranks (None on non-members)."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Release sockets / communicators / threads. Idempotent."""
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name} rank {self.rank}/{self.size}>"
+
+
+BackendFactory = Callable[..., ProcessGroup]

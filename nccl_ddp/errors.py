@@ -1,0 +1,45 @@
+"""Every error nccl_ddp raises on purpose; catch `NcclDdpError` for all of them.
+
+Messages name the rank, the parameter / bucket / op involved and what to do about it.
+"""
+from __future__ import annotations
+
+
+class NcclDdpError(RuntimeError):
+    """Base class of the errors this package raises on purpose."""
+
+
+class ConfigError(NcclDdpError, ValueError):
+    """Inconsistent or missing configuration: environment variables, arguments, launcher flags."""
+
+
+class StoreError(NcclDdpError):
+    """The key-value store failed: connection refused or lost, protocol error."""
+
+
+class StoreTimeout(StoreError, TimeoutError):
+    """A store get/wait/barrier/connect did not complete within its timeout."""
+
+
+class AuthError(StoreError):
+    """The store refused a client that did not present the job's secret."""
+
+
+class CommError(NcclDdpError):
+    """A collective failed (transport error, NCCL async error, a peer died)."""
+
+
+class CommTimeout(CommError, TimeoutError):
+    """A collective, stream or event wait did not complete within its timeout."""
+
+
+class RankMismatchError(NcclDdpError):
+    """Ranks disagree on something that must match (parameter shapes, bucket layout, op order)."""
+
+
+class ReducerError(NcclDdpError):
+    """Misuse of the reducer during a step: grads missing, a grad marked ready twice, ..."""
+
+
+class KernelError(NcclDdpError):
+    """A CUDA kernel could not be found, compiled or launched."""
