@@ -1,0 +1,95 @@
+"""Shared by the benchmark scripts: a progress line, CSV output and PNG plots.
+
+Benchmarks keep their results as a list of dicts (one per measurement); these helpers turn that
+into a table on stdout, a CSV file and a picture. matplotlib is optional (the `plot` extra).
+"""
+from __future__ import annotations
+
+import csv
+import os
+import sys
+from typing import Iterable, Optional, Sequence
+
+
+class Progress:
+    """`done/total label` on one rewritten line; silent when stderr is not a terminal."""
+
+    def __init__(self, total: int, label: str = "", stream=None) -> None:
+        self.total, self.label, self.done = total, label, 0
+        self.stream = stream or sys.stderr
+        self.enabled = self.stream.isatty() and os.environ.get("NCCL_DDP_NO_PROGRESS") != "1"
+
+    def step(self, what: str = "") -> None:
+        self.done += 1
+        if self.enabled:
+            self.stream.write(f"\r\x1b[K{self.label} {self.done}/{self.total} {what}")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+
+
+def format_table(rows: Sequence[dict], columns: Sequence[str], formats: Optional[dict] = None) -> str:
+    """Right-aligned text table of `columns` from `rows`; `formats` maps column -> format spec."""
+    formats = formats or {}
+
+    def cell(row, c):
+        v = row.get(c, "")
+        if v is None or v == "":
+            return "-"
+        return format(v, formats[c]) if c in formats and isinstance(v, (int, float)) else str(v)
+
+    cells = [[cell(r, c) for c in columns] for r in rows]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths))]
+    lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
+
+
+def write_csv(rows: Sequence[dict], path: str) -> None:
+    """All keys that appear in any row become columns, in first-seen order."""
+    columns: list = []
+    for r in rows:
+        columns += [k for k in r if k not in columns]
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=columns)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def plot_series(rows: Sequence[dict], x: str, y: str, series: str, path: str, *, title: str = "",
+                xlabel: str = "", ylabel: str = "", logx: bool = True, logy: bool = False,
+                hlines: Iterable = ()) -> bool:
+    """One line per distinct value of `series`; returns False (and says why) without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed: no plot written to {path} "
+              "(pip install 'nccl_ddp[plot]')", file=sys.stderr)
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for name in dict.fromkeys(r[series] for r in rows):
+        pts = sorted((r[x], r[y]) for r in rows if r[series] == name and r.get(y) not in (None, ""))
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=str(name))
+    for value, label in hlines:
+        ax.axhline(value, ls="--", lw=1, color="gray")
+        ax.annotate(label, (0.01, value), xycoords=("axes fraction", "data"), fontsize=8,
+                    va="bottom", color="gray")
+    if logx:
+        ax.set_xscale("log", base=2)
+    if logy:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel or x)
+    ax.set_ylabel(ylabel or y)
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
