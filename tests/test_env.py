@@ -1,0 +1,89 @@
+import pytest
+
+from nccl_ddp.env import DistEnv, resolve_env, slurm_first_host, slurm_tasks_on_node
+from nccl_ddp.errors import ConfigError
+
+TORCHRUN = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "NCCL_DDP_SECRET": "s3"}
+
+
+def test_single_process_defaults():
+    env = resolve_env(environ={})
+    assert env == DistEnv(0, 1, 0, 1, "127.0.0.1", 0, "", False)
+
+
+def test_torchrun_variables():
+    env = resolve_env(environ=dict(TORCHRUN, NCCL_DDP_STORE_HOSTED="1"))
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (1, 4, 1, 2)
+    assert (env.master_addr, env.master_port, env.secret) == ("10.0.0.1", 29500, "s3")
+    assert env.store_hosted_externally
+    assert "s3" not in repr(env)
+
+
+def test_explicit_args_beat_environment():
+    env = resolve_env(rank=3, master_addr="h", master_port=1234, environ=TORCHRUN)
+    assert (env.rank, env.world_size, env.master_addr, env.master_port) == (3, 4, "h", 1234)
+
+
+def test_torchrun_beats_slurm_and_ompi():
+    environ = dict(TORCHRUN, SLURM_PROCID="0", SLURM_NTASKS="8", OMPI_COMM_WORLD_RANK="2",
+                   OMPI_COMM_WORLD_SIZE="3")
+    assert resolve_env(environ=environ).world_size == 4
+
+
+def test_slurm():
+    environ = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
+               "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_NODEID": "1",
+               "SLURM_NODELIST": "gpu[03-04]", "MASTER_PORT": "2000"}
+    env = resolve_env(environ=environ)
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (5, 8, 1, 4)
+    assert env.master_addr == "gpu03"
+    env = resolve_env(environ=dict(environ, MASTER_ADDR="10.1.1.1"))
+    assert env.master_addr == "10.1.1.1"
+
+
+def test_slurm_master_falls_back_to_launch_node():
+    environ = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "1",
+               "SLURM_NODELIST": "rack[1-2]-n[01-04]", "SLURM_LAUNCH_NODE_IPADDR": "10.2.0.9",
+               "MASTER_PORT": "2000"}
+    assert slurm_first_host(environ["SLURM_NODELIST"]) is None
+    assert resolve_env(environ=environ).master_addr == "10.2.0.9"
+
+
+def test_slurm_parsers():
+    assert slurm_tasks_on_node("4(x2),3", 2) == 3
+    assert slurm_tasks_on_node("2", 0) == 2
+    assert slurm_first_host("node1,node2") == "node1"
+    with pytest.raises(ConfigError, match="SLURM_TASKS_PER_NODE"):
+        slurm_tasks_on_node("four", 0)
+
+
+def test_openmpi():
+    environ = {"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "3",
+               "OMPI_COMM_WORLD_LOCAL_RANK": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "3",
+               "MASTER_PORT": "2000"}
+    env = resolve_env(environ=environ)
+    assert (env.rank, env.world_size, env.local_rank, env.master_addr) == (2, 3, 2, "127.0.0.1")
+
+
+@pytest.mark.parametrize("environ, match", [
+    (dict(TORCHRUN, RANK="4"), "RANK"),
+    (dict(TORCHRUN, RANK="-1"), "RANK"),
+    (dict(TORCHRUN, WORLD_SIZE="two"), "WORLD_SIZE"),
+    (dict(TORCHRUN, WORLD_SIZE="0"), "WORLD_SIZE"),
+    ({k: v for k, v in TORCHRUN.items() if k != "MASTER_PORT"}, "MASTER_PORT"),
+    (dict(TORCHRUN, MASTER_PORT="70000"), "MASTER_PORT"),
+    ({k: v for k, v in TORCHRUN.items() if k != "MASTER_ADDR"}, "MASTER_ADDR"),
+    ({k: v for k, v in TORCHRUN.items() if k != "WORLD_SIZE"}, "WORLD_SIZE"),
+    (dict(TORCHRUN, LOCAL_RANK="2"), "LOCAL_RANK"),
+    (dict(TORCHRUN, LOCAL_WORLD_SIZE="0"), "LOCAL_WORLD_SIZE"),
+])
+def test_inconsistent_values_raise(environ, match):
+    with pytest.raises(ConfigError, match=match):
+        resolve_env(environ=environ)
+
+
+def test_single_node_needs_no_master_addr():
+    environ = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "2000"}
+    env = resolve_env(environ=environ)
+    assert (env.master_addr, env.local_world_size, env.local_rank) == ("127.0.0.1", 2, 0)
