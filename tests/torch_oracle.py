@@ -1,0 +1,116 @@
+"""The PyTorch reference our torch adapter is held to: a model, a training loop and torch's own DDP.
+
+`TiedNet` has a tied weight (the input projection is reused, transposed, as the output layer), a
+branch that is unused on some steps, and a buffer that differs per rank before DDP broadcasts it.
+Its parameters also start different on every rank, so the init broadcast is exercised.
+`train(model, config, rank)` runs the same loop around any DDP wrapper (torch's or ours): different
+data per rank, `no_sync()` on all but the last micro-batch of a step, SGD with momentum and
+`zero_grad()` (set_to_none, torch's default) after each step. `run_torch_ddp` is the oracle:
+`torch.nn.parallel.DistributedDataParallel` on gloo.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import numpy as np
+
+IN, HIDDEN = 8, 16
+
+
+@dataclass(frozen=True)
+class OracleConfig:
+    """One training scenario. `accumulate`: micro-batches per optimizer step (all but the last
+    under no_sync). `static_graph`: the branch is never used (torch's static graph needs the same
+    set of used parameters every step); otherwise it is used on even micro-batches only."""
+
+    steps: int = 4
+    accumulate: int = 1
+    static_graph: bool = False
+    batch: int = 6
+    lr: float = 0.05
+
+    def uses_branch(self, micro: int) -> bool:
+        return (not self.static_graph) and micro % 2 == 0
+
+    @property
+    def find_unused_parameters(self) -> bool:
+        return not self.static_graph
+
+
+def make_model(rank: int):
+    """A TiedNet whose parameters and buffer depend on `rank` (DDP must broadcast rank 0's)."""
+    import torch
+
+    class TiedNet(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Linear(IN, HIDDEN, bias=False)   # weight (HIDDEN, IN), tied
+            self.hidden = torch.nn.Linear(HIDDEN, HIDDEN)
+            self.branch = torch.nn.Linear(HIDDEN, HIDDEN)
+            self.register_buffer("scale", torch.full((HIDDEN,), 1.0 + 0.25 * rank))
+
+        def forward(self, x, use_branch: bool = True):
+            h = torch.tanh(self.embed(x)) * self.scale
+            h = torch.tanh(self.hidden(h))
+            if use_branch:
+                h = h + torch.tanh(self.branch(h))
+            return h @ self.embed.weight          # the tied output layer
+
+    torch.manual_seed(1234 + rank)
+    return TiedNet()
+
+
+def batches(rank: int, config: OracleConfig):
+    """(x, y) pairs, one per micro-batch; different on every rank, the same in every run."""
+    import torch
+
+    g = np.random.default_rng(100 + rank)
+    n = config.steps * config.accumulate
+    return [(torch.from_numpy(g.standard_normal((config.batch, IN), dtype=np.float32)),
+             torch.from_numpy(g.standard_normal((config.batch, IN), dtype=np.float32)))
+            for _ in range(n)]
+
+
+def train(ddp_model, module, rank: int, config: OracleConfig) -> dict:
+    """Train `ddp_model` (wrapping `module`); returns {name: ndarray} of parameters and buffers."""
+    import torch
+
+    opt = torch.optim.SGD(module.parameters(), lr=config.lr, momentum=0.9)
+    data = iter(batches(rank, config))
+    micro = 0
+    for _ in range(config.steps):
+        for k in range(config.accumulate):
+            x, y = next(data)
+            last = k == config.accumulate - 1
+            ctx = contextlib.nullcontext() if last else ddp_model.no_sync()
+            with ctx:
+                out = ddp_model(x, use_branch=config.uses_branch(micro))
+                loss = torch.nn.functional.mse_loss(out, y)
+                loss.backward()
+            micro += 1
+        opt.step()
+        opt.zero_grad()
+    state = {n: t.detach().numpy().copy() for n, t in module.named_parameters()}
+    state.update({n: t.detach().numpy().copy() for n, t in module.named_buffers()})
+    return state
+
+
+def run_torch_ddp(rank: int, world_size: int, config: OracleConfig, store_file: str) -> dict:
+    """torch DDP on gloo (rendezvous through `store_file`, so MASTER_PORT stays free for ours)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank,
+                            world_size=world_size)
+    try:
+        module = make_model(rank)
+        # torch's static_graph=True crashes when the first backward runs under no_sync() and, once
+        # past that, stops all-reducing (pytorch/pytorch#143580, #187732). static_graph changes
+        # only scheduling, not the result, so with accumulation the oracle runs without it.
+        static = config.static_graph and config.accumulate == 1
+        ddp = DistributedDataParallel(module, find_unused_parameters=not static,
+                                      static_graph=static)
+        return train(ddp, module, rank, config)
+    finally:
+        dist.destroy_process_group()
