@@ -1,0 +1,210 @@
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from nccl_ddp.errors import ConfigError
+from nccl_ddp.launch import LaunchConfig, local_device_count, parse_args, resolve_nproc
+
+
+def _script(tmp_path, body, name="worker.py"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def _run(args, timeout=60, env=None, **kw):
+    full_env = dict(os.environ, **(env or {}))
+    for var in ("MASTER_ADDR", "MASTER_PORT", "NCCL_DDP_SECRET", "RANK", "WORLD_SIZE"):
+        full_env.pop(var, None)
+    return subprocess.run([sys.executable, "-m", "nccl_ddp.launch", *args], capture_output=True,
+                          text=True, timeout=timeout, env=full_env, **kw)
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_gone(pids, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.05)
+    return [p for p in pids if _alive(p)]
+
+
+# Uses the job's store through the plain torchrun variables: nothing nccl_ddp-specific is passed.
+TORCHRUN_STYLE = """
+    import os, sys
+    from nccl_ddp.env import resolve_env
+    from nccl_ddp.store import connect_store
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ["LOCAL_RANK"])
+    store = connect_store(resolve_env(), timeout=20)
+    n = store.add("arrived", 1)
+    store.barrier("all", world, timeout=20)
+    print(f"hello {rank}/{world} local {local} port {os.environ['MASTER_PORT']}")
+    print(f"err line {rank}", file=sys.stderr)
+    store.close()
+"""
+
+
+def test_two_ranks_prefixed_output_and_logs(tmp_path):
+    script = _script(tmp_path, TORCHRUN_STYLE)
+    r = _run(["--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"), script])
+    assert r.returncode == 0, r.stderr
+    for rank in (0, 1):
+        assert f"[rank {rank}] hello {rank}/2 local {rank} port " in r.stdout
+        assert f"[rank {rank}] err line {rank}" in r.stderr
+        log = (tmp_path / "logs" / f"rank_{rank}.log").read_text()
+        assert f"hello {rank}/2" in log and f"err line {rank}" in log
+    assert all(line.startswith("[rank ") for line in r.stdout.splitlines())
+
+
+def test_module_entrypoint_and_args(tmp_path):
+    _script(tmp_path, "import sys, os; print(os.environ['RANK'], sys.argv[1:])", "mymod.py")
+    r = _run(["--nproc-per-node", "2", "-m", "mymod", "--lr", "0.1"],
+             env={"PYTHONPATH": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    assert "[rank 1] 1 ['--lr', '0.1']" in r.stdout
+
+
+FAIL_FAST = """
+    import os, signal, subprocess, sys, time
+    rank = int(os.environ["RANK"])
+    out = sys.argv[1]
+    if rank == 1:
+        while not os.path.exists(os.path.join(out, "child0")):
+            time.sleep(0.02)
+        sys.exit(int(sys.argv[2]))
+    if sys.argv[3] == "ignore-term":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    open(os.path.join(out, "pid0"), "w").write(str(os.getpid()))
+    open(os.path.join(out, "child0"), "w").write(str(child.pid))
+    time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("mode", ["plain", "ignore-term"])
+def test_failing_rank_stops_the_others(tmp_path, mode):
+    script = _script(tmp_path, FAIL_FAST)
+    t0 = time.monotonic()
+    r = _run(["--nproc-per-node", "2", "--grace-period", "1", script, str(tmp_path), "3", mode])
+    elapsed = time.monotonic() - t0
+    assert r.returncode == 3, r.stderr
+    assert "rank 1 (local rank 1) failed first: exit code 3" in r.stderr
+    assert elapsed < 15
+    pids = [int((tmp_path / f).read_text()) for f in ("pid0", "child0")]
+    assert _wait_gone(pids) == []
+
+
+def test_sigterm_to_launcher_stops_everything(tmp_path):
+    script = _script(tmp_path, """
+        import os, subprocess, sys, time
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        rank = os.environ["RANK"]
+        open(os.path.join(sys.argv[1], "pids" + rank), "w").write(f"{os.getpid()} {child.pid}")
+        time.sleep(120)
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "NCCL_DDP_SECRET")}
+    proc = subprocess.Popen([sys.executable, "-m", "nccl_ddp.launch", "--nproc-per-node", "2",
+                             "--grace-period", "2", script, str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 30
+        files = [tmp_path / "pids0", tmp_path / "pids1"]
+        while not all(f.exists() and f.read_text() for f in files):
+            assert time.monotonic() < deadline and proc.poll() is None, "workers did not start"
+            time.sleep(0.05)
+        pids = [int(p) for f in files for p in f.read_text().split()]
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert "received SIGTERM" in err
+    assert _wait_gone(pids) == []
+
+
+def test_killed_by_signal_is_reported(tmp_path):
+    script = _script(tmp_path, """
+        import os, signal
+        if os.environ["RANK"] == "0":
+            os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    r = _run(["--nproc-per-node", "2", script])
+    assert r.returncode == 128 + signal.SIGKILL
+    assert "rank 0 (local rank 0) failed first: killed by signal SIGKILL" in r.stderr
+
+
+def test_two_standalone_jobs_do_not_collide(tmp_path):
+    script = _script(tmp_path, TORCHRUN_STYLE)
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "NCCL_DDP_SECRET")}
+    cmd = [sys.executable, "-m", "nccl_ddp.launch", "--standalone", "--nproc-per-node", "2",
+           script]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env) for _ in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=60))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(5)
+    assert [p.returncode for p in procs] == [0, 0], outs
+    ports = {line.rsplit(" ", 1)[1] for out, _ in outs for line in out.splitlines()}
+    assert len(ports) == 2
+
+
+# ---- configuration ----------------------------------------------------------------------------
+
+def test_env_fallbacks(monkeypatch):
+    monkeypatch.setenv("NCCL_DDP_NPROC_PER_NODE", "3")
+    monkeypatch.setenv("NCCL_DDP_GRACE_PERIOD", "0.5")
+    monkeypatch.setenv("MASTER_PORT", "1234")
+    cfg = parse_args(["train.py", "--epochs", "2"])
+    assert (cfg.nproc_per_node, cfg.grace_period, cfg.master_port) == (3, 0.5, 1234)
+    assert (cfg.entrypoint, cfg.args) == ("train.py", ("--epochs", "2"))
+    cfg = parse_args(["--standalone", "train.py"])
+    assert (cfg.master_addr, cfg.master_port) == ("127.0.0.1", 0)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(nproc_per_node=0), "nproc-per-node"),
+    (dict(nproc_per_node="many"), "nproc-per-node"),
+    (dict(nnodes=2, node_rank=2, master_addr="n0", master_port=5, secret="s"), "node-rank"),
+    (dict(nnodes=2, node_rank=1, master_addr="n0", master_port=5), "NCCL_DDP_SECRET"),
+    (dict(nnodes=2, node_rank=1, master_addr="n0", secret="s"), "master-port"),
+    (dict(nnodes=2, node_rank=1, master_port=5, secret="s"), "master-addr"),
+    (dict(master_port=70000), "master-port"),
+    (dict(entrypoint=""), "no script"),
+])
+def test_invalid_config(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        LaunchConfig(**dict(dict(entrypoint="train.py"), **kwargs))
+
+
+def test_bad_config_exits_2_with_message(tmp_path):
+    r = _run(["--nnodes", "2", "--master-addr", "n0", "--master-port", "5", "x.py"])
+    assert r.returncode == 2 and "NCCL_DDP_SECRET" in r.stderr
+
+
+def test_auto_nproc(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
+    assert local_device_count() == 3 and resolve_nproc("auto") == 3
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert resolve_nproc("auto") == 2
+    assert resolve_nproc(5) == 5
+
