@@ -1,0 +1,449 @@
+"""The "nccl" backend: a `ProcessGroup` over CuPy's NCCL bindings, guarded by a watchdog thread.
+
+Streams (`stream=None`: the group's own non-blocking comm stream):
+
+    caller:  ──[writes buf]──●ready                         ┌─wait(done)──[reads buf]   Work.wait()
+    comm:                    └─wait(ready)──[nccl op]──●done┘
+
+Nothing blocks the host: `Work.wait()` makes the caller's stream wait on the op's done-event.
+The watchdog polls `ncclCommGetAsyncError` and the done-event of every op in flight; on an error,
+or an op older than the group's timeout, it aborts the communicator, and the next call from the
+training thread (any collective, `Work.wait`) raises `CommError` / `CommTimeout` naming the op,
+the bucket tag, the group and the rank.
+
+Every CUDA/NCCL call goes through a small runtime object (`_CupyRuntime`) so that tests can swap
+in a fake one on a machine without a GPU. CuPy is imported lazily: this module needs only NumPy.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+from ..errors import CommError, CommTimeout, StoreTimeout
+from .group import ProcessGroup, ReduceOp, Work
+
+log = logging.getLogger(__name__)
+
+WATCHDOG_POLL = 0.05     # seconds between watchdog checks
+UNIQUE_ID_BYTES = 128
+ADVICE = ("Rerun with NCCL_DEBUG=INFO (NCCL_DEBUG_SUBSYS=INIT,COLL narrows it) and check the other "
+          "ranks' logs for the first error.")
+
+# numpy dtype name -> cupy.cuda.nccl attribute; float8: NCCL >= 2.24 enum values CuPy does not name.
+_DTYPES = {
+    "int8": "NCCL_INT8", "uint8": "NCCL_UINT8", "int32": "NCCL_INT32", "uint32": "NCCL_UINT32",
+    "int64": "NCCL_INT64", "uint64": "NCCL_UINT64", "float16": "NCCL_FLOAT16",
+    "float32": "NCCL_FLOAT32", "float64": "NCCL_FLOAT64", "bfloat16": "NCCL_BFLOAT16",
+}
+_FP8 = {"float8_e4m3fn": 10, "float8_e5m2": 11}
+_FP8_MIN_VERSION = 22400
+_OPS = {ReduceOp.SUM: "NCCL_SUM", ReduceOp.PROD: "NCCL_PROD", ReduceOp.MAX: "NCCL_MAX",
+        ReduceOp.MIN: "NCCL_MIN", ReduceOp.AVG: "NCCL_AVG"}
+_generations: dict = {}  # (name, ranks) -> groups created so far, for unique store keys
+
+
+def is_available() -> bool:
+    """True when CuPy imports, sees a GPU, and loads NCCL. Never raises."""
+    try:
+        import warnings
+
+        import cupy
+        if not cupy.cuda.is_available() or cupy.cuda.runtime.getDeviceCount() < 1:
+            return False
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from cupy.cuda import nccl
+        return bool(nccl.available) and nccl.get_version() > 0
+    except Exception:  # any import or driver failure means "not available"
+        return False
+
+
+def nccl_dtype(dtype: Any, lib: Any) -> int:
+    """The ncclDataType_t of a NumPy/CuPy dtype; `lib` is `cupy.cuda.nccl` (or a test fake)."""
+    name = getattr(dtype, "name", str(dtype))
+    if name in _DTYPES and hasattr(lib, _DTYPES[name]):
+        return int(getattr(lib, _DTYPES[name]))
+    if name in _FP8 and lib.get_version() >= _FP8_MIN_VERSION:
+        return _FP8[name]
+    raise TypeError(f"NCCL cannot reduce dtype {name}; use one of "
+                    f"{sorted(_DTYPES) + sorted(_FP8)} (float8 needs NCCL >= 2.24)")
+
+
+def nccl_op(op: "ReduceOp | str", lib: Any) -> int:
+    """The ncclRedOp_t of a ReduceOp (AVG is NCCL's native ncclAvg)."""
+    return int(getattr(lib, _OPS[ReduceOp.parse(op)]))
+
+
+def _stream_ptr(stream: Any) -> int:
+    """Raw cudaStream_t of a CudaStream / CuPy stream (`.ptr`) or of a `__cuda_stream__` owner."""
+    ptr = getattr(stream, "ptr", None)
+    if ptr is None and hasattr(stream, "__cuda_stream__"):
+        ptr = stream.__cuda_stream__()[1]
+    if ptr is None:
+        raise TypeError(f"stream {stream!r} is not a CUDA stream (no .ptr or __cuda_stream__)")
+    return int(ptr)
+
+
+class _CupyRuntime:
+    """Every CUDA/NCCL call the group makes, on one device. Tests replace it with a fake."""
+
+    def __init__(self, device_id: int) -> None:
+        import cupy
+        from cupy.cuda import nccl
+        self.cupy, self.lib, self.device_id = cupy, nccl, device_id
+        self.errors: tuple = (nccl.NcclError, cupy.cuda.runtime.CUDARuntimeError)
+
+    def _device(self):
+        return self.cupy.cuda.Device(self.device_id)
+
+    def unique_id(self) -> bytes:
+        return self.lib.get_unique_id()
+
+    def new_comm(self, size: int, uid: bytes, rank: int) -> Any:
+        with self._device():
+            return self.lib.NcclCommunicator(size, uid, rank)
+
+    def new_stream(self) -> Any:
+        with self._device():
+            return self.cupy.cuda.Stream(non_blocking=True)
+
+    def current_stream(self) -> int:
+        return self.cupy.cuda.get_current_stream().ptr
+
+    def record(self, stream: int) -> Any:
+        with self._device():
+            ev = self.cupy.cuda.Event(disable_timing=True)
+        self.cupy.cuda.runtime.eventRecord(ev.ptr, stream)
+        return ev
+
+    def wait(self, stream: int, event: Any) -> None:
+        self.cupy.cuda.runtime.streamWaitEvent(stream, event.ptr)
+
+    def query(self, event: Any) -> bool:
+        return event.done
+
+    def ptr(self, buf: Any) -> int:
+        return buf.data.ptr
+
+    def scratch(self) -> Any:
+        with self._device():
+            return self.cupy.zeros(1, dtype=self.cupy.float32)
+
+    def bind_thread(self) -> None:
+        self._device().use()
+
+
+@contextlib.contextmanager
+def _check(errors: tuple, what: str) -> Iterator[None]:
+    """The one place NCCL and CUDA failures (CuPy raises them) become our exceptions."""
+    try:
+        yield
+    except errors as e:
+        raise CommError(f"NCCL {what} failed: {e}. {ADVICE}") from e
+
+
+def _bounded(fn: Callable[[], Any], timeout: float, what: str) -> Any:
+    """Run a blocking NCCL call (communicator init/split) with a time bound: on timeout the call is
+    left behind on a daemon thread and CommTimeout is raised."""
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # handed to the caller below
+            box["error"] = e
+
+    t = threading.Thread(target=run, daemon=True, name="nccl_ddp-init")
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        raise CommTimeout(f"{what} did not finish within {timeout:g}s: some rank of the group has "
+                          f"not joined (crashed, or called a different collective). {ADVICE}")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def exchange_unique_id(store: Any, key: str, rank: int, timeout: float,
+                       make_id: Callable[[], bytes], who: str) -> bytes:
+    """Group rank 0 makes the NCCL unique id and publishes it under `key`; the others fetch it."""
+    if rank == 0:
+        uid = bytes(make_id())
+        store.set(key, uid)
+        return uid
+    try:
+        uid = bytes(store.get(key, timeout))
+    except StoreTimeout as e:
+        raise CommTimeout(f"{who}: group rank 0 did not publish the NCCL unique id ({key!r}) "
+                          f"within {timeout:g}s; check that every member creates the group and read "
+                          f"rank 0's log") from e
+    if len(uid) != UNIQUE_ID_BYTES:
+        raise CommError(f"{who}: the NCCL unique id under {key!r} has {len(uid)} bytes, not "
+                        f"{UNIQUE_ID_BYTES}; another job may share this store (MASTER_PORT)")
+    return uid
+
+
+class NcclWork(Work):
+    """One collective in flight: its done-event, its output, and the buffers it keeps alive."""
+
+    def __init__(self, group: "NcclProcessGroup", what: str, event: Any, output: Any,
+                 keep: tuple) -> None:
+        self.what, self.event, self.output = what, event, output
+        self.started = time.monotonic()
+        self._group, self._keep = group, keep
+
+    def wait(self, timeout: Optional[float] = None, stream: Any = None) -> bool:
+        """Make `stream` (None: CuPy's current stream) wait for the op; never blocks the host.
+
+        `timeout` is not used here: the watchdog bounds every op by the group's timeout, and the
+        next call after it fires raises."""
+        g = self._group
+        g._raise_if_failed(f"Work.wait of {self.what}")
+        with _check(g._rt.errors, f"Work.wait of {self.what}"):
+            g._rt.wait(g._rt.current_stream() if stream is None else _stream_ptr(stream),
+                       self.event)
+        return True
+
+    def is_completed(self) -> bool:
+        g = self._group
+        if g._failure is not None:
+            return True
+        with _check(g._rt.errors, f"query of {self.what}"):
+            return bool(g._rt.query(self.event))
+
+    def result(self) -> Any:
+        self.wait()
+        return self.output
+
+    def synchronize(self, timeout: Optional[float] = None) -> None:
+        """Block the host until the op finished (tests, shutdown); CommTimeout after `timeout`."""
+        g = self._group
+        limit = g.timeout if timeout is None else timeout
+        deadline, delay = time.monotonic() + limit, 1e-4
+        while not self.is_completed():
+            if time.monotonic() > deadline:
+                raise CommTimeout(f"NCCL {self.what} did not complete within {limit:g}s "
+                                  f"(host synchronize). {ADVICE}")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.01)
+        g._raise_if_failed(f"synchronize of {self.what}")
+
+
+class NcclProcessGroup(ProcessGroup):
+    """A NCCL communicator, its comm stream and its watchdog. Build it with `create`."""
+
+    backend = "nccl"
+
+    def __init__(self, comm: Any, runtime: Any, *, rank: int, size: int, ranks: Sequence[int],
+                 timeout: float, name: str, device_id: int = 0, store: Any = None,
+                 poll: float = WATCHDOG_POLL) -> None:
+        self.rank, self.size, self.ranks = rank, size, tuple(ranks)
+        self.timeout, self.name, self.device_id = float(timeout), name, device_id
+        self._comm, self._rt, self._store, self._poll = comm, runtime, store, poll
+        self._stream = runtime.new_stream()
+        self._pending: list = []
+        self._lock = threading.Lock()
+        self._failure: Optional[tuple] = None     # (class, message, cause) set by the watchdog
+        self._closed = False
+        self._released = False                    # communicator destroyed or aborted
+        self._scratch = None                      # barrier's 1-element buffer
+        self._stop = threading.Event()
+        self._watchdog = threading.Thread(target=self._watch, daemon=True,
+                                          name=f"nccl_ddp-watchdog:{name}")
+        self._watchdog.start()
+
+    @classmethod
+    def create(cls, store: Any, rank: int, size: int, ranks: Sequence[int], timeout: float,
+               name: str, device_id: int, *, runtime: Any = None) -> "NcclProcessGroup":
+        """Collective over the members: exchange the unique id through `store` and build the
+        communicator on `device_id`. `runtime` replaces the CuPy calls (tests)."""
+        rt = runtime if runtime is not None else _CupyRuntime(device_id)
+        ranks = tuple(int(r) for r in ranks)
+        gen = _generations[(name, ranks)] = _generations.get((name, ranks), 0) + 1
+        key = f"nccl_ddp/nccl_uid/{name}/{','.join(map(str, ranks))}/{gen}"
+        who = f"rank {ranks[rank]} (group {name!r} rank {rank}/{size})"
+        uid = exchange_unique_id(store, key, rank, timeout, rt.unique_id, who)
+        what = f"communicator init of group {name!r} on {who}, GPU {device_id}"
+        with _check(rt.errors, what):
+            comm = _bounded(lambda: rt.new_comm(size, uid, rank), timeout, f"NCCL {what}")
+        return cls(comm, rt, rank=rank, size=size, ranks=ranks, timeout=timeout, name=name,
+                   device_id=device_id, store=store)
+
+    # ------------------------------------------------------------------ collectives
+
+    def all_reduce(self, buf, op: ReduceOp = ReduceOp.SUM, stream=None, *,
+                   tag: Optional[str] = None) -> NcclWork:
+        dt, code, p = self._dtype(buf), nccl_op(op, self._rt.lib), self._rt.ptr(buf)
+        return self._launch("all_reduce", tag, stream, buf, (buf,),
+                            lambda c, s: c.allReduce(p, p, buf.size, dt, code, s))
+
+    def broadcast(self, buf, root: int = 0, stream=None, *, tag: Optional[str] = None) -> NcclWork:
+        if not 0 <= root < self.size:
+            raise ValueError(f"broadcast root {root} is not a rank of group {self.name!r} "
+                             f"(size {self.size}); pass a group rank")
+        dt, p = self._dtype(buf), self._rt.ptr(buf)
+        return self._launch("broadcast", tag, stream, buf, (buf,),
+                            lambda c, s: c.broadcast(p, p, buf.size, dt, root, s))
+
+    def all_gather(self, out, inp, stream=None, *, tag: Optional[str] = None) -> NcclWork:
+        self._check_sizes("all_gather", big=out, small=inp)
+        dt, pi, po = self._dtype(inp), self._rt.ptr(inp), self._rt.ptr(out)
+        return self._launch("all_gather", tag, stream, out, (out, inp),
+                            lambda c, s: c.allGather(pi, po, inp.size, dt, s))
+
+    def reduce_scatter(self, out, inp, op: ReduceOp = ReduceOp.SUM, stream=None, *,
+                       tag: Optional[str] = None) -> NcclWork:
+        self._check_sizes("reduce_scatter", big=inp, small=out)
+        dt, code = self._dtype(inp), nccl_op(op, self._rt.lib)
+        pi, po = self._rt.ptr(inp), self._rt.ptr(out)
+        return self._launch("reduce_scatter", tag, stream, out, (out, inp),
+                            lambda c, s: c.reduceScatter(pi, po, out.size, dt, code, s))
+
+    def barrier(self, stream=None, *, tag: Optional[str] = None) -> NcclWork:
+        """A 1-element all-reduce: done once every rank's comm stream reached it."""
+        if self._scratch is None:
+            self._scratch = self._rt.scratch()
+        buf = self._scratch
+        dt, code, p = self._dtype(buf), nccl_op("sum", self._rt.lib), self._rt.ptr(buf)
+        return self._launch("barrier", tag, stream, None, (buf,),
+                            lambda c, s: c.allReduce(p, p, 1, dt, code, s))
+
+    def _dtype(self, buf) -> int:
+        return nccl_dtype(buf.dtype, self._rt.lib)
+
+    def _check_sizes(self, op: str, big, small) -> None:
+        if big.dtype != small.dtype or big.size != small.size * self.size:
+            raise ValueError(f"{op} on group {self.name!r}: buffers of {big.size} x {big.dtype} "
+                             f"and {small.size} x {small.dtype} do not fit; the big one needs "
+                             f"{self.size} x the small one's elements, same dtype")
+
+    def _describe(self, op: str, tag: Optional[str]) -> str:
+        label = f"{op} ({tag})" if tag else op
+        return (f"{label} on group {self.name!r}, rank {self.rank} of {self.size} "
+                f"(global rank {self.ranks[self.rank]})")
+
+    def _launch(self, op: str, tag: Optional[str], stream, output, keep: tuple,
+                call: Callable[[Any, int], None]) -> NcclWork:
+        what = self._describe(op, tag)
+        self._raise_if_failed(what)
+        with _check(self._rt.errors, what):
+            if stream is None:
+                # caller: ──[writes buf]──●ready
+                # comm:                   └─wait──[nccl op]──●done
+                s = self._stream.ptr
+                self._rt.wait(s, self._rt.record(self._rt.current_stream()))
+            else:
+                s = _stream_ptr(stream)
+            call(self._comm, s)
+            event = self._rt.record(s)
+        work = NcclWork(self, what, event, output, keep)
+        with self._lock:
+            self._pending.append(work)
+        return work
+
+    # ------------------------------------------------------------------ failures
+
+    def _raise_if_failed(self, current: str) -> None:
+        if self._failure is not None:
+            cls, msg, cause = self._failure
+            raise cls(f"{msg} (raised at {current})") from cause
+        if self._closed:
+            raise CommError(f"{current}: group {self.name!r} was shut down; create a new group")
+
+    def _watch(self) -> None:
+        try:
+            self._rt.bind_thread()
+        except self._rt.errors as e:
+            log.warning("NCCL watchdog of group %r could not select GPU %d: %s",
+                        self.name, self.device_id, e)
+        while not self._stop.wait(self._poll):
+            failure = self._poll_once(time.monotonic())
+            if failure is not None:
+                self._fail(*failure)
+                return
+
+    def _poll_once(self, now: float) -> Optional[tuple]:
+        """(class, message, cause) of the first problem found, else None; drops finished ops."""
+        with self._lock:
+            pending = list(self._pending)
+        try:
+            self._comm.check_async_error()
+        except self._rt.errors as e:
+            during = pending[0].what if pending else f"no op in flight on group {self.name!r}"
+            return (CommError, f"NCCL reported an asynchronous error during {during}: {e}; the "
+                               f"communicator was aborted. {ADVICE}", e)
+        finished = set()
+        for w in pending:
+            try:
+                if self._rt.query(w.event):
+                    finished.add(id(w))
+                    continue
+            except self._rt.errors as e:
+                return CommError, f"NCCL {w.what} failed on the GPU: {e}. {ADVICE}", e
+            if now - w.started > self.timeout:
+                return (CommTimeout, f"NCCL {w.what} did not complete within {self.timeout:g}s; "
+                                     f"the communicator was aborted. A peer rank probably died or "
+                                     f"hangs, or the ranks called collectives in different orders. "
+                                     f"{ADVICE}", None)
+        if finished:
+            with self._lock:
+                self._pending = [w for w in self._pending if id(w) not in finished]
+        return None
+
+    def _fail(self, cls: type, msg: str, cause: Optional[BaseException]) -> None:
+        self._failure = (cls, msg, cause)
+        log.error("%s", msg)
+        self._release(abort=True)
+
+    def _release(self, abort: bool) -> None:
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+        try:
+            self._comm.abort() if abort else self._comm.destroy()
+        except self._rt.errors as e:
+            log.warning("NCCL %s of group %r failed: %s", "abort" if abort else "destroy",
+                        self.name, e)
+
+    # ------------------------------------------------------------------ groups
+
+    def new_subgroup(self, ranks: Sequence[int]) -> Optional["NcclProcessGroup"]:
+        """Collective over this group: ncclCommSplit where CuPy binds it, else a new unique id
+        through the store. Call it with no collective in flight."""
+        ranks = tuple(int(r) for r in ranks)
+        if not ranks or len(set(ranks)) != len(ranks) or not set(ranks) <= set(self.ranks):
+            raise ValueError(f"new_subgroup{list(ranks)}: ranks must be distinct members of group "
+                             f"{self.name!r} {list(self.ranks)}")
+        me = self.ranks[self.rank]
+        member = me in ranks
+        name = f"group{list(ranks)}"
+        what = self._describe(f"new_subgroup {name}", None)
+        self._raise_if_failed(what)
+        if hasattr(self._comm, "commSplit"):
+            with _check(self._rt.errors, what):
+                comm = _bounded(lambda: self._comm.commSplit(0 if member else -1,
+                                                             ranks.index(me) if member else 0),
+                                self.timeout, f"NCCL {what}")
+            if not member:
+                return None
+            return NcclProcessGroup(comm, self._rt, rank=ranks.index(me), size=len(ranks),
+                                    ranks=ranks, timeout=self.timeout, name=name,
+                                    device_id=self.device_id, store=self._store, poll=self._poll)
+        if not member:
+            return None
+        return NcclProcessGroup.create(self._store, ranks.index(me), len(ranks), ranks,
+                                       self.timeout, name, self.device_id, runtime=self._rt)
+
+    def shutdown(self) -> None:
+        """Stop the watchdog; destroy the communicator, or abort it if ops are still in flight."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self._watchdog.join(timeout=max(1.0, 10 * self._poll))
+        problem = self._failure or self._poll_once(time.monotonic())
+        self._release(abort=problem is not None or bool(self._pending))

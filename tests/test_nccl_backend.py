@@ -1,0 +1,484 @@
+"""The NCCL backend: its logic against a fake communicator/runtime (any machine), and real NCCL at
+world size 1 (`gpu`)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from conftest import HAS_GPU
+from mp import run_ranks
+from nccl_ddp.comm import nccl as nb
+from nccl_ddp.comm.group import ReduceOp
+from nccl_ddp.errors import CommError, CommTimeout
+
+# ncclDataType_t / ncclRedOp_t values from nccl.h
+NCCL_H = dict(NCCL_INT8=0, NCCL_UINT8=1, NCCL_INT32=2, NCCL_UINT32=3, NCCL_INT64=4, NCCL_UINT64=5,
+              NCCL_FLOAT16=6, NCCL_FLOAT32=7, NCCL_FLOAT64=8, NCCL_BFLOAT16=9,
+              NCCL_SUM=0, NCCL_PROD=1, NCCL_MAX=2, NCCL_MIN=3, NCCL_AVG=4)
+DTYPES = {np.int8: 0, np.uint8: 1, np.int32: 2, np.uint32: 3, np.int64: 4, np.uint64: 5,
+          np.float16: 6, np.float32: 7, np.float64: 8, ml_dtypes.bfloat16: 9}
+OPS = {ReduceOp.SUM: 0, ReduceOp.PROD: 1, ReduceOp.MAX: 2, ReduceOp.MIN: 3, ReduceOp.AVG: 4}
+COMM_STREAM, CURRENT_STREAM = 1000, 1
+
+
+class FakeNcclError(RuntimeError):
+    pass
+
+
+class FakeEvent:
+    def __init__(self, done: bool):
+        self.done = done
+
+
+class FakeComm:
+    """Records the NCCL calls; `async_error` is what check_async_error raises."""
+
+    def __init__(self):
+        self.calls, self.async_error = [], None
+        self.aborted = self.destroyed = False
+
+    def allReduce(self, *a):
+        self.calls.append(("allReduce",) + a)
+
+    def broadcast(self, *a):
+        self.calls.append(("broadcast",) + a)
+
+    def allGather(self, *a):
+        self.calls.append(("allGather",) + a)
+
+    def reduceScatter(self, *a):
+        self.calls.append(("reduceScatter",) + a)
+
+    def check_async_error(self):
+        if self.async_error is not None:
+            raise self.async_error
+
+    def abort(self):
+        self.aborted = True
+
+    def destroy(self):
+        self.destroyed = True
+
+
+class SplitComm(FakeComm):
+    def commSplit(self, color, key):
+        self.calls.append(("commSplit", color, key))
+        return None if color == -1 else SplitComm()
+
+
+class FakeRuntime:
+    """Stands in for `_CupyRuntime`: streams are ints, events complete when `complete` says."""
+
+    errors = (FakeNcclError,)
+
+    def __init__(self, complete=True, comm_cls=FakeComm, version=23203, block_init=None):
+        self.complete, self.comm_cls, self.block_init = complete, comm_cls, block_init
+        self.lib = SimpleNamespace(get_version=lambda: version, **NCCL_H)
+        self.calls, self.comms, self.uids = [], [], []
+
+    def unique_id(self):
+        return os.urandom(128)
+
+    def new_comm(self, size, uid, rank):
+        if self.block_init is not None:
+            self.block_init.wait(30)
+        self.uids.append(uid)
+        self.comms.append(self.comm_cls())
+        return self.comms[-1]
+
+    def new_stream(self):
+        return SimpleNamespace(ptr=COMM_STREAM)
+
+    def current_stream(self):
+        return CURRENT_STREAM
+
+    def record(self, stream):
+        ev = FakeEvent(self.complete)
+        self.calls.append(("record", stream, ev))
+        return ev
+
+    def wait(self, stream, event):
+        self.calls.append(("wait", stream, event))
+
+    def query(self, event):
+        return event.done
+
+    def ptr(self, buf):
+        return buf.ctypes.data
+
+    def scratch(self):
+        return np.zeros(1, np.float32)
+
+    def bind_thread(self):
+        pass
+
+
+class DictStore:
+    def __init__(self):
+        self.d = {}
+
+    def set(self, key, value):
+        self.d[key] = bytes(value)
+
+    def get(self, key, timeout=None):
+        return self.d[key]
+
+
+def make_group(rt=None, timeout=30.0, rank=0, size=1, ranks=None, poll=0.01, name="world"):
+    rt = rt or FakeRuntime()
+    comm = rt.new_comm(size, b"x" * 128, rank)
+    return nb.NcclProcessGroup(comm, rt, rank=rank, size=size, ranks=ranks or range(size),
+                               timeout=timeout, name=name, store=DictStore(), poll=poll), comm, rt
+
+
+def wait_for(pred, limit=5.0):
+    deadline = time.monotonic() + limit
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.005)
+
+
+# ---------------------------------------------------------------------------------- mapping
+
+
+def test_import_loads_no_cupy():
+    code = "import sys, nccl_ddp.comm.nccl; assert 'cupy' not in sys.modules, 'cupy imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@pytest.mark.skipif(HAS_GPU, reason="checks the no-GPU answer")
+def test_is_available_false_without_gpu():
+    assert nb.is_available() is False
+
+
+@pytest.mark.parametrize("dtype,code", DTYPES.items(), ids=lambda v: getattr(v, "__name__", v))
+def test_dtype_mapping(dtype, code):
+    lib = FakeRuntime().lib
+    assert nb.nccl_dtype(np.dtype(dtype), lib) == code
+
+
+def test_float8_needs_nccl_2_24_and_others_refused():
+    assert nb.nccl_dtype(np.dtype(ml_dtypes.float8_e4m3fn), FakeRuntime().lib) == 10
+    assert nb.nccl_dtype(np.dtype(ml_dtypes.float8_e5m2), FakeRuntime().lib) == 11
+    with pytest.raises(TypeError, match="float8 needs NCCL >= 2.24"):
+        nb.nccl_dtype(np.dtype(ml_dtypes.float8_e5m2), FakeRuntime(version=22305).lib)
+    for bad in (np.complex64, np.bool_, np.int16):
+        with pytest.raises(TypeError, match="NCCL cannot reduce dtype"):
+            nb.nccl_dtype(np.dtype(bad), FakeRuntime().lib)
+
+
+def test_op_mapping():
+    lib = FakeRuntime().lib
+    for op, code in OPS.items():
+        assert nb.nccl_op(op, lib) == code
+        assert nb.nccl_op(op.value.upper(), lib) == code
+    with pytest.raises(ValueError, match="unknown reduce op"):
+        nb.nccl_op("mean", lib)
+
+
+def test_cupy_constants_match_nccl_h():
+    """Our tables read CuPy's names; check they carry nccl.h's values in the installed CuPy."""
+    pytest.importorskip("cupy")
+    from cupy.cuda import nccl
+    if not nccl.available:
+        pytest.skip("NCCL library not loadable (pip install nvidia-nccl-cu12)")
+    for dtype, code in DTYPES.items():
+        assert nb.nccl_dtype(np.dtype(dtype), nccl) == code
+    for op, code in OPS.items():
+        assert nb.nccl_op(op, nccl) == code
+
+
+# ---------------------------------------------------------------------------------- launch
+
+
+def test_all_reduce_orders_on_comm_stream_and_wait_does_not_block():
+    g, comm, rt = make_group()
+    x = np.arange(6, dtype=np.float32)
+    w = g.all_reduce(x, "avg", tag="bucket 0")
+    # the comm stream waits for an event of the caller's stream, the op runs there, then records
+    (r1, s1, ready), (w1, s2, ev1), (r2, s3, done) = rt.calls
+    assert (r1, s1, w1, s2, ev1, r2, s3) == ("record", CURRENT_STREAM, "wait", COMM_STREAM,
+                                             ready, "record", COMM_STREAM)
+    assert comm.calls == [("allReduce", x.ctypes.data, x.ctypes.data, 6, 7, 4, COMM_STREAM)]
+    assert w.wait() is True
+    assert rt.calls[-1] == ("wait", CURRENT_STREAM, done)
+    assert w.result() is x and w.is_completed()
+    g.shutdown()
+
+
+def test_given_stream_is_used_as_is():
+    g, comm, rt = make_group()
+    x = np.zeros(3, np.int64)
+    g.broadcast(x, root=0, stream=SimpleNamespace(ptr=77))
+    assert comm.calls == [("broadcast", x.ctypes.data, x.ctypes.data, 3, 4, 0, 77)]
+    assert [c[:2] for c in rt.calls] == [("record", 77)]
+    w = g.barrier(stream=SimpleNamespace(__cuda_stream__=lambda: (0, 55)))
+    assert comm.calls[-1][0] == "allReduce" and comm.calls[-1][3:] == (1, 7, 0, 55)
+    assert w.result() is None
+    g.shutdown()
+
+
+def test_all_gather_and_reduce_scatter_shapes():
+    g, comm, _ = make_group(size=2, rank=1)
+    inp, out = np.ones(4, np.float16), np.zeros(8, np.float16)
+    g.all_gather(out, inp)
+    g.reduce_scatter(inp, out, op="max")
+    assert comm.calls[0] == ("allGather", inp.ctypes.data, out.ctypes.data, 4, 6, COMM_STREAM)
+    assert comm.calls[1] == ("reduceScatter", out.ctypes.data, inp.ctypes.data, 4, 6, 2,
+                             COMM_STREAM)
+    with pytest.raises(ValueError, match="2 x the small one"):
+        g.all_gather(np.zeros(7, np.float16), inp)
+    with pytest.raises(ValueError, match="same dtype"):
+        g.reduce_scatter(np.zeros(4, np.float32), out)
+    with pytest.raises(ValueError, match="root 2 is not a rank"):
+        g.broadcast(inp, root=2)
+    g.shutdown()
+
+
+def test_nccl_error_on_launch_becomes_comm_error():
+    g, comm, _ = make_group()
+
+    def boom(*a):
+        raise FakeNcclError("NCCL_ERROR_INVALID_USAGE")
+    comm.allReduce = boom
+    with pytest.raises(CommError, match="all_reduce .bucket 2. on group 'world'.*INVALID_USAGE"
+                                        ".*NCCL_DEBUG=INFO") as e:
+        g.all_reduce(np.zeros(2, np.float32), tag="bucket 2")
+    assert isinstance(e.value.__cause__, FakeNcclError)
+    g.shutdown()
+
+
+# ---------------------------------------------------------------------------------- watchdog
+
+
+def test_watchdog_async_error_aborts_and_next_call_raises():
+    g, comm, rt = make_group(size=4, rank=2, ranks=[0, 1, 2, 3])
+    rt.complete = False                    # the op stays in flight, so the error names it
+    g.all_reduce(np.zeros(2, np.float32), tag="bucket 5")
+    comm.async_error = FakeNcclError("NCCL_ERROR_REMOTE_ERROR")
+    wait_for(lambda: comm.aborted)
+    with pytest.raises(CommError) as e:
+        g.broadcast(np.zeros(2, np.float32))
+    msg = str(e.value)
+    for part in ("asynchronous error", "all_reduce (bucket 5)", "group 'world'", "rank 2 of 4",
+                 "REMOTE_ERROR", "NCCL_DEBUG=INFO", "other ranks' logs", "raised at broadcast"):
+        assert part in msg
+    assert not isinstance(e.value, CommTimeout)
+    assert isinstance(e.value.__cause__, FakeNcclError)
+    n = len(comm.calls)
+    with pytest.raises(CommError):
+        g.all_reduce(np.zeros(2, np.float32))
+    assert len(comm.calls) == n            # nothing reached the aborted communicator
+    g.shutdown()
+    assert not comm.destroyed
+
+
+def test_watchdog_timeout_names_op_bucket_and_rank():
+    g, comm, _ = make_group(FakeRuntime(complete=False), timeout=0.2, size=2, rank=1,
+                            ranks=[3, 5], name="group[3, 5]")
+    w = g.all_reduce(np.zeros(8, np.float32), tag="bucket 3")
+    assert not w.is_completed()
+    wait_for(lambda: comm.aborted)
+    assert w.is_completed()
+    with pytest.raises(CommTimeout) as e:
+        w.wait()
+    msg = str(e.value)
+    for part in ("all_reduce (bucket 3)", "group 'group[3, 5]'", "rank 1 of 2", "global rank 5",
+                 "did not complete within 0.2s", "aborted", "NCCL_DEBUG=INFO"):
+        assert part in msg
+    with pytest.raises(CommTimeout, match="raised at all_gather"):
+        g.all_gather(np.zeros(4, np.float32), np.zeros(2, np.float32))
+    g.shutdown()
+
+
+def test_finished_ops_leave_the_watchdog_and_synchronize_times_out():
+    g, _, rt = make_group(timeout=60)
+    g.all_reduce(np.zeros(2, np.float32))
+    wait_for(lambda: not g._pending)
+    rt.complete = False
+    w = g.all_reduce(np.zeros(2, np.float32))
+    t0 = time.monotonic()
+    with pytest.raises(CommTimeout, match="host synchronize"):
+        w.synchronize(timeout=0.1)
+    assert time.monotonic() - t0 < 5
+    w.event.done = True
+    w.synchronize(timeout=1)
+    g.shutdown()
+
+
+def test_shutdown_destroys_idle_aborts_busy_and_is_final():
+    g, comm, _ = make_group()
+    g.all_reduce(np.zeros(2, np.float32))
+    g.shutdown()
+    g.shutdown()
+    assert comm.destroyed and not comm.aborted
+    assert not g._watchdog.is_alive()
+    with pytest.raises(CommError, match="shut down"):
+        g.all_reduce(np.zeros(2, np.float32))
+    g2, comm2, _ = make_group(FakeRuntime(complete=False))
+    g2.all_reduce(np.zeros(2, np.float32))
+    g2.shutdown()
+    assert comm2.aborted and not comm2.destroyed
+
+
+# ---------------------------------------------------------------------------------- creation
+
+
+def test_init_that_never_finishes_times_out():
+    never = threading.Event()
+    rt = FakeRuntime(block_init=never)
+    t0 = time.monotonic()
+    with pytest.raises(CommTimeout, match="communicator init of group 'world'.*within 0.3s"):
+        nb.NcclProcessGroup.create(DictStore(), 0, 1, [0], 0.3, "world", 0, runtime=rt)
+    assert time.monotonic() - t0 < 5
+    never.set()
+
+
+@pytest.mark.skipif(HAS_GPU, reason="checks the no-GPU failure")
+def test_real_create_without_gpu_raises_comm_error():
+    pytest.importorskip("cupy")
+    with pytest.raises(CommError, match="communicator init of group 'world'.*GPU 0") as e:
+        nb.NcclProcessGroup.create(DictStore(), 0, 1, [0], 5, "world", 0)
+    assert e.value.__cause__ is not None
+
+
+def test_new_subgroup_uses_comm_split():
+    g, comm, rt = make_group(FakeRuntime(comm_cls=SplitComm), size=3, rank=1, ranks=[0, 1, 2])
+    sub = g.new_subgroup([2, 1])
+    assert comm.calls[-1] == ("commSplit", 0, 1)
+    assert (sub.rank, sub.size, sub.ranks, sub.name) == (1, 2, (2, 1), "group[2, 1]")
+    assert g.new_subgroup([0, 2]) is None
+    assert comm.calls[-1] == ("commSplit", -1, 0)
+    with pytest.raises(ValueError, match="distinct members"):
+        g.new_subgroup([1, 7])
+    sub.shutdown()
+    g.shutdown()
+
+
+def test_new_subgroup_without_split_exchanges_a_new_id():
+    g, comm, rt = make_group(size=2, rank=0, ranks=[0, 1])
+    sub = g.new_subgroup([0])
+    assert sub.size == 1 and sub.ranks == (0,)
+    (key, uid), = g._store.d.items()
+    assert key.startswith("nccl_ddp/nccl_uid/group[0]/0/") and rt.uids[-1] == uid
+    sub.shutdown()
+    g.shutdown()
+
+
+def _uid_rank(rank, world):
+    """Two groups through a real TCPStore; returns the unique ids this rank's comms were built with."""
+    from nccl_ddp.env import resolve_env
+    from nccl_ddp.store import connect_store
+    store = connect_store(resolve_env(), timeout=30)
+    rt = FakeRuntime()
+    try:
+        from cupy.cuda import nccl  # real unique ids when the library loads (no GPU needed)
+        if nccl.available:
+            rt.unique_id = nccl.get_unique_id
+    except ImportError:
+        pass
+    try:
+        groups = [nb.NcclProcessGroup.create(store, rank, world, range(world), 30, "world", 0,
+                                             runtime=rt) for _ in range(2)]
+        for g in groups:
+            g.shutdown()
+        store.barrier("done", world, timeout=30)
+        return [u.hex() for u in rt.uids]
+    finally:
+        store.close()
+
+
+@pytest.mark.skipif(HAS_GPU, reason="fake runtime path; the GPU run covers the real one")
+def test_unique_id_exchange_through_store_two_processes():
+    a, b = run_ranks(_uid_rank, 2, timeout=90)
+    assert a == b and len(a) == 2 and a[0] != a[1]
+    assert all(len(bytes.fromhex(u)) == 128 for u in a)
+
+
+# ---------------------------------------------------------------------------------- real NCCL
+
+
+@pytest.fixture
+def real_group():
+    cp = pytest.importorskip("cupy")
+    g = nb.NcclProcessGroup.create(DictStore(), 0, 1, [0], 60, "world", 0)
+    yield g, cp
+    g.shutdown()
+
+
+def _device_array(cp, values, dtype):
+    try:
+        return cp.asarray(np.asarray(values).astype(dtype))
+    except (TypeError, ValueError) as e:
+        pytest.skip(f"CuPy cannot hold {np.dtype(dtype)}: {e}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=lambda v: v.__name__)
+def test_real_collectives_world_size_1(real_group, dtype):
+    g, cp = real_group
+    ref = (np.arange(12) % 7).astype(dtype)
+    ops = ["sum", "max", "min", "prod"] + (["avg"] if np.dtype(dtype).kind == "f" else [])
+    for op in ops:
+        x = _device_array(cp, ref, dtype)
+        g.all_reduce(x, op).synchronize()
+        np.testing.assert_array_equal(cp.asnumpy(x), ref)
+    x = _device_array(cp, ref, dtype)
+    g.broadcast(x, root=0).synchronize()
+    np.testing.assert_array_equal(cp.asnumpy(x), ref)
+    out = _device_array(cp, np.zeros(12), dtype)
+    g.all_gather(out, _device_array(cp, ref, dtype)).synchronize()
+    np.testing.assert_array_equal(cp.asnumpy(out), ref)
+    out = _device_array(cp, np.zeros(12), dtype)
+    g.reduce_scatter(out, _device_array(cp, ref, dtype), op="sum").synchronize()
+    np.testing.assert_array_equal(cp.asnumpy(out), ref)
+    g.barrier().synchronize()
+
+
+_SPIN = r'''
+extern "C" __global__ void spin_fill(float* x, int n, long long cycles, float v) {
+    long long t0 = clock64();
+    while (clock64() - t0 < cycles) {}
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = v;
+}'''
+
+
+@pytest.mark.gpu
+def test_real_stream_ordering_without_host_sync(real_group):
+    """A slow producer on stream A, the collective on the comm stream, the reader on stream B:
+    only the events order them; any missing wait shows up as zeros."""
+    g, cp = real_group
+    spin = cp.RawKernel(_SPIN, "spin_fill")
+    n = 1 << 16
+    a, b = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    x = cp.zeros(n, cp.float32)
+    cp.cuda.Device().synchronize()
+    with a:
+        spin(((n + 255) // 256,), (256,), (x, np.int32(n), np.int64(200_000_000), np.float32(3)))
+        w = g.all_reduce(x, "avg", tag="bucket 0")          # comm stream waits for A's work
+    w.wait(stream=b)                                          # B waits for the collective
+    with b:
+        y = x * 2
+    b.synchronize()
+    assert float(y.min()) == 6.0 and float(y.max()) == 6.0
+    # the same through an explicit stream the caller ordered itself
+    c = cp.cuda.Stream(non_blocking=True)
+    with a:
+        spin(((n + 255) // 256,), (256,), (x, np.int32(n), np.int64(200_000_000), np.float32(5)))
+        ready = a.record()
+    c.wait_event(ready)
+    w = g.all_reduce(x, stream=c)
+    with b:
+        w.wait()                                              # current stream is B here
+        y = x + 1
+    b.synchronize()
+    assert float(y.min()) == 6.0 and float(y.max()) == 6.0
