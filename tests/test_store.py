@@ -169,7 +169,7 @@ def test_auth_refused_while_good_client_keeps_working(server, client, secret, ca
 
 def _raw_authenticated_socket(port, secret=b"secret"):
     """A socket past the handshake, for sending hand-made frames."""
-    from nccl_ddp.store import _encode, _proof, _recv_frame
+    from nccl_ddp._store_wire import _encode, _proof, _recv_frame
     sock = socket.create_connection(("127.0.0.1", port), timeout=5)
     hello = _recv_frame(sock)
     sock.sendall(_encode([b"auth", b"n" * 32, _proof(secret, b"c", hello[1], b"n" * 32)]))
