@@ -232,7 +232,8 @@ class _Signals:
     """Records SIGINT/SIGTERM for the monitor loop while installed (main thread only)."""
 
     def __init__(self):
-        self.received: Optional[int] = None
+        self.received: Optional[int] = None      # the first signal
+        self.count = 0                           # a second one skips the grace period
         self._old: dict[int, object] = {}
 
     def __enter__(self) -> "_Signals":
@@ -242,6 +243,7 @@ class _Signals:
         return self
 
     def _on_signal(self, signum, frame) -> None:
+        self.count += 1
         if self.received is None:
             self.received = signum
 
@@ -251,9 +253,13 @@ class _Signals:
 
 
 def _supervise(workers: list[Worker], signals: _Signals, grace: float) -> int:
-    """Wait for the workers; stop them all on the first failure or signal. Returns the exit code."""
+    """Wait for the workers; stop them all on the first failure or signal. Returns the exit code.
+
+    Stopping: SIGTERM (or the signal the launcher got) to every worker's process group, SIGKILL
+    after `grace` seconds or at once when a second signal arrives."""
     failed: Optional[Worker] = None
     stop_deadline: Optional[float] = None
+    killed = False
     while True:
         for w in workers:
             if w.poll() and w.state is WorkerState.FAILED and failed is None:
@@ -272,11 +278,12 @@ def _supervise(workers: list[Worker], signals: _Signals, grace: float) -> int:
             stop_deadline = time.monotonic() + grace
         if all(w.state not in (WorkerState.RUNNING, WorkerState.STOPPING) for w in workers):
             break
-        if stop_deadline is not None and time.monotonic() > stop_deadline:
+        if (stop_deadline is not None and not killed
+                and (time.monotonic() > stop_deadline or signals.count > 1)):
             for w in workers:
                 if w.state is WorkerState.STOPPING:
                     w.signal(signal.SIGKILL)
-            stop_deadline = float("inf")
+            killed = True
         time.sleep(POLL_INTERVAL)
     if stop_deadline is not None:
         for w in workers:                      # grandchildren left in a stopped worker's group

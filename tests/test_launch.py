@@ -106,9 +106,12 @@ def test_failing_rank_stops_the_others(tmp_path, mode):
     assert _wait_gone(pids) == []
 
 
-def test_sigterm_to_launcher_stops_everything(tmp_path):
+@pytest.mark.parametrize("mode", ["plain", "ignore-term"])
+def test_sigterm_to_launcher_stops_everything(tmp_path, mode):
     script = _script(tmp_path, """
-        import os, subprocess, sys, time
+        import os, signal, subprocess, sys, time
+        if sys.argv[2] == "ignore-term":
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
         rank = os.environ["RANK"]
         open(os.path.join(sys.argv[1], "pids" + rank), "w").write(f"{os.getpid()} {child.pid}")
@@ -116,7 +119,7 @@ def test_sigterm_to_launcher_stops_everything(tmp_path):
     """)
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "NCCL_DDP_SECRET")}
     proc = subprocess.Popen([sys.executable, "-m", "nccl_ddp.launch", "--nproc-per-node", "2",
-                             "--grace-period", "2", script, str(tmp_path)],
+                             "--grace-period", "60", script, str(tmp_path), mode],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         deadline = time.monotonic() + 30
@@ -126,6 +129,10 @@ def test_sigterm_to_launcher_stops_everything(tmp_path):
             time.sleep(0.05)
         pids = [int(p) for f in files for p in f.read_text().split()]
         proc.send_signal(signal.SIGTERM)
+        if mode == "ignore-term":        # workers ignore it: a second signal skips the grace period
+            time.sleep(0.5)
+            assert proc.poll() is None
+            proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=15)
     finally:
         if proc.poll() is None:
