@@ -8,8 +8,7 @@ import socket
 import threading
 import time
 
-from ._store_wire import (HANDSHAKE_TIMEOUT, MAGIC, _encode, _family, _Malformed, _proof,
-                          _recv_frame, _shutdown)
+from ._store_wire import HANDSHAKE_TIMEOUT, MAGIC, _encode, _Malformed, _proof, _recv_frame
 from .errors import StoreError
 
 log = logging.getLogger("nccl_ddp.store")
@@ -206,3 +205,15 @@ class StoreServer:
             state[0] -= 1
             return [b"timeout", str(arrived).encode()]
         return [b"ok"]
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def _shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()

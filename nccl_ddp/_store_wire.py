@@ -75,15 +75,3 @@ def _as_bytes(value: Value) -> bytes:
 
 def _ms(seconds: float) -> bytes:
     return str(max(0, int(seconds * 1000))).encode()
-
-
-def _family(host: str) -> socket.AddressFamily:
-    return socket.AF_INET6 if ":" in host else socket.AF_INET
-
-
-def _shutdown(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    sock.close()

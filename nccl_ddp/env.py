@@ -7,15 +7,12 @@ job of one (rank 0, loopback, port chosen when the store binds).
 """
 from __future__ import annotations
 
-import logging
 import os
 import re
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
 from .errors import ConfigError
-
-log = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
 

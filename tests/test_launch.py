@@ -215,3 +215,20 @@ def test_auto_nproc(monkeypatch):
     assert resolve_nproc("auto") == 2
     assert resolve_nproc(5) == 5
 
+
+
+def test_auto_nproc_counts_gpus_with_nvml(monkeypatch):
+    import types
+    calls = []
+    fake = types.SimpleNamespace(nvmlInit=lambda: calls.append("init"),
+                                 nvmlDeviceGetCount=lambda: 4,
+                                 nvmlShutdown=lambda: calls.append("shutdown"))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    assert resolve_nproc("auto") == 4
+    assert calls == ["init", "shutdown"]
+
+    def broken():
+        raise RuntimeError("NVML Shared Library Not Found")
+    monkeypatch.setitem(sys.modules, "pynvml", types.SimpleNamespace(nvmlInit=broken))
+    assert resolve_nproc("auto") == 2
