@@ -1,0 +1,159 @@
+"""The raw-array "module": parameters and grads as plain NumPy / CuPy arrays, for code that does
+its own backprop. This is how any framework without an adapter plugs in.
+
+    model = ArrayModule({"w1": w1, "b1": b1, "w2": w2}, forward=my_forward)   # or a list
+    ddp = nd.DistributedDataParallel(model)
+    for x, y in batches:
+        out = ddp(x)                         # calls my_forward(model.params, x); opens the step
+        ...                                  # your backward, last layer first:
+        ddp.mark_ready("w2", grad=gw2)       # adds gw2 to model.grads["w2"], may launch a bucket
+        ...
+        ddp.mark_ready("w1", grad=gw1)       # the last one finalizes: grads are now averaged
+        sgd(model.params, model.grads)
+        ddp.zero_grad()                      # grads accumulate until you zero them
+
+Instead of passing `grad=` you may write into `model.grads[k]` in place and call
+`ddp.mark_ready(k)`. With the default CppReducer, `model.grads[k]` are views of the bucket buffers
+(assigned when DDP is built): keep reading them through `model.grads`, never hold on to an old one.
+
+The contract with the core (what an adapter for another framework provides, see `GradModule`):
+native arrays (NumPy/CuPy) for parameters and grads, a callback to make the framework's grads alias
+bucket views, and a conversion of the framework's grads to native arrays (DLPack).
+"""
+from __future__ import annotations
+
+import abc
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Union
+
+import numpy as np
+
+
+class GradModule(abc.ABC):
+    """What `DistributedDataParallel` needs from a wrapped model, in native arrays."""
+
+    names: List[Optional[str]]
+
+    @abc.abstractmethod
+    def native_params(self) -> List[Any]:
+        """Writable native arrays sharing memory with the parameters (init broadcast writes them)."""
+
+    @abc.abstractmethod
+    def native_grads(self) -> List[Any]:
+        """Native arrays holding the accumulated grads (zeros before the first backward)."""
+
+    def install_grad(self, i: int, view: Any) -> None:
+        """Make the framework's grad of parameter i alias `view` (a bucket slice)."""
+        raise NotImplementedError
+
+    @property
+    def can_install_grads(self) -> bool:
+        """Whether `install_grad` works for this module (grads may become bucket views)."""
+        return False
+
+    def to_native(self, i: int, grad: Any) -> Any:
+        """A native array for a grad of parameter i produced by the framework."""
+        return grad
+
+    def params_updated(self) -> None:
+        """Called after the native parameters were overwritten (immutable frameworks reload)."""
+
+    @abc.abstractmethod
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the wrapped model."""
+
+
+class ArrayModule(GradModule):
+    """Parameters as a list or dict of NumPy / CuPy arrays; `grads` has the same structure.
+
+    `forward(params, *args, **kwargs)` (optional) is what calling the DDP wrapper runs.
+    """
+
+    def __init__(self, params: Union[Sequence[Any], Mapping[str, Any]],
+                 forward: Optional[Callable[..., Any]] = None) -> None:
+        if isinstance(params, Mapping):
+            self.keys: list = list(params)
+            for k in self.keys:
+                if not isinstance(k, str):
+                    raise TypeError(f"ArrayModule params: dict keys must be str, got {k!r}")
+            self.params: Union[list, dict] = dict(params)
+            self.names = list(self.keys)
+        elif isinstance(params, (list, tuple)):
+            self.keys = list(range(len(params)))
+            self.params = list(params)
+            self.names = [None] * len(params)
+        else:
+            raise TypeError("ArrayModule params must be a list, tuple or dict of arrays, got "
+                            f"{type(params).__name__}")
+        for k in self.keys:
+            _check_array(f"params[{k!r}]", self.params[k])
+        if forward is not None and not callable(forward):
+            raise TypeError(f"ArrayModule forward must be callable, got {type(forward).__name__}")
+        self._forward = forward
+        self.grads = type(self.params)() if isinstance(self.params, dict) else []
+        for k in self.keys:
+            p = self.params[k]
+            z = _xp(p).zeros(p.shape, dtype=p.dtype)
+            if isinstance(self.grads, dict):
+                self.grads[k] = z
+            else:
+                self.grads.append(z)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def native_params(self) -> List[Any]:
+        return [self.params[k] for k in self.keys]
+
+    def native_grads(self) -> List[Any]:
+        return [self.grads[k] for k in self.keys]
+
+    @property
+    def can_install_grads(self) -> bool:
+        return True
+
+    def install_grad(self, i: int, view: Any) -> None:
+        self.grads[self.keys[i]] = view
+
+    def to_native(self, i: int, grad: Any) -> Any:
+        p = self.params[self.keys[i]]
+        if type(grad) is not type(p):
+            raise TypeError(f"grad of parameter {self.names[i] or i} must be a "
+                            f"{type(p).__module__}.{type(p).__name__} like the parameter, got "
+                            f"{type(grad).__module__}.{type(grad).__name__}")
+        if tuple(grad.shape) != tuple(p.shape):
+            raise ValueError(f"grad of parameter {self.names[i] or i} has shape {tuple(grad.shape)}, "
+                             f"the parameter {tuple(p.shape)}")
+        return grad
+
+    def index_of(self, key: Any) -> int:
+        """Index of a parameter given by dict key (str) or the array object itself."""
+        if isinstance(key, str):
+            if key in self.keys:
+                return self.keys.index(key)
+            raise KeyError(key)
+        for i, k in enumerate(self.keys):
+            if self.params[k] is key:
+                return i
+        raise KeyError(key)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._forward is None:
+            raise TypeError("this ArrayModule has no forward function; pass forward= to "
+                            "ArrayModule(...) or run your model yourself and only call mark_ready")
+        return self._forward(self.params, *args, **kwargs)
+
+
+def _xp(a: Any):
+    if isinstance(a, np.ndarray):
+        return np
+    import cupy  # only reached for CuPy arrays
+    return cupy
+
+
+def _check_array(what: str, a: Any) -> None:
+    mod = type(a).__module__.split(".")[0]
+    if mod not in ("numpy", "cupy") or not hasattr(a, "shape"):
+        raise TypeError(f"ArrayModule {what} must be a NumPy or CuPy array, got "
+                        f"{type(a).__module__}.{type(a).__name__}; use the adapter of your framework")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"ArrayModule {what} must be C-contiguous (collectives write it in place)")

@@ -1,0 +1,141 @@
+"""Bucket assignment: which parameters share a flat buffer, at which element offset.
+
+PyTorch DDP's rules (`compute_bucket_assignment_by_size`): buckets are filled in reverse
+parameter order (the order backward usually produces grads in), one open bucket per dtype, the
+first bucket of each dtype capped at 1 MiB (so the first all-reduce starts early), the rest at
+`bucket_cap_mb` (25 MiB). After the first step `rebuild` refills them in the order the grads
+actually arrived (rank 0's order, so every rank gets the same layout). Offsets are 16-byte aligned
+so every view starts on a vector boundary for the pack/unpack kernels.
+
+A layout is plain, frozen data; memory and scheduling live elsewhere (bucket_memory.py, reducer.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Hashable, Optional, Sequence
+
+import numpy as np
+
+MiB = 1024 * 1024
+DEFAULT_CAP_BYTES = 25 * MiB
+FIRST_CAP_BYTES = 1 * MiB
+ALIGN_BYTES = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    """What the layout needs to know about one parameter."""
+
+    shape: tuple
+    dtype: np.dtype
+    name: Optional[str] = None
+    key: Hashable = None            # params with different keys never share a bucket (fusion ids)
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def describe(self) -> str:
+        return f"shape {tuple(self.shape)} {self.dtype}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    """One flat buffer: `params[k]` occupies elements [offsets[k], offsets[k] + numels[k])."""
+
+    index: int
+    dtype: np.dtype
+    params: tuple
+    offsets: tuple
+    numels: tuple
+    padded: int                     # buffer length in elements (a multiple of the alignment)
+
+    @property
+    def numel(self) -> int:
+        """Elements holding grads (the end of the last one)."""
+        return self.offsets[-1] + self.numels[-1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.padded * np.dtype(self.dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketLayout:
+    """All buckets in launch order, plus the reverse map param -> (bucket, slot)."""
+
+    buckets: tuple
+    num_params: int
+
+    def __post_init__(self) -> None:
+        where = {}
+        for b in self.buckets:
+            for slot, p in enumerate(b.params):
+                where[p] = (b.index, slot)
+        object.__setattr__(self, "_where", where)
+
+    def locate(self, param: int) -> Optional[tuple]:
+        """(bucket index, slot) of a parameter; None when it is in no bucket (excluded)."""
+        return self._where.get(param)
+
+    @property
+    def param_order(self) -> tuple:
+        return tuple(p for b in self.buckets for p in b.params)
+
+    def summary(self) -> str:
+        return "; ".join(f"bucket {b.index}: {len(b.params)} params {b.dtype} {b.nbytes} B"
+                         for b in self.buckets)
+
+
+def aligned(n: int, dtype) -> int:
+    """`n` rounded up to a whole number of 16-byte units of `dtype` elements."""
+    unit = max(1, ALIGN_BYTES // np.dtype(dtype).itemsize)
+    return -(-n // unit) * unit
+
+
+def assign_buckets(specs: Sequence[ParamSpec], cap_bytes: int = DEFAULT_CAP_BYTES,
+                   first_cap_bytes: int = FIRST_CAP_BYTES, order: Optional[Sequence[int]] = None,
+                   exclude: Sequence[int] = ()) -> BucketLayout:
+    """Fill buckets visiting params in `order` (default: reverse parameter order).
+
+    Params of the same (dtype, key) share an open bucket until it holds at least its cap; the
+    first bucket of each group is capped at `first_cap_bytes`. `cap_bytes == 0` gives one bucket per
+    parameter. Buckets are returned in the order their first parameter was visited: the order in
+    which they are expected to become ready. Params in `exclude` get no bucket.
+    """
+    n = len(specs)
+    if order is None:
+        order = range(n - 1, -1, -1)
+    excluded = set(exclude)
+    visit = [i for i in dict.fromkeys(order) if i not in excluded]
+    seen = set(visit)
+    visit += [i for i in range(n - 1, -1, -1) if i not in excluded and i not in seen]
+    open_, caps_used, closed = {}, {}, []
+
+    def close(group):
+        closed.append(open_.pop(group))
+
+    for i in visit:
+        s = specs[i]
+        group = (s.dtype, s.key)
+        open_.setdefault(group, [])
+        open_[group].append(i)
+        cap = first_cap_bytes if caps_used.get(group, 0) == 0 else cap_bytes
+        if sum(specs[j].numel for j in open_[group]) * np.dtype(s.dtype).itemsize >= cap:
+            caps_used[group] = caps_used.get(group, 0) + 1
+            close(group)
+    closed += open_.values()
+    rank_in_visit = {p: k for k, p in enumerate(visit)}
+    closed.sort(key=lambda ps: rank_in_visit[ps[0]])
+    return BucketLayout(tuple(_make_bucket(b, ps, specs) for b, ps in enumerate(closed)), n)
+
+
+def _make_bucket(index: int, params: list, specs: Sequence[ParamSpec]) -> Bucket:
+    dtype = specs[params[0]].dtype
+    offsets, numels, at = [], [], 0
+    for p in params:
+        offsets.append(at)
+        numels.append(specs[p].numel)
+        at = aligned(at + specs[p].numel, dtype)
+    return Bucket(index, dtype, tuple(params), tuple(offsets), tuple(numels), max(at, aligned(1, dtype)))

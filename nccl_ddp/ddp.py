@@ -1,0 +1,186 @@
+"""`DistributedDataParallel`: MindSpore's signature, PyTorch DDP's behaviour where MindSpore is
+silent, over any framework through an adapter (`adapters/`), the reducer doing the work.
+
+Grads accumulate across steps until `zero_grad()` (MindSpore semantics). A grad enters the
+reducer through `mark_ready(param, grad=None)`, called by a framework hook (`grad_hook(i)`) or by
+hand-written backprop (adapters/arrays.py); the last one finalizes the step.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Callable, Iterator, List, Optional
+
+import numpy as np
+
+from .adapters.arrays import ArrayModule, GradModule
+from .comm.group import ProcessGroup
+from .ddp_config import DDPConfig
+from .errors import ReducerError
+from .param_sync import broadcast_params, check_same_params
+from .reducer import Reducer
+
+log = logging.getLogger(__name__)
+
+
+class DistributedDataParallel:
+    """Wraps `module`; calling the wrapper runs the module's forward and opens a step."""
+
+    def __init__(self, module: Any, init_sync: bool = True,
+                 process_group: Optional[ProcessGroup] = None, bucket_cap_mb: Optional[int] = None,
+                 find_unused_parameters: bool = False, average_in_collective: bool = False,
+                 static_graph: bool = False, reducer_mode: str = "CppReducer") -> None:
+        self.config = DDPConfig(
+            init_sync=init_sync, bucket_cap_mb=bucket_cap_mb,
+            find_unused_parameters=find_unused_parameters,
+            average_in_collective=average_in_collective, static_graph=static_graph,
+            reducer_mode=reducer_mode)
+        self.module = module
+        self._adapter = adapt_module(module)
+        self.process_group = resolve_group(process_group, "process_group")
+        self.device = device_for(self.process_group)
+        params = self._adapter.native_params()
+        if not params:
+            raise ValueError("module has no parameters to reduce")
+        _check_native(params, self.device, "parameter", self._adapter.names)
+        grads = self._adapter.native_grads()
+        _check_native(grads, self.device, "grad", self._adapter.names)
+        install = self._adapter.install_grad if self._adapter.can_install_grads else None
+        self.reducer = Reducer(params, grads, self.process_group, self.device, self.config,
+                               names=self._adapter.names, install=install)
+        if init_sync:
+            check_same_params(self.reducer.specs, self.process_group, self.device)
+            broadcast_params(params, self.reducer.specs, self.process_group, self.device,
+                             self.config.broadcast_chunk_bytes)
+            self._adapter.params_updated()
+
+    # ------------------------------------------------------------------ the step
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's forward; the grads that follow belong to a new step."""
+        self.reducer.prepare()
+        return self._adapter.forward(*args, **kwargs)
+
+    def mark_ready(self, param: Any, grad: Any = None) -> Any:
+        """Parameter `param` (index, name or the parameter itself) has its grad for this step.
+
+        With `grad`, it is added to the accumulated grad first. Returns the accumulated grad (a
+        bucket view with the default CppReducer). The last parameter finalizes the step.
+        """
+        i = self.index_of(param)
+        native = None if grad is None else self._adapter.to_native(i, grad)
+        return self.reducer.mark_ready(i, native)
+
+    def grad_hook(self, param: Any) -> Callable[[Any], Any]:
+        """A per-parameter hook `hook(grad) -> accumulated grad` for a framework's grad hooks."""
+        i = self.index_of(param)
+
+        def hook(grad: Any) -> Any:
+            return self.mark_ready(i, grad)
+
+        hook.__name__ = f"ddp_grad_hook_{i}"
+        return hook
+
+    def hooks(self) -> List[Callable[[Any], Any]]:
+        """`grad_hook(i)` for every parameter, in parameter order."""
+        return [self.grad_hook(i) for i in range(len(self.reducer.params))]
+
+    def finalize(self) -> None:
+        """End the step now (needed when some params got no grad: find_unused_parameters)."""
+        self.reducer.finalize()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Steps inside only accumulate grads locally; the first step after reduces the sum."""
+        before = self.reducer.sync_enabled
+        self.reducer.sync_enabled = False
+        try:
+            yield
+        finally:
+            self.reducer.sync_enabled = before
+
+    def zero_grad(self) -> None:
+        """Zero the accumulated grads (DDP keeps accumulating across steps until this is called)."""
+        self.reducer.zero_grad()
+
+    def close(self) -> None:
+        """Wait for pending communication and stop the comm stream."""
+        self.reducer.close()
+
+    # ------------------------------------------------------------------ helpers
+
+    @property
+    def grads(self) -> List[Any]:
+        """The native grad arrays, in parameter order."""
+        return list(self.reducer.grads)
+
+    def index_of(self, param: Any) -> int:
+        n = len(self.reducer.params)
+        if isinstance(param, (int, np.integer)) and not isinstance(param, bool):
+            if 0 <= int(param) < n:
+                return int(param)
+            raise ReducerError(f"rank {self.process_group.rank}: unknown parameter index {param}; "
+                               f"the module has {n} parameters (0..{n - 1})")
+        finder = getattr(self._adapter, "index_of", None)
+        if finder is not None:
+            try:
+                return finder(param)
+            except KeyError:
+                pass
+        what = repr(param) if isinstance(param, str) else f"a {type(param).__name__}"
+        raise ReducerError(f"rank {self.process_group.rank}: unknown parameter {what}; pass an index "
+                           f"(0..{n - 1}), a parameter name or one of the wrapped parameter objects")
+
+
+def adapt_module(module: Any) -> GradModule:
+    """The adapter for `module`: itself when it already is one, else by its framework."""
+    if isinstance(module, GradModule):
+        return module
+    if isinstance(module, (list, tuple, dict)):
+        return ArrayModule(module)
+    framework = type(module).__module__.split(".")[0]
+    adapters = {"torch": "torch", "mindspore": "mindspore", "flax": "jax", "jax": "jax"}
+    if framework in adapters:
+        import importlib
+        try:
+            mod = importlib.import_module(f"nccl_ddp.adapters.{adapters[framework]}")
+        except ImportError as e:
+            raise TypeError(f"module: no nccl_ddp adapter for {framework} is available ({e}); wrap "
+                            "the parameters in nccl_ddp.adapters.arrays.ArrayModule") from e
+        return mod.adapt(module)
+    raise TypeError(f"module must be a model of a supported framework, an ArrayModule or a list/dict "
+                    f"of NumPy/CuPy arrays, got {type(module).__module__}.{type(module).__name__}")
+
+
+def resolve_group(group: Optional[ProcessGroup], argname: str) -> ProcessGroup:
+    """`group`, or the world group when None (the process group must be initialised)."""
+    if group is None:
+        from .comm import api
+        return api.get_world_group()
+    if not isinstance(group, ProcessGroup):
+        raise TypeError(f"{argname} must be a ProcessGroup from nccl_ddp.new_group(...) or None "
+                        f"(the world), got {type(group).__name__} {group!r}")
+    return group
+
+
+def device_for(group: ProcessGroup):
+    """The device whose arrays `group` reduces: host (NumPy) or cuda (CuPy)."""
+    from .device import HostDevice
+    if group.backend == "host":
+        return HostDevice()
+    from .device import get_device
+    return get_device("cuda")
+
+
+def _check_native(arrays: List[Any], device, what: str, names: List[Optional[str]]) -> None:
+    want = device.xp.__name__
+    for i, a in enumerate(arrays):
+        label = f"{what} {i}" + (f" ({names[i]!r})" if names[i] else "")
+        if type(a).__module__.split(".")[0] != want:
+            raise TypeError(f"{label} is a {type(a).__module__}.{type(a).__name__}, but the process "
+                            f"group's backend ({device.kind}) reduces {want} arrays")
+        if not np.issubdtype(np.dtype(a.dtype), np.inexact) and np.dtype(a.dtype).name != "bfloat16":
+            raise TypeError(f"{label} has dtype {a.dtype}; only floating point parameters can be "
+                            "reduced (leave integer buffers out of the module)")
+        if not a.flags.c_contiguous:
+            raise ValueError(f"{label} is not C-contiguous; collectives need contiguous arrays")

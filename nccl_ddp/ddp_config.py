@@ -1,0 +1,82 @@
+"""The options of `DistributedDataParallel`, validated once and then never changed."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from .buckets import DEFAULT_CAP_BYTES, FIRST_CAP_BYTES, MiB
+
+REDUCER_MODES = ("CppReducer", "PythonReducer")
+
+
+def check_bool(name: str, value) -> None:
+    """bool only: 0/1, None and strings are refused so a misplaced argument is caught."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+
+
+def check_positive_int(name: str, value, *, allow_zero: bool = False) -> None:
+    """A real int (bool is refused: `True` is not a count) that is > 0 (or >= 0)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DDPConfig:
+    """Everything the reducer needs to know besides the parameters and the group."""
+
+    init_sync: bool = True
+    """Check that every rank has the same parameter shapes/dtypes, then copy rank 0's values."""
+    bucket_cap_mb: Optional[float] = None
+    """Bucket size cap in MiB (None: 25). The first bucket is capped at min(1 MiB, cap); 0 puts
+    each parameter in its own bucket."""
+    find_unused_parameters: bool = False
+    """Allow steps in which some parameters get no grad; call `finalize()` after backward then."""
+    average_in_collective: bool = False
+    """True: all-reduce with the AVG op. False: scale by 1/world while packing, then SUM."""
+    static_graph: bool = False
+    """The set of used parameters never changes: step 1 finds the unused ones (as with
+    find_unused_parameters), later steps leave them out of the buckets."""
+    reducer_mode: str = "CppReducer"
+    """"CppReducer": fused buckets, grads as bucket views when allowed. "PythonReducer": one
+    all-reduce per grad, no fused kernels (a reference path)."""
+    grads_as_bucket_views: bool = True
+    """CppReducer only: make grads views of the bucket buffers when the module allows it."""
+    broadcast_chunk_mb: float = 25.0
+    """Chunk size of the initial parameter broadcast."""
+
+    def __post_init__(self) -> None:
+        for name in ("init_sync", "find_unused_parameters", "average_in_collective",
+                     "static_graph", "grads_as_bucket_views"):
+            check_bool(name, getattr(self, name))
+        for name in ("bucket_cap_mb", "broadcast_chunk_mb"):
+            v = getattr(self, name)
+            if v is None and name == "bucket_cap_mb":
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise TypeError(f"{name} must be a number of MiB (int or float), got "
+                                f"{type(v).__name__} {v!r}")
+            if not v >= 0 or (name == "broadcast_chunk_mb" and v == 0):
+                raise ValueError(f"{name} must be {'> 0' if name == 'broadcast_chunk_mb' else '>= 0'}"
+                                 f" MiB, got {v}")
+        if not isinstance(self.reducer_mode, str) or self.reducer_mode not in REDUCER_MODES:
+            raise ValueError(f"reducer_mode must be one of {REDUCER_MODES}, got {self.reducer_mode!r}")
+
+    @property
+    def cap_bytes(self) -> int:
+        return DEFAULT_CAP_BYTES if self.bucket_cap_mb is None else int(self.bucket_cap_mb * MiB)
+
+    @property
+    def first_cap_bytes(self) -> int:
+        return min(FIRST_CAP_BYTES, self.cap_bytes)
+
+    @property
+    def broadcast_chunk_bytes(self) -> int:
+        return int(self.broadcast_chunk_mb * MiB)
+
+    @property
+    def checks_unused(self) -> bool:
+        """Whether step ends look for parameters without grads (find_unused or static's step 1)."""
+        return self.find_unused_parameters or self.static_graph

@@ -1,0 +1,109 @@
+"""`DistributedGradReducer`: all-reduce a list of grads after backward (MindSpore's signature).
+
+Grads are fused into buckets and pipelined: while bucket i is all-reduced on the comm stream,
+bucket i+1 is packed on the caller's stream. The reduced grads come back as views of fresh
+bucket buffers (no unpack copy), reshaped like the inputs, in a list/tuple like the input.
+
+fusion_type (MindSpore's fusion ids, here exactly):
+- 0: no fusion: one all-reduce per grad.
+- 1 (default): grads of the same dtype fused into buckets of up to 25 MiB (the first 1 MiB, so
+  the first all-reduce starts early), filled in reverse parameter order.
+- n > 1: like 1; only the id differs, which matters together with per-parameter ids.
+A parameter with an int attribute `comm_fusion` uses that id instead of `fusion_type`: grads with
+the same id (and dtype) share buckets, different ids never do, id 0 is never fused.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from . import kernels
+from .buckets import DEFAULT_CAP_BYTES, FIRST_CAP_BYTES, ParamSpec, assign_buckets
+from .comm.group import ProcessGroup, ReduceOp
+from .ddp import device_for, resolve_group
+from .ddp_config import check_bool, check_positive_int
+
+
+class DistributedGradReducer:
+    """Callable on a list/tuple of grads (one per parameter, same shapes); returns them reduced."""
+
+    def __init__(self, parameters: Sequence[Any], mean: bool = True, degree: Optional[int] = None,
+                 fusion_type: int = 1, group: Optional[ProcessGroup] = None) -> None:
+        if not isinstance(parameters, (list, tuple)) or not parameters:
+            raise TypeError("parameters must be a non-empty list or tuple of parameters, got "
+                            f"{type(parameters).__name__}")
+        check_bool("mean", mean)
+        if degree is not None and (isinstance(degree, bool) or not isinstance(degree, int)
+                                   or degree <= 0):
+            raise ValueError(f"degree must be a positive int (or None: the group size), got "
+                             f"{type(degree).__name__} {degree!r}")
+        check_positive_int("fusion_type", fusion_type, allow_zero=True)
+        self.group = resolve_group(group, "group")
+        self.device = device_for(self.group)
+        self.mean = mean
+        self.degree = self.group.size if degree is None else degree
+        self.fusion_type = fusion_type
+        specs = []
+        for i, p in enumerate(parameters):
+            if not hasattr(p, "shape") or not hasattr(p, "dtype"):
+                raise TypeError(f"parameters[{i}] has no shape/dtype: {type(p).__name__}")
+            fid = getattr(p, "comm_fusion", fusion_type)
+            check_positive_int(f"parameters[{i}].comm_fusion", fid, allow_zero=True)
+            key = ("alone", i) if fid == 0 else fid
+            specs.append(ParamSpec(tuple(p.shape), _dtype(p.dtype), getattr(p, "name", None), key))
+        self.specs = specs
+        self.layout = assign_buckets(specs, DEFAULT_CAP_BYTES, FIRST_CAP_BYTES)
+        self.comm = self.device.new_stream()
+
+    def __call__(self, grads: Sequence[Any]) -> Sequence[Any]:
+        if not isinstance(grads, (list, tuple)):
+            raise TypeError(f"grads must be a list or tuple, got {type(grads).__name__}")
+        if len(grads) != len(self.specs):
+            raise ValueError(f"got {len(grads)} grads for {len(self.specs)} parameters")
+        native = [self._native(i, g) for i, g in enumerate(grads)]
+        scale = 1.0 / self.degree if self.mean else 1.0
+        pack = functools.partial(kernels.pack, scale=scale)
+        compute = self.device.current_stream()
+        out = [None] * len(native)
+        done = []
+        for bucket in self.layout.buckets:
+            buf = self.device.empty(bucket.padded, bucket.dtype)
+            offsets = list(bucket.offsets)
+            # compute: ─[pack b]─●ready b─[pack b+1]─●ready b+1─ ... ── wait(done *) ─▶
+            #                      ╲                   ╲
+            # comm:    ───────────wait─[all-reduce b]─wait─[all-reduce b+1]─●done
+            compute.submit(pack, [native[p] for p in bucket.params], buf, offsets)
+            self.comm.wait(compute.record())
+            self.group.all_reduce(buf, ReduceOp.SUM, stream=self.comm)
+            done.append(self.comm.record())
+            for p, off, n in zip(bucket.params, offsets, bucket.numels):
+                out[p] = buf[off:off + n].reshape(self.specs[p].shape)
+        for ev in done:
+            compute.wait(ev)
+        return type(grads)(out)
+
+    def _native(self, i: int, g: Any) -> Any:
+        spec = self.specs[i]
+        if tuple(g.shape) != spec.shape or _dtype(g.dtype) != spec.dtype:
+            raise ValueError(f"grads[{i}] has shape {tuple(g.shape)} {g.dtype}; parameter {i} "
+                             f"has {spec.describe()}")
+        if type(g).__module__.split(".")[0] != self.device.xp.__name__:
+            raise TypeError(f"grads[{i}] is a {type(g).__module__}.{type(g).__name__}; the group "
+                            f"reduces {self.device.xp.__name__} arrays")
+        return g
+
+    def close(self) -> None:
+        self.comm.synchronize(self.group.timeout)
+        close = getattr(self.comm, "close", None)
+        if close is not None:
+            close()
+
+
+def _dtype(dt: Any) -> np.dtype:
+    try:
+        return np.dtype(dt)
+    except TypeError as e:
+        raise TypeError(f"dtype {dt!r} is not a NumPy/CuPy dtype; convert the parameters to native "
+                        "arrays first") from e

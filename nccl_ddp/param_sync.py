@@ -1,0 +1,85 @@
+"""DDP's init_sync: check that every rank wraps the same parameters, then copy rank 0's values.
+
+The check is one all_gather of a 32-byte digest; only on a mismatch are the descriptions
+exchanged, so that every rank raises the same `RankMismatchError` naming the first difference.
+The broadcast packs parameters into chunks (the bucket layout with the chunk size as cap).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from . import kernels
+from .buckets import ParamSpec, assign_buckets
+from .comm.group import ProcessGroup
+from .errors import RankMismatchError
+
+
+def check_same_params(specs: Sequence[ParamSpec], group: ProcessGroup, device) -> None:
+    """`RankMismatchError` on every rank unless all ranks have the same shapes and dtypes."""
+    text = ";".join(f"{tuple(s.shape)}:{s.dtype}" for s in specs)
+    digest = hashlib.sha256(f"{len(specs)}|{text}".encode()).digest()
+    digests = _all_gather_bytes(digest, group, device)
+    if all(d == digests[0] for d in digests):
+        return
+    mine = json.dumps([[list(s.shape), str(s.dtype), s.name] for s in specs]).encode()
+    lengths = _all_gather_bytes(np.int64(len(mine)).tobytes(), group, device)
+    longest = max(int(np.frombuffer(n, dtype=np.int64)[0]) for n in lengths)
+    blobs = _all_gather_bytes(mine.ljust(longest, b" "), group, device)
+    described = [json.loads(b.decode()) for b in blobs]
+    raise RankMismatchError(f"rank {group.rank}: {_first_mismatch(described)}")
+
+
+def _first_mismatch(described: list) -> str:
+    base = described[0]
+    for r, other in enumerate(described[1:], start=1):
+        for i in range(max(len(base), len(other))):
+            a = base[i] if i < len(base) else None
+            b = other[i] if i < len(other) else None
+            if a is not None and b is not None and a[:2] == b[:2]:
+                continue
+            name = (a or b)[2]
+            label = f"parameter {i}" + (f" ({name!r})" if name else "")
+            return (f"the wrapped parameters differ across ranks: {label}: "
+                    f"rank 0 has {_describe(a, len(base))}, rank {r} has {_describe(b, len(other))}. "
+                    "Every rank must wrap the same model (same parameters in the same order).")
+    return "the wrapped parameters differ across ranks (digest mismatch)"
+
+
+def _describe(entry: Optional[list], count: int) -> str:
+    if entry is None:
+        return f"no such parameter (only {count})"
+    return f"shape {tuple(entry[0])} {entry[1]}"
+
+
+def _all_gather_bytes(data: bytes, group: ProcessGroup, device) -> list:
+    inp = device.xp.asarray(np.frombuffer(data, dtype=np.uint8))
+    out = device.xp.empty(len(data) * group.size, dtype=np.uint8)
+    group.all_gather(out, inp).wait(group.timeout)
+    host = _host(out)
+    return [host[r * len(data):(r + 1) * len(data)].tobytes() for r in range(group.size)]
+
+
+def broadcast_params(params: Sequence[Any], specs: Sequence[ParamSpec], group: ProcessGroup,
+                     device, chunk_bytes: int) -> None:
+    """Overwrite every rank's parameters with rank 0's, a chunk of up to `chunk_bytes` at a time."""
+    layout = assign_buckets(specs, chunk_bytes, chunk_bytes, order=range(len(specs)))
+    compute = device.current_stream()
+    for bucket in layout.buckets:
+        members = [params[p] for p in bucket.params]
+        buf = device.empty(bucket.padded, bucket.dtype)
+        if group.rank == 0:
+            compute.submit(kernels.pack, members, buf, list(bucket.offsets))
+        compute.synchronize(group.timeout)
+        group.broadcast(buf, 0).wait(group.timeout)
+        if group.rank != 0:
+            compute.submit(kernels.unpack, members, buf, list(bucket.offsets))
+    compute.synchronize(group.timeout)
+
+
+def _host(x) -> np.ndarray:
+    get = getattr(x, "get", None)
+    return get() if get is not None else np.asarray(x)

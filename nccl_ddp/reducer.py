@@ -1,0 +1,340 @@
+"""The reducer: tracks which grads are ready, launches bucket all-reduces in order while backward
+is still running, and makes the compute stream wait for them at the end of the step.
+
+It works on native arrays (NumPy on "host", CuPy on "cuda") and a `Device`; it cannot tell which
+device it runs on. Memory is `bucket_memory.BucketBuffers`, the layout `buckets.BucketLayout`,
+and this module only schedules (Megatron's bucket group: start_grad_sync / finish_grad_sync).
+
+Three ways a bucket's grads reach the collective (`DDPConfig.reducer_mode` and the module):
+- "view":   CppReducer, grads are views of the bucket (zero copy, PyTorch's
+            gradient_as_bucket_view): scale in place (unless AVG), all-reduce the bucket.
+- "pack":   CppReducer, the grads live elsewhere: one fused pack (with the 1/world scale),
+            all-reduce, one unpack.
+- "python": PythonReducer, one all-reduce per grad, no fused kernels.
+All three give the same numbers.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Callable, List, Optional, Sequence
+
+import numpy as np
+
+from . import kernels
+from .bucket_memory import BucketBuffers
+from .buckets import BucketLayout, ParamSpec, assign_buckets
+from .comm.group import ProcessGroup, ReduceOp
+from .ddp_config import DDPConfig
+from .errors import ReducerError
+
+log = logging.getLogger(__name__)
+
+InstallFn = Callable[[int, Any], None]
+"""install(i, view): make the framework's grad of parameter i alias `view` from now on."""
+
+
+def _submit(stream, phase: str, bucket: int, nbytes: int, fn: Callable, *args) -> None:
+    """Run `fn` in `stream` order (the profiling seam: NVTX range / timeline entry per phase)."""
+    stream.submit(fn, *args)
+
+
+class Reducer:
+    """Per-step state machine: idle -> open (grads arriving, buckets launching) -> idle.
+
+    A step opens with `prepare()` (the wrapper's forward) or the first `mark_ready`; it closes with
+    `finalize()`, called automatically once every bucketed grad is ready.
+    """
+
+    def __init__(self, params: Sequence[Any], grads: List[Any], group: ProcessGroup, device,
+                 config: DDPConfig, *, names: Optional[Sequence[Optional[str]]] = None,
+                 install: Optional[InstallFn] = None) -> None:
+        self.params = list(params)
+        self.grads = grads                  # native arrays; entries replaced by views on install
+        self.group, self.device, self.config = group, device, config
+        self.names = list(names) if names is not None else [None] * len(self.params)
+        self.specs = [ParamSpec(tuple(p.shape), np.dtype(p.dtype), n)
+                      for p, n in zip(self.params, self.names)]
+        self._install = install
+        self.comm = device.new_stream()
+        self.sync_enabled = True            # False inside no_sync()
+        self.steps = 0                      # synchronised steps finished
+        self.excluded: frozenset = frozenset()   # static graph: unused in step 1, never reduced
+        self._rebuilt = False
+        self._arrival: List[int] = []
+        self._open = False
+        self._step_syncs = True
+        self._uses_prepare = False
+        self._set_layout(assign_buckets(self.specs, config.cap_bytes, config.first_cap_bytes))
+
+    # ------------------------------------------------------------------ layout and memory
+
+    @property
+    def mode(self) -> str:
+        if self.config.reducer_mode == "PythonReducer":
+            return "python"
+        return "view" if self._views_installed else "pack"
+
+    def _set_layout(self, layout: BucketLayout) -> None:
+        """Allocate buffers for `layout`; in CppReducer mode move the grads into bucket views."""
+        self.layout = layout
+        self.memory = None
+        self._views_installed = False
+        if self.config.reducer_mode == "PythonReducer":
+            return
+        self.memory = BucketBuffers(layout, self.device)
+        if not (self.config.grads_as_bucket_views and self._install is not None):
+            return
+        compute = self.device.current_stream()
+        views = {}
+        for b in layout.buckets:
+            for p in b.params:
+                view = self.memory.view(p, self.specs[p].shape)
+                compute.submit(_copy_into, view, self.grads[p])
+                views[p] = view
+        for p, v in views.items():
+            self._install(p, v)
+            self.grads[p] = v
+        self._views_installed = True
+        log.debug("rank %d: bucket layout %s (%s mode)", self.group.rank, layout.summary(), self.mode)
+
+    # ------------------------------------------------------------------ per step
+
+    def prepare(self) -> None:
+        """Called by the wrapper's forward: the next grads belong to a new step."""
+        if self._open and self._step_syncs and self._ready.any():
+            raise ReducerError(self._missing_message(
+                "Expected to have finished reduction in the prior iteration before starting a new "
+                "one (forward was called again before every grad of the previous step was ready)"))
+        self._uses_prepare = True
+        self._open_step()
+
+    def _open_step(self) -> None:
+        n = len(self.params)
+        self._ready = np.zeros(n, dtype=bool)
+        self._pending = [len(b.params) for b in self.layout.buckets]
+        self._next = 0
+        self._done: list = []
+        self._works: list = []
+        self._expected = n - len(self.excluded)
+        self._count = 0
+        self._open = True
+        self._step_syncs = self.sync_enabled
+
+    def mark_ready(self, i: int, grad: Any = None) -> Any:
+        """Grad `i` of this step is final (`grad` given: add it to the accumulated grad first).
+
+        Launches every bucket that is now complete and whose predecessors have launched; the last
+        grad finalizes the step. Returns the accumulated grad array (a bucket view in view mode).
+        """
+        if not self._open:
+            if self._uses_prepare:
+                raise ReducerError(
+                    f"rank {self.group.rank}: grad {self._label(i)} marked ready after the step was "
+                    "finalized and before the next forward; call the DDP wrapper (forward) before "
+                    "each backward, or use it only through mark_ready without forward calls")
+            self._open_step()
+        if self._ready[i]:
+            raise ReducerError(
+                f"rank {self.group.rank}: Expected to mark a variable ready only once. Parameter "
+                f"{self._label(i)} was marked ready twice in step {self.steps}. Causes: the grad hook "
+                "ran twice (the parameter is used twice with a hook per use, or backward ran twice "
+                "without a forward in between); mark each parameter once per backward.")
+        if i in self.excluded and self._step_syncs:
+            raise ReducerError(
+                f"rank {self.group.rank}: parameter {self._label(i)} received a grad, but with "
+                "static_graph=True it was unused in the first step and is no longer reduced; the "
+                "graph is not static: use find_unused_parameters=True instead")
+        if grad is not None:
+            self.device.current_stream().submit(_accumulate, self.grads[i], grad)
+        self._ready[i] = True
+        self._count += 1
+        if self._step_syncs:
+            if self.steps == 0:
+                self._arrival.append(i)
+            where = self.layout.locate(i)
+            if where is not None:
+                self._pending[where[0]] -= 1
+                self._launch_ready()
+        if self._count == self._expected:
+            self.finalize()
+        return self.grads[i]
+
+    def _launch_ready(self) -> None:
+        """Bucket b launches only after b-1, and as soon as all its grads are ready."""
+        while self._next < len(self.layout.buckets) and self._pending[self._next] == 0:
+            self._launch(self._next)
+            self._next += 1
+
+    def _launch(self, b: int) -> None:
+        # compute: ─ grads of b ready ─●record(ready)─── backward goes on ────────── finalize: wait(done) ─▶
+        #                                 ╲                                           ╱
+        # comm:    ──────────────────────wait(ready)─[pack]─[all-reduce]─[unpack]─●record(done)──────────
+        bucket = self.layout.buckets[b]
+        compute = self.device.current_stream()
+        self.comm.wait(compute.record())
+        world = self.group.size
+        avg = self.config.average_in_collective
+        op = ReduceOp.AVG if avg else ReduceOp.SUM
+        scale = 1.0 if avg else 1.0 / world
+        grads = [self.grads[p] for p in bucket.params]
+        if self.mode == "python":
+            for g in grads:
+                if scale != 1.0:
+                    _submit(self.comm, "scale", b, g.nbytes, _scale_plain, g, scale)
+                self._works.append(self.group.all_reduce(g, op, stream=self.comm))
+        else:
+            buf = self.memory.buffers[b]
+            offsets = self.memory.offsets(b)
+            if self.mode == "view":
+                if scale != 1.0:
+                    _submit(self.comm, "scale", b, bucket.nbytes, kernels.scale_, buf, scale)
+            else:
+                _submit(self.comm, "pack", b, bucket.nbytes,
+                        functools.partial(kernels.pack, scale=scale), grads, buf, offsets)
+            self._works.append(self.group.all_reduce(buf, op, stream=self.comm))
+            if self.mode == "pack":
+                _submit(self.comm, "unpack", b, bucket.nbytes, kernels.unpack, grads, buf, offsets)
+        self._done.append(self.comm.record())
+
+    def finalize(self) -> None:
+        """End the step: launch what is left, make the compute stream wait for every bucket.
+
+        Without find_unused_parameters / static_graph a missing grad is an error. With them, the
+        missing grads are reduced as they are (their local contribution this step is zero), then a
+        bitmap all-reduce tells which params no rank used: those keep their previous grad.
+        """
+        if not self._open:
+            return
+        if not self._step_syncs:   # no_sync(): grads stay local and keep accumulating
+            self._open = False
+            return
+        checks_unused = self.config.find_unused_parameters or (
+            self.config.static_graph and self.steps == 0)
+        missing = [i for i in range(len(self.params))
+                   if not self._ready[i] and i not in self.excluded]
+        if missing and not checks_unused:
+            self._open = False
+            raise ReducerError(self._missing_message(
+                "Expected every parameter to receive a grad before the end of the step"))
+        saved = {}
+        if checks_unused:
+            compute = self.device.current_stream()
+            for i in missing:
+                saved[i] = _copy_of(self.device, compute, self.grads[i])
+                where = self.layout.locate(i)
+                if where is not None:
+                    self._pending[where[0]] -= 1
+            self._launch_ready()
+        compute = self.device.current_stream()
+        # compute: ── backward done ── wait(done 0) ... wait(done n-1) ── optimizer ─▶
+        # comm:    ─[bucket 0]─●done 0 ─ ... ─[bucket n-1]─●done n-1
+        for ev in self._done:
+            compute.wait(ev)
+        unused_everywhere = self._globally_unused(missing) if checks_unused else []
+        for i in unused_everywhere:
+            compute.submit(_copy_into, self.grads[i], saved[i])
+        self._open = False
+        first = self.steps == 0
+        self.steps += 1
+        if first and self.config.static_graph:
+            self.excluded = frozenset(unused_everywhere)
+        if first and (self.config.static_graph or not self.config.find_unused_parameters):
+            self._rebuild()
+
+    def _globally_unused(self, missing: list) -> list:
+        """Params no rank marked ready this step (blocks on a small bitmap all-reduce, as
+        PyTorch's find_unused_parameters does at the end of backward)."""
+        used = self.device.xp.asarray(self._ready.astype(np.int32))
+        self.comm.wait(self.device.current_stream().record())
+        self.group.all_reduce(used, ReduceOp.SUM, stream=self.comm)
+        self.comm.synchronize(self.group.timeout)
+        used = _to_host(used)
+        return [i for i in missing if used[i] == 0]
+
+    def _rebuild(self) -> None:
+        """Refill the buckets in the order rank 0's grads arrived in the first step."""
+        n = len(self.params)
+        order = np.full(n, -1, dtype=np.int64)
+        arrived = list(dict.fromkeys(self._arrival))
+        order[:len(arrived)] = arrived
+        buf = self.device.xp.asarray(order)
+        self.group.broadcast(buf, 0, stream=self.comm)
+        self.comm.synchronize(self.group.timeout)
+        order = [int(i) for i in _to_host(buf) if i >= 0]
+        layout = assign_buckets(self.specs, self.config.cap_bytes, self.config.first_cap_bytes,
+                                order=order, exclude=sorted(self.excluded))
+        self._rebuilt = True
+        self._arrival = []
+        if layout.buckets == self.layout.buckets:
+            return
+        self._set_layout(layout)
+        log.info("rank %d: buckets rebuilt in arrival order: %s", self.group.rank, layout.summary())
+
+    # ------------------------------------------------------------------ accumulation
+
+    def zero_grad(self) -> None:
+        """Zero every grad (the buckets in view mode). Not allowed while a step is open."""
+        if self._open and self._ready.any():
+            raise ReducerError(
+                f"rank {self.group.rank}: zero_grad() called in the middle of a step ("
+                f"{int(self._ready.sum())} grads already marked ready); call it before forward or "
+                "after the optimizer step")
+        compute = self.device.current_stream()
+        if self.mode == "view":
+            for buf in self.memory.buffers:
+                compute.submit(kernels.zero_, buf)
+            covered = set(self.layout.param_order)
+            rest = [g for i, g in enumerate(self.grads) if i not in covered]
+        else:
+            rest = self.grads
+        for g in rest:
+            compute.submit(kernels.zero_, g)
+
+    def close(self) -> None:
+        self.comm.synchronize(self.group.timeout)
+        close = getattr(self.comm, "close", None)
+        if close is not None:
+            close()
+
+    # ------------------------------------------------------------------ messages
+
+    def _label(self, i: int) -> str:
+        name = self.names[i] if 0 <= i < len(self.names) else None
+        return f"{i} ({name!r})" if name else str(i)
+
+    def _missing_message(self, head: str) -> str:
+        missing = [i for i in range(len(self.params))
+                   if not self._ready[i] and i not in self.excluded]
+        shown = ", ".join(self._label(i) for i in missing[:20])
+        more = f" and {len(missing) - 20} more" if len(missing) > 20 else ""
+        return (f"rank {self.group.rank}: {head}. This error indicates that your module has "
+                "parameters that were not used in producing loss. Parameter indices which did not "
+                f"receive grad for rank {self.group.rank}: {shown}{more}. You can enable unused "
+                "parameter detection by passing find_unused_parameters=True to "
+                "DistributedDataParallel (and calling finalize() after backward), or make sure every "
+                "parameter gets a grad (mark_ready) in every step.")
+
+
+def _accumulate(dst, src) -> None:
+    dst += src.reshape(dst.shape)
+
+
+def _copy_into(dst, src) -> None:
+    if dst is not src:
+        dst[...] = src.reshape(dst.shape)
+
+
+def _scale_plain(g, f: float) -> None:
+    g *= g.dtype.type(f)
+
+
+def _copy_of(device, stream, x):
+    out = device.xp.empty_like(x)
+    stream.submit(_copy_into, out, x)
+    return out
+
+
+def _to_host(x) -> np.ndarray:
+    get = getattr(x, "get", None)      # cupy -> numpy
+    return get() if get is not None else np.asarray(x)

@@ -1,0 +1,363 @@
+"""Reducer / DDP behaviour on N threads with an in-process group (fast; the multi-process versions
+over the real host backend are in test_ddp_mp.py)."""
+import itertools
+import time
+
+import numpy as np
+import pytest
+
+import _kernels_stub
+
+_kernels_stub.install()
+
+from fakegroup import run_threads  # noqa: E402
+from nccl_ddp import errors  # noqa: E402
+from nccl_ddp.adapters.arrays import ArrayModule  # noqa: E402
+from nccl_ddp.ddp import DistributedDataParallel  # noqa: E402
+
+SHAPES = [((33, 5), np.float32), ((17,), np.float64), ((9, 3), np.float16), ((130,), np.float32),
+          ((4, 4), np.float64), ((65,), np.float16)]
+CAP_MB = 200 / 2**20          # 200 bytes: several buckets per dtype
+
+
+def make_params(seed=0):
+    rng = np.random.default_rng(seed)
+    return {f"p{i}": rng.standard_normal(s).astype(d) for i, (s, d) in enumerate(SHAPES)}
+
+
+def local_grads(rank, step):
+    rng = np.random.default_rng(1000 * step + rank)
+    return {f"p{i}": rng.standard_normal(s).astype(d) for i, (s, d) in enumerate(SHAPES)}
+
+
+def expected_mean(size, step, keys=None):
+    gs = [local_grads(r, step) for r in range(size)]
+    return {k: np.mean([g[k].astype(np.float64) for g in gs], axis=0) for k in gs[0]}
+
+
+def tol(dtype):
+    return dict(rtol=5e-3, atol=5e-3) if np.dtype(dtype) == np.float16 else dict(rtol=1e-5, atol=1e-6)
+
+
+def _flags_rank(group, flags, steps):
+    avg, mode, static, unused = flags
+    model = ArrayModule(make_params(seed=group.rank))       # init_sync makes them rank 0's
+    ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=CAP_MB,
+                                  average_in_collective=avg, reducer_mode=mode,
+                                  static_graph=static, find_unused_parameters=unused)
+    out = []
+    for step in range(steps):
+        g = local_grads(group.rank, step)
+        for k in reversed(list(g)):
+            ddp.mark_ready(k, g[k])
+        out.append({k: np.array(v, dtype=np.float64) for k, v in model.grads.items()})
+        ddp.zero_grad()
+    params = {k: np.array(v) for k, v in model.params.items()}
+    return out, params, len(ddp.reducer.layout.buckets), ddp.reducer.mode
+
+
+FLAGS = list(itertools.product([False, True], ["CppReducer", "PythonReducer"], [False, True],
+                               [False, True]))
+
+
+@pytest.mark.parametrize("flags", FLAGS, ids=lambda f: "avg%d-%s-static%d-unused%d" % (
+    f[0], f[1][:3], f[2], f[3]))
+def test_reduced_grads_equal_numpy_mean(flags):
+    size, steps = 3, 2
+    res = run_threads(_flags_rank, size, flags, steps)
+    rank0_params = make_params(seed=0)
+    for out, params, nbuckets, mode in res:
+        assert nbuckets >= 4
+        assert mode == ("python" if flags[1] == "PythonReducer" else "view")
+        for k in params:
+            np.testing.assert_array_equal(params[k], rank0_params[k])
+        for step in range(steps):
+            want = expected_mean(size, step)
+            for k, (s, d) in zip(want, SHAPES):
+                np.testing.assert_allclose(out[step][k], want[k], **tol(d), err_msg=k)
+
+
+class NoViewModule(ArrayModule):
+    """A module whose framework cannot alias grads to bucket views: the reducer packs/unpacks."""
+
+    @property
+    def can_install_grads(self):
+        return False
+
+
+def _pack_mode_rank(group):
+    model = NoViewModule(make_params())
+    ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=CAP_MB)
+    g = local_grads(group.rank, 0)
+    for k in reversed(list(g)):
+        ddp.mark_ready(k, g[k])
+    return ddp.reducer.mode, {k: np.array(v, np.float64) for k, v in model.grads.items()}
+
+
+def test_pack_mode_gives_the_same_numbers():
+    res = run_threads(_pack_mode_rank, 2)
+    want = expected_mean(2, 0)
+    for mode, grads in res:
+        assert mode == "pack"
+        for k, (s, d) in zip(want, SHAPES):
+            np.testing.assert_allclose(grads[k], want[k], **tol(d))
+
+
+def small_model(rank=0, n=4, size=8):
+    rng = np.random.default_rng(rank)
+    return ArrayModule({f"w{i}": rng.standard_normal(size).astype(np.float32) for i in range(n)})
+
+
+def _unused_rank(group, mode):
+    model = small_model()
+    ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=0,
+                                  find_unused_parameters=True, reducer_mode=mode)
+    # w3 starts with a rank-specific value and is unused on every rank: left untouched.
+    model.grads["w3"][...] = 10.0 + group.rank
+    ddp.mark_ready("w2", np.full(8, 1.0 + group.rank, np.float32))
+    if group.rank == 0:                      # w1: used on rank 0 only -> reduced with zeros
+        ddp.mark_ready("w1", np.full(8, 6.0, np.float32))
+    ddp.mark_ready("w0", np.full(8, 2.0, np.float32))
+    ddp.finalize()
+    return {k: np.array(v) for k, v in model.grads.items()}
+
+
+@pytest.mark.parametrize("mode", ["CppReducer", "PythonReducer"])
+def test_find_unused_parameters(mode):
+    res = run_threads(_unused_rank, 2, mode)
+    for rank, g in enumerate(res):
+        np.testing.assert_allclose(g["w2"], 1.5)
+        np.testing.assert_allclose(g["w1"], 3.0)
+        np.testing.assert_allclose(g["w0"], 2.0)
+        np.testing.assert_allclose(g["w3"], 10.0 + rank)
+
+
+def _missing_rank(group):
+    model = small_model()
+    ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=0)
+    ddp.mark_ready("w3", np.ones(8, np.float32))
+    ddp.mark_ready(2, np.ones(8, np.float32))
+    with pytest.raises(errors.ReducerError) as e:
+        ddp.finalize()
+    return str(e.value)
+
+
+def test_missing_grads_raise_naming_them():
+    for msg in run_threads(_missing_rank, 2):
+        assert "1 ('w1')" in msg and "0 ('w0')" in msg and "find_unused_parameters=True" in msg
+        assert "w2" not in msg and "rank" in msg
+
+
+def _twice_rank(group):
+    ddp = DistributedDataParallel(small_model(), process_group=group)
+    ddp.mark_ready(1, np.ones(8, np.float32))
+    with pytest.raises(errors.ReducerError, match="only once.*1 \\('w1'\\)"):
+        ddp.mark_ready("w1", np.ones(8, np.float32))
+
+
+def test_marked_ready_twice_raises():
+    run_threads(_twice_rank, 2)
+
+
+def _rebuild_rank(group):
+    model = ArrayModule({f"w{i}": np.zeros(64, np.float32) for i in range(6)})   # 256 B each
+    ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=512 / 2**20)
+    before = [b.params for b in ddp.reducer.layout.buckets]
+    order = [0, 2, 4, 1, 3, 5] if group.rank == 0 else [5, 4, 3, 2, 1, 0]
+    for i in order:
+        ddp.mark_ready(i, np.full(64, float(i), np.float32))
+    after = [b.params for b in ddp.reducer.layout.buckets]
+    grads = [np.array(g) for g in ddp.grads]
+    ddp.zero_grad()
+    for i in order:                              # step 2 runs on the rebuilt layout
+        ddp.mark_ready(i, np.full(64, float(i + 1), np.float32))
+    return before, after, grads, [np.array(g) for g in ddp.grads], model.grads["w0"] is ddp.grads[0]
+
+
+def test_bucket_rebuild_uses_rank0_arrival_order():
+    res = run_threads(_rebuild_rank, 2)
+    for before, after, grads, grads2, aliased in res:
+        assert before == [(5, 4), (3, 2), (1, 0)]          # 256 B first cap, then 512 B
+        assert after == [(0, 2), (4, 1), (3, 5)]           # rank 0's order, on both ranks
+        for i in range(6):
+            np.testing.assert_array_equal(grads[i], float(i))
+            np.testing.assert_array_equal(grads2[i], float(i + 1))
+        assert aliased
+
+
+def _overlap_rank(group):
+    model = ArrayModule({f"w{i}": np.zeros(1024, np.float32) for i in range(4)})
+    ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=0, init_sync=False)
+    for i in (3, 2, 1):
+        ddp.mark_ready(i, np.ones(1024, np.float32))
+    deadline = time.monotonic() + 10
+    while not group.started and time.monotonic() < deadline:   # bucket 0's all-reduce has begun
+        time.sleep(0.001)
+    started_before_last = [t for t, name, _ in group.started if name == "all_reduce"]
+    t_last = time.monotonic()
+    ddp.mark_ready(0, np.ones(1024, np.float32))
+    return started_before_last, t_last
+
+
+def test_allreduce_starts_before_the_last_grad_is_ready():
+    for started, t_last in run_threads(_overlap_rank, 2):
+        assert started and started[0] < t_last
+
+
+def _no_sync_rank(group, use_no_sync):
+    model = small_model()
+    ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=0)
+    g1, g2 = local_grads(group.rank, 0)["p3"][:8], local_grads(group.rank, 1)["p3"][:8]
+    if use_no_sync:
+        with ddp.no_sync():
+            for i in range(4):
+                ddp.mark_ready(i, g1)
+        local = np.array(model.grads["w0"])
+        for i in range(4):
+            ddp.mark_ready(i, g2)
+    else:
+        local = g1
+        for i in range(4):
+            ddp.mark_ready(i, g1 + g2)           # one step over the concatenated batches
+    return local, [np.array(g) for g in ddp.grads]
+
+
+def test_no_sync_then_step_equals_one_big_step():
+    a = run_threads(_no_sync_rank, 2, True)
+    b = run_threads(_no_sync_rank, 2, False)
+    for rank in range(2):
+        np.testing.assert_allclose(a[rank][0], b[rank][0], rtol=1e-6)   # no comm inside no_sync
+        for ga, gb in zip(a[rank][1], b[rank][1]):
+            np.testing.assert_allclose(ga, gb, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(a[0][0], a[1][0])
+
+
+def _accumulate_rank(group):
+    model = small_model()
+    ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=0)
+    for step in range(2):
+        for i in range(4):
+            ddp.mark_ready(i, np.full(8, float(step + 1 + group.rank), np.float32))
+    acc = np.array(model.grads["w0"])
+    ddp.zero_grad()
+    return acc, np.array(model.grads["w0"])
+
+
+def test_grads_accumulate_until_zero_grad():
+    for acc, zeroed in run_threads(_accumulate_rank, 2):
+        np.testing.assert_allclose(acc, 1.5 + 2.5)
+        np.testing.assert_array_equal(zeroed, 0.0)
+
+
+def _static_rank(group):
+    model = small_model()
+    ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=0, static_graph=True)
+    for i in (3, 2, 0):
+        ddp.mark_ready(i, np.ones(8, np.float32))
+    ddp.finalize()                               # w1 unused everywhere in step 1
+    excluded = sorted(ddp.reducer.excluded)
+    for i in (3, 2, 0):                          # step 2 finalizes by itself without w1
+        ddp.mark_ready(i, np.ones(8, np.float32))
+    closed = not ddp.reducer._open
+    with pytest.raises(errors.ReducerError, match="static_graph"):
+        ddp.mark_ready(1, np.ones(8, np.float32))
+    return excluded, closed, [b.params for b in ddp.reducer.layout.buckets]
+
+
+def test_static_graph_drops_params_unused_in_step_one():
+    for excluded, closed, layout in run_threads(_static_rank, 2):
+        assert excluded == [1] and closed
+        assert layout == [(3,), (2,), (0,)]
+
+
+def _mismatch_rank(group):
+    shape = (4, 3) if group.rank == 0 else (3, 4)
+    model = ArrayModule({"a": np.zeros(5, np.float32), "b": np.zeros(shape, np.float32)})
+    with pytest.raises(errors.RankMismatchError) as e:
+        DistributedDataParallel(model, process_group=group)
+    return str(e.value)
+
+
+def test_init_sync_mismatch_raises_on_every_rank():
+    msgs = run_threads(_mismatch_rank, 3)
+    for rank, msg in enumerate(msgs):
+        assert msg.startswith(f"rank {rank}:")
+        assert "parameter 1 ('b')" in msg and "rank 0 has shape (4, 3) float32" in msg
+        assert "rank 1 has shape (3, 4) float32" in msg
+
+
+def _wrong_state_rank(group):
+    model = ArrayModule(make_params(), forward=lambda params, x: x * 2)
+    ddp = DistributedDataParallel(model, process_group=group)
+    assert ddp(3) == 6
+    g = local_grads(group.rank, 0)
+    ddp.mark_ready("p5", g["p5"])
+    with pytest.raises(errors.ReducerError, match="zero_grad"):
+        ddp.zero_grad()
+    with pytest.raises(errors.ReducerError, match="prior iteration.*p0"):
+        ddp(3)
+    with pytest.raises(errors.ReducerError, match="unknown parameter 'nope'"):
+        ddp.mark_ready("nope")
+    with pytest.raises(errors.ReducerError, match="unknown parameter index 6"):
+        ddp.mark_ready(6)
+    with pytest.raises(errors.ReducerError, match="unknown parameter a ndarray"):
+        ddp.mark_ready(np.zeros(3))
+    for k in list(g)[:5]:
+        ddp.mark_ready(k, g[k])                  # completes the step
+    with pytest.raises(errors.ReducerError, match="before the next forward"):
+        ddp.mark_ready("p0", g["p0"])
+
+
+def test_calls_in_the_wrong_state_raise():
+    run_threads(_wrong_state_rank, 2)
+
+
+def _hook_rank(group):
+    model = small_model(n=2)
+    ddp = DistributedDataParallel(model, process_group=group)
+    hooks = ddp.hooks()
+    out = hooks[1](np.full(8, float(group.rank), np.float32))
+    hooks[0](np.ones(8, np.float32))
+    return np.array(out), out is model.grads["w1"]
+
+
+def test_hooks_return_the_reduced_bucket_view():
+    for out, aliased in run_threads(_hook_rank, 2):
+        np.testing.assert_allclose(out, 0.5)
+        assert aliased
+
+
+BAD_ARGS = [
+    (dict(init_sync=1), TypeError, "init_sync"),
+    (dict(bucket_cap_mb="25"), TypeError, "bucket_cap_mb"),
+    (dict(bucket_cap_mb=True), TypeError, "bucket_cap_mb"),
+    (dict(bucket_cap_mb=-1), ValueError, "bucket_cap_mb"),
+    (dict(find_unused_parameters=None), TypeError, "find_unused_parameters"),
+    (dict(average_in_collective="yes"), TypeError, "average_in_collective"),
+    (dict(static_graph=0), TypeError, "static_graph"),
+    (dict(reducer_mode="cpp"), ValueError, "reducer_mode"),
+    (dict(reducer_mode=None), ValueError, "reducer_mode"),
+    (dict(process_group="world"), TypeError, "process_group"),
+]
+
+
+@pytest.mark.parametrize("kwargs,exc,name", BAD_ARGS, ids=[str(a[0]) for a in BAD_ARGS])
+def test_bad_arguments_name_the_parameter(kwargs, exc, name):
+    with pytest.raises(exc, match=name):
+        DistributedDataParallel(small_model(), **kwargs)
+
+
+@pytest.mark.parametrize("module,match", [
+    (object(), "module must be"),
+    ({"a": [1.0, 2.0]}, "must be a NumPy or CuPy array"),
+    ({"a": np.zeros((4, 4))[:, ::2]}, "C-contiguous"),
+    ({"a": np.zeros(3, np.int32)}, "floating point"),
+])
+def test_bad_modules(module, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        DistributedDataParallel(module, process_group=_one_rank_group())
+
+
+def _one_rank_group():
+    from fakegroup import FakeGroup, _Shared
+    return FakeGroup(_Shared(1, 5.0), 0, 1)
