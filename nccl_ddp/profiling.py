@@ -1,0 +1,370 @@
+"""Seeing the overlap: NVTX ranges per bucket phase and a per-step timeline of comm vs. backward.
+
+The reducer's side of it (everything is off by default and then costs one `if`):
+
+    prof = Timeline(rank, timeline=None, nvtx=None)   # None: NCCL_DDP_TIMELINE=1 / NCCL_DDP_NVTX=1
+    prof.submit(stream, "allreduce", bucket, nbytes, fn, *args)  # off: stream.submit(fn, *args)
+    prof.mark("backward", "start", stream)            # compute side; stream None = host time now
+    prof.mark("backward", "end", stream)
+    with prof.range("finalize"): ...                  # an NVTX range on the calling thread
+    summary = prof.end_step()                         # StepSummary (and one log line), or None
+    prof.write_chrome_trace("trace_rank0.json")       # one track per stream; opens in Perfetto
+
+Timing: on host streams `time.perf_counter()` inside the task, on its worker thread; on CUDA streams
+timing events recorded before/after the work on that stream and resolved only in `end_step()` (the
+one host wait, at the step boundary, and only with the timeline on). CUDA times are mapped onto the
+host clock through the first event recorded, so mark the backward span on the compute stream too.
+
+Per step: comm time = length of the union of pack/allreduce/unpack intervals; overlap = the part of
+it inside the backward interval(s); ratio = overlap / comm. Phases and NVTX colours: see PHASES.
+NVTX comes from the `nvtx` package if installed, else `cupy.cuda.nvtx`; neither is imported if off.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+from .device import HostStream, ImmediateStream
+from .errors import NcclDdpError
+
+log = logging.getLogger(__name__)
+
+PHASES = {  # phase -> NVTX colour (ARGB)
+    "backward": 0xFF4C72B0, "pack": 0xFFDD8452, "allreduce": 0xFF55A868,
+    "unpack": 0xFFC44E52, "finalize": 0xFF8172B3,
+}
+COMM_PHASES = frozenset({"pack", "allreduce", "unpack"})
+OTHER_COLOUR = 0xFF999999
+MAX_SPANS = 200_000          # spans kept for the Chrome trace (the oldest are dropped)
+MAX_STEPS = 10_000           # step summaries kept in `Timeline.steps`
+SYNC_TIMEOUT = 300.0         # seconds end_step waits for a step's work to finish
+
+
+def _env_on(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+# ---------------------------------------------------------------------------------- interval math
+
+
+def merge_intervals(intervals: Iterable[Sequence[float]]) -> list:
+    """Sorted, disjoint (start, end) intervals covering the same points; empty ones dropped."""
+    merged: list = []
+    for s, e in sorted((float(s), float(e)) for s, e in intervals if e > s):
+        if merged and s <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], e))
+        else:
+            merged.append((s, e))
+    return merged
+
+
+def union_length(intervals: Iterable[Sequence[float]]) -> float:
+    """Total length covered by the intervals (overlaps counted once)."""
+    return sum(e - s for s, e in merge_intervals(intervals))
+
+
+def overlap_length(a: Iterable[Sequence[float]], b: Iterable[Sequence[float]]) -> float:
+    """Length of (union of a) intersected with (union of b)."""
+    a, b = merge_intervals(a), merge_intervals(b)
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if hi > lo:
+            total += hi - lo
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+# ---------------------------------------------------------------------------------- NVTX
+
+
+class _Nvtx:
+    """Push/pop of coloured NVTX ranges from the `nvtx` package or CuPy (loaded on first use)."""
+
+    def __init__(self) -> None:
+        try:
+            import nvtx
+            self.push: Callable[[str, int], Any] = lambda msg, c: nvtx.push_range(msg, color=c)
+            self.pop: Callable[[], Any] = nvtx.pop_range
+        except ImportError:
+            from cupy.cuda import nvtx as cnvtx   # RangePushC(message, ARGB colour)
+            self.push, self.pop = cnvtx.RangePushC, cnvtx.RangePop
+
+    @contextlib.contextmanager
+    def range(self, message: str, phase: str):
+        self.push(message, PHASES.get(phase, OTHER_COLOUR))
+        try:
+            yield
+        finally:
+            self.pop()
+
+
+def _label(phase: str, bucket: Optional[int], nbytes: int) -> str:
+    if bucket is None:
+        return phase
+    return f"{phase} bucket {bucket} {nbytes / 2**20:.2f} MiB"
+
+
+# ---------------------------------------------------------------------------------- timeline
+
+
+@dataclass(frozen=True)
+class Span:
+    """One resolved interval, in seconds on the host clock."""
+    step: int
+    track: str
+    phase: str
+    bucket: Optional[int]
+    nbytes: int
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class StepSummary:
+    """What one step's timeline says about overlap (seconds)."""
+    rank: int
+    step: int
+    comm_s: float           # union of pack/allreduce/unpack intervals
+    overlap_s: float        # the part of comm_s inside backward
+    overlap_ratio: float    # overlap_s / comm_s (0 when there was no comm)
+    backward_s: float
+    step_s: float           # first to last recorded instant of the step
+    buckets: int
+    nbytes: int
+
+    def line(self) -> str:
+        return (f"rank {self.rank} step {self.step}: comm {self.comm_s * 1e3:.3f} ms, overlapped "
+                f"with backward {self.overlap_s * 1e3:.3f} ms ({self.overlap_ratio:.0%}), "
+                f"backward {self.backward_s * 1e3:.3f} ms, step {self.step_s * 1e3:.3f} ms, "
+                f"{self.buckets} buckets {self.nbytes / 2**20:.2f} MiB")
+
+
+def summarize(rank: int, step: int, spans: Sequence[Span]) -> StepSummary:
+    """Overlap numbers of one step's spans."""
+    comm = [(s.start, s.end) for s in spans if s.phase in COMM_PHASES]
+    backward = [(s.start, s.end) for s in spans if s.phase == "backward"]
+    comm_s = union_length(comm)
+    overlap = overlap_length(comm, backward)
+    ar = [s for s in spans if s.phase == "allreduce"]
+    return StepSummary(
+        rank=rank, step=step, comm_s=comm_s, overlap_s=overlap,
+        overlap_ratio=overlap / comm_s if comm_s > 0 else 0.0, backward_s=union_length(backward),
+        step_s=(max(s.end for s in spans) - min(s.start for s in spans)) if spans else 0.0,
+        buckets=len({s.bucket for s in ar}), nbytes=sum(s.nbytes for s in ar))
+
+
+class _Stamp:
+    """A host time filled in later, by whichever thread runs the work."""
+    __slots__ = ("t",)
+
+    def __init__(self) -> None:
+        self.t: Optional[float] = None
+
+    def set(self) -> None:
+        self.t = time.perf_counter()
+
+
+class _CudaClock:
+    """Timing events on raw CUDA streams, mapped onto the host clock via the first one recorded."""
+
+    def __init__(self) -> None:
+        import cupy
+        self._cp = cupy
+        self._ref: Any = None
+        self._ref_host = 0.0
+
+    def event(self, stream: Any) -> Any:
+        ev = self._cp.cuda.Event()
+        self._cp.cuda.runtime.eventRecord(ev.ptr, int(stream.ptr))
+        if self._ref is None:
+            self._ref, self._ref_host = ev, time.perf_counter()
+        return ev
+
+    def host_time(self, ev: Any) -> float:
+        ev.synchronize()
+        return self._ref_host + self._cp.cuda.get_elapsed_time(self._ref, ev) / 1e3
+
+
+def _is_host(stream: Any) -> bool:
+    return isinstance(stream, (HostStream, ImmediateStream))
+
+
+class Timeline:
+    """NVTX ranges and/or per-step timing of the reducer's stream work. See the module docstring."""
+
+    def __init__(self, rank: int = 0, *, timeline: Optional[bool] = None,
+                 nvtx: Optional[bool] = None) -> None:
+        self.rank = rank
+        self.timeline = _env_on("NCCL_DDP_TIMELINE") if timeline is None else bool(timeline)
+        use_nvtx = _env_on("NCCL_DDP_NVTX") if nvtx is None else bool(nvtx)
+        self._nvtx: Optional[_Nvtx] = None
+        if use_nvtx:
+            try:
+                self._nvtx = _Nvtx()
+            except ImportError as e:
+                log.warning("NVTX ranges requested but neither the nvtx package nor CuPy is "
+                            "importable (%s); pip install nvtx", e)
+        self._on = self.timeline or self._nvtx is not None
+        self._clock: Optional[_CudaClock] = None
+        self._tracks: dict = {}              # id(stream) -> (stream, track name)
+        self._pending: list = []             # (track, phase, bucket, nbytes, start, end) this step
+        self._open: dict = {}                # phase -> start point of an open mark
+        self._host_streams: dict = {}        # id -> host stream used this step
+        self._spans: collections.deque = collections.deque(maxlen=MAX_SPANS)
+        self.steps: collections.deque = collections.deque(maxlen=MAX_STEPS)  # StepSummary
+        self._step = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self._on
+
+    def name_stream(self, stream: Any, name: str) -> None:
+        """Name the Chrome-trace track of `stream` (default: "comm", "comm 2", ...)."""
+        self._tracks[id(stream)] = (stream, name)
+
+    def _track(self, stream: Any) -> str:
+        entry = self._tracks.get(id(stream))
+        if entry is None:
+            n = sum(1 for _, name in self._tracks.values() if name.startswith("comm"))
+            entry = self._tracks[id(stream)] = (stream, "comm" if n == 0 else f"comm {n + 1}")
+        return entry[1]
+
+    def range(self, phase: str, bucket: Optional[int] = None, nbytes: int = 0):
+        """An NVTX range on the calling thread (a no-op context when NVTX is off)."""
+        if self._nvtx is None:
+            return contextlib.nullcontext()
+        return self._nvtx.range(_label(phase, bucket, nbytes), phase)
+
+    def submit(self, stream: Any, phase: str, bucket: Optional[int], nbytes: int,
+               fn: Callable[..., Any], *args: Any) -> None:
+        """`stream.submit(fn, *args)`, wrapped in an NVTX range and timed when those are on."""
+        if not self._on:
+            stream.submit(fn, *args)
+            return
+        label = _label(phase, bucket, nbytes)
+        if _is_host(stream):
+            start, end = (_Stamp(), _Stamp()) if self.timeline else (None, None)
+            stream.submit(self._host_task, label, phase, start, end, fn, args)
+            if self.timeline:
+                self._host_streams[id(stream)] = stream
+        else:
+            with self.range(phase, bucket, nbytes):
+                start = self._cuda_event(stream)
+                stream.submit(fn, *args)
+                end = self._cuda_event(stream)
+        if self.timeline:
+            self._pending.append((self._track(stream), phase, bucket, nbytes, start, end))
+
+    def _host_task(self, label: str, phase: str, start: Optional[_Stamp], end: Optional[_Stamp],
+                   fn: Callable[..., Any], args: tuple) -> None:
+        with (self._nvtx.range(label, phase) if self._nvtx else contextlib.nullcontext()):
+            if start is not None:
+                start.set()
+            try:
+                fn(*args)
+            finally:
+                if end is not None:
+                    end.set()
+
+    def _cuda_event(self, stream: Any) -> Any:
+        if not self.timeline:
+            return None
+        if self._clock is None:
+            self._clock = _CudaClock()
+        return self._clock.event(stream)
+
+    def mark(self, phase: str, edge: str, stream: Any = None) -> None:
+        """Open (`edge="start"`) or close (`"end"`) a compute-side span such as "backward", at the
+        current host time (stream None) or at this point of `stream`'s work."""
+        if not self._on:
+            return
+        if edge not in ("start", "end"):
+            raise ValueError(f"mark edge must be 'start' or 'end', not {edge!r}")
+        if self._nvtx is not None:
+            if edge == "start":
+                self._nvtx.push(phase, PHASES.get(phase, OTHER_COLOUR))
+            else:
+                self._nvtx.pop()
+        if not self.timeline:
+            return
+        if stream is None:
+            point: Any = time.perf_counter()
+        elif _is_host(stream):
+            point = _Stamp()
+            stream.submit(point.set)
+            self._host_streams[id(stream)] = stream
+        else:
+            point = self._cuda_event(stream)
+        if edge == "start":
+            self._open[phase] = point
+        elif phase in self._open:
+            self._pending.append(("compute", phase, None, 0, self._open.pop(phase), point))
+        else:
+            log.warning("profiling: mark(%r, 'end') without a start; ignored", phase)
+
+    def _time(self, point: Any) -> Optional[float]:
+        if point is None or isinstance(point, float):
+            return point
+        if isinstance(point, _Stamp):
+            return point.t
+        return self._clock.host_time(point)
+
+    def end_step(self) -> Optional[StepSummary]:
+        """Resolve this step's times (waits for its work: the one host wait, timeline mode only),
+        log one summary line and return it; None when the timeline is off."""
+        if not self.timeline:
+            return None
+        for stream in self._host_streams.values():
+            try:
+                stream.record().synchronize(SYNC_TIMEOUT)
+            except NcclDdpError as e:
+                log.warning("profiling: step %d: a stream task failed (%s); its spans are dropped",
+                            self._step, e)
+        spans = []
+        for track, phase, bucket, nbytes, start, end in self._pending:
+            t0, t1 = self._time(start), self._time(end)
+            if t0 is not None and t1 is not None:
+                spans.append(Span(self._step, track, phase, bucket, nbytes, t0, t1))
+        summary = summarize(self.rank, self._step, spans)
+        self._spans.extend(spans)
+        self.steps.append(summary)
+        self._pending, self._host_streams = [], {}
+        self._step += 1
+        log.info("%s", summary.line())
+        return summary
+
+    @property
+    def spans(self) -> list:
+        return list(self._spans)
+
+    def write_chrome_trace(self, path: str) -> None:
+        """Chrome-trace JSON of every span so far: pid = rank, one tid per track (compute, comm)."""
+        spans = list(self._spans)
+        origin = min((s.start for s in spans), default=0.0)
+        tids = {"compute": 0}
+        for s in spans:
+            tids.setdefault(s.track, len(tids))
+        events: list = [{"ph": "M", "name": "process_name", "pid": self.rank, "tid": 0,
+                         "args": {"name": f"rank {self.rank}"}}]
+        events += [{"ph": "M", "name": "thread_name", "pid": self.rank, "tid": tid,
+                    "args": {"name": track}} for track, tid in tids.items()]
+        for s in spans:
+            args = {"step": s.step, "bucket": s.bucket, "bytes": s.nbytes}
+            events.append({"ph": "X", "name": _label(s.phase, s.bucket, s.nbytes), "cat": s.phase,
+                           "pid": self.rank, "tid": tids[s.track], "ts": (s.start - origin) * 1e6,
+                           "dur": (s.end - s.start) * 1e6, "args": args})
+        with open(path, "w") as f:
+            json.dump({"traceEvents": events, "displayTimeUnit": "ms",
+                       "otherData": {"rank": self.rank,
+                                     "steps": [asdict(st) for st in self.steps]}}, f)
