@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hmac
 import os
+import secrets
 import socket
 import threading
 import time
@@ -229,14 +230,18 @@ def connect_store(env: DistEnv, timeout: float = DEFAULT_TIMEOUT) -> TCPStore:
     """Client of the job's store; rank 0 first starts the server unless the launcher hosts it.
 
     Rank 0's client owns its server: close it last (after a barrier), or the others lose the store.
+    A job of one without NCCL_DDP_SECRET gets a random secret: nobody else needs to connect.
     """
+    secret = env.secret
+    if not secret and env.world_size == 1 and not env.store_hosted_externally:
+        secret = secrets.token_hex(16)
     server = None
     port = env.master_port
     if env.rank == 0 and not env.store_hosted_externally:
-        server = StoreServer(env.master_addr, env.master_port, env.secret)
+        server = StoreServer(env.master_addr, env.master_port, secret)
         port = server.port
     try:
-        return TCPStore(env.master_addr, port, env.secret, timeout=timeout, rank=env.rank,
+        return TCPStore(env.master_addr, port, secret, timeout=timeout, rank=env.rank,
                         server=server)
     except BaseException:
         if server is not None:

@@ -232,3 +232,10 @@ def test_auto_nproc_counts_gpus_with_nvml(monkeypatch):
         raise RuntimeError("NVML Shared Library Not Found")
     monkeypatch.setitem(sys.modules, "pynvml", types.SimpleNamespace(nvmlInit=broken))
     assert resolve_nproc("auto") == 2
+
+
+def test_allreduce_demo_through_the_launcher():
+    demo = os.path.join(os.path.dirname(__file__), "..", "examples", "allreduce_demo.py")
+    r = _run(["--nproc-per-node", "2", demo])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "[rank 1] rank 1/2" in r.stdout and "expected 3.0" in r.stdout

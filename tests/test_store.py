@@ -268,3 +268,15 @@ def test_single_process_connect_store_picks_a_port():
     assert store.port > 0
     store.barrier("solo", 1)
     store.close()
+
+
+def test_empty_secret_works_but_warns(caplog):
+    with caplog.at_level("WARNING", logger="nccl_ddp.store"):
+        s = StoreServer("127.0.0.1", 0, "")
+    assert any("no secret" in r.getMessage() for r in caplog.records)
+    c = TCPStore("127.0.0.1", s.port, "", timeout=5)
+    assert c.add("a", 1) == 1
+    with pytest.raises(AuthError):
+        TCPStore("127.0.0.1", s.port, "guess", timeout=5)
+    c.close()
+    s.close()
