@@ -46,8 +46,7 @@ class TCPStore:
         self._who = f"rank {rank}" if rank is not None else "store client"
         self._server = server
         self._lock = threading.Lock()
-        self._sock: Optional[socket.socket] = None
-        self._sock = self._connect(secret.encode())
+        self._sock: Optional[socket.socket] = self._connect(secret.encode())
 
     def _connect(self, secret: bytes) -> socket.socket:
         deadline = time.monotonic() + self.timeout
