@@ -1,0 +1,99 @@
+"""Elementwise reductions of the host backend, one `Reduction` per (dtype, op).
+
+float16 / bfloat16 accumulate in float32 while several inputs are combined at once. AVG divides the
+sum by the number of ranks; on integer dtypes it truncates toward zero, like NCCL's ncclAvg
+(sum, then C integer division). bool supports only MAX (any) and MIN (all).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from ..errors import ConfigError
+from .group import ReduceOp
+
+
+def _dtypes() -> tuple:
+    names = ["float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool"]
+    out = [np.dtype(n) for n in names]
+    try:
+        import ml_dtypes
+        out.append(np.dtype(ml_dtypes.bfloat16))
+    except ImportError:  # bfloat16 arrays cannot exist without ml_dtypes either
+        pass
+    return tuple(out)
+
+
+DTYPES: tuple = _dtypes()
+"""Supported dtypes; a dtype's index here is its code in wire headers."""
+
+_HALF = {"float16", "bfloat16"}
+_UFUNC = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.PROD: np.multiply,
+          ReduceOp.MAX: np.maximum, ReduceOp.MIN: np.minimum}
+_BOOL_UFUNC = {ReduceOp.MAX: np.logical_or, ReduceOp.MIN: np.logical_and}
+
+
+def dtype_code(dtype, where: str) -> int:
+    """The wire code of `dtype`; `ConfigError` naming `where` (rank, op) if unsupported."""
+    dt = np.dtype(dtype)
+    try:
+        return DTYPES.index(dt)
+    except ValueError:
+        raise ConfigError(f"{where}: dtype {dt} is not supported by the host backend; use one of "
+                          f"{[d.name for d in DTYPES]}") from None
+
+
+class Reduction:
+    """Combines arrays of one dtype with one op; `world` is the divisor of AVG."""
+
+    def __init__(self, dtype, op: ReduceOp, world: int, where: str) -> None:
+        self.dtype = np.dtype(dtype)
+        self.op = op
+        self.world = world
+        dtype_code(self.dtype, where)
+        if self.dtype == np.bool_:
+            if op not in _BOOL_UFUNC:
+                raise ConfigError(f"{where}: op {op.value} is not defined for bool; use max or min")
+            self.ufunc = _BOOL_UFUNC[op]
+        else:
+            self.ufunc = _UFUNC[op]
+        self.half = self.dtype.name in _HALF and op in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PROD)
+
+    def combine(self, out: np.ndarray, others: Sequence[np.ndarray], final: bool) -> None:
+        """out = out (op) others[0] (op) others[1] ..., in that order; `final` applies AVG's division."""
+        if self.half:
+            acc = out.astype(np.float32)
+            for o in others:
+                self.ufunc(acc, o, out=acc)
+            if final:
+                self._divide(acc)
+            np.copyto(out, acc, casting="unsafe")
+            return
+        for o in others:
+            self.ufunc(out, o, out=out)
+        if final:
+            self._divide(out)
+
+    def finish(self, out: np.ndarray) -> None:
+        """Apply AVG's division to a fully reduced array (no-op for the other ops)."""
+        if self.op is not ReduceOp.AVG:
+            return
+        if self.half:
+            acc = out.astype(np.float32)
+            self._divide(acc)
+            np.copyto(out, acc, casting="unsafe")
+        else:
+            self._divide(out)
+
+    def _divide(self, a: np.ndarray) -> None:
+        if self.op is not ReduceOp.AVG or self.world == 1:
+            return
+        if a.dtype.kind == "f":
+            np.divide(a, self.world, out=a)
+        elif a.dtype.kind == "u":
+            np.floor_divide(a, self.world, out=a)
+        else:  # truncate toward zero, as C integer division does
+            q, r = np.divmod(a, self.world)
+            q += ((r != 0) & (a < 0)).astype(a.dtype)
+            np.copyto(a, q)

@@ -1,0 +1,197 @@
+"""Shared-memory segments in /dev/shm, mapped with mmap (no multiprocessing resource tracker).
+
+The owner unlinks its segment as soon as every peer has mapped it, so a crash after setup leaves
+nothing behind in /dev/shm.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+from typing import Optional
+
+import numpy as np
+
+from ._wire import SETUP, Header
+
+SHM_DIR = "/dev/shm"
+
+
+class Segment:
+    """One mapped segment; `array` is a uint8 view of all of it."""
+
+    def __init__(self, name: str, nbytes: int, create: bool) -> None:
+        self.name = name
+        self.path = os.path.join(SHM_DIR, name)
+        self.owner = create
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(self.path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, nbytes)
+            elif os.fstat(fd).st_size != nbytes:
+                raise OSError(f"segment {self.path} has {os.fstat(fd).st_size} bytes, "
+                              f"expected {nbytes}")
+            self._map: Optional[mmap.mmap] = mmap.mmap(fd, nbytes)
+        except BaseException:
+            if create:
+                os.unlink(self.path)
+            raise
+        finally:
+            os.close(fd)
+        self.array = np.frombuffer(self._map, dtype=np.uint8)
+
+    @classmethod
+    def create(cls, nbytes: int, tag: str) -> "Segment":
+        return cls(f"nccl_ddp-{tag}-{os.getpid()}-{secrets.token_hex(4)}", nbytes, create=True)
+
+    def unlink(self) -> None:
+        """Remove the name (mappings stay valid). Idempotent."""
+        if self.owner:
+            self.owner = False
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+    def close(self) -> None:
+        """Unlink if still owned and unmap. Views of `array` must be gone first."""
+        self.unlink()
+        if self._map is not None:
+            del self.array
+            try:
+                self._map.close()
+            except BufferError:   # a view is still alive; the map is freed with it
+                pass
+            self._map = None
+
+
+STAGED, REDUCED = 1, 2      # signal kinds (see _wire.KIND_NAMES)
+_NAME_BYTES = 128
+
+
+def _bounds(m: int, j: int, n: int) -> tuple:
+    """Elements [a, b) of chunk part j when m elements are split over n ranks."""
+    return m * j // n, m * (j + 1) // n
+
+
+class ShmTransport:
+    """Collectives between ranks of one host: each rank stages chunks in its own segment (two
+    slots, used alternately) and the sockets carry only small signals.
+
+    all_reduce of one chunk, on every rank r:
+        copy my chunk into my slot          -> signal "staged"  -> wait until all peers staged
+        reduce part r of every peer's slot  -> signal "reduced" -> wait until all peers reduced
+        copy part j of peer j's slot into my buffer, for every j
+    Part r is computed once (by rank r), so every rank ends with the same bits. A rank writes slot
+    s again two steps later, after every peer signalled the step in between, which each sends
+    only once it has finished reading slot s.
+    """
+
+    def __init__(self, links: dict, rank: int, size: int, chunk_bytes: int, tag: str) -> None:
+        self.rank, self.size = rank, size
+        self.chunk = max(4096, chunk_bytes // 64 * 64)
+        self.links = [links[j] for j in range(size) if j != rank]
+        self.seq = 0
+        self._own = Segment.create(2 * self.chunk, tag)
+        segments = {}
+        try:
+            name = self._own.name.encode().ljust(_NAME_BYTES, b"\0")
+            hello = Header(0, STAGED, SETUP, count=2 * self.chunk)
+            for link in self.links:
+                link.send(hello, memoryview(name))
+            for j, link in zip((j for j in range(size) if j != rank), self.links):
+                link.expect(hello)
+                raw = bytearray(_NAME_BYTES)
+                link.recv_into(memoryview(raw))
+                segments[j] = Segment(bytes(raw).rstrip(b"\0").decode(), 2 * self.chunk, False)
+            self._exchange((SETUP, 0, 0, 0, 0), REDUCED)   # everyone mapped everything: unlink
+        except BaseException:
+            for seg in segments.values():
+                seg.close()
+            self._own.close()
+            raise
+        self._own.unlink()
+        segments[rank] = self._own
+        self._segments = segments
+        self.slots = [[segments[j].array[:self.chunk], segments[j].array[self.chunk:]]
+                      for j in range(size)]
+
+    def _step(self) -> int:
+        self.seq += 1
+        return self.seq % 2
+
+    def _exchange(self, desc: tuple, kind: int) -> None:
+        hdr = Header(self.seq, kind, *desc)
+        for link in self.links:
+            link.send(hdr)
+        for link in self.links:
+            link.expect(hdr)
+
+    def _slot(self, j: int, s: int, a: int, b: int, dtype) -> np.ndarray:
+        it = dtype.itemsize
+        return self.slots[j][s][a * it:b * it].view(dtype)
+
+    def all_reduce(self, buf: np.ndarray, red, desc: tuple) -> None:
+        n, dt, r, size = buf.size, buf.dtype, self.rank, self.size
+        ce = self.chunk // dt.itemsize
+        for lo in range(0, max(n, 1), ce):
+            hi = min(n, lo + ce)
+            m = hi - lo
+            s = self._step()
+            np.copyto(self._slot(r, s, 0, m, dt), buf[lo:hi])
+            self._exchange(desc, STAGED)
+            a, b = _bounds(m, r, size)
+            others = [self._slot(j, s, a, b, dt) for j in range(size) if j != r]
+            red.combine(self._slot(r, s, a, b, dt), others, final=True)
+            self._exchange(desc, REDUCED)
+            for j in range(size):
+                a, b = _bounds(m, j, size)
+                np.copyto(buf[lo + a:lo + b], self._slot(j, s, a, b, dt))
+
+    def broadcast(self, buf: np.ndarray, root: int, desc: tuple) -> None:
+        n, dt = buf.size, buf.dtype
+        ce = self.chunk // dt.itemsize
+        for lo in range(0, max(n, 1), ce):
+            hi = min(n, lo + ce)
+            s = self._step()
+            if self.rank == root:
+                np.copyto(self._slot(root, s, 0, hi - lo, dt), buf[lo:hi])
+            self._exchange(desc, STAGED)
+            if self.rank != root:
+                np.copyto(buf[lo:hi], self._slot(root, s, 0, hi - lo, dt))
+
+    def all_gather(self, out: np.ndarray, inp: np.ndarray, desc: tuple) -> None:
+        n, dt = inp.size, inp.dtype
+        ce = self.chunk // dt.itemsize
+        for lo in range(0, max(n, 1), ce):
+            hi = min(n, lo + ce)
+            s = self._step()
+            np.copyto(self._slot(self.rank, s, 0, hi - lo, dt), inp[lo:hi])
+            self._exchange(desc, STAGED)
+            for j in range(self.size):
+                np.copyto(out[j * n + lo:j * n + hi], self._slot(j, s, 0, hi - lo, dt))
+
+    def reduce_scatter(self, out: np.ndarray, inp: np.ndarray, red, desc: tuple) -> None:
+        n, dt, r, size = out.size, out.dtype, self.rank, self.size
+        parts = inp.reshape(size, n)
+        ce = max(1, self.chunk // (dt.itemsize * size))
+        for lo in range(0, max(n, 1), ce):
+            hi = min(n, lo + ce)
+            m = hi - lo
+            s = self._step()
+            np.copyto(self._slot(r, s, 0, size * m, dt).reshape(size, m), parts[:, lo:hi])
+            self._exchange(desc, STAGED)
+            np.copyto(out[lo:hi], parts[r, lo:hi])
+            others = [self._slot(j, s, r * m, (r + 1) * m, dt) for j in range(size) if j != r]
+            red.combine(out[lo:hi], others, final=True)
+
+    def barrier(self, desc: tuple) -> None:
+        self._step()
+        self._exchange(desc, STAGED)
+
+    def close(self) -> None:
+        self.slots = []
+        for seg in self._segments.values():
+            seg.close()
+        self._segments = {}

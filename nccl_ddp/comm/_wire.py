@@ -1,0 +1,263 @@
+"""Sockets between the ranks of one host group: rendezvous through the store, links, framed messages.
+
+Every message starts with a `Header` naming the collective it belongs to, so ranks that run
+different collectives (or the same one with different sizes) fail at once with a
+`RankMismatchError` instead of exchanging garbage.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import socket
+import struct
+import time
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Optional
+
+from ..errors import CommError, CommTimeout, RankMismatchError, StoreTimeout
+from ._reduce import DTYPES
+
+log = logging.getLogger(__name__)
+
+OP_NAMES = ("", "all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier", "setup")
+ALL_REDUCE, BROADCAST, ALL_GATHER, REDUCE_SCATTER, BARRIER, SETUP = range(1, 7)
+KIND_NAMES = ("", "staged", "reduced", "data", "abort")
+ABORT = 4
+_HEADER = struct.Struct("<QBBBBIQ")   # seq, kind, op, dtype code, reduce op code, root, count
+_HANDSHAKE = struct.Struct("<32sI")   # acceptor's token, connector's group rank
+
+
+@dataclass(frozen=True)
+class Header:
+    """What a message is: which chunk step (`seq`), what kind of signal, and the collective's
+    description (op, dtype, reduce op, root, element count), identical on every rank."""
+
+    seq: int
+    kind: int
+    op: int
+    dtype: int = 0
+    redop: int = 0
+    root: int = 0
+    count: int = 0
+
+    def pack(self) -> bytes:
+        return _HEADER.pack(self.seq, self.kind, self.op, self.dtype, self.redop, self.root,
+                            self.count)
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> "Header":
+        return cls(*_HEADER.unpack(raw))
+
+    def describe(self) -> str:
+        op = OP_NAMES[self.op] if self.op < len(OP_NAMES) else f"op{self.op}"
+        dt = DTYPES[self.dtype].name if self.dtype < len(DTYPES) else f"dtype{self.dtype}"
+        return f"{op}({dt} x {self.count}, root/op {self.root}/{self.redop}, step {self.seq})"
+
+
+class PeerLink:
+    """A connected TCP socket to one peer; every blocking call is bounded by `timeout`."""
+
+    def __init__(self, sock: socket.socket, peer: int, timeout: float) -> None:
+        self.sock = sock
+        self.peer = peer          # the peer's global rank, for messages
+        self.timeout = timeout
+        sock.settimeout(timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def send(self, header: Header, payload: Optional[memoryview] = None) -> None:
+        try:
+            if payload is not None and payload.nbytes:
+                self.sock.sendall(header.pack())
+                self.sock.sendall(payload)
+            else:
+                self.sock.sendall(header.pack())
+        except socket.timeout as e:
+            raise CommTimeout(f"peer rank {self.peer} did not accept data for {self.timeout:.1f}s "
+                              f"(is it stuck or dead?)") from e
+        except OSError as e:
+            raise CommError(f"lost the connection to peer rank {self.peer} ({e}); "
+                            f"did it die? check its log") from e
+
+    def recv_into(self, view: memoryview) -> None:
+        got, n = 0, view.nbytes
+        try:
+            while got < n:
+                k = self.sock.recv_into(view[got:], n - got)
+                if k == 0:
+                    raise CommError(f"peer rank {self.peer} closed the connection (did it die or "
+                                    f"fail? check its log)")
+                got += k
+        except socket.timeout as e:
+            raise CommTimeout(f"peer rank {self.peer} sent nothing for {self.timeout:.1f}s "
+                              f"(is it stuck, dead, or running a different collective?)") from e
+        except CommError:
+            raise
+        except OSError as e:
+            raise CommError(f"lost the connection to peer rank {self.peer} ({e}); "
+                            f"did it die? check its log") from e
+
+    def expect(self, want: Header) -> None:
+        """Receive the next header and check it is `want`."""
+        raw = bytearray(_HEADER.size)
+        self.recv_into(memoryview(raw))
+        got = Header.unpack(bytes(raw))
+        if got.kind == ABORT:
+            reason = bytearray(min(got.count, 4096))
+            self.recv_into(memoryview(reason))
+            raise CommError(f"peer rank {self.peer} gave up: {reason.decode(errors='replace')}")
+        if got != want:
+            raise RankMismatchError(
+                f"peer rank {self.peer} sent {KIND_NAMES[got.kind] if got.kind < 5 else got.kind} "
+                f"for {got.describe()} while this rank expected {KIND_NAMES[want.kind]} for "
+                f"{want.describe()}; every rank must call the same collectives, in the same order, "
+                f"with the same sizes and dtypes")
+
+    def abort(self, reason: str) -> None:
+        """Tell the peer why this rank gives up, then end our direction of the stream: the peer's
+        next read fails with the reason instead of waiting for its timeout."""
+        text = reason.encode()[:4096]
+        try:
+            self.sock.settimeout(1.0)
+            self.sock.sendall(Header(0, ABORT, 0, count=len(text)).pack() + text)
+        except OSError:
+            pass
+        try:
+            self.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+def advertise_host() -> str:
+    """The address peers reach this process on: $NCCL_DDP_SOCKET_ADDR, else the local address of
+    the route to $MASTER_ADDR, else 127.0.0.1."""
+    explicit = os.environ.get("NCCL_DDP_SOCKET_ADDR")
+    if explicit:
+        return explicit
+    master = os.environ.get("MASTER_ADDR")
+    if master:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect((master, 9))
+                return s.getsockname()[0]
+        except OSError:
+            log.debug("no route to MASTER_ADDR=%s; advertising 127.0.0.1", master)
+    return "127.0.0.1"
+
+
+def host_id() -> str:
+    """Equal for processes that can share /dev/shm segments."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        st = os.stat("/dev/shm")
+    except OSError:
+        return f"{socket.gethostname()}:{os.getpid()}"   # no /dev/shm: never shared
+    return f"{socket.gethostname()}:{boot}:{st.st_dev}:{st.st_ino}"
+
+
+class Rendezvous:
+    """Publishes this rank's listening address in the store, reads the others', and connects the
+    links a transport asks for (the higher group rank dials, the lower one accepts)."""
+
+    def __init__(self, store, rank: int, ranks: List[int], timeout: float, where: str,
+                 extra: dict) -> None:
+        self.store, self.rank, self.ranks, self.timeout, self.where = (
+            store, rank, ranks, timeout, where)
+        self.deadline = time.monotonic() + timeout
+        self.token = secrets.token_hex(16)
+        host = advertise_host()
+        self.listener = socket.create_server((host, 0), backlog=max(8, len(ranks)))
+        self.listener.settimeout(timeout)
+        info = dict(extra, addr=host, port=self.listener.getsockname()[1], token=self.token)
+        store.set(f"peer/{rank}", json.dumps(info))
+        self.infos = self._gather()
+
+    def _left(self) -> float:
+        return max(0.01, self.deadline - time.monotonic())
+
+    def _gather(self) -> List[dict]:
+        infos: Dict[int, dict] = {}
+        for r in range(len(self.ranks)):
+            try:
+                infos[r] = json.loads(self.store.get(f"peer/{r}", timeout=self._left()))
+            except StoreTimeout as e:
+                missing = [self.ranks[q] for q in range(len(self.ranks))
+                           if q not in infos and not self._present(q)]
+                raise CommTimeout(
+                    f"{self.where}: ranks {missing} did not join within {self.timeout:.1f}s "
+                    f"(they never published their address; did they start, crash, or call "
+                    f"init_process_group/new_group with different arguments?)") from e
+        return [infos[r] for r in range(len(self.ranks))]
+
+    def _present(self, r: int) -> bool:
+        try:
+            self.store.get(f"peer/{r}", timeout=0.05)
+            return True
+        except StoreTimeout:
+            return False
+
+    def connect(self, peers: Iterable[int]) -> Dict[int, PeerLink]:
+        """Links to the given group ranks, keyed by group rank."""
+        peers = sorted(set(peers) - {self.rank})
+        links: Dict[int, PeerLink] = {}
+        try:
+            for p in (p for p in peers if p < self.rank):
+                links[p] = self._dial(p)
+            expected = {p for p in peers if p > self.rank}
+            while expected:
+                links.update(self._accept(expected))
+        except BaseException:
+            for link in links.values():
+                link.close()
+            raise
+        finally:
+            self.listener.close()
+        return links
+
+    def _dial(self, p: int) -> PeerLink:
+        info = self.infos[p]
+        try:
+            sock = socket.create_connection((info["addr"], info["port"]), timeout=self._left())
+            sock.sendall(_HANDSHAKE.pack(info["token"].encode(), self.rank))
+        except OSError as e:
+            raise CommError(f"{self.where}: cannot connect to rank {self.ranks[p]} at "
+                            f"{info['addr']}:{info['port']} ({e}); check that the address is "
+                            f"reachable or set NCCL_DDP_SOCKET_ADDR") from e
+        return PeerLink(sock, self.ranks[p], self.timeout)
+
+    def _accept(self, expected: set) -> Dict[int, PeerLink]:
+        self.listener.settimeout(self._left())
+        try:
+            sock, _ = self.listener.accept()
+        except socket.timeout as e:
+            raise CommTimeout(f"{self.where}: ranks {[self.ranks[p] for p in sorted(expected)]} "
+                              f"did not connect within {self.timeout:.1f}s") from e
+        sock.settimeout(self._left())
+        try:
+            raw = bytearray(_HANDSHAKE.size)
+            view, got = memoryview(raw), 0
+            while got < len(raw):
+                k = sock.recv_into(view[got:])
+                if k == 0:
+                    raise OSError("closed during handshake")
+                got += k
+            token, peer = _HANDSHAKE.unpack(bytes(raw))
+        except OSError as e:
+            sock.close()
+            log.warning("%s: dropped a connection that failed the handshake: %s", self.where, e)
+            return {}
+        if token.decode(errors="replace") != self.token or peer not in expected:
+            sock.close()
+            log.warning("%s: dropped a connection with a wrong token or rank %d", self.where, peer)
+            return {}
+        expected.discard(peer)
+        return {peer: PeerLink(sock, self.ranks[peer], self.timeout)}

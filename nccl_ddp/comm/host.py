@@ -1,0 +1,280 @@
+"""The "host" backend: real collectives between processes on NumPy arrays, no GPU needed.
+
+Ranks that share a host stage data in shared memory (`_shm.ShmTransport`); groups that span hosts
+use pipelined TCP rings (`_ring.RingTransport`). Set NCCL_DDP_HOST_TRANSPORT=tcp to force TCP.
+Each group runs its collectives in call order on one worker thread, like a CUDA stream, and
+every call returns a `HostWork` at once. After a failure the group is broken: it closes its
+sockets (so peers fail fast instead of timing out) and every later call raises the same error.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import threading
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+from ..device import DEFAULT_TIMEOUT, HostEvent, Stream
+from ..errors import CommError, CommTimeout, ConfigError, NcclDdpError
+from ._reduce import Reduction, dtype_code
+from ._ring import RingTransport, SelfTransport
+from ._shm import ShmTransport
+from ._wire import (ALL_GATHER, ALL_REDUCE, BARRIER, BROADCAST, REDUCE_SCATTER, Rendezvous,
+                    host_id)
+from .group import ProcessGroup, ReduceOp, Work
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CHUNK_BYTES = 1 << 20
+_REDOPS = list(ReduceOp)
+
+
+class HostWork(Work):
+    """Completion of one queued collective; `event` can be waited on by a `device.Stream`."""
+
+    def __init__(self, what: str, result: Any, timeout: float) -> None:
+        self.what = what
+        self.event = HostEvent()
+        self._result = result
+        self._timeout = timeout
+
+    def _finish(self, error: Optional[BaseException]) -> None:
+        self.event._set(error)
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        t = self._timeout if timeout is None else timeout
+        if not self.event._done.wait(t):
+            raise CommTimeout(f"{self.what} did not complete within {t:.1f}s; a peer may be stuck "
+                              f"or slow (raise the timeout, or check the other ranks' logs)")
+        if self.event.error is not None:
+            raise self.event.error
+        return True
+
+    def is_completed(self) -> bool:
+        return self.event.query()
+
+    def result(self) -> Any:
+        self.wait()
+        return self._result
+
+
+def _flat(a: np.ndarray, what: str, writable: bool) -> np.ndarray:
+    if not isinstance(a, np.ndarray):
+        raise ConfigError(f"{what}: the host backend takes NumPy arrays, got {type(a).__name__}; "
+                          f"use nccl_ddp.all_reduce & co., which convert DLPack arrays")
+    if not a.flags.c_contiguous:
+        raise ConfigError(f"{what}: buffer must be C-contiguous")
+    if writable and not a.flags.writeable:
+        raise ConfigError(f"{what}: buffer is read-only")
+    return a.reshape(-1)
+
+
+class HostProcessGroup(ProcessGroup):
+    """A group of ranks running host collectives; construction is collective over its members.
+
+    `store` must be private to this group (e.g. a PrefixStore); `rank` is the group rank and
+    `ranks` the members' global ranks in group-rank order (default range(size)).
+    """
+
+    backend = "host"
+
+    def __init__(self, store, rank: int, size: int, ranks: Optional[Sequence[int]] = None,
+                 timeout: float = DEFAULT_TIMEOUT, name: str = "world", *,
+                 transport: Optional[str] = None, chunk_bytes: Optional[int] = None) -> None:
+        self.rank, self.size, self.timeout, self.name = rank, size, float(timeout), name
+        self.ranks = tuple(range(size) if ranks is None else ranks)
+        if len(self.ranks) != size or not 0 <= rank < size:
+            raise ConfigError(f"group {name!r}: rank {rank} / size {size} do not match the "
+                              f"member list {list(self.ranks)}")
+        self._store = store
+        self._where = f"group {name!r} (rank {self.ranks[rank]}, group rank {rank}/{size})"
+        self._subgroups = itertools.count(1)
+        self._seq = itertools.count(1)
+        self._error: Optional[BaseException] = None
+        self._closed = False
+        self._transport = self._connect(
+            transport or os.environ.get("NCCL_DDP_HOST_TRANSPORT", "auto"),
+            int(chunk_bytes or os.environ.get("NCCL_DDP_HOST_CHUNK_BYTES", DEFAULT_CHUNK_BYTES)))
+        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._worker = threading.Thread(target=self._loop, name=f"nccl_ddp-host-{name}-{rank}",
+                                        daemon=True)
+        self._worker.start()
+
+    @classmethod
+    def create(cls, store, rank: int, size: int, ranks: Sequence[int], timeout: float,
+               name: str) -> "HostProcessGroup":
+        return cls(store, rank, size, ranks, timeout, name)
+
+    # -- setup ---------------------------------------------------------------------------------
+
+    def _connect(self, transport: str, chunk_bytes: int):
+        if transport not in ("auto", "shm", "tcp"):
+            raise ConfigError(f"{self._where}: NCCL_DDP_HOST_TRANSPORT={transport!r}; use auto, "
+                              f"shm or tcp")
+        self._links: list = []
+        if self.size == 1:
+            return SelfTransport()
+        rdv = Rendezvous(self._store, self.rank, list(self.ranks), self.timeout, self._where,
+                         {"host": host_id(), "transport": transport, "chunk": chunk_bytes})
+        infos = rdv.infos
+        chunk = infos[0]["chunk"]           # every rank must chunk alike
+        same_host = len({i["host"] for i in infos}) == 1
+        if any(i["transport"] == "shm" for i in infos) and not same_host:
+            rdv.listener.close()
+            raise ConfigError(f"{self._where}: shm transport requested but the members run on "
+                              f"several hosts; use NCCL_DDP_HOST_TRANSPORT=auto or tcp")
+        if same_host and all(i["transport"] != "tcp" for i in infos):
+            links = rdv.connect(range(self.size))
+            kind, t = "shm", lambda: ShmTransport(links, self.rank, self.size, chunk, "host")
+        else:
+            links = rdv.connect({(self.rank - 1) % self.size, (self.rank + 1) % self.size})
+            kind, t = "tcp", lambda: RingTransport(links, self.rank, self.size, chunk,
+                                                   self.timeout)
+        self._links = list(links.values())
+        try:
+            out = t()
+        except NcclDdpError as e:
+            self._close_links()
+            raise type(e)(f"{self._where}: setting up the {kind} transport failed: {e}") from e
+        except OSError as e:
+            self._close_links()
+            raise CommError(f"{self._where}: setting up the {kind} transport failed ({e}); set "
+                            f"NCCL_DDP_HOST_TRANSPORT=tcp if /dev/shm is not shared") from e
+        log.debug("%s: %s transport, %d-byte chunks", self._where, kind, chunk)
+        self.transport_kind = kind
+        return out
+
+    def _close_links(self) -> None:
+        for link in self._links:
+            link.close()
+
+    # -- the worker ----------------------------------------------------------------------------
+
+    def _submit(self, opname: str, fn: Callable[[], None], result: Any, stream) -> HostWork:
+        """Queue `fn` on the worker; with a stream, order it after the stream's submitted work
+        and make the stream's later work wait for it:
+
+            stream : ... work A | record(ready) ............ | wait(done) | work B ...
+            worker :                   wait(ready) | collective | done
+        """
+        if self._closed:
+            raise CommError(f"{self._where}: {opname} called after the group was shut down")
+        work = HostWork(f"{opname} #{next(self._seq)} on {self._where}", result, self.timeout)
+        ready = stream.record() if stream is not None else None
+        self._queue.put((work, fn, ready))
+        if stream is not None:
+            stream.wait(work.event)
+        return work
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            work, fn, ready = item
+            if self._error is not None:
+                work._finish(type(self._error)(f"{work.what}: not run, the group failed "
+                                               f"earlier: {self._error}"))
+                continue
+            try:
+                if ready is not None:
+                    ready.synchronize(self.timeout)
+                fn()
+                work._finish(None)
+            except BaseException as e:  # handed to whoever waits on the work
+                err = (type(e) if isinstance(e, NcclDdpError) else CommError)(f"{work.what}: {e}")
+                err.__cause__ = e
+                self._error = err
+                log.error("%s", err)
+                for link in self._links:   # peers blocked on us fail fast, with our reason
+                    link.abort(str(err))
+                work._finish(err)
+
+    # -- collectives ---------------------------------------------------------------------------
+
+    def _desc(self, op: int, a: np.ndarray, redop: Optional[ReduceOp] = None,
+              root: int = 0) -> tuple:
+        where = f"{self._where}"
+        return (op, dtype_code(a.dtype, where), _REDOPS.index(redop) if redop else 0, root,
+                a.size)
+
+    def _reduction(self, a: np.ndarray, op) -> Reduction:
+        return Reduction(a.dtype, ReduceOp.parse(op), self.size, self._where)
+
+    def all_reduce(self, buf, op: ReduceOp = ReduceOp.SUM, stream=None) -> HostWork:
+        flat = _flat(buf, f"all_reduce on {self._where}", True)
+        red = self._reduction(flat, op)
+        desc = self._desc(ALL_REDUCE, flat, red.op)
+        return self._submit("all_reduce", lambda: self._transport.all_reduce(flat, red, desc),
+                            buf, stream)
+
+    def broadcast(self, buf, root: int = 0, stream=None) -> HostWork:
+        flat = _flat(buf, f"broadcast on {self._where}", True)
+        if not 0 <= root < self.size:
+            raise ConfigError(f"broadcast on {self._where}: root {root} is not a group rank "
+                              f"(0..{self.size - 1})")
+        desc = self._desc(BROADCAST, flat, root=root)
+        return self._submit("broadcast", lambda: self._transport.broadcast(flat, root, desc),
+                            buf, stream)
+
+    def all_gather(self, out, inp, stream=None) -> HostWork:
+        o = _flat(out, f"all_gather on {self._where}", True)
+        i = _flat(inp, f"all_gather on {self._where}", False)
+        self._check_sizes("all_gather", o, i, o.size == i.size * self.size)
+        desc = self._desc(ALL_GATHER, i)
+        return self._submit("all_gather", lambda: self._transport.all_gather(o, i, desc),
+                            out, stream)
+
+    def reduce_scatter(self, out, inp, op: ReduceOp = ReduceOp.SUM, stream=None) -> HostWork:
+        o = _flat(out, f"reduce_scatter on {self._where}", True)
+        i = _flat(inp, f"reduce_scatter on {self._where}", False)
+        self._check_sizes("reduce_scatter", o, i, i.size == o.size * self.size)
+        red = self._reduction(o, op)
+        desc = self._desc(REDUCE_SCATTER, o, red.op)
+        return self._submit("reduce_scatter",
+                            lambda: self._transport.reduce_scatter(o, i, red, desc), out, stream)
+
+    def barrier(self, stream=None) -> HostWork:
+        desc = (BARRIER, 0, 0, 0, 0)
+        return self._submit("barrier", lambda: self._transport.barrier(desc), None, stream)
+
+    def _check_sizes(self, op: str, out: np.ndarray, inp: np.ndarray, ok: bool) -> None:
+        if out.dtype != inp.dtype:
+            raise ConfigError(f"{op} on {self._where}: out is {out.dtype} but input is {inp.dtype}")
+        if not ok:
+            big, small = ("out", "input") if op == "all_gather" else ("input", "out")
+            raise ConfigError(f"{op} on {self._where}: {big} must hold group size ({self.size}) x "
+                              f"{small} elements; got out {out.size}, input {inp.size}")
+
+    # -- groups --------------------------------------------------------------------------------
+
+    def new_subgroup(self, ranks: Sequence[int]) -> Optional["HostProcessGroup"]:
+        """Collective over this group (every member calls it, in the same order)."""
+        from ..store import PrefixStore
+        n = next(self._subgroups)
+        members = sorted(set(int(r) for r in ranks))
+        bad = [r for r in members if r not in self.ranks]
+        if bad or not members:
+            raise ConfigError(f"new_group on {self._where}: ranks {bad or members} are not members "
+                              f"of this group ({list(self.ranks)})")
+        me = self.ranks[self.rank]
+        if me not in members:
+            return None
+        name = f"group{members}" if self.name == "world" else f"{self.name}/group{members}"
+        return HostProcessGroup(PrefixStore(self._store, f"sub{n}"), members.index(me),
+                                len(members), members, self.timeout, name.replace(" ", ""))
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._worker.join(timeout=self.timeout)
+        if self._worker.is_alive():   # stuck in a collective: unblock it by closing its sockets
+            self._close_links()
+            self._worker.join(timeout=5.0)
+        self._transport.close()
+        self._close_links()

@@ -1,0 +1,300 @@
+"""The host backend between real processes: every collective and dtype against NumPy, on the
+shared-memory and the TCP transport, with 2 and 3 ranks; ordering, subgroups and failures."""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import time
+
+import numpy as np
+import pytest
+
+from mp import run_ranks
+from nccl_ddp.comm._reduce import DTYPES
+from nccl_ddp.comm.group import ReduceOp
+from nccl_ddp.comm.host import HostProcessGroup
+from nccl_ddp.errors import CommError, CommTimeout, ConfigError
+
+SIZES = (0, 1, 2, 7, 1001, 3000)          # 3000 x 8 bytes spans several 4 KiB chunks
+OPS = tuple(ReduceOp)
+
+
+def _shm_entries() -> set:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("nccl_ddp-")}
+
+
+@pytest.fixture(autouse=True)
+def no_shm_leaks():
+    before = _shm_entries()
+    yield
+    assert _shm_entries() - before == set(), "shared-memory segments left in /dev/shm"
+
+
+def _group(rank, world, transport="auto", timeout=30.0, chunk_bytes=None, store=None,
+           prefix="test"):
+    from nccl_ddp.env import resolve_env
+    from nccl_ddp.store import PrefixStore, connect_store
+    store = store or connect_store(resolve_env(), timeout=timeout)
+    g = HostProcessGroup(PrefixStore(store, prefix), rank, world, timeout=timeout,
+                         transport=transport, chunk_bytes=chunk_bytes)
+    return g, store
+
+
+def _close(g, store):
+    g.barrier().wait()
+    g.shutdown()
+    store.barrier("closing", g.size, 30)
+    store.close()
+
+
+def _data(rank, dtype, n, op):
+    """Rank `rank`'s input: small values so integer sums and products do not overflow."""
+    rng = np.random.default_rng([rank, n, DTYPES.index(dtype), OPS.index(op)])
+    if dtype == np.bool_:
+        return rng.random(n) < 0.5
+    if dtype.kind in "iu":
+        lo, hi = (0, 4) if dtype.kind == "u" else (-20, 21)
+        if op is ReduceOp.PROD:
+            lo, hi = (1, 4) if dtype.kind == "u" else (-3, 4)
+        return rng.integers(lo, hi, n).astype(dtype)
+    vals = rng.uniform(0.5, 1.5, n) if op is ReduceOp.PROD else rng.standard_normal(n)
+    return vals.astype(dtype)
+
+
+def _expected(inputs, op, world):
+    dt = inputs[0].dtype
+    stack = np.stack(inputs) if inputs[0].size else np.zeros((world, 0), dt)
+    if dt == np.bool_:
+        return stack.any(0) if op is ReduceOp.MAX else stack.all(0)
+    wide = stack.astype(np.float64) if dt.kind == "f" or dt.name == "bfloat16" else stack
+    if op in (ReduceOp.SUM, ReduceOp.AVG):
+        r = wide.sum(0, dtype=wide.dtype)
+    elif op is ReduceOp.PROD:
+        r = wide.prod(0, dtype=wide.dtype)
+    else:
+        r = wide.max(0) if op is ReduceOp.MAX else wide.min(0)
+    if op is ReduceOp.AVG:
+        if r.dtype.kind == "f":
+            r = r / world
+        else:  # NCCL's rule: truncate toward zero
+            r = (np.abs(r) // world) * np.sign(r)
+    return r.astype(dt)
+
+
+def _check(got, want, what):
+    if want.dtype.kind in "iub":
+        np.testing.assert_array_equal(got, want, err_msg=what)
+        return
+    tol = {"float16": 1e-2, "bfloat16": 5e-2, "float32": 1e-5, "float64": 1e-12}[want.dtype.name]
+    np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=tol,
+                               atol=tol, err_msg=what)
+
+
+def _ops_for(dt):
+    return (ReduceOp.MAX, ReduceOp.MIN) if dt == np.bool_ else OPS
+
+
+def collectives_body(rank, world, transport):
+    g, store = _group(rank, world, transport, chunk_bytes=4096)
+    digest = hashlib.sha256()
+    for dt in DTYPES:
+        for n in SIZES:
+            for op in _ops_for(dt):
+                ins = [_data(r, dt, n, op) for r in range(world)]
+                buf = ins[rank].copy()
+                g.all_reduce(buf, op).wait()
+                _check(buf, _expected(ins, op, world), f"all_reduce {dt} n={n} {op}")
+                digest.update(buf.tobytes())
+            ins = [_data(r, dt, n, ReduceOp.MAX) for r in range(world)]
+            buf = ins[rank].copy()
+            g.broadcast(buf, root=world - 1).wait()
+            np.testing.assert_array_equal(buf, ins[world - 1], err_msg=f"broadcast {dt} {n}")
+            out = np.empty(world * n, dt)
+            g.all_gather(out, ins[rank]).wait()
+            np.testing.assert_array_equal(out, np.concatenate(ins), err_msg=f"all_gather {dt}")
+            for op in _ops_for(dt)[:3]:
+                big = [_data(r, dt, world * n, op) for r in range(world)]
+                out = np.empty(n, dt)
+                g.reduce_scatter(out, big[rank], op).wait()
+                want = _expected(big, op, world)[rank * n:(rank + 1) * n]
+                _check(out, want, f"reduce_scatter {dt} n={n} {op}")
+    # bigger than one default chunk: the pipelined path with real chunk sizes
+    g.shutdown()
+    g, store = _group(rank, world, transport, store=store, prefix="default-chunks")
+    ins = [_data(r, np.dtype(np.float32), 300_001, ReduceOp.SUM) for r in range(world)]
+    buf = ins[rank].copy()
+    g.all_reduce(buf).wait()
+    np.testing.assert_allclose(buf, np.sum(ins, axis=0, dtype=np.float64), rtol=1e-5, atol=1e-5)
+    digest.update(buf.tobytes())
+    kind = g.transport_kind
+    _close(g, store)
+    return kind, digest.hexdigest()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_collectives_match_numpy(world, transport):
+    res = run_ranks(collectives_body, world, transport, timeout=150)
+    assert {k for k, _ in res} == {transport}
+    assert len({d for _, d in res}) == 1   # every rank holds bitwise the same all_reduce results
+
+
+def ordering_body(rank, world):
+    from nccl_ddp.device import HostStream
+    g, store = _group(rank, world)
+    # several async ops, waited for in reverse order
+    bufs = [np.full(100_000, float(rank + i), np.float64) for i in range(5)]
+    works = [g.all_reduce(b) for b in bufs]
+    for i, w in reversed(list(enumerate(works))):
+        w.wait()
+        assert works[i].is_completed()
+        assert works[i].result() is bufs[i]
+        np.testing.assert_array_equal(bufs[i], sum(r + i for r in range(world)))
+    # a stream: the collective runs after the stream's earlier work, its later work after it
+    stream = HostStream("test")
+    buf = np.zeros(10_000, np.float32)
+    seen = {}
+
+    def slow_fill():
+        time.sleep(0.3)
+        buf[:] = rank + 1
+
+    stream.submit(slow_fill)
+    w = g.all_reduce(buf, stream=stream)
+    stream.submit(lambda: seen.setdefault("after", buf.copy()))
+    stream.synchronize(30)
+    total = sum(r + 1 for r in range(world))
+    np.testing.assert_array_equal(seen["after"], total)
+    assert w.is_completed()
+    stream.close()
+    _close(g, store)
+
+
+def test_async_and_stream_ordering():
+    run_ranks(ordering_body, 2, timeout=60)
+
+
+def subgroup_body(rank, world):
+    g, store = _group(rank, world)
+    sub = g.new_subgroup([2, 0])
+    if rank == 1:
+        assert sub is None
+    else:
+        assert sub.ranks == (0, 2) and sub.rank == rank // 2 and sub.size == 2
+        x = np.full(5, rank + 1, np.int32)
+        sub.all_reduce(x).wait()
+        np.testing.assert_array_equal(x, 1 + 3)
+        sub.shutdown()
+    x = np.full(5, rank, np.int64)
+    g.all_reduce(x, ReduceOp.MAX).wait()     # the world group still works
+    np.testing.assert_array_equal(x, world - 1)
+    with pytest.raises(ConfigError, match="not members"):
+        g.new_subgroup([0, 7])
+    _close(g, store)
+
+
+def test_subgroup():
+    run_ranks(subgroup_body, 3, timeout=60)
+
+
+def mismatch_body(rank, world):
+    g, store = _group(rank, world, timeout=20)
+    try:
+        g.all_reduce(np.zeros(10 + rank, np.float32)).wait()
+    except CommError as e:   # RankMismatchError is not a CommError: this is a failure
+        raise AssertionError(f"expected a RankMismatchError, got {e!r}") from e
+    finally:
+        g.shutdown()
+        store.close()
+
+
+def test_mismatched_sizes_name_the_peer():
+    failed = run_ranks(mismatch_body, 2, timeout=60, expect_fail=True)
+    assert set(failed) == {0, 1}
+    for r, tb in failed.items():
+        assert "RankMismatchError" in tb and f"peer rank {1 - r}" in tb, tb
+
+
+def dying_body(rank, world, transport):
+    g, store = _group(rank, world, transport, timeout=60)
+    x = np.ones(1 << 20, np.float32)
+    g.all_reduce(x).wait()
+    if rank == 1:
+        time.sleep(0.3)
+        os._exit(3)
+    t0 = time.monotonic()
+    try:
+        g.all_reduce(x).wait()
+    except CommError as e:
+        raise RuntimeError(f"rank {rank} got {type(e).__name__} after "
+                           f"{time.monotonic() - t0:.1f}s: {e}") from e
+    return "no error"
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_dead_rank_is_named(transport):
+    failed = run_ranks(dying_body, 3, transport, timeout=60, expect_fail=True)
+    assert set(failed) == {0, 1, 2}
+    assert "exited with code 3" in failed[1]
+    for r in (0, 2):
+        assert "CommError" in failed[r] and "peer rank 1" in failed[r], failed[r]
+        secs = float(re.search(r"got CommError after ([\d.]+)s", failed[r]).group(1))
+        assert secs < 30, failed[r]    # well within the 60 s group timeout
+
+
+def absent_body(rank, world):
+    from nccl_ddp.env import resolve_env
+    from nccl_ddp.store import connect_store
+    if rank == 2:
+        return "never joins"
+    store = connect_store(resolve_env(), timeout=30)
+    from nccl_ddp.store import PrefixStore
+    try:
+        HostProcessGroup(PrefixStore(store, "test"), rank, world, timeout=2.0)
+    finally:
+        time.sleep(0.5)      # rank 0 hosts the store: let rank 1 read it first
+        store.close()
+
+
+def test_missing_rank_times_out_naming_it():
+    failed = run_ranks(absent_body, 3, timeout=60, expect_fail=True)
+    assert set(failed) == {0, 1}
+    for tb in failed.values():
+        assert "CommTimeout" in tb and "ranks [2] did not join" in tb, tb
+
+
+def test_single_rank_group_and_argument_errors():
+    g = HostProcessGroup(None, 0, 1)
+    x = np.arange(6, dtype=np.int32)
+    g.all_reduce(x, "avg").wait()
+    np.testing.assert_array_equal(x, np.arange(6))
+    out = np.empty(6, np.int32)
+    g.all_gather(out, x).wait()
+    np.testing.assert_array_equal(out, x)
+    with pytest.raises(ConfigError, match="complex64 is not supported"):
+        g.all_reduce(np.zeros(3, np.complex64))
+    with pytest.raises(ConfigError, match="not defined for bool"):
+        g.all_reduce(np.zeros(3, bool), "sum")
+    with pytest.raises(ConfigError, match="group size"):
+        g.all_gather(np.empty(5, np.int32), x)
+    with pytest.raises(ConfigError, match="C-contiguous"):
+        g.all_reduce(np.zeros(10)[::2])
+    with pytest.raises(ValueError, match="unknown reduce op"):
+        g.all_reduce(x, "mean")
+    g.shutdown()
+    with pytest.raises(CommError, match="shut down"):
+        g.barrier()
+
+
+def test_work_wait_times_out():
+    from nccl_ddp.device import HostStream
+    g = HostProcessGroup(None, 0, 1)
+    stream = HostStream("blocked")
+    stream.submit(time.sleep, 1.0)
+    w = g.barrier(stream=stream)
+    with pytest.raises(CommTimeout, match="barrier #1"):
+        w.wait(0.1)
+    assert w.wait(10)
+    stream.close()
+    g.shutdown()
