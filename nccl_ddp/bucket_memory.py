@@ -30,3 +30,15 @@ class BucketBuffers:
     @property
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.layout.buckets)
+
+
+def copy_into(dst: Any, src: Any) -> None:
+    """dst[...] = src (reshaped to dst); a no-op when they are the same array."""
+    if dst is not src:
+        dst[...] = src.reshape(dst.shape)
+
+
+def to_host(x: Any) -> Any:
+    """A NumPy array of `x` (CuPy: copied to the host, which waits for its stream)."""
+    get = getattr(x, "get", None)
+    return get() if get is not None else x

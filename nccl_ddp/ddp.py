@@ -53,6 +53,7 @@ class DistributedDataParallel:
             broadcast_params(params, self.reducer.specs, self.process_group, self.device,
                              self.config.broadcast_chunk_bytes)
             self._adapter.params_updated()
+        self._adapter.attach(self)
 
     # ------------------------------------------------------------------ the step
 
@@ -109,6 +110,13 @@ class DistributedDataParallel:
 
     # ------------------------------------------------------------------ helpers
 
+    def __getattr__(self, name: str) -> Any:
+        """Anything else is the wrapped module's (`net.trainable_params()`, `model.parameters()`)."""
+        module = self.__dict__.get("module")
+        if module is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(module, name)
+
     @property
     def grads(self) -> List[Any]:
         """The native grad arrays, in parameter order."""
@@ -138,8 +146,10 @@ def adapt_module(module: Any) -> GradModule:
         return module
     if isinstance(module, (list, tuple, dict)):
         return ArrayModule(module)
-    framework = type(module).__module__.split(".")[0]
     adapters = {"torch": "torch", "mindspore": "mindspore", "flax": "jax", "jax": "jax"}
+    # a user's model subclasses the framework's (torch.nn.Module, mindspore.nn.Cell): the MRO says
+    framework = next((f for f in (c.__module__.split(".")[0] for c in type(module).__mro__)
+                      if f in adapters), type(module).__module__.split(".")[0])
     if framework in adapters:
         import importlib
         try:

@@ -3,6 +3,7 @@
 Grads are fused into buckets and pipelined: while bucket i is all-reduced on the comm stream,
 bucket i+1 is packed on the caller's stream. The reduced grads come back as views of fresh
 bucket buffers (no unpack copy), reshaped like the inputs, in a list/tuple like the input.
+Framework tensors go through their adapter (adapters/grads.py) in and out via DLPack.
 
 fusion_type (MindSpore's fusion ids, here exactly):
 - 0: no fusion: one all-reduce per grad.
@@ -20,6 +21,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from . import kernels
+from .adapters import grads as grads_adapters
 from .buckets import DEFAULT_CAP_BYTES, FIRST_CAP_BYTES, ParamSpec, assign_buckets
 from .comm.group import ProcessGroup, ReduceOp
 from .ddp import device_for, resolve_group
@@ -31,6 +33,10 @@ class DistributedGradReducer:
 
     def __init__(self, parameters: Sequence[Any], mean: bool = True, degree: Optional[int] = None,
                  fusion_type: int = 1, group: Optional[ProcessGroup] = None) -> None:
+        parameters = grads_adapters.materialize(parameters)
+        adapter = grads_adapters.for_objects(parameters)
+        if adapter is not None:   # torch / JAX / MindSpore parameters, described natively
+            parameters = adapter.param_infos(parameters)
         if not isinstance(parameters, (list, tuple)) or not parameters:
             raise TypeError("parameters must be a non-empty list or tuple of parameters, got "
                             f"{type(parameters).__name__}")
@@ -52,12 +58,16 @@ class DistributedGradReducer:
             fid = getattr(p, "comm_fusion", fusion_type)
             check_positive_int(f"parameters[{i}].comm_fusion", fid, allow_zero=True)
             key = ("alone", i) if fid == 0 else fid
-            specs.append(ParamSpec(tuple(p.shape), _dtype(p.dtype), getattr(p, "name", None), key))
+            dtype = _param_dtype(p, i)
+            specs.append(ParamSpec(tuple(p.shape), dtype, getattr(p, "name", None), key))
         self.specs = specs
         self.layout = assign_buckets(specs, DEFAULT_CAP_BYTES, FIRST_CAP_BYTES)
         self.comm = self.device.new_stream()
 
     def __call__(self, grads: Sequence[Any]) -> Sequence[Any]:
+        adapter = grads_adapters.for_objects(grads)
+        if adapter is not None:   # framework grads: in and out through DLPack
+            return adapter.reduce(self, grads)
         if not isinstance(grads, (list, tuple)):
             raise TypeError(f"grads must be a list or tuple, got {type(grads).__name__}")
         if len(grads) != len(self.specs):
@@ -85,13 +95,14 @@ class DistributedGradReducer:
         return type(grads)(out)
 
     def _native(self, i: int, g: Any) -> Any:
-        spec = self.specs[i]
-        if tuple(g.shape) != spec.shape or _dtype(g.dtype) != spec.dtype:
-            raise ValueError(f"grads[{i}] has shape {tuple(g.shape)} {g.dtype}; parameter {i} "
-                             f"has {spec.describe()}")
         if type(g).__module__.split(".")[0] != self.device.xp.__name__:
-            raise TypeError(f"grads[{i}] is a {type(g).__module__}.{type(g).__name__}; the group "
-                            f"reduces {self.device.xp.__name__} arrays")
+            raise TypeError(f"grads[{i}] is a {type(g).__module__}.{type(g).__name__}; the "
+                            f"{self.group.backend} group reduces {self.device.xp.__name__} arrays "
+                            "(or the tensors of a framework with an adapter)")
+        spec = self.specs[i]
+        if tuple(g.shape) != spec.shape or np.dtype(g.dtype) != spec.dtype:
+            raise ValueError(f"grads[{i}] has shape {tuple(g.shape)} {g.dtype}; "
+                             f"parameter {i} has {spec.describe()}")
         return g
 
     def close(self) -> None:
@@ -101,9 +112,9 @@ class DistributedGradReducer:
             close()
 
 
-def _dtype(dt: Any) -> np.dtype:
+def _param_dtype(p: Any, i: int) -> np.dtype:
     try:
-        return np.dtype(dt)
+        return np.dtype(p.dtype)
     except TypeError as e:
-        raise TypeError(f"dtype {dt!r} is not a NumPy/CuPy dtype; convert the parameters to native "
-                        "arrays first") from e
+        raise TypeError(f"parameters[{i}] has dtype {p.dtype!r}, not a NumPy/CuPy dtype; pass "
+                        "NumPy/CuPy arrays or the parameters of a framework with an adapter") from e

@@ -13,6 +13,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from . import kernels
+from .bucket_memory import to_host
 from .buckets import ParamSpec, assign_buckets
 from .comm.group import ProcessGroup
 from .errors import RankMismatchError
@@ -59,7 +60,7 @@ def _all_gather_bytes(data: bytes, group: ProcessGroup, device) -> list:
     inp = device.xp.asarray(np.frombuffer(data, dtype=np.uint8))
     out = device.xp.empty(len(data) * group.size, dtype=np.uint8)
     group.all_gather(out, inp).wait(group.timeout)
-    host = _host(out)
+    host = to_host(out)
     return [host[r * len(data):(r + 1) * len(data)].tobytes() for r in range(group.size)]
 
 
@@ -78,8 +79,3 @@ def broadcast_params(params: Sequence[Any], specs: Sequence[ParamSpec], group: P
         if group.rank != 0:
             compute.submit(kernels.unpack, members, buf, list(bucket.offsets))
     compute.synchronize(group.timeout)
-
-
-def _host(x) -> np.ndarray:
-    get = getattr(x, "get", None)
-    return get() if get is not None else np.asarray(x)

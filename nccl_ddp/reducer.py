@@ -22,21 +22,17 @@ from typing import Any, Callable, List, Optional, Sequence
 import numpy as np
 
 from . import kernels
-from .bucket_memory import BucketBuffers
+from .bucket_memory import BucketBuffers, copy_into, to_host
 from .buckets import BucketLayout, ParamSpec, assign_buckets
 from .comm.group import ProcessGroup, ReduceOp
 from .ddp_config import DDPConfig
 from .errors import ReducerError
+from .profiling import Timeline
 
 log = logging.getLogger(__name__)
 
 InstallFn = Callable[[int, Any], None]
 """install(i, view): make the framework's grad of parameter i alias `view` from now on."""
-
-
-def _submit(stream, phase: str, bucket: int, nbytes: int, fn: Callable, *args) -> None:
-    """Run `fn` in `stream` order (the profiling seam: NVTX range / timeline entry per phase)."""
-    stream.submit(fn, *args)
 
 
 class Reducer:
@@ -57,9 +53,11 @@ class Reducer:
                       for p, n in zip(self.params, self.names)]
         self._install = install
         self.comm = device.new_stream()
+        self.prof = Timeline(group.rank)    # NVTX ranges / per-step timeline when switched on
         self.sync_enabled = True            # False inside no_sync()
         self.steps = 0                      # synchronised steps finished
         self.excluded: frozenset = frozenset()   # static graph: unused in step 1, never reduced
+        self.unused_last_step: frozenset = frozenset()   # no rank used them (find_unused/static)
         self._rebuilt = False
         self._arrival: List[int] = []
         self._open = False
@@ -90,7 +88,7 @@ class Reducer:
         for b in layout.buckets:
             for p in b.params:
                 view = self.memory.view(p, self.specs[p].shape)
-                compute.submit(_copy_into, view, self.grads[p])
+                compute.submit(copy_into, view, self.grads[p])
                 views[p] = view
         for p, v in views.items():
             self._install(p, v)
@@ -115,7 +113,6 @@ class Reducer:
         self._pending = [len(b.params) for b in self.layout.buckets]
         self._next = 0
         self._done: list = []
-        self._works: list = []
         self._expected = n - len(self.excluded)
         self._count = 0
         self._open = True
@@ -145,6 +142,8 @@ class Reducer:
                 f"rank {self.group.rank}: parameter {self._label(i)} received a grad, but with "
                 "static_graph=True it was unused in the first step and is no longer reduced; the "
                 "graph is not static: use find_unused_parameters=True instead")
+        if self._count == 0:
+            self.prof.mark("backward", "start", self.device.current_stream())
         if grad is not None:
             self.device.current_stream().submit(_accumulate, self.grads[i], grad)
         self._ready[i] = True
@@ -178,24 +177,30 @@ class Reducer:
         op = ReduceOp.AVG if avg else ReduceOp.SUM
         scale = 1.0 if avg else 1.0 / world
         grads = [self.grads[p] for p in bucket.params]
+        submit, comm = self.prof.submit, self.comm
         if self.mode == "python":
             for g in grads:
                 if scale != 1.0:
-                    _submit(self.comm, "scale", b, g.nbytes, _scale_plain, g, scale)
-                self._works.append(self.group.all_reduce(g, op, stream=self.comm))
+                    submit(comm, "pack", b, g.nbytes, _scale_plain, g, scale)
+                submit(comm, "allreduce", b, g.nbytes, self._all_reduce_here, g, op)
         else:
             buf = self.memory.buffers[b]
             offsets = self.memory.offsets(b)
             if self.mode == "view":
                 if scale != 1.0:
-                    _submit(self.comm, "scale", b, bucket.nbytes, kernels.scale_, buf, scale)
+                    submit(comm, "pack", b, bucket.nbytes, kernels.scale_, buf, scale)
             else:
-                _submit(self.comm, "pack", b, bucket.nbytes,
-                        functools.partial(kernels.pack, scale=scale), grads, buf, offsets)
-            self._works.append(self.group.all_reduce(buf, op, stream=self.comm))
+                submit(comm, "pack", b, bucket.nbytes,
+                       functools.partial(kernels.pack, scale=scale), grads, buf, offsets)
+            submit(comm, "allreduce", b, bucket.nbytes, self._all_reduce_here, buf, op)
             if self.mode == "pack":
-                _submit(self.comm, "unpack", b, bucket.nbytes, kernels.unpack, grads, buf, offsets)
-        self._done.append(self.comm.record())
+                submit(comm, "unpack", b, bucket.nbytes, kernels.unpack, grads, buf, offsets)
+        self._done.append(comm.record())
+
+    def _all_reduce_here(self, buf, op: ReduceOp) -> None:
+        """The collective, run in comm-stream order: cuda enqueues it on the current (comm)
+        stream without blocking; host runs it on the group's worker while this stream waits."""
+        self.group.all_reduce(buf, op, stream=self.device.current_stream()).wait(self.group.timeout)
 
     def finalize(self) -> None:
         """End the step: launch what is left, make the compute stream wait for every bucket.
@@ -227,14 +232,18 @@ class Reducer:
                     self._pending[where[0]] -= 1
             self._launch_ready()
         compute = self.device.current_stream()
+        self.prof.mark("backward", "end", compute)
         # compute: ── backward done ── wait(done 0) ... wait(done n-1) ── optimizer ─▶
         # comm:    ─[bucket 0]─●done 0 ─ ... ─[bucket n-1]─●done n-1
         for ev in self._done:
             compute.wait(ev)
         unused_everywhere = self._globally_unused(missing) if checks_unused else []
+        self.unused_last_step = frozenset(unused_everywhere)   # adapters keep .grad None for these
         for i in unused_everywhere:
-            compute.submit(_copy_into, self.grads[i], saved[i])
+            compute.submit(copy_into, self.grads[i], saved[i])
+        self.unused_last_step = frozenset(unused_everywhere)
         self._open = False
+        self.prof.end_step()
         first = self.steps == 0
         self.steps += 1
         if first and self.config.static_graph:
@@ -249,7 +258,7 @@ class Reducer:
         self.comm.wait(self.device.current_stream().record())
         self.group.all_reduce(used, ReduceOp.SUM, stream=self.comm)
         self.comm.synchronize(self.group.timeout)
-        used = _to_host(used)
+        used = to_host(used)
         return [i for i in missing if used[i] == 0]
 
     def _rebuild(self) -> None:
@@ -261,7 +270,7 @@ class Reducer:
         buf = self.device.xp.asarray(order)
         self.group.broadcast(buf, 0, stream=self.comm)
         self.comm.synchronize(self.group.timeout)
-        order = [int(i) for i in _to_host(buf) if i >= 0]
+        order = [int(i) for i in to_host(buf) if i >= 0]
         layout = assign_buckets(self.specs, self.config.cap_bytes, self.config.first_cap_bytes,
                                 order=order, exclude=sorted(self.excluded))
         self._rebuilt = True
@@ -320,21 +329,11 @@ def _accumulate(dst, src) -> None:
     dst += src.reshape(dst.shape)
 
 
-def _copy_into(dst, src) -> None:
-    if dst is not src:
-        dst[...] = src.reshape(dst.shape)
-
-
 def _scale_plain(g, f: float) -> None:
     g *= g.dtype.type(f)
 
 
 def _copy_of(device, stream, x):
     out = device.xp.empty_like(x)
-    stream.submit(_copy_into, out, x)
+    stream.submit(copy_into, out, x)
     return out
-
-
-def _to_host(x) -> np.ndarray:
-    get = getattr(x, "get", None)      # cupy -> numpy
-    return get() if get is not None else np.asarray(x)

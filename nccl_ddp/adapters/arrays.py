@@ -54,6 +54,10 @@ class GradModule(abc.ABC):
         """A native array for a grad of parameter i produced by the framework."""
         return grad
 
+    def attach(self, ddp: Any) -> None:
+        """Called once the DDP wrapper is built: install framework hooks that call its
+        mark_ready (torch, MindSpore); nothing for raw arrays."""
+
     def params_updated(self) -> None:
         """Called after the native parameters were overwritten (immutable frameworks reload)."""
 
