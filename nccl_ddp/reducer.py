@@ -238,7 +238,6 @@ class Reducer:
         for ev in self._done:
             compute.wait(ev)
         unused_everywhere = self._globally_unused(missing) if checks_unused else []
-        self.unused_last_step = frozenset(unused_everywhere)   # adapters keep .grad None for these
         for i in unused_everywhere:
             compute.submit(copy_into, self.grads[i], saved[i])
         self.unused_last_step = frozenset(unused_everywhere)

@@ -1,0 +1,275 @@
+"""PyTorch adapter: `torch.nn.Module` for `DistributedDataParallel`, lists of tensors for
+`DistributedGradReducer`. Data crosses only through DLPack, without copies.
+
+DDP: every parameter's `.grad` becomes a view of our bucket memory (`p.grad =
+torch.from_dlpack(bucket_view)`), so autograd accumulates straight into the bucket (PyTorch's
+gradient_as_bucket_view). A `register_post_accumulate_grad_hook` per parameter marks it ready; the
+reducer all-reduces full buckets on its comm stream while backward goes on, and a callback queued
+on the autograd engine finalizes the step when backward ends. On CUDA the current torch stream is
+the compute stream. PyTorch's grad semantics are kept: a parameter whose `.grad` was None (after
+`optimizer.zero_grad()`) and that no rank used in a step keeps `.grad = None`.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Iterator, List, Optional
+
+from ._dlpack import KDL_CPU, KDL_CUDA, bfloat16_dtype, native_from_dlpack
+from .arrays import GradModule
+from .grads import GradsAdapter, ParamInfo
+
+log = logging.getLogger(__name__)
+
+
+def adapt(module: Any) -> "TorchModule":
+    """The DDP adapter for a `torch.nn.Module`."""
+    import torch
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"expected a torch.nn.Module, got {type(module).__module__}."
+                        f"{type(module).__name__}")
+    return TorchModule(module)
+
+
+def grads_adapter() -> "TorchGrads":
+    return TorchGrads()
+
+
+# ---------------------------------------------------------------------------------------------
+# tensors <-> native arrays
+
+
+def to_native(t: Any) -> Any:
+    """A NumPy (CPU) or CuPy (CUDA) array sharing memory with tensor `t` (writable)."""
+    import torch
+    t = t.detach()
+    kind = {"cpu": KDL_CPU, "cuda": KDL_CUDA}.get(t.device.type)
+    if kind is None:
+        raise TypeError(f"tensors on {t.device} are not supported; use CPU or CUDA tensors")
+    if t.dtype == torch.bfloat16:
+        if kind != KDL_CPU:
+            raise TypeError("bfloat16 CUDA tensors have no CuPy dtype; keep bfloat16 parameters "
+                            "on the host backend or use float16 / float32")
+        return native_from_dlpack(t.view(torch.int16), kind).view(bfloat16_dtype())
+    return native_from_dlpack(t, kind)
+
+
+def from_native(a: Any) -> Any:
+    """A tensor sharing memory with the native array `a`."""
+    import numpy as np
+    import torch
+    if isinstance(a, np.ndarray) and a.dtype == bfloat16_dtype():
+        return torch.from_dlpack(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_dlpack(a)
+
+
+def _is_cuda(t: Any) -> bool:
+    return t.device.type == "cuda"
+
+
+@contextlib.contextmanager
+def torch_stream_current(on_cuda: bool) -> Iterator[None]:
+    """Make torch's current CUDA stream CuPy's current stream, so the reducer's compute stream is
+    the one backward runs on; a no-op on the CPU."""
+    if not on_cuda:
+        yield
+        return
+    import cupy
+    import torch
+    stream = torch.cuda.current_stream()
+    with cupy.cuda.Device(stream.device.index), cupy.cuda.ExternalStream(stream.cuda_stream):
+        yield
+
+
+# ---------------------------------------------------------------------------------------------
+# DistributedDataParallel
+
+
+class TorchModule(GradModule):
+    """A `torch.nn.Module` seen by the reducer: its trainable parameters, their grads (tensors we
+    own, aliasing bucket memory once the reducer installs views) and autograd hooks."""
+
+    def __init__(self, module: Any) -> None:
+        import torch
+        self.module = module
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.names: List[Optional[str]] = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        for n, p in named:
+            if p.is_sparse or not p.is_contiguous():
+                raise ValueError(f"parameter {n!r} must be dense and contiguous (collectives and "
+                                 "bucket views need contiguous memory)")
+        devices = {str(p.device) for p in self.params}
+        if len(devices) > 1:
+            raise ValueError(f"all parameters must be on one device, found {sorted(devices)}; "
+                             "one process drives one device")
+        self.on_cuda = bool(self.params) and _is_cuda(self.params[0])
+        # _grads[i]: the tensor the reducer's grads[i] aliases; p.grad is set to it at forward.
+        self._grads = [torch.zeros_like(p, memory_format=torch.contiguous_format)
+                       for p in self.params]
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self._ddp = None
+        self._hooks: list = []
+        self._was_none: set = set()     # params whose .grad was None at this step's forward
+        self._seen: set = set()         # params whose hook ran in this backward
+        self._used_since_sync: set = set()   # ... in any backward since the last synced step
+        self._callback_queued = False
+        self._syncing = True
+
+    # ---- GradModule
+    def native_params(self) -> List[Any]:
+        return [to_native(p) for p in self.params]
+
+    def native_grads(self) -> List[Any]:
+        for i, p in enumerate(self.params):
+            if p.grad is not None:
+                self._grads[i].copy_(p.grad)
+                p.grad = self._grads[i]
+        return [to_native(g) for g in self._grads]
+
+    @property
+    def can_install_grads(self) -> bool:
+        return True
+
+    def install_grad(self, i: int, view: Any) -> None:
+        """The reducer moved grad i into bucket memory: from now on `p.grad` is that view."""
+        p, old = self.params[i], self._grads[i]
+        self._grads[i] = from_native(view)
+        if p.grad is not None and p.grad.data_ptr() == old.data_ptr():
+            p.grad = self._grads[i]
+
+    def index_of(self, param: Any) -> int:
+        if isinstance(param, str):
+            return self.names.index(param) if param in self.names else _missing(param)
+        i = self._index.get(id(param))
+        return i if i is not None else _missing(param)
+
+    def attach(self, ddp: Any) -> None:
+        """Register the grad hooks and broadcast rank 0's buffers (with init_sync)."""
+        self._ddp = ddp
+        for i, p in enumerate(self.params):
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._hook_for(i)))
+        if ddp.config.init_sync:
+            self._broadcast_buffers(ddp)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._point_grads_at_buckets()
+        return self.module(*args, **kwargs)
+
+    # ---- the step
+    def _point_grads_at_buckets(self) -> None:
+        """Before backward: every `.grad` is our bucket view, so autograd accumulates in place.
+        A `.grad` that is None starts from zero; one the user replaced is copied in."""
+        self._was_none = set()
+        with torch_stream_current(self.on_cuda):
+            for i, p in enumerate(self.params):
+                mine = self._grads[i]
+                if p.grad is not None and p.grad.data_ptr() == mine.data_ptr():
+                    continue
+                if p.grad is None:
+                    mine.zero_()
+                    self._was_none.add(i)
+                else:
+                    mine.copy_(p.grad)
+                p.grad = mine
+
+    def _hook_for(self, i: int):
+        def hook(p: Any) -> None:
+            mine = self._grads[i]
+            if p.grad is None or p.grad.data_ptr() != mine.data_ptr():
+                # backward without our forward (or .grad replaced meanwhile): bring it in
+                if p.grad is not None:
+                    mine.copy_(p.grad)
+                p.grad = mine
+            self._seen.add(i)
+            if not self._callback_queued:
+                self._callback_queued = True
+                self._syncing = self._ddp.reducer.sync_enabled
+                import torch
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            with torch_stream_current(self.on_cuda):
+                self._ddp.mark_ready(i)
+        hook.__name__ = f"nccl_ddp_grad_ready_{i}"
+        return hook
+
+    def _end_of_backward(self) -> None:
+        """Runs on the autograd engine once backward has finished: close the step, then give
+        `.grad = None` back to params that had it and that got no grad anywhere."""
+        seen, self._seen, self._callback_queued = self._seen, set(), False
+        reducer = self._ddp.reducer
+        with torch_stream_current(self.on_cuda):
+            if self._syncing:
+                # used under no_sync() earlier, not in this backward: its accumulated grad is
+                # still this step's grad and must be reduced (PyTorch counts it as used)
+                for i in sorted(self._used_since_sync - seen):
+                    self._ddp.mark_ready(i)
+                self._used_since_sync = set()
+            else:
+                self._used_since_sync |= seen
+            self._ddp.finalize()
+        unused = [i for i in self._was_none if i not in seen]
+        if not unused:
+            return
+        if self._syncing:
+            everywhere = getattr(reducer, "unused_last_step", None)
+            if everywhere is None:
+                return
+            unused = [i for i in unused if i in everywhere or i in reducer.excluded]
+        for i in unused:
+            self.params[i].grad = None
+
+    def _broadcast_buffers(self, ddp: Any) -> None:
+        """Every rank starts from rank 0's buffers (running statistics and the like)."""
+        group = ddp.process_group
+        for name, b in self.module.named_buffers():
+            if _is_cuda(b) != self.on_cuda:
+                raise ValueError(f"buffer {name!r} is on {b.device}, the parameters on "
+                                 f"{self.params[0].device}; move the whole module to one device")
+            native = to_native(b if b.is_contiguous() else b.contiguous())
+            group.broadcast(native, 0).wait(group.timeout)
+            if not b.is_contiguous():
+                b.copy_(from_native(native))
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
+def _missing(param: Any) -> int:
+    raise KeyError(param)
+
+
+# ---------------------------------------------------------------------------------------------
+# DistributedGradReducer
+
+
+class TorchGrads(GradsAdapter):
+    """Parameters: tensors (`model.parameters()` works); grads: a list/tuple of tensors. The
+    reduced grads are new tensors viewing the reducer's fresh bucket memory (no copy out)."""
+
+    def param_infos(self, parameters: Any) -> List[ParamInfo]:
+        import torch
+        return [ParamInfo(tuple(p.shape), to_native(torch.empty(0, dtype=p.dtype)).dtype)
+                for p in parameters]
+
+    def to_native(self, grads: Any) -> List[Any]:
+        self._check(grads)
+        return [to_native(g if g.is_contiguous() else g.contiguous()) for g in grads]
+
+    def from_native(self, grads: Any, reduced: List[Any]) -> Any:
+        return type(grads)(from_native(a) for a in reduced)
+
+    def reduce(self, reduce_native, grads: Any) -> Any:
+        self._check(grads)
+        with torch_stream_current(bool(grads) and _is_cuda(grads[0])):
+            return super().reduce(reduce_native, grads)
+
+    @staticmethod
+    def _check(grads: Any) -> None:
+        if not isinstance(grads, (list, tuple)):
+            raise TypeError(f"grads must be a list or tuple of tensors, got {type(grads).__name__}")
+        for i, g in enumerate(grads):
+            if g is None:
+                raise ValueError(f"grads[{i}] is None (that parameter got no grad); pass "
+                                 "torch.zeros_like(param) for it so every rank reduces the same list")
