@@ -178,8 +178,8 @@ def exchange_unique_id(store: Any, key: str, rank: int, timeout: float,
         uid = bytes(store.get(key, timeout))
     except StoreTimeout as e:
         raise CommTimeout(f"{who}: group rank 0 did not publish the NCCL unique id ({key!r}) "
-                          f"within {timeout:g}s; check that every member creates the group and read "
-                          f"rank 0's log") from e
+                          f"within {timeout:g}s; check that every member creates the group, and "
+                          f"read rank 0's log") from e
     if len(uid) != UNIQUE_ID_BYTES:
         raise CommError(f"{who}: the NCCL unique id under {key!r} has {len(uid)} bytes, not "
                         f"{UNIQUE_ID_BYTES}; another job may share this store (MASTER_PORT)")
@@ -312,9 +312,14 @@ class NcclProcessGroup(ProcessGroup):
                             lambda c, s: c.allReduce(p, p, 1, dt, code, s))
 
     def _dtype(self, buf) -> int:
+        """NCCL type of `buf`, which must be contiguous (NCCL sees a pointer and a count)."""
+        if not buf.flags.c_contiguous:
+            raise ValueError(f"NCCL buffers must be contiguous; got a strided {buf.dtype} array of "
+                             f"shape {buf.shape} on group {self.name!r} (pass a contiguous copy)")
         return nccl_dtype(buf.dtype, self._rt.lib)
 
     def _check_sizes(self, op: str, big, small) -> None:
+        self._dtype(big)
         if big.dtype != small.dtype or big.size != small.size * self.size:
             raise ValueError(f"{op} on group {self.name!r}: buffers of {big.size} x {big.dtype} "
                              f"and {small.size} x {small.dtype} do not fit; the big one needs "
