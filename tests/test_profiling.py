@@ -212,3 +212,36 @@ def test_nvtx_ranges_named_and_coloured(monkeypatch):
                    ("work",), ("pop", "comm-worker"), ("pop", main),
                    ("push", "finalize", pf.PHASES["finalize"], main), ("finalize",), ("pop", main)]
     assert prof.end_step() is None
+
+
+# ---------------------------------------------------------------------------------- CUDA timeline
+
+_SPIN = r'''
+extern "C" __global__ void spin(long long cycles) {
+    long long t0 = clock64();
+    while (clock64() - t0 < cycles) {}
+}'''
+
+
+@pytest.mark.gpu
+def test_cuda_timeline_events_resolve_at_step_end(tmp_path):
+    """A long kernel on the compute stream between the backward marks, a short one on the comm
+    stream launched inside: CUDA timing events must place the comm span inside backward."""
+    cp = pytest.importorskip("cupy")
+    from nccl_ddp.device import CudaDevice
+    dev = CudaDevice(0)
+    compute, comm = dev.new_stream(), dev.new_stream()
+    spin = cp.RawKernel(_SPIN, "spin")
+    rate = cp.cuda.Device(0).attributes["ClockRate"] * 1000      # cycles per second
+    prof = pf.Timeline(timeline=True, nvtx=False)
+    prof.mark("backward", "start", compute)
+    compute.submit(spin, (1,), (1,), (cp.int64(rate * 0.2),))
+    prof.submit(comm, "allreduce", 0, MiB, spin, (1,), (1,), (cp.int64(rate * 0.02),))
+    prof.mark("backward", "end", compute)
+    s = prof.end_step()
+    assert 0.005 < s.comm_s < s.backward_s
+    assert s.overlap_ratio > 0.5 and s.buckets == 1
+    prof.write_chrome_trace(str(tmp_path / "t.json"))
+    tracks = {e["args"]["name"] for e in json.loads((tmp_path / "t.json").read_text())[
+        "traceEvents"] if e.get("name") == "thread_name"}
+    assert tracks == {"compute", "comm"}
