@@ -4,5 +4,11 @@
 """
 from . import errors
 from .errors import NcclDdpError
+from .comm.api import (all_gather, all_reduce, barrier, broadcast, destroy_process_group,
+                       get_local_rank, get_rank, get_world_group, get_world_size,
+                       init_process_group, is_initialized, new_group, reduce_scatter)
+from .comm.group import ProcessGroup, ReduceOp, Work
+from .ddp import DistributedDataParallel
+from .grad_reducer import DistributedGradReducer
 
 __version__ = "0.1.0"

@@ -1,0 +1,129 @@
+"""Framework arrays <-> the backend's native arrays (NumPy on "host", CuPy on "cuda"), via DLPack.
+
+Writable inputs become zero-copy views, so a collective writes into the caller's own object.
+Read-only or immutable inputs (JAX) are copied, and `from_native` hands back a new array of the
+caller's framework. Frameworks are imported only when such an array shows up.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Optional
+
+import numpy as np
+
+from .errors import ConfigError
+
+_DL_CPU, _DL_CUDA_HOST = 1, 3
+_DEVICE_NAMES = {1: "cpu", 2: "cuda", 3: "cuda-host", 4: "opencl", 7: "vulkan", 8: "metal",
+                 10: "rocm", 13: "cuda-managed"}
+
+
+def is_immutable(x: Any) -> bool:
+    """True for arrays that must never be written in place (JAX)."""
+    return type(x).__module__.split(".")[0] in ("jax", "jaxlib")
+
+
+def _dlpack_source(x: Any, where: str) -> Any:
+    if not hasattr(x, "__dlpack__"):
+        raise ConfigError(f"{where}: expected an array that supports DLPack (NumPy, CuPy, torch, "
+                          f"JAX), got {type(x).__module__}.{type(x).__name__}")
+    if getattr(x, "requires_grad", False) and hasattr(x, "detach"):
+        return x.detach()          # torch: same storage, no autograd tracking
+    return x
+
+
+def _device_type(x: Any) -> int:
+    try:
+        return int(x.__dlpack_device__()[0])
+    except (AttributeError, TypeError):
+        return _DL_CPU
+
+
+def to_native(x: Any, device_kind: str, where: str = "collective") -> Any:
+    """A native array for `x`: the same memory when `x` is writable, else a private copy.
+
+    `device_kind` is "host" (NumPy) or "cuda" (CuPy); `where` prefixes error messages.
+    """
+    if device_kind == "host":
+        return _to_numpy(x, where)
+    if device_kind == "cuda":
+        return _to_cupy(x, where)
+    raise ConfigError(f"{where}: unknown device kind {device_kind!r}; use 'host' or 'cuda'")
+
+
+def _to_numpy(x: Any, where: str) -> np.ndarray:
+    if isinstance(x, np.ndarray):
+        return x if x.flags.writeable else x.copy()
+    arr = _numpy_view(x, where)
+    if is_immutable(x) or not arr.flags.writeable:
+        arr = arr.copy()
+    return arr
+
+
+def _numpy_view(x: Any, where: str) -> np.ndarray:
+    """A NumPy array over the memory of a CPU DLPack array (may be read-only)."""
+    src = _dlpack_source(x, where)
+    dev = _device_type(src)
+    if dev not in (_DL_CPU, _DL_CUDA_HOST):
+        raise ConfigError(f"{where}: the array lives on device {_DEVICE_NAMES.get(dev, dev)}, "
+                          f"but the host backend needs CPU arrays; use backend='nccl' for GPU "
+                          f"arrays, or move it to the CPU")
+    try:
+        return np.from_dlpack(src)
+    except (BufferError, TypeError, RuntimeError) as e:
+        arr = _bfloat16_view(src)
+        if arr is None and is_immutable(x):
+            arr = np.asarray(x)
+        if arr is None:
+            raise ConfigError(f"{where}: cannot view {type(x).__name__} through DLPack ({e})") from e
+        return arr
+
+
+def _bfloat16_view(src: Any) -> Optional[np.ndarray]:
+    """NumPy's DLPack import knows no bfloat16: view the framework array as int16 (torch's
+    `tensor.view(torch.int16)`), import that, and reinterpret it with ml_dtypes."""
+    framework = sys.modules.get(type(src).__module__.split(".")[0])
+    int16 = getattr(framework, "int16", None)
+    if "bfloat16" not in str(getattr(src, "dtype", "")) or int16 is None or not hasattr(src, "view"):
+        return None
+    import ml_dtypes
+    return np.from_dlpack(src.view(int16)).view(ml_dtypes.bfloat16)
+
+
+def _to_cupy(x: Any, where: str) -> Any:
+    import cupy
+    if isinstance(x, cupy.ndarray):
+        return x
+    if isinstance(x, np.ndarray):
+        raise ConfigError(f"{where}: got a NumPy (CPU) array but the nccl backend needs GPU "
+                          f"arrays; move it to the GPU (cupy.asarray) or use backend='host'")
+    src = _dlpack_source(x, where)
+    try:
+        arr = cupy.from_dlpack(src)
+    except (BufferError, TypeError, RuntimeError, ValueError) as e:
+        raise ConfigError(f"{where}: cannot view {type(x).__name__} on the GPU through DLPack "
+                          f"({e}); the nccl backend needs GPU arrays") from e
+    return arr.copy() if is_immutable(x) else arr
+
+
+def from_native(native: Any, like: Any) -> Any:
+    """What a collective returns for the caller's `like`: `like` itself when `native` is a view
+    of it, a native array for NumPy/CuPy callers, a new framework array for immutable ones."""
+    if native is like:
+        return like
+    if is_immutable(like):
+        if isinstance(native, np.ndarray):
+            import jax.numpy as jnp
+            return jnp.asarray(native)
+        import jax.dlpack
+        return jax.dlpack.from_dlpack(native)
+    if type(like).__module__.split(".")[0] in ("numpy", "cupy") or not _shares(native, like):
+        return native          # a read-only input got a new array
+    return like                # a DLPack view of a writable framework array: written in place
+
+
+def _shares(native: Any, like: Any) -> bool:
+    if isinstance(native, np.ndarray):
+        return np.may_share_memory(native, _numpy_view(like, ""))
+    import cupy
+    return cupy.may_share_memory(native, cupy.from_dlpack(_dlpack_source(like, "")))

@@ -1,0 +1,287 @@
+"""The torch.distributed-like functional API: one world group per process, collectives on any
+DLPack array (converted by `nccl_ddp.arrays`).
+
+    nd.init_process_group()                  # env from nccl-ddp-run / torchrun / Slurm / MPI
+    nd.all_reduce(grad, op="avg")            # in place on NumPy / torch CPU / CuPy arrays
+    w = nd.all_reduce(x, async_op=True); ...; x = w.result()
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+from .. import arrays
+from ..env import DistEnv, resolve_env
+from ..errors import ConfigError, NcclDdpError
+from .group import ProcessGroup, ReduceOp, Work
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("host", "nccl")
+_DEVICE_KIND = {"host": "host", "nccl": "cuda"}
+_inits = itertools.count(1)    # init_process_group calls so far: fresh store keys for each
+
+
+@dataclass
+class _World:
+    env: DistEnv
+    store: Any
+    group: ProcessGroup
+    owns_store: bool
+
+
+_world: Optional[_World] = None
+
+
+def _pick_backend(backend: Optional[str]) -> str:
+    if backend is not None:
+        if backend not in BACKENDS:
+            raise ConfigError(f"unknown backend {backend!r}; use one of {BACKENDS} or None (auto)")
+        return backend
+    from . import nccl
+    choice = "nccl" if nccl.is_available() else "host"
+    log.info("nccl_ddp: backend %r (%s)", choice,
+             "CuPy sees a GPU and NCCL" if choice == "nccl" else "no usable GPU/NCCL")
+    return choice
+
+
+def _create_group(backend: str, store, env: DistEnv, timeout: float) -> ProcessGroup:
+    ranks = list(range(env.world_size))
+    if backend == "nccl":
+        from .nccl import NcclProcessGroup
+        return NcclProcessGroup.create(store, env.rank, env.world_size, ranks, timeout, "world",
+                                       device_id=env.local_rank)
+    from .host import HostProcessGroup
+    return HostProcessGroup.create(store, env.rank, env.world_size, ranks, timeout, "world")
+
+
+def init_process_group(backend: Optional[str] = None, *, timeout: float = 300.0,
+                       rank: Optional[int] = None, world_size: Optional[int] = None,
+                       store=None) -> ProcessGroup:
+    """Join the job: resolve who this process is, connect the store (unless given) and build the
+    world group. Collective over all ranks. Returns the world group."""
+    global _world
+    if _world is not None:
+        raise ConfigError(f"rank {_world.env.rank}: init_process_group called twice; call "
+                          f"destroy_process_group() first")
+    env = resolve_env(rank=rank, world_size=world_size)
+    name = _pick_backend(backend)
+    owns = store is None
+    if owns:
+        from ..store import connect_store
+        store = connect_store(env, timeout)
+    from ..store import PrefixStore
+    try:
+        group = _create_group(name, PrefixStore(store, f"nccl_ddp/init{next(_inits)}"), env,
+                              timeout)
+    except BaseException:
+        if owns:
+            store.close()
+        raise
+    _world = _World(env, store, group, owns)
+    log.debug("rank %d/%d: %s world group ready", env.rank, env.world_size, name)
+    return group
+
+
+def destroy_process_group() -> None:
+    """Shut the world group down and close the store (rank 0 last). No-op if not initialized."""
+    global _world
+    w, _world = _world, None
+    if w is None:
+        return
+    w.group.shutdown()
+    if not w.owns_store:
+        return
+    if w.env.world_size > 1:   # rank 0 hosts the store: nobody may still need it when it closes
+        try:
+            w.store.barrier("nccl_ddp/destroy", w.env.world_size, min(w.group.timeout, 30.0))
+        except NcclDdpError as e:
+            log.warning("rank %d: destroy_process_group: not every rank arrived (%s)",
+                        w.env.rank, e)
+    w.store.close()
+
+
+def is_initialized() -> bool:
+    return _world is not None
+
+
+def _require(what: str) -> _World:
+    if _world is None:
+        raise ConfigError(f"{what} called before init_process_group(); call "
+                          f"nccl_ddp.init_process_group() first (it reads RANK/WORLD_SIZE/"
+                          f"MASTER_ADDR/MASTER_PORT, as set by nccl-ddp-run)")
+    return _world
+
+
+def get_rank() -> int:
+    return _require("get_rank").env.rank
+
+
+def get_world_size() -> int:
+    return _require("get_world_size").env.world_size
+
+
+def get_local_rank() -> int:
+    return _require("get_local_rank").env.local_rank
+
+
+def get_world_group() -> ProcessGroup:
+    return _require("get_world_group").group
+
+
+def new_group(ranks: Sequence[int]) -> Optional[ProcessGroup]:
+    """A group of the given global ranks; every rank of the world must call it, in the same
+    order. Non-members get None."""
+    return _require("new_group").group.new_subgroup(list(ranks))
+
+
+# -- collectives --------------------------------------------------------------------------------
+
+
+class ApiWork(Work):
+    """A backend Work plus the step that turns its native output into the caller's object."""
+
+    def __init__(self, inner: Work, finish: Callable[[], Any]) -> None:
+        self._inner, self._finish = inner, finish
+        self._done, self._value = False, None
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        self._inner.wait(timeout)
+        if not self._done:
+            self._value, self._done = self._finish(), True
+        return True
+
+    def is_completed(self) -> bool:
+        return self._inner.is_completed()
+
+    def result(self) -> Any:
+        self.wait()
+        return self._value
+
+
+class _Buf:
+    """One caller array as a contiguous native buffer; `finish()` writes back and returns what
+    the caller gets."""
+
+    def __init__(self, x: Any, kind: str, where: str) -> None:
+        self.x = x
+        self.native = arrays.to_native(x, kind, where)
+        contiguous = self.native.flags.c_contiguous
+        self.buf = self.native if contiguous else self.native.copy()   # copy() is C order
+
+    def finish(self) -> Any:
+        if self.buf is not self.native:
+            self.native[...] = self.buf
+        return arrays.from_native(self.native, self.x)
+
+
+def _context(group: Optional[ProcessGroup], what: str) -> tuple:
+    w = _require(what)
+    g = w.group if group is None else group
+    if not isinstance(g, ProcessGroup):
+        raise ConfigError(f"rank {w.env.rank}: {what}: group must be a ProcessGroup from "
+                          f"new_group() (or None for the world), got {type(g).__name__}; "
+                          f"new_group returns None on ranks that are not members")
+    return g, _DEVICE_KIND[g.backend], f"rank {w.env.rank}: {what} on group {g.name!r}"
+
+
+def _run(work: Work, finish: Callable[[], Any], async_op: bool) -> Any:
+    w = ApiWork(work, finish)
+    if async_op:
+        return w
+    return w.result()
+
+
+def all_reduce(x: Any, op: "ReduceOp | str" = "sum", group: Optional[ProcessGroup] = None,
+               async_op: bool = False) -> Any:
+    """Reduce `x` over the group (in place where possible); returns `x` or the new array."""
+    g, kind, where = _context(group, "all_reduce")
+    b = _Buf(x, kind, where)
+    return _run(g.all_reduce(b.buf, ReduceOp.parse(op)), b.finish, async_op)
+
+
+def broadcast(x: Any, src: int = 0, group: Optional[ProcessGroup] = None,
+              async_op: bool = False) -> Any:
+    """Copy global rank `src`'s `x` to every member of the group."""
+    g, kind, where = _context(group, "broadcast")
+    if src not in g.ranks:
+        raise ConfigError(f"{where}: src rank {src} is not a member of the group "
+                          f"{list(g.ranks)}; src is a global rank")
+    b = _Buf(x, kind, where)
+    return _run(g.broadcast(b.buf, g.ranks.index(src)), b.finish, async_op)
+
+
+def _gather_parts(parts: Sequence[Any], g: ProcessGroup, kind: str, where: str, size: int,
+                  role: str) -> list:
+    if len(parts) != g.size:
+        raise ConfigError(f"{where}: {role} has {len(parts)} arrays but the group has {g.size} "
+                          f"ranks; pass one per rank")
+    bufs = [_Buf(p, kind, where) for p in parts]
+    for i, b in enumerate(bufs):
+        if b.buf.size != size:
+            raise ConfigError(f"{where}: {role}[{i}] has {b.buf.size} elements, expected {size}")
+    return bufs
+
+
+def all_gather(out: Any, x: Any, group: Optional[ProcessGroup] = None,
+               async_op: bool = False) -> Any:
+    """`out` (a list of group-size arrays, or one array of group size x `x.size` elements)
+    receives every member's `x`, in group-rank order. Returns `out` (or new arrays)."""
+    g, kind, where = _context(group, "all_gather")
+    xi = _Buf(x, kind, where)
+    if isinstance(out, (list, tuple)):
+        parts = _gather_parts(out, g, kind, where, xi.buf.size, "out")
+        flat = _empty_like(xi.buf, g.size * xi.buf.size)
+
+        def finish() -> Any:
+            res = []
+            for i, p in enumerate(parts):
+                p.buf.reshape(-1)[...] = flat[i * xi.buf.size:(i + 1) * xi.buf.size]
+                res.append(p.finish())
+            return type(out)(res) if isinstance(out, tuple) else _same_list(out, res)
+
+        return _run(g.all_gather(flat, xi.buf.reshape(-1)), finish, async_op)
+    o = _Buf(out, kind, where)
+    return _run(g.all_gather(o.buf.reshape(-1), xi.buf.reshape(-1)), o.finish, async_op)
+
+
+def reduce_scatter(out: Any, inputs: Any, op: "ReduceOp | str" = "sum",
+                   group: Optional[ProcessGroup] = None, async_op: bool = False) -> Any:
+    """`inputs` (a list of group-size arrays, or one array of group size x `out.size`) is reduced
+    over the group; member i receives part i in `out`. Returns `out` (or a new array)."""
+    g, kind, where = _context(group, "reduce_scatter")
+    o = _Buf(out, kind, where)
+    if isinstance(inputs, (list, tuple)):
+        parts = _gather_parts(inputs, g, kind, where, o.buf.size, "inputs")
+        flat = _empty_like(o.buf, g.size * o.buf.size)
+        for i, p in enumerate(parts):
+            flat[i * o.buf.size:(i + 1) * o.buf.size] = p.buf.reshape(-1)
+    else:
+        flat = _Buf(inputs, kind, where).buf.reshape(-1)
+    return _run(g.reduce_scatter(o.buf.reshape(-1), flat, ReduceOp.parse(op)), o.finish,
+                async_op)
+
+
+def barrier(group: Optional[ProcessGroup] = None, async_op: bool = False) -> Any:
+    """Returns once every member of the group reached the barrier (a Work with async_op)."""
+    g, _, _ = _context(group, "barrier")
+    return _run(g.barrier(), lambda: None, async_op)
+
+
+def _empty_like(a: Any, n: int) -> Any:
+    if isinstance(a, np.ndarray):
+        return np.empty(n, a.dtype)
+    import cupy
+    return cupy.empty(n, a.dtype)
+
+
+def _same_list(out: list, res: list) -> list:
+    """The caller's list, updated where a framework array could not be written in place."""
+    for i, r in enumerate(res):
+        if r is not out[i]:
+            out[i] = r
+    return out
