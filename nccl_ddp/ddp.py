@@ -102,6 +102,7 @@ class DistributedDataParallel:
 
     def zero_grad(self) -> None:
         """Zero the accumulated grads (DDP keeps accumulating across steps until this is called)."""
+        self._adapter.synchronize()
         self.reducer.zero_grad()
 
     def close(self) -> None:
@@ -175,11 +176,9 @@ def resolve_group(group: Optional[ProcessGroup], argname: str) -> ProcessGroup:
 
 def device_for(group: ProcessGroup):
     """The device whose arrays `group` reduces: host (NumPy) or cuda (CuPy)."""
-    from .device import HostDevice
-    if group.backend == "host":
-        return HostDevice()
     from .device import get_device
-    return get_device("cuda")
+    return get_device("host" if group.backend == "host" else "cuda",
+                      getattr(group, "device_id", None))
 
 
 def _check_native(arrays: List[Any], device, what: str, names: List[Optional[str]]) -> None:

@@ -267,6 +267,7 @@ class Reducer:
         arrived = list(dict.fromkeys(self._arrival))
         order[:len(arrived)] = arrived
         buf = self.device.xp.asarray(order)
+        self.comm.wait(self.device.current_stream().record())
         self.group.broadcast(buf, 0, stream=self.comm)
         self.comm.synchronize(self.group.timeout)
         order = [int(i) for i in to_host(buf) if i >= 0]

@@ -79,10 +79,11 @@ class ShmTransport:
     """Collectives between ranks of one host: each rank stages chunks in its own segment (two
     slots, used alternately) and the sockets carry only small signals.
 
-    all_reduce of one chunk, on every rank r:
-        copy my chunk into my slot          -> signal "staged"  -> wait until all peers staged
-        reduce part r of every peer's slot  -> signal "reduced" -> wait until all peers reduced
-        copy part j of peer j's slot into my buffer, for every j
+    all_reduce of one chunk (split in one part per rank), on every rank r:
+        copy my chunk but part r into my slot                -> signal "staged", wait for peers'
+        part r of my buffer (op)= part r of each peer's slot; copy it into my slot
+                                                              -> signal "reduced", wait for peers'
+        copy part j of peer j's slot into my buffer, for every j != r
     Part r is computed once (by rank r), so every rank ends with the same bits. A rank writes slot
     s again two steps later, after every peer signalled the step in between, which each sends
     only once it has finished reading slot s.
@@ -139,15 +140,19 @@ class ShmTransport:
             hi = min(n, lo + ce)
             m = hi - lo
             s = self._step()
-            np.copyto(self._slot(r, s, 0, m, dt), buf[lo:hi])
-            self._exchange(desc, STAGED)
             a, b = _bounds(m, r, size)
-            others = [self._slot(j, s, a, b, dt) for j in range(size) if j != r]
-            red.combine(self._slot(r, s, a, b, dt), others, final=True)
+            # peers need every part but mine, which I reduce straight from my buffer
+            np.copyto(self._slot(r, s, 0, a, dt), buf[lo:lo + a])
+            np.copyto(self._slot(r, s, b, m, dt), buf[lo + b:hi])
+            self._exchange(desc, STAGED)
+            mine = buf[lo + a:lo + b]
+            red.combine(mine, [self._slot(j, s, a, b, dt) for j in range(size) if j != r], True)
+            np.copyto(self._slot(r, s, a, b, dt), mine)
             self._exchange(desc, REDUCED)
             for j in range(size):
-                a, b = _bounds(m, j, size)
-                np.copyto(buf[lo + a:lo + b], self._slot(j, s, a, b, dt))
+                if j != r:
+                    a, b = _bounds(m, j, size)
+                    np.copyto(buf[lo + a:lo + b], self._slot(j, s, a, b, dt))
 
     def broadcast(self, buf: np.ndarray, root: int, desc: tuple) -> None:
         n, dt = buf.size, buf.dtype

@@ -1,0 +1,231 @@
+#!/usr/bin/env python
+"""All-reduce bandwidth, nccl-tests style, with torch.distributed gloo beside it when torch is
+installed (same processes, same sizes, same moment).
+
+    python scripts/bench_allreduce.py                     # spawns 2 ranks itself
+    python scripts/bench_allreduce.py --nranks 3 --min 1M --max 64M --dtype float16
+    nccl-ddp-run --nproc-per-node 2 scripts/bench_allreduce.py --backend host
+
+busbw = algbw * 2(n-1)/n (the bytes each rank's link must carry in a ring). Times are the
+slowest rank's mean over the iterations. Rank 0 prints the table and writes the CSV.
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import secrets
+import socket
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchlib import Progress, format_table, write_csv  # noqa: E402
+
+BYTES_PER_SIZE = 1 << 30     # aim to move about this much per size and backend (caps iterations)
+COLUMNS = ("size", "count", "dtype", "time_us", "algbw_GBps", "busbw_GBps", "gloo_time_us",
+           "gloo_busbw_GBps", "vs_gloo")
+FORMATS = {"time_us": ".1f", "algbw_GBps": ".3f", "busbw_GBps": ".3f", "gloo_time_us": ".1f",
+           "gloo_busbw_GBps": ".3f", "vs_gloo": ".2f"}
+
+
+def _bytes(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    t = text.strip().upper().rstrip("B").rstrip("I")
+    return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
+
+
+def _human(n: int) -> str:
+    for unit, k in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= k and n % k == 0:
+            return f"{n // k} {unit}"
+    return f"{n} B"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--min", type=_bytes, default=_bytes("1K"), help="smallest size (1K)")
+    p.add_argument("--max", type=_bytes, default=_bytes("256M"), help="largest size (256M)")
+    p.add_argument("--dtype", default="float32", help="float32, float16, bfloat16, int32, ...")
+    p.add_argument("--op", default="sum", help="sum, avg, max, min, prod")
+    p.add_argument("--iters", type=int, default=20, help="iterations per size at most (20)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed iterations per size (2)")
+    p.add_argument("--backend", default="host", help="host, nccl, or auto (default host)")
+    p.add_argument("--nranks", type=int, default=2, help="ranks to spawn without a launcher (2)")
+    p.add_argument("--no-gloo", action="store_true", help="skip the torch gloo comparison")
+    p.add_argument("--csv", default="out/bench_allreduce.csv", help="CSV path ('' for none)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds before giving up")
+    return p.parse_args(argv)
+
+
+def _sizes(args, itemsize: int) -> list:
+    out, s = [], max(args.min, itemsize)
+    while s <= args.max:
+        out.append(s)
+        s *= 2
+    return out
+
+
+def _iters(args, size: int) -> int:
+    return max(3, min(args.iters, BYTES_PER_SIZE // size))
+
+
+def _slowest(nd, seconds: float) -> float:
+    t = np.array([seconds])
+    nd.all_reduce(t, op="max")
+    return float(t[0])
+
+
+def _time_ours(nd, args, x: np.ndarray, iters: int) -> float:
+    for _ in range(args.warmup):
+        nd.all_reduce(x, op=args.op)
+    nd.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        nd.all_reduce(x, op=args.op)
+    return _slowest(nd, (time.perf_counter() - t0) / iters)
+
+
+def _gloo_setup(nd, args):
+    """torch.distributed on gloo, rendezvous through our own store; None without torch."""
+    if args.no_gloo:
+        return None
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    port = np.zeros(1, np.int64)
+    if nd.get_rank() == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port[0] = s.getsockname()[1]
+    nd.broadcast(port, src=0)
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{int(port[0])}",
+                            rank=nd.get_rank(), world_size=nd.get_world_size())
+    torch.set_num_threads(1)
+    return torch, dist
+
+
+def _time_gloo(nd, gloo, args, x: np.ndarray, iters: int):
+    torch, dist = gloo
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+           "prod": dist.ReduceOp.PRODUCT}
+    if args.op not in ops:
+        return None
+    try:
+        t = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16) if x.dtype.name == \
+            "bfloat16" else torch.from_numpy(x)
+        for _ in range(args.warmup):
+            dist.all_reduce(t, op=ops[args.op])
+    except RuntimeError:   # a dtype gloo does not reduce
+        return None
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        dist.all_reduce(t, op=ops[args.op])
+    return _slowest(nd, (time.perf_counter() - t0) / iters)
+
+
+def worker(args) -> list:
+    """Runs on every rank; returns the rows (rank 0 also prints and writes them)."""
+    import nccl_ddp as nd
+    if args.dtype == "bfloat16":
+        import ml_dtypes
+        dtype = np.dtype(ml_dtypes.bfloat16)
+    else:
+        dtype = np.dtype(args.dtype)
+    nd.init_process_group(backend=None if args.backend == "auto" else args.backend)
+    rank, n = nd.get_rank(), nd.get_world_size()
+    gloo = _gloo_setup(nd, args)
+    sizes = _sizes(args, dtype.itemsize)
+    prog = Progress(len(sizes), "bench_allreduce") if rank == 0 else None
+    rows = []
+    for size in sizes:
+        count = size // dtype.itemsize
+        x = np.ones(count, dtype)
+        iters = _iters(args, size)
+        t = _time_ours(nd, args, x, iters)
+        algbw = size / t / 1e9
+        row = dict(size=size, size_h=_human(size), count=count, dtype=dtype.name, ranks=n,
+                   backend=nd.get_world_group().backend, iters=iters, time_us=t * 1e6,
+                   algbw_GBps=algbw, busbw_GBps=algbw * 2 * (n - 1) / n)
+        if gloo is not None:
+            tg = _time_gloo(nd, gloo, args, x, iters)
+            if tg is not None:
+                row.update(gloo_time_us=tg * 1e6,
+                           gloo_busbw_GBps=size / tg / 1e9 * 2 * (n - 1) / n,
+                           vs_gloo=tg / t)
+        rows.append(row)
+        if prog:
+            prog.step(_human(size))
+    if prog:
+        prog.close()
+    if gloo is not None:
+        gloo[1].destroy_process_group()
+    if rank == 0:
+        _report(args, rows, n)
+    nd.destroy_process_group()
+    return rows
+
+
+def _report(args, rows: list, n: int) -> None:
+    shown = [dict(r, size=r["size_h"]) for r in rows]
+    print(f"# all_reduce ({args.op}), {n} ranks, backend {rows[0]['backend'] if rows else '?'}; "
+          f"busbw = algbw * 2(n-1)/n; vs_gloo = gloo time / our time")
+    print(format_table(shown, [c for c in COLUMNS if any(c in r for r in rows)], FORMATS))
+    if args.csv:
+        os.makedirs(os.path.dirname(os.path.abspath(args.csv)), exist_ok=True)
+        write_csv(rows, args.csv)
+        print(f"# wrote {args.csv}")
+
+
+def _spawned(rank: int, n: int, env: dict, args) -> None:
+    os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
+    worker(args)
+
+
+def spawn(args) -> int:
+    """Start `args.nranks` ranks on this host and wait for them (bounded by --timeout)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"WORLD_SIZE": str(args.nranks), "LOCAL_WORLD_SIZE": str(args.nranks),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "NCCL_DDP_SECRET": secrets.token_hex(16)}
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_spawned, args=(r, args.nranks, env, args))
+             for r in range(args.nranks)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + args.timeout
+    try:
+        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                break
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+    codes = [p.exitcode for p in procs]
+    if any(c != 0 for c in codes):
+        print(f"bench_allreduce: ranks exited with {codes}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:   # under nccl-ddp-run / torchrun
+        worker(args)
+        return 0
+    return spawn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+#!/usr/bin/env python
+"""Step time of the MLP of examples/train_mlp.py with and without DistributedDataParallel, and the
+share of the communication hidden behind backward, for a few bucket sizes (same processes).
+
+    python scripts/bench_ddp.py                       # starts 2 ranks through nccl-ddp-run
+                                                      # (one BLAS thread per rank unless set)
+    python scripts/bench_ddp.py --nranks 3 --hidden 1024 --layers 6 --caps 0.25,1,4,25
+    nccl-ddp-run --nproc-per-node 2 scripts/bench_ddp.py --modes arrays
+
+Per bucket cap: local_ms (the same step without DDP), ddp_ms (hooks per layer, communication
+overlapping backward), overhead_ms = ddp_ms - local_ms; then a few more steps with the reducer's
+timeline on (nccl_ddp.profiling): comm_ms (union of pack/all-reduce/unpack) and hidden_pct, the part
+of it that ran before backward ended. Times are the slowest rank's mean. Rank 0 prints the table
+and writes the CSV. Modes are entries of RUNNERS (each returns one dict per cap): add one for
+another framework without touching the rest.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from typing import Callable, Dict
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+from benchlib import Progress, format_table, write_csv  # noqa: E402
+
+import train_mlp as mlp  # noqa: E402
+
+COLUMNS = ("mode", "ranks", "backend", "params_MiB", "cap_MiB", "buckets", "local_ms", "ddp_ms",
+           "overhead_ms", "comm_ms", "hidden_pct")
+FORMATS = {"params_MiB": ".2f", "local_ms": ".2f", "ddp_ms": ".2f", "overhead_ms": ".2f",
+           "comm_ms": ".2f", "hidden_pct": ".0f"}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--caps", default="0.25,1,4,25", help="bucket caps in MiB, comma-separated")
+    p.add_argument("--modes", default="arrays", help=f"comma-separated, of {sorted(RUNNERS)}")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--features", type=int, default=256)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--steps", type=int, default=10, help="timed steps per measurement")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--profile-steps", type=int, default=3, help="steps with the timeline on")
+    p.add_argument("--nranks", type=int, default=2, help="ranks to start without a launcher")
+    p.add_argument("--csv", default="out/bench_ddp.csv", help="CSV path ('' for none)")
+    p.add_argument("--timeout", type=float, default=900.0)
+    return p.parse_args(argv)
+
+
+def _slowest(nd, seconds: float) -> float:
+    t = np.array([seconds])
+    nd.all_reduce(t, op="max")
+    return float(t[0])
+
+
+def _timed(nd, xp, step: Callable[[], None], args) -> float:
+    """Mean seconds per step on the slowest rank (device work included)."""
+    for _ in range(args.warmup):
+        step()
+    _sync(xp)
+    nd.barrier()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    _sync(xp)
+    return _slowest(nd, (time.perf_counter() - t0) / args.steps)
+
+
+def _sync(xp) -> None:
+    if xp is not np:
+        xp.cuda.get_current_stream().synchronize()
+
+
+def run_arrays(nd, xp, args, cap_mb: float) -> dict:
+    """The raw-array MLP (hand-written backprop, a DDP hook per parameter, plain SGD)."""
+    from nccl_ddp.adapters.arrays import ArrayModule
+    from nccl_ddp.profiling import Timeline
+    rank = nd.get_rank()
+    dims = [args.features] + [args.hidden] * args.layers + [1]
+    rng = np.random.default_rng(rank)
+    x = xp.asarray(rng.standard_normal((args.batch, args.features)), dtype=xp.float32)
+    y = xp.asarray(rng.standard_normal((args.batch, 1)), dtype=xp.float32)
+    lr = 1e-4
+
+    def train_step(params, grads_of, hooks, call, zero):
+        acts = call(x)
+        err = acts[-1] - y
+        mlp.backward(params, acts, 2.0 * err / err.size, hooks)
+        for k in params:
+            params[k] -= lr * grads_of(k)
+        zero()
+
+    local = mlp.init_params(xp, dims, 0)
+    local_grads: dict = {}
+    local_hooks = {k: (lambda k: lambda g: local_grads.__setitem__(k, g))(k) for k in local}
+    t_local = _timed(nd, xp, lambda: train_step(
+        local, local_grads.__getitem__, local_hooks, lambda v: mlp.forward(local, v),
+        lambda: None), args)
+
+    model = ArrayModule(mlp.init_params(xp, dims, 0), forward=mlp.forward)
+    ddp = nd.DistributedDataParallel(model, bucket_cap_mb=cap_mb)
+    hooks = {k: ddp.grad_hook(k) for k in model.keys}
+
+    def ddp_step():
+        train_step(model.params, model.grads.__getitem__, hooks, ddp, ddp.zero_grad)
+
+    t_ddp = _timed(nd, xp, ddp_step, args)
+    ddp.reducer.prof = Timeline(rank, timeline=True)
+    for _ in range(args.profile_steps):
+        ddp_step()
+    steps = list(ddp.reducer.prof.steps)
+    comm = sum(s.comm_s for s in steps) / max(1, len(steps))
+    hidden = sum(s.overlap_s for s in steps) / max(1e-12, sum(s.comm_s for s in steps))
+    nbytes = sum(b.nbytes for b in ddp.reducer.layout.buckets)
+    row = dict(mode="arrays", ranks=nd.get_world_size(), backend=nd.get_world_group().backend,
+               params_MiB=nbytes / 2**20, cap_MiB=cap_mb, buckets=len(ddp.reducer.layout.buckets),
+               local_ms=t_local * 1e3, ddp_ms=t_ddp * 1e3, overhead_ms=(t_ddp - t_local) * 1e3,
+               comm_ms=_slowest(nd, comm) * 1e3, hidden_pct=100.0 * hidden)
+    ddp.close()
+    return row
+
+
+RUNNERS: Dict[str, Callable] = {"arrays": run_arrays}
+
+
+def worker(args) -> list:
+    import nccl_ddp as nd
+    group = nd.init_process_group()
+    if group.backend == "nccl":
+        import cupy as xp
+        xp.cuda.Device(nd.get_local_rank()).use()
+    else:
+        xp = np
+    rank = nd.get_rank()
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = [m for m in modes if m not in RUNNERS]
+    if unknown:
+        raise SystemExit(f"bench_ddp: unknown mode(s) {unknown}; choose from {sorted(RUNNERS)}")
+    caps = [float(c) for c in args.caps.split(",") if c]
+    prog = Progress(len(caps) * len(modes), "bench_ddp") if rank == 0 else None
+    rows = []
+    for mode in modes:
+        for cap in caps:
+            rows.append(RUNNERS[mode](nd, xp, args, cap))
+            if prog:
+                prog.step(f"{mode} cap {cap} MiB")
+    if prog:
+        prog.close()
+    if rank == 0:
+        print(f"# MLP {args.features}-{'x'.join([str(args.hidden)] * args.layers)}-1, batch "
+              f"{args.batch} per rank; slowest rank's mean over {args.steps} steps")
+        print(format_table(rows, COLUMNS, FORMATS))
+        if args.csv:
+            os.makedirs(os.path.dirname(os.path.abspath(args.csv)), exist_ok=True)
+            write_csv(rows, args.csv)
+            print(f"# wrote {args.csv}")
+    nd.destroy_process_group()
+    return rows
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if "RANK" not in os.environ:     # not under a launcher: start the ranks through nccl-ddp-run
+        cmd = [sys.executable, "-m", "nccl_ddp.launch", "--nproc-per-node", str(args.nranks),
+               os.path.abspath(__file__), *(sys.argv[1:] if argv is None else argv)]
+        env = dict(os.environ)
+        for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+            env.setdefault(var, "1")        # one BLAS thread per rank: ranks share the cores
+        return subprocess.run(cmd, timeout=args.timeout, env=env).returncode
+    worker(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

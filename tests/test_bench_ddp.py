@@ -1,0 +1,22 @@
+"""scripts/bench_ddp.py runs end to end (tiny model, 2 host ranks) and writes its CSV."""
+import csv
+import os
+import subprocess
+import sys
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench_ddp.py")
+
+
+def test_bench_ddp_smoke(tmp_path):
+    out = tmp_path / "bench.csv"
+    r = subprocess.run([sys.executable, SCRIPT, "--caps", "0.01,1", "--hidden", "64", "--layers",
+                        "2", "--features", "16", "--steps", "2", "--warmup", "1",
+                        "--profile-steps", "1", "--csv", str(out)],
+                       capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, NCCL_DDP_NO_PROGRESS="1"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = list(csv.DictReader(open(out)))
+    assert [float(row["cap_MiB"]) for row in rows] == [0.01, 1.0]
+    assert int(rows[0]["buckets"]) > int(rows[1]["buckets"]) >= 1
+    for row in rows:
+        assert float(row["ddp_ms"]) > 0 and 0 <= float(row["hidden_pct"]) <= 100
