@@ -40,16 +40,15 @@ class DDPConfig:
     """The set of used parameters never changes: step 1 finds the unused ones (as with
     find_unused_parameters), later steps leave them out of the buckets."""
     reducer_mode: str = "CppReducer"
-    """"CppReducer": fused buckets, grads as bucket views when allowed. "PythonReducer": one
-    all-reduce per grad, no fused kernels (a reference path)."""
-    grads_as_bucket_views: bool = True
-    """CppReducer only: make grads views of the bucket buffers when the module allows it."""
+    """"CppReducer": fused buckets; the grads become views of the bucket buffers when the module's
+    adapter can alias them (zero copy), else one fused pack/unpack per bucket. "PythonReducer":
+    one all-reduce per grad, no fused kernels (a reference path)."""
     broadcast_chunk_mb: float = 25.0
     """Chunk size of the initial parameter broadcast."""
 
     def __post_init__(self) -> None:
         for name in ("init_sync", "find_unused_parameters", "average_in_collective",
-                     "static_graph", "grads_as_bucket_views"):
+                     "static_graph"):
             check_bool(name, getattr(self, name))
         for name in ("bucket_cap_mb", "broadcast_chunk_mb"):
             v = getattr(self, name)

@@ -81,7 +81,7 @@ class Reducer:
         if self.config.reducer_mode == "PythonReducer":
             return
         self.memory = BucketBuffers(layout, self.device)
-        if not (self.config.grads_as_bucket_views and self._install is not None):
+        if self._install is None:       # the framework cannot alias its grads: pack/unpack
             return
         compute = self.device.current_stream()
         views = {}
@@ -144,7 +144,7 @@ class Reducer:
                 "graph is not static: use find_unused_parameters=True instead")
         if self._count == 0:
             self.prof.mark("backward", "start", self.device.current_stream())
-        if grad is not None:
+        if grad is not None and grad is not self.grads[i]:
             self.device.current_stream().submit(_accumulate, self.grads[i], grad)
         self._ready[i] = True
         self._count += 1
