@@ -49,6 +49,15 @@ def test_single_process_world_picks_host_backend(single_process, caplog):
     assert not nd.is_initialized()
 
 
+def test_jax_arrays_come_back_as_new_jax_arrays(single_process):
+    jnp = pytest.importorskip("jax.numpy")
+    nd.init_process_group(backend="host", timeout=10)
+    x = jnp.arange(4, dtype=jnp.float32)
+    y = nd.all_reduce(x, "avg")
+    assert type(y) is type(x) and y is not x
+    np.testing.assert_array_equal(np.asarray(y), np.arange(4))
+
+
 def api_body(rank, world):
     g = nd.init_process_group(backend="host", timeout=30)
     assert nd.is_initialized() and nd.get_world_group() is g

@@ -243,6 +243,26 @@ def test_dead_rank_is_named(transport):
         assert secs < 30, failed[r]    # well within the 60 s group timeout
 
 
+def hung_body(rank, world):
+    g, store = _group(rank, world, timeout=2.0)
+    if rank == 1:
+        time.sleep(4)    # never joins the collective, but stays alive
+        return "slept"
+    t0 = time.monotonic()
+    try:
+        g.all_reduce(np.ones(10)).wait(30)
+    except CommTimeout as e:
+        raise RuntimeError(f"got CommTimeout after {time.monotonic() - t0:.1f}s: {e}") from e
+
+
+def test_unresponsive_peer_times_out_naming_it():
+    failed = run_ranks(hung_body, 2, timeout=60, expect_fail=True)
+    assert set(failed) == {0}
+    assert "peer rank 1 sent nothing for 2.0s" in failed[0] and "all_reduce #1" in failed[0]
+    secs = float(re.search(r"got CommTimeout after ([\d.]+)s", failed[0]).group(1))
+    assert 1.5 < secs < 10, failed[0]
+
+
 def absent_body(rank, world):
     from nccl_ddp.env import resolve_env
     from nccl_ddp.store import connect_store

@@ -178,8 +178,12 @@ class Rendezvous:
         self.listener = socket.create_server((host, 0), backlog=max(8, len(ranks)))
         self.listener.settimeout(timeout)
         info = dict(extra, addr=host, port=self.listener.getsockname()[1], token=self.token)
-        store.set(f"peer/{rank}", json.dumps(info))
-        self.infos = self._gather()
+        try:
+            store.set(f"peer/{rank}", json.dumps(info))
+            self.infos = self._gather()
+        except BaseException:
+            self.listener.close()
+            raise
 
     def _left(self) -> float:
         return max(0.01, self.deadline - time.monotonic())
