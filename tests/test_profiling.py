@@ -214,6 +214,24 @@ def test_nvtx_ranges_named_and_coloured(monkeypatch):
     assert prof.end_step() is None
 
 
+def test_nvtx_through_cupy_when_no_nvtx_package(monkeypatch):
+    """The real cupy.cuda.nvtx calls (no-ops without a profiler) take our labels and colours."""
+    pytest.importorskip("cupy")
+    monkeypatch.setitem(sys.modules, "nvtx", None)       # `import nvtx` raises ImportError
+    prof = pf.Timeline(nvtx=True, timeline=True)
+    comm = HostStream("comm")
+    try:
+        prof.mark("backward", "start")
+        prof.submit(comm, "pack", 0, MiB, lambda: None)
+        with prof.range("finalize"):
+            pass
+        prof.mark("backward", "end")
+        assert prof.end_step().comm_s >= 0
+    finally:
+        comm.close()
+    assert prof._nvtx.pop.__module__.startswith("cupy")
+
+
 # ---------------------------------------------------------------------------------- CUDA timeline
 
 _SPIN = r'''
