@@ -1,0 +1,231 @@
+"""Bucket kernels: pack K tensors into one flat bucket, unpack it back, scale and zero buffers.
+
+One signature for both devices; the array type picks the path. NumPy arrays run the NumPy
+references below (the specification, and the host backend's implementation); CuPy arrays run the
+CUDA kernels of kernels/bucket.cu (see `nccl_ddp._cuda_kernels`) on CuPy's current stream, one
+launch per call whatever the tensor count, bit-identical to the references.
+
+    pack(srcs, dst, offsets, *, scale=1.0, nonfinite_flag=None)
+        dst[off_i : off_i + n_i] = cast(src_i.ravel() * scale); nonfinite_flag[0] = 1 if any value
+        written is NaN/Inf (the flag is only ever set, never cleared: zero it with zero_()).
+    unpack(dsts, src, offsets, *, scale=1.0, accumulate=False)
+        dst_i = cast(src[off_i : off_i + n_i] * scale), or dst_i += ... with accumulate=True.
+    scale_(buf, factor)   buf *= factor, in place
+    zero_(buf)            buf[...] = 0
+
+Offsets are in elements of the bucket dtype. Arithmetic is in float32 (float64 for float64 data):
+cast(x * scale) rounds once to nearest-even; accumulate computes cast(dst + x * scale) without a
+fused multiply-add.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from .errors import KernelError
+
+# (tensor dtype, bucket dtype) pairs. pack: tensor -> bucket; unpack: bucket -> tensor.
+_SAME = {(t, t) for t in ("float16", "bfloat16", "float32", "float64")}
+PACK_PAIRS = frozenset(_SAME | {("float32", "bfloat16"), ("float32", "float16")})
+UNPACK_PAIRS = frozenset(_SAME | {("bfloat16", "float32"), ("float16", "float32")})  # (bucket, dst)
+SCALE_DTYPES = frozenset(("float16", "bfloat16", "float32", "float64"))
+
+
+def kernel_source_dir() -> Path:
+    """The folder holding the .cu sources: $NCCL_DDP_KERNEL_DIR, else the copy shipped inside the
+    installed package (nccl_ddp/_kernels), else the source checkout's top-level kernels/."""
+    env = os.environ.get("NCCL_DDP_KERNEL_DIR")
+    candidates = [Path(env)] if env else []
+    here = Path(__file__).resolve().parent
+    candidates += [here / "_kernels", here.parent / "kernels"]
+    for c in candidates:
+        if (c / "bucket.cu").is_file():
+            return c
+    raise KernelError(
+        f"kernel sources (bucket.cu) not found in {', '.join(map(str, candidates))}; reinstall "
+        "nccl_ddp or set NCCL_DDP_KERNEL_DIR to the folder holding kernels/bucket.cu")
+
+
+# ---------------------------------------------------------------------------------------------
+# public operations (dispatch on the array type)
+
+
+def pack(srcs: Sequence[Any], dst: Any, offsets: Sequence[int], *, scale: float = 1.0,
+         nonfinite_flag: Any = None) -> None:
+    """Gather `srcs` into the flat bucket `dst` at `offsets`, scaled and cast (see module doc)."""
+    if _is_host(dst):
+        pack_ref(srcs, dst, offsets, scale=scale, nonfinite_flag=nonfinite_flag)
+    else:
+        _cuda().pack(srcs, dst, offsets, scale, nonfinite_flag)
+
+
+def unpack(dsts: Sequence[Any], src: Any, offsets: Sequence[int], *, scale: float = 1.0,
+           accumulate: bool = False) -> None:
+    """Scatter the flat bucket `src` back into `dsts`, scaled and cast (see module doc)."""
+    if _is_host(src):
+        unpack_ref(dsts, src, offsets, scale=scale, accumulate=accumulate)
+    else:
+        _cuda().unpack(dsts, src, offsets, scale, accumulate)
+
+
+def scale_(buf: Any, factor: float) -> None:
+    """buf *= factor in place (a flat contiguous float buffer)."""
+    if _is_host(buf):
+        scale_ref(buf, factor)
+    else:
+        _cuda().scale_(buf, factor)
+
+
+def zero_(buf: Any) -> None:
+    """buf[...] = 0 in place (any dtype; contiguous)."""
+    if _is_host(buf):
+        zero_ref(buf)
+    else:
+        _cuda().zero_(buf)
+
+
+def _is_host(x: Any) -> bool:
+    return isinstance(x, np.ndarray)
+
+
+def _cuda():
+    from . import _cuda_kernels
+    return _cuda_kernels.backend()
+
+
+# ---------------------------------------------------------------------------------------------
+# validation shared by both paths
+
+
+def dtype_name(x: Any) -> str:
+    """'float32', 'bfloat16', ... for a NumPy or CuPy array."""
+    return np.dtype(x.dtype).name
+
+
+def check_segments(op: str, arrays: Sequence[Any], bucket: Any, offsets: Sequence[int],
+                   pairs: frozenset, to_bucket: bool) -> tuple:
+    """Validate one pack/unpack call; return (sizes, offsets) as int64 arrays and the
+    (tensor dtype, bucket dtype) pair. Raises `KernelError` naming the op and the argument."""
+    if len(arrays) != len(offsets):
+        raise KernelError(f"{op}: {len(arrays)} arrays but {len(offsets)} offsets; pass one "
+                          "bucket offset per array")
+    if not bucket.flags.c_contiguous:
+        raise KernelError(f"{op}: the bucket (shape {bucket.shape}) is not contiguous; allocate "
+                          "it flat with device.empty(n, dtype)")
+    bname = dtype_name(bucket)
+    tname = dtype_name(arrays[0]) if len(arrays) else bname
+    pair = (tname, bname) if to_bucket else (bname, tname)
+    for i, a in enumerate(arrays):
+        if dtype_name(a) != tname:
+            raise KernelError(f"{op}: array {i} is {dtype_name(a)} but array 0 is {tname}; a "
+                              "bucket holds one dtype group, split the arrays by dtype")
+        if not a.flags.c_contiguous:
+            raise KernelError(f"{op}: array {i} (shape {a.shape}, strides {a.strides}) is not "
+                              "contiguous; pass a contiguous array (x.copy()) or a view of one")
+    if pair not in pairs:
+        ok = ", ".join(f"{s}->{d}" for s, d in sorted(pairs))
+        raise KernelError(f"{op}: dtype pair {pair[0]}->{pair[1]} is not supported "
+                          f"(supported: {ok})")
+    sizes = np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays))
+    try:
+        offs = np.asarray(offsets, dtype=np.int64).reshape(-1)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise KernelError(f"{op}: offsets must be integers, got {offsets!r:.80}") from e
+    if offs.size and offs.min() < 0:
+        i = int(np.argmin(offs))
+        raise KernelError(f"{op}: offset {i} is negative ({int(offs[i])})")
+    ends = offs + sizes
+    if ends.size and ends.max() > bucket.size:
+        i = int(np.argmax(ends))
+        raise KernelError(f"{op}: array {i} ({int(sizes[i])} elements at offset {int(offs[i])}) "
+                          f"ends past the bucket ({bucket.size} elements); the bucket is too "
+                          "small for the offsets")
+    if to_bucket:
+        nz = np.flatnonzero(sizes)
+        order = nz[np.argsort(offs[nz], kind="stable")]
+        clash = np.flatnonzero(ends[order][:-1] > offs[order][1:])
+        if clash.size:
+            i, j = int(order[clash[0]]), int(order[clash[0] + 1])
+            raise KernelError(f"{op}: arrays {i} and {j} overlap in the bucket (offsets "
+                              f"{int(offs[i])} and {int(offs[j])}); give each its own range")
+    return sizes, offs, pair
+
+
+def check_flag(op: str, flag: Any) -> None:
+    if flag is not None and (dtype_name(flag) != "int32" or flag.size < 1):
+        raise KernelError(f"{op}: nonfinite_flag must be an int32 array of at least one "
+                          f"element, got {dtype_name(flag)} of size {flag.size}")
+
+
+def check_flat(op: str, buf: Any, dtypes: Optional[frozenset]) -> None:
+    if not buf.flags.c_contiguous:
+        raise KernelError(f"{op}: the buffer (shape {buf.shape}) is not contiguous")
+    if dtypes is not None and dtype_name(buf) not in dtypes:
+        raise KernelError(f"{op}: dtype {dtype_name(buf)} is not supported "
+                          f"(supported: {', '.join(sorted(dtypes))})")
+
+
+# ---------------------------------------------------------------------------------------------
+# NumPy references: the specification of every kernel
+
+
+def acc_dtype(pair: tuple) -> type:
+    """The arithmetic type of a dtype pair: float64 for float64 data, else float32."""
+    return np.float64 if "float64" in pair else np.float32
+
+
+def pack_ref(srcs: Sequence[np.ndarray], dst: np.ndarray, offsets: Sequence[int], *,
+             scale: float = 1.0, nonfinite_flag: Optional[np.ndarray] = None) -> None:
+    """Reference of `pack` (NumPy arrays)."""
+    sizes, offs, pair = check_segments("pack", srcs, dst, offsets, PACK_PAIRS, to_bucket=True)
+    check_flag("pack", nonfinite_flag)
+    acc = acc_dtype(pair)
+    s = acc(scale)
+    flat = dst.reshape(-1)
+    bad = False
+    with np.errstate(over="ignore", invalid="ignore"):
+        for x, o, n in zip(srcs, offs, sizes):
+            if n == 0:
+                continue
+            y = (x.reshape(-1).astype(acc) * s).astype(dst.dtype)
+            flat[o:o + n] = y
+            if nonfinite_flag is not None and not bad:
+                bad = not bool(np.isfinite(y.astype(acc)).all())
+    if bad:
+        nonfinite_flag.reshape(-1)[0] = 1
+
+
+def unpack_ref(dsts: Sequence[np.ndarray], src: np.ndarray, offsets: Sequence[int], *,
+               scale: float = 1.0, accumulate: bool = False) -> None:
+    """Reference of `unpack` (NumPy arrays)."""
+    sizes, offs, pair = check_segments("unpack", dsts, src, offsets, UNPACK_PAIRS,
+                                       to_bucket=False)
+    acc = acc_dtype(pair)
+    s = acc(scale)
+    flat = src.reshape(-1)
+    with np.errstate(over="ignore", invalid="ignore"):
+        for d, o, n in zip(dsts, offs, sizes):
+            if n == 0:
+                continue
+            v = flat[o:o + n].astype(acc) * s
+            out = d.reshape(-1)
+            if accumulate:
+                v = out.astype(acc) + v
+            out[...] = v.astype(d.dtype)
+
+
+def scale_ref(buf: np.ndarray, factor: float) -> None:
+    """Reference of `scale_` (NumPy array)."""
+    check_flat("scale_", buf, SCALE_DTYPES)
+    acc = acc_dtype((dtype_name(buf),))
+    with np.errstate(over="ignore", invalid="ignore"):
+        buf[...] = (buf.astype(acc) * acc(factor)).astype(buf.dtype)
+
+
+def zero_ref(buf: np.ndarray) -> None:
+    """Reference of `zero_` (NumPy array)."""
+    check_flat("zero_", buf, None)
+    buf[...] = 0

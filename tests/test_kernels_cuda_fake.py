@@ -1,0 +1,205 @@
+"""The CUDA path of nccl_ddp.kernels and the "cuda" device, on a fake CuPy (tests/_fake_cupy.py):
+launch count, tables passed by value or uploaded and cached, argument types, streams, events."""
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from _fake_cupy import FakeCupy, FakeStream
+from nccl_ddp import _cuda_kernels as ck
+from nccl_ddp import device as D
+from nccl_ddp import kernels as K
+from nccl_ddp.errors import CommTimeout, ConfigError, KernelError
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+@pytest.fixture
+def cp(monkeypatch):
+    fake = FakeCupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(ck, "_BACKEND", ck.CudaKernels(fake))
+    return fake
+
+
+def _case(cp, rng, sizes, sdtype, misalign_every=3):
+    """Host sources, their fake-device copies (some misaligned by 4 bytes), packed offsets."""
+    hosts = [rng.standard_normal(int(n)).astype(sdtype) for n in sizes]
+    devs = [cp.asarray(h, misalign=4 if i % misalign_every == 1 else 0)
+            for i, h in enumerate(hosts)]
+    offs = (np.cumsum(sizes) - sizes).tolist()
+    return hosts, devs, offs, int(np.sum(sizes))
+
+
+@pytest.mark.parametrize("count", [1, 5, 32, 33, 100, 10_000])
+@pytest.mark.parametrize("bucket_dtype", ["float32", "bfloat16"])
+def test_pack_then_unpack_one_launch_each_matches_reference(cp, count, bucket_dtype):
+    rng = np.random.default_rng(count)
+    sizes = rng.integers(0, 40 if count > 100 else 5000, count)
+    sizes[0] = 0 if count > 1 else 7
+    hosts, devs, offs, total = _case(cp, rng, sizes, np.float32)
+    bdt = BF16 if bucket_dtype == "bfloat16" else np.dtype(np.float32)
+    bucket = cp.asarray(np.full(total + 3, np.nan, bdt))
+    flag = cp.asarray(np.zeros(1, np.int32))
+    want = np.full(total + 3, np.nan, bdt)
+    want_flag = np.zeros(1, np.int32)
+    K.pack_ref(hosts, want, offs, scale=0.5, nonfinite_flag=want_flag)
+
+    K.pack(devs, bucket, offs, scale=0.5, nonfinite_flag=flag)
+    assert len(cp.launches) == 1
+    small = (sizes > 0).sum() <= ck.SMALL_MAX
+    assert cp.launches[0][0].startswith("nd_pack_small<" if small else "nd_pack<")
+    assert len(cp.uploads) == (0 if small else 1)
+    np.testing.assert_array_equal(bucket.host().astype(np.float64), want.astype(np.float64))
+    assert flag.host()[0] == want_flag[0] == 0
+
+    outs = [cp.asarray(np.full(h.shape, -7.0, np.float32), misalign=4 * (i % 2))
+            for i, h in enumerate(hosts)]
+    K.unpack(outs, bucket, offs, scale=2.0, accumulate=True)
+    assert len(cp.launches) == 2
+    assert len(cp.uploads) == (0 if small else 2)   # outs have other pointers: own table
+    ref_outs = [np.full(h.shape, -7.0, np.float32) for h in hosts]
+    K.unpack_ref(ref_outs, want, offs, scale=2.0, accumulate=True)
+    for o, r in zip(outs, ref_outs):
+        np.testing.assert_array_equal(o.host(), r)
+    assert cp.compiles == 1
+
+
+def test_nonfinite_flag_through_the_fake_gpu(cp):
+    x = np.ones(50, np.float32)
+    x[17] = np.inf
+    bucket = cp.asarray(np.zeros(64, np.float16))
+    flag = cp.asarray(np.zeros(1, np.int32))
+    K.pack([cp.asarray(np.ones(3, np.float32))], bucket, [0], nonfinite_flag=flag)
+    assert flag.host()[0] == 0
+    K.pack([cp.asarray(x)], bucket, [8], nonfinite_flag=flag)
+    assert flag.host()[0] == 1
+    K.zero_(flag)
+    assert flag.host()[0] == 0 and cp.memsets[-1][1] == 4
+
+
+def test_table_cache_reused_for_same_pointers_rebuilt_when_they_change(cp):
+    kb = ck.backend()
+    rng = np.random.default_rng(1)
+    hosts, devs, offs, total = _case(cp, rng, np.full(64, 100), np.float32)
+    bucket = cp.empty(total, np.float32)
+    for _ in range(3):
+        K.pack(devs, bucket, offs)
+    assert kb.stats["table_builds"] == 1 and kb.stats["table_uploads"] == 1
+    assert kb.stats["launches"] == 3
+    # unpack into the same arrays at the same offsets (same chunk for f32<->f32): same table
+    K.unpack(devs, bucket, offs)
+    assert kb.stats["table_builds"] == 1
+    devs[5] = cp.asarray(hosts[5])   # one pointer changes
+    K.pack(devs, bucket, offs)
+    assert kb.stats["table_builds"] == 2 and kb.stats["table_uploads"] == 2
+    # another stream: a table is never shared across streams (pool reuse is stream-ordered)
+    with FakeStream(non_blocking=True) as s:
+        K.pack(devs, bucket, offs)
+        assert cp.uploads[-1] is s and cp.launches[-1][2] == s.ptr
+    assert kb.stats["table_builds"] == 3
+    np.testing.assert_array_equal(bucket.host(), np.concatenate(hosts))
+
+
+def test_table_cache_is_bounded(cp, monkeypatch):
+    monkeypatch.setattr(ck, "TABLE_CACHE_SIZE", 4)
+    bucket = cp.empty(40 * 8, np.float32)
+    for _ in range(10):
+        devs = [cp.asarray(np.ones(8, np.float32)) for _ in range(40)]
+        K.pack(devs, bucket, [8 * i for i in range(40)])
+    assert len(ck.backend()._tables) == 4 and ck.backend().stats["table_builds"] == 10
+
+
+def test_empty_calls_launch_nothing(cp):
+    bucket = cp.empty(8, np.float32)
+    K.pack([cp.empty(0, np.float32)] * 3, bucket, [0, 0, 0])
+    K.unpack([], bucket, [])
+    K.scale_(cp.empty(0, np.float32), 2.0)
+    assert cp.launches == []
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_scale_one_launch_on_the_current_stream(cp, dtype):
+    dt = BF16 if dtype == "bfloat16" else np.dtype(dtype)
+    x = np.random.default_rng(2).standard_normal(100_003).astype(dt)
+    d = cp.asarray(x, misalign=dt.itemsize)
+    with FakeStream(non_blocking=True) as s:
+        K.scale_(d, 0.25)
+    assert [(n, st) for n, _, st in cp.launches] == [(f"nd_scale<{ck.C_TYPE[dtype]}>", s.ptr)]
+    want = x.copy()
+    K.scale_ref(want, 0.25)
+    np.testing.assert_array_equal(d.host().astype(np.float64), want.astype(np.float64))
+
+
+def test_cuda_errors(cp):
+    bucket = cp.empty(16, np.float32)
+    other = cp.empty(4, np.float32, device_id=1)
+    with pytest.raises(KernelError, match="array 1 is on device 1 but the bucket is on device 0"):
+        K.pack([cp.empty(4, np.float32), other], bucket, [0, 8])
+    nc = cp.empty(4, np.float32)
+    nc.flags.c_contiguous = False
+    with pytest.raises(KernelError, match="array 0 .* is not contiguous"):
+        K.unpack([nc], bucket, [0])
+    with pytest.raises(KernelError, match="float64->bfloat16 is not supported"):
+        K.pack([cp.empty(4, np.float64)], cp.empty(4, BF16), [0])
+    assert cp.launches == []
+
+
+# ---------------------------------------------------------------------------------------------
+# the "cuda" device
+
+
+def test_cuda_stream_submit_makes_it_current_and_restores(cp):
+    dev = D.get_device("cuda", local_rank=3)    # one visible GPU: local rank -> GPU 0
+    assert isinstance(dev, D.CudaDevice) and dev.kind == "cuda" and dev.device_id == 0
+    s = dev.new_stream()
+    assert s.stream.non_blocking
+    before = cp.cuda.get_current_stream()
+    seen = []
+    s.submit(lambda a, b=0: seen.append((cp.cuda.get_current_stream(), a, b)), 1, b=2)
+    assert seen == [(s.stream, 1, 2)] and cp.cuda.get_current_stream() is before
+    assert dev.current_stream().stream is before
+
+
+def test_cuda_events_record_wait_and_bounded_synchronize(cp):
+    dev = D.CudaDevice(0)
+    a, b = dev.new_stream(), dev.new_stream()
+    ev = a.record()
+    assert ev.event.recorded_on is a.stream and not ev.query()
+    b.wait(ev)
+    assert b.stream.waited == [ev.event]
+    t0 = time.monotonic()
+    with pytest.raises(CommTimeout, match="CUDA event not reached within 0.1s"):
+        ev.synchronize(timeout=0.1)
+    assert time.monotonic() - t0 < 2.0
+    ev.event.done = True
+    ev.synchronize(timeout=0.1)
+    assert ev.query()
+
+
+def test_stream_from_external(cp):
+    dev = D.CudaDevice(0)
+
+    class TorchLike:
+        def __cuda_stream__(self):
+            return (0, 0xABC0)
+
+    assert dev.stream_from_external(TorchLike()).ptr == 0xABC0
+    assert dev.stream_from_external(0xDEF0).ptr == 0xDEF0
+    with pytest.raises(TypeError, match="__cuda_stream__"):
+        dev.stream_from_external("stream")
+
+
+def test_get_device_kinds(cp, monkeypatch):
+    assert isinstance(D.get_device(), D.CudaDevice)
+    assert isinstance(D.get_device("host"), D.HostDevice)
+    with pytest.raises(ConfigError, match="unknown device kind"):
+        D.get_device("tpu")
+    with pytest.raises(ConfigError, match="CUDA device 5 does not exist"):
+        D.CudaDevice(5)
+    monkeypatch.setattr(cp.cuda, "is_available", lambda: False)
+    assert isinstance(D.get_device(), D.HostDevice)
+    with pytest.raises(ConfigError, match="CuPy is missing or sees no GPU"):
+        D.get_device("cuda")
