@@ -58,6 +58,10 @@ class GradModule(abc.ABC):
         """Called once the DDP wrapper is built: install framework hooks that call its
         mark_ready (torch, MindSpore); nothing for raw arrays."""
 
+    def synchronize(self) -> None:
+        """Wait for the framework's queued work that may still read the grads (MindSpore's
+        asynchronous PyNative ops) before the reducer overwrites them."""
+
     def params_updated(self) -> None:
         """Called after the native parameters were overwritten (immutable frameworks reload)."""
 

@@ -74,7 +74,12 @@ def first_leaf(obj: Any) -> Any:
 
 
 def _framework_of(obj: Any) -> Optional[str]:
-    return _FRAMEWORKS.get(type(obj).__module__.split(".")[0])
+    """By the classes of `obj` (MindSpore's Parameter class lives in module "abc")."""
+    for cls in type(obj).__mro__:
+        framework = _FRAMEWORKS.get(cls.__module__.split(".")[0])
+        if framework is not None:
+            return framework
+    return None
 
 
 def for_objects(obj: Any) -> Optional[GradsAdapter]:

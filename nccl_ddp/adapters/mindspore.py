@@ -1,0 +1,166 @@
+"""MindSpore adapter (PyNative mode, CPU tensors on the host backend): `mindspore.nn.Cell` for
+`DistributedDataParallel`, tuples of grads for `DistributedGradReducer`.
+
+Bucket memory stays ours (NumPy); MindSpore only ever gets views of it:
+- in: a grad is read through `mindspore.to_dlpack` -> `numpy.from_dlpack` (zero-copy, read-only);
+- out: `Tensor.from_numpy(view)` shares the bucket's memory. (`mindspore.from_dlpack` of a NumPy
+  capsule crashed MindSpore 2.10 with a segmentation fault, so the way back is `from_numpy`.)
+
+DDP: a `Parameter.register_hook` per trainable parameter adds the grad into its bucket slot,
+marks it ready and returns `Tensor.from_numpy(slot)`, so `value_and_grad` hands the optimizer
+tensors that alias the buckets; the all-reduce lands there before the last hook returns. Grads
+accumulate across steps until `zero_grad()` (MindSpore DDP semantics).
+
+Graph mode: hooks and our Python reducer cannot run inside a compiled graph. DDP is PyNative
+only (as MindSpore's own). `DistributedGradReducer` works wherever a Python call is allowed:
+PyNative mode, or a training step that calls it outside the `@jit` / GRAPH_MODE `construct`;
+inside a compiled `construct` it cannot be called (reduce the grads the graph returns instead).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, List, Optional
+
+import numpy as np
+
+from ._dlpack import KDL_CPU, CapsuleHolder, native_from_dlpack
+from .arrays import GradModule
+from .grads import GradsAdapter, ParamInfo
+
+log = logging.getLogger(__name__)
+
+
+def adapt(cell: Any) -> "MindSporeModule":
+    """The DDP adapter for a `mindspore.nn.Cell`."""
+    import mindspore
+    if not isinstance(cell, mindspore.nn.Cell):
+        raise TypeError(f"expected a mindspore.nn.Cell, got {type(cell).__module__}."
+                        f"{type(cell).__name__}")
+    _require_pynative("DistributedDataParallel")
+    return MindSporeModule(cell)
+
+
+def grads_adapter() -> "MindSporeGrads":
+    return MindSporeGrads()
+
+
+def _require_pynative(what: str) -> None:
+    import mindspore
+    if mindspore.get_context("mode") != mindspore.PYNATIVE_MODE:
+        raise RuntimeError(f"nccl_ddp {what} over MindSpore needs PyNative mode "
+                           "(mindspore.set_context(mode=mindspore.PYNATIVE_MODE)): grad hooks and "
+                           "Python calls cannot run inside a compiled graph")
+
+
+def to_native(t: Any) -> np.ndarray:
+    """A read-only NumPy view of a MindSpore tensor's memory, through DLPack."""
+    import mindspore
+    return native_from_dlpack(CapsuleHolder(mindspore.to_dlpack(t)), KDL_CPU)
+
+
+def from_native(a: np.ndarray) -> Any:
+    """A MindSpore tensor sharing memory with the NumPy array `a` (which it keeps alive)."""
+    from mindspore import Tensor
+    return Tensor.from_numpy(a)
+
+
+def np_dtype(ms_dtype: Any) -> np.dtype:
+    import mindspore
+    return np.dtype(mindspore.dtype_to_nptype(ms_dtype))
+
+
+def synchronize() -> None:
+    """Wait for MindSpore's queued PyNative ops (they may run asynchronously). The public
+    `mindspore.runtime.synchronize` is Ascend/GPU only (on CPU it logs an error and returns), so
+    this drains the PyNative executor's queue, whose `sync` is private: skipped if it is gone."""
+    from mindspore.common import api
+    sync = getattr(getattr(api, "_pynative_executor", None), "sync", None)
+    if sync is not None:
+        sync()
+
+
+class MindSporeModule(GradModule):
+    """A Cell seen by the reducer: its trainable parameters; grads live in our buckets."""
+
+    def __init__(self, cell: Any) -> None:
+        self.cell = cell
+        self.params = list(cell.trainable_params())
+        self.names: List[Optional[str]] = [p.name for p in self.params]
+        self._grads = [np.zeros(tuple(p.shape), np_dtype(p.dtype)) for p in self.params]
+        self._host_params: List[np.ndarray] = []
+        self._ddp = None
+        self._handles: list = []
+
+    def native_params(self) -> List[Any]:
+        # MindSpore exports read-only memory: the init broadcast writes copies, reloaded after
+        synchronize()
+        self._host_params = [np.array(to_native(p)) for p in self.params]
+        return self._host_params
+
+    def params_updated(self) -> None:
+        from mindspore import Tensor
+        for p, a in zip(self.params, self._host_params):
+            p.set_data(Tensor(a))
+        self._host_params = []
+
+    def native_grads(self) -> List[Any]:
+        return list(self._grads)
+
+    @property
+    def can_install_grads(self) -> bool:
+        return True
+
+    def install_grad(self, i: int, view: Any) -> None:
+        self._grads[i] = view
+
+    def to_native(self, i: int, grad: Any) -> Any:
+        return to_native(grad)
+
+    def index_of(self, param: Any) -> int:
+        for i, p in enumerate(self.params):
+            if p is param or (isinstance(param, str) and p.name == param):
+                return i
+        raise KeyError(param)
+
+    def attach(self, ddp: Any) -> None:
+        self._ddp = ddp
+        for i, p in enumerate(self.params):
+            self._handles.append(p.register_hook(self._hook_for(i)))
+
+    def synchronize(self) -> None:
+        synchronize()
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        synchronize()     # the last step's optimizer may still read the buckets
+        return self.cell(*args, **kwargs)
+
+    def _hook_for(self, i: int):
+        def hook(grad: Any) -> Any:
+            # the grad is added into bucket slot i; the returned tensor aliases that slot, so
+            # what value_and_grad returns is the reduced grad once the step is finalized
+            return from_native(self._ddp.mark_ready(i, grad))
+        hook.__name__ = f"nccl_ddp_grad_ready_{i}"
+        return hook
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+class MindSporeGrads(GradsAdapter):
+    """Parameters: MindSpore Parameters (an optimizer's `.parameters`); grads: a tuple/list of
+    tensors. The reduced grads are tensors viewing the reducer's fresh bucket memory."""
+
+    def param_infos(self, parameters: Any) -> List[ParamInfo]:
+        return [ParamInfo(tuple(p.shape), np_dtype(p.dtype), getattr(p, "name", None),
+                          getattr(p, "comm_fusion", None)) for p in parameters]
+
+    def to_native(self, grads: Any) -> List[Any]:
+        if not isinstance(grads, (list, tuple)):
+            raise TypeError(f"grads must be a tuple or list of tensors, got {type(grads).__name__}")
+        return [to_native(g) for g in grads]
+
+    def from_native(self, grads: Any, reduced: List[Any]) -> Any:
+        out = [from_native(a) for a in reduced]
+        return list(out) if isinstance(grads, list) else tuple(out)

@@ -1,0 +1,77 @@
+"""Single-process references for the MindSpore examples (run in the MindSpore venv by
+tests/test_mindspore_adapter.py; no nccl_ddp involved).
+
+    python tests/ms_reference.py ddp OUT.npz --steps N --world W
+        examples/ms_ddp_lenet.py's training, with each step's grad the mean of the W ranks' grads
+        computed one after the other here: what data parallelism must produce.
+    python tests/ms_reference.py grad-reducer OUT.npz --world W
+        examples/ms_grad_reducer.py's Net after one Momentum step on the SUM of the ranks' grads
+        (mean=False, as the example's auto-parallel context says); --scale-by-rank as there.
+"""
+import argparse
+import importlib.util
+import os
+
+import numpy as np
+
+import mindspore as ms
+from mindspore import nn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_example(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "examples", name + ".py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def ddp_reference(steps, world):
+    ex = load_example("ms_ddp_lenet")
+    ms.set_seed(0)
+    net = ex.LeNet5()
+    optimizer = nn.AdamWeightDecay(net.trainable_params(), 1e-4)
+    loss_fn = nn.CrossEntropyLoss()
+    grad_fn = ms.value_and_grad(lambda x, y: loss_fn(net(x), y), None, net.trainable_params())
+    data = [ex.create_dataset(r, steps) for r in range(world)]
+    for step in range(steps):
+        per_rank = [[g.asnumpy() for g in grad_fn(*data[r][step])[1]] for r in range(world)]
+        mean = tuple(ms.Tensor(sum(gs) / world) for gs in zip(*per_rank))
+        optimizer(mean)
+    return {p.name: p.asnumpy() for p in net.trainable_params()}
+
+
+def grad_reducer_reference(world, scale_by_rank):
+    ex = load_example("ms_grad_reducer")
+    size, in_features, out_features = 16, 16, 10
+    net = ex.Net(in_features, out_features)
+    net_with_loss = nn.WithLossCell(net, nn.MSELoss())
+    grad = ms.ops.GradOperation(get_by_list=True)
+    params = net_with_loss.trainable_params()
+    total = None
+    for r in range(world):
+        inputs, label = ex.rank_inputs(r, size, in_features, out_features, scale_by_rank)
+        g = grad(net_with_loss, params)(inputs, label)[0].asnumpy()
+        total = g if total is None else total + g
+    optimizer = nn.Momentum(params, learning_rate=0.1, momentum=0.9)
+    optimizer((ms.Tensor(total),))
+    return {"weight": net.weight.asnumpy()}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("which", choices=["ddp", "grad-reducer"])
+    parser.add_argument("out")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--scale-by-rank", action="store_true")
+    args = parser.parse_args()
+    ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU")
+    result = (ddp_reference(args.steps, args.world) if args.which == "ddp"
+              else grad_reducer_reference(args.world, args.scale_by_rank))
+    np.savez(args.out, **result)
+
+
+if __name__ == "__main__":
+    main()
