@@ -75,7 +75,7 @@ class SplitComm(FakeComm):
 
 
 class FakeRuntime:
-    """Stands in for `_CupyRuntime`: streams are ints, events complete when `complete` says."""
+    """Stands in for `CupyRuntime`: streams are ints, events complete when `complete` says."""
 
     errors = (FakeNcclError,)
 

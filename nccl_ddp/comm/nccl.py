@@ -11,160 +11,29 @@ or an op older than the group's timeout, it aborts the communicator, and the nex
 training thread (any collective, `Work.wait`) raises `CommError` / `CommTimeout` naming the op,
 the bucket tag, the group and the rank.
 
-Every CUDA/NCCL call goes through a small runtime object (`_CupyRuntime`) so that tests can swap
+Every CUDA/NCCL call goes through a small runtime object (`CupyRuntime`) so that tests can swap
 in a fake one on a machine without a GPU. CuPy is imported lazily: this module needs only NumPy.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from ..errors import CommError, CommTimeout, StoreTimeout
+from ._nccl_runtime import (ADVICE, CupyRuntime, bounded, check, is_available, nccl_dtype,
+                            nccl_op, stream_ptr)
 from .group import ProcessGroup, ReduceOp, Work
+
+__all__ = ["NcclProcessGroup", "NcclWork", "exchange_unique_id", "is_available", "nccl_dtype",
+           "nccl_op"]
 
 log = logging.getLogger(__name__)
 
 WATCHDOG_POLL = 0.05     # seconds between watchdog checks
 UNIQUE_ID_BYTES = 128
-ADVICE = ("Rerun with NCCL_DEBUG=INFO (NCCL_DEBUG_SUBSYS=INIT,COLL narrows it) and check the other "
-          "ranks' logs for the first error.")
-
-# numpy dtype name -> cupy.cuda.nccl attribute; float8: NCCL >= 2.24 enum values CuPy does not name.
-_DTYPES = {
-    "int8": "NCCL_INT8", "uint8": "NCCL_UINT8", "int32": "NCCL_INT32", "uint32": "NCCL_UINT32",
-    "int64": "NCCL_INT64", "uint64": "NCCL_UINT64", "float16": "NCCL_FLOAT16",
-    "float32": "NCCL_FLOAT32", "float64": "NCCL_FLOAT64", "bfloat16": "NCCL_BFLOAT16",
-}
-_FP8 = {"float8_e4m3fn": 10, "float8_e5m2": 11}
-_FP8_MIN_VERSION = 22400
-_OPS = {ReduceOp.SUM: "NCCL_SUM", ReduceOp.PROD: "NCCL_PROD", ReduceOp.MAX: "NCCL_MAX",
-        ReduceOp.MIN: "NCCL_MIN", ReduceOp.AVG: "NCCL_AVG"}
 _generations: dict = {}  # (name, ranks) -> groups created so far, for unique store keys
-
-
-def is_available() -> bool:
-    """True when CuPy imports, sees a GPU, and loads NCCL. Never raises."""
-    try:
-        import warnings
-
-        import cupy
-        if not cupy.cuda.is_available() or cupy.cuda.runtime.getDeviceCount() < 1:
-            return False
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            from cupy.cuda import nccl
-        return bool(nccl.available) and nccl.get_version() > 0
-    except Exception:  # any import or driver failure means "not available"
-        return False
-
-
-def nccl_dtype(dtype: Any, lib: Any) -> int:
-    """The ncclDataType_t of a NumPy/CuPy dtype; `lib` is `cupy.cuda.nccl` (or a test fake)."""
-    name = getattr(dtype, "name", str(dtype))
-    if name in _DTYPES and hasattr(lib, _DTYPES[name]):
-        return int(getattr(lib, _DTYPES[name]))
-    if name in _FP8 and lib.get_version() >= _FP8_MIN_VERSION:
-        return _FP8[name]
-    raise TypeError(f"NCCL cannot reduce dtype {name}; use one of "
-                    f"{sorted(_DTYPES) + sorted(_FP8)} (float8 needs NCCL >= 2.24)")
-
-
-def nccl_op(op: "ReduceOp | str", lib: Any) -> int:
-    """The ncclRedOp_t of a ReduceOp (AVG is NCCL's native ncclAvg)."""
-    return int(getattr(lib, _OPS[ReduceOp.parse(op)]))
-
-
-def _stream_ptr(stream: Any) -> int:
-    """Raw cudaStream_t of a CudaStream / CuPy stream (`.ptr`) or of a `__cuda_stream__` owner."""
-    ptr = getattr(stream, "ptr", None)
-    if ptr is None and hasattr(stream, "__cuda_stream__"):
-        ptr = stream.__cuda_stream__()[1]
-    if ptr is None:
-        raise TypeError(f"stream {stream!r} is not a CUDA stream (no .ptr or __cuda_stream__)")
-    return int(ptr)
-
-
-class _CupyRuntime:
-    """Every CUDA/NCCL call the group makes, on one device. Tests replace it with a fake."""
-
-    def __init__(self, device_id: int) -> None:
-        import cupy
-        from cupy.cuda import nccl
-        self.cupy, self.lib, self.device_id = cupy, nccl, device_id
-        self.errors: tuple = (nccl.NcclError, cupy.cuda.runtime.CUDARuntimeError)
-
-    def _device(self):
-        return self.cupy.cuda.Device(self.device_id)
-
-    def unique_id(self) -> bytes:
-        return self.lib.get_unique_id()
-
-    def new_comm(self, size: int, uid: bytes, rank: int) -> Any:
-        with self._device():
-            return self.lib.NcclCommunicator(size, uid, rank)
-
-    def new_stream(self) -> Any:
-        with self._device():
-            return self.cupy.cuda.Stream(non_blocking=True)
-
-    def current_stream(self) -> int:
-        return self.cupy.cuda.get_current_stream().ptr
-
-    def record(self, stream: int) -> Any:
-        with self._device():
-            ev = self.cupy.cuda.Event(disable_timing=True)
-        self.cupy.cuda.runtime.eventRecord(ev.ptr, stream)
-        return ev
-
-    def wait(self, stream: int, event: Any) -> None:
-        self.cupy.cuda.runtime.streamWaitEvent(stream, event.ptr)
-
-    def query(self, event: Any) -> bool:
-        return event.done
-
-    def ptr(self, buf: Any) -> int:
-        return buf.data.ptr
-
-    def scratch(self) -> Any:
-        with self._device():
-            return self.cupy.zeros(1, dtype=self.cupy.float32)
-
-    def bind_thread(self) -> None:
-        self._device().use()
-
-
-@contextlib.contextmanager
-def _check(errors: tuple, what: str) -> Iterator[None]:
-    """The one place NCCL and CUDA failures (CuPy raises them) become our exceptions."""
-    try:
-        yield
-    except errors as e:
-        raise CommError(f"NCCL {what} failed: {e}. {ADVICE}") from e
-
-
-def _bounded(fn: Callable[[], Any], timeout: float, what: str) -> Any:
-    """Run a blocking NCCL call (communicator init/split) with a time bound: on timeout the call is
-    left behind on a daemon thread and CommTimeout is raised."""
-    box: dict = {}
-
-    def run() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as e:  # handed to the caller below
-            box["error"] = e
-
-    t = threading.Thread(target=run, daemon=True, name="nccl_ddp-init")
-    t.start()
-    t.join(timeout)
-    if t.is_alive():
-        raise CommTimeout(f"{what} did not finish within {timeout:g}s: some rank of the group has "
-                          f"not joined (crashed, or called a different collective). {ADVICE}")
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
 
 
 def exchange_unique_id(store: Any, key: str, rank: int, timeout: float,
@@ -202,8 +71,8 @@ class NcclWork(Work):
         next call after it fires raises."""
         g = self._group
         g._raise_if_failed(f"Work.wait of {self.what}")
-        with _check(g._rt.errors, f"Work.wait of {self.what}"):
-            g._rt.wait(g._rt.current_stream() if stream is None else _stream_ptr(stream),
+        with check(g._rt.errors, f"Work.wait of {self.what}"):
+            g._rt.wait(g._rt.current_stream() if stream is None else stream_ptr(stream),
                        self.event)
         return True
 
@@ -211,7 +80,7 @@ class NcclWork(Work):
         g = self._group
         if g._failure is not None:
             return True
-        with _check(g._rt.errors, f"query of {self.what}"):
+        with check(g._rt.errors, f"query of {self.what}"):
             return bool(g._rt.query(self.event))
 
     def result(self) -> Any:
@@ -260,15 +129,15 @@ class NcclProcessGroup(ProcessGroup):
                name: str, device_id: int, *, runtime: Any = None) -> "NcclProcessGroup":
         """Collective over the members: exchange the unique id through `store` and build the
         communicator on `device_id`. `runtime` replaces the CuPy calls (tests)."""
-        rt = runtime if runtime is not None else _CupyRuntime(device_id)
+        rt = runtime if runtime is not None else CupyRuntime(device_id)
         ranks = tuple(int(r) for r in ranks)
         gen = _generations[(name, ranks)] = _generations.get((name, ranks), 0) + 1
         key = f"nccl_ddp/nccl_uid/{name}/{','.join(map(str, ranks))}/{gen}"
         who = f"rank {ranks[rank]} (group {name!r} rank {rank}/{size})"
         uid = exchange_unique_id(store, key, rank, timeout, rt.unique_id, who)
         what = f"communicator init of group {name!r} on {who}, GPU {device_id}"
-        with _check(rt.errors, what):
-            comm = _bounded(lambda: rt.new_comm(size, uid, rank), timeout, f"NCCL {what}")
+        with check(rt.errors, what):
+            comm = bounded(lambda: rt.new_comm(size, uid, rank), timeout, f"NCCL {what}")
         return cls(comm, rt, rank=rank, size=size, ranks=ranks, timeout=timeout, name=name,
                    device_id=device_id, store=store)
 
@@ -334,14 +203,14 @@ class NcclProcessGroup(ProcessGroup):
                 call: Callable[[Any, int], None]) -> NcclWork:
         what = self._describe(op, tag)
         self._raise_if_failed(what)
-        with _check(self._rt.errors, what):
+        with check(self._rt.errors, what):
             if stream is None:
                 # caller: ──[writes buf]──●ready
                 # comm:                   └─wait──[nccl op]──●done
                 s = self._stream.ptr
                 self._rt.wait(s, self._rt.record(self._rt.current_stream()))
             else:
-                s = _stream_ptr(stream)
+                s = stream_ptr(stream)
             call(self._comm, s)
             event = self._rt.record(s)
         work = NcclWork(self, what, event, output, keep)
@@ -429,8 +298,8 @@ class NcclProcessGroup(ProcessGroup):
         what = self._describe(f"new_subgroup {name}", None)
         self._raise_if_failed(what)
         if hasattr(self._comm, "commSplit"):
-            with _check(self._rt.errors, what):
-                comm = _bounded(lambda: self._comm.commSplit(0 if member else -1,
+            with check(self._rt.errors, what):
+                comm = bounded(lambda: self._comm.commSplit(0 if member else -1,
                                                              ranks.index(me) if member else 0),
                                 self.timeout, f"NCCL {what}")
             if not member:
