@@ -67,6 +67,7 @@ class Segment:
 
 
 STAGED, REDUCED = 1, 2      # signal kinds (see _wire.KIND_NAMES)
+_SLOTS = 3
 _NAME_BYTES = 128
 
 
@@ -76,36 +77,38 @@ def _bounds(m: int, j: int, n: int) -> tuple:
 
 
 class ShmTransport:
-    """Collectives between ranks of one host: each rank stages chunks in its own segment (two
-    slots, used alternately) and the sockets carry only small signals.
+    """Collectives between ranks of one host: each rank stages chunks in its own segment (three
+    slots, used in turn) and the sockets carry only small signals.
 
-    all_reduce of one chunk (split in one part per rank), on every rank r:
-        copy my chunk but part r into my slot                -> signal "staged", wait for peers'
-        part r of my buffer (op)= part r of each peer's slot; copy it into my slot
-                                                              -> signal "reduced", wait for peers'
-        copy part j of peer j's slot into my buffer, for every j != r
-    Part r is computed once (by rank r), so every rank ends with the same bits. A rank writes slot
-    s again two steps later, after every peer signalled the step in between, which each sends
-    only once it has finished reading slot s.
+    all_reduce, chunk k split in one part per rank, on every rank r (one signal per chunk):
+        stage k: copy chunk k but part r into my slot            (before the loop: stage 0, signal)
+        loop k:  part r of my buffer (op)= part r of each peer's slot k; copy it into my slot k
+                 stage k+1                     -> signal "reduced k / staged k+1", wait for peers'
+                 copy part j of peer j's slot k into my buffer, for every j != r
+    Part r is computed once (by rank r), so every rank ends with the same bits. A rank writes a
+    slot again three chunks later; by then every peer has signalled a later chunk, which it only
+    does after it finished reading that slot.
     """
 
     def __init__(self, links: dict, rank: int, size: int, chunk_bytes: int, tag: str) -> None:
         self.rank, self.size = rank, size
         self.chunk = max(4096, chunk_bytes // 64 * 64)
         self.links = [links[j] for j in range(size) if j != rank]
-        self.seq = 0
-        self._own = Segment.create(2 * self.chunk, tag)
+        self.seq = 0          # signals exchanged so far
+        self.chunks = 0       # chunks staged so far: chunk c uses slot c % _SLOTS
+        nbytes = _SLOTS * self.chunk
+        self._own = Segment.create(nbytes, tag)
         segments = {}
         try:
             name = self._own.name.encode().ljust(_NAME_BYTES, b"\0")
-            hello = Header(0, STAGED, SETUP, count=2 * self.chunk)
+            hello = Header(0, STAGED, SETUP, count=nbytes)
             for link in self.links:
                 link.send(hello, memoryview(name))
             for j, link in zip((j for j in range(size) if j != rank), self.links):
                 link.expect(hello)
                 raw = bytearray(_NAME_BYTES)
                 link.recv_into(memoryview(raw))
-                segments[j] = Segment(bytes(raw).rstrip(b"\0").decode(), 2 * self.chunk, False)
+                segments[j] = Segment(bytes(raw).rstrip(b"\0").decode(), nbytes, False)
             self._exchange((SETUP, 0, 0, 0, 0), REDUCED)   # everyone mapped everything: unlink
         except BaseException:
             for seg in segments.values():
@@ -115,14 +118,16 @@ class ShmTransport:
         self._own.unlink()
         segments[rank] = self._own
         self._segments = segments
-        self.slots = [[segments[j].array[:self.chunk], segments[j].array[self.chunk:]]
-                      for j in range(size)]
+        self.slots = [[segments[j].array[i * self.chunk:(i + 1) * self.chunk]
+                       for i in range(_SLOTS)] for j in range(size)]
 
     def _step(self) -> int:
-        self.seq += 1
-        return self.seq % 2
+        """The slot of the next chunk."""
+        self.chunks += 1
+        return self.chunks % _SLOTS
 
     def _exchange(self, desc: tuple, kind: int) -> None:
+        self.seq += 1
         hdr = Header(self.seq, kind, *desc)
         for link in self.links:
             link.send(hdr)
@@ -136,22 +141,30 @@ class ShmTransport:
     def all_reduce(self, buf: np.ndarray, red, desc: tuple) -> None:
         n, dt, r, size = buf.size, buf.dtype, self.rank, self.size
         ce = self.chunk // dt.itemsize
-        for lo in range(0, max(n, 1), ce):
-            hi = min(n, lo + ce)
-            m = hi - lo
-            s = self._step()
-            a, b = _bounds(m, r, size)
+        starts = range(0, max(n, 1), ce)
+
+        def stage(lo: int) -> tuple:
+            hi, s = min(n, lo + ce), self._step()
+            a, b = _bounds(hi - lo, r, size)
             # peers need every part but mine, which I reduce straight from my buffer
             np.copyto(self._slot(r, s, 0, a, dt), buf[lo:lo + a])
-            np.copyto(self._slot(r, s, b, m, dt), buf[lo + b:hi])
-            self._exchange(desc, STAGED)
+            np.copyto(self._slot(r, s, b, hi - lo, dt), buf[lo + b:hi])
+            return lo, hi, s
+
+        cur = stage(0)
+        self._exchange(desc, STAGED)
+        for k in range(len(starts)):
+            lo, hi, s = cur
+            a, b = _bounds(hi - lo, r, size)
             mine = buf[lo + a:lo + b]
             red.combine(mine, [self._slot(j, s, a, b, dt) for j in range(size) if j != r], True)
             np.copyto(self._slot(r, s, a, b, dt), mine)
+            if k + 1 < len(starts):
+                cur = stage(starts[k + 1])
             self._exchange(desc, REDUCED)
             for j in range(size):
                 if j != r:
-                    a, b = _bounds(m, j, size)
+                    a, b = _bounds(hi - lo, j, size)
                     np.copyto(buf[lo + a:lo + b], self._slot(j, s, a, b, dt))
 
     def broadcast(self, buf: np.ndarray, root: int, desc: tuple) -> None:
@@ -192,7 +205,6 @@ class ShmTransport:
             red.combine(out[lo:hi], others, final=True)
 
     def barrier(self, desc: tuple) -> None:
-        self._step()
         self._exchange(desc, STAGED)
 
     def close(self) -> None:
