@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from ..device import DEFAULT_TIMEOUT, HostEvent, Stream
+from ..device import DEFAULT_TIMEOUT, HostEvent
 from ..errors import CommError, CommTimeout, ConfigError, NcclDdpError
 from ._reduce import Reduction, dtype_code
 from ._ring import RingTransport, SelfTransport
@@ -197,8 +197,7 @@ class HostProcessGroup(ProcessGroup):
 
     def _desc(self, op: int, a: np.ndarray, redop: Optional[ReduceOp] = None,
               root: int = 0) -> tuple:
-        where = f"{self._where}"
-        return (op, dtype_code(a.dtype, where), _REDOPS.index(redop) if redop else 0, root,
+        return (op, dtype_code(a.dtype, self._where), _REDOPS.index(redop) if redop else 0, root,
                 a.size)
 
     def _reduction(self, a: np.ndarray, op) -> Reduction:
