@@ -17,7 +17,7 @@ from conftest import HAS_GPU
 from mp import run_ranks
 from nccl_ddp.comm import nccl as nb
 from nccl_ddp.comm.group import ReduceOp
-from nccl_ddp.errors import CommError, CommTimeout
+from nccl_ddp.errors import CommError, CommTimeout, ConfigError
 
 # ncclDataType_t / ncclRedOp_t values from nccl.h
 NCCL_H = dict(NCCL_INT8=0, NCCL_UINT8=1, NCCL_INT32=2, NCCL_UINT32=3, NCCL_INT64=4, NCCL_UINT64=5,
@@ -350,6 +350,11 @@ def test_real_create_without_gpu_raises_comm_error():
     with pytest.raises(CommError, match="communicator init of group 'world'.*GPU 0") as e:
         nb.NcclProcessGroup.create(DictStore(), 0, 1, [0], 5, "world", 0)
     assert e.value.__cause__ is not None
+
+
+def test_create_checks_rank_and_size():
+    with pytest.raises(ConfigError, match="rank 2 and size 2 do not fit"):
+        nb.NcclProcessGroup.create(DictStore(), 2, 2, [0, 1], 5, "world", 0, runtime=FakeRuntime())
 
 
 def test_new_subgroup_uses_comm_split():

@@ -11,6 +11,11 @@ or an op older than the group's timeout, it aborts the communicator, and the nex
 training thread (any collective, `Work.wait`) raises `CommError` / `CommTimeout` naming the op,
 the bucket tag, the group and the rank.
 
+Beyond the ProcessGroup interface: every collective takes `tag=` ("bucket 3") for error messages,
+`Work.wait(stream=...)` orders another stream than CuPy's current one, and `Work.synchronize(timeout)`
+blocks the host (tests, shutdown). Buffers are contiguous CuPy arrays; `stream` is anything with a
+`.ptr` (device.CudaStream, cupy.cuda.Stream) or `__cuda_stream__`.
+
 Every CUDA/NCCL call goes through a small runtime object (`CupyRuntime`) so that tests can swap
 in a fake one on a machine without a GPU. CuPy is imported lazily: this module needs only NumPy.
 """
@@ -21,7 +26,7 @@ import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from ..errors import CommError, CommTimeout, StoreTimeout
+from ..errors import CommError, CommTimeout, ConfigError, StoreTimeout
 from ._nccl_runtime import (ADVICE, CupyRuntime, bounded, check, is_available, nccl_dtype,
                             nccl_op, stream_ptr)
 from .group import ProcessGroup, ReduceOp, Work
@@ -112,7 +117,8 @@ class NcclProcessGroup(ProcessGroup):
         self.rank, self.size, self.ranks = rank, size, tuple(ranks)
         self.timeout, self.name, self.device_id = float(timeout), name, device_id
         self._comm, self._rt, self._store, self._poll = comm, runtime, store, poll
-        self._stream = runtime.new_stream()
+        with check(runtime.errors, f"comm stream creation of group {name!r}"):
+            self._stream = runtime.new_stream()
         self._pending: list = []
         self._lock = threading.Lock()
         self._failure: Optional[tuple] = None     # (class, message, cause) set by the watchdog
@@ -129,8 +135,11 @@ class NcclProcessGroup(ProcessGroup):
                name: str, device_id: int, *, runtime: Any = None) -> "NcclProcessGroup":
         """Collective over the members: exchange the unique id through `store` and build the
         communicator on `device_id`. `runtime` replaces the CuPy calls (tests)."""
-        rt = runtime if runtime is not None else CupyRuntime(device_id)
         ranks = tuple(int(r) for r in ranks)
+        if len(ranks) != size or not 0 <= rank < size:
+            raise ConfigError(f"NCCL group {name!r}: rank {rank} and size {size} do not fit the "
+                              f"member list {list(ranks)}")
+        rt = runtime if runtime is not None else CupyRuntime(device_id)
         gen = _generations[(name, ranks)] = _generations.get((name, ranks), 0) + 1
         key = f"nccl_ddp/nccl_uid/{name}/{','.join(map(str, ranks))}/{gen}"
         who = f"rank {ranks[rank]} (group {name!r} rank {rank}/{size})"
