@@ -13,8 +13,8 @@ the bucket tag, the group and the rank.
 
 Beyond the ProcessGroup interface: every collective takes `tag=` ("bucket 3") for error messages,
 `Work.wait(stream=...)` orders another stream than CuPy's current one, and
-`Work.synchronize(timeout)` blocks the host (tests, shutdown). Buffers are contiguous CuPy arrays; `stream` is anything with a
-`.ptr` (device.CudaStream, cupy.cuda.Stream) or `__cuda_stream__`.
+`Work.synchronize(timeout)` blocks the host (tests, shutdown). Buffers are contiguous CuPy arrays;
+`stream` is anything with a `.ptr` (device.CudaStream, cupy.cuda.Stream) or `__cuda_stream__`.
 
 Every CUDA/NCCL call goes through a small runtime object (`CupyRuntime`) so that tests can swap
 in a fake one on a machine without a GPU. CuPy is imported lazily: this module needs only NumPy.
