@@ -202,6 +202,10 @@ class Reducer:
         stream without blocking; host runs it on the group's worker while this stream waits."""
         self.group.all_reduce(buf, op, stream=self.device.current_stream()).wait(self.group.timeout)
 
+    def _broadcast_here(self, buf) -> None:
+        """Rank 0's `buf` to every rank, in comm-stream order (like `_all_reduce_here`)."""
+        self.group.broadcast(buf, 0, stream=self.device.current_stream()).wait(self.group.timeout)
+
     def finalize(self) -> None:
         """End the step: launch what is left, make the compute stream wait for every bucket.
 
@@ -255,7 +259,7 @@ class Reducer:
         PyTorch's find_unused_parameters does at the end of backward)."""
         used = self.device.xp.asarray(self._ready.astype(np.int32))
         self.comm.wait(self.device.current_stream().record())
-        self.group.all_reduce(used, ReduceOp.SUM, stream=self.comm)
+        self.comm.submit(self._all_reduce_here, used, ReduceOp.SUM)
         self.comm.synchronize(self.group.timeout)
         used = to_host(used)
         return [i for i in missing if used[i] == 0]
@@ -268,7 +272,7 @@ class Reducer:
         order[:len(arrived)] = arrived
         buf = self.device.xp.asarray(order)
         self.comm.wait(self.device.current_stream().record())
-        self.group.broadcast(buf, 0, stream=self.comm)
+        self.comm.submit(self._broadcast_here, buf)
         self.comm.synchronize(self.group.timeout)
         order = [int(i) for i in to_host(buf) if i >= 0]
         layout = assign_buckets(self.specs, self.config.cap_bytes, self.config.first_cap_bytes,

@@ -163,3 +163,29 @@ def test_process_group_from_new_group():
     for r in (0, 2):
         np.testing.assert_allclose(res[r][0], 1.0)
         np.testing.assert_allclose(res[r][1], 1.0)
+
+
+def _bfloat16(rank, world):
+    import ml_dtypes
+    nd = _init()
+    from nccl_ddp.adapters.arrays import ArrayModule
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    try:
+        out = []
+        for mode in ("CppReducer", "PythonReducer"):
+            model = ArrayModule({"a": np.zeros(37, bf16), "b": np.zeros(5, np.float32)})
+            ddp = nd.DistributedDataParallel(model, bucket_cap_mb=0, reducer_mode=mode)
+            ddp.mark_ready("b", np.full(5, rank, np.float32))
+            ddp.mark_ready("a", np.full(37, 1.5 * (rank + 1), bf16))
+            out.append((model.grads["a"].astype(np.float32), model.grads["a"].dtype == bf16))
+            ddp.close()
+        return out
+    finally:
+        nd.destroy_process_group()
+
+
+def test_bfloat16_grads():
+    for out in run_ranks(_bfloat16, 2, timeout=60):
+        for grads, is_bf16 in out:
+            assert is_bf16
+            np.testing.assert_allclose(grads, 2.25, rtol=1e-2)
