@@ -1,12 +1,8 @@
 import numpy as np
 import pytest
 
-import _kernels_stub
-
-_kernels_stub.install()
-
-from fakegroup import FakeGroup, _Shared, run_threads  # noqa: E402
-from nccl_ddp.grad_reducer import DistributedGradReducer  # noqa: E402
+from fakegroup import FakeGroup, _Shared, run_threads
+from nccl_ddp.grad_reducer import DistributedGradReducer
 
 DT = [np.float32, np.float64, np.float16, np.float32]
 

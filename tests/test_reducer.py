@@ -6,14 +6,10 @@ import time
 import numpy as np
 import pytest
 
-import _kernels_stub
-
-_kernels_stub.install()
-
-from fakegroup import run_threads  # noqa: E402
-from nccl_ddp import errors  # noqa: E402
-from nccl_ddp.adapters.arrays import ArrayModule  # noqa: E402
-from nccl_ddp.ddp import DistributedDataParallel  # noqa: E402
+from fakegroup import run_threads
+from nccl_ddp import errors
+from nccl_ddp.adapters.arrays import ArrayModule
+from nccl_ddp.ddp import DistributedDataParallel
 
 SHAPES = [((33, 5), np.float32), ((17,), np.float64), ((9, 3), np.float16), ((130,), np.float32),
           ((4, 4), np.float64), ((65,), np.float16)]
