@@ -58,7 +58,6 @@ class Reducer:
         self.steps = 0                      # synchronised steps finished
         self.excluded: frozenset = frozenset()   # static graph: unused in step 1, never reduced
         self.unused_last_step: frozenset = frozenset()   # no rank used them (find_unused/static)
-        self._rebuilt = False
         self._arrival: List[int] = []
         self._open = False
         self._step_syncs = True
@@ -142,7 +141,7 @@ class Reducer:
                 f"rank {self.group.rank}: parameter {self._label(i)} received a grad, but with "
                 "static_graph=True it was unused in the first step and is no longer reduced; the "
                 "graph is not static: use find_unused_parameters=True instead")
-        if self._count == 0:
+        if self._count == 0 and self._step_syncs:
             self.prof.mark("backward", "start", self.device.current_stream())
         if grad is not None and grad is not self.grads[i]:
             self.device.current_stream().submit(_accumulate, self.grads[i], grad)
@@ -277,7 +276,6 @@ class Reducer:
         order = [int(i) for i in to_host(buf) if i >= 0]
         layout = assign_buckets(self.specs, self.config.cap_bytes, self.config.first_cap_bytes,
                                 order=order, exclude=sorted(self.excluded))
-        self._rebuilt = True
         self._arrival = []
         if layout.buckets == self.layout.buckets:
             return
