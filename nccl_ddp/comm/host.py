@@ -3,8 +3,9 @@
 Ranks that share a host stage data in shared memory (`_shm.ShmTransport`); groups that span hosts
 use pipelined TCP rings (`_ring.RingTransport`). Set NCCL_DDP_HOST_TRANSPORT=tcp to force TCP.
 Each group runs its collectives in call order on one worker thread, like a CUDA stream, and
-every call returns a `HostWork` at once. After a failure the group is broken: it closes its
-sockets (so peers fail fast instead of timing out) and every later call raises the same error.
+every call returns a `HostWork` at once. After a failure the group is broken: it tells every peer
+why and ends its side of each connection (so peers fail fast, naming the cause, instead of timing
+out), and every later call raises the same error.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from .group import ProcessGroup, ReduceOp, Work
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CHUNK_BYTES = 1 << 20
+DEFAULT_CHUNK_BYTES = 2 << 20   # per shm slot (3 per rank) and per TCP piece
 _REDOPS = list(ReduceOp)
 
 
@@ -116,6 +117,7 @@ class HostProcessGroup(ProcessGroup):
                               f"shm or tcp")
         self._links: list = []
         if self.size == 1:
+            self.transport_kind = "self"
             return SelfTransport()
         rdv = Rendezvous(self._store, self.rank, list(self.ranks), self.timeout, self._where,
                          {"host": host_id(), "transport": transport, "chunk": chunk_bytes})
@@ -182,7 +184,8 @@ class HostProcessGroup(ProcessGroup):
             try:
                 if ready is not None:
                     ready.synchronize(self.timeout)
-                fn()
+                with np.errstate(over="ignore", invalid="ignore"):   # wraps like NCCL, silently
+                    fn()
                 work._finish(None)
             except BaseException as e:  # handed to whoever waits on the work
                 err = (type(e) if isinstance(e, NcclDdpError) else CommError)(f"{work.what}: {e}")
