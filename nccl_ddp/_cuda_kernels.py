@@ -65,8 +65,10 @@ def name_expressions() -> list:
     return names
 
 
-def chunk_elems(pair: tuple, chunk_bytes: int = CHUNK_BYTES) -> int:
-    """Elements per warp item: chunk_bytes of the wider dtype, a multiple of 64 elements."""
+def chunk_elems(pair: tuple, chunk_bytes: Optional[int] = None) -> int:
+    """Elements per warp item: chunk_bytes (default CHUNK_BYTES, read at call time so a benchmark
+    can tune it) of the wider dtype, a multiple of 64 elements."""
+    chunk_bytes = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     wide = max(ITEMSIZE[pair[0]], ITEMSIZE[pair[1]])
     return max(64, (chunk_bytes // wide) // 64 * 64)
 

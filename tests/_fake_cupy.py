@@ -50,7 +50,7 @@ class FakeArray:
         self.strides = tuple(int(np.prod(self.shape[i + 1:])) * self.dtype.itemsize
                              for i in range(len(self.shape)))
         self.flags = types.SimpleNamespace(c_contiguous=contiguous)
-        self.data = types.SimpleNamespace(ptr=addr)
+        self.data = FakeMemPtr(cp, addr)
         self.device = types.SimpleNamespace(id=device_id)
 
     def host(self):
@@ -60,6 +60,42 @@ class FakeArray:
     def set(self, arr, stream=None):
         self.cp.uploads.append(stream)
         self.host()[...] = arr
+
+    # the little array arithmetic the benchmark script uses (1-D, computed on the host)
+    def __getitem__(self, key):
+        start, stop, step = key.indices(self.size)
+        assert step == 1 and len(self.shape) == 1
+        return FakeArray(self.cp, self.data.ptr + start * self.dtype.itemsize,
+                         (max(0, stop - start),), self.dtype, self.device.id)
+
+    def __setitem__(self, key, value):
+        self.host()[key] = value.host() if isinstance(value, FakeArray) else value
+
+    def __mul__(self, other):
+        return self.cp.asarray(self.host() * other)
+
+    def astype(self, dtype):
+        return self.cp.asarray(self.host().astype(dtype))
+
+    def fill(self, value):
+        self.host()[...] = value
+
+    def view(self, dtype):
+        dtype = np.dtype(dtype)
+        return FakeArray(self.cp, self.data.ptr, (self.nbytes // dtype.itemsize,), dtype,
+                         self.device.id)
+
+    def get(self):
+        return self.host().copy()
+
+
+class FakeMemPtr:
+    def __init__(self, cp, ptr):
+        self.cp, self.ptr = cp, ptr
+
+    def copy_from_device_async(self, src, nbytes, stream=None):
+        self.cp.heap.view(self.ptr, nbytes, np.uint8)[...] = \
+            self.cp.heap.view(src.ptr, nbytes, np.uint8)
 
 
 class FakeStream:
@@ -83,6 +119,9 @@ class FakeStream:
     def wait_event(self, event):
         self.waited.append(event)
 
+    def synchronize(self):
+        return None
+
     @classmethod
     def from_external(cls, obj):
         version, ptr = obj.__cuda_stream__()
@@ -103,11 +142,17 @@ class FakeEvent:
     def record(self, stream=None):
         self.recorded_on = stream
 
+    def synchronize(self):
+        self.done = True
+
 
 class FakeDeviceCtx:
     def __init__(self, device_id=None):
         self.id = 0 if device_id is None else device_id
         self.attributes = {"MultiProcessorCount": 132}
+
+    def synchronize(self):
+        return None
 
     def __enter__(self):
         return self
@@ -120,9 +165,10 @@ class FakeFunction:
     def __init__(self, cp, name):
         self.cp, self.name = cp, name
 
-    def __call__(self, grid, block, args):
+    def __call__(self, grid, block, args, shared_mem=0, stream=None):
         assert block == (ck.THREADS,) and len(grid) == 1 and grid[0] >= 1
-        self.cp.launches.append((self.name, grid[0], FAKE_STATE["current"].ptr))
+        on = (stream or FAKE_STATE["current"]).ptr
+        self.cp.launches.append((self.name, grid[0], on))
         m = re.fullmatch(r"nd_scale<(\w+)>", self.name)
         if m:
             ptr, n, factor = args
@@ -197,7 +243,8 @@ class FakeRawModule:
 class FakeCupy:
     """The slice of the CuPy API that nccl_ddp.device and nccl_ddp._cuda_kernels use."""
 
-    uint8 = np.uint8
+    uint8, uint16, int32, float32 = np.uint8, np.uint16, np.int32, np.float32
+    __version__ = "0.0-fake"
 
     def __init__(self, devices=1):
         self.heap = Heap()
@@ -206,11 +253,20 @@ class FakeCupy:
         FAKE_STATE["current"] = FakeStream(null=True)
         runtime = types.SimpleNamespace(
             getDeviceCount=lambda: devices,
-            memsetAsync=lambda ptr, value, size, stream: self._memset(ptr, value, size, stream))
+            memsetAsync=lambda ptr, value, size, stream: self._memset(ptr, value, size, stream),
+            getDeviceProperties=lambda dev: {"name": b"Fake GPU"},
+            runtimeGetVersion=lambda: 12090)
         self.cuda = types.SimpleNamespace(
             is_available=lambda: devices > 0, runtime=runtime, Device=FakeDeviceCtx,
             Stream=FakeStream, Event=FakeEvent,
-            get_current_stream=lambda device_id=-1: FAKE_STATE["current"])
+            get_current_stream=lambda device_id=-1: FAKE_STATE["current"],
+            get_elapsed_time=lambda start, end: 1.0)
+        rng = np.random.default_rng(0)
+        self.random = types.SimpleNamespace(
+            standard_normal=lambda n, dtype=np.float64: self.asarray(
+                rng.standard_normal(n).astype(dtype)))
+        self.get_default_memory_pool = lambda: types.SimpleNamespace(
+            free_all_blocks=lambda: None)
         self.RawModule = lambda code, options, name_expressions: FakeRawModule(
             self, code, options, name_expressions)
 
@@ -224,6 +280,12 @@ class FakeCupy:
         return FakeArray(self, self.heap.alloc(nbytes, misalign), shape, dtype, device_id)
 
     zeros = empty   # the heap starts zeroed and is never reused
+
+    def multiply(self, a, b, out):
+        out.host()[...] = a.host() * b
+
+    def asnumpy(self, a):
+        return a.get()
 
     def asarray(self, host, misalign=0):
         a = self.empty(host.shape, host.dtype, misalign)
