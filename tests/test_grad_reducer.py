@@ -83,7 +83,7 @@ def test_bad_parameters_and_grads():
         DistributedGradReducer([], group=one_group())
     red = DistributedGradReducer(params(), group=one_group())
     with pytest.raises(TypeError, match="list or tuple"):
-        red(iter(grads(0)))
+        red(grads(0)[0])
     with pytest.raises(ValueError, match="3 grads for 4"):
         red(grads(0)[:3])
     bad = grads(0)
