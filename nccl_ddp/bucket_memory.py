@@ -1,11 +1,11 @@
 """Bucket memory: one flat, zero-filled device buffer per bucket, and views of it per parameter.
 
-Owns the allocation only (Megatron's `_ParamAndGradBuffer`); which grads live in it and when it
-is reduced is decided by `reducer.py`.
+Owns the allocation and the grad views (Megatron's `_ParamAndGradBuffer` / bucket views); when a
+bucket is reduced is decided by `reducer.py`.
 """
 from __future__ import annotations
 
-from typing import Any, List, Sequence
+from typing import Any, Callable, List, Sequence
 
 from .buckets import BucketLayout
 
@@ -23,6 +23,19 @@ class BucketBuffers:
         bucket = self.layout.buckets[b]
         start = bucket.offsets[slot]
         return self.buffers[b][start:start + bucket.numels[slot]].reshape(tuple(shape))
+
+    def adopt_grads(self, grads: List[Any], shapes: Sequence[tuple],
+                    install: Callable[[int, Any], None], stream) -> None:
+        """The views: copy each bucketed grad into its slice (in `stream` order), then make
+        `grads[i]` and, through `install(i, view)`, the framework's grad that slice."""
+        views = {}
+        for b in self.layout.buckets:
+            for p in b.params:
+                views[p] = self.view(p, shapes[p])
+                stream.submit(copy_into, views[p], grads[p])
+        for p, v in views.items():
+            install(p, v)
+            grads[p] = v
 
     def offsets(self, b: int) -> list:
         return list(self.layout.buckets[b].offsets)

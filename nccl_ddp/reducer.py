@@ -82,16 +82,8 @@ class Reducer:
         self.memory = BucketBuffers(layout, self.device)
         if self._install is None:       # the framework cannot alias its grads: pack/unpack
             return
-        compute = self.device.current_stream()
-        views = {}
-        for b in layout.buckets:
-            for p in b.params:
-                view = self.memory.view(p, self.specs[p].shape)
-                compute.submit(copy_into, view, self.grads[p])
-                views[p] = view
-        for p, v in views.items():
-            self._install(p, v)
-            self.grads[p] = v
+        self.memory.adopt_grads(self.grads, [s.shape for s in self.specs], self._install,
+                                self.device.current_stream())
         self._views_installed = True
         log.debug("rank %d: bucket layout %s (%s mode)", self.group.rank, layout.summary(), self.mode)
 
