@@ -11,6 +11,7 @@ import pytest
 import nccl_ddp as nd
 from mp import run_ranks
 from nccl_ddp.errors import ConfigError
+from test_host_collectives import no_shm_leaks  # noqa: F401  (autouse: /dev/shm stays clean)
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 
