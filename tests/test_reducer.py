@@ -357,3 +357,51 @@ def test_bad_modules(module, match):
 def _one_rank_group():
     from fakegroup import FakeGroup, _Shared
     return FakeGroup(_Shared(1, 5.0), 0, 1)
+
+
+def _collective_count_rank(group, mode, unused):
+    model = small_model(n=6)
+    ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=64 / 2**20,
+                                  reducer_mode=mode, find_unused_parameters=unused,
+                                  init_sync=False)
+    order = [0, 3, 1, 4, 2, 5]
+    for i in order:
+        ddp.mark_ready(i, np.ones(8, np.float32))
+    if unused:
+        ddp.finalize()
+    return (len(ddp.reducer.layout.buckets),
+            sum(1 for _, name, _ in group.started if name == "all_reduce"),
+            [b.params for b in ddp.reducer.layout.buckets])
+
+
+@pytest.mark.parametrize("mode,unused", [("CppReducer", False), ("PythonReducer", False),
+                                         ("CppReducer", True)])
+def test_one_collective_per_bucket_or_per_grad(mode, unused):
+    for nbuckets, n_allreduce, layout in run_threads(_collective_count_rank, 2, mode, unused):
+        if mode == "PythonReducer":
+            assert n_allreduce == 6                       # one per grad
+        elif unused:
+            assert n_allreduce == nbuckets + 1            # + the used-parameter bitmap
+            assert layout == [(5, 4), (3, 2), (1, 0)]     # find_unused: never rebuilt (PyTorch)
+        else:
+            assert n_allreduce == 3                       # 32 B grads, 64 B buckets
+            assert layout == [(0, 3), (1, 4), (2, 5)]     # rebuilt in arrival order
+
+
+def _timeline_rank(group):
+    from nccl_ddp.profiling import Timeline
+    model = ArrayModule({f"w{i}": np.zeros(1 << 16, np.float32) for i in range(4)})
+    ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=0, init_sync=False)
+    ddp.reducer.prof = Timeline(group.rank, timeline=True)
+    for i in (3, 2, 1):
+        ddp.mark_ready(i, np.ones(1 << 16, np.float32))
+    time.sleep(0.05)                                      # "backward" of the first layer
+    ddp.mark_ready(0, np.ones(1 << 16, np.float32))
+    return ddp.reducer.prof.steps[-1]
+
+
+def test_timeline_sees_comm_inside_backward():
+    for summary in run_threads(_timeline_rank, 2):
+        assert summary.buckets == 4 and summary.nbytes == 4 * 4 * (1 << 16)
+        assert summary.comm_s > 0 and summary.overlap_s > 0
+        assert summary.overlap_s <= summary.comm_s + 1e-9
