@@ -75,7 +75,8 @@ def _numpy_view(x: Any, where: str) -> np.ndarray:
         if arr is None and is_immutable(x):
             arr = np.asarray(x)
         if arr is None:
-            raise ConfigError(f"{where}: cannot view {type(x).__name__} through DLPack ({e})") from e
+            raise ConfigError(f"{where}: cannot view {type(x).__name__} through DLPack "
+                              f"({e})") from e
         return arr
 
 
@@ -83,8 +84,10 @@ def _bfloat16_view(src: Any) -> Optional[np.ndarray]:
     """NumPy's DLPack import knows no bfloat16: view the framework array as int16 (torch's
     `tensor.view(torch.int16)`), import that, and reinterpret it with ml_dtypes."""
     framework = sys.modules.get(type(src).__module__.split(".")[0])
+    if not hasattr(src, "view"):
+        return None
     int16 = getattr(framework, "int16", None)
-    if "bfloat16" not in str(getattr(src, "dtype", "")) or int16 is None or not hasattr(src, "view"):
+    if "bfloat16" not in str(getattr(src, "dtype", "")) or int16 is None:
         return None
     import ml_dtypes
     return np.from_dlpack(src.view(int16)).view(ml_dtypes.bfloat16)

@@ -167,6 +167,17 @@ def ordering_body(rank, world):
     total = sum(r + 1 for r in range(world))
     np.testing.assert_array_equal(seen["after"], total)
     assert w.is_completed()
+    # the caller's immediate stream (synchronous API): runs after what is queued, done on return
+    from nccl_ddp.device import HostDevice
+    stream.submit(time.sleep, 0.3)
+    first = g.all_reduce(np.ones(3), stream=stream)
+    now = np.full(4, rank + 1)
+    w = g.all_reduce(now, stream=HostDevice().current_stream())
+    assert first.is_completed() and w.is_completed()
+    np.testing.assert_array_equal(now, total)
+    w = g.all_reduce(now, stream=HostDevice().current_stream())   # idle group: runs inline
+    assert w.is_completed()
+    np.testing.assert_array_equal(now, total * world)
     stream.close()
     _close(g, store)
 

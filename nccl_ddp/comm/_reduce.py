@@ -61,7 +61,7 @@ class Reduction:
         self.half = self.dtype.name in _HALF and op in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PROD)
 
     def combine(self, out: np.ndarray, others: Sequence[np.ndarray], final: bool) -> None:
-        """out = out (op) others[0] (op) others[1] ..., in that order; `final` applies AVG's division."""
+        """out = out (op) others[0] (op) others[1] ..., in that order; `final`: divide for AVG."""
         if self.half:
             acc = out.astype(np.float32)
             for o in others:

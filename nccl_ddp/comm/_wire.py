@@ -1,4 +1,4 @@
-"""Sockets between the ranks of one host group: rendezvous through the store, links, framed messages.
+"""Sockets between the ranks of a host group: rendezvous through the store, links, framed messages.
 
 Every message starts with a `Header` naming the collective it belongs to, so ranks that run
 different collectives (or the same one with different sizes) fail at once with a

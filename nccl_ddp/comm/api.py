@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from .. import arrays
+from ..device import HostDevice
 from ..env import DistEnv, resolve_env
 from ..errors import ConfigError, NcclDdpError
 from .group import ProcessGroup, ReduceOp, Work
@@ -35,6 +36,7 @@ class _World:
 
 
 _world: Optional[_World] = None
+_IMMEDIATE = HostDevice().current_stream()
 
 
 def _pick_backend(backend: Optional[str]) -> str:
@@ -179,14 +181,18 @@ class _Buf:
         return arrays.from_native(self.native, self.x)
 
 
-def _context(group: Optional[ProcessGroup], what: str) -> tuple:
+def _context(group: Optional[ProcessGroup], what: str, async_op: bool) -> tuple:
+    """(group, device kind, error prefix, stream to pass) for one API call."""
     w = _require(what)
     g = w.group if group is None else group
     if not isinstance(g, ProcessGroup):
         raise ConfigError(f"rank {w.env.rank}: {what}: group must be a ProcessGroup from "
                           f"new_group() (or None for the world), got {type(g).__name__}; "
                           f"new_group returns None on ranks that are not members")
-    return g, _DEVICE_KIND[g.backend], f"rank {w.env.rank}: {what} on group {g.name!r}"
+    # synchronous host calls pass the caller's immediate stream: the op may then run on the
+    # calling thread, saving two thread switches
+    stream = _IMMEDIATE if g.backend == "host" and not async_op else None
+    return g, _DEVICE_KIND[g.backend], f"rank {w.env.rank}: {what} on group {g.name!r}", stream
 
 
 def _run(work: Work, finish: Callable[[], Any], async_op: bool) -> Any:
@@ -199,20 +205,20 @@ def _run(work: Work, finish: Callable[[], Any], async_op: bool) -> Any:
 def all_reduce(x: Any, op: "ReduceOp | str" = "sum", group: Optional[ProcessGroup] = None,
                async_op: bool = False) -> Any:
     """Reduce `x` over the group (in place where possible); returns `x` or the new array."""
-    g, kind, where = _context(group, "all_reduce")
+    g, kind, where, stream = _context(group, "all_reduce", async_op)
     b = _Buf(x, kind, where)
-    return _run(g.all_reduce(b.buf, ReduceOp.parse(op)), b.finish, async_op)
+    return _run(g.all_reduce(b.buf, ReduceOp.parse(op), stream), b.finish, async_op)
 
 
 def broadcast(x: Any, src: int = 0, group: Optional[ProcessGroup] = None,
               async_op: bool = False) -> Any:
     """Copy global rank `src`'s `x` to every member of the group."""
-    g, kind, where = _context(group, "broadcast")
+    g, kind, where, stream = _context(group, "broadcast", async_op)
     if src not in g.ranks:
         raise ConfigError(f"{where}: src rank {src} is not a member of the group "
                           f"{list(g.ranks)}; src is a global rank")
     b = _Buf(x, kind, where)
-    return _run(g.broadcast(b.buf, g.ranks.index(src)), b.finish, async_op)
+    return _run(g.broadcast(b.buf, g.ranks.index(src), stream), b.finish, async_op)
 
 
 def _gather_parts(parts: Sequence[Any], g: ProcessGroup, kind: str, where: str, size: int,
@@ -231,7 +237,7 @@ def all_gather(out: Any, x: Any, group: Optional[ProcessGroup] = None,
                async_op: bool = False) -> Any:
     """`out` (a list of group-size arrays, or one array of group size x `x.size` elements)
     receives every member's `x`, in group-rank order. Returns `out` (or new arrays)."""
-    g, kind, where = _context(group, "all_gather")
+    g, kind, where, stream = _context(group, "all_gather", async_op)
     xi = _Buf(x, kind, where)
     if isinstance(out, (list, tuple)):
         parts = _gather_parts(out, g, kind, where, xi.buf.size, "out")
@@ -244,16 +250,17 @@ def all_gather(out: Any, x: Any, group: Optional[ProcessGroup] = None,
                 res.append(p.finish())
             return type(out)(res) if isinstance(out, tuple) else _same_list(out, res)
 
-        return _run(g.all_gather(flat, xi.buf.reshape(-1)), finish, async_op)
+        return _run(g.all_gather(flat, xi.buf.reshape(-1), stream), finish, async_op)
     o = _Buf(out, kind, where)
-    return _run(g.all_gather(o.buf.reshape(-1), xi.buf.reshape(-1)), o.finish, async_op)
+    return _run(g.all_gather(o.buf.reshape(-1), xi.buf.reshape(-1), stream), o.finish,
+                async_op)
 
 
 def reduce_scatter(out: Any, inputs: Any, op: "ReduceOp | str" = "sum",
                    group: Optional[ProcessGroup] = None, async_op: bool = False) -> Any:
     """`inputs` (a list of group-size arrays, or one array of group size x `out.size`) is reduced
     over the group; member i receives part i in `out`. Returns `out` (or a new array)."""
-    g, kind, where = _context(group, "reduce_scatter")
+    g, kind, where, stream = _context(group, "reduce_scatter", async_op)
     o = _Buf(out, kind, where)
     if isinstance(inputs, (list, tuple)):
         parts = _gather_parts(inputs, g, kind, where, o.buf.size, "inputs")
@@ -262,14 +269,14 @@ def reduce_scatter(out: Any, inputs: Any, op: "ReduceOp | str" = "sum",
             flat[i * o.buf.size:(i + 1) * o.buf.size] = p.buf.reshape(-1)
     else:
         flat = _Buf(inputs, kind, where).buf.reshape(-1)
-    return _run(g.reduce_scatter(o.buf.reshape(-1), flat, ReduceOp.parse(op)), o.finish,
-                async_op)
+    work = g.reduce_scatter(o.buf.reshape(-1), flat, ReduceOp.parse(op), stream)
+    return _run(work, o.finish, async_op)
 
 
 def barrier(group: Optional[ProcessGroup] = None, async_op: bool = False) -> Any:
     """Returns once every member of the group reached the barrier (a Work with async_op)."""
-    g, _, _ = _context(group, "barrier")
-    return _run(g.barrier(), lambda: None, async_op)
+    g, _, _, stream = _context(group, "barrier", async_op)
+    return _run(g.barrier(stream), lambda: None, async_op)
 
 
 def _empty_like(a: Any, n: int) -> Any:

@@ -12,13 +12,13 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import queue
 import threading
+from collections import deque
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from ..device import DEFAULT_TIMEOUT, HostEvent
+from ..device import DEFAULT_TIMEOUT, HostEvent, ImmediateStream
 from ..errors import CommError, CommTimeout, ConfigError, NcclDdpError
 from ._reduce import Reduction, dtype_code
 from ._ring import RingTransport, SelfTransport
@@ -99,7 +99,9 @@ class HostProcessGroup(ProcessGroup):
         self._transport = self._connect(
             transport or os.environ.get("NCCL_DDP_HOST_TRANSPORT", "auto"),
             int(chunk_bytes or os.environ.get("NCCL_DDP_HOST_CHUNK_BYTES", DEFAULT_CHUNK_BYTES)))
-        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._cv = threading.Condition()
+        self._items: deque = deque()     # queued (work, fn, ready); None stops the worker
+        self._running = False            # an op is executing (on the worker or inline)
         self._worker = threading.Thread(target=self._loop, name=f"nccl_ddp-host-{name}-{rank}",
                                         daemon=True)
         self._worker.start()
@@ -161,26 +163,57 @@ class HostProcessGroup(ProcessGroup):
 
             stream : ... work A | record(ready) ............ | wait(done) | work B ...
             worker :                   wait(ready) | collective | done
+
+        The caller's own immediate stream (`HostDevice.current_stream()`, what the synchronous
+        API passes) makes the op synchronous: it runs on the calling thread when the worker is
+        idle (in order, and without two thread switches per small op), else it waits its turn.
         """
         if self._closed:
             raise CommError(f"{self._where}: {opname} called after the group was shut down")
         work = HostWork(f"{opname} #{next(self._seq)} on {self._where}", result, self.timeout)
-        ready = stream.record() if stream is not None else None
-        self._queue.put((work, fn, ready))
-        if stream is not None:
+        immediate = isinstance(stream, ImmediateStream)
+        ready = stream.record() if stream is not None and not immediate else None
+        with self._cv:
+            inline = immediate and not self._running and not self._items
+            if inline:
+                self._running = True
+            else:
+                self._items.append((work, fn, ready))
+                self._cv.notify()
+        if inline:
+            self._execute((work, fn, None))
+        elif immediate:
+            work.event._done.wait(self.timeout)   # errors surface in work.wait()
+        elif stream is not None:
             stream.wait(work.event)
         return work
 
+    def _take(self):
+        """Under the lock: the next item, marked running, or None while one runs or none is
+        queued; () for the stop marker."""
+        if self._running or not self._items:
+            return None
+        self._running = True
+        return self._items.popleft() or ()
+
     def _loop(self) -> None:
         while True:
-            item = self._queue.get()
-            if item is None:
+            with self._cv:
+                item = self._take()
+                while item is None:
+                    self._cv.wait()
+                    item = self._take()
+            if item == ():
                 return
-            work, fn, ready = item
+            self._execute(item)
+
+    def _execute(self, item: tuple) -> None:
+        work, fn, ready = item
+        try:
             if self._error is not None:
                 work._finish(type(self._error)(f"{work.what}: not run, the group failed "
                                                f"earlier: {self._error}"))
-                continue
+                return
             try:
                 if ready is not None:
                     ready.synchronize(self.timeout)
@@ -195,6 +228,11 @@ class HostProcessGroup(ProcessGroup):
                 for link in self._links:   # peers blocked on us fail fast, with our reason
                     link.abort(str(err))
                 work._finish(err)
+        finally:
+            with self._cv:
+                self._running = False
+                if self._items:
+                    self._cv.notify()
 
     # -- collectives ---------------------------------------------------------------------------
 
@@ -273,7 +311,9 @@ class HostProcessGroup(ProcessGroup):
         if self._closed:
             return
         self._closed = True
-        self._queue.put(None)
+        with self._cv:
+            self._items.append(None)
+            self._cv.notify_all()
         self._worker.join(timeout=self.timeout)
         if self._worker.is_alive():   # stuck in a collective: unblock it by closing its sockets
             self._close_links()
