@@ -204,7 +204,10 @@ def _run(work: Work, finish: Callable[[], Any], async_op: bool) -> Any:
 
 def all_reduce(x: Any, op: "ReduceOp | str" = "sum", group: Optional[ProcessGroup] = None,
                async_op: bool = False) -> Any:
-    """Reduce `x` over the group (in place where possible); returns `x` or the new array."""
+    """Reduce `x` over the group (in place where possible); returns `x` or the new array.
+
+    op: sum, avg, max, min, prod. avg on integer dtypes sums in the dtype (wrapping like NCCL)
+    and truncates toward zero; bool supports max (any) and min (all) only."""
     g, kind, where, stream = _context(group, "all_reduce", async_op)
     b = _Buf(x, kind, where)
     return _run(g.all_reduce(b.buf, ReduceOp.parse(op), stream), b.finish, async_op)
