@@ -7,11 +7,13 @@
 //
 // Work decomposition: every non-empty tensor ("segment") is cut into chunks of `chunk` elements;
 // one chunk is one work item, processed by ONE WARP (so 10,000 tiny tensors give 10,000 short warp
-// jobs, not 10,000 mostly idle blocks). Item -> segment lookup:
-//   - table kernels (any K): a device-memory table of segments and an int2 item map
-//     {segment, chunk index}, built once per layout + pointer set and cached by the caller;
-//   - small kernels (K <= kSmallMax): the whole table passed by value as a __grid_constant__
-//     parameter (no upload at all), the item found by scanning `first_item`.
+// jobs, not 10,000 mostly idle blocks). The caller sizes `chunk` so that, whenever the tensor
+// count allows, every item gets its own resident warp: one wave, no tail of late blocks.
+// Item lookup:
+//   - table kernels (any K): a device-memory array of pre-chunked items {address, bucket offset,
+//     length}, one independent load per warp, built once per layout + pointer set and cached;
+//   - small kernels (K <= kSmallMax): the segments passed by value as a __grid_constant__
+//     parameter (no upload at all), the item's segment found by scanning `first_item`.
 // Within a chunk a warp moves 16-byte vectors when both sides are aligned for it (the bucket side
 // always is when offsets are 16-byte aligned), ILP vectors in flight per lane; otherwise it falls
 // back to coalesced scalar accesses. Arithmetic uses the _rn intrinsics so no multiply-add is
@@ -206,20 +208,18 @@ struct Seg {
   i64 off;   // offset in the bucket, in bucket elements
   i64 n;     // elements
 };
-static_assert(sizeof(Seg) == 24, "Seg layout is mirrored in kernels.py");
+static_assert(sizeof(Seg) == 24, "Seg layout is mirrored in _cuda_kernels.py");
 
+// Device table: one Seg per work item, already cut to at most `chunk` elements.
 struct TableRef {
-  const Seg* __restrict__ segs;
-  const int2* __restrict__ items;   // {segment, chunk index in segment}
+  const Seg* __restrict__ items;
   int nitems;
   __device__ __forceinline__ int count() const { return nitems; }
   __device__ __forceinline__ void find(int item, u64& ptr, i64& off, i64& n, i64& j) const {
-    const int2 it = items[item];
-    const Seg s = segs[it.x];
-    ptr = s.ptr;
-    off = s.off;
-    n = s.n;
-    j = it.y;
+    ptr = __ldg(&items[item].ptr);
+    off = __ldg(&items[item].off);
+    n = __ldg(&items[item].n);
+    j = 0;
   }
 };
 
@@ -230,17 +230,28 @@ struct SmallTable {
   int first_item[kSmallMax + 1];   // first_item[nseg] == item count
   int nseg;
   __device__ __forceinline__ int count() const { return first_item[nseg]; }
+  // Unrolled over every slot with constant indices: the table stays in the parameter bank (a
+  // run-time index into a kernel parameter can make the compiler copy it to local memory).
+  // first_item[k] == count() for every k >= nseg, so unused slots never match.
   __device__ __forceinline__ void find(int item, u64& p, i64& o, i64& cnt, i64& j) const {
-    int t = 0;
-    while (t + 1 < nseg && item >= first_item[t + 1]) ++t;
-    p = ptr[t];
-    o = off[t];
-    cnt = n[t];
-    j = item - first_item[t];
+    p = ptr[0];
+    o = off[0];
+    cnt = n[0];
+    int first = first_item[0];
+#pragma unroll
+    for (int k = 1; k < kSmallMax; ++k) {
+      if (item >= first_item[k]) {
+        p = ptr[k];
+        o = off[k];
+        cnt = n[k];
+        first = first_item[k];
+      }
+    }
+    j = item - first;
   }
 };
 static_assert(sizeof(SmallTable) == 24 * kSmallMax + 4 * (kSmallMax + 2),
-              "SmallTable layout is mirrored in kernels.py");
+              "SmallTable layout is mirrored in _cuda_kernels.py");
 
 // Every warp takes items warp_id, warp_id + total_warps, ...; pack reads the segments and writes
 // the bucket, unpack the reverse.
@@ -278,9 +289,8 @@ __device__ __forceinline__ void run_items(const Table& tab, u64 bucket, int chun
 // pack: bucket[off_i + k] = cast(src_i[k] * scale); flag := 1 if any written value is not finite.
 template <typename TS, typename TD, bool kCheck>
 __global__ void __launch_bounds__(kThreads)
-nd_pack(const Seg* segs, const int2* items, int nitems, u64 bucket, int chunk, double scale,
-        int* flag) {
-  const TableRef tab{segs, items, nitems};
+nd_pack(const Seg* items, int nitems, u64 bucket, int chunk, double scale, int* flag) {
+  const TableRef tab{items, nitems};
   run_items<TS, TD, true, false, kCheck>(tab, bucket, chunk, scale, flag);
 }
 
@@ -294,8 +304,8 @@ nd_pack_small(const __grid_constant__ SmallTable tab, u64 bucket, int chunk, dou
 // unpack: dst_i[k] = cast(bucket[off_i + k] * scale), or dst_i[k] += ... when kAccum.
 template <typename TS, typename TD, bool kAccum>
 __global__ void __launch_bounds__(kThreads)
-nd_unpack(const Seg* segs, const int2* items, int nitems, u64 bucket, int chunk, double scale) {
-  const TableRef tab{segs, items, nitems};
+nd_unpack(const Seg* items, int nitems, u64 bucket, int chunk, double scale) {
+  const TableRef tab{items, nitems};
   run_items<TS, TD, false, kAccum, false>(tab, bucket, chunk, scale, nullptr);
 }
 

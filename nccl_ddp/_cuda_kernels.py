@@ -1,13 +1,15 @@
 """CUDA path of `nccl_ddp.kernels`: compiles kernels/bucket.cu with cupy.RawModule (NVRTC, one
-module per device), builds the segment table of a pack/unpack call, caches it, and launches ONE
+module per device), builds the launch table of a pack/unpack call, caches it, and launches ONE
 kernel on CuPy's current stream.
 
 Table (see the comment at the top of bucket.cu): every non-empty array is cut into chunks of
-`chunk` elements, one warp per chunk. Up to SMALL_MAX arrays the table travels by value as a kernel
-parameter (nothing to upload); above, it is uploaded once to device memory (segments + an item
-map) and cached by (device, stream, chunk, pointers, sizes, offsets): rebuilt only when a pointer
-changes. The upload is stream-ordered on the launch stream, and a table is only ever freed back to
-that stream's memory pool, so no launch can read a table that is being overwritten.
+`chunk` elements, one warp per chunk. `choose_chunk` sizes the chunks so that all items fit in the
+warps the GPU holds at once (one wave: no tail of late blocks) whenever there are fewer tensors than
+resident warps. Up to SMALL_MAX arrays the table travels by value as a kernel parameter (nothing
+to upload); above, the pre-chunked items are uploaded once to device memory and cached by (device,
+stream, op, dtypes, pointers, sizes, offsets): rebuilt only when a pointer changes. The upload is
+stream-ordered on the launch stream and a table is only ever freed back to that stream's memory
+pool, so no launch can read a table that is being overwritten.
 """
 from __future__ import annotations
 
@@ -28,7 +30,9 @@ log = logging.getLogger(__name__)
 THREADS = 256                 # kThreads in bucket.cu
 WARPS_PER_BLOCK = THREADS // 32
 SMALL_MAX = 32                # kSmallMax in bucket.cu
-CHUNK_BYTES = 8192            # work per warp item, in bytes of the wider of the two dtypes
+CHUNK_BYTES: Optional[int] = None   # fixed bytes per warp item (of the wider dtype); None: adaptive
+MANY_TENSORS_CHUNK_BYTES = 8192     # chunk when there are more tensors than resident warps
+MIN_CHUNK = 256                     # elements
 TABLE_CACHE_SIZE = 256        # cached device tables (LRU)
 COMPILE_OPTIONS = ("-std=c++17",)
 
@@ -65,12 +69,34 @@ def name_expressions() -> list:
     return names
 
 
-def chunk_elems(pair: tuple, chunk_bytes: Optional[int] = None) -> int:
-    """Elements per warp item: chunk_bytes (default CHUNK_BYTES, read at call time so a benchmark
-    can tune it) of the wider dtype, a multiple of 64 elements."""
-    chunk_bytes = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+def choose_chunk(sizes: np.ndarray, pair: tuple, warps: int) -> int:
+    """Elements per work item (a multiple of 16, so every chunk keeps the vector alignment).
+
+    With at most `warps` (resident warps) non-empty tensors: the smallest chunk that still gives
+    every item its own resident warp, i.e. one wave that spreads the bytes evenly. With more
+    tensors there are several waves whatever the chunk: MANY_TENSORS_CHUNK_BYTES per item.
+    CHUNK_BYTES, when set, fixes the chunk instead (benchmark sweeps)."""
     wide = max(ITEMSIZE[pair[0]], ITEMSIZE[pair[1]])
-    return max(64, (chunk_bytes // wide) // 64 * 64)
+    if CHUNK_BYTES is not None:
+        return max(16, CHUNK_BYTES // wide // 16 * 16)
+    nz = sizes[sizes > 0]
+    if nz.size == 0 or nz.size > warps:
+        return max(MIN_CHUNK, MANY_TENSORS_CHUNK_BYTES // wide)
+
+    def up16(x: int) -> int:
+        return -(-x // 16) * 16
+
+    lo = max(MIN_CHUNK, up16(-(-int(nz.sum()) // warps)))
+    hi = max(lo, up16(int(nz.max())))     # one item per tensor: <= warps items
+    while lo < hi:                        # items(c) = sum(ceil(n / c)) falls as c grows
+        mid = up16((lo + hi) // 2)
+        if mid >= hi:
+            mid = hi - 16
+        if mid < lo or int((-(-nz // mid)).sum()) > warps:
+            lo = mid + 16
+        else:
+            hi = mid
+    return min(lo, 2**30)
 
 
 @dataclass
@@ -78,10 +104,8 @@ class Table:
     """The launch table of one (pointers, sizes, offsets, chunk) set."""
     nitems: int
     small: Optional[np.ndarray] = None   # SMALL_DTYPE, shape (1,): passed by value
-    segs: Optional[np.ndarray] = None    # SEG_DTYPE, shape (nseg,)
-    items: Optional[np.ndarray] = None   # int32, shape (nitems, 2): {segment, chunk}
-    device_buf: Any = None               # segs bytes then items bytes, in device memory
-    host_buf: Optional[np.ndarray] = None
+    items: Optional[np.ndarray] = None   # SEG_DTYPE, one per work item (pre-chunked)
+    device_buf: Any = None               # `items` in device memory
 
     @property
     def grid(self) -> int:
@@ -89,8 +113,9 @@ class Table:
 
 
 def build_table(ptrs: np.ndarray, sizes: np.ndarray, offsets: np.ndarray, chunk: int,
-                small_max: int = SMALL_MAX) -> Table:
-    """Cut every non-empty segment into chunks; by value when at most `small_max` segments."""
+                itemsize: int, small_max: int = SMALL_MAX) -> Table:
+    """Cut every non-empty segment into chunks (`itemsize`: bytes per tensor-side element); by
+    value when at most `small_max` segments."""
     keep = np.flatnonzero(sizes > 0)
     ptrs, sizes, offsets = ptrs[keep], sizes[keep], offsets[keep]
     counts = -(-sizes // chunk)
@@ -107,15 +132,16 @@ def build_table(ptrs: np.ndarray, sizes: np.ndarray, offsets: np.ndarray, chunk:
         small["off"][0, :k] = offsets
         small["n"][0, :k] = sizes
         small["first_item"][0, :k + 1] = first
-        small["first_item"][0, k + 1:] = nitems
+        small["first_item"][0, k + 1:] = nitems   # unused slots never match an item
         small["nseg"][0] = k
         return Table(nitems, small=small)
-    segs = np.empty(len(keep), dtype=SEG_DTYPE)
-    segs["ptr"], segs["off"], segs["n"] = ptrs, offsets, sizes
-    items = np.empty((nitems, 2), dtype=np.int32)
-    items[:, 0] = np.repeat(np.arange(len(keep), dtype=np.int32), counts)
-    items[:, 1] = np.arange(nitems, dtype=np.int64) - np.repeat(first[:-1], counts)
-    return Table(nitems, segs=segs, items=items)
+    seg = np.repeat(np.arange(len(keep)), counts)
+    start = (np.arange(nitems, dtype=np.int64) - np.repeat(first[:-1], counts)) * chunk
+    items = np.empty(nitems, dtype=SEG_DTYPE)
+    items["ptr"] = ptrs[seg] + (start * itemsize).astype(np.uint64)
+    items["off"] = offsets[seg] + start
+    items["n"] = np.minimum(sizes[seg] - start, chunk)
+    return Table(nitems, items=items)
 
 
 class CudaKernels:
@@ -125,6 +151,7 @@ class CudaKernels:
         self.cp = cp
         self._modules: dict = {}
         self._sm_count: dict = {}
+        self._resident: dict = {}
         self._tables: "collections.OrderedDict" = collections.OrderedDict()
         self.stats = collections.Counter()   # launches, memsets, table_builds, table_uploads
 
@@ -161,42 +188,58 @@ class CudaKernels:
 
     # -- tables -------------------------------------------------------------------------------
 
-    def table(self, op: str, arrays: Sequence[Any], bucket: Any, sizes: np.ndarray,
-              offsets: np.ndarray, chunk: int) -> Table:
-        """The cached launch table for these pointers, building (and uploading) it on a miss."""
+    def resident_warps(self, device_id: int, name: str) -> int:
+        """Warps of kernel `name` the GPU holds at once (occupancy x SMs x warps per block)."""
+        key = (device_id, name)
+        if key not in self._resident:
+            try:
+                fn = self.function(device_id, name)
+                per_sm = int(self.cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
+                    fn.kernel.ptr, THREADS, 0))
+            except Exception as e:   # keep working with a safe guess: 2 blocks fit any kernel
+                log.warning("occupancy query for %s failed (%s); assuming 2 blocks per SM",
+                            name, e)
+                per_sm = 2
+            self._resident[key] = max(1, per_sm) * self._sms(device_id) * WARPS_PER_BLOCK
+        return self._resident[key]
+
+    def table(self, op: str, pair: tuple, arrays: Sequence[Any], bucket: Any,
+              sizes: np.ndarray, offsets: np.ndarray) -> tuple:
+        """(table, chunk) for these pointers, built (and uploaded) on a miss. `pair`: the
+        (source, destination) dtypes of the kernel, as check_segments returns them."""
         dev = bucket.device.id
         stream = self.cp.cuda.get_current_stream()
         ptrs = np.fromiter((a.data.ptr for a in arrays), dtype=np.uint64, count=len(arrays))
-        key = (dev, stream.ptr, chunk, ptrs.tobytes(), sizes.tobytes(), offsets.tobytes())
-        tab = self._tables.get(key)
-        if tab is not None:
+        key = (dev, stream.ptr, op, pair, CHUNK_BYTES, ptrs.tobytes(), sizes.tobytes(),
+               offsets.tobytes())
+        hit = self._tables.get(key)
+        if hit is not None:
             self._tables.move_to_end(key)
-            return tab
+            return hit
         for i, a in enumerate(arrays):
             if a.size and a.device.id != dev:
                 raise KernelError(f"{op}: array {i} is on device {a.device.id} but the bucket "
                                   f"is on device {dev}; move it to the bucket's device")
-        tab = build_table(ptrs, sizes, offsets, chunk)
+        small = int(np.count_nonzero(sizes)) <= SMALL_MAX
+        probe = kernel_name(op, pair, False, small)
+        chunk = choose_chunk(sizes, pair, self.resident_warps(dev, probe))
+        itemsize = ITEMSIZE[pair[0] if op == "pack" else pair[1]]
+        tab = build_table(ptrs, sizes, offsets, chunk, itemsize)
         self.stats["table_builds"] += 1
         if tab.small is None:
-            host = np.concatenate([tab.segs.view(np.uint8), tab.items.reshape(-1).view(np.uint8)])
+            host = tab.items.view(np.uint8)
             buf = self.cp.empty(host.size, dtype=self.cp.uint8)
             buf.set(host, stream=stream)   # ordered before the launch on the same stream
-            tab.device_buf, tab.host_buf = buf, host
+            tab.device_buf = buf
             self.stats["table_uploads"] += 1
-        self._tables[key] = tab
+        hit = (tab, chunk)
+        self._tables[key] = hit
         while len(self._tables) > TABLE_CACHE_SIZE:
             self._tables.popitem(last=False)
-        return tab
+        return hit
 
     def clear_cache(self) -> None:
         self._tables.clear()
-
-    def _table_args(self, tab: Table) -> tuple:
-        if tab.small is not None:
-            return (tab.small,)
-        base = tab.device_buf.data.ptr
-        return (base, base + tab.segs.nbytes, np.int32(tab.nitems))
 
     # -- operations ---------------------------------------------------------------------------
 
@@ -215,14 +258,18 @@ class CudaKernels:
         sizes, offs, pair = check_segments(op, arrays, bucket, offsets, pairs, op == "pack")
         dev = bucket.device.id
         with self.cp.cuda.Device(dev):
-            chunk = chunk_elems(pair)
-            tab = self.table(op, arrays, bucket, sizes, offs, chunk)
+            tab, chunk = self.table(op, pair, arrays, bucket, sizes, offs)
             if tab.nitems == 0:
                 return
             name = kernel_name(op, pair, variant, tab.small is not None)
-            args = self._table_args(tab) + (bucket.data.ptr, np.int32(chunk),
-                                            np.float64(scale)) + tail
+            args = self.launch_args(tab, bucket, chunk, scale) + tail
             self._launch(dev, name, tab.grid, args)
+
+    @staticmethod
+    def launch_args(tab: Table, bucket: Any, chunk: int, scale: float) -> tuple:
+        """The kernel arguments up to `scale` (pack appends the flag pointer)."""
+        head = (tab.small,) if tab.small is not None else (tab.device_buf, np.int32(tab.nitems))
+        return head + (bucket.data.ptr, np.int32(chunk), np.float64(scale))
 
     def scale_(self, buf: Any, factor: float) -> None:
         check_flat("scale_", buf, SCALE_DTYPES)

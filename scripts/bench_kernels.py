@@ -27,7 +27,7 @@ from benchlib import format_table, write_csv  # noqa: E402
 
 MIB = 1 << 20
 PAIRS = {"f32": ("float32", "float32"), "f32-bf16": ("float32", "bfloat16")}
-COLUMNS = ["op", "pair", "MiB", "tensors", "chunk_B", "kernel_us", "kernel_GBps", "copy_GBps",
+COLUMNS = ["op", "pair", "MiB", "tensors", "fixed_B", "chunk", "kernel_us", "kernel_GBps", "copy_GBps",
            "ratio", "naive_GBps", "call_us"]
 
 
@@ -38,8 +38,8 @@ def parse_args(argv):
     p.add_argument("--counts", default="1,100,10000", help="tensors per bucket (1,100,10000)")
     p.add_argument("--pairs", default="f32,f32-bf16", help=f"of {sorted(PAIRS)}")
     p.add_argument("--ops", default="pack,unpack")
-    p.add_argument("--chunk-bytes", default="", help="sweep nccl_ddp's CHUNK_BYTES "
-                   "(comma-separated; default: the library's)")
+    p.add_argument("--chunk-bytes", default="", help="sweep fixed chunk sizes in bytes, "
+                   "0 = adaptive (comma-separated; default: adaptive only)")
     p.add_argument("--reps", type=int, default=30, help="timed batches per measurement (30)")
     p.add_argument("--batch", type=int, default=10, help="launches per timed batch (10)")
     p.add_argument("--naive-reps", type=int, default=3, help="timed naive loops (3)")
@@ -111,18 +111,18 @@ class Bench:
         with self.stream:
             for _, tensors, bucket in sets:
                 sizes = np.array([t.size for t in tensors], np.int64)
-                chunk = ck.chunk_elems(pair)
-                tab = kb.table(op, tensors, bucket, sizes, np.array(offs, np.int64), chunk)
-                kpair = pair if op == "pack" else (pair[1], pair[0])
+                kpair = pair if op == "pack" else (pair[1], pair[0])   # (source, destination)
+                tab, chunk = kb.table(op, kpair, tensors, bucket, sizes,
+                                      np.array(offs, np.int64))
                 name = ck.kernel_name(op, kpair, False, tab.small is not None)
-                args = kb._table_args(tab) + (bucket.data.ptr, np.int32(chunk),
-                                              np.float64(self.args.scale))
+                args = kb.launch_args(tab, bucket, chunk, self.args.scale)
                 if op == "pack":
                     args += (None,)
-                prepared.append((kb.function(dev, name), tab.grid, args))
+                prepared.append((kb.function(dev, name), tab.grid, args, chunk))
+        self.last_chunk = prepared[0][3]
 
         def launch(i):
-            fn, grid, args = prepared[i]
+            fn, grid, args, _ = prepared[i]
             fn((grid,), (ck.THREADS,), args, stream=self.stream)
         return launch
 
@@ -144,7 +144,8 @@ class Bench:
         naive = self.naive(op, sets, offs, pair)
         t_call = self.call_time(op, sets, offs)
         return {"op": op, "pair": pair_key, "MiB": mib, "tensors": count,
-                "chunk_B": self.ck.CHUNK_BYTES, "kernel_us": t_kernel * 1e6,
+                "fixed_B": self.ck.CHUNK_BYTES or "auto", "chunk": self.last_chunk,
+                "kernel_us": t_kernel * 1e6,
                 "kernel_GBps": moved / t_kernel / 1e9, "copy_GBps": 2 * src_b / t_copy / 1e9,
                 "ratio": (moved / t_kernel) / (2 * src_b / t_copy),
                 "naive_GBps": moved / naive / 1e9 if naive else None, "call_us": t_call * 1e6}
@@ -208,7 +209,7 @@ def main(argv=None) -> int:
     print(f"bench_kernels on {name}, CuPy {cp.__version__}, CUDA runtime "
           f"{cp.cuda.runtime.runtimeGetVersion()}")
     rows = []
-    chunks = ints(args.chunk_bytes) or [ck.CHUNK_BYTES]
+    chunks = [c or None for c in ints(args.chunk_bytes)] or [ck.CHUNK_BYTES]
     default_chunk = ck.CHUNK_BYTES
     try:
         for chunk in chunks:
@@ -220,7 +221,7 @@ def main(argv=None) -> int:
                         for count in ints(args.counts):
                             row = bench.measure(op, pair_key, mib, count)
                             rows.append(row)
-                            print(f"  {op} {pair_key} {mib} MiB x{count} chunk {chunk}: "
+                            print(f"  {op} {pair_key} {mib} MiB x{count} chunk {row['chunk']}: "
                                   f"{row['kernel_GBps']:.0f} GB/s ({row['ratio']:.2f} of copy)",
                                   file=sys.stderr, flush=True)
                             cp.get_default_memory_pool().free_all_blocks()

@@ -98,7 +98,7 @@ else
         --csv "$RES/kernels.csv"
     step chunks "${GPU_CHECK_CHUNKS_TIMEOUT:-30}" \
         "$PY" scripts/bench_kernels.py --sizes 25 --counts 1,10000 --pairs f32 \
-        --chunk-bytes 2048,4096,8192,16384,32768 --reps 20 --csv "$RES/chunks.csv"
+        --chunk-bytes 0,2048,4096,8192,16384,32768 --reps 20 --csv "$RES/chunks.csv"
     if [ -f scripts/bench_allreduce.py ]; then
         step allreduce "${GPU_CHECK_ALLREDUCE_TIMEOUT:-40}" \
             "$PY" scripts/bench_allreduce.py --backend nccl --nranks 1 --no-gloo --max 256M \
@@ -173,12 +173,13 @@ if k:
     if big:
         print("  pack f32 100 MiB: " + "  ".join(
             f"x{r['tensors']}: {fnum(r['kernel_GBps'], '.0f')} ({fnum(r['ratio'], '.2f')})" for r in big))
-c = rows("chunks.csv")
+c = [r for r in rows("chunks.csv") if r["pair"] == "f32" and r["MiB"] == "25"]
 if c:
     for op in ("pack", "unpack"):
-        cells = "  ".join(f"{r['chunk_B']}B x{r['tensors']}: {fnum(r['ratio'], '.2f')}"
-                          for r in c if r["op"] == op)
-        print(f"chunks   {op} f32 25 MiB ratio: {cells}")
+        for n in sorted({r["tensors"] for r in c}, key=int):
+            cells = "  ".join(f"{r['fixed_B']}: {fnum(r['ratio'], '.2f')}"
+                              for r in c if r["op"] == op and r["tensors"] == n)
+            print(f"chunks   {op} f32 25 MiB x{n}, ratio by chunk bytes: {cells}")
 for name in ("allreduce.csv", "ddp.csv"):
     r = rows(name)
     if r:

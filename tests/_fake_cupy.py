@@ -164,6 +164,7 @@ class FakeDeviceCtx:
 class FakeFunction:
     def __init__(self, cp, name):
         self.cp, self.name = cp, name
+        self.kernel = types.SimpleNamespace(ptr=hash(name) & 0xFFFF_FFFF)
 
     def __call__(self, grid, block, args, shared_mem=0, stream=None):
         assert block == (ck.THREADS,) and len(grid) == 1 and grid[0] >= 1
@@ -187,22 +188,17 @@ class FakeFunction:
             nitems = int(first[k])
             segs = [(int(raw["ptr"][t]), int(raw["off"][t]), int(raw["n"][t])) for t in range(k)]
 
-            def find(item):
-                t = 0
-                while t + 1 < k and item >= first[t + 1]:
-                    t += 1
+            def find(item):   # bucket.cu SmallTable::find: the last slot whose first <= item
+                t = max(s for s in range(ck.SMALL_MAX) if item >= first[s])
                 return segs[t], item - int(first[t])
         else:
-            segs_ptr, items_ptr, nitems, rest = args[0], args[1], args[2], args[3:]
-            assert isinstance(nitems, np.int32)
-            items = self.cp.heap.view(items_ptr, 2 * int(nitems), np.int32).reshape(-1, 2)
-            nseg = int(items[:, 0].max()) + 1
-            seg_arr = self.cp.heap.view(segs_ptr, nseg, ck.SEG_DTYPE)
+            items_arr, nitems, rest = args[0], args[1], args[2:]
+            assert isinstance(items_arr, FakeArray) and isinstance(nitems, np.int32)
+            items = self.cp.heap.view(items_arr.data.ptr, int(nitems), ck.SEG_DTYPE)
 
-            def find(item):
-                t, j = items[item]
-                s = seg_arr[t]
-                return (int(s["ptr"]), int(s["off"]), int(s["n"])), int(j)
+            def find(item):   # bucket.cu TableRef::find: one pre-chunked item, j = 0
+                s = items[item]
+                return (int(s["ptr"]), int(s["off"]), int(s["n"])), 0
         bucket, chunk, scale = rest[:3]
         assert isinstance(chunk, np.int32) and isinstance(scale, np.float64)
         assert grid[0] * ck.WARPS_PER_BLOCK >= int(nitems)
@@ -216,7 +212,7 @@ class FakeFunction:
             (ptr, off, n), j = find(item)
             start = j * chunk
             length = min(chunk, n - start)
-            assert length > 0
+            assert 0 < length <= chunk
             if op == "pack":
                 src = heap.view(ptr + start * ts.itemsize, length, ts)
                 dst = heap.view(bucket + (off + start) * td.itemsize, length, td)
@@ -260,6 +256,8 @@ class FakeCupy:
             is_available=lambda: devices > 0, runtime=runtime, Device=FakeDeviceCtx,
             Stream=FakeStream, Event=FakeEvent,
             get_current_stream=lambda device_id=-1: FAKE_STATE["current"],
+            driver=types.SimpleNamespace(
+                occupancyMaxActiveBlocksPerMultiprocessor=lambda func, block, smem: 4),
             get_elapsed_time=lambda start, end: 1.0)
         rng = np.random.default_rng(0)
         self.random = types.SimpleNamespace(

@@ -37,8 +37,9 @@ for chunk in chunks:
         for pair in ("f32", "f32-bf16"):
             for mib in ("1", "25", "100"):
                 for n in ("1", "100", "10000"):
-                    rows.append(dict(op=op, pair=pair, MiB=mib, tensors=n, chunk_B=chunk,
-                                     kernel_us="13.5", kernel_GBps="3900", copy_GBps="4100",
+                    fixed = chunk if chunk != "0" else "auto"
+                    rows.append(dict(op=op, pair=pair, MiB=mib, tensors=n, fixed_B=fixed,
+                                     chunk="2048", kernel_us="13.5", kernel_GBps="3900", copy_GBps="4100",
                                      ratio="0.95", naive_GBps="12.5", call_us="900"))
 w = csv.DictWriter(open(out, "w"), fieldnames=list(rows[0]))
 w.writeheader(); w.writerows(rows)
@@ -107,7 +108,9 @@ def test_gpu_check_flow_summary_last_and_files(scratch):
     assert "kernels=ok" in summary and "chunks=ok" in summary and "ddp=ok" in summary
     assert "allreduce=TIMEOUT" in summary
     assert "pack   f32      x1: 3900 (0.95)  x100: 3900 (0.95)  x10000: 3900 (0.95)" in summary
-    assert "chunks   pack f32 25 MiB ratio:" in summary and "ddp      1 rows" in summary
+    assert "chunks   pack f32 25 MiB x10000, ratio by chunk bytes: auto: 0.95  2048: 0.95" \
+        in summary
+    assert "ddp      1 rows" in summary
     files = sorted(p.name for p in out.iterdir())
     assert files == ["chunks.csv", "ddp.csv", "kernels.csv", "log.txt", "pytest.txt",
                      "summary.txt"]

@@ -298,22 +298,22 @@ def test_importing_kernels_and_device_does_not_import_cupy():
 # launch tables
 
 
-def _cover(tab, chunk):
-    """(segment index, start, length) of every item, decoded the way bucket.cu's find() does."""
+def _cover(tab, chunk, itemsize):
+    """(tensor index, start, length, bucket offset) of every item, decoded the way bucket.cu's
+    find() does; tensors sit at (i + 1) << 20."""
     out = []
     for item in range(tab.nitems):
         if tab.small is not None:
             s = tab.small[0]
-            t = 0
-            while t + 1 < s["nseg"] and item >= s["first_item"][t + 1]:
-                t += 1
-            n, j = int(s["n"][t]), item - int(s["first_item"][t])
-            key = int(s["ptr"][t])
+            t = max(k for k in range(ck.SMALL_MAX) if item >= s["first_item"][k])
+            start = (item - int(s["first_item"][t])) * chunk
+            ptr, off, n = int(s["ptr"][t]) + start * itemsize, int(s["off"][t]) + start, \
+                min(chunk, int(s["n"][t]) - start)
         else:
-            t, j = (int(v) for v in tab.items[item])
-            n, key = int(tab.segs["n"][t]), int(tab.segs["ptr"][t])
-        start = j * chunk
-        out.append((key, start, min(chunk, n - start)))
+            it = tab.items[item]
+            ptr, off, n = int(it["ptr"]), int(it["off"]), int(it["n"])
+        i = (ptr >> 20) - 1
+        out.append((i, (ptr - ((i + 1) << 20)) // itemsize, n, off))
     return out
 
 
@@ -323,26 +323,48 @@ def test_build_table_covers_every_element_once(count, small):
     sizes = rng.integers(0, 5000, count).astype(np.int64)
     sizes[::7] = 0
     ptrs = (np.arange(count, dtype=np.uint64) + 1) * np.uint64(1 << 20)
-    offs = np.cumsum(sizes) - sizes
-    chunk = 1024
-    tab = ck.build_table(ptrs, sizes, offs, chunk)
-    assert (tab.small is not None) == small or sizes[sizes > 0].size <= ck.SMALL_MAX
+    offs = np.cumsum(sizes) - sizes + 3
+    chunk, itemsize = 1024, 4
+    tab = ck.build_table(ptrs, sizes, offs, chunk, itemsize)
+    assert (tab.small is not None) == (np.count_nonzero(sizes) <= ck.SMALL_MAX)
     assert tab.nitems == int((-(-sizes // chunk)).sum())
     assert tab.grid * ck.WARPS_PER_BLOCK >= tab.nitems
     assert tab.nitems == 0 or tab.nitems > (tab.grid - 1) * ck.WARPS_PER_BLOCK
-    seen = {}
-    for key, start, length in _cover(tab, chunk):
-        assert 0 < length <= chunk and start % chunk == 0
-        seen.setdefault(key, []).append((start, length))
+    spans = {}
+    for i, start, n, off in _cover(tab, chunk, itemsize):
+        assert 0 < n <= chunk and start % chunk == 0 and off == offs[i] + start
+        spans.setdefault(i, []).append((start, n))
     for i in range(count):
-        spans = sorted(seen.get(int(ptrs[i]), []))
-        assert sum(n for _, n in spans) == sizes[i]
-        assert [s for s, _ in spans] == list(range(0, int(sizes[i]), chunk))
+        got = sorted(spans.get(i, []))
+        assert sum(n for _, n in got) == sizes[i]
+        assert [s for s, _ in got] == list(range(0, int(sizes[i]), chunk))
+
+
+@pytest.mark.parametrize("sizes", [[6_553_600], [65_536] * 100, [1] * 4000 + [2_000_000],
+                                   list(range(1, 3000)), [7, 0, 5]])
+def test_choose_chunk_fills_one_wave(sizes):
+    sizes = np.array(sizes, np.int64)
+    warps = 132 * 4 * 8
+    chunk = ck.choose_chunk(sizes, ("float32", "float32"), warps)
+    items = int((-(-sizes // chunk)).sum())
+    assert chunk % 16 == 0 and chunk >= ck.MIN_CHUNK
+    assert items <= warps                                  # one wave
+    if chunk > ck.MIN_CHUNK:                               # and the smallest such chunk
+        assert int((-(-sizes // (chunk - 16))).sum()) > warps
+    if len(sizes) == 1:
+        assert items > 0.97 * warps                        # one tensor: spread on every warp
+
+
+def test_choose_chunk_many_tensors_and_fixed(monkeypatch):
+    many = np.full(20_000, 300, np.int64)
+    assert ck.choose_chunk(many, ("float32", "bfloat16"), 4224) == 2048
+    monkeypatch.setattr(ck, "CHUNK_BYTES", 16384)
+    assert ck.choose_chunk(np.array([10**6]), ("float16", "float16"), 4224) == 8192
 
 
 def test_small_table_bytes_are_what_the_kernel_reads():
     tab = ck.build_table(np.array([0x1000, 0x2004], np.uint64), np.array([3, 5000], np.int64),
-                         np.array([0, 16], np.int64), 2048)
+                         np.array([0, 16], np.int64), 2048, 4)
     raw = tab.small.tobytes()
     assert len(raw) == 24 * ck.SMALL_MAX + 4 * (ck.SMALL_MAX + 2)
     words = np.frombuffer(raw[:24 * ck.SMALL_MAX], "<u8")
@@ -352,10 +374,7 @@ def test_small_table_bytes_are_what_the_kernel_reads():
     assert ints[:4].tolist() == [0, 1, 4, 4] and ints[-1] == 2              # first_item, nseg
 
 
-def test_chunk_elems_and_names():
-    assert ck.chunk_elems(("float32", "bfloat16")) == 2048
-    assert ck.chunk_elems(("float16", "float16")) == 4096
-    assert ck.chunk_elems(("float64", "float64"), 100) == 64
+def test_kernel_names():
     assert ck.kernel_name("pack", ("float32", "bfloat16"), True, False) == \
         "nd_pack<float, bf16_t, true>"
     assert ck.kernel_name("unpack", ("float16", "float32"), False, True) == \
