@@ -265,10 +265,14 @@ class CudaKernels:
             args = self.launch_args(tab, bucket, chunk, scale) + tail
             self._launch(dev, name, tab.grid, args)
 
-    @staticmethod
-    def launch_args(tab: Table, bucket: Any, chunk: int, scale: float) -> tuple:
-        """The kernel arguments up to `scale` (pack appends the flag pointer)."""
-        head = (tab.small,) if tab.small is not None else (tab.device_buf, np.int32(tab.nitems))
+    def launch_args(self, tab: Table, bucket: Any, chunk: int, scale: float) -> tuple:
+        """The kernel arguments up to `scale` (pack appends the flag pointer). The SmallTable
+        goes by value: CuPy's CNumpyArray hands the launch a pointer to its 904 bytes."""
+        if tab.small is not None:
+            by_value = getattr(getattr(self.cp.cuda, "function", None), "CNumpyArray", None)
+            head = (by_value(tab.small) if by_value else tab.small,)
+        else:
+            head = (tab.device_buf, np.int32(tab.nitems))
         return head + (bucket.data.ptr, np.int32(chunk), np.float64(scale))
 
     def scale_(self, buf: Any, factor: float) -> None:

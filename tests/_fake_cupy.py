@@ -182,6 +182,8 @@ class FakeFunction:
         ts, td = _c_dtype(ts), _c_dtype(td)
         if small:
             tab, rest = args[0], args[1:]
+            assert isinstance(tab, FakeCNumpyArray)   # a pointer to the bytes, as in CuPy
+            tab = tab.val
             assert isinstance(tab, np.ndarray) and tab.dtype == ck.SMALL_DTYPE and tab.size == 1
             raw = np.frombuffer(tab.tobytes(), ck.SMALL_DTYPE)[0]   # only the bytes travel
             k, first = int(raw["nseg"]), raw["first_item"]
@@ -223,6 +225,14 @@ class FakeFunction:
                 K.unpack_ref([dst], src, [0], scale=float(scale), accumulate=variant == "true")
 
 
+class FakeCNumpyArray:
+    """cupy.cuda.function.CNumpyArray: passes a NumPy array's bytes by value."""
+
+    def __init__(self, v):
+        self.val = v
+        self.ptr = v.__array_interface__["data"][0]
+
+
 class FakeRawModule:
     def __init__(self, cp, code, options, name_expressions):
         assert "nd_pack" in code and "-std=c++17" in options
@@ -256,6 +266,7 @@ class FakeCupy:
             is_available=lambda: devices > 0, runtime=runtime, Device=FakeDeviceCtx,
             Stream=FakeStream, Event=FakeEvent,
             get_current_stream=lambda device_id=-1: FAKE_STATE["current"],
+            function=types.SimpleNamespace(CNumpyArray=FakeCNumpyArray),
             driver=types.SimpleNamespace(
                 occupancyMaxActiveBlocksPerMultiprocessor=lambda func, block, smem: 4),
             get_elapsed_time=lambda start, end: 1.0)
