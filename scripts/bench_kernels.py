@@ -44,7 +44,8 @@ def parse_args(argv):
     p.add_argument("--batch", type=int, default=10, help="launches per timed batch (10)")
     p.add_argument("--naive-reps", type=int, default=3, help="timed naive loops (3)")
     p.add_argument("--scale", type=float, default=0.5, help="fused scale (0.5 = 1/world of 2)")
-    p.add_argument("--rotate-mib", type=int, default=512, help="footprint of rotating sets")
+    p.add_argument("--rotate-mib", type=int, default=256,
+                   help="footprint of the rotating buffer sets, 2 to 8 sets (256)")
     p.add_argument("--csv", default="out/bench_kernels.csv", help="CSV path ('' for none)")
     return p.parse_args(argv)
 
@@ -92,7 +93,7 @@ class Bench:
         offs = np.concatenate([[0], np.cumsum(padded)[:-1]]).tolist()
         bucket_n = int(padded.sum())
         per_set = nbytes_src + bucket_n * bkt_dt.itemsize
-        nsets = int(max(2, min(16, -(-self.args.rotate_mib * MIB // per_set))))
+        nsets = int(max(2, min(8, -(-self.args.rotate_mib * MIB // per_set))))
         sets = []
         bounds = np.concatenate([[0], np.cumsum(sizes)])
         for _ in range(nsets):   # random data, never zeros; the bucket filled by one pack

@@ -85,7 +85,7 @@ if [ "$GPUS" = "0" ]; then
 fi
 
 # -- tests ------------------------------------------------------------------------------------
-step pytest "${GPU_CHECK_PYTEST_TIMEOUT:-150}" \
+step pytest "${GPU_CHECK_PYTEST_TIMEOUT:-130}" \
     "$PY" -m pytest -m gpu -q -p no:cacheprovider tests
 cp "$WORK/pytest.out" "$RES/pytest.txt"
 
@@ -93,11 +93,11 @@ cp "$WORK/pytest.out" "$RES/pytest.txt"
 if [ "$GPUS" = "0" ]; then
     for s in kernels chunks allreduce ddp; do skip "$s" "no GPU"; done
 else
-    step kernels "${GPU_CHECK_KERNELS_TIMEOUT:-75}" \
+    step kernels "${GPU_CHECK_KERNELS_TIMEOUT:-90}" \
         "$PY" scripts/bench_kernels.py --sizes 1,25,100 --counts 1,100,10000 --reps 20 \
         --csv "$RES/kernels.csv"
-    step chunks "${GPU_CHECK_CHUNKS_TIMEOUT:-30}" \
-        "$PY" scripts/bench_kernels.py --sizes 25 --counts 1,10000 --pairs f32 \
+    step chunks "${GPU_CHECK_CHUNKS_TIMEOUT:-35}" \
+        "$PY" scripts/bench_kernels.py --sizes 25 --counts 1,100 --pairs f32 \
         --chunk-bytes 0,2048,4096,8192,16384,32768 --reps 20 --csv "$RES/chunks.csv"
     if [ -f scripts/bench_allreduce.py ]; then
         step allreduce "${GPU_CHECK_ALLREDUCE_TIMEOUT:-40}" \
