@@ -33,15 +33,17 @@ from benchlib import Progress, format_table, write_csv  # noqa: E402
 import train_mlp as mlp  # noqa: E402
 
 COLUMNS = ("mode", "ranks", "backend", "params_MiB", "cap_MiB", "buckets", "local_ms", "ddp_ms",
-           "overhead_ms", "comm_ms", "hidden_pct")
+           "overhead_ms", "comm_ms", "hidden_pct", "torch_ddp_ms", "ratio")
 FORMATS = {"params_MiB": ".2f", "local_ms": ".2f", "ddp_ms": ".2f", "overhead_ms": ".2f",
-           "comm_ms": ".2f", "hidden_pct": ".0f"}
+           "comm_ms": ".2f", "hidden_pct": ".0f", "torch_ddp_ms": ".2f", "ratio": ".2f"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--caps", default="0.25,1,4,25", help="bucket caps in MiB, comma-separated")
     p.add_argument("--modes", default="arrays", help=f"comma-separated, of {sorted(RUNNERS)}")
+    p.add_argument("--torch", action="store_true",
+                   help="add mode torch: our DDP vs torch DDP on the same model (ratio = ours/torch)")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--features", type=int, default=256)
     p.add_argument("--hidden", type=int, default=1024)
@@ -128,7 +130,13 @@ def run_arrays(nd, xp, args, cap_mb: float) -> dict:
     return row
 
 
-RUNNERS: Dict[str, Callable] = {"arrays": run_arrays}
+def run_torch(nd, xp, args, cap_mb: float) -> dict:
+    """PyTorch MLP: ours vs torch.nn.parallel.DistributedDataParallel (scripts/bench_ddp_torch.py)."""
+    from bench_ddp_torch import run_torch as run
+    return run(nd, xp, args, cap_mb)
+
+
+RUNNERS: Dict[str, Callable] = {"arrays": run_arrays, "torch": run_torch}
 
 
 def worker(args) -> list:
@@ -140,7 +148,7 @@ def worker(args) -> list:
     else:
         xp = np
     rank = nd.get_rank()
-    modes = [m for m in args.modes.split(",") if m]
+    modes = [m for m in args.modes.split(",") if m] + (["torch"] if args.torch else [])
     unknown = [m for m in modes if m not in RUNNERS]
     if unknown:
         raise SystemExit(f"bench_ddp: unknown mode(s) {unknown}; choose from {sorted(RUNNERS)}")

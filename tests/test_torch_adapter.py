@@ -14,7 +14,8 @@ import pytest
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch==2.13.0)")
 
 from mp import run_ranks  # noqa: E402
-from torch_oracle import OracleConfig, batches, make_model, run_torch_ddp, train  # noqa: E402
+from torch_oracle import (OracleConfig, batches, gloo_group, make_model, run_torch_ddp,  # noqa: E402
+                          train)
 
 WORLD = 2
 CONFIGS = {
@@ -23,34 +24,46 @@ CONFIGS = {
     "static_graph": OracleConfig(static_graph=True),
     "static_graph-no_sync": OracleConfig(accumulate=2, static_graph=True),
 }
+# name -> (config, extra DDP kwargs); PythonReducer: one all-reduce per grad, grads not views
+CASES = {name: (config, {}) for name, config in CONFIGS.items()}
+CASES["PythonReducer-no_sync"] = (CONFIGS["no_sync-accumulate"],
+                                  {"reducer_mode": "PythonReducer", "bucket_cap_mb": 0})
 
 
-def _ours_and_torch(rank: int, world: int, config: OracleConfig, store_file: str,
-                    ddp_kwargs: dict) -> tuple:
+def _ours_and_torch(rank: int, world: int, cases: dict, store_dir: str) -> dict:
+    """Every case in one process pair (spawning costs more than training this model)."""
     import nccl_ddp as nd
-    from nccl_ddp.ddp import DistributedDataParallel
 
     torch.set_num_threads(1)
-    reference = run_torch_ddp(rank, world, config, store_file)
+    with gloo_group(rank, world, os.path.join(store_dir, "gloo")):
+        references = {name: run_torch_ddp(rank, config) for name, (config, _) in cases.items()}
+    out = {}
     nd.init_process_group("host")
     try:
-        module = make_model(rank)
-        ddp = DistributedDataParallel(module, find_unused_parameters=config.find_unused_parameters,
-                                      static_graph=config.static_graph, **ddp_kwargs)
-        views = sum(1 for p in module.parameters() if p.grad is not None)
-        ours = train(ddp, module, rank, config)
-        grad_is_none = {n: p.grad is None for n, p in module.named_parameters()}
-        ddp.close()
+        for name, (config, ddp_kwargs) in cases.items():
+            module = make_model(rank)
+            ddp = nd.DistributedDataParallel(
+                module, find_unused_parameters=config.find_unused_parameters,
+                static_graph=config.static_graph, **ddp_kwargs)
+            ours = train(ddp, module, rank, config)
+            grad_is_none = {n: p.grad is None for n, p in module.named_parameters()}
+            ddp.close()
+            out[name] = (references[name], ours, grad_is_none)
     finally:
         nd.destroy_process_group()
-    return reference, ours, grad_is_none, views
+    return out
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_matches_torch_ddp(name, tmp_path):
-    config = CONFIGS[name]
-    results = run_ranks(_ours_and_torch, WORLD, config, str(tmp_path / "gloo"), {}, timeout=120)
-    for rank, (reference, ours, grad_is_none, _) in enumerate(results):
+@pytest.fixture(scope="module")
+def oracle_results(tmp_path_factory):
+    return run_ranks(_ours_and_torch, WORLD, CASES, str(tmp_path_factory.mktemp("gloo")),
+                     timeout=150)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_torch_ddp(name, oracle_results):
+    for rank, results in enumerate(oracle_results):
+        reference, ours, grad_is_none = results[name]
         assert set(ours) == set(reference)
         for key in reference:
             np.testing.assert_allclose(ours[key], reference[key], rtol=1e-6, atol=1e-7,
@@ -60,17 +73,8 @@ def test_matches_torch_ddp(name, tmp_path):
                                   make_model(1 - rank).hidden.weight.detach().numpy())
         # torch semantics: after optimizer.zero_grad() every .grad is None again
         assert all(grad_is_none.values()), grad_is_none
-    np.testing.assert_array_equal(results[0][1]["embed.weight"], results[1][1]["embed.weight"])
-
-
-def test_reducer_modes_agree(tmp_path):
-    """PythonReducer (one all-reduce per grad, grads not bucket views) gives torch's numbers too."""
-    config = CONFIGS["no_sync-accumulate"]
-    results = run_ranks(_ours_and_torch, WORLD, config, str(tmp_path / "gloo"),
-                        {"reducer_mode": "PythonReducer", "bucket_cap_mb": 0}, timeout=120)
-    for reference, ours, _, _ in results:
-        for key in reference:
-            np.testing.assert_allclose(ours[key], reference[key], rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(oracle_results[0][name][1]["embed.weight"],
+                                  oracle_results[1][name][1]["embed.weight"])
 
 
 def _grads_are_bucket_views(rank: int, world: int) -> dict:
@@ -143,3 +147,23 @@ def test_grad_reducer_on_tensors():
         assert dtype == torch.float32 and g0.shape == shape
         np.testing.assert_allclose(g0, (local0 + local1) / 2, rtol=1e-6, atol=1e-7)
         np.testing.assert_array_equal(g0, g1)
+
+
+def test_bench_ddp_torch_mode(tmp_path):
+    """scripts/bench_ddp.py --torch runs end to end and reports ours vs torch DDP as a ratio."""
+    import csv
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench_ddp.py")
+    out = tmp_path / "bench.csv"
+    r = subprocess.run([sys.executable, script, "--modes", "", "--torch", "--caps", "0.01",
+                        "--hidden", "32", "--layers", "2", "--features", "8", "--steps", "2",
+                        "--warmup", "1", "--profile-steps", "1", "--csv", str(out)],
+                       capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, NCCL_DDP_NO_PROGRESS="1"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    (row,) = list(csv.DictReader(open(out)))
+    assert row["mode"] == "torch" and row["backend"] == "host/gloo"
+    assert float(row["torch_ddp_ms"]) > 0 and float(row["ddp_ms"]) > 0
+    assert abs(float(row["ratio"]) - float(row["ddp_ms"]) / float(row["torch_ddp_ms"])) < 1e-6

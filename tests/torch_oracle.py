@@ -96,21 +96,29 @@ def train(ddp_model, module, rank: int, config: OracleConfig) -> dict:
     return state
 
 
-def run_torch_ddp(rank: int, world_size: int, config: OracleConfig, store_file: str) -> dict:
-    """torch DDP on gloo (rendezvous through `store_file`, so MASTER_PORT stays free for ours)."""
+@contextlib.contextmanager
+def gloo_group(rank: int, world_size: int, store_file: str):
+    """torch.distributed on gloo for the block (rendezvous through `store_file`, so MASTER_PORT
+    stays free for ours). One per process: re-initialising it per scenario hung now and then."""
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
 
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank,
                             world_size=world_size)
     try:
-        module = make_model(rank)
-        # torch's static_graph=True crashes when the first backward runs under no_sync() and, once
-        # past that, stops all-reducing (pytorch/pytorch#143580, #187732). static_graph changes
-        # only scheduling, not the result, so with accumulation the oracle runs without it.
-        static = config.static_graph and config.accumulate == 1
-        ddp = DistributedDataParallel(module, find_unused_parameters=not static,
-                                      static_graph=static)
-        return train(ddp, module, rank, config)
+        yield
     finally:
         dist.destroy_process_group()
+
+
+def run_torch_ddp(rank: int, config: OracleConfig) -> dict:
+    """Train with torch DDP (inside `gloo_group`); returns the final parameters and buffers."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    module = make_model(rank)
+    # torch's static_graph=True crashes when the first backward runs under no_sync() and, once
+    # past that, stops all-reducing (pytorch/pytorch#143580, #187732). static_graph changes
+    # only scheduling, not the result, so with accumulation the oracle runs without it.
+    static = config.static_graph and config.accumulate == 1
+    ddp = DistributedDataParallel(module, find_unused_parameters=not static,
+                                  static_graph=static)
+    return train(ddp, module, rank, config)

@@ -160,15 +160,19 @@ class TorchModule(GradModule):
     def _point_grads_at_buckets(self) -> None:
         """Before backward: every `.grad` is our bucket view, so autograd accumulates in place.
         A `.grad` that is None starts from zero; one the user replaced is copied in."""
-        self._was_none = set()
+        self._was_none = {i for i, p in enumerate(self.params) if p.grad is None}
         with torch_stream_current(self.on_cuda):
+            if len(self._was_none) == len(self.params):    # after optimizer.zero_grad()
+                self._ddp.zero_grad()                       # one fill per bucket
+                for p, mine in zip(self.params, self._grads):
+                    p.grad = mine
+                return
             for i, p in enumerate(self.params):
                 mine = self._grads[i]
                 if p.grad is not None and p.grad.data_ptr() == mine.data_ptr():
                     continue
                 if p.grad is None:
                     mine.zero_()
-                    self._was_none.add(i)
                 else:
                     mine.copy_(p.grad)
                 p.grad = mine
