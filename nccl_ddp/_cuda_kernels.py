@@ -245,7 +245,7 @@ class CudaKernels:
 
     def pack(self, srcs: Sequence[Any], dst: Any, offsets: Sequence[int], scale: float,
              flag: Any) -> None:
-        check_flag("pack", flag)
+        check_flag("pack", flag, dst)
         self._segments("pack", srcs, dst, offsets, PACK_PAIRS, scale, flag is not None, (flag,))
 
     def unpack(self, dsts: Sequence[Any], src: Any, offsets: Sequence[int], scale: float,

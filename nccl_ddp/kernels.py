@@ -118,7 +118,11 @@ def check_segments(op: str, arrays: Sequence[Any], bucket: Any, offsets: Sequenc
     bname = dtype_name(bucket)
     tname = dtype_name(arrays[0]) if len(arrays) else bname
     pair = (tname, bname) if to_bucket else (bname, tname)
+    kind = _kind(bucket)
     for i, a in enumerate(arrays):
+        if _kind(a) != kind:
+            raise KernelError(f"{op}: array {i} is a {type(a).__module__}.{type(a).__name__} but "
+                              f"the bucket is a {kind} array; put both on the same device")
         if dtype_name(a) != tname:
             raise KernelError(f"{op}: array {i} is {dtype_name(a)} but array 0 is {tname}; a "
                               "bucket holds one dtype group, split the arrays by dtype")
@@ -154,8 +158,18 @@ def check_segments(op: str, arrays: Sequence[Any], bucket: Any, offsets: Sequenc
     return sizes, offs, pair
 
 
-def check_flag(op: str, flag: Any) -> None:
-    if flag is not None and (dtype_name(flag) != "int32" or flag.size < 1):
+def _kind(x: Any) -> str:
+    """'numpy', 'cupy', ...: the array library, i.e. the device an array lives on."""
+    return type(x).__module__.partition(".")[0]
+
+
+def check_flag(op: str, flag: Any, bucket: Any) -> None:
+    if flag is None:
+        return
+    if _kind(flag) != _kind(bucket):
+        raise KernelError(f"{op}: nonfinite_flag is a {_kind(flag)} array but the bucket is a "
+                          f"{_kind(bucket)} array; allocate the flag on the bucket's device")
+    if dtype_name(flag) != "int32" or flag.size < 1:
         raise KernelError(f"{op}: nonfinite_flag must be an int32 array of at least one "
                           f"element, got {dtype_name(flag)} of size {flag.size}")
 
@@ -181,7 +195,7 @@ def pack_ref(srcs: Sequence[np.ndarray], dst: np.ndarray, offsets: Sequence[int]
              scale: float = 1.0, nonfinite_flag: Optional[np.ndarray] = None) -> None:
     """Reference of `pack` (NumPy arrays)."""
     sizes, offs, pair = check_segments("pack", srcs, dst, offsets, PACK_PAIRS, to_bucket=True)
-    check_flag("pack", nonfinite_flag)
+    check_flag("pack", nonfinite_flag, dst)
     acc = acc_dtype(pair)
     s = acc(scale)
     flat = dst.reshape(-1)

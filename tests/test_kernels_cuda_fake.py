@@ -144,6 +144,11 @@ def test_cuda_errors(cp):
     nc.flags.c_contiguous = False
     with pytest.raises(KernelError, match="array 0 .* is not contiguous"):
         K.unpack([nc], bucket, [0])
+    with pytest.raises(KernelError, match="array 0 is a numpy.ndarray but the bucket is a "
+                                          "_fake_cupy array"):
+        K.pack([np.ones(4, np.float32)], bucket, [0])
+    with pytest.raises(KernelError, match="nonfinite_flag is a numpy array but the bucket"):
+        K.pack([cp.empty(4, np.float32)], bucket, [0], nonfinite_flag=np.zeros(1, np.int32))
     with pytest.raises(KernelError, match="float64->bfloat16 is not supported"):
         K.pack([cp.empty(4, np.float64)], cp.empty(4, BF16), [0])
     assert cp.launches == []
