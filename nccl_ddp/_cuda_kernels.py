@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import io
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -152,6 +153,10 @@ class CudaKernels:
         self._modules: dict = {}
         self._sm_count: dict = {}
         self._resident: dict = {}
+        # NCCL_DDP_SMALL_TABLE_MAX=0 sends every call through the device table (a workaround
+        # should passing the table by value ever fail on some CuPy/driver).
+        self.small_max = min(SMALL_MAX, int(os.environ.get("NCCL_DDP_SMALL_TABLE_MAX",
+                                                           SMALL_MAX)))
         self._tables: "collections.OrderedDict" = collections.OrderedDict()
         self.stats = collections.Counter()   # launches, memsets, table_builds, table_uploads
 
@@ -220,11 +225,11 @@ class CudaKernels:
             if a.size and a.device.id != dev:
                 raise KernelError(f"{op}: array {i} is on device {a.device.id} but the bucket "
                                   f"is on device {dev}; move it to the bucket's device")
-        small = int(np.count_nonzero(sizes)) <= SMALL_MAX
+        small = int(np.count_nonzero(sizes)) <= self.small_max
         probe = kernel_name(op, pair, False, small)
         chunk = choose_chunk(sizes, pair, self.resident_warps(dev, probe))
         itemsize = ITEMSIZE[pair[0] if op == "pack" else pair[1]]
-        tab = build_table(ptrs, sizes, offsets, chunk, itemsize)
+        tab = build_table(ptrs, sizes, offsets, chunk, itemsize, self.small_max)
         self.stats["table_builds"] += 1
         if tab.small is None:
             host = tab.items.view(np.uint8)

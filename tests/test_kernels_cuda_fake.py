@@ -240,3 +240,13 @@ def test_bench_kernels_runs_and_writes_csv(cp, monkeypatch, tmp_path, capsys):
     assert "Fake GPU" in printed and "kernel_GBps" in printed
     names = {n.split("<")[0] for n, _, _ in cp.launches}
     assert names == {"nd_pack_small", "nd_pack", "nd_unpack_small", "nd_unpack"}
+
+
+def test_small_table_can_be_switched_off(cp, monkeypatch):
+    monkeypatch.setenv("NCCL_DDP_SMALL_TABLE_MAX", "0")
+    monkeypatch.setattr(ck, "_BACKEND", ck.CudaKernels(cp))
+    x = np.arange(10, dtype=np.float32)
+    bucket = cp.empty(16, np.float32)
+    K.pack([cp.asarray(x)], bucket, [4], scale=2.0)
+    assert cp.launches[-1][0] == "nd_pack<float, float, false>" and len(cp.uploads) == 1
+    np.testing.assert_array_equal(bucket.host()[4:14], 2 * x)
