@@ -6,6 +6,7 @@ several SGD-with-momentum steps the parameters must agree to float32 rounding.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -167,3 +168,50 @@ def test_bench_ddp_torch_mode(tmp_path):
     assert row["mode"] == "torch" and row["backend"] == "host/gloo"
     assert float(row["torch_ddp_ms"]) > 0 and float(row["ddp_ms"]) > 0
     assert abs(float(row["ratio"]) - float(row["ddp_ms"]) / float(row["torch_ddp_ms"])) < 1e-6
+
+
+def _torch_on_gpu(rank: int, world: int) -> tuple:
+    import nccl_ddp as nd
+
+    config = OracleConfig(accumulate=2)
+    nd.init_process_group("nccl", timeout=60.0)
+    try:
+        local = make_model(0).cuda()
+        ref = train(_NoDDP(local), local, rank, config, device="cuda")
+        module = make_model(0).cuda()
+        ddp = nd.DistributedDataParallel(module, find_unused_parameters=True)
+        ours = train(ddp, module, rank, config, device="cuda")
+        x, y = batches(rank, config)[0]
+        torch.nn.functional.mse_loss(ddp(x.cuda()), y.cuda()).backward()
+        spans = [(b.data.ptr, b.data.ptr + b.nbytes) for b in ddp.reducer.memory.buffers]
+        inside = all(any(lo <= p.grad.data_ptr() < hi for lo, hi in spans)
+                     for p in module.parameters())
+        ddp.close()
+    finally:
+        nd.destroy_process_group()
+    return ref, ours, inside
+
+
+class _NoDDP:
+    """The training loop's view of a plain module (no_sync does nothing)."""
+
+    def __init__(self, module) -> None:
+        self.module = module
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def no_sync(self):
+        return contextlib.nullcontext()
+
+
+@pytest.mark.gpu
+def test_torch_on_gpu_world_of_one():
+    """CUDA path (NCCL, CuPy kernels, torch's current stream as the compute stream): with one
+    rank the mean is the local grad, so training must match training without DDP."""
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA here (the CPU wheel)")
+    ref, ours, inside = run_ranks(_torch_on_gpu, 1, timeout=300)[0]
+    assert inside, "p.grad must be a view of the bucket memory"
+    for key in ref:
+        np.testing.assert_allclose(ours[key], ref[key], rtol=1e-5, atol=1e-6, err_msg=key)

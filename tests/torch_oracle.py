@@ -72,7 +72,7 @@ def batches(rank: int, config: OracleConfig):
             for _ in range(n)]
 
 
-def train(ddp_model, module, rank: int, config: OracleConfig) -> dict:
+def train(ddp_model, module, rank: int, config: OracleConfig, device: str = "cpu") -> dict:
     """Train `ddp_model` (wrapping `module`); returns {name: ndarray} of parameters and buffers."""
     import torch
 
@@ -81,7 +81,7 @@ def train(ddp_model, module, rank: int, config: OracleConfig) -> dict:
     micro = 0
     for _ in range(config.steps):
         for k in range(config.accumulate):
-            x, y = next(data)
+            x, y = (t.to(device) for t in next(data))
             last = k == config.accumulate - 1
             ctx = contextlib.nullcontext() if last else ddp_model.no_sync()
             with ctx:
@@ -91,8 +91,8 @@ def train(ddp_model, module, rank: int, config: OracleConfig) -> dict:
             micro += 1
         opt.step()
         opt.zero_grad()
-    state = {n: t.detach().numpy().copy() for n, t in module.named_parameters()}
-    state.update({n: t.detach().numpy().copy() for n, t in module.named_buffers()})
+    state = {n: t.detach().cpu().numpy().copy() for n, t in module.named_parameters()}
+    state.update({n: t.detach().cpu().numpy().copy() for n, t in module.named_buffers()})
     return state
 
 

@@ -18,7 +18,6 @@ inside a compiled `construct` it cannot be called (reduce the grads the graph re
 """
 from __future__ import annotations
 
-import logging
 from typing import Any, List, Optional
 
 import numpy as np
@@ -26,8 +25,6 @@ import numpy as np
 from ._dlpack import KDL_CPU, CapsuleHolder, native_from_dlpack
 from .arrays import GradModule
 from .grads import GradsAdapter, ParamInfo
-
-log = logging.getLogger(__name__)
 
 
 def adapt(cell: Any) -> "MindSporeModule":

@@ -12,14 +12,11 @@ the compute stream. PyTorch's grad semantics are kept: a parameter whose `.grad`
 from __future__ import annotations
 
 import contextlib
-import logging
 from typing import Any, Iterator, List, Optional
 
 from ._dlpack import KDL_CPU, KDL_CUDA, bfloat16_dtype, native_from_dlpack
 from .arrays import GradModule
 from .grads import GradsAdapter, ParamInfo
-
-log = logging.getLogger(__name__)
 
 
 def adapt(module: Any) -> "TorchModule":
