@@ -24,6 +24,7 @@ CONFIGS = {
     "no_sync-accumulate": OracleConfig(accumulate=2),
     "static_graph": OracleConfig(static_graph=True),
     "static_graph-no_sync": OracleConfig(accumulate=2, static_graph=True),
+    "branch-unused-on-one-rank": OracleConfig(branch_by_rank=True),
 }
 # name -> (config, extra DDP kwargs); PythonReducer: one all-reduce per grad, grads not views
 CASES = {name: (config, {}) for name, config in CONFIGS.items()}

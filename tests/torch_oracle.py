@@ -22,16 +22,19 @@ IN, HIDDEN = 8, 16
 class OracleConfig:
     """One training scenario. `accumulate`: micro-batches per optimizer step (all but the last
     under no_sync). `static_graph`: the branch is never used (torch's static graph needs the same
-    set of used parameters every step); otherwise it is used on even micro-batches only."""
+    set of used parameters every step); otherwise it is used on even micro-batches only, or with
+    `branch_by_rank` on even micro-batches on rank 0 and odd ones on rank 1 (then every step has
+    a parameter unused on one rank and used on the other)."""
 
     steps: int = 4
     accumulate: int = 1
     static_graph: bool = False
     batch: int = 6
     lr: float = 0.05
+    branch_by_rank: bool = False
 
-    def uses_branch(self, micro: int) -> bool:
-        return (not self.static_graph) and micro % 2 == 0
+    def uses_branch(self, micro: int, rank: int) -> bool:
+        return (not self.static_graph) and (micro + (rank if self.branch_by_rank else 0)) % 2 == 0
 
     @property
     def find_unused_parameters(self) -> bool:
@@ -85,7 +88,7 @@ def train(ddp_model, module, rank: int, config: OracleConfig, device: str = "cpu
             last = k == config.accumulate - 1
             ctx = contextlib.nullcontext() if last else ddp_model.no_sync()
             with ctx:
-                out = ddp_model(x, use_branch=config.uses_branch(micro))
+                out = ddp_model(x, use_branch=config.uses_branch(micro, rank))
                 loss = torch.nn.functional.mse_loss(out, y)
                 loss.backward()
             micro += 1

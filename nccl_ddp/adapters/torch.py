@@ -111,7 +111,8 @@ class TorchModule(GradModule):
         self._seen: set = set()         # params whose hook ran in this backward
         self._used_since_sync: set = set()   # ... in any backward since the last synced step
         self._callback_queued = False
-        self._syncing = True
+        self._syncing = True            # whether this step all-reduces (fixed when it opens)
+        self._forward_opened = False    # the step was opened by our forward, not by a hook
 
     # ---- GradModule
     def native_params(self) -> List[Any]:
@@ -150,6 +151,9 @@ class TorchModule(GradModule):
             self._broadcast_buffers(ddp)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # the wrapper has just opened the step (reducer.prepare), reading sync_enabled as we do
+        self._syncing = self._ddp.reducer.sync_enabled
+        self._forward_opened = True
         self._point_grads_at_buckets()
         return self.module(*args, **kwargs)
 
@@ -185,7 +189,8 @@ class TorchModule(GradModule):
             self._seen.add(i)
             if not self._callback_queued:
                 self._callback_queued = True
-                self._syncing = self._ddp.reducer.sync_enabled
+                if not self._forward_opened:   # backward without our forward: the hook opens it
+                    self._syncing = self._ddp.reducer.sync_enabled
                 import torch
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             with torch_stream_current(self.on_cuda):
@@ -197,6 +202,7 @@ class TorchModule(GradModule):
         """Runs on the autograd engine once backward has finished: close the step, then give
         `.grad = None` back to params that had it and that got no grad anywhere."""
         seen, self._seen, self._callback_queued = self._seen, set(), False
+        self._forward_opened = False
         reducer = self._ddp.reducer
         with torch_stream_current(self.on_cuda):
             if self._syncing:
