@@ -195,6 +195,36 @@ class Bench:
         return t
 
 
+def sweep(bench, args, cp, ck):
+    """Every (chunk, op, pair, size, count) measurement; one that fails is reported and skipped."""
+    rows, failures = [], 0
+    configs = [(op, pair, mib, count) for op in args.ops.split(",")
+               for pair in args.pairs.split(",") for mib in ints(args.sizes)
+               for count in ints(args.counts)]
+    default_chunk = ck.CHUNK_BYTES
+    try:
+        for chunk in [c or None for c in ints(args.chunk_bytes)] or [ck.CHUNK_BYTES]:
+            ck.CHUNK_BYTES = chunk
+            bench.kb.clear_cache()
+            for op, pair_key, mib, count in configs:
+                what = f"{op} {pair_key} {mib} MiB x{count}"
+                try:
+                    row = bench.measure(op, pair_key, mib, count)
+                except Exception as e:   # keep the other measurements
+                    failures += 1
+                    print(f"  {what}: FAILED {type(e).__name__}: {e}", file=sys.stderr,
+                          flush=True)
+                    continue
+                finally:
+                    cp.get_default_memory_pool().free_all_blocks()
+                rows.append(row)
+                print(f"  {what} chunk {row['chunk']}: {row['kernel_GBps']:.0f} GB/s "
+                      f"({row['ratio']:.2f} of copy)", file=sys.stderr, flush=True)
+    finally:
+        ck.CHUNK_BYTES = default_chunk
+    return rows, failures
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from nccl_ddp.device import cuda_available
@@ -209,25 +239,7 @@ def main(argv=None) -> int:
     name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
     print(f"bench_kernels on {name}, CuPy {cp.__version__}, CUDA runtime "
           f"{cp.cuda.runtime.runtimeGetVersion()}")
-    rows = []
-    chunks = [c or None for c in ints(args.chunk_bytes)] or [ck.CHUNK_BYTES]
-    default_chunk = ck.CHUNK_BYTES
-    try:
-        for chunk in chunks:
-            ck.CHUNK_BYTES = chunk
-            bench.kb.clear_cache()
-            for op in args.ops.split(","):
-                for pair_key in args.pairs.split(","):
-                    for mib in ints(args.sizes):
-                        for count in ints(args.counts):
-                            row = bench.measure(op, pair_key, mib, count)
-                            rows.append(row)
-                            print(f"  {op} {pair_key} {mib} MiB x{count} chunk {row['chunk']}: "
-                                  f"{row['kernel_GBps']:.0f} GB/s ({row['ratio']:.2f} of copy)",
-                                  file=sys.stderr, flush=True)
-                            cp.get_default_memory_pool().free_all_blocks()
-    finally:
-        ck.CHUNK_BYTES = default_chunk
+    rows, failures = sweep(bench, args, cp, ck)
     fmt = {"kernel_us": ".1f", "kernel_GBps": ".0f", "copy_GBps": ".0f", "ratio": ".2f",
            "naive_GBps": ".1f", "call_us": ".0f"}
     print(format_table(rows, COLUMNS, fmt))
@@ -235,7 +247,9 @@ def main(argv=None) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(args.csv)), exist_ok=True)
         write_csv(rows, args.csv)
         print(f"wrote {args.csv}")
-    return 0
+    if failures:
+        print(f"bench_kernels: {failures} measurement(s) failed (see above)", file=sys.stderr)
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

@@ -216,8 +216,7 @@ def test_get_device_kinds(cp, monkeypatch):
 # scripts/bench_kernels.py, end to end on the fake (its logic; the numbers mean nothing here)
 
 
-def test_bench_kernels_runs_and_writes_csv(cp, monkeypatch, tmp_path, capsys):
-    import csv
+def _bench_module(monkeypatch):
     import importlib.util
     from pathlib import Path
     path = Path(__file__).resolve().parent.parent / "scripts" / "bench_kernels.py"
@@ -225,6 +224,12 @@ def test_bench_kernels_runs_and_writes_csv(cp, monkeypatch, tmp_path, capsys):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     monkeypatch.setattr(D, "cuda_available", lambda: True)
+    return bench
+
+
+def test_bench_kernels_runs_and_writes_csv(cp, monkeypatch, tmp_path, capsys):
+    import csv
+    bench = _bench_module(monkeypatch)
     out = tmp_path / "k.csv"
     rc = bench.main(["--sizes", "1", "--counts", "1,40", "--chunk-bytes", "4096,0",
                      "--reps", "2", "--batch", "2", "--naive-reps", "1", "--rotate-mib", "1",
@@ -250,3 +255,22 @@ def test_small_table_can_be_switched_off(cp, monkeypatch):
     K.pack([cp.asarray(x)], bucket, [4], scale=2.0)
     assert cp.launches[-1][0] == "nd_pack<float, float, false>" and len(cp.uploads) == 1
     np.testing.assert_array_equal(bucket.host()[4:14], 2 * x)
+
+
+def test_bench_kernels_keeps_going_after_a_failed_measurement(cp, monkeypatch, tmp_path, capsys):
+    import csv
+    bench = _bench_module(monkeypatch)
+    real = bench.Bench.measure
+
+    def measure(self, op, pair_key, mib, count):
+        if pair_key == "f32-bf16":
+            raise TypeError("no bfloat16 here")
+        return real(self, op, pair_key, mib, count)
+
+    monkeypatch.setattr(bench.Bench, "measure", measure)
+    out = tmp_path / "k.csv"
+    rc = bench.main(["--sizes", "1", "--counts", "3", "--reps", "1", "--batch", "1",
+                     "--naive-reps", "1", "--rotate-mib", "1", "--csv", str(out)])
+    assert rc == 1
+    assert [r["pair"] for r in csv.DictReader(out.open())] == ["f32", "f32"]
+    assert "pack f32-bf16 1 MiB x3: FAILED TypeError: no bfloat16 here" in capsys.readouterr().err
