@@ -68,6 +68,7 @@ class Segment:
 
 STAGED, REDUCED = 1, 2      # signal kinds (see _wire.KIND_NAMES)
 _SLOTS = 3
+_SMALL = 64 << 10    # all_reduce up to this many bytes: every rank reduces the whole message
 _NAME_BYTES = 128
 
 
@@ -85,9 +86,10 @@ class ShmTransport:
         loop k:  part r of my buffer (op)= part r of each peer's slot k; copy it into my slot k
                  stage k+1                     -> signal "reduced k / staged k+1", wait for peers'
                  copy part j of peer j's slot k into my buffer, for every j != r
-    Part r is computed once (by rank r), so every rank ends with the same bits. A rank writes a
-    slot again three chunks later; by then every peer has signalled a later chunk, which it only
-    does after it finished reading that slot.
+    Part r is computed once (by rank r), so every rank ends with the same bits. Messages up to
+    _SMALL bytes take one signal: stage all, then every rank reduces all slots in rank order.
+    A rank writes a slot again three chunks later; by then every peer has signalled a later
+    chunk, which it only does after it finished reading that slot.
     """
 
     def __init__(self, links: dict, rank: int, size: int, chunk_bytes: int, tag: str) -> None:
@@ -140,6 +142,14 @@ class ShmTransport:
 
     def all_reduce(self, buf: np.ndarray, red, desc: tuple) -> None:
         n, dt, r, size = buf.size, buf.dtype, self.rank, self.size
+        if buf.nbytes <= min(_SMALL, self.chunk):
+            # one signal instead of two: every rank reduces all of it, in the same rank order
+            s = self._step()
+            np.copyto(self._slot(r, s, 0, n, dt), buf)
+            self._exchange(desc, STAGED)
+            np.copyto(buf, self._slot(0, s, 0, n, dt))
+            red.combine(buf, [self._slot(j, s, 0, n, dt) for j in range(1, size)], True)
+            return
         ce = self.chunk // dt.itemsize
         starts = range(0, max(n, 1), ce)
 
