@@ -9,7 +9,10 @@ Bucket memory stays ours (NumPy); MindSpore only ever gets views of it:
 DDP: a `Parameter.register_hook` per trainable parameter adds the grad into its bucket slot,
 marks it ready and returns `Tensor.from_numpy(slot)`, so `value_and_grad` hands the optimizer
 tensors that alias the buckets; the all-reduce lands there before the last hook returns. Grads
-accumulate across steps until `zero_grad()` (MindSpore DDP semantics).
+accumulate across steps until `zero_grad()` (MindSpore DDP semantics). MindSpore has no
+end-of-backward callback: with find_unused_parameters=True call `net.finalize()` after
+`value_and_grad`, and take the grads of parameters this rank did not use from `net.grads` (what
+`value_and_grad` returns for them is MindSpore's own zeros, not the reduced grad).
 
 Graph mode: hooks and our Python reducer cannot run inside a compiled graph. DDP is PyNative
 only (as MindSpore's own). `DistributedGradReducer` works wherever a Python call is allowed:
