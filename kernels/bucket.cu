@@ -93,7 +93,7 @@ template <> struct AccOf<double, double> { typedef double type; };
 template <int BYTES> struct RawWord;
 template <> struct RawWord<2> { typedef unsigned short type; };
 template <> struct RawWord<4> { typedef unsigned type; };
-template <> struct RawWord<8> { typedef uint2 type; };
+template <> struct RawWord<8> { typedef unsigned long long type; };
 template <> struct RawWord<16> { typedef uint4 type; };
 
 template <typename T, int N> union VecOf {
@@ -141,13 +141,22 @@ __device__ __forceinline__ void copy_span(const TS* __restrict__ src, TD* __rest
   typedef typename VS::raw_t RS;
   typedef typename VD::raw_t RD;
 
-  int done = 0;
   const bool aligned = (reinterpret_cast<u64>(src) % sizeof(RS)) == 0 &&
                        (reinterpret_cast<u64>(dst) % sizeof(RD)) == 0;
   if (aligned) {
     const RS* __restrict__ s = reinterpret_cast<const RS*>(src);
     RD* __restrict__ d = reinterpret_cast<RD*>(dst);
     const int nvec = n / kVec;
+    // The last n % kVec elements: loaded now, with the first vectors, so that a small tensor
+    // costs one memory round trip, not two.
+    const int t = nvec * kVec + lane;
+    const bool has_tail = t < n;
+    TS tail_in{};
+    TD tail_old{};
+    if (has_tail) {
+      tail_in = ld_nc(src + t);
+      if constexpr (kAccum) tail_old = ld_rw(dst + t);
+    }
     for (int base = lane; base < nvec; base += kWarp * kIlp) {
       VS in[kIlp];
       VD old[kIlp];
@@ -175,11 +184,18 @@ __device__ __forceinline__ void copy_span(const TS* __restrict__ src, TD* __rest
         }
       }
     }
-    done = nvec * kVec;
+    if (has_tail) {
+      A v = mul_rn(Conv<TS>::load(tail_in), scale);
+      if constexpr (kAccum) v = add_rn(Conv<TD>::load(tail_old), v);
+      const TD out = Conv<TD>::store(v);
+      if constexpr (kCheck) bad |= !Conv<TD>::finite(out);
+      st_g(dst + t, out);
+    }
+    return;
   }
-  // Misaligned spans and the tail of aligned ones: coalesced scalars, 2*kIlp per lane in flight.
-  constexpr int kScalarIlp = 2 * kIlp;
-  for (int base = done + lane; base < n; base += kWarp * kScalarIlp) {
+  // Misaligned spans: coalesced scalars, 2*kIlp per lane in flight (kIlp for 8-byte types).
+  constexpr int kScalarIlp = sizeof(TS) >= 8 ? kIlp : 2 * kIlp;
+  for (int base = lane; base < n; base += kWarp * kScalarIlp) {
     TS in[kScalarIlp];
 #pragma unroll
     for (int k = 0; k < kScalarIlp; ++k) {
