@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import Progress, format_table, write_csv  # noqa: E402
+from benchlib import Progress, format_table, plot_series, write_csv  # noqa: E402
 
 BYTES_PER_SIZE = 1 << 30     # aim to move about this much per size and backend (caps iterations)
 COLUMNS = ("size", "count", "dtype", "time_us", "algbw_GBps", "busbw_GBps", "gloo_time_us",
@@ -56,6 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--nranks", type=int, default=2, help="ranks to spawn without a launcher (2)")
     p.add_argument("--no-gloo", action="store_true", help="skip the torch gloo comparison")
     p.add_argument("--csv", default="out/bench_allreduce.csv", help="CSV path ('' for none)")
+    p.add_argument("--png", default="out/bench_allreduce.png",
+                   help="plot of busbw against size, ours beside gloo ('' for none)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before giving up")
     return p.parse_args(argv)
 
@@ -181,6 +183,16 @@ def _report(args, rows: list, n: int) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(args.csv)), exist_ok=True)
         write_csv(rows, args.csv)
         print(f"# wrote {args.csv}")
+    if args.png and rows:
+        os.makedirs(os.path.dirname(os.path.abspath(args.png)), exist_ok=True)
+        ours = f"nccl_ddp {rows[0]['backend']}"
+        points = [dict(size=r["size"], busbw=r["busbw_GBps"], series=ours) for r in rows]
+        points += [dict(size=r["size"], busbw=r["gloo_busbw_GBps"], series="torch gloo")
+                   for r in rows if "gloo_busbw_GBps" in r]
+        if plot_series(points, "size", "busbw", "series", args.png,
+                       title=f"all_reduce {rows[0]['dtype']}, {n} ranks",
+                       xlabel="message size (bytes)", ylabel="busbw (GB/s)"):
+            print(f"# wrote {args.png}")
 
 
 def _spawned(rank: int, n: int, env: dict, args) -> None:

@@ -28,7 +28,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
-from benchlib import Progress, format_table, write_csv  # noqa: E402
+from benchlib import Progress, format_table, plot_panels, write_csv  # noqa: E402
 
 import train_mlp as mlp  # noqa: E402
 
@@ -53,6 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile-steps", type=int, default=3, help="steps with the timeline on")
     p.add_argument("--nranks", type=int, default=2, help="ranks to start without a launcher")
     p.add_argument("--csv", default="out/bench_ddp.csv", help="CSV path ('' for none)")
+    p.add_argument("--png", default="out/bench_ddp.png",
+                   help="step time and hidden share against bucket cap ('' for none)")
     p.add_argument("--timeout", type=float, default=900.0)
     return p.parse_args(argv)
 
@@ -170,8 +172,29 @@ def worker(args) -> list:
             os.makedirs(os.path.dirname(os.path.abspath(args.csv)), exist_ok=True)
             write_csv(rows, args.csv)
             print(f"# wrote {args.csv}")
+        if args.png and rows and _plot(rows, args.png):
+            print(f"# wrote {args.png}")
     nd.destroy_process_group()
     return rows
+
+
+def _plot(rows: list, path: str) -> bool:
+    """Left: step time against bucket cap (no DDP, ours, torch DDP); right: comm hidden (%)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    times, hidden = [], []
+    for r in rows:
+        cap, mode = r["cap_MiB"], r["mode"]
+        times.append(dict(cap=cap, ms=r["local_ms"], series=f"{mode}: no DDP"))
+        times.append(dict(cap=cap, ms=r["ddp_ms"], series=f"{mode}: nccl_ddp DDP"))
+        if r.get("torch_ddp_ms") is not None:
+            times.append(dict(cap=cap, ms=r["torch_ddp_ms"], series=f"{mode}: torch DDP"))
+        hidden.append(dict(cap=cap, pct=r["hidden_pct"], series=mode))
+    title = f"{rows[0]['ranks']} ranks, {rows[0]['backend']} backend"
+    return plot_panels([
+        dict(rows=times, x="cap", y="ms", series="series", title=f"step time, {title}",
+             xlabel="bucket cap (MiB)", ylabel="ms per step"),
+        dict(rows=hidden, x="cap", y="pct", series="series", title="communication hidden behind backward",
+             xlabel="bucket cap (MiB)", ylabel="% of comm time")], path)
 
 
 def main(argv=None) -> int:

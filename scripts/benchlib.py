@@ -59,19 +59,19 @@ def write_csv(rows: Sequence[dict], path: str) -> None:
         w.writerows(rows)
 
 
-def plot_series(rows: Sequence[dict], x: str, y: str, series: str, path: str, *, title: str = "",
-                xlabel: str = "", ylabel: str = "", logx: bool = True, logy: bool = False,
-                hlines: Iterable = ()) -> bool:
-    """One line per distinct value of `series`; returns False (and says why) without matplotlib."""
+def _pyplot():
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print(f"matplotlib is not installed: no plot written to {path} "
-              "(pip install 'nccl_ddp[plot]')", file=sys.stderr)
-        return False
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+        return None
+    return plt
+
+
+def _draw(ax, rows: Sequence[dict], x: str, y: str, series: str, *, title: str = "",
+          xlabel: str = "", ylabel: str = "", logx: bool = True, logy: bool = False,
+          hlines: Iterable = ()) -> None:
     for name in dict.fromkeys(r[series] for r in rows):
         pts = sorted((r[x], r[y]) for r in rows if r[series] == name and r.get(y) not in (None, ""))
         if pts:
@@ -89,7 +89,25 @@ def plot_series(rows: Sequence[dict], x: str, y: str, series: str, path: str, *,
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
+
+
+def plot_panels(panels: Sequence[dict], path: str) -> bool:
+    """Side-by-side plots; each panel is the keyword arguments of `plot_series` (without path).
+    Returns False (and says why) without matplotlib."""
+    plt = _pyplot()
+    if plt is None:
+        print(f"matplotlib is not installed: no plot written to {path} "
+              "(pip install 'nccl_ddp[plot]')", file=sys.stderr)
+        return False
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.2), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        _draw(ax, **panel)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def plot_series(rows: Sequence[dict], x: str, y: str, series: str, path: str, **kw) -> bool:
+    """One line per distinct value of `series` (title, xlabel, ylabel, logx, logy, hlines)."""
+    return plot_panels([dict(rows=rows, x=x, y=y, series=series, **kw)], path)
