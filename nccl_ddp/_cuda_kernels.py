@@ -226,8 +226,9 @@ class CudaKernels:
                 raise KernelError(f"{op}: array {i} is on device {a.device.id} but the bucket "
                                   f"is on device {dev}; move it to the bucket's device")
         small = int(np.count_nonzero(sizes)) <= self.small_max
-        probe = kernel_name(op, pair, False, small)
-        chunk = choose_chunk(sizes, pair, self.resident_warps(dev, probe))
+        warps = min(self.resident_warps(dev, kernel_name(op, pair, variant, small))
+                    for variant in (False, True))   # the table serves both variants
+        chunk = choose_chunk(sizes, pair, warps)
         itemsize = ITEMSIZE[pair[0] if op == "pack" else pair[1]]
         tab = build_table(ptrs, sizes, offsets, chunk, itemsize, self.small_max)
         self.stats["table_builds"] += 1
