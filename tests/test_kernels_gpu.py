@@ -190,3 +190,17 @@ def test_module_compiles_without_warnings_and_bf16_arrays_work():
         mod.get_function(name)
     b = cp.empty(10, BF16)
     assert K.dtype_name(b) == "bfloat16" and b.nbytes == 20
+
+
+def test_occupancy_query_and_one_wave_chunk():
+    kb = ck.backend()
+    dev = cp.cuda.Device().id
+    name = ck.kernel_name("pack", ("float32", "float32"), False, True)
+    fn = kb.function(dev, name)
+    per_sm = cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, ck.THREADS, 0)
+    assert per_sm >= 2
+    warps = kb.resident_warps(dev, name)
+    assert warps == per_sm * kb._sms(dev) * ck.WARPS_PER_BLOCK
+    sizes = np.array([25 * 2**20 // 4], np.int64)
+    chunk = ck.choose_chunk(sizes, ("float32", "float32"), warps)
+    assert 0.97 * warps < -(-sizes[0] // chunk) <= warps
