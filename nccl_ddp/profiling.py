@@ -9,6 +9,11 @@ The reducer's side of it (everything is off by default and then costs one `if`):
     with prof.range("finalize"): ...                  # an NVTX range on the calling thread
     summary = prof.end_step()                         # StepSummary (and one log line), or None
     prof.write_chrome_trace("trace_rank0.json")       # one track per stream; opens in Perfetto
+    prof.close()                                      # writes the trace when trace_dir is set
+
+Switches: NCCL_DDP_NVTX=1 (NVTX ranges), NCCL_DDP_TIMELINE=1 (timing; one summary line per step on
+the `nccl_ddp.profiling` logger, shown on stderr when logging is not configured), and
+NCCL_DDP_TRACE_DIR=dir (timing too, and `dir/trace_rank<R>.json` written at close or at exit).
 
 Timing: on host streams `time.perf_counter()` inside the task, on its worker thread; on CUDA streams
 timing events recorded before/after the work on that stream and resolved only in `end_step()` (the
@@ -21,6 +26,7 @@ NVTX comes from the `nvtx` package if installed, else `cupy.cuda.nvtx`; neither 
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import json
@@ -48,6 +54,17 @@ SYNC_TIMEOUT = 300.0         # seconds end_step waits for a step's work to finis
 
 def _env_on(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _show_summaries() -> None:
+    """The user switched the timeline on by environment: make its INFO lines visible on stderr
+    unless logging is configured (Python shows only warnings by default)."""
+    if log.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
 
 
 # ---------------------------------------------------------------------------------- interval math
@@ -204,9 +221,14 @@ class Timeline:
     """NVTX ranges and/or per-step timing of the reducer's stream work. See the module docstring."""
 
     def __init__(self, rank: int = 0, *, timeline: Optional[bool] = None,
-                 nvtx: Optional[bool] = None) -> None:
+                 nvtx: Optional[bool] = None, trace_dir: Optional[str] = None) -> None:
         self.rank = rank
-        self.timeline = _env_on("NCCL_DDP_TIMELINE") if timeline is None else bool(timeline)
+        from_env = timeline is None
+        self.trace_dir = os.environ.get("NCCL_DDP_TRACE_DIR") or None if from_env else trace_dir
+        self.timeline = (_env_on("NCCL_DDP_TIMELINE") or self.trace_dir is not None
+                         if from_env else bool(timeline))
+        if from_env and self.timeline:
+            _show_summaries()
         use_nvtx = _env_on("NCCL_DDP_NVTX") if nvtx is None else bool(nvtx)
         self._nvtx: Optional[_Nvtx] = None
         if use_nvtx:
@@ -224,6 +246,9 @@ class Timeline:
         self._spans: collections.deque = collections.deque(maxlen=MAX_SPANS)
         self.steps: collections.deque = collections.deque(maxlen=MAX_STEPS)  # StepSummary
         self._step = 0
+        self._written = False
+        if self.trace_dir is not None:
+            atexit.register(self.close)
 
     @property
     def enabled(self) -> bool:
@@ -347,6 +372,16 @@ class Timeline:
     @property
     def spans(self) -> list:
         return list(self._spans)
+
+    def close(self) -> None:
+        """Write `trace_dir/trace_rank<R>.json` once, when a trace directory was asked for."""
+        if self.trace_dir is None or self._written:
+            return
+        self._written = True
+        os.makedirs(self.trace_dir, exist_ok=True)
+        path = os.path.join(self.trace_dir, f"trace_rank{self.rank}.json")
+        self.write_chrome_trace(path)
+        log.info("rank %d: wrote the timeline of %d steps to %s", self.rank, len(self.steps), path)
 
     def write_chrome_trace(self, path: str) -> None:
         """Chrome-trace JSON of every span so far: pid = rank, one tid per track (compute, comm)."""

@@ -296,6 +296,7 @@ class Reducer:
 
     def close(self) -> None:
         self.comm.synchronize(self.group.timeout)
+        self.prof.close()
         close = getattr(self.comm, "close", None)
         if close is not None:
             close()

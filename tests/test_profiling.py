@@ -263,3 +263,32 @@ def test_cuda_timeline_events_resolve_at_step_end(tmp_path):
     tracks = {e["args"]["name"] for e in json.loads((tmp_path / "t.json").read_text())[
         "traceEvents"] if e.get("name") == "thread_name"}
     assert tracks == {"compute", "comm"}
+
+
+def test_trace_dir_from_environment_writes_one_trace_per_rank(tmp_path, monkeypatch):
+    """NCCL_DDP_TRACE_DIR switches timing on and close() writes trace_rank<R>.json (once)."""
+    from nccl_ddp.device import HostStream
+    monkeypatch.setenv("NCCL_DDP_TRACE_DIR", str(tmp_path / "tr"))
+    monkeypatch.delenv("NCCL_DDP_TIMELINE", raising=False)
+    prof = pf.Timeline(rank=3)
+    assert prof.timeline and prof.trace_dir == str(tmp_path / "tr")
+    s = HostStream()
+    prof.mark("backward", "start")
+    prof.submit(s, "allreduce", 0, 64, time.sleep, 0.01)
+    prof.mark("backward", "end")
+    prof.end_step()
+    prof.close()
+    prof.close()
+    data = json.loads((tmp_path / "tr" / "trace_rank3.json").read_text())
+    names = [e["name"] for e in data["traceEvents"] if e["ph"] == "X"]
+    assert any("allreduce" in n for n in names), names
+    assert len(data["otherData"]["steps"]) == 1
+    s.close()
+
+
+def test_timeline_off_by_default_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.delenv("NCCL_DDP_TRACE_DIR", raising=False)
+    monkeypatch.delenv("NCCL_DDP_TIMELINE", raising=False)
+    prof = pf.Timeline()
+    assert not prof.timeline and prof.trace_dir is None
+    prof.close()
