@@ -102,14 +102,15 @@ else
     if [ -f scripts/bench_allreduce.py ]; then
         step allreduce "${GPU_CHECK_ALLREDUCE_TIMEOUT:-40}" \
             "$PY" scripts/bench_allreduce.py --backend nccl --nranks 1 --no-gloo --max 256M \
-            --iters 10 --csv "$WORK/allreduce.csv"
+            --iters 10 --timeout 35 --png "" --csv "$WORK/allreduce.csv"
         [ -f "$WORK/allreduce.csv" ] && cp "$WORK/allreduce.csv" "$RES/allreduce.csv"
     else
         skip allreduce "scripts/bench_allreduce.py not found"
     fi
     if [ -f scripts/bench_ddp.py ]; then
         step ddp "${GPU_CHECK_DDP_TIMEOUT:-50}" \
-            "$PY" scripts/bench_ddp.py --nranks 1 --caps 1,25 --steps 10 --csv "$WORK/ddp.csv"
+            "$PY" scripts/bench_ddp.py --nranks 1 --caps 1,25 --steps 10 --timeout 45 --png "" \
+            --csv "$WORK/ddp.csv"
         [ -f "$WORK/ddp.csv" ] && cp "$WORK/ddp.csv" "$RES/ddp.csv"
     else
         skip ddp "scripts/bench_ddp.py not found"
