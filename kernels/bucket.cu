@@ -2,7 +2,7 @@
 // bucket in ONE launch whatever K is, with a fused scale, an optional cast (f32 <-> bf16/f16) and
 // an optional non-finite flag; plus an in-place scale of a flat buffer.
 //
-// Loaded by nccl_ddp/kernels.py with cupy.RawModule (NVRTC, -std=c++17, name_expressions for the
+// Loaded by nccl_ddp/_cuda_kernels.py with cupy.RawModule (NVRTC, -std=c++17, name_expressions for the
 // template instantiations). nccl_ddp.kernels.pack_ref/unpack_ref/scale_ref are the specification.
 //
 // Work decomposition: every non-empty tensor ("segment") is cut into chunks of `chunk` elements;
