@@ -23,7 +23,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from benchlib import format_table, write_csv  # noqa: E402
+from benchlib import format_table, plot_series, write_csv  # noqa: E402
 
 MIB = 1 << 20
 PAIRS = {"f32": ("float32", "float32"), "f32-bf16": ("float32", "bfloat16")}
@@ -47,6 +47,8 @@ def parse_args(argv):
     p.add_argument("--rotate-mib", type=int, default=256,
                    help="footprint of the rotating buffer sets, 2 to 8 sets (256)")
     p.add_argument("--csv", default="out/bench_kernels.csv", help="CSV path ('' for none)")
+    p.add_argument("--png", default="out/bench_kernels.png",
+                   help="kernel GB/s against bucket size beside the copy ceiling ('' for none)")
     return p.parse_args(argv)
 
 
@@ -225,6 +227,24 @@ def sweep(bench, args, cp, ck):
     return rows, failures
 
 
+def plot(rows, path, gpu_name) -> bool:
+    """GB/s against bucket size: one line per (op, dtype pair, tensor count) at the first chunk
+    setting measured, and the device-to-device copy of the same bytes (the ceiling)."""
+    first = rows[0]["fixed_B"]
+    shown = [r for r in rows if r["fixed_B"] == first]
+    points = [dict(MiB=r["MiB"], GBps=r["kernel_GBps"],
+                   series=f"{r['op']} {r['pair']} x{r['tensors']}") for r in shown]
+    copy = {}
+    for r in shown:
+        copy.setdefault(r["MiB"], []).append(r["copy_GBps"])
+    points += [dict(MiB=m, GBps=float(np.median(v)), series="D2D copy (ceiling)")
+               for m, v in copy.items()]
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    return plot_series(points, "MiB", "GBps", "series", path,
+                       title=f"pack/unpack bandwidth, {gpu_name}", xlabel="bucket size (MiB)",
+                       ylabel="GB/s (bytes read + written)")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from nccl_ddp.device import cuda_available
@@ -247,6 +267,8 @@ def main(argv=None) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(args.csv)), exist_ok=True)
         write_csv(rows, args.csv)
         print(f"wrote {args.csv}")
+    if args.png and rows and plot(rows, args.png, name):
+        print(f"wrote {args.png}")
     if failures:
         print(f"bench_kernels: {failures} measurement(s) failed (see above)", file=sys.stderr)
     return 1 if failures else 0

@@ -234,8 +234,10 @@ def test_bench_kernels_runs_and_writes_csv(cp, monkeypatch, tmp_path, capsys):
     out = tmp_path / "k.csv"
     rc = bench.main(["--sizes", "1", "--counts", "1,40", "--chunk-bytes", "4096,0",
                      "--reps", "2", "--batch", "2", "--naive-reps", "1", "--rotate-mib", "1",
-                     "--csv", str(out)])
+                     "--csv", str(out), "--png", str(tmp_path / "k.png")])
     assert rc == 0
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "k.png").stat().st_size > 1000
     rows = list(csv.DictReader(out.open()))
     assert len(rows) == 2 * 2 * 2 * 2      # chunks x ops x pairs x counts
     assert {r["fixed_B"] for r in rows} == {"4096", "auto"} and ck.CHUNK_BYTES is None
@@ -271,7 +273,7 @@ def test_bench_kernels_keeps_going_after_a_failed_measurement(cp, monkeypatch, t
     monkeypatch.setattr(bench.Bench, "measure", measure)
     out = tmp_path / "k.csv"
     rc = bench.main(["--sizes", "1", "--counts", "3", "--reps", "1", "--batch", "1",
-                     "--naive-reps", "1", "--rotate-mib", "1", "--csv", str(out)])
+                     "--naive-reps", "1", "--rotate-mib", "1", "--csv", str(out), "--png", ""])
     assert rc == 1
     assert [r["pair"] for r in csv.DictReader(out.open())] == ["f32", "f32"]
     assert "pack f32-bf16 1 MiB x3: FAILED TypeError: no bfloat16 here" in capsys.readouterr().err
