@@ -7,7 +7,7 @@
 #   bash scripts/gpu_check.sh            # results under $OUT if set, else out/gpu_check/
 #
 # Files (flat, at most 8): log.txt (every step's output), pytest.txt, kernels.csv, chunks.csv,
-# allreduce.csv, ddp.csv, summary.txt. The summary table is printed LAST.
+# allreduce.csv, ddp.csv, kernels.png, summary.txt. The summary table is printed LAST.
 # Exit status: 0 all steps passed, 1 a step failed or timed out, 2 no GPU (benchmarks skipped).
 # Timeouts (seconds) can be changed with GPU_CHECK_{PYTEST,KERNELS,CHUNKS,ALLREDUCE,DDP}_TIMEOUT.
 set -u -o pipefail
@@ -95,10 +95,10 @@ if [ "$GPUS" = "0" ]; then
 else
     step kernels "${GPU_CHECK_KERNELS_TIMEOUT:-90}" \
         "$PY" scripts/bench_kernels.py --sizes 1,25,100 --counts 1,100,10000 --reps 20 \
-        --csv "$RES/kernels.csv"
+        --csv "$RES/kernels.csv" --png "$RES/kernels.png"
     step chunks "${GPU_CHECK_CHUNKS_TIMEOUT:-35}" \
         "$PY" scripts/bench_kernels.py --sizes 25 --counts 1,100 --pairs f32 \
-        --chunk-bytes 0,2048,4096,8192,16384,32768 --reps 20 --csv "$RES/chunks.csv"
+        --chunk-bytes 0,2048,4096,8192,16384,32768 --reps 20 --csv "$RES/chunks.csv" --png ""
     if [ -f scripts/bench_allreduce.py ]; then
         step allreduce "${GPU_CHECK_ALLREDUCE_TIMEOUT:-40}" \
             "$PY" scripts/bench_allreduce.py --backend nccl --nranks 1 --no-gloo --max 256M \
