@@ -5,7 +5,8 @@ parameter order (the order backward usually produces grads in), one open bucket 
 first bucket of each dtype capped at 1 MiB (so the first all-reduce starts early), the rest at
 `bucket_cap_mb` (25 MiB). After the first step `rebuild` refills them in the order the grads
 actually arrived (rank 0's order, so every rank gets the same layout). Offsets are 16-byte aligned
-so every view starts on a vector boundary for the pack/unpack kernels.
+so every view starts on a vector boundary for the pack/unpack kernels; a consumer that needs more
+asks for it (`align_bytes=64` for the host device: JAX on the CPU aliases only 64-byte aligned memory).
 
 A layout is plain, frozen data; memory and scheduling live elsewhere (bucket_memory.py, reducer.py).
 """
@@ -88,22 +89,25 @@ class BucketLayout:
                          for b in self.buckets)
 
 
-def aligned(n: int, dtype) -> int:
-    """`n` rounded up to a whole number of 16-byte units of `dtype` elements."""
-    unit = max(1, ALIGN_BYTES // np.dtype(dtype).itemsize)
+def aligned(n: int, dtype, align_bytes: int = ALIGN_BYTES) -> int:
+    """`n` rounded up to a whole number of `align_bytes` units of `dtype` elements."""
+    unit = max(1, align_bytes // np.dtype(dtype).itemsize)
     return -(-n // unit) * unit
 
 
 def assign_buckets(specs: Sequence[ParamSpec], cap_bytes: int = DEFAULT_CAP_BYTES,
                    first_cap_bytes: int = FIRST_CAP_BYTES, order: Optional[Sequence[int]] = None,
-                   exclude: Sequence[int] = ()) -> BucketLayout:
+                   exclude: Sequence[int] = (), align_bytes: int = ALIGN_BYTES) -> BucketLayout:
     """Fill buckets visiting params in `order` (default: reverse parameter order).
 
     Params of the same (dtype, key) share an open bucket until it holds at least its cap; the
     first bucket of each group is capped at `first_cap_bytes`. `cap_bytes == 0` gives one bucket per
     parameter. Buckets are returned in the order their first parameter was visited: the order in
-    which they are expected to become ready. Params in `exclude` get no bucket.
+    which they are expected to become ready. Params in `exclude` get no bucket. Every offset and
+    the padded length are multiples of `align_bytes` (a multiple of 16).
     """
+    if align_bytes < ALIGN_BYTES or align_bytes % ALIGN_BYTES:
+        raise ValueError(f"align_bytes must be a multiple of {ALIGN_BYTES}, got {align_bytes}")
     n = len(specs)
     if order is None:
         order = range(n - 1, -1, -1)
@@ -128,14 +132,16 @@ def assign_buckets(specs: Sequence[ParamSpec], cap_bytes: int = DEFAULT_CAP_BYTE
     closed += open_.values()
     rank_in_visit = {p: k for k, p in enumerate(visit)}
     closed.sort(key=lambda ps: rank_in_visit[ps[0]])
-    return BucketLayout(tuple(_make_bucket(b, ps, specs) for b, ps in enumerate(closed)), n)
+    return BucketLayout(tuple(_make_bucket(b, ps, specs, align_bytes)
+                              for b, ps in enumerate(closed)), n)
 
 
-def _make_bucket(index: int, params: list, specs: Sequence[ParamSpec]) -> Bucket:
+def _make_bucket(index: int, params: list, specs: Sequence[ParamSpec], align_bytes: int) -> Bucket:
     dtype = specs[params[0]].dtype
     offsets, numels, at = [], [], 0
     for p in params:
         offsets.append(at)
         numels.append(specs[p].numel)
-        at = aligned(at + specs[p].numel, dtype)
-    return Bucket(index, dtype, tuple(params), tuple(offsets), tuple(numels), max(at, aligned(1, dtype)))
+        at = aligned(at + specs[p].numel, dtype, align_bytes)
+    return Bucket(index, dtype, tuple(params), tuple(offsets), tuple(numels),
+                  max(at, aligned(1, dtype, align_bytes)))

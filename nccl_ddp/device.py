@@ -56,6 +56,7 @@ class Device(abc.ABC):
 
     kind: str   # "cuda" | "host"
     xp: Any     # numpy or cupy
+    align_bytes: int = 16   # alignment of `empty`/`zeros` arrays and of bucket offsets
 
     @abc.abstractmethod
     def new_stream(self) -> Stream:
@@ -93,7 +94,15 @@ class HostEvent(Event):
         if not self._done.wait(timeout):
             raise CommTimeout(f"host stream event not reached within {timeout:.1f}s")
         if self.error is not None:
-            raise NcclDdpError(f"host stream task failed: {self.error}") from self.error
+            _reraise(self.error, "host stream task failed")
+
+
+def _reraise(error: BaseException, head: str) -> None:
+    """Raise a host task's error in the waiting thread: our own errors as they are (a failed
+    collective stays a `CommError` naming its op, bucket and rank), anything else wrapped."""
+    if isinstance(error, NcclDdpError):
+        raise error
+    raise NcclDdpError(f"{head}: {error}") from error
 
 
 class HostStream(Stream):
@@ -129,7 +138,7 @@ class HostStream(Stream):
 
     def _check(self) -> None:
         if self.error is not None:
-            raise NcclDdpError(f"{self.name}: a task failed: {self.error}") from self.error
+            _reraise(self.error, f"{self.name}: a task failed")
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         self._check()
@@ -166,9 +175,18 @@ class _Marker:
 class HostDevice(Device):
     kind = "host"
     xp = np
+    align_bytes = 64   # JAX on the CPU aliases DLPack memory only at 64-byte aligned addresses
 
     def __init__(self) -> None:
         self._tls = threading.local()
+
+    def empty(self, n: int, dtype) -> np.ndarray:
+        return aligned_empty(n, dtype, self.align_bytes)
+
+    def zeros(self, n: int, dtype) -> np.ndarray:
+        out = aligned_empty(n, dtype, self.align_bytes)
+        out.fill(0)
+        return out
 
     def new_stream(self) -> HostStream:
         return HostStream()
@@ -176,6 +194,15 @@ class HostDevice(Device):
     def current_stream(self) -> Stream:
         """The calling thread runs its own host work synchronously; its 'stream' is immediate."""
         return _IMMEDIATE
+
+
+def aligned_empty(n: int, dtype, align: int) -> np.ndarray:
+    """`np.empty(n, dtype)` starting at an `align`-byte boundary: a view into a slightly larger
+    byte buffer, which the view keeps alive through its `.base`."""
+    nbytes = n * np.dtype(dtype).itemsize
+    raw = np.empty(nbytes + align, np.uint8)
+    start = -raw.ctypes.data % align
+    return raw[start:start + nbytes].view(dtype)
 
 
 class ImmediateStream(Stream):

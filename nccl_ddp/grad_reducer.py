@@ -2,7 +2,9 @@
 
 Grads are fused into buckets and pipelined: while bucket i is all-reduced on the comm stream,
 bucket i+1 is packed on the caller's stream. The reduced grads come back as views of fresh
-bucket buffers (no unpack copy), reshaped like the inputs, in a list/tuple like the input.
+bucket buffers (no unpack copy), reshaped like the inputs, in a list/tuple like the input. Every
+call allocates its own buffers and never touches them again, so returned grads never change
+(JAX's zero-copy arrays over them rely on that); the grads keep their buffers alive.
 Framework tensors go through their adapter (adapters/grads.py) in and out via DLPack.
 
 fusion_type (MindSpore's fusion ids, here exactly):
@@ -26,6 +28,7 @@ from .buckets import DEFAULT_CAP_BYTES, FIRST_CAP_BYTES, ParamSpec, assign_bucke
 from .comm.group import ProcessGroup, ReduceOp
 from .ddp import device_for, resolve_group
 from .ddp_config import check_bool, check_positive_int
+from .reducer import bucket_tag
 
 
 class DistributedGradReducer:
@@ -61,7 +64,9 @@ class DistributedGradReducer:
             dtype = _param_dtype(p, i)
             specs.append(ParamSpec(tuple(p.shape), dtype, getattr(p, "name", None), key))
         self.specs = specs
-        self.layout = assign_buckets(specs, DEFAULT_CAP_BYTES, FIRST_CAP_BYTES)
+        # the device's alignment: on the host, 64 bytes, so JAX can alias each reduced grad
+        self.layout = assign_buckets(specs, DEFAULT_CAP_BYTES, FIRST_CAP_BYTES,
+                                     align_bytes=self.device.align_bytes)
         self.comm = self.device.new_stream()
 
     def __call__(self, grads: Sequence[Any]) -> Sequence[Any]:
@@ -78,7 +83,7 @@ class DistributedGradReducer:
         compute = self.device.current_stream()
         out = [None] * len(native)
         done = []
-        for bucket in self.layout.buckets:
+        for b, bucket in enumerate(self.layout.buckets):
             buf = self.device.empty(bucket.padded, bucket.dtype)
             offsets = list(bucket.offsets)
             # compute: ─[pack b]─●ready b─[pack b+1]─●ready b+1─ ... ── wait(done *) ─▶
@@ -86,7 +91,8 @@ class DistributedGradReducer:
             # comm:    ───────────wait─[all-reduce b]─wait─[all-reduce b+1]─●done
             compute.submit(pack, [native[p] for p in bucket.params], buf, offsets)
             self.comm.wait(compute.record())
-            self.group.all_reduce(buf, ReduceOp.SUM, stream=self.comm)
+            self.group.all_reduce(buf, ReduceOp.SUM, stream=self.comm,
+                                  tag=bucket_tag(b, bucket.nbytes))
             done.append(self.comm.record())
             for p, off, n in zip(bucket.params, offsets, bucket.numels):
                 out[p] = buf[off:off + n].reshape(self.specs[p].shape)

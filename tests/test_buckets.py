@@ -38,6 +38,19 @@ def test_offsets_are_16_byte_aligned_and_padded():
     assert aligned(1, F64) == 2 and aligned(9, F16) == 16
 
 
+def test_align_bytes_64_for_consumers_that_need_it():
+    specs = specs_of(((3,), F32), ((5,), F16), ((1,), F64), ((7,), F16), ((16,), F32))
+    layout = assign_buckets(specs, align_bytes=64)
+    for b in layout.buckets:
+        item = b.dtype.itemsize
+        assert all(o * item % 64 == 0 for o in b.offsets) and b.padded * item % 64 == 0
+    f16 = next(b for b in layout.buckets if b.dtype == F16)
+    assert f16.offsets == (0, 32) and f16.padded == 64
+    for bad in (8, 24, 0):
+        with pytest.raises(ValueError, match="align_bytes"):
+            assign_buckets(specs, align_bytes=bad)
+
+
 def test_cap_zero_gives_one_bucket_per_param():
     layout = assign_buckets(specs_of(*[((10,), F32)] * 3), cap_bytes=0, first_cap_bytes=0)
     assert [b.params for b in layout.buckets] == [(2,), (1,), (0,)]
