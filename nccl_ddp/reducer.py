@@ -58,6 +58,7 @@ class Reducer:
         self.steps = 0                      # synchronised steps finished
         self.excluded: frozenset = frozenset()   # static graph: unused in step 1, never reduced
         self.unused_last_step: frozenset = frozenset()   # no rank used them (find_unused/static)
+        self._used_unsynced: set = set()    # marked ready in no_sync() steps since the last sync
         self._arrival: List[int] = []
         self._open = False
         self._step_syncs = True
@@ -137,18 +138,25 @@ class Reducer:
             self.prof.mark("backward", "start", self.device.current_stream())
         if grad is not None and grad is not self.grads[i]:
             self.device.current_stream().submit(_accumulate, self.grads[i], grad)
-        self._ready[i] = True
-        self._count += 1
-        if self._step_syncs:
-            if self.steps == 0:
-                self._arrival.append(i)
-            where = self.layout.locate(i)
-            if where is not None:
-                self._pending[where[0]] -= 1
-                self._launch_ready()
+        self._set_ready(i)
         if self._count == self._expected:
             self.finalize()
         return self.grads[i]
+
+    def _set_ready(self, i: int) -> None:
+        """Count grad i as ready: a synchronised step may launch its bucket now; a no_sync() step
+        remembers it as used for the next synchronised step."""
+        self._ready[i] = True
+        self._count += 1
+        if not self._step_syncs:
+            self._used_unsynced.add(i)
+            return
+        if self.steps == 0:
+            self._arrival.append(i)
+        where = self.layout.locate(i)
+        if where is not None:
+            self._pending[where[0]] -= 1
+            self._launch_ready()
 
     def _launch_ready(self) -> None:
         """Bucket b launches only after b-1, and as soon as all its grads are ready."""
@@ -209,6 +217,13 @@ class Reducer:
         if not self._step_syncs:   # no_sync(): grads stay local and keep accumulating
             self._open = False
             return
+        # a grad accumulated in a no_sync() step since the last sync is part of this step's grad,
+        # whether or not it got one now: it counts as used and is reduced (PyTorch's
+        # local_used_map, which only a synchronised step clears)
+        for i in sorted(self._used_unsynced - self.excluded):
+            if not self._ready[i]:
+                self._set_ready(i)
+        self._used_unsynced = set()
         checks_unused = self.config.find_unused_parameters or (
             self.config.static_graph and self.steps == 0)
         missing = [i for i in range(len(self.params))

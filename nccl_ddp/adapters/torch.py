@@ -109,7 +109,6 @@ class TorchModule(GradModule):
         self._hooks: list = []
         self._was_none: set = set()     # params whose .grad was None at this step's forward
         self._seen: set = set()         # params whose hook ran in this backward
-        self._used_since_sync: set = set()   # ... in any backward since the last synced step
         self._callback_queued = False
         self._syncing = True            # whether this step all-reduces (fixed when it opens)
         self._forward_opened = False    # the step was opened by our forward, not by a hook
@@ -205,14 +204,8 @@ class TorchModule(GradModule):
         self._forward_opened = False
         reducer = self._ddp.reducer
         with torch_stream_current(self.on_cuda):
-            if self._syncing:
-                # used under no_sync() earlier, not in this backward: its accumulated grad is
-                # still this step's grad and must be reduced (PyTorch counts it as used)
-                for i in sorted(self._used_since_sync - seen):
-                    self._ddp.mark_ready(i)
-                self._used_since_sync = set()
-            else:
-                self._used_since_sync |= seen
+            # (a param used under no_sync() earlier and not in this backward is reduced too:
+            # the reducer counts it as used, as PyTorch does)
             self._ddp.finalize()
         unused = [i for i in self._was_none if i not in seen]
         if not unused:
