@@ -178,10 +178,11 @@ class Reducer:
         grads = [self.grads[p] for p in bucket.params]
         submit, comm = self.prof.submit, self.comm
         if self.mode == "python":
-            for g in grads:
+            for p, g in zip(bucket.params, grads):
                 if scale != 1.0:
                     submit(comm, "pack", b, g.nbytes, _scale_plain, g, scale)
-                submit(comm, "allreduce", b, g.nbytes, self._all_reduce_here, g, op)
+                tag = f"grad {self._label(p)} of {bucket_tag(b, bucket.nbytes)}"
+                submit(comm, "allreduce", b, g.nbytes, self._all_reduce_here, g, op, tag)
         else:
             buf = self.memory.buffers[b]
             offsets = self.memory.offsets(b)
@@ -191,19 +192,23 @@ class Reducer:
             else:
                 submit(comm, "pack", b, bucket.nbytes,
                        functools.partial(kernels.pack, scale=scale), grads, buf, offsets)
-            submit(comm, "allreduce", b, bucket.nbytes, self._all_reduce_here, buf, op)
+            submit(comm, "allreduce", b, bucket.nbytes, self._all_reduce_here, buf, op,
+                   bucket_tag(b, bucket.nbytes))
             if self.mode == "pack":
                 submit(comm, "unpack", b, bucket.nbytes, kernels.unpack, grads, buf, offsets)
         self._done.append(comm.record())
 
-    def _all_reduce_here(self, buf, op: ReduceOp) -> None:
+    def _all_reduce_here(self, buf, op: ReduceOp, tag: str) -> None:
         """The collective, run in comm-stream order: cuda enqueues it on the current (comm)
-        stream without blocking; host runs it on the group's worker while this stream waits."""
-        self.group.all_reduce(buf, op, stream=self.device.current_stream()).wait(self.group.timeout)
+        stream without blocking; host runs it on the group's worker while this stream waits.
+        `tag` names the buffer in errors ("bucket 3 (1.0 MiB)")."""
+        self.group.all_reduce(buf, op, stream=self.device.current_stream(),
+                              tag=tag).wait(self.group.timeout)
 
-    def _broadcast_here(self, buf) -> None:
+    def _broadcast_here(self, buf, tag: str) -> None:
         """Rank 0's `buf` to every rank, in comm-stream order (like `_all_reduce_here`)."""
-        self.group.broadcast(buf, 0, stream=self.device.current_stream()).wait(self.group.timeout)
+        self.group.broadcast(buf, 0, stream=self.device.current_stream(),
+                             tag=tag).wait(self.group.timeout)
 
     def finalize(self) -> None:
         """End the step: launch what is left, make the compute stream wait for every bucket.
@@ -265,7 +270,7 @@ class Reducer:
         PyTorch's find_unused_parameters does at the end of backward)."""
         used = self.device.xp.asarray(self._ready.astype(np.int32))
         self.comm.wait(self.device.current_stream().record())
-        self.comm.submit(self._all_reduce_here, used, ReduceOp.SUM)
+        self.comm.submit(self._all_reduce_here, used, ReduceOp.SUM, "the used-parameter bitmap")
         self.comm.synchronize(self.group.timeout)
         used = to_host(used)
         return [i for i in missing if used[i] == 0]
@@ -278,7 +283,7 @@ class Reducer:
         order[:len(arrived)] = arrived
         buf = self.device.xp.asarray(order)
         self.comm.wait(self.device.current_stream().record())
-        self.comm.submit(self._broadcast_here, buf)
+        self.comm.submit(self._broadcast_here, buf, "rank 0's grad arrival order")
         self.comm.synchronize(self.group.timeout)
         order = [int(i) for i in to_host(buf) if i >= 0]
         layout = assign_buckets(self.specs, self.config.cap_bytes, self.config.first_cap_bytes,
@@ -333,6 +338,14 @@ class Reducer:
                 "parameter detection by passing find_unused_parameters=True to "
                 "DistributedDataParallel (and calling finalize() after backward), or make sure every "
                 "parameter gets a grad (mark_ready) in every step.")
+
+
+def bucket_tag(b: int, nbytes: int) -> str:
+    """How collectives name a bucket in their errors: "bucket 3 (1.0 MiB)"."""
+    for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= size:
+            return f"bucket {b} ({nbytes / size:.1f} {unit})"
+    return f"bucket {b} ({nbytes} B)"
 
 
 def _accumulate(dst, src) -> None:

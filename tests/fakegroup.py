@@ -67,7 +67,7 @@ class FakeGroup(ProcessGroup):
         s.submit(task)
         return FakeWork(s.record(), result)
 
-    def all_reduce(self, buf, op=ReduceOp.SUM, stream=None):
+    def all_reduce(self, buf, op=ReduceOp.SUM, stream=None, *, tag=None):
         op = ReduceOp.parse(op)
 
         def fn():
@@ -79,20 +79,20 @@ class FakeGroup(ProcessGroup):
             buf[...] = red.astype(buf.dtype)
         return self._run("all_reduce", buf.nbytes, fn, stream, buf)
 
-    def broadcast(self, buf, root=0, stream=None):
+    def broadcast(self, buf, root=0, stream=None, *, tag=None):
         def fn():
             buf[...] = self._exchange(buf.copy())[root]
         return self._run("broadcast", buf.nbytes, fn, stream, buf)
 
-    def all_gather(self, out, inp, stream=None):
+    def all_gather(self, out, inp, stream=None, *, tag=None):
         def fn():
             out[...] = np.concatenate([x.reshape(-1) for x in self._exchange(inp.copy())])
         return self._run("all_gather", inp.nbytes, fn, stream, out)
 
-    def reduce_scatter(self, out, inp, op=ReduceOp.SUM, stream=None):
+    def reduce_scatter(self, out, inp, op=ReduceOp.SUM, stream=None, *, tag=None):
         raise NotImplementedError
 
-    def barrier(self, stream=None):
+    def barrier(self, stream=None, *, tag=None):
         return self._run("barrier", 0, lambda: self._exchange(None), stream, None)
 
     def new_subgroup(self, ranks):

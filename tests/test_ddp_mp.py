@@ -92,9 +92,9 @@ def _overlap(rank, world):
             for a in ("backend", "rank", "size", "ranks", "timeout", "name"):
                 setattr(self, a, getattr(inner, a))
 
-        def all_reduce(self, buf, op="sum", stream=None):
+        def all_reduce(self, buf, op="sum", stream=None, *, tag=None):
             self.started.append(time.monotonic())
-            return self.inner.all_reduce(buf, op, stream)
+            return self.inner.all_reduce(buf, op, stream, tag=tag)
 
         def broadcast(self, *a, **k):
             return self.inner.broadcast(*a, **k)

@@ -54,6 +54,9 @@ class ProcessGroup(abc.ABC):
     stream); on "host" a `device.HostStream` (None: the group's own worker thread). Either way the
     collective runs after the work already submitted to that stream, and work submitted to the
     stream afterwards runs after it. Submit a group's collectives from one stream at a time.
+
+    `tag`: what the buffer is, for error messages ("bucket 3 (1.0 MiB)"): a failure or timeout
+    raises `CommError` / `CommTimeout` naming the op, the tag, the group and the rank.
     """
 
     backend: str          # "host" | "nccl"
@@ -64,23 +67,25 @@ class ProcessGroup(abc.ABC):
     name: str             # for error messages: "world", "group[0,2]", ...
 
     @abc.abstractmethod
-    def all_reduce(self, buf, op: ReduceOp = ReduceOp.SUM, stream=None) -> Work:
+    def all_reduce(self, buf, op: ReduceOp = ReduceOp.SUM, stream=None, *,
+                   tag: Optional[str] = None) -> Work:
         """Reduce `buf` across the group, in place."""
 
     @abc.abstractmethod
-    def broadcast(self, buf, root: int = 0, stream=None) -> Work:
+    def broadcast(self, buf, root: int = 0, stream=None, *, tag: Optional[str] = None) -> Work:
         """Copy `buf` of group rank `root` into `buf` on every rank, in place."""
 
     @abc.abstractmethod
-    def all_gather(self, out, inp, stream=None) -> Work:
+    def all_gather(self, out, inp, stream=None, *, tag: Optional[str] = None) -> Work:
         """`out` (flat, size * inp.size elements) receives every rank's `inp`, in rank order."""
 
     @abc.abstractmethod
-    def reduce_scatter(self, out, inp, op: ReduceOp = ReduceOp.SUM, stream=None) -> Work:
+    def reduce_scatter(self, out, inp, op: ReduceOp = ReduceOp.SUM, stream=None, *,
+                       tag: Optional[str] = None) -> Work:
         """`inp` (flat, size * out.size) is reduced; rank r gets chunk r in `out`."""
 
     @abc.abstractmethod
-    def barrier(self, stream=None) -> Work:
+    def barrier(self, stream=None, *, tag: Optional[str] = None) -> Work:
         """Completes once every rank of the group has reached it."""
 
     @abc.abstractmethod

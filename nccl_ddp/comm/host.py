@@ -3,9 +3,10 @@
 Ranks that share a host stage data in shared memory (`_shm.ShmTransport`); groups that span hosts
 use pipelined TCP rings (`_ring.RingTransport`). Set NCCL_DDP_HOST_TRANSPORT=tcp to force TCP.
 Each group runs its collectives in call order on one worker thread, like a CUDA stream, and
-every call returns a `HostWork` at once. After a failure the group is broken: it tells every peer
-why and ends its side of each connection (so peers fail fast, naming the cause, instead of timing
-out), and every later call raises the same error.
+every call returns a `HostWork` at once; its errors name the op, its `tag` (what the buffer
+is: "bucket 3 (1.0 MiB)"), the group and the rank. After a failure the group is broken: it tells
+every peer why and ends its side of each connection (so peers fail fast, naming the cause,
+instead of timing out), and every later call raises the same error.
 """
 from __future__ import annotations
 
@@ -157,7 +158,8 @@ class HostProcessGroup(ProcessGroup):
 
     # -- the worker ----------------------------------------------------------------------------
 
-    def _submit(self, opname: str, fn: Callable[[], None], result: Any, stream) -> HostWork:
+    def _submit(self, opname: str, tag: Optional[str], fn: Callable[[], None], result: Any,
+                stream) -> HostWork:
         """Queue `fn` on the worker; with a stream, order it after the stream's submitted work
         and make the stream's later work wait for it:
 
@@ -169,8 +171,9 @@ class HostProcessGroup(ProcessGroup):
         idle (in order, and without two thread switches per small op), else it waits its turn.
         """
         if self._closed:
-            raise CommError(f"{self._where}: {opname} called after the group was shut down")
-        work = HostWork(f"{opname} #{next(self._seq)} on {self._where}", result, self.timeout)
+            raise CommError(f"{self._where}: {self._on(opname, tag)} called after the group was "
+                            f"shut down")
+        work = HostWork(self._on(f"{opname} #{next(self._seq)}", tag), result, self.timeout)
         immediate = isinstance(stream, ImmediateStream)
         ready = stream.record() if stream is not None and not immediate else None
         with self._cv:
@@ -221,7 +224,8 @@ class HostProcessGroup(ProcessGroup):
                     fn()
                 work._finish(None)
             except BaseException as e:  # handed to whoever waits on the work
-                err = (type(e) if isinstance(e, NcclDdpError) else CommError)(f"{work.what}: {e}")
+                err = (type(e) if isinstance(e, NcclDdpError) else CommError)(
+                    f"{work.what} failed: {e}")
                 err.__cause__ = e
                 self._error = err
                 log.error("%s", err)
@@ -236,57 +240,65 @@ class HostProcessGroup(ProcessGroup):
 
     # -- collectives ---------------------------------------------------------------------------
 
-    def _desc(self, op: int, a: np.ndarray, redop: Optional[ReduceOp] = None,
+    def _desc(self, what: str, op: int, a: np.ndarray, redop: Optional[ReduceOp] = None,
               root: int = 0) -> tuple:
-        return (op, dtype_code(a.dtype, self._where), _REDOPS.index(redop) if redop else 0, root,
-                a.size)
+        return (op, dtype_code(a.dtype, what), _REDOPS.index(redop) if redop else 0, root, a.size)
 
-    def _reduction(self, a: np.ndarray, op) -> Reduction:
-        return Reduction(a.dtype, ReduceOp.parse(op), self.size, self._where)
+    def _reduction(self, what: str, a: np.ndarray, op) -> Reduction:
+        return Reduction(a.dtype, ReduceOp.parse(op), self.size, what)
 
-    def all_reduce(self, buf, op: ReduceOp = ReduceOp.SUM, stream=None) -> HostWork:
-        flat = _flat(buf, f"all_reduce on {self._where}", True)
-        red = self._reduction(flat, op)
-        desc = self._desc(ALL_REDUCE, flat, red.op)
-        return self._submit("all_reduce", lambda: self._transport.all_reduce(flat, red, desc),
-                            buf, stream)
+    def all_reduce(self, buf, op: ReduceOp = ReduceOp.SUM, stream=None, *,
+                   tag: Optional[str] = None) -> HostWork:
+        what = self._on("all_reduce", tag)
+        flat = _flat(buf, what, True)
+        red = self._reduction(what, flat, op)
+        desc = self._desc(what, ALL_REDUCE, flat, red.op)
+        return self._submit("all_reduce", tag,
+                            lambda: self._transport.all_reduce(flat, red, desc), buf, stream)
 
-    def broadcast(self, buf, root: int = 0, stream=None) -> HostWork:
-        flat = _flat(buf, f"broadcast on {self._where}", True)
+    def broadcast(self, buf, root: int = 0, stream=None, *,
+                  tag: Optional[str] = None) -> HostWork:
+        what = self._on("broadcast", tag)
+        flat = _flat(buf, what, True)
         if not 0 <= root < self.size:
-            raise ConfigError(f"broadcast on {self._where}: root {root} is not a group rank "
-                              f"(0..{self.size - 1})")
-        desc = self._desc(BROADCAST, flat, root=root)
-        return self._submit("broadcast", lambda: self._transport.broadcast(flat, root, desc),
-                            buf, stream)
+            raise ConfigError(f"{what}: root {root} is not a group rank (0..{self.size - 1})")
+        desc = self._desc(what, BROADCAST, flat, root=root)
+        return self._submit("broadcast", tag,
+                            lambda: self._transport.broadcast(flat, root, desc), buf, stream)
 
-    def all_gather(self, out, inp, stream=None) -> HostWork:
-        o = _flat(out, f"all_gather on {self._where}", True)
-        i = _flat(inp, f"all_gather on {self._where}", False)
-        self._check_sizes("all_gather", o, i, o.size == i.size * self.size)
-        desc = self._desc(ALL_GATHER, i)
-        return self._submit("all_gather", lambda: self._transport.all_gather(o, i, desc),
-                            out, stream)
+    def all_gather(self, out, inp, stream=None, *, tag: Optional[str] = None) -> HostWork:
+        what = self._on("all_gather", tag)
+        o, i = _flat(out, what, True), _flat(inp, what, False)
+        self._check_sizes(what, o, i, o.size == i.size * self.size, ("out", "input"))
+        desc = self._desc(what, ALL_GATHER, i)
+        return self._submit("all_gather", tag,
+                            lambda: self._transport.all_gather(o, i, desc), out, stream)
 
-    def reduce_scatter(self, out, inp, op: ReduceOp = ReduceOp.SUM, stream=None) -> HostWork:
-        o = _flat(out, f"reduce_scatter on {self._where}", True)
-        i = _flat(inp, f"reduce_scatter on {self._where}", False)
-        self._check_sizes("reduce_scatter", o, i, i.size == o.size * self.size)
-        red = self._reduction(o, op)
-        desc = self._desc(REDUCE_SCATTER, o, red.op)
-        return self._submit("reduce_scatter",
+    def reduce_scatter(self, out, inp, op: ReduceOp = ReduceOp.SUM, stream=None, *,
+                       tag: Optional[str] = None) -> HostWork:
+        what = self._on("reduce_scatter", tag)
+        o, i = _flat(out, what, True), _flat(inp, what, False)
+        self._check_sizes(what, o, i, i.size == o.size * self.size, ("input", "out"))
+        red = self._reduction(what, o, op)
+        desc = self._desc(what, REDUCE_SCATTER, o, red.op)
+        return self._submit("reduce_scatter", tag,
                             lambda: self._transport.reduce_scatter(o, i, red, desc), out, stream)
 
-    def barrier(self, stream=None) -> HostWork:
+    def barrier(self, stream=None, *, tag: Optional[str] = None) -> HostWork:
         desc = (BARRIER, 0, 0, 0, 0)
-        return self._submit("barrier", lambda: self._transport.barrier(desc), None, stream)
+        return self._submit("barrier", tag, lambda: self._transport.barrier(desc), None, stream)
 
-    def _check_sizes(self, op: str, out: np.ndarray, inp: np.ndarray, ok: bool) -> None:
+    def _on(self, op: str, tag: Optional[str]) -> str:
+        """How messages name an op: "all_reduce #3 of bucket 2 (1.0 MiB) on group 'world' (...)"."""
+        return f"{op} of {tag} on {self._where}" if tag else f"{op} on {self._where}"
+
+    def _check_sizes(self, what: str, out: np.ndarray, inp: np.ndarray, ok: bool,
+                     big_small: tuple) -> None:
         if out.dtype != inp.dtype:
-            raise ConfigError(f"{op} on {self._where}: out is {out.dtype} but input is {inp.dtype}")
+            raise ConfigError(f"{what}: out is {out.dtype} but input is {inp.dtype}")
         if not ok:
-            big, small = ("out", "input") if op == "all_gather" else ("input", "out")
-            raise ConfigError(f"{op} on {self._where}: {big} must hold group size ({self.size}) x "
+            big, small = big_small
+            raise ConfigError(f"{what}: {big} must hold group size ({self.size}) x "
                               f"{small} elements; got out {out.size}, input {inp.size}")
 
     # -- groups --------------------------------------------------------------------------------

@@ -1,0 +1,207 @@
+"""A failing rank during a step: the survivors' error is a `CommError` that names the op, the
+bucket, the group and the ranks, raised in the training thread within the group timeout."""
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from mp import run_ranks
+from nccl_ddp.comm.host import HostProcessGroup
+from nccl_ddp.device import HostStream
+from nccl_ddp.errors import CommError, CommTimeout, ConfigError, NcclDdpError
+from nccl_ddp.reducer import bucket_tag
+
+N = 1 << 16            # float32 elements per parameter: 256 KiB
+TIMEOUT = 15.0         # group timeout of the multi-process tests
+NAMES = ("w0", "w1", "w2", "w3")
+
+
+def _caught(rank, t0, e):
+    """Hand the error to the test through run_ranks' failure traceback."""
+    raise RuntimeError(f"rank {rank} got {type(e).__name__} after {time.monotonic() - t0:.1f}s: "
+                       f"{e}") from e
+
+
+def _survivor_error(failed, rank=0):
+    assert "exited with code 3" in failed[1], failed[1]
+    m = re.search(rf"rank {rank} got (\w+) after ([\d.]+)s: (.*)", failed[rank])
+    assert m, failed[rank]
+    assert float(m.group(2)) < TIMEOUT / 2, failed[rank]    # the peer's death, not a timeout
+    return m.group(1), m.group(3)
+
+
+# ----------------------------------------------------------------------------- DDP step
+
+
+def _ddp_peer_dies(rank, world, mode):
+    import nccl_ddp as nd
+    from nccl_ddp.adapters.arrays import ArrayModule
+    nd.init_process_group("host", timeout=TIMEOUT)
+    model = ArrayModule({k: np.zeros(N, np.float32) for k in NAMES}, forward=lambda p, x: x)
+    ddp = nd.DistributedDataParallel(model, bucket_cap_mb=0.25, reducer_mode=mode)
+    for step in range(2):
+        ddp(step)
+        if step == 1 and rank == 1:
+            os._exit(3)                      # dies after forward, before backward
+        t0 = time.monotonic()
+        try:
+            for k in reversed(NAMES):
+                ddp.mark_ready(k, np.ones(N, np.float32))
+        except CommError as e:
+            _caught(rank, t0, e)             # no destroy_process_group: its barrier would wait
+        ddp.zero_grad()
+    return "no error"
+
+
+@pytest.mark.parametrize("mode", ["CppReducer", "PythonReducer"])
+def test_ddp_step_names_bucket_op_and_dead_peer(mode):
+    failed = run_ranks(_ddp_peer_dies, 2, mode, timeout=60, expect_fail=True)
+    assert set(failed) == {0, 1}, failed
+    kind, msg = _survivor_error(failed)
+    assert kind == "CommError", msg
+    grad = r"grad \d \('w\d'\) of " if mode == "PythonReducer" else ""
+    assert re.search(rf"all_reduce #\d+ of {grad}bucket \d \(256\.0 KiB\) on group 'world' "
+                     r"\(rank 0, group rank 0/2\) failed: ", msg), msg
+    assert "peer rank 1" in msg, msg
+
+
+# ----------------------------------------------------------------------------- grad reducer
+
+
+def _grad_reducer_peer_dies(rank, world):
+    import nccl_ddp as nd
+    nd.init_process_group("host", timeout=TIMEOUT)
+    red = nd.DistributedGradReducer([np.zeros(N, np.float32) for _ in range(3)])
+    grads = [np.full(N, rank + 1.0, np.float32) for _ in range(3)]
+    out = red(grads)
+    np.testing.assert_allclose(out[0], 1.5)
+    if rank == 1:
+        os._exit(3)
+    t0 = time.monotonic()
+    try:
+        red(grads)
+    except CommError as e:
+        _caught(rank, t0, e)
+    return "no error"
+
+
+def test_grad_reducer_names_bucket_op_and_dead_peer():
+    failed = run_ranks(_grad_reducer_peer_dies, 2, timeout=60, expect_fail=True)
+    assert set(failed) == {0, 1}, failed
+    kind, msg = _survivor_error(failed)
+    assert kind == "CommError", msg
+    assert re.search(r"all_reduce #\d+ of bucket 0 \(768\.0 KiB\) on group 'world' \(rank 0, "
+                     r"group rank 0/2\) failed: .*peer rank 1", msg), msg
+
+
+# ----------------------------------------------------------------------------- the launcher
+
+
+# Rank 1 exits 1 in step 2. Rank 0 ignores SIGTERM so that it outlives the launcher's stop
+# request long enough to print what it caught; the launcher's SIGKILL (grace 1 s) ends it.
+TRAIN = """
+    import signal, sys, time
+    import numpy as np
+    import nccl_ddp as nd
+    from nccl_ddp.adapters.arrays import ArrayModule
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    nd.init_process_group("host", timeout=20.0)
+    rank = nd.get_rank()
+    names = ["w0", "w1", "w2", "w3"]
+    model = ArrayModule({k: np.zeros(1 << 16, np.float32) for k in names}, forward=lambda p, x: x)
+    ddp = nd.DistributedDataParallel(model, bucket_cap_mb=0.25)
+    for step in range(5):
+        ddp(step)
+        if rank == 1 and step == 2:
+            sys.exit(1)
+        try:
+            for k in reversed(names):
+                ddp.mark_ready(k, np.ones(1 << 16, np.float32))
+        except nd.errors.CommError as e:
+            print(f"caught {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            time.sleep(60)
+        ddp.zero_grad()
+        print(f"step {step} done", flush=True)
+"""
+
+
+def test_launcher_exits_naming_the_rank_that_died(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(TRAIN))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "NCCL_DDP_SECRET", "RANK", "WORLD_SIZE")}
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "nccl_ddp.launch", "--nproc-per-node", "2",
+                        "--grace-period", "1", str(script)],
+                       capture_output=True, text=True, timeout=90, env=env)
+    elapsed = time.monotonic() - t0
+    assert r.returncode == 1, r.stderr
+    assert "rank 1 (local rank 1) failed first: exit code 1" in r.stderr, r.stderr
+    assert "[rank 1] step 1 done" in r.stdout and "step 2 done" not in r.stdout, r.stdout
+    caught = [line for line in r.stderr.splitlines() if line.startswith("[rank 0] caught ")]
+    assert caught and "CommError" in caught[0] and "bucket" in caught[0], r.stderr
+    assert "all_reduce" in caught[0] and "peer rank 1" in caught[0], caught
+    assert elapsed < 30, (elapsed, r.stderr)
+
+
+# ----------------------------------------------------------------------------- in one process
+
+
+def test_host_messages_carry_the_tag():
+    g = HostProcessGroup(None, 0, 1)
+    stream = HostStream("blocked")
+    try:
+        with pytest.raises(ConfigError, match=r"all_reduce of bucket 2 \(4 B\) on group 'world' "
+                                              r"\(rank 0, group rank 0/1\).*complex64"):
+            g.all_reduce(np.zeros(1, np.complex64), tag="bucket 2 (4 B)")
+        with pytest.raises(ConfigError, match="all_gather of grad 5 on group 'world'.*group size"):
+            g.all_gather(np.empty(5, np.int32), np.zeros(3, np.int32), tag="grad 5")
+        stream.submit(time.sleep, 1.0)
+        w = g.barrier(stream=stream, tag="bucket 9 (1 B)")
+        with pytest.raises(CommTimeout, match=r"barrier #1 of bucket 9 \(1 B\) on group 'world'"):
+            w.wait(0.1)
+        assert w.wait(10)
+        x = np.ones(3, np.float32)
+        g.all_reduce(x, tag="bucket 0").wait()                  # a tag changes nothing else
+        np.testing.assert_array_equal(x, 1)
+    finally:
+        stream.close()
+        g.shutdown()
+
+
+def test_host_stream_reraises_our_errors_as_they_are():
+    stream = HostStream("comm")
+    err = CommError("all_reduce #3 of bucket 1 (1.0 MiB) on group 'world' (rank 0) failed")
+    try:
+        stream.submit(lambda: (_ for _ in ()).throw(err))
+        ev = stream.record()
+        with pytest.raises(CommError) as e:
+            ev.synchronize(10)
+        assert e.value is err
+        with pytest.raises(CommError) as e:       # the next submit raises it too
+            stream.submit(lambda: None)
+        assert e.value is err
+    finally:
+        stream.close()
+    other = HostStream("other")
+    try:
+        other.submit(lambda: 1 / 0)
+        with pytest.raises(NcclDdpError, match="host stream task failed: division by zero") as e:
+            other.synchronize(10)
+        assert isinstance(e.value.__cause__, ZeroDivisionError)
+    finally:
+        other.close()
+
+
+@pytest.mark.parametrize("b,nbytes,want", [(3, 1 << 20, "bucket 3 (1.0 MiB)"),
+                                           (0, 40, "bucket 0 (40 B)"),
+                                           (1, 1536, "bucket 1 (1.5 KiB)"),
+                                           (2, 25 * (1 << 20) + 1, "bucket 2 (25.0 MiB)")])
+def test_bucket_tag(b, nbytes, want):
+    assert bucket_tag(b, nbytes) == want
