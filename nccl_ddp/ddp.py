@@ -15,7 +15,7 @@ import numpy as np
 
 from .adapters.arrays import ArrayModule, GradModule
 from .comm.group import ProcessGroup
-from .ddp_config import DDPConfig
+from .ddp_config import DDPConfig, check_float_dtype
 from .errors import ReducerError
 from .param_sync import broadcast_params, check_same_params
 from .reducer import Reducer
@@ -188,8 +188,6 @@ def _check_native(arrays: List[Any], device, what: str, names: List[Optional[str
         if type(a).__module__.split(".")[0] != want:
             raise TypeError(f"{label} is a {type(a).__module__}.{type(a).__name__}, but the process "
                             f"group's backend ({device.kind}) reduces {want} arrays")
-        if not np.issubdtype(np.dtype(a.dtype), np.inexact) and np.dtype(a.dtype).name != "bfloat16":
-            raise TypeError(f"{label} has dtype {a.dtype}; only floating point parameters can be "
-                            "reduced (leave integer buffers out of the module)")
+        check_float_dtype(label, np.dtype(a.dtype))
         if not a.flags.c_contiguous:
             raise ValueError(f"{label} is not C-contiguous; collectives need contiguous arrays")

@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+import numpy as np
+
 from .buckets import DEFAULT_CAP_BYTES, FIRST_CAP_BYTES, MiB
 
 REDUCER_MODES = ("CppReducer", "PythonReducer")
@@ -21,6 +23,16 @@ def check_positive_int(name: str, value, *, allow_zero: bool = False) -> None:
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if value < 0 or (value == 0 and not allow_zero):
         raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+def check_float_dtype(label: str, dtype) -> None:
+    """Grads are reduced as floating point (float16/32/64, bfloat16): refuse the rest up front."""
+    name = getattr(dtype, "name", str(dtype))
+    floating = isinstance(dtype, np.dtype) and np.issubdtype(dtype, np.floating)
+    if name != "bfloat16" and not floating:
+        raise TypeError(f"{label} has dtype {name}; only floating point parameters (float16, "
+                        "float32, float64, bfloat16) can be reduced: leave integer, complex and "
+                        "other buffers out")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,9 +69,9 @@ class DDPConfig:
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise TypeError(f"{name} must be a number of MiB (int or float), got "
                                 f"{type(v).__name__} {v!r}")
-            if not v >= 0 or (name == "broadcast_chunk_mb" and v == 0):
-                raise ValueError(f"{name} must be {'> 0' if name == 'broadcast_chunk_mb' else '>= 0'}"
-                                 f" MiB, got {v}")
+            if not 0 <= v < float("inf") or (name == "broadcast_chunk_mb" and v == 0):
+                raise ValueError(f"{name} must be a finite number "
+                                 f"{'> 0' if name == 'broadcast_chunk_mb' else '>= 0'} MiB, got {v}")
         if not isinstance(self.reducer_mode, str) or self.reducer_mode not in REDUCER_MODES:
             raise ValueError(f"reducer_mode must be one of {REDUCER_MODES}, got {self.reducer_mode!r}")
 

@@ -7,6 +7,7 @@ job of one (rank 0, loopback, port chosen when the store binds).
 """
 from __future__ import annotations
 
+import numbers
 import os
 import re
 from dataclasses import dataclass, field
@@ -105,6 +106,12 @@ def resolve_env(rank: Optional[int] = None, world_size: Optional[int] = None,
                 master_port: Optional[int] = None,
                 environ: Optional[Mapping[str, str]] = None) -> DistEnv:
     """Work out this process's DistEnv; raises ConfigError naming the variable to fix."""
+    for name, value in (("rank", rank), ("world_size", world_size), ("local_rank", local_rank),
+                        ("master_port", master_port)):
+        if value is not None and (isinstance(value, bool)
+                                  or not isinstance(value, numbers.Integral)):
+            raise TypeError(f"{name} must be an int or None (read from the environment), got "
+                            f"{type(value).__name__} {value!r}")
     environ = os.environ if environ is None else environ
     source, (e_rank, e_world, e_local, e_local_world), addr_hint = _identity(environ)
     rank = e_rank if rank is None else rank

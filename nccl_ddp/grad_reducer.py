@@ -27,7 +27,7 @@ from .adapters import grads as grads_adapters
 from .buckets import DEFAULT_CAP_BYTES, FIRST_CAP_BYTES, ParamSpec, assign_buckets
 from .comm.group import ProcessGroup, ReduceOp
 from .ddp import device_for, resolve_group
-from .ddp_config import check_bool, check_positive_int
+from .ddp_config import check_bool, check_float_dtype, check_positive_int
 
 
 class DistributedGradReducer:
@@ -61,6 +61,7 @@ class DistributedGradReducer:
             check_positive_int(f"parameters[{i}].comm_fusion", fid, allow_zero=True)
             key = ("alone", i) if fid == 0 else fid
             dtype = _param_dtype(p, i)
+            check_float_dtype(f"parameters[{i}]", dtype)
             specs.append(ParamSpec(tuple(p.shape), dtype, getattr(p, "name", None), key))
         self.specs = specs
         # the device's alignment: on the host, 64 bytes, so JAX can alias each reduced grad

@@ -59,7 +59,9 @@ class LaunchConfig:
                                               or self.nproc_per_node < 1):
             raise ConfigError(f"--nproc-per-node={self.nproc_per_node!r}: use a positive integer "
                               f"or 'auto' (or set NCCL_DDP_NPROC_PER_NODE)")
-        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+        if self.nnodes < 1:
+            raise ConfigError(f"--nnodes={self.nnodes}: use a positive integer (1 for one node)")
+        if not 0 <= self.node_rank < self.nnodes:
             raise ConfigError(f"--node-rank={self.node_rank} with --nnodes={self.nnodes}: the node "
                               f"rank must be in [0, nnodes)")
         if not 0 <= self.master_port <= 65535:
@@ -298,6 +300,9 @@ def _supervise(workers: list[Worker], signals: _Signals, grace: float) -> int:
 
 def launch(config: LaunchConfig) -> int:
     """Run the job described by `config` on this node; returns the exit code for the launcher."""
+    if not config.module and not os.path.exists(config.entrypoint):
+        raise ConfigError(f"script {config.entrypoint!r} not found (working directory "
+                          f"{os.getcwd()}); pass the path of the training script, or -m module")
     nproc = resolve_nproc(config.nproc_per_node)
     secret = config.secret or secrets.token_hex(32)
     server = None
@@ -314,9 +319,13 @@ def launch(config: LaunchConfig) -> int:
     out_lock = threading.Lock()
     try:
         if config.log_dir:
-            os.makedirs(config.log_dir, exist_ok=True)
-            logs = [open(os.path.join(config.log_dir, f"rank_{w.rank}.log"), "wb")
-                    for w in workers]
+            try:
+                os.makedirs(config.log_dir, exist_ok=True)
+                logs = [open(os.path.join(config.log_dir, f"rank_{w.rank}.log"), "wb")
+                        for w in workers]
+            except OSError as e:
+                raise ConfigError(f"--log-dir={config.log_dir}: cannot write the rank logs there "
+                                  f"({e}); pass a writable directory") from e
         with _Signals() as sigs:
             try:
                 for w, f in zip(workers, logs):

@@ -131,6 +131,9 @@ class ArrayModule(GradModule):
         if tuple(grad.shape) != tuple(p.shape):
             raise ValueError(f"grad of parameter {self.names[i] or i} has shape {tuple(grad.shape)}, "
                              f"the parameter {tuple(p.shape)}")
+        if grad.dtype != p.dtype:
+            raise TypeError(f"grad of parameter {self.names[i] or i} has dtype {grad.dtype}, the "
+                            f"parameter {p.dtype}; cast it first (grad.astype({str(p.dtype)!r}))")
         return grad
 
     def index_of(self, key: Any) -> int:
@@ -165,3 +168,6 @@ def _check_array(what: str, a: Any) -> None:
                         f"{type(a).__module__}.{type(a).__name__}; use the adapter of your framework")
     if not a.flags.c_contiguous:
         raise ValueError(f"ArrayModule {what} must be C-contiguous (collectives write it in place)")
+    if not getattr(a.flags, "writeable", True):
+        raise ValueError(f"ArrayModule {what} is read-only, but the initial broadcast and the "
+                         "optimizer write it in place; pass a writable array (x.copy())")

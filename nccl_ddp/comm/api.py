@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -16,6 +17,7 @@ import numpy as np
 
 from .. import arrays
 from ..device import HostDevice
+from ..ddp_config import check_bool
 from ..env import DistEnv, resolve_env
 from ..errors import ConfigError, NcclDdpError
 from .group import ProcessGroup, ReduceOp, Work
@@ -70,6 +72,11 @@ def init_process_group(backend: Optional[str] = None, *, timeout: float = 300.0,
     if _world is not None:
         raise ConfigError(f"rank {_world.env.rank}: init_process_group called twice; call "
                           f"destroy_process_group() first")
+    _check_timeout(timeout)
+    if store is not None and not all(hasattr(store, m) for m in ("get", "set", "add", "wait")):
+        raise TypeError(f"init_process_group: store must be a key-value store (nccl_ddp.store."
+                        f"TCPStore) or None (connect to MASTER_ADDR:MASTER_PORT), got "
+                        f"{type(store).__name__}")
     env = resolve_env(rank=rank, world_size=world_size)
     name = _pick_backend(backend)
     owns = store is None
@@ -87,6 +94,15 @@ def init_process_group(backend: Optional[str] = None, *, timeout: float = 300.0,
     _world = _World(env, store, group, owns)
     log.debug("rank %d/%d: %s world group ready", env.rank, env.world_size, name)
     return group
+
+
+def _check_timeout(timeout: Any) -> None:
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise TypeError(f"init_process_group: timeout must be a number of seconds, got "
+                        f"{type(timeout).__name__} {timeout!r}")
+    if not 0 < timeout < float("inf"):
+        raise ConfigError(f"init_process_group: timeout must be a finite number of seconds > 0 "
+                          f"(every collective and store wait is bounded by it), got {timeout}")
 
 
 def destroy_process_group() -> None:
@@ -138,7 +154,19 @@ def get_world_group() -> ProcessGroup:
 def new_group(ranks: Sequence[int]) -> Optional[ProcessGroup]:
     """A group of the given global ranks; every rank of the world must call it, in the same
     order. Non-members get None."""
-    return _require("new_group").group.new_subgroup(list(ranks))
+    w = _require("new_group")
+    if isinstance(ranks, (str, bytes, dict)) or not hasattr(ranks, "__iter__"):
+        raise TypeError(f"rank {w.env.rank}: new_group: ranks must be a list of global ranks "
+                        f"(ints), got {type(ranks).__name__} {ranks!r}")
+    ranks = list(ranks)
+    bad = [r for r in ranks if isinstance(r, bool) or not isinstance(r, (int, np.integer))]
+    if bad:
+        raise TypeError(f"rank {w.env.rank}: new_group: ranks must be ints, got {bad!r} in "
+                        f"{list(ranks)!r}")
+    if len(set(int(r) for r in ranks)) != len(ranks):
+        raise ConfigError(f"rank {w.env.rank}: new_group: ranks {list(ranks)} list a rank more "
+                          f"than once; pass each member once")
+    return w.group.new_subgroup([int(r) for r in ranks])
 
 
 # -- collectives --------------------------------------------------------------------------------
@@ -184,6 +212,7 @@ class _Buf:
 def _context(group: Optional[ProcessGroup], what: str, async_op: bool) -> tuple:
     """(group, device kind, error prefix, stream to pass) for one API call."""
     w = _require(what)
+    check_bool("async_op", async_op)
     g = w.group if group is None else group
     if not isinstance(g, ProcessGroup):
         raise ConfigError(f"rank {w.env.rank}: {what}: group must be a ProcessGroup from "
@@ -217,6 +246,9 @@ def broadcast(x: Any, src: int = 0, group: Optional[ProcessGroup] = None,
               async_op: bool = False) -> Any:
     """Copy global rank `src`'s `x` to every member of the group."""
     g, kind, where, stream = _context(group, "broadcast", async_op)
+    if isinstance(src, bool) or not isinstance(src, (int, np.integer)):
+        raise TypeError(f"{where}: src must be an int (a global rank), got "
+                        f"{type(src).__name__} {src!r}")
     if src not in g.ranks:
         raise ConfigError(f"{where}: src rank {src} is not a member of the group "
                           f"{list(g.ranks)}; src is a global rank")
