@@ -37,6 +37,9 @@ def _device_type(x: Any) -> int:
         return int(x.__dlpack_device__()[0])
     except (AttributeError, TypeError):
         return _DL_CPU
+    except ValueError as e:   # torch's meta / sparse tensors have no DLPack device
+        raise ConfigError(f"cannot exchange a {type(x).__name__} through DLPack ({e}); pass a "
+                          f"dense CPU or GPU array") from e
 
 
 def to_native(x: Any, device_kind: str, where: str = "collective") -> Any:

@@ -70,7 +70,26 @@ class DistributedDataParallel:
         """
         i = self.index_of(param)
         native = None if grad is None else self._adapter.to_native(i, grad)
+        if native is not None:
+            self._check_grad(i, native)
         return self.reducer.mark_ready(i, native)
+
+    def _check_grad(self, i: int, grad: Any) -> None:
+        """A grad given to mark_ready must match its parameter exactly (checked before the
+        reducer sees it, so a refused grad leaves the step as it was)."""
+        spec = self.reducer.specs[i]
+        name = self._adapter.names[i]
+        label = f"rank {self.process_group.rank}: grad of parameter {i}" + (
+            f" ({name!r})" if name else "")
+        want = self.device.xp.__name__
+        if type(grad).__module__.split(".")[0] != want or not hasattr(grad, "dtype"):
+            raise TypeError(f"{label} must be a {want}.ndarray like the parameter, got "
+                            f"{type(grad).__module__}.{type(grad).__name__}")
+        if tuple(grad.shape) != spec.shape:
+            raise ValueError(f"{label} has shape {tuple(grad.shape)}, the parameter {spec.shape}")
+        if grad.dtype != spec.dtype:
+            raise TypeError(f"{label} has dtype {grad.dtype}, the parameter {spec.dtype}; cast "
+                            f"it first (grad.astype({str(spec.dtype)!r}))")
 
     def grad_hook(self, param: Any) -> Callable[[Any], Any]:
         """A per-parameter hook `hook(grad) -> accumulated grad` for a framework's grad hooks."""

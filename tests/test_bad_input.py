@@ -227,12 +227,14 @@ def test_ddp_bucket_cap_zero_gives_one_bucket_per_parameter(world1):
     (-1, np.ones(2, np.float32), ReducerError, "unknown parameter index -1"),
     (True, np.ones(2, np.float32), ReducerError, "unknown parameter a bool"),
     (None, None, ReducerError, "unknown parameter a NoneType"),
-    ("b", np.ones(3, np.float32), ValueError, r"grad of parameter b has shape \(3,\)"),
+    ("b", np.ones(3, np.float32), ValueError,
+     r"rank 0: grad of parameter 1 \('b'\) has shape \(3,\), the parameter \(2,\)"),
     ("b", np.array(1.0, np.float32), ValueError, r"has shape \(\)"),
-    ("b", np.ones(2, np.float64), TypeError, "grad of parameter b has dtype float64.*astype"),
+    ("b", np.ones(2, np.float64), TypeError, "parameter 1 .'b'. has dtype float64.*astype"),
     ("b", np.ones(2, np.complex64), TypeError, "dtype complex64"),
     ("b", np.ones(2, np.int64), TypeError, "dtype int64"),
     ("b", [1.0, 2.0], TypeError, "must be a numpy.ndarray like the parameter, got builtins.list"),
+    ("b", 1.0, TypeError, "must be a numpy.ndarray like the parameter, got builtins.float"),
 ])
 def test_rejected_mark_ready_loses_nothing(world1, param, grad, exc, match):
     model = ArrayModule(_params(), forward=lambda p, x: x)
@@ -252,6 +254,28 @@ def test_rejected_mark_ready_loses_nothing(world1, param, grad, exc, match):
     ddp.mark_ready(0, np.ones((3, 2), np.float32))
     assert ddp.reducer.steps == 2
     np.testing.assert_array_equal(model.grads["b"], [1, 1])
+    ddp.close()
+
+
+def test_torch_bad_input(world1):
+    torch = pytest.importorskip("torch")
+    with pytest.raises(ConfigError, match="through DLPack.*dense CPU or GPU array"):
+        nd.all_reduce(torch.ones(3, device="meta"))
+    with pytest.raises(ConfigError, match="cannot view Tensor through DLPack"):
+        nd.all_reduce(torch.ones(3).to_sparse())
+    with pytest.raises(ValueError, match="module has no parameters"):
+        nd.DistributedDataParallel(torch.nn.ReLU())
+    with pytest.raises(TypeError, match=r"parameter 0 \('weight'\) has dtype complex64"):
+        nd.DistributedDataParallel(torch.nn.Linear(2, 2).to(torch.complex64))
+    ddp = nd.DistributedDataParallel(torch.nn.Linear(3, 2))
+    for grad, exc, match in ((torch.ones(2, 3), TypeError, "must be a numpy.ndarray.*torch.Tensor"),
+                             (np.ones(5, np.float32), ValueError, r"has shape \(5,\)"),
+                             (np.ones((2, 3)), TypeError, "has dtype float64")):
+        with pytest.raises(exc, match=match):
+            ddp.mark_ready("weight", grad)
+    ddp(torch.ones(4, 3)).sum().backward()     # the step the hooks drive still completes
+    assert ddp.reducer.steps == 1
+    np.testing.assert_array_equal(ddp.module.weight.grad.numpy(), np.full((2, 3), 4.0))
     ddp.close()
 
 

@@ -122,20 +122,6 @@ class ArrayModule(GradModule):
     def install_grad(self, i: int, view: Any) -> None:
         self.grads[self.keys[i]] = view
 
-    def to_native(self, i: int, grad: Any) -> Any:
-        p = self.params[self.keys[i]]
-        if type(grad) is not type(p):
-            raise TypeError(f"grad of parameter {self.names[i] or i} must be a "
-                            f"{type(p).__module__}.{type(p).__name__} like the parameter, got "
-                            f"{type(grad).__module__}.{type(grad).__name__}")
-        if tuple(grad.shape) != tuple(p.shape):
-            raise ValueError(f"grad of parameter {self.names[i] or i} has shape {tuple(grad.shape)}, "
-                             f"the parameter {tuple(p.shape)}")
-        if grad.dtype != p.dtype:
-            raise TypeError(f"grad of parameter {self.names[i] or i} has dtype {grad.dtype}, the "
-                            f"parameter {p.dtype}; cast it first (grad.astype({str(p.dtype)!r}))")
-        return grad
-
     def index_of(self, key: Any) -> int:
         """Index of a parameter given by dict key (str) or the array object itself."""
         if isinstance(key, str):
