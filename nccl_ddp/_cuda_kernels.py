@@ -16,12 +16,12 @@ from __future__ import annotations
 import collections
 import io
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from .env import env_int
 from .errors import KernelError
 from .kernels import (PACK_PAIRS, SCALE_DTYPES, UNPACK_PAIRS, check_flag, check_flat,
                       check_segments, dtype_name, kernel_source_dir)
@@ -155,8 +155,7 @@ class CudaKernels:
         self._resident: dict = {}
         # NCCL_DDP_SMALL_TABLE_MAX=0 sends every call through the device table (a workaround
         # should passing the table by value ever fail on some CuPy/driver).
-        self.small_max = min(SMALL_MAX, int(os.environ.get("NCCL_DDP_SMALL_TABLE_MAX",
-                                                           SMALL_MAX)))
+        self.small_max = min(SMALL_MAX, env_int("NCCL_DDP_SMALL_TABLE_MAX", SMALL_MAX))
         self._tables: "collections.OrderedDict" = collections.OrderedDict()
         self.stats = collections.Counter()   # launches, memsets, table_builds, table_uploads
 

@@ -49,6 +49,12 @@ def _int(environ: Mapping[str, str], name: Optional[str]) -> Optional[int]:
                           f"set it to a whole number or unset it") from None
 
 
+def env_int(name: str, default: int) -> int:
+    """Integer environment variable `name` (ConfigError naming it if it is not one), else default."""
+    value = _int(os.environ, name)
+    return default if value is None else value
+
+
 def slurm_tasks_on_node(tasks_per_node: str, node_id: int) -> int:
     """Task count of node `node_id` from SLURM_TASKS_PER_NODE syntax such as "4(x2),3"."""
     counts: list[int] = []

@@ -88,6 +88,14 @@ def test_init_process_group_refuses_bad_arguments(clean_env, kwargs, exc, match)
     assert not nd.is_initialized()
 
 
+@pytest.mark.parametrize("var", ["NCCL_DDP_HOST_CHUNK_BYTES", "NCCL_DDP_HOST_TRANSPORT"])
+def test_bad_environment_knob_is_named(clean_env, monkeypatch, var):
+    monkeypatch.setenv(var, "abc")
+    with pytest.raises(ConfigError, match=f"{var}='abc'"):
+        nd.init_process_group("host", timeout=10)
+    assert not nd.is_initialized()
+
+
 def test_init_twice_keeps_the_first_group(world1):
     with pytest.raises(ConfigError, match="called twice.*destroy_process_group"):
         nd.init_process_group("host")

@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from ..device import DEFAULT_TIMEOUT, HostEvent, ImmediateStream
+from ..env import env_int
 from ..errors import CommError, CommTimeout, ConfigError, NcclDdpError
 from ._reduce import Reduction, dtype_code
 from ._ring import RingTransport, SelfTransport
@@ -99,7 +100,7 @@ class HostProcessGroup(ProcessGroup):
         self._closed = False
         self._transport = self._connect(
             transport or os.environ.get("NCCL_DDP_HOST_TRANSPORT", "auto"),
-            int(chunk_bytes or os.environ.get("NCCL_DDP_HOST_CHUNK_BYTES", DEFAULT_CHUNK_BYTES)))
+            int(chunk_bytes or env_int("NCCL_DDP_HOST_CHUNK_BYTES", DEFAULT_CHUNK_BYTES)))
         self._cv = threading.Condition()
         self._items: deque = deque()     # queued (work, fn, ready); None stops the worker
         self._running = False            # an op is executing (on the worker or inline)
