@@ -72,7 +72,7 @@ def init_process_group(backend: Optional[str] = None, *, timeout: float = 300.0,
     if _world is not None:
         raise ConfigError(f"rank {_world.env.rank}: init_process_group called twice; call "
                           f"destroy_process_group() first")
-    _check_timeout(timeout)
+    _check_timeout(timeout, "init_process_group")
     if store is not None and not all(hasattr(store, m) for m in ("get", "set", "add", "wait")):
         raise TypeError(f"init_process_group: store must be a key-value store (nccl_ddp.store."
                         f"TCPStore) or None (connect to MASTER_ADDR:MASTER_PORT), got "
@@ -96,13 +96,13 @@ def init_process_group(backend: Optional[str] = None, *, timeout: float = 300.0,
     return group
 
 
-def _check_timeout(timeout: Any) -> None:
+def _check_timeout(timeout: Any, where: str) -> None:
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
-        raise TypeError(f"init_process_group: timeout must be a number of seconds, got "
+        raise TypeError(f"{where}: timeout must be a number of seconds, got "
                         f"{type(timeout).__name__} {timeout!r}")
     if not 0 < timeout < float("inf"):
-        raise ConfigError(f"init_process_group: timeout must be a finite number of seconds > 0 "
-                          f"(every collective and store wait is bounded by it), got {timeout}")
+        raise ConfigError(f"{where}: timeout must be a finite number of seconds > 0 "
+                          f"(every wait is bounded), got {timeout}")
 
 
 def destroy_process_group() -> None:
@@ -180,6 +180,8 @@ class ApiWork(Work):
         self._done, self._value = False, None
 
     def wait(self, timeout: Optional[float] = None) -> bool:
+        if timeout is not None:
+            _check_timeout(timeout, "Work.wait")
         self._inner.wait(timeout)
         if not self._done:
             self._value, self._done = self._finish(), True
