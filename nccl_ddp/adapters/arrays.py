@@ -151,7 +151,8 @@ def _check_array(what: str, a: Any) -> None:
     mod = type(a).__module__.split(".")[0]
     if mod not in ("numpy", "cupy") or not hasattr(a, "shape"):
         raise TypeError(f"ArrayModule {what} must be a NumPy or CuPy array, got "
-                        f"{type(a).__module__}.{type(a).__name__}; use the adapter of your framework")
+                        f"{type(a).__module__}.{type(a).__name__}; pass a torch.nn.Module or "
+                        "MindSpore Cell itself, or for JAX use DistributedGradReducer")
     if not a.flags.c_contiguous:
         raise ValueError(f"ArrayModule {what} must be C-contiguous (collectives write it in place)")
     if not getattr(a.flags, "writeable", True):
