@@ -28,6 +28,7 @@ from .buckets import DEFAULT_CAP_BYTES, FIRST_CAP_BYTES, ParamSpec, assign_bucke
 from .comm.group import ProcessGroup, ReduceOp
 from .ddp import device_for, resolve_group
 from .ddp_config import check_bool, check_float_dtype, check_positive_int
+from .reducer import bucket_tag
 
 
 class DistributedGradReducer:
@@ -83,7 +84,7 @@ class DistributedGradReducer:
         compute = self.device.current_stream()
         out = [None] * len(native)
         done = []
-        for bucket in self.layout.buckets:
+        for b, bucket in enumerate(self.layout.buckets):
             buf = self.device.empty(bucket.padded, bucket.dtype)
             offsets = list(bucket.offsets)
             # compute: ─[pack b]─●ready b─[pack b+1]─●ready b+1─ ... ── wait(done *) ─▶
@@ -91,7 +92,8 @@ class DistributedGradReducer:
             # comm:    ───────────wait─[all-reduce b]─wait─[all-reduce b+1]─●done
             compute.submit(pack, [native[p] for p in bucket.params], buf, offsets)
             self.comm.wait(compute.record())
-            self.group.all_reduce(buf, ReduceOp.SUM, stream=self.comm)
+            self.group.all_reduce(buf, ReduceOp.SUM, stream=self.comm,
+                                  tag=bucket_tag(b, bucket.nbytes))
             done.append(self.comm.record())
             for p, off, n in zip(bucket.params, offsets, bucket.numels):
                 out[p] = buf[off:off + n].reshape(self.specs[p].shape)
