@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator, List, Optional
 import numpy as np
 
 from .adapters.arrays import ArrayModule, GradModule
-from .comm.group import ProcessGroup
+from .comm.group import NonMemberGroup, ProcessGroup
 from .ddp_config import DDPConfig, check_float_dtype
 from .errors import ReducerError
 from .param_sync import broadcast_params, check_same_params
@@ -187,6 +187,8 @@ def resolve_group(group: Optional[ProcessGroup], argname: str) -> ProcessGroup:
     if group is None:
         from .comm import api
         return api.get_world_group()
+    if isinstance(group, NonMemberGroup):
+        raise group.refuse(f"{argname}")
     if not isinstance(group, ProcessGroup):
         raise TypeError(f"{argname} must be a ProcessGroup from nccl_ddp.new_group(...) or None "
                         f"(the world), got {type(group).__name__} {group!r}")

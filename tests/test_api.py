@@ -132,7 +132,12 @@ def new_group_body(rank, world):
     nd.init_process_group(backend="host", timeout=30)
     g = nd.new_group([0, 2])
     if rank == 1:
-        assert g is None
+        assert not g and g.ranks == (0, 2)
+        with pytest.raises(ConfigError, match="rank 1: all_reduce: this rank is not a member of "
+                                              r"the group of ranks \[0, 2\]"):
+            nd.all_reduce(np.ones(2), group=g)
+        with pytest.raises(ConfigError, match="not a member"):
+            nd.DistributedDataParallel([np.ones(2, np.float32)], process_group=g)
     else:
         x = np.full(3, rank)
         nd.all_reduce(x, group=g)

@@ -145,7 +145,7 @@ def _subgroup(rank, world):
     from nccl_ddp.adapters.arrays import ArrayModule
     try:
         group = nd.new_group([0, 2])
-        if group is None:
+        if not group:
             return None
         model = ArrayModule({"w": np.zeros(6, np.float32)})
         ddp = nd.DistributedDataParallel(model, process_group=group)

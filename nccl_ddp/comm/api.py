@@ -11,7 +11,7 @@ import itertools
 import logging
 import numbers
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 
@@ -20,7 +20,7 @@ from ..device import HostDevice
 from ..ddp_config import check_bool
 from ..env import DistEnv, resolve_env
 from ..errors import ConfigError, NcclDdpError
-from .group import ProcessGroup, ReduceOp, Work
+from .group import NonMemberGroup, ProcessGroup, ReduceOp, Work
 
 log = logging.getLogger(__name__)
 
@@ -151,9 +151,9 @@ def get_world_group() -> ProcessGroup:
     return _require("get_world_group").group
 
 
-def new_group(ranks: Sequence[int]) -> Optional[ProcessGroup]:
+def new_group(ranks: Sequence[int]) -> Union[ProcessGroup, NonMemberGroup]:
     """A group of the given global ranks; every rank of the world must call it, in the same
-    order. Non-members get None."""
+    order. Non-members get a falsy `NonMemberGroup` that refuses to be used."""
     w = _require("new_group")
     if isinstance(ranks, (str, bytes, dict)) or not hasattr(ranks, "__iter__"):
         raise TypeError(f"rank {w.env.rank}: new_group: ranks must be a list of global ranks "
@@ -166,7 +166,9 @@ def new_group(ranks: Sequence[int]) -> Optional[ProcessGroup]:
     if len(set(int(r) for r in ranks)) != len(ranks):
         raise ConfigError(f"rank {w.env.rank}: new_group: ranks {list(ranks)} list a rank more "
                           f"than once; pass each member once")
-    return w.group.new_subgroup([int(r) for r in ranks])
+    ranks = [int(r) for r in ranks]
+    group = w.group.new_subgroup(ranks)
+    return NonMemberGroup(ranks, w.env.rank) if group is None else group
 
 
 # -- collectives --------------------------------------------------------------------------------
@@ -216,10 +218,11 @@ def _context(group: Optional[ProcessGroup], what: str, async_op: bool) -> tuple:
     w = _require(what)
     check_bool("async_op", async_op)
     g = w.group if group is None else group
+    if isinstance(g, NonMemberGroup):
+        raise g.refuse(what)
     if not isinstance(g, ProcessGroup):
         raise ConfigError(f"rank {w.env.rank}: {what}: group must be a ProcessGroup from "
-                          f"new_group() (or None for the world), got {type(g).__name__}; "
-                          f"new_group returns None on ranks that are not members")
+                          f"new_group() (or None for the world), got {type(g).__name__}")
     # synchronous host calls pass the caller's immediate stream: the op may then run on the
     # calling thread, saving two thread switches
     stream = _IMMEDIATE if g.backend == "host" and not async_op else None

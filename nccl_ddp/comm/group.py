@@ -100,4 +100,27 @@ class ProcessGroup(abc.ABC):
         return f"<{type(self).__name__} {self.name} rank {self.rank}/{self.size}>"
 
 
+class NonMemberGroup:
+    """What `new_group(ranks)` returns on a rank outside `ranks` (like torch's NON_GROUP_MEMBER).
+
+    It is falsy (`if group:` tells members apart) and every use of it as a group raises
+    `ConfigError` naming the rank and the members, instead of silently running on the world."""
+
+    def __init__(self, ranks: Sequence[int], rank: int) -> None:
+        self.ranks, self.rank = tuple(ranks), rank
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return f"<NonMemberGroup {list(self.ranks)} seen from rank {self.rank}>"
+
+    def refuse(self, what: str) -> "ConfigError":
+        from ..errors import ConfigError
+        return ConfigError(
+            f"rank {self.rank}: {what}: this rank is not a member of the group of ranks "
+            f"{list(self.ranks)} (new_group gave it a NonMemberGroup); only members may use the "
+            f"group: skip the call on other ranks (`if group:`)")
+
+
 BackendFactory = Callable[..., ProcessGroup]
