@@ -435,3 +435,23 @@ def test_launcher_refuses_bad_flags_without_starting_workers(tmp_path, args, mat
     assert p.returncode == 2, p.stderr
     assert re.search(match, p.stderr), p.stderr
     assert "worker started" not in p.stderr
+
+
+def _bad_socket_addr(rank, world_size):
+    """Rank 0 fails first and takes the store down, so rank 1 may see either error."""
+    from nccl_ddp.errors import NcclDdpError
+    try:
+        nd.init_process_group("host", timeout=15)
+    except NcclDdpError as e:
+        return type(e).__name__, str(e)
+    return None
+
+
+def test_bad_socket_addr_is_named():
+    res = run_ranks(_bad_socket_addr, 2, timeout=60,
+                    env={"NCCL_DDP_SOCKET_ADDR": "no-such-host.invalid"})
+    kind, msg = res[0]
+    assert kind == "ConfigError", msg
+    assert "cannot listen for peers on 'no-such-host.invalid'" in msg
+    assert "NCCL_DDP_SOCKET_ADDR" in msg
+    assert res[1] is not None

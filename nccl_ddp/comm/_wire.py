@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional
 
-from ..errors import CommError, CommTimeout, RankMismatchError, StoreTimeout
+from ..errors import CommError, CommTimeout, ConfigError, RankMismatchError, StoreTimeout
 from ._reduce import DTYPES
 
 log = logging.getLogger(__name__)
@@ -175,7 +175,12 @@ class Rendezvous:
         self.deadline = time.monotonic() + timeout
         self.token = secrets.token_hex(16)
         host = advertise_host()
-        self.listener = socket.create_server((host, 0), backlog=max(8, len(ranks)))
+        try:
+            self.listener = socket.create_server((host, 0), backlog=max(8, len(ranks)))
+        except OSError as e:
+            raise ConfigError(f"{where}: cannot listen for peers on {host!r} ({e}); set "
+                              f"NCCL_DDP_SOCKET_ADDR to an address of this machine (or unset it "
+                              f"to use the route to MASTER_ADDR)") from e
         self.listener.settimeout(timeout)
         info = dict(extra, addr=host, port=self.listener.getsockname()[1], token=self.token)
         try:
