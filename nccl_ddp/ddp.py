@@ -49,7 +49,8 @@ class DistributedDataParallel:
         self.reducer = Reducer(params, grads, self.process_group, self.device, self.config,
                                names=self._adapter.names, install=install)
         if init_sync:
-            check_same_params(self.reducer.specs, self.process_group, self.device)
+            check_same_params(self.reducer.specs, self.process_group, self.device,
+                              self.config.rank_settings)
             broadcast_params(params, self.reducer.specs, self.process_group, self.device,
                              self.config.broadcast_chunk_bytes)
             self._adapter.params_updated()

@@ -40,7 +40,8 @@ class DDPConfig:
     """Everything the reducer needs to know besides the parameters and the group."""
 
     init_sync: bool = True
-    """Check that every rank has the same parameter shapes/dtypes, then copy rank 0's values."""
+    """Check that every rank has the same parameter shapes/dtypes and the same `rank_settings`,
+    then copy rank 0's values. False skips both: a mismatch then shows only at the first step."""
     bucket_cap_mb: Optional[float] = None
     """Bucket size cap in MiB (None: 25). The first bucket is capped at min(1 MiB, cap); 0 puts
     each parameter in its own bucket."""
@@ -86,6 +87,14 @@ class DDPConfig:
     @property
     def broadcast_chunk_bytes(self) -> int:
         return int(self.broadcast_chunk_mb * MiB)
+
+    @property
+    def rank_settings(self) -> dict:
+        """The options every rank must share (init_sync checks them); bucket_cap_mb as used."""
+        return {"find_unused_parameters": self.find_unused_parameters,
+                "average_in_collective": self.average_in_collective,
+                "reducer_mode": self.reducer_mode, "static_graph": self.static_graph,
+                "bucket_cap_mb": self.cap_bytes / MiB}
 
     @property
     def checks_unused(self) -> bool:

@@ -6,6 +6,9 @@ bucket buffers (no unpack copy), reshaped like the inputs, in a list/tuple like 
 call allocates its own buffers and never touches them again, so returned grads never change
 (JAX's zero-copy arrays over them rely on that); the grads keep their buffers alive.
 Framework tensors go through their adapter (adapters/grads.py) in and out via DLPack.
+Every rank constructs the reducer (as in MindSpore); construction checks with one collective that
+all ranks pass the same parameter shapes/dtypes, mean, degree and fusion ids (`RankMismatchError`
+on every rank otherwise), and each call checks its grads against the parameters, locally.
 
 fusion_type (MindSpore's fusion ids, here exactly):
 - 0: no fusion: one all-reduce per grad.
@@ -28,6 +31,7 @@ from .buckets import DEFAULT_CAP_BYTES, FIRST_CAP_BYTES, ParamSpec, assign_bucke
 from .comm.group import ProcessGroup, ReduceOp
 from .ddp import device_for, resolve_group
 from .ddp_config import check_bool, check_float_dtype, check_positive_int
+from .param_sync import check_same_params
 from .reducer import bucket_tag
 
 
@@ -54,17 +58,22 @@ class DistributedGradReducer:
         self.mean = mean
         self.degree = self.group.size if degree is None else degree
         self.fusion_type = fusion_type
-        specs = []
+        specs, fusion_ids = [], []
         for i, p in enumerate(parameters):
             if not hasattr(p, "shape") or not hasattr(p, "dtype"):
                 raise TypeError(f"parameters[{i}] has no shape/dtype: {type(p).__name__}")
             fid = getattr(p, "comm_fusion", fusion_type)
             check_positive_int(f"parameters[{i}].comm_fusion", fid, allow_zero=True)
+            fusion_ids.append(fid)
             key = ("alone", i) if fid == 0 else fid
             dtype = _param_dtype(p, i)
             check_float_dtype(f"parameters[{i}]", dtype)
             specs.append(ParamSpec(tuple(p.shape), dtype, getattr(p, "name", None), key))
         self.specs = specs
+        # every rank constructs the reducer: one collective now instead of wrong numbers later
+        check_same_params(specs, self.group, self.device, {
+            "mean": mean, "degree": self.degree,
+            "fusion id (fusion_type or comm_fusion)": fusion_ids}, owner="DistributedGradReducer")
         # the device's alignment: on the host, 64 bytes, so JAX can alias each reduced grad
         self.layout = assign_buckets(specs, DEFAULT_CAP_BYTES, FIRST_CAP_BYTES,
                                      align_bytes=self.device.align_bytes)

@@ -1,4 +1,5 @@
-"""DDP's init_sync: check that every rank wraps the same parameters, then copy rank 0's values.
+"""DDP's init_sync: check that every rank wraps the same parameters with the same settings, then
+copy rank 0's values.
 
 The check is one all_gather of a 32-byte digest; only on a mismatch are the descriptions
 exchanged, so that every rank raises the same `RankMismatchError` naming the first difference.
@@ -19,24 +20,30 @@ from .comm.group import ProcessGroup
 from .errors import RankMismatchError
 
 
-def check_same_params(specs: Sequence[ParamSpec], group: ProcessGroup, device) -> None:
-    """`RankMismatchError` on every rank unless all ranks have the same shapes and dtypes."""
+def check_same_params(specs: Sequence[ParamSpec], group: ProcessGroup, device,
+                      settings: Optional[dict] = None, *,
+                      owner: str = "DistributedDataParallel") -> None:
+    """`RankMismatchError` on every rank unless all ranks have the same shapes and dtypes and the
+    same `settings` (name -> JSON value: the options of `owner` that every rank must share)."""
+    settings = json.loads(json.dumps(settings or {}))     # tuples -> lists, as the peers' arrive
     text = ";".join(f"{tuple(s.shape)}:{s.dtype}" for s in specs)
-    digest = hashlib.sha256(f"{len(specs)}|{text}".encode()).digest()
+    digest = hashlib.sha256(
+        f"{len(specs)}|{text}|{json.dumps(settings, sort_keys=True)}".encode()).digest()
     digests = _all_gather_bytes(digest, group, device)
     if all(d == digests[0] for d in digests):
         return
-    mine = json.dumps([[list(s.shape), str(s.dtype), s.name] for s in specs]).encode()
+    mine = json.dumps({"params": [[list(s.shape), str(s.dtype), s.name] for s in specs],
+                       "settings": settings}).encode()
     lengths = _all_gather_bytes(np.int64(len(mine)).tobytes(), group, device)
     longest = max(int(np.frombuffer(n, dtype=np.int64)[0]) for n in lengths)
     blobs = _all_gather_bytes(mine.ljust(longest, b" "), group, device)
     described = [json.loads(b.decode()) for b in blobs]
-    raise RankMismatchError(f"rank {group.rank}: {_first_mismatch(described)}")
+    raise RankMismatchError(f"rank {group.rank}: {_first_mismatch(described, owner)}")
 
 
-def _first_mismatch(described: list) -> str:
-    base = described[0]
-    for r, other in enumerate(described[1:], start=1):
+def _first_mismatch(described: list, owner: str) -> str:
+    base = described[0]["params"]
+    for r, other in enumerate((d["params"] for d in described[1:]), start=1):
         for i in range(max(len(base), len(other))):
             a = base[i] if i < len(base) else None
             b = other[i] if i < len(other) else None
@@ -47,7 +54,19 @@ def _first_mismatch(described: list) -> str:
             return (f"the wrapped parameters differ across ranks: {label}: "
                     f"rank 0 has {_describe(a, len(base))}, rank {r} has {_describe(b, len(other))}. "
                     "Every rank must wrap the same model (same parameters in the same order).")
-    return "the wrapped parameters differ across ranks (digest mismatch)"
+    base = described[0]["settings"]
+    for r, other in enumerate((d["settings"] for d in described[1:]), start=1):
+        for key in sorted(set(base) | set(other)):
+            a, b = base.get(key), other.get(key)
+            if a == b:
+                continue
+            what = key
+            if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):  # per parameter
+                i = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+                what, a, b = f"{key} of parameter {i}", a[i], b[i]
+            return (f"ranks created {owner} with different settings: {what}: rank 0 has {a!r}, "
+                    f"rank {r} has {b!r}. Every rank must pass the same {key}.")
+    return "the wrapped parameters or settings differ across ranks (digest mismatch)"
 
 
 def _describe(entry: Optional[list], count: int) -> str:

@@ -15,6 +15,7 @@ All three give the same numbers.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from typing import Any, Callable, List, Optional, Sequence
@@ -63,6 +64,7 @@ class Reducer:
         self._open = False
         self._step_syncs = True
         self._uses_prepare = False
+        self._failed: Optional[BaseException] = None   # what broke a step; every later call fails
         self._set_layout(assign_buckets(self.specs, config.cap_bytes, config.first_cap_bytes))
 
     # ------------------------------------------------------------------ layout and memory
@@ -92,6 +94,7 @@ class Reducer:
 
     def prepare(self) -> None:
         """Called by the wrapper's forward: the next grads belong to a new step."""
+        self._check_not_failed()
         if self._open and self._step_syncs and self._ready.any():
             raise ReducerError(self._missing_message(
                 "Expected to have finished reduction in the prior iteration before starting a new "
@@ -116,6 +119,7 @@ class Reducer:
         Launches every bucket that is now complete and whose predecessors have launched; the last
         grad finalizes the step. Returns the accumulated grad array (a bucket view in view mode).
         """
+        self._check_not_failed()
         if not self._open:
             if self._uses_prepare:
                 raise ReducerError(
@@ -138,9 +142,10 @@ class Reducer:
             self.prof.mark("backward", "start", self.device.current_stream())
         if grad is not None and grad is not self.grads[i]:
             self.device.current_stream().submit(_accumulate, self.grads[i], grad)
-        self._set_ready(i)
-        if self._count == self._expected:
-            self.finalize()
+        with self._failing_closes_step():
+            self._set_ready(i)
+            if self._count == self._expected:
+                self._finalize()
         return self.grads[i]
 
     def _set_ready(self, i: int) -> None:
@@ -217,6 +222,11 @@ class Reducer:
         missing grads are reduced as they are (their local contribution this step is zero), then a
         bitmap all-reduce tells which params no rank used: those keep their previous grad.
         """
+        self._check_not_failed()
+        with self._failing_closes_step():
+            self._finalize()
+
+    def _finalize(self) -> None:
         if not self._open:
             return
         if not self._step_syncs:   # no_sync(): grads stay local and keep accumulating
@@ -294,10 +304,35 @@ class Reducer:
         self._set_layout(layout)
         log.info("rank %d: buckets rebuilt in arrival order: %s", self.group.rank, layout.summary())
 
+    @contextlib.contextmanager
+    def _failing_closes_step(self):
+        """A launch or finalize that raises (a collective failed: peer died, group destroyed)
+        leaves the step half-reduced and the ranks out of step: close the step and remember why,
+        so that every later call says so instead of naming grads as missing."""
+        try:
+            yield
+        except ReducerError:        # the caller's misuse (grads missing): reported as it is
+            raise
+        except Exception as e:
+            self._open = False
+            if self._failed is None:
+                self._failed = e
+            raise
+
+    def _check_not_failed(self) -> None:
+        e = self._failed
+        if e is not None:
+            raise ReducerError(
+                f"rank {self.group.rank}: a previous step failed ({type(e).__name__}: {e}); its "
+                "grads are partly reduced and the process group is unusable after a communication "
+                "failure. Restart the job (or destroy_process_group(), then create a new process "
+                "group and a new DistributedDataParallel)") from e
+
     # ------------------------------------------------------------------ accumulation
 
     def zero_grad(self) -> None:
         """Zero every grad (the buckets in view mode). Not allowed while a step is open."""
+        self._check_not_failed()
         if self._open and self._ready.any():
             raise ReducerError(
                 f"rank {self.group.rank}: zero_grad() called in the middle of a step ("
@@ -315,7 +350,10 @@ class Reducer:
             compute.submit(kernels.zero_, g)
 
     def close(self) -> None:
-        self.comm.synchronize(self.group.timeout)
+        """Wait for pending communication (not after a failed step: its error was raised
+        already) and release the comm stream."""
+        if self._failed is None:
+            self.comm.synchronize(self.group.timeout)
         self.prof.close()
         close = getattr(self.comm, "close", None)
         if close is not None:

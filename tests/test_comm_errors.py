@@ -70,6 +70,68 @@ def test_ddp_step_names_bucket_op_and_dead_peer(mode):
     assert "peer rank 1" in msg, msg
 
 
+def _ddp_after_failed_step(rank, world, mode, unused, out_path):
+    """Rank 1 dies mid-step; rank 0 gets the CommError, then tries to go on: every step call must
+    say that the previous step failed (the CommError as cause), at once, and close() must end."""
+    import json
+
+    import nccl_ddp as nd
+    from nccl_ddp.adapters.arrays import ArrayModule
+    nd.init_process_group("host", timeout=TIMEOUT)
+    model = ArrayModule({k: np.zeros(N, np.float32) for k in NAMES}, forward=lambda p, x: x)
+    ddp = nd.DistributedDataParallel(model, bucket_cap_mb=0.25, reducer_mode=mode,
+                                     find_unused_parameters=unused)
+    ddp(0)
+    if rank == 1:
+        os._exit(3)                          # dies after forward, before backward
+    try:
+        for k in reversed(NAMES[1:] if unused else NAMES):
+            ddp.mark_ready(k, np.ones(N, np.float32))
+        if unused:
+            ddp.finalize()
+    except CommError as e:
+        first = e
+    else:
+        raise AssertionError("rank 0 finished the step without its peer")
+    later = {}
+    for name, call in (("forward", lambda: ddp(1)),
+                       ("mark_ready", lambda: ddp.mark_ready("w0", np.ones(N, np.float32))),
+                       ("finalize", ddp.finalize), ("zero_grad", ddp.zero_grad)):
+        t0 = time.monotonic()
+        try:
+            call()
+            later[name] = ("no error", "", False, 0.0)
+        except Exception as e:
+            later[name] = (type(e).__name__, str(e), e.__cause__ is first, time.monotonic() - t0)
+    t0 = time.monotonic()
+    ddp.close()                              # no error again, no wait on the dead peer
+    with open(out_path, "w") as f:
+        json.dump({"first": str(first), "later": later, "close_s": time.monotonic() - t0}, f)
+    # no destroy_process_group: its barrier would wait for the dead peer
+
+
+@pytest.mark.parametrize("mode,unused", [("CppReducer", False), ("PythonReducer", False),
+                                         ("CppReducer", True)])
+def test_ddp_after_a_failed_step_says_so(tmp_path, mode, unused):
+    import json
+    out = tmp_path / "rank0.json"
+    failed = run_ranks(_ddp_after_failed_step, 2, mode, unused, str(out), timeout=60,
+                       expect_fail=True)
+    assert "exited with code 3" in failed[1], failed
+    assert out.exists(), failed
+    got = json.loads(out.read_text())
+    assert "peer rank 1" in got["first"], got
+    for name, (kind, msg, caused, seconds) in got["later"].items():
+        assert kind == "ReducerError", (name, kind, msg)
+        assert msg.startswith("rank 0: a previous step failed (CommError: "), (name, msg)
+        assert got["first"] in msg and "process group is unusable" in msg, (name, msg)
+        assert "Restart the job" in msg and "prior iteration" not in msg, (name, msg)
+        assert caused, (name, "the CommError is not the cause")
+        assert seconds < 1.0, (name, seconds)
+    assert set(got["later"]) == {"forward", "mark_ready", "finalize", "zero_grad"}
+    assert got["close_s"] < 1.0, got
+
+
 # ----------------------------------------------------------------------------- grad reducer
 
 
