@@ -132,6 +132,27 @@ def test_ddp_after_a_failed_step_says_so(tmp_path, mode, unused):
     assert got["close_s"] < 1.0, got
 
 
+def test_ddp_after_its_group_was_shut_down_says_so():
+    from nccl_ddp import DistributedDataParallel
+    from nccl_ddp.adapters.arrays import ArrayModule
+    from nccl_ddp.errors import ReducerError
+    g = HostProcessGroup(None, 0, 1)
+    model = ArrayModule({"a": np.zeros(4, np.float32), "b": np.zeros(4, np.float32)},
+                        forward=lambda p, x: x)
+    ddp = DistributedDataParallel(model, process_group=g)
+    g.shutdown()
+    ddp(0)
+    ddp.mark_ready("a", np.ones(4, np.float32))
+    with pytest.raises(CommError, match="called after the group was shut down") as first:
+        ddp.mark_ready("b", np.ones(4, np.float32))
+    for call in (lambda: ddp(1), lambda: ddp.mark_ready("a"), ddp.zero_grad):
+        with pytest.raises(ReducerError, match="rank 0: a previous step failed .CommError: .*shut "
+                                               "down.*process group is unusable") as later:
+            call()
+        assert later.value.__cause__ is first.value
+    ddp.close()
+
+
 # ----------------------------------------------------------------------------- grad reducer
 
 
