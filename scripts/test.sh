@@ -5,13 +5,7 @@
 # for the kernel compile checks) and .venv-ms (MindSpore 2.10, which needs numpy<2; the MindSpore
 # tests run their examples in it). NCCL_DDP_SKIP_FRAMEWORKS=1 skips the framework installs.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
-VENV=${NCCL_DDP_VENV:-.venv}
-if [[ ! -x $VENV/bin/python ]]; then
-  "$PY" -m venv "$VENV"
-fi
-pip_install() { "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@"; }
+source "$(dirname "$0")/_venv.sh"
 pip_install -e ".[test,plot]"
 if [[ ${NCCL_DDP_SKIP_FRAMEWORKS:-0} != 1 ]]; then
   # torch 2.13.0 is a CPU wheel on local disk; a plain "torch" would fetch a CUDA build of several GB.
