@@ -26,7 +26,11 @@ _OMPI = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_
 
 @dataclass(frozen=True)
 class DistEnv:
-    """This process's place in the job. `master_port` 0 means "pick a free port" (world size 1)."""
+    """This process's place in the job. `master_port` 0 means "pick a free port" (world size 1).
+
+    `store_port` is where our store listens: NCCL_DDP_STORE_PORT when set (nccl-ddp-run sets it,
+    leaving MASTER_PORT free for the script's own use, e.g. torch.distributed's env:// store);
+    under torchrun, whose agent holds MASTER_PORT, MASTER_PORT + 1; else MASTER_PORT."""
 
     rank: int
     world_size: int
@@ -36,6 +40,11 @@ class DistEnv:
     master_port: int
     secret: str = field(default="", repr=False)   # never logged
     store_hosted_externally: bool = False         # the launcher hosts the store; rank 0 is a client
+    store_port: int = -1                          # -1: the same as master_port
+
+    def __post_init__(self) -> None:
+        if self.store_port == -1:
+            object.__setattr__(self, "store_port", self.master_port)
 
 
 def _int(environ: Mapping[str, str], name: Optional[str]) -> Optional[int]:
@@ -166,6 +175,15 @@ def resolve_env(rank: Optional[int] = None, world_size: Optional[int] = None,
                           f"to a free port in 1..65535, the same on every rank")
 
     hosted = environ.get("NCCL_DDP_STORE_HOSTED", "").strip().lower() in ("1", "true", "yes")
+    store_port = _int(environ, "NCCL_DDP_STORE_PORT")
+    if store_port is None:
+        torchrun_agent = environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        store_port = master_port + 1 if torchrun_agent and master_port else master_port
+    if not 0 <= store_port <= 65535 or (store_port == 0 and world_size > 1):
+        raise ConfigError(f"rank {rank}: NCCL_DDP_STORE_PORT={store_port} is not a usable port; "
+                          f"set it to a free port in 1..65535, the same on every rank (or unset "
+                          f"it to use MASTER_PORT)")
     return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank,
                    local_world_size=local_world, master_addr=addr, master_port=master_port,
-                   secret=environ.get("NCCL_DDP_SECRET", ""), store_hosted_externally=hosted)
+                   secret=environ.get("NCCL_DDP_SECRET", ""), store_hosted_externally=hosted,
+                   store_port=store_port)

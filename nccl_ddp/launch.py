@@ -1,11 +1,12 @@
 """nccl-ddp-run: start one worker process per GPU (or per host slot) and watch them fail fast.
 
     nccl-ddp-run [--nproc-per-node N|auto] [--nnodes N --node-rank R --master-addr A
-                 --master-port P] [--standalone] [--log-dir DIR] [-m] script.py args...
+                 --master-port P [--store-port S]] [--standalone] [--log-dir DIR] [-m] script.py ...
 
 Workers get the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
-MASTER_PORT) plus NCCL_DDP_SECRET and NCCL_DDP_STORE_HOSTED=1: node 0's launcher hosts the job's
-store, so every worker is a store client. Output lines are prefixed with `[rank R] `. The first
+MASTER_PORT) plus NCCL_DDP_SECRET, NCCL_DDP_STORE_PORT and NCCL_DDP_STORE_HOSTED=1: node 0's
+launcher hosts the job's store on the store port, so every worker is a store client, and
+MASTER_PORT stays free for the script's own use (torch.distributed's env:// store binds it). Output lines are prefixed with `[rank R] `. The first
 worker to fail stops the others (SIGTERM, then SIGKILL after a grace period) and its exit code
 becomes the launcher's.
 """
@@ -17,6 +18,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -45,7 +47,8 @@ class LaunchConfig:
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = LOOPBACK            # node 0's address; its launcher hosts the store there
-    master_port: int = 0                   # 0: a free port (single node only)
+    master_port: int = 0                   # MASTER_PORT for the script; 0: a free one (single node)
+    store_port: int = 0                    # our store on node 0; 0: free (one node), else master+1
     standalone: bool = False               # single node, loopback, free port
     log_dir: Optional[str] = None          # also write rank_<R>.log files here
     grace_period: float = 5.0              # seconds between SIGTERM and SIGKILL when stopping
@@ -66,6 +69,8 @@ class LaunchConfig:
                               f"rank must be in [0, nnodes)")
         if not 0 <= self.master_port <= 65535:
             raise ConfigError(f"--master-port={self.master_port} is not a port (0..65535)")
+        if not 0 <= self.store_port <= 65535:
+            raise ConfigError(f"--store-port={self.store_port} is not a port (0..65535)")
         if self.grace_period < 0:
             raise ConfigError(f"--grace-period={self.grace_period} must be >= 0")
         if self.nnodes > 1:
@@ -212,8 +217,10 @@ def _pump(pipe: IO[bytes], sink: IO, prefix: bytes, log_file: Optional[IO[bytes]
     pipe.close()
 
 
-def worker_env(config: LaunchConfig, nproc: int, local_rank: int, port: int, secret: str) -> dict:
-    """The launcher's environment plus the torchrun variables and the store's address and secret."""
+def worker_env(config: LaunchConfig, nproc: int, local_rank: int, port: int, secret: str,
+               store_port: int) -> dict:
+    """The launcher's environment plus the torchrun variables and the store's address and secret.
+    MASTER_PORT is not ours: the script may bind it (torch.distributed's env:// store does)."""
     env = dict(os.environ)
     env.update({
         "RANK": str(config.node_rank * nproc + local_rank),
@@ -225,6 +232,7 @@ def worker_env(config: LaunchConfig, nproc: int, local_rank: int, port: int, sec
         "MASTER_PORT": str(port),
         "NCCL_DDP_SECRET": secret,
         "NCCL_DDP_STORE_HOSTED": "1",
+        "NCCL_DDP_STORE_PORT": str(store_port),
         "PYTHONUNBUFFERED": "1",
     })
     return env
@@ -298,6 +306,13 @@ def _supervise(workers: list[Worker], signals: _Signals, grace: float) -> int:
     return 0
 
 
+def free_port(addr: str) -> int:
+    """A port that is free on `addr` now (the script binds it later, as torchrun does)."""
+    with socket.socket() as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
+
+
 def launch(config: LaunchConfig) -> int:
     """Run the job described by `config` on this node; returns the exit code for the launcher."""
     if not config.module and not os.path.exists(config.entrypoint):
@@ -306,14 +321,16 @@ def launch(config: LaunchConfig) -> int:
     nproc = resolve_nproc(config.nproc_per_node)
     secret = config.secret or secrets.token_hex(32)
     server = None
-    port = config.master_port
+    port = config.master_port or free_port(config.master_addr)
+    store_port = config.store_port or (port + 1 if config.nnodes > 1 else 0)
     if config.node_rank == 0:
-        server = StoreServer(config.master_addr, config.master_port, secret)
-        port = server.port
+        server = StoreServer(config.master_addr, store_port, secret)
+        store_port = server.port
     cmd = [sys.executable, "-u"] + (["-m"] if config.module else []) + [config.entrypoint]
     cmd += list(config.args)
-    log.info("starting %d worker(s) on node %d/%d, store at %s:%d: %s", nproc, config.node_rank,
-             config.nnodes, config.master_addr, port, " ".join(cmd[2:]))
+    log.info("starting %d worker(s) on node %d/%d, store at %s:%d, MASTER_PORT %d: %s", nproc,
+             config.node_rank, config.nnodes, config.master_addr, store_port, port,
+             " ".join(cmd[2:]))
     workers = [Worker(config.node_rank * nproc + i, i) for i in range(nproc)]
     logs: list[Optional[IO[bytes]]] = [None] * nproc
     out_lock = threading.Lock()
@@ -329,7 +346,7 @@ def launch(config: LaunchConfig) -> int:
         with _Signals() as sigs:
             try:
                 for w, f in zip(workers, logs):
-                    w.start(cmd, worker_env(config, nproc, w.local_rank, port, secret), f,
+                    w.start(cmd, worker_env(config, nproc, w.local_rank, port, secret, store_port), f,
                             out_lock)
             except OSError as e:
                 for w in workers:
@@ -374,7 +391,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> LaunchConfig:
     p.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR", LOOPBACK),
                    help="address of node 0, where the store runs [MASTER_ADDR]")
     p.add_argument("--master-port", type=int, default=os.environ.get("MASTER_PORT", 0),
-                   help="store port on node 0; 0 picks a free one (single node) [MASTER_PORT]")
+                   help="MASTER_PORT given to the workers (free for the script's own use, e.g. "
+                        "torch.distributed); 0 picks a free one (single node) [MASTER_PORT]")
+    p.add_argument("--store-port", type=int, default=os.environ.get("NCCL_DDP_STORE_PORT", 0),
+                   help="port of our store on node 0; 0: a free one on one node, MASTER_PORT+1 "
+                        "across nodes [NCCL_DDP_STORE_PORT]")
     p.add_argument("--standalone", action="store_true",
                    help="single node on loopback with a free port (ignores MASTER_ADDR/PORT)")
     p.add_argument("--log-dir", default=os.environ.get("NCCL_DDP_LOG_DIR"),
@@ -388,10 +409,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> LaunchConfig:
     p.add_argument("entrypoint", help="the training script (or module with -m)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     a = p.parse_args(argv)
-    addr, port = (LOOPBACK, 0) if a.standalone else (a.master_addr, a.master_port)
+    addr, port, store_port = ((LOOPBACK, 0, 0) if a.standalone
+                              else (a.master_addr, a.master_port, a.store_port))
     return LaunchConfig(entrypoint=a.entrypoint, args=tuple(a.args), module=a.module,
                         nproc_per_node=a.nproc_per_node, nnodes=a.nnodes, node_rank=a.node_rank,
-                        master_addr=addr, master_port=port, standalone=a.standalone,
+                        master_addr=addr, master_port=port, store_port=store_port,
+                        standalone=a.standalone,
                         log_dir=a.log_dir, grace_period=a.grace_period,
                         secret=os.environ.get("NCCL_DDP_SECRET") or None)
 

@@ -235,9 +235,9 @@ def connect_store(env: DistEnv, timeout: float = DEFAULT_TIMEOUT) -> TCPStore:
     if not secret and env.world_size == 1 and not env.store_hosted_externally:
         secret = secrets.token_hex(16)
     server = None
-    port = env.master_port
+    port = env.store_port
     if env.rank == 0 and not env.store_hosted_externally:
-        server = StoreServer(env.master_addr, env.master_port, secret)
+        server = StoreServer(env.master_addr, env.store_port, secret)
         port = server.port
     try:
         return TCPStore(env.master_addr, port, secret, timeout=timeout, rank=env.rank,

@@ -87,3 +87,13 @@ def test_single_node_needs_no_master_addr():
     environ = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "2000"}
     env = resolve_env(environ=environ)
     assert (env.master_addr, env.local_world_size, env.local_rank) == ("127.0.0.1", 2, 0)
+
+
+def test_store_port_defaults_to_master_port_and_follows_the_launcher():
+    assert resolve_env(environ=TORCHRUN).store_port == 29500
+    assert resolve_env(environ=dict(TORCHRUN, NCCL_DDP_STORE_PORT="29611")).store_port == 29611
+    # under torchrun its agent's store holds MASTER_PORT: ours takes the next port
+    agent = dict(TORCHRUN, TORCHELASTIC_USE_AGENT_STORE="True")
+    assert resolve_env(environ=agent).store_port == 29501
+    with pytest.raises(ConfigError, match="NCCL_DDP_STORE_PORT=70000"):
+        resolve_env(environ=dict(TORCHRUN, NCCL_DDP_STORE_PORT="70000"))

@@ -239,3 +239,28 @@ def test_allreduce_demo_through_the_launcher():
     r = _run(["--nproc-per-node", "2", demo])
     assert r.returncode == 0, r.stdout + r.stderr
     assert "[rank 1] rank 1/2" in r.stdout and "expected 3.0" in r.stdout
+
+
+TORCH_GLOO_AND_OURS = """
+    import numpy as np, torch, torch.distributed as dist
+    import nccl_ddp as nd
+    dist.init_process_group("gloo")          # env://: binds MASTER_PORT on rank 0, as under torchrun
+    nd.init_process_group(backend="host", timeout=30)
+    x = np.full(3, nd.get_rank() + 1.0, np.float32)
+    nd.all_reduce(x)
+    t = torch.full((3,), dist.get_rank() + 1.0)
+    dist.all_reduce(t)
+    print(f"ours {x.tolist()} torch {t.tolist()}")
+    nd.destroy_process_group()
+    dist.destroy_process_group()
+"""
+
+
+def test_torch_distributed_script_runs_unchanged(tmp_path):
+    """MASTER_PORT is left to the script: torch.distributed's own store binds it while ours
+    listens on NCCL_DDP_STORE_PORT, so a torchrun script can use both."""
+    pytest.importorskip("torch")
+    res = _run(["--nproc-per-node", "2", _script(tmp_path, TORCH_GLOO_AND_OURS)], timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    for r in (0, 1):
+        assert f"[rank {r}] ours [3.0, 3.0, 3.0] torch [3.0, 3.0, 3.0]" in res.stdout
