@@ -22,7 +22,8 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import Progress, format_table, plot_series, write_csv  # noqa: E402
+from benchlib import (Progress, array_module, format_table, plot_series, slowest,  # noqa: E402
+                      synchronize, write_csv)
 
 BYTES_PER_SIZE = 1 << 30     # aim to move about this much per size and backend (caps iterations)
 COLUMNS = ("size", "count", "dtype", "time_us", "algbw_GBps", "busbw_GBps", "gloo_time_us",
@@ -74,20 +75,19 @@ def _iters(args, size: int) -> int:
     return max(3, min(args.iters, BYTES_PER_SIZE // size))
 
 
-def _slowest(nd, seconds: float) -> float:
-    t = np.array([seconds])
-    nd.all_reduce(t, op="max")
-    return float(t[0])
-
-
-def _time_ours(nd, args, x: np.ndarray, iters: int) -> float:
+def _time_ours(nd, args, x, iters: int) -> float:
+    """Seconds per all-reduce of `x` (NumPy on host, CuPy on nccl: NCCL calls return before the
+    GPU ran them, so the device is synchronised around the timed loop)."""
+    xp = array_module(nd)
     for _ in range(args.warmup):
         nd.all_reduce(x, op=args.op)
     nd.barrier()
+    synchronize(xp)
     t0 = time.perf_counter()
     for _ in range(iters):
         nd.all_reduce(x, op=args.op)
-    return _slowest(nd, (time.perf_counter() - t0) / iters)
+    synchronize(xp)
+    return slowest(nd, (time.perf_counter() - t0) / iters)
 
 
 def _gloo_setup(nd, args):
@@ -99,7 +99,7 @@ def _gloo_setup(nd, args):
         import torch.distributed as dist
     except ImportError:
         return None
-    port = np.zeros(1, np.int64)
+    port = array_module(nd).zeros(1, np.int64)
     if nd.get_rank() == 0:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -112,8 +112,9 @@ def _gloo_setup(nd, args):
     return torch, dist
 
 
-def _time_gloo(nd, gloo, args, x: np.ndarray, iters: int):
+def _time_gloo(nd, gloo, args, x, iters: int):
     torch, dist = gloo
+    x = x if isinstance(x, np.ndarray) else x.get()   # gloo on the host copy
     ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
            "prod": dist.ReduceOp.PRODUCT}
     if args.op not in ops:
@@ -129,7 +130,7 @@ def _time_gloo(nd, gloo, args, x: np.ndarray, iters: int):
     t0 = time.perf_counter()
     for _ in range(iters):
         dist.all_reduce(t, op=ops[args.op])
-    return _slowest(nd, (time.perf_counter() - t0) / iters)
+    return slowest(nd, (time.perf_counter() - t0) / iters)
 
 
 def worker(args) -> list:
@@ -148,7 +149,7 @@ def worker(args) -> list:
     rows = []
     for size in sizes:
         count = size // dtype.itemsize
-        x = np.ones(count, dtype)
+        x = array_module(nd).asarray(np.ones(count, dtype))
         iters = _iters(args, size)
         t = _time_ours(nd, args, x, iters)
         algbw = size / t / 1e9

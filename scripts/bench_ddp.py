@@ -28,7 +28,8 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
-from benchlib import Progress, format_table, plot_panels, write_csv  # noqa: E402
+from benchlib import (Progress, format_table, plot_panels, slowest, synchronize,  # noqa: E402
+                      write_csv)
 
 import train_mlp as mlp  # noqa: E402
 
@@ -59,28 +60,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _slowest(nd, seconds: float) -> float:
-    t = np.array([seconds])
-    nd.all_reduce(t, op="max")
-    return float(t[0])
-
-
 def _timed(nd, xp, step: Callable[[], None], args) -> float:
     """Mean seconds per step on the slowest rank (device work included)."""
     for _ in range(args.warmup):
         step()
-    _sync(xp)
+    synchronize(xp)
     nd.barrier()
     t0 = time.perf_counter()
     for _ in range(args.steps):
         step()
-    _sync(xp)
-    return _slowest(nd, (time.perf_counter() - t0) / args.steps)
-
-
-def _sync(xp) -> None:
-    if xp is not np:
-        xp.cuda.get_current_stream().synchronize()
+    synchronize(xp)
+    return slowest(nd, (time.perf_counter() - t0) / args.steps)
 
 
 def run_arrays(nd, xp, args, cap_mb: float) -> dict:
@@ -127,7 +117,7 @@ def run_arrays(nd, xp, args, cap_mb: float) -> dict:
     row = dict(mode="arrays", ranks=nd.get_world_size(), backend=nd.get_world_group().backend,
                params_MiB=nbytes / 2**20, cap_MiB=cap_mb, buckets=len(ddp.reducer.layout.buckets),
                local_ms=t_local * 1e3, ddp_ms=t_ddp * 1e3, overhead_ms=(t_ddp - t_local) * 1e3,
-               comm_ms=_slowest(nd, comm) * 1e3, hidden_pct=100.0 * hidden)
+               comm_ms=slowest(nd, comm) * 1e3, hidden_pct=100.0 * hidden)
     ddp.close()
     return row
 

@@ -16,6 +16,8 @@ from typing import Callable
 
 import numpy as np
 
+from benchlib import array_module, slowest
+
 _TORCH_PG = {}
 
 
@@ -24,7 +26,7 @@ def _init_torch_pg(nd, torch, backend: str) -> None:
     if _TORCH_PG:
         return
     import torch.distributed as dist
-    port = np.zeros(1, dtype=np.int64)
+    port = array_module(nd).zeros(1, dtype=np.int64)   # cupy on the nccl backend
     if nd.get_rank() == 0:
         with socket.socket() as s:
             s.bind(("", 0))
@@ -59,9 +61,7 @@ def _timed(nd, torch, step: Callable[[], None], args, cuda: bool) -> float:
         step()
     if cuda:
         torch.cuda.synchronize()
-    t = np.array([(time.perf_counter() - t0) / args.steps])
-    nd.all_reduce(t, op="max")
-    return float(t[0])
+    return slowest(nd, (time.perf_counter() - t0) / args.steps)
 
 
 def run_torch(nd, xp, args, cap_mb: float) -> dict:
@@ -105,14 +105,13 @@ def run_torch(nd, xp, args, cap_mb: float) -> dict:
     steps = list(ddp.reducer.prof.steps)
     comm = sum(s.comm_s for s in steps) / max(1, len(steps))
     hidden = sum(s.overlap_s for s in steps) / max(1e-12, sum(s.comm_s for s in steps))
-    c = np.array([comm])
-    nd.all_reduce(c, op="max")
+    comm = slowest(nd, comm)
     nbytes = sum(b.nbytes for b in ddp.reducer.layout.buckets)
     row = dict(mode="torch", ranks=nd.get_world_size(),
                backend=f"{ours_backend}/{_TORCH_PG['backend']}", params_MiB=nbytes / 2**20,
                cap_MiB=cap_mb, buckets=len(ddp.reducer.layout.buckets), local_ms=t_local * 1e3,
                ddp_ms=t_ddp * 1e3, overhead_ms=(t_ddp - t_local) * 1e3,
-               comm_ms=float(c[0]) * 1e3, hidden_pct=100.0 * hidden,
+               comm_ms=comm * 1e3, hidden_pct=100.0 * hidden,
                torch_ddp_ms=t_torch * 1e3, ratio=t_ddp / t_torch)
     ddp.close()
     return row

@@ -8,7 +8,31 @@ from __future__ import annotations
 import csv
 import os
 import sys
-from typing import Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
+
+import numpy as np
+
+
+def array_module(nd: Any) -> Any:
+    """numpy, or cupy when the world group is NCCL's: NCCL reduces GPU memory only, and the
+    nccl backend refuses NumPy arrays."""
+    if nd.get_world_group().backend == "nccl":
+        import cupy
+        return cupy
+    return np
+
+
+def synchronize(xp: Any) -> None:
+    """Wait for the device work queued so far (NCCL calls return before the GPU ran them)."""
+    if xp is not np:
+        xp.cuda.get_current_stream().synchronize()
+
+
+def slowest(nd: Any, value: float) -> float:
+    """The largest `value` over the ranks (one max all-reduce, on the backend's array type)."""
+    t = array_module(nd).asarray(np.array([value], np.float64))
+    nd.all_reduce(t, op="max")
+    return float(t[0])
 
 
 class Progress:
