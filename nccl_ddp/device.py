@@ -305,7 +305,7 @@ class CudaStream(Stream):
         self.record().synchronize(timeout)
 
 
-class _RawStream:
+class RawStream:
     """A raw cudaStream_t handle speaking the CUDA stream protocol (for Stream.from_external)."""
 
     def __init__(self, ptr: int) -> None:
@@ -342,7 +342,7 @@ class CudaDevice(Device):
         """Wrap a framework's stream: an object with `__cuda_stream__` (torch.cuda.Stream, ...)
         or a raw cudaStream_t pointer (int)."""
         if isinstance(obj, int):
-            obj = _RawStream(obj)
+            obj = RawStream(obj)
         elif not hasattr(obj, "__cuda_stream__"):
             raise TypeError(f"expected an object with __cuda_stream__ or a raw stream pointer "
                             f"(int), got {type(obj).__name__}")

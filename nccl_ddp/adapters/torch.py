@@ -73,8 +73,13 @@ def torch_stream_current(on_cuda: bool) -> Iterator[None]:
         return
     import cupy
     import torch
+
+    from ..device import RawStream
     stream = torch.cuda.current_stream()
-    with cupy.cuda.Device(stream.device.index), cupy.cuda.ExternalStream(stream.cuda_stream):
+    # Stream.from_external: CuPy 14 deprecates ExternalStream (a DeprecationWarning per call);
+    # the raw pointer works whether or not this torch has __cuda_stream__
+    with cupy.cuda.Device(stream.device.index), \
+            cupy.cuda.Stream.from_external(RawStream(stream.cuda_stream)):
         yield
 
 
