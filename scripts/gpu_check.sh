@@ -85,8 +85,11 @@ if [ "$GPUS" = "0" ]; then
 fi
 
 # -- tests ------------------------------------------------------------------------------------
+# -v names each test as it starts (a step killed by its timeout still shows which test hung);
+# a per-test limit well under the step's (pytest-timeout dumps the stacks of a hung test and the
+# run goes on; -o, not --timeout, so a missing plugin is a warning, not a usage error).
 step pytest "${GPU_CHECK_PYTEST_TIMEOUT:-130}" \
-    "$PY" -m pytest -m gpu -q -p no:cacheprovider tests
+    "$PY" -m pytest -m gpu -v -p no:cacheprovider -o timeout=75 --durations=12 tests
 cp "$WORK/pytest.out" "$RES/pytest.txt"
 
 # -- benchmarks -------------------------------------------------------------------------------
