@@ -20,3 +20,31 @@ def test_bench_ddp_smoke(tmp_path):
     assert int(rows[0]["buckets"]) > int(rows[1]["buckets"]) >= 1
     for row in rows:
         assert float(row["ddp_ms"]) > 0 and 0 <= float(row["hidden_pct"]) <= 100
+
+
+def test_slowest_reduces_the_backends_array_type(monkeypatch):
+    """The nccl group refuses NumPy arrays: the benchmarks' timing max must go through CuPy there
+    (a fake `cupy` module stands in), and stay NumPy on the host backend."""
+    import types
+
+    import numpy as np
+    sys.path.insert(0, os.path.dirname(SCRIPT))
+    import benchlib
+
+    class DeviceArray(np.ndarray):
+        pass
+
+    fake = types.ModuleType("cupy")
+    fake.asarray = lambda a: np.asarray(a).view(DeviceArray)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    for backend, kind in (("nccl", DeviceArray), ("host", np.ndarray)):
+        seen = []
+
+        def all_reduce(t, op):
+            seen.append((type(t), op))
+            t[0] = 7.5
+
+        nd = types.SimpleNamespace(all_reduce=all_reduce, get_world_group=lambda: types.
+                                   SimpleNamespace(backend=backend))
+        assert benchlib.slowest(nd, 1.5) == 7.5
+        assert seen == [(kind, "max")]
