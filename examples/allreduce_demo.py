@@ -14,7 +14,7 @@ def main() -> None:
     rank, world = nd.get_rank(), nd.get_world_size()
     if group.backend == "nccl":
         import cupy as xp
-        xp.cuda.Device(nd.get_local_rank()).use()
+        xp.cuda.Device(group.device_id).use()   # the GPU the NCCL group runs on
     else:
         xp = np
     x = xp.full(4, rank + 1, dtype=xp.float32)

@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     rank, world = nd.get_rank(), nd.get_world_size()
     if group.backend == "nccl":
         import cupy as xp
-        xp.cuda.Device(nd.get_local_rank()).use()
+        xp.cuda.Device(group.device_id).use()   # the GPU the NCCL group runs on
     else:
         xp = np
     dims = [args.features] + [args.hidden] * args.layers + [1]

@@ -136,7 +136,7 @@ def worker(args) -> list:
     group = nd.init_process_group()
     if group.backend == "nccl":
         import cupy as xp
-        xp.cuda.Device(nd.get_local_rank()).use()
+        xp.cuda.Device(group.device_id).use()   # the GPU the NCCL group runs on
     else:
         xp = np
     rank = nd.get_rank()

@@ -213,6 +213,20 @@ def test_get_device_kinds(cp, monkeypatch):
         D.get_device("cuda")
 
 
+def test_nccl_world_group_runs_on_the_gpu_ddp_uses(cp, monkeypatch):
+    """Each process sees one GPU (CUDA_VISIBLE_DEVICES per rank): LOCAL_RANK 1 is GPU 0 for the
+    communicator as for DDP's device (the group used to be built for the missing GPU 1)."""
+    from types import SimpleNamespace
+
+    from nccl_ddp.comm import api
+    from nccl_ddp.comm.nccl import NcclProcessGroup
+    seen = {}
+    monkeypatch.setattr(NcclProcessGroup, "create",
+                        classmethod(lambda cls, *a, **kw: seen.update(kw)))
+    api._create_group("nccl", None, SimpleNamespace(rank=1, world_size=2, local_rank=1), 5.0)
+    assert seen["device_id"] == 0 == D.get_device("cuda", 1).device_id
+
+
 # ---------------------------------------------------------------------------------------------
 # scripts/bench_kernels.py, end to end on the fake (its logic; the numbers mean nothing here)
 

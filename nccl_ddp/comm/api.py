@@ -56,9 +56,12 @@ def _pick_backend(backend: Optional[str]) -> str:
 def _create_group(backend: str, store, env: DistEnv, timeout: float) -> ProcessGroup:
     ranks = list(range(env.world_size))
     if backend == "nccl":
+        from ..device import get_device
         from .nccl import NcclProcessGroup
+        # the GPU DDP's device picks too: the local rank, or 0 when each process sees one GPU
+        device_id = get_device("cuda", env.local_rank).device_id
         return NcclProcessGroup.create(store, env.rank, env.world_size, ranks, timeout, "world",
-                                       device_id=env.local_rank)
+                                       device_id=device_id)
     from .host import HostProcessGroup
     return HostProcessGroup.create(store, env.rank, env.world_size, ranks, timeout, "world")
 
