@@ -9,6 +9,8 @@ Framework tensors go through their adapter (adapters/grads.py) in and out via DL
 Every rank constructs the reducer (as in MindSpore); construction checks with one collective that
 all ranks pass the same parameter shapes/dtypes, mean, degree and fusion ids (`RankMismatchError`
 on every rank otherwise), and each call checks its grads against the parameters, locally.
+After an all-reduce failed (a peer died), every later call raises `ReducerError` "a previous
+step failed" with that error as its cause, at once.
 
 fusion_type (MindSpore's fusion ids, here exactly):
 - 0: no fusion: one all-reduce per grad.
@@ -33,6 +35,7 @@ from .ddp import device_for, resolve_group
 from .ddp_config import check_bool, check_float_dtype, check_positive_int
 from .param_sync import check_same_params
 from .reducer import bucket_tag
+from .step_failure import StepFailure
 
 
 class DistributedGradReducer:
@@ -78,8 +81,10 @@ class DistributedGradReducer:
         self.layout = assign_buckets(specs, DEFAULT_CAP_BYTES, FIRST_CAP_BYTES,
                                      align_bytes=self.device.align_bytes)
         self.comm = self.device.new_stream()
+        self._failure = StepFailure(self.group.rank, "DistributedGradReducer")
 
     def __call__(self, grads: Sequence[Any]) -> Sequence[Any]:
+        self._failure.check()
         adapter = grads_adapters.for_objects(grads)
         if adapter is not None:   # framework grads: in and out through DLPack
             return adapter.reduce(self, grads)
@@ -88,6 +93,12 @@ class DistributedGradReducer:
         if len(grads) != len(self.specs):
             raise ValueError(f"got {len(grads)} grads for {len(self.specs)} parameters")
         native = [self._native(i, g) for i, g in enumerate(grads)]
+        with self._failure.closes_step():   # a failed all-reduce: every later call says so
+            return type(grads)(self._reduce(native))
+
+    def _reduce(self, native: list) -> list:
+        """The native grads reduced: views of fresh bucket buffers, packing and all-reducing
+        pipelined across the compute and comm streams."""
         scale = 1.0 / self.degree if self.mean else 1.0
         pack = functools.partial(kernels.pack, scale=scale)
         compute = self.device.current_stream()
@@ -108,7 +119,7 @@ class DistributedGradReducer:
                 out[p] = buf[off:off + n].reshape(self.specs[p].shape)
         for ev in done:
             compute.wait(ev)
-        return type(grads)(out)
+        return out
 
     def _native(self, i: int, g: Any) -> Any:
         if type(g).__module__.split(".")[0] != self.device.xp.__name__:
@@ -122,7 +133,10 @@ class DistributedGradReducer:
         return g
 
     def close(self) -> None:
-        self.comm.synchronize(self.group.timeout)
+        """Wait for pending communication (not after a failed call: its error was raised
+        already) and release the comm stream."""
+        if self._failure.error is None:
+            self.comm.synchronize(self.group.timeout)
         close = getattr(self.comm, "close", None)
         if close is not None:
             close()

@@ -15,7 +15,6 @@ All three give the same numbers.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 from typing import Any, Callable, List, Optional, Sequence
@@ -29,6 +28,7 @@ from .comm.group import ProcessGroup, ReduceOp
 from .ddp_config import DDPConfig
 from .errors import ReducerError
 from .profiling import Timeline
+from .step_failure import StepFailure
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class Reducer:
         self._open = False
         self._step_syncs = True
         self._uses_prepare = False
-        self._failed: Optional[BaseException] = None   # what broke a step; every later call fails
+        self._failure = StepFailure(group.rank, "DistributedDataParallel")   # what broke a step
         self._set_layout(assign_buckets(self.specs, config.cap_bytes, config.first_cap_bytes))
 
     # ------------------------------------------------------------------ layout and memory
@@ -94,7 +94,7 @@ class Reducer:
 
     def prepare(self) -> None:
         """Called by the wrapper's forward: the next grads belong to a new step."""
-        self._check_not_failed()
+        self._failure.check()
         if self._open and self._step_syncs and self._ready.any():
             raise ReducerError(self._missing_message(
                 "Expected to have finished reduction in the prior iteration before starting a new "
@@ -119,7 +119,7 @@ class Reducer:
         Launches every bucket that is now complete and whose predecessors have launched; the last
         grad finalizes the step. Returns the accumulated grad array (a bucket view in view mode).
         """
-        self._check_not_failed()
+        self._failure.check()
         if not self._open:
             if self._uses_prepare:
                 raise ReducerError(
@@ -142,7 +142,7 @@ class Reducer:
             self.prof.mark("backward", "start", self.device.current_stream())
         if grad is not None and grad is not self.grads[i]:
             self.device.current_stream().submit(_accumulate, self.grads[i], grad)
-        with self._failing_closes_step():
+        with self._failure.closes_step(self._abandon_step):
             self._set_ready(i)
             if self._count == self._expected:
                 self._finalize()
@@ -222,8 +222,8 @@ class Reducer:
         missing grads are reduced as they are (their local contribution this step is zero), then a
         bitmap all-reduce tells which params no rank used: those keep their previous grad.
         """
-        self._check_not_failed()
-        with self._failing_closes_step():
+        self._failure.check()
+        with self._failure.closes_step(self._abandon_step):
             self._finalize()
 
     def _finalize(self) -> None:
@@ -304,35 +304,17 @@ class Reducer:
         self._set_layout(layout)
         log.info("rank %d: buckets rebuilt in arrival order: %s", self.group.rank, layout.summary())
 
-    @contextlib.contextmanager
-    def _failing_closes_step(self):
-        """A launch or finalize that raises (a collective failed: peer died, group destroyed)
-        leaves the step half-reduced and the ranks out of step: close the step and remember why,
-        so that every later call says so instead of naming grads as missing."""
-        try:
-            yield
-        except ReducerError:        # the caller's misuse (grads missing): reported as it is
-            raise
-        except Exception as e:
-            self._open = False
-            if self._failed is None:
-                self._failed = e
-            raise
-
-    def _check_not_failed(self) -> None:
-        e = self._failed
-        if e is not None:
-            raise ReducerError(
-                f"rank {self.group.rank}: a previous step failed ({type(e).__name__}: {e}); its "
-                "grads are partly reduced and the process group is unusable after a communication "
-                "failure. Restart the job (or destroy_process_group(), then create a new process "
-                "group and a new DistributedDataParallel)") from e
+    def _abandon_step(self) -> None:
+        """A launch or finalize raised (a collective failed: peer died, group destroyed): the
+        step is half-reduced and the ranks are out of step; `self._failure` makes every later
+        call say so instead of naming grads as missing."""
+        self._open = False
 
     # ------------------------------------------------------------------ accumulation
 
     def zero_grad(self) -> None:
         """Zero every grad (the buckets in view mode). Not allowed while a step is open."""
-        self._check_not_failed()
+        self._failure.check()
         if self._open and self._ready.any():
             raise ReducerError(
                 f"rank {self.group.rank}: zero_grad() called in the middle of a step ("
@@ -352,7 +334,7 @@ class Reducer:
     def close(self) -> None:
         """Wait for pending communication (not after a failed step: its error was raised
         already) and release the comm stream."""
-        if self._failed is None:
+        if self._failure.error is None:
             self.comm.synchronize(self.group.timeout)
         self.prof.close()
         close = getattr(self.comm, "close", None)

@@ -182,6 +182,59 @@ def test_grad_reducer_names_bucket_op_and_dead_peer():
                      r"group rank 0/2\) failed: .*peer rank 1", msg), msg
 
 
+def _grad_reducer_after_failed_call(rank, world, out_path):
+    """Rank 1 dies between two calls; rank 0's second call raises the CommError, every later one
+    says that a previous step failed (the CommError as cause), at once; close() ends at once."""
+    import json
+
+    import nccl_ddp as nd
+    nd.init_process_group("host", timeout=TIMEOUT)
+    red = nd.DistributedGradReducer([np.zeros(N, np.float32) for _ in range(3)])
+    grads = [np.full(N, rank + 1.0, np.float32) for _ in range(3)]
+    red(grads)
+    if rank == 1:
+        os._exit(3)
+    try:
+        red(grads)
+    except CommError as e:
+        first = e
+    else:
+        raise AssertionError("rank 0 reduced without its peer")
+    later = []
+    for _ in range(2):
+        t0 = time.monotonic()
+        try:
+            red(grads)
+            later.append(("no error", "", False, 0.0))
+        except Exception as e:
+            later.append((type(e).__name__, str(e), e.__cause__ is first, time.monotonic() - t0))
+    t0 = time.monotonic()
+    red.close()
+    with open(out_path, "w") as f:
+        json.dump({"first": str(first), "later": later, "close_s": time.monotonic() - t0}, f)
+
+
+def test_grad_reducer_after_a_failed_call_says_so(tmp_path):
+    import json
+    out = tmp_path / "rank0.json"
+    failed = run_ranks(_grad_reducer_after_failed_call, 2, str(out), timeout=60,
+                       expect_fail=True)
+    assert "exited with code 3" in failed[1], failed
+    assert out.exists(), failed
+    got = json.loads(out.read_text())
+    assert re.search(r"all_reduce #\d+ of bucket 0 \(768\.0 KiB\) on group 'world'.*peer rank 1",
+                     got["first"]), got
+    assert len(got["later"]) == 2, got
+    for kind, msg, caused, seconds in got["later"]:
+        assert kind == "ReducerError", (kind, msg)
+        assert msg.startswith("rank 0: a previous step failed (CommError: "), msg
+        assert got["first"] in msg and "process group is unusable" in msg, msg
+        assert msg.endswith("a new DistributedGradReducer)"), msg
+        assert caused, "the CommError is not the cause"
+        assert seconds < 1.0, seconds
+    assert got["close_s"] < 1.0, got
+
+
 # ----------------------------------------------------------------------------- the launcher
 
 
