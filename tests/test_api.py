@@ -190,3 +190,81 @@ def torch_body(rank, world):
 @pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed")
 def test_torch_cpu_tensors_in_place():
     run_ranks(torch_body, 2, timeout=120)
+
+
+def _sockets() -> int:
+    import os
+    fds = os.listdir("/proc/self/fd")
+    links = []
+    for fd in fds:
+        try:
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:       # the fd listing itself, closed since
+            pass
+    return sum(link.startswith("socket:") for link in links)
+
+
+def destroy_after_peer_died_body(rank, world, dead, out_path):
+    """Rank `dead` exits before a collective; the survivor catches the CommError and cleans up:
+    destroy_process_group must not wait for the dead peer, and must release everything."""
+    import json
+    import os
+    import threading
+    import time
+
+    from nccl_ddp.errors import CommError
+    sockets = _sockets()
+    nd.init_process_group(backend="host", timeout=20)
+    nd.all_reduce(np.ones(4))                          # the transport is set up and working
+    if rank == dead:
+        os._exit(3)
+    try:
+        nd.all_reduce(np.ones(1 << 16, np.float32))
+    except CommError as e:
+        caught = str(e)
+    else:
+        raise AssertionError(f"rank {rank} reduced without its peer")
+    t0 = time.monotonic()
+    nd.destroy_process_group()
+    seconds = time.monotonic() - t0
+    threads = [t.name for t in threading.enumerate() if t.name.startswith("nccl_ddp")]
+    with open(out_path, "w") as f:
+        json.dump({"caught": caught, "seconds": seconds, "threads": threads,
+                   "sockets": [sockets, _sockets()], "initialized": nd.is_initialized()}, f)
+
+
+@pytest.mark.parametrize("dead", [1, 0])
+def test_destroy_after_a_peer_died_does_not_wait_for_it(tmp_path, dead):
+    import json
+    out = tmp_path / "survivor.json"
+    failed = run_ranks(destroy_after_peer_died_body, 2, dead, str(out), timeout=60,
+                       expect_fail=True)
+    assert set(failed) == {dead} and "exited with code 3" in failed[dead], failed
+    got = json.loads(out.read_text())
+    assert "all_reduce" in got["caught"] and f"peer rank {dead}" in got["caught"], got
+    assert got["seconds"] < 5.0, got          # the store barrier would wait min(timeout, 30) s
+    assert not got["initialized"] and got["threads"] == [], got
+    assert got["sockets"][1] == got["sockets"][0], got    # store client/server, links: closed
+
+
+def destroy_waits_for_peers_body(rank, world, tmp):
+    """Without a failure, rank 0 (the store's host) leaves destroy_process_group only after
+    every rank entered it: the store stays up while a peer may still need it."""
+    import time
+    nd.init_process_group(backend="host", timeout=20)
+    nd.all_reduce(np.ones(4))
+    if rank == 1:
+        time.sleep(1.0)
+        with open(f"{tmp}/entered", "w") as f:
+            f.write(repr(time.time()))
+    nd.destroy_process_group()
+    if rank == 0:
+        with open(f"{tmp}/left", "w") as f:
+            f.write(repr(time.time()))
+
+
+def test_destroy_without_failure_keeps_its_barrier(tmp_path):
+    run_ranks(destroy_waits_for_peers_body, 2, str(tmp_path), timeout=60)
+    entered = float((tmp_path / "entered").read_text())
+    left = float((tmp_path / "left").read_text())
+    assert left >= entered, (left, entered)

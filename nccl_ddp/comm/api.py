@@ -109,7 +109,10 @@ def _check_timeout(timeout: Any, where: str) -> None:
 
 
 def destroy_process_group() -> None:
-    """Shut the world group down and close the store (rank 0 last). No-op if not initialized."""
+    """Shut the world group down and close the store (rank 0 last). No-op if not initialized.
+
+    After a failed collective of the world group (a peer died) it does not wait for the other
+    ranks: they may be gone, and with them the store if rank 0 died."""
     global _world
     w, _world = _world, None
     if w is None:
@@ -117,7 +120,10 @@ def destroy_process_group() -> None:
     w.group.shutdown()
     if not w.owns_store:
         return
-    if w.env.world_size > 1:   # rank 0 hosts the store: nobody may still need it when it closes
+    if w.group.failed:
+        log.warning("rank %d: destroy_process_group after a failed collective on the world "
+                    "group: closing without waiting for the other ranks", w.env.rank)
+    elif w.env.world_size > 1:   # rank 0 hosts the store: nobody may still need it when it closes
         try:
             w.store.barrier("nccl_ddp/destroy", w.env.world_size, min(w.group.timeout, 30.0))
         except NcclDdpError as e:

@@ -96,6 +96,12 @@ class ProcessGroup(abc.ABC):
     def shutdown(self) -> None:
         """Release sockets / communicators / threads. Idempotent."""
 
+    @property
+    def failed(self) -> bool:
+        """True once a collective of this group failed or the group was aborted: it is unusable
+        and its peers may be gone (destroy_process_group then does not wait for them)."""
+        return False
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name} rank {self.rank}/{self.size}>"
 

@@ -320,6 +320,10 @@ class HostProcessGroup(ProcessGroup):
         return HostProcessGroup(PrefixStore(self._store, f"sub{n}"), members.index(me),
                                 len(members), members, self.timeout, name.replace(" ", ""))
 
+    @property
+    def failed(self) -> bool:
+        return self._error is not None
+
     def shutdown(self) -> None:
         if self._closed:
             return

@@ -321,6 +321,10 @@ class NcclProcessGroup(ProcessGroup):
         return NcclProcessGroup.create(self._store, ranks.index(me), len(ranks), ranks,
                                        self.timeout, name, self.device_id, runtime=self._rt)
 
+    @property
+    def failed(self) -> bool:
+        return self._failure is not None
+
     def shutdown(self) -> None:
         """Stop the watchdog; destroy the communicator, or abort it if ops are still in flight."""
         if self._closed:
