@@ -106,6 +106,18 @@ class ProcessGroup(abc.ABC):
         return f"<{type(self).__name__} {self.name} rank {self.rank}/{self.size}>"
 
 
+def check_gather_buffers(where: str, size: int, big, small, big_name: str,
+                         small_name: str) -> None:
+    """all_gather / reduce_scatter: the `big` buffer holds `size` x the `small` one, same dtype."""
+    from ..errors import ConfigError
+    if big.dtype != small.dtype:
+        raise ConfigError(f"{where}: {big_name} is {big.dtype} but {small_name} is {small.dtype}; "
+                          f"use one dtype for both")
+    if big.size != small.size * size:
+        raise ConfigError(f"{where}: {big_name} must hold group size ({size}) x {small_name} "
+                          f"elements; got {big_name} {big.size}, {small_name} {small.size}")
+
+
 class NonMemberGroup:
     """What `new_group(ranks)` returns on a rank outside `ranks` (like torch's NON_GROUP_MEMBER).
 

@@ -27,7 +27,7 @@ from ._ring import RingTransport, SelfTransport
 from ._shm import ShmTransport
 from ._wire import (ALL_GATHER, ALL_REDUCE, BARRIER, BROADCAST, REDUCE_SCATTER, Rendezvous,
                     host_id)
-from .group import ProcessGroup, ReduceOp, Work
+from .group import ProcessGroup, ReduceOp, Work, check_gather_buffers
 
 log = logging.getLogger(__name__)
 
@@ -270,7 +270,7 @@ class HostProcessGroup(ProcessGroup):
     def all_gather(self, out, inp, stream=None, *, tag: Optional[str] = None) -> HostWork:
         what = self._on("all_gather", tag)
         o, i = _flat(out, what, True), _flat(inp, what, False)
-        self._check_sizes(what, o, i, o.size == i.size * self.size, ("out", "input"))
+        check_gather_buffers(what, self.size, o, i, "out", "input")
         desc = self._desc(what, ALL_GATHER, i)
         return self._submit("all_gather", tag,
                             lambda: self._transport.all_gather(o, i, desc), out, stream)
@@ -279,7 +279,7 @@ class HostProcessGroup(ProcessGroup):
                        tag: Optional[str] = None) -> HostWork:
         what = self._on("reduce_scatter", tag)
         o, i = _flat(out, what, True), _flat(inp, what, False)
-        self._check_sizes(what, o, i, i.size == o.size * self.size, ("input", "out"))
+        check_gather_buffers(what, self.size, i, o, "input", "out")
         red = self._reduction(what, o, op)
         desc = self._desc(what, REDUCE_SCATTER, o, red.op)
         return self._submit("reduce_scatter", tag,
@@ -292,15 +292,6 @@ class HostProcessGroup(ProcessGroup):
     def _on(self, op: str, tag: Optional[str]) -> str:
         """How messages name an op: "all_reduce #3 of bucket 2 (1.0 MiB) on group 'world' (...)"."""
         return f"{op} of {tag} on {self._where}" if tag else f"{op} on {self._where}"
-
-    def _check_sizes(self, what: str, out: np.ndarray, inp: np.ndarray, ok: bool,
-                     big_small: tuple) -> None:
-        if out.dtype != inp.dtype:
-            raise ConfigError(f"{what}: out is {out.dtype} but input is {inp.dtype}")
-        if not ok:
-            big, small = big_small
-            raise ConfigError(f"{what}: {big} must hold group size ({self.size}) x "
-                              f"{small} elements; got out {out.size}, input {inp.size}")
 
     # -- groups --------------------------------------------------------------------------------
 

@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional, Sequence
 from ..errors import CommError, CommTimeout, ConfigError, StoreTimeout
 from ._nccl_runtime import (ADVICE, CupyRuntime, bounded, check, is_available, nccl_dtype,
                             nccl_op, stream_ptr)
-from .group import ProcessGroup, ReduceOp, Work
+from .group import ProcessGroup, ReduceOp, Work, check_gather_buffers
 
 __all__ = ["NcclProcessGroup", "NcclWork", "exchange_unique_id", "is_available", "nccl_dtype",
            "nccl_op"]
@@ -167,14 +167,14 @@ class NcclProcessGroup(ProcessGroup):
                             lambda c, s: c.broadcast(p, p, buf.size, dt, root, s))
 
     def all_gather(self, out, inp, stream=None, *, tag: Optional[str] = None) -> NcclWork:
-        self._check_sizes("all_gather", big=out, small=inp)
+        self._check_sizes("all_gather", tag, out, inp, "out", "input")
         dt, pi, po = self._dtype(inp), self._rt.ptr(inp), self._rt.ptr(out)
         return self._launch("all_gather", tag, stream, out, (out, inp),
                             lambda c, s: c.allGather(pi, po, inp.size, dt, s))
 
     def reduce_scatter(self, out, inp, op: ReduceOp = ReduceOp.SUM, stream=None, *,
                        tag: Optional[str] = None) -> NcclWork:
-        self._check_sizes("reduce_scatter", big=inp, small=out)
+        self._check_sizes("reduce_scatter", tag, inp, out, "input", "out")
         dt, code = self._dtype(inp), nccl_op(op, self._rt.lib)
         pi, po = self._rt.ptr(inp), self._rt.ptr(out)
         return self._launch("reduce_scatter", tag, stream, out, (out, inp),
@@ -196,12 +196,10 @@ class NcclProcessGroup(ProcessGroup):
                              f"shape {buf.shape} on group {self.name!r} (pass a contiguous copy)")
         return nccl_dtype(buf.dtype, self._rt.lib)
 
-    def _check_sizes(self, op: str, big, small) -> None:
+    def _check_sizes(self, op: str, tag: Optional[str], big, small, big_name: str,
+                     small_name: str) -> None:
         self._dtype(big)
-        if big.dtype != small.dtype or big.size != small.size * self.size:
-            raise ValueError(f"{op} on group {self.name!r}: buffers of {big.size} x {big.dtype} "
-                             f"and {small.size} x {small.dtype} do not fit; the big one needs "
-                             f"{self.size} x the small one's elements, same dtype")
+        check_gather_buffers(self._describe(op, tag), self.size, big, small, big_name, small_name)
 
     def _describe(self, op: str, tag: Optional[str]) -> str:
         label = f"{op} ({tag})" if tag else op
