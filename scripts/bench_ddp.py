@@ -20,7 +20,6 @@ import argparse
 import os
 import subprocess
 import sys
-import time
 from typing import Callable, Dict
 
 import numpy as np
@@ -28,8 +27,8 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
-from benchlib import (Progress, format_table, plot_panels, slowest, synchronize,  # noqa: E402
-                      write_csv)
+from benchlib import (Progress, format_table, plot_panels, slowest,  # noqa: E402
+                      synchronize, timed_steps, write_csv)
 
 import train_mlp as mlp  # noqa: E402
 
@@ -61,16 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _timed(nd, xp, step: Callable[[], None], args) -> float:
-    """Mean seconds per step on the slowest rank (device work included)."""
-    for _ in range(args.warmup):
-        step()
-    synchronize(xp)
-    nd.barrier()
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        step()
-    synchronize(xp)
-    return slowest(nd, (time.perf_counter() - t0) / args.steps)
+    return timed_steps(nd, step, args.warmup, args.steps, lambda: synchronize(xp))
 
 
 def run_arrays(nd, xp, args, cap_mb: float) -> dict:

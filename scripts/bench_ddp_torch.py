@@ -11,12 +11,11 @@ process group, so it never competes with nccl-ddp-run's store.
 from __future__ import annotations
 
 import socket
-import time
 from typing import Callable
 
 import numpy as np
 
-from benchlib import array_module, slowest
+from benchlib import array_module, slowest, timed_steps
 
 _TORCH_PG = {}
 
@@ -50,18 +49,8 @@ def _mlp(torch, dims, device):
 
 
 def _timed(nd, torch, step: Callable[[], None], args, cuda: bool) -> float:
-    """Mean seconds per step on the slowest rank (device work included)."""
-    for _ in range(args.warmup):
-        step()
-    if cuda:
-        torch.cuda.synchronize()
-    nd.barrier()
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        step()
-    if cuda:
-        torch.cuda.synchronize()
-    return slowest(nd, (time.perf_counter() - t0) / args.steps)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    return timed_steps(nd, step, args.warmup, args.steps, sync)
 
 
 def run_torch(nd, xp, args, cap_mb: float) -> dict:

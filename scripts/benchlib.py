@@ -8,7 +8,8 @@ from __future__ import annotations
 import csv
 import os
 import sys
-from typing import Any, Iterable, Optional, Sequence
+import time
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -33,6 +34,20 @@ def slowest(nd: Any, value: float) -> float:
     t = array_module(nd).asarray(np.array([value], np.float64))
     nd.all_reduce(t, op="max")
     return float(t[0])
+
+
+def timed_steps(nd: Any, step: Callable[[], None], warmup: int, steps: int,
+                sync: Callable[[], None]) -> float:
+    """Mean seconds per `step()` on the slowest rank, device work included (`sync` waits for it)."""
+    for _ in range(warmup):
+        step()
+    sync()
+    nd.barrier()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync()
+    return slowest(nd, (time.perf_counter() - t0) / steps)
 
 
 class Progress:
