@@ -13,7 +13,6 @@ A layout is plain, frozen data; memory and scheduling live elsewhere (bucket_mem
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from typing import Hashable, Optional, Sequence
 
 import numpy as np

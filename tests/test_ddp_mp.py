@@ -1,5 +1,4 @@
 """DistributedDataParallel / DistributedGradReducer over the real host backend, 2 and 3 processes."""
-import itertools
 import time
 
 import numpy as np

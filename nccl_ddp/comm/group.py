@@ -10,6 +10,8 @@ import abc
 import enum
 from typing import Any, Callable, Optional, Sequence
 
+from ..errors import ConfigError
+
 
 class ReduceOp(str, enum.Enum):
     SUM = "sum"
@@ -109,7 +111,6 @@ class ProcessGroup(abc.ABC):
 def check_gather_buffers(where: str, size: int, big, small, big_name: str,
                          small_name: str) -> None:
     """all_gather / reduce_scatter: the `big` buffer holds `size` x the `small` one, same dtype."""
-    from ..errors import ConfigError
     if big.dtype != small.dtype:
         raise ConfigError(f"{where}: {big_name} is {big.dtype} but {small_name} is {small.dtype}; "
                           f"use one dtype for both")
@@ -133,8 +134,7 @@ class NonMemberGroup:
     def __repr__(self) -> str:
         return f"<NonMemberGroup {list(self.ranks)} seen from rank {self.rank}>"
 
-    def refuse(self, what: str) -> "ConfigError":
-        from ..errors import ConfigError
+    def refuse(self, what: str) -> ConfigError:
         return ConfigError(
             f"rank {self.rank}: {what}: this rank is not a member of the group of ranks "
             f"{list(self.ranks)} (new_group gave it a NonMemberGroup); only members may use the "
