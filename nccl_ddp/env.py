@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
-from .errors import ConfigError
+from nccl_ddp.errors import ConfigError
 
 LOOPBACK = "127.0.0.1"
 

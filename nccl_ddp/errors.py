@@ -13,6 +13,10 @@ class ConfigError(NcclDdpError, ValueError):
     """Inconsistent or missing configuration: environment variables, arguments, launcher flags."""
 
 
+class ConfigTypeError(NcclDdpError, TypeError):
+    """An argument of the wrong type (the `TypeError` twin of `ConfigError`)."""
+
+
 class StoreError(NcclDdpError):
     """The key-value store failed: connection refused or lost, protocol error."""
 

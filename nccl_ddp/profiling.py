@@ -36,8 +36,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterable, Optional, Sequence
 
-from .device import HostStream, ImmediateStream
-from .errors import NcclDdpError
+from nccl_ddp.device import HostStream, ImmediateStream
+from nccl_ddp.errors import NcclDdpError
 
 log = logging.getLogger(__name__)
 

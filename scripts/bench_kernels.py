@@ -59,7 +59,7 @@ def ints(s):
 class Bench:
     def __init__(self, cp, args):
         import ml_dtypes
-        from nccl_ddp import _cuda_kernels as ck
+        from nccl_ddp.kernels import cuda as ck
         from nccl_ddp import kernels as K
         self.cp, self.args, self.ck, self.K = cp, args, ck, K
         self.kb = ck.backend()
@@ -253,7 +253,7 @@ def main(argv=None) -> int:
               "to measure. Run it on a GPU machine.", file=sys.stderr)
         return 2
     import cupy as cp
-    from nccl_ddp import _cuda_kernels as ck
+    from nccl_ddp.kernels import cuda as ck
     bench = Bench(cp, args)
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
     name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]

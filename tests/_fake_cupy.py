@@ -8,7 +8,7 @@ import types
 
 import numpy as np
 
-from nccl_ddp import _cuda_kernels as ck
+from nccl_ddp.kernels import cuda as ck
 from nccl_ddp import kernels as K
 
 BASE = 0x7F00_0000_0000
@@ -247,7 +247,7 @@ class FakeRawModule:
 
 
 class FakeCupy:
-    """The slice of the CuPy API that nccl_ddp.device and nccl_ddp._cuda_kernels use."""
+    """The slice of the CuPy API that nccl_ddp.device and nccl_ddp.kernels.cuda use."""
 
     uint8, uint16, int32, float32 = np.uint8, np.uint16, np.int32, np.float32
     __version__ = "0.0-fake"

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from nccl_ddp.buckets import MiB, ParamSpec, aligned, assign_buckets
+from nccl_ddp.ddp.buckets import MiB, ParamSpec, aligned, assign_buckets
 
 F32, F64, F16 = np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16)
 

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from mp import run_ranks
-from nccl_ddp.comm._reduce import DTYPES
+from nccl_ddp.comm.host.reduce import DTYPES
 from nccl_ddp.comm.group import ReduceOp
-from nccl_ddp.comm.host import HostProcessGroup
+from nccl_ddp.comm.host.backend import HostProcessGroup
 from nccl_ddp.errors import CommError, CommTimeout, ConfigError
 
 SIZES = (0, 1, 2, 7, 1001, 3000)          # 3000 x 8 bytes spans several 4 KiB chunks
@@ -34,7 +34,7 @@ def no_shm_leaks():
 def _group(rank, world, transport="auto", timeout=30.0, chunk_bytes=None, store=None,
            prefix="test"):
     from nccl_ddp.env import resolve_env
-    from nccl_ddp.store import PrefixStore, connect_store
+    from nccl_ddp.store.client import PrefixStore, connect_store
     store = store or connect_store(resolve_env(), timeout=timeout)
     g = HostProcessGroup(PrefixStore(store, prefix), rank, world, timeout=timeout,
                          transport=transport, chunk_bytes=chunk_bytes)
@@ -276,11 +276,11 @@ def test_unresponsive_peer_times_out_naming_it():
 
 def absent_body(rank, world):
     from nccl_ddp.env import resolve_env
-    from nccl_ddp.store import connect_store
+    from nccl_ddp.store.client import connect_store
     if rank == 2:
         return "never joins"
     store = connect_store(resolve_env(), timeout=30)
-    from nccl_ddp.store import PrefixStore
+    from nccl_ddp.store.client import PrefixStore
     try:
         HostProcessGroup(PrefixStore(store, "test"), rank, world, timeout=2.0)
     finally:

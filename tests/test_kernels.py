@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from nccl_ddp import _cuda_kernels as ck
+from nccl_ddp.kernels import cuda as ck
 from nccl_ddp import kernels as K
 from nccl_ddp.errors import KernelError
 
@@ -293,7 +293,7 @@ def test_kernel_source_dir_env_override(tmp_path, monkeypatch):
 
 
 def test_importing_kernels_and_device_does_not_import_cupy():
-    code = ("import sys, nccl_ddp.kernels, nccl_ddp.device, nccl_ddp._cuda_kernels;"
+    code = ("import sys, nccl_ddp.kernels, nccl_ddp.device, nccl_ddp.kernels.cuda;"
             "assert 'cupy' not in sys.modules, 'cupy imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 

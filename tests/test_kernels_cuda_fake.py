@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from _fake_cupy import FakeCupy, FakeStream
-from nccl_ddp import _cuda_kernels as ck
+from nccl_ddp.kernels import cuda as ck
 from nccl_ddp import device as D
 from nccl_ddp import kernels as K
 from nccl_ddp.errors import CommTimeout, ConfigError, KernelError
@@ -219,7 +219,7 @@ def test_nccl_world_group_runs_on_the_gpu_ddp_uses(cp, monkeypatch):
     from types import SimpleNamespace
 
     from nccl_ddp.comm import api
-    from nccl_ddp.comm.nccl import NcclProcessGroup
+    from nccl_ddp.comm.nccl.backend import NcclProcessGroup
     seen = {}
     monkeypatch.setattr(NcclProcessGroup, "create",
                         classmethod(lambda cls, *a, **kw: seen.update(kw)))

@@ -6,7 +6,7 @@ import io
 import numpy as np
 import pytest
 
-from nccl_ddp import _cuda_kernels as ck
+from nccl_ddp.kernels import cuda as ck
 from nccl_ddp import kernels as K
 
 pytestmark = pytest.mark.gpu

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from nccl_ddp.errors import ConfigError
-from nccl_ddp.launch import LaunchConfig, local_device_count, parse_args, resolve_nproc
+from nccl_ddp.launch.launcher import LaunchConfig, local_device_count, parse_args, resolve_nproc
 
 
 def _script(tmp_path, body, name="worker.py"):
@@ -44,7 +44,7 @@ def _wait_gone(pids, timeout=5.0):
 TORCHRUN_STYLE = """
     import os, sys
     from nccl_ddp.env import resolve_env
-    from nccl_ddp.store import connect_store
+    from nccl_ddp.store.client import connect_store
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ["LOCAL_RANK"])
     store = connect_store(resolve_env(), timeout=20)

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import HAS_GPU
 from mp import run_ranks
-from nccl_ddp.comm import nccl as nb
+from nccl_ddp.comm.nccl import backend as nb
 from nccl_ddp.comm.group import ReduceOp
 from nccl_ddp.errors import CommError, CommTimeout, ConfigError
 
@@ -385,7 +385,7 @@ def test_new_subgroup_without_split_exchanges_a_new_id():
 def _uid_rank(rank, world):
     """Two groups through a real TCPStore; returns the unique ids this rank's comms were built with."""
     from nccl_ddp.env import resolve_env
-    from nccl_ddp.store import connect_store
+    from nccl_ddp.store.client import connect_store
     store = connect_store(resolve_env(), timeout=30)
     rt = FakeRuntime()
     try:

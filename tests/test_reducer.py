@@ -9,7 +9,7 @@ import pytest
 from fakegroup import run_threads
 from nccl_ddp import errors
 from nccl_ddp.adapters.arrays import ArrayModule
-from nccl_ddp.ddp import DistributedDataParallel
+from nccl_ddp.ddp.data_parallel import DistributedDataParallel
 
 SHAPES = [((33, 5), np.float32), ((17,), np.float64), ((9, 3), np.float16), ((130,), np.float32),
           ((4, 4), np.float64), ((65,), np.float16)]

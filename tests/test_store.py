@@ -8,7 +8,7 @@ import pytest
 from mp import free_port, run_ranks
 from nccl_ddp.env import resolve_env
 from nccl_ddp.errors import AuthError, StoreError, StoreTimeout
-from nccl_ddp.store import MAX_FRAME, PrefixStore, StoreServer, TCPStore, connect_store
+from nccl_ddp.store.client import MAX_FRAME, PrefixStore, StoreServer, TCPStore, connect_store
 
 
 @pytest.fixture
@@ -169,7 +169,7 @@ def test_auth_refused_while_good_client_keeps_working(server, client, secret, ca
 
 def _raw_authenticated_socket(port, secret=b"secret"):
     """A socket past the handshake, for sending hand-made frames."""
-    from nccl_ddp._store_wire import _encode, _proof, _recv_frame
+    from nccl_ddp.store.wire import _encode, _proof, _recv_frame
     sock = socket.create_connection(("127.0.0.1", port), timeout=5)
     hello = _recv_frame(sock)
     sock.sendall(_encode([b"auth", b"n" * 32, _proof(secret, b"c", hello[1], b"n" * 32)]))

@@ -81,7 +81,7 @@ def test_matches_torch_ddp(name, oracle_results):
 
 def _grads_are_bucket_views(rank: int, world: int) -> dict:
     import nccl_ddp as nd
-    from nccl_ddp.ddp import DistributedDataParallel
+    from nccl_ddp.ddp.data_parallel import DistributedDataParallel
 
     nd.init_process_group("host")
     try:
@@ -124,7 +124,7 @@ def test_grads_alias_buckets_and_are_averaged():
 
 def _grad_reducer(rank: int, world: int) -> list:
     import nccl_ddp as nd
-    from nccl_ddp.grad_reducer import DistributedGradReducer
+    from nccl_ddp.ddp.grad_reducer import DistributedGradReducer
 
     nd.init_process_group("host")
     try:

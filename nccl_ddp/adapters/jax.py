@@ -20,8 +20,8 @@ from typing import Any, List
 
 import numpy as np
 
-from ._dlpack import KDL_CPU, KDL_CUDA, bfloat16_dtype, native_from_dlpack
-from .grads import GradsAdapter, ParamInfo
+from nccl_ddp.dlpack import KDL_CPU, KDL_CUDA, bfloat16_dtype, native_from_dlpack
+from nccl_ddp.adapters.grads import GradsAdapter, ParamInfo
 
 
 def adapt(module: Any) -> Any:

@@ -25,9 +25,9 @@ from typing import Any, List, Optional
 
 import numpy as np
 
-from ._dlpack import KDL_CPU, CapsuleHolder, native_from_dlpack
-from .arrays import GradModule
-from .grads import GradsAdapter, ParamInfo
+from nccl_ddp.dlpack import KDL_CPU, CapsuleHolder, native_from_dlpack
+from nccl_ddp.adapters.arrays import GradModule
+from nccl_ddp.adapters.grads import GradsAdapter, ParamInfo
 
 
 def adapt(cell: Any) -> "MindSporeModule":

@@ -14,9 +14,9 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator, List, Optional
 
-from ._dlpack import KDL_CPU, KDL_CUDA, bfloat16_dtype, native_from_dlpack
-from .arrays import GradModule
-from .grads import GradsAdapter, ParamInfo
+from nccl_ddp.dlpack import KDL_CPU, KDL_CUDA, bfloat16_dtype, native_from_dlpack
+from nccl_ddp.adapters.arrays import GradModule
+from nccl_ddp.adapters.grads import GradsAdapter, ParamInfo
 
 
 def adapt(module: Any) -> "TorchModule":
@@ -74,7 +74,7 @@ def torch_stream_current(on_cuda: bool) -> Iterator[None]:
     import cupy
     import torch
 
-    from ..device import RawStream
+    from nccl_ddp.device import RawStream
     stream = torch.cuda.current_stream()
     # Stream.from_external: CuPy 14 deprecates ExternalStream (a DeprecationWarning per call);
     # the raw pointer works whether or not this torch has __cuda_stream__

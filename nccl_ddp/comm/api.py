@@ -1,5 +1,5 @@
 """The torch.distributed-like functional API: one world group per process, collectives on any
-DLPack array (converted by `nccl_ddp.arrays`).
+DLPack array (converted by `nccl_ddp.dlpack`).
 
     nd.init_process_group()                  # env from nccl-ddp-run / torchrun / Slurm / MPI
     nd.all_reduce(grad, op="avg")            # in place on NumPy / torch CPU / CuPy arrays
@@ -15,12 +15,12 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 
-from .. import arrays
-from ..device import HostDevice
-from ..ddp_config import check_bool
-from ..env import DistEnv, resolve_env
-from ..errors import ConfigError, NcclDdpError
-from .group import NonMemberGroup, ProcessGroup, ReduceOp, Work
+from nccl_ddp import dlpack
+from nccl_ddp.device import HostDevice
+from nccl_ddp.validate import check_bool
+from nccl_ddp.env import DistEnv, resolve_env
+from nccl_ddp.errors import ConfigError, NcclDdpError
+from nccl_ddp.comm.group import NonMemberGroup, ProcessGroup, ReduceOp, Work
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def _pick_backend(backend: Optional[str]) -> str:
         if backend not in BACKENDS:
             raise ConfigError(f"unknown backend {backend!r}; use one of {BACKENDS} or None (auto)")
         return backend
-    from . import nccl
+    from nccl_ddp.comm import nccl
     choice = "nccl" if nccl.is_available() else "host"
     log.info("nccl_ddp: backend %r (%s)", choice,
              "CuPy sees a GPU and NCCL" if choice == "nccl" else "no usable GPU/NCCL")
@@ -56,13 +56,13 @@ def _pick_backend(backend: Optional[str]) -> str:
 def _create_group(backend: str, store, env: DistEnv, timeout: float) -> ProcessGroup:
     ranks = list(range(env.world_size))
     if backend == "nccl":
-        from ..device import get_device
-        from .nccl import NcclProcessGroup
+        from nccl_ddp.device import get_device
+        from nccl_ddp.comm.nccl.backend import NcclProcessGroup
         # the GPU DDP's device picks too: the local rank, or 0 when each process sees one GPU
         device_id = get_device("cuda", env.local_rank).device_id
         return NcclProcessGroup.create(store, env.rank, env.world_size, ranks, timeout, "world",
                                        device_id=device_id)
-    from .host import HostProcessGroup
+    from nccl_ddp.comm.host.backend import HostProcessGroup
     return HostProcessGroup.create(store, env.rank, env.world_size, ranks, timeout, "world")
 
 
@@ -84,9 +84,9 @@ def init_process_group(backend: Optional[str] = None, *, timeout: float = 300.0,
     name = _pick_backend(backend)
     owns = store is None
     if owns:
-        from ..store import connect_store
+        from nccl_ddp.store.client import connect_store
         store = connect_store(env, timeout)
-    from ..store import PrefixStore
+    from nccl_ddp.store.client import PrefixStore
     try:
         group = _create_group(name, PrefixStore(store, f"nccl_ddp/init{next(_inits)}"), env,
                               timeout)
@@ -212,14 +212,14 @@ class _Buf:
 
     def __init__(self, x: Any, kind: str, where: str) -> None:
         self.x = x
-        self.native = arrays.to_native(x, kind, where)
+        self.native = dlpack.to_native(x, kind, where)
         contiguous = self.native.flags.c_contiguous
         self.buf = self.native if contiguous else self.native.copy()   # copy() is C order
 
     def finish(self) -> Any:
         if self.buf is not self.native:
             self.native[...] = self.buf
-        return arrays.from_native(self.native, self.x)
+        return dlpack.from_native(self.native, self.x)
 
 
 def _context(group: Optional[ProcessGroup], what: str, async_op: bool) -> tuple:

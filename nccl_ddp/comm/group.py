@@ -10,7 +10,7 @@ import abc
 import enum
 from typing import Any, Callable, Optional, Sequence
 
-from ..errors import ConfigError
+from nccl_ddp.errors import ConfigError
 
 
 class ReduceOp(str, enum.Enum):

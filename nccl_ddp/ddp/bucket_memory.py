@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, List, Sequence
 
-from .buckets import BucketLayout
+from nccl_ddp.ddp.buckets import BucketLayout
 
 
 class BucketBuffers:

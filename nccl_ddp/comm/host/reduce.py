@@ -10,8 +10,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ..errors import ConfigError
-from .group import ReduceOp
+from nccl_ddp.errors import ConfigError
+from nccl_ddp.comm.group import ReduceOp
 
 
 def _dtypes() -> tuple:

@@ -12,7 +12,7 @@ import socket
 import struct
 from typing import Sequence, Union
 
-from .errors import StoreError
+from nccl_ddp.errors import StoreError
 
 MAGIC = b"nccl_ddp-store/1"
 MAX_FRAME = 64 << 20           # bytes per frame; bigger frames close the connection

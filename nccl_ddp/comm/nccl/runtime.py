@@ -8,8 +8,8 @@ import contextlib
 import threading
 from typing import Any, Callable, Iterator
 
-from ..errors import CommError, CommTimeout
-from .group import ReduceOp
+from nccl_ddp.errors import CommError, CommTimeout
+from nccl_ddp.comm.group import ReduceOp
 
 ADVICE = ("Rerun with NCCL_DEBUG=INFO (NCCL_DEBUG_SUBSYS=INIT,COLL narrows it) and check the other "
           "ranks' logs for the first error.")

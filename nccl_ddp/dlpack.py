@@ -1,4 +1,5 @@
-"""Framework arrays <-> the backend's native arrays (NumPy on "host", CuPy on "cuda"), via DLPack.
+"""Framework arrays <-> the backend's native arrays (NumPy on "host", CuPy on "cuda"), via DLPack:
+the one module that speaks DLPack for the functional API and the framework adapters.
 
 Writable inputs become zero-copy views, so a collective writes into the caller's own object.
 Read-only or immutable inputs (JAX) are copied, and `from_native` hands back a new array of the
@@ -7,13 +8,13 @@ caller's framework. Frameworks are imported only when such an array shows up.
 from __future__ import annotations
 
 import sys
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import numpy as np
 
-from .errors import ConfigError
+from nccl_ddp.errors import ConfigError
 
-_DL_CPU, _DL_CUDA_HOST = 1, 3
+KDL_CPU, KDL_CUDA, KDL_CUDA_HOST = 1, 2, 3
 _DEVICE_NAMES = {1: "cpu", 2: "cuda", 3: "cuda-host", 4: "opencl", 7: "vulkan", 8: "metal",
                  10: "rocm", 13: "cuda-managed"}
 
@@ -36,7 +37,7 @@ def _device_type(x: Any) -> int:
     try:
         return int(x.__dlpack_device__()[0])
     except (AttributeError, TypeError):
-        return _DL_CPU
+        return KDL_CPU
     except ValueError as e:   # torch's meta / sparse tensors have no DLPack device
         raise ConfigError(f"cannot exchange a {type(x).__name__} through DLPack ({e}); pass a "
                           f"dense CPU or GPU array") from e
@@ -67,7 +68,7 @@ def _numpy_view(x: Any, where: str) -> np.ndarray:
     """A NumPy array over the memory of a CPU DLPack array (may be read-only)."""
     src = _dlpack_source(x, where)
     dev = _device_type(src)
-    if dev not in (_DL_CPU, _DL_CUDA_HOST):
+    if dev not in (KDL_CPU, KDL_CUDA_HOST):
         raise ConfigError(f"{where}: the array lives on device {_DEVICE_NAMES.get(dev, dev)}, "
                           f"but the host backend needs CPU arrays; use backend='nccl' for GPU "
                           f"arrays, or move it to the CPU")
@@ -133,3 +134,33 @@ def _shares(native: Any, like: Any) -> bool:
         return np.may_share_memory(native, _numpy_view(like, ""))
     import cupy
     return cupy.may_share_memory(native, cupy.from_dlpack(_dlpack_source(like, "")))
+
+
+def native_from_dlpack(x: Any, device_type: int) -> Any:
+    """A native array sharing memory with `x` (anything with `__dlpack__`): NumPy for CPU memory,
+    CuPy for CUDA memory. NumPy's view is read-only when the producer says so (JAX, MindSpore)."""
+    if device_type == KDL_CPU:
+        return np.from_dlpack(x)
+    if device_type == KDL_CUDA:
+        import cupy
+        return cupy.from_dlpack(x)
+    raise TypeError(f"arrays on DLPack device type {device_type} are not supported (CPU or CUDA only)")
+
+
+def bfloat16_dtype() -> np.dtype:
+    import ml_dtypes
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+class CapsuleHolder:
+    """Gives a bare DLPack capsule the `__dlpack__` protocol (for MindSpore's `to_dlpack`)."""
+
+    def __init__(self, capsule: Any, device: Tuple[int, int] = (KDL_CPU, 0)) -> None:
+        self._capsule = capsule
+        self._device = device
+
+    def __dlpack__(self, stream: Any = None, **kwargs: Any) -> Any:
+        return self._capsule
+
+    def __dlpack_device__(self) -> Tuple[int, int]:
+        return self._device

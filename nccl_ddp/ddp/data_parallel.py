@@ -13,12 +13,13 @@ from typing import Any, Callable, Iterator, List, Optional
 
 import numpy as np
 
-from .adapters.arrays import ArrayModule, GradModule
-from .comm.group import NonMemberGroup, ProcessGroup
-from .ddp_config import DDPConfig, check_float_dtype
-from .errors import ReducerError
-from .param_sync import broadcast_params, check_same_params
-from .reducer import Reducer
+from nccl_ddp.adapters.arrays import ArrayModule, GradModule
+from nccl_ddp.comm.group import NonMemberGroup, ProcessGroup
+from nccl_ddp.ddp.config import DDPConfig
+from nccl_ddp.validate import check_float_dtype
+from nccl_ddp.errors import ReducerError
+from nccl_ddp.ddp.param_sync import broadcast_params, check_same_params
+from nccl_ddp.ddp.reducer import Reducer
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +187,7 @@ def adapt_module(module: Any) -> GradModule:
 def resolve_group(group: Optional[ProcessGroup], argname: str) -> ProcessGroup:
     """`group`, or the world group when None (the process group must be initialised)."""
     if group is None:
-        from .comm import api
+        from nccl_ddp.comm import api
         return api.get_world_group()
     if isinstance(group, NonMemberGroup):
         raise group.refuse(f"{argname}")
@@ -198,7 +199,7 @@ def resolve_group(group: Optional[ProcessGroup], argname: str) -> ProcessGroup:
 
 def device_for(group: ProcessGroup):
     """The device whose arrays `group` reduces: host (NumPy) or cuda (CuPy)."""
-    from .device import get_device
+    from nccl_ddp.device import get_device
     return get_device("host" if group.backend == "host" else "cuda",
                       getattr(group, "device_id", None))
 

@@ -27,15 +27,15 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from . import kernels
-from .adapters import grads as grads_adapters
-from .buckets import DEFAULT_CAP_BYTES, FIRST_CAP_BYTES, ParamSpec, assign_buckets
-from .comm.group import ProcessGroup, ReduceOp
-from .ddp import device_for, resolve_group
-from .ddp_config import check_bool, check_float_dtype, check_positive_int
-from .param_sync import check_same_params
-from .reducer import bucket_tag
-from .step_failure import StepFailure
+from nccl_ddp import kernels
+from nccl_ddp.adapters import grads as grads_adapters
+from nccl_ddp.ddp.buckets import DEFAULT_CAP_BYTES, FIRST_CAP_BYTES, ParamSpec, assign_buckets
+from nccl_ddp.comm.group import ProcessGroup, ReduceOp
+from nccl_ddp.ddp.data_parallel import device_for, resolve_group
+from nccl_ddp.validate import check_bool, check_float_dtype, check_positive_int
+from nccl_ddp.ddp.param_sync import check_same_params
+from nccl_ddp.ddp.reducer import bucket_tag
+from nccl_ddp.ddp.step_failure import StepFailure
 
 
 class DistributedGradReducer:

@@ -13,11 +13,11 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from . import kernels
-from .bucket_memory import to_host
-from .buckets import ParamSpec, assign_buckets
-from .comm.group import ProcessGroup
-from .errors import RankMismatchError
+from nccl_ddp import kernels
+from nccl_ddp.ddp.bucket_memory import to_host
+from nccl_ddp.ddp.buckets import ParamSpec, assign_buckets
+from nccl_ddp.comm.group import ProcessGroup
+from nccl_ddp.errors import RankMismatchError
 
 
 def check_same_params(specs: Sequence[ParamSpec], group: ProcessGroup, device,

@@ -8,8 +8,8 @@ import socket
 import threading
 import time
 
-from ._store_wire import HANDSHAKE_TIMEOUT, MAGIC, _encode, _Malformed, _proof, _recv_frame
-from .errors import StoreError
+from nccl_ddp.store.wire import HANDSHAKE_TIMEOUT, MAGIC, _encode, _Malformed, _proof, _recv_frame
+from nccl_ddp.errors import StoreError
 
 log = logging.getLogger("nccl_ddp.store")
 

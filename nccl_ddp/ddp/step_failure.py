@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from typing import Callable, Iterator, Optional
 
-from .errors import ReducerError
+from nccl_ddp.errors import ReducerError
 
 
 class StepFailure:

@@ -26,9 +26,9 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Optional, Sequence
 
-from .env import LOOPBACK
-from .errors import ConfigError, NcclDdpError
-from .store import StoreServer
+from nccl_ddp.env import LOOPBACK
+from nccl_ddp.errors import ConfigError, NcclDdpError
+from nccl_ddp.store.client import StoreServer
 
 log = logging.getLogger(__name__)
 

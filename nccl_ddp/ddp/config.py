@@ -4,35 +4,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-import numpy as np
-
-from .buckets import DEFAULT_CAP_BYTES, FIRST_CAP_BYTES, MiB
+from nccl_ddp.ddp.buckets import DEFAULT_CAP_BYTES, FIRST_CAP_BYTES, MiB
+from nccl_ddp.validate import check_bool, check_positive_int
 
 REDUCER_MODES = ("CppReducer", "PythonReducer")
-
-
-def check_bool(name: str, value) -> None:
-    """bool only: 0/1, None and strings are refused so a misplaced argument is caught."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
-
-
-def check_positive_int(name: str, value, *, allow_zero: bool = False) -> None:
-    """A real int (bool is refused: `True` is not a count) that is > 0 (or >= 0)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
-
-
-def check_float_dtype(label: str, dtype) -> None:
-    """Grads are reduced as floating point (float16/32/64, bfloat16): refuse the rest up front."""
-    name = getattr(dtype, "name", str(dtype))
-    floating = isinstance(dtype, np.dtype) and np.issubdtype(dtype, np.floating)
-    if name != "bfloat16" and not floating:
-        raise TypeError(f"{label} has dtype {name}; only floating point parameters (float16, "
-                        "float32, float64, bfloat16) can be reduced: leave integer, complex and "
-                        "other buffers out")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,10 +26,10 @@ import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from ..errors import CommError, CommTimeout, ConfigError, StoreTimeout
-from ._nccl_runtime import (ADVICE, CupyRuntime, bounded, check, is_available, nccl_dtype,
+from nccl_ddp.errors import CommError, CommTimeout, ConfigError, StoreTimeout
+from nccl_ddp.comm.nccl.runtime import (ADVICE, CupyRuntime, bounded, check, is_available, nccl_dtype,
                             nccl_op, stream_ptr)
-from .group import ProcessGroup, ReduceOp, Work, check_gather_buffers
+from nccl_ddp.comm.group import ProcessGroup, ReduceOp, Work, check_gather_buffers
 
 __all__ = ["NcclProcessGroup", "NcclWork", "exchange_unique_id", "is_available", "nccl_dtype",
            "nccl_op"]

@@ -2,7 +2,7 @@
 
 One `StoreServer` (rank 0 in-process, or the launcher) holds the keys; every rank talks to it with a
 `TCPStore` client; `PrefixStore` gives a group its own key namespace. Frames are length-prefixed
-(see `_store_wire`), at most 64 MiB; a malformed frame closes only the connection that sent it.
+(see `nccl_ddp.store.wire`), at most 64 MiB; a malformed frame closes only the connection that sent it.
 
 Handshake (the secret never crosses the wire):
     server -> [MAGIC, server_nonce]
@@ -21,11 +21,11 @@ import threading
 import time
 from typing import Iterable, Optional, Sequence
 
-from ._store_server import StoreServer
-from ._store_wire import (HANDSHAKE_TIMEOUT, MAGIC, MAX_FRAME, Value, _as_bytes, _encode,
+from nccl_ddp.store.server import StoreServer
+from nccl_ddp.store.wire import (HANDSHAKE_TIMEOUT, MAGIC, MAX_FRAME, Value, _as_bytes, _encode,
                           _Malformed, _ms, _proof, _recv_frame)
-from .env import DistEnv
-from .errors import AuthError, StoreError, StoreTimeout
+from nccl_ddp.env import DistEnv
+from nccl_ddp.errors import AuthError, StoreError, StoreTimeout
 
 __all__ = ["StoreServer", "TCPStore", "PrefixStore", "connect_store", "MAX_FRAME"]
 

@@ -17,10 +17,10 @@ from typing import Optional
 
 import numpy as np
 
-from ..errors import CommTimeout
-from ._reduce import Reduction
-from ._wire import Header, PeerLink
-from .group import ReduceOp
+from nccl_ddp.errors import CommTimeout
+from nccl_ddp.comm.host.reduce import Reduction
+from nccl_ddp.comm.host.wire import Header, PeerLink
+from nccl_ddp.comm.group import ReduceOp
 
 DATA = 3   # message kind (see _wire.KIND_NAMES)
 

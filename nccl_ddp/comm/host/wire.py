@@ -16,8 +16,8 @@ import time
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional
 
-from ..errors import CommError, CommTimeout, ConfigError, RankMismatchError, StoreTimeout
-from ._reduce import DTYPES
+from nccl_ddp.errors import CommError, CommTimeout, ConfigError, RankMismatchError, StoreTimeout
+from nccl_ddp.comm.host.reduce import DTYPES
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from typing import Optional
 
 import numpy as np
 
-from ._wire import SETUP, Header
+from nccl_ddp.comm.host.wire import SETUP, Header
 
 SHM_DIR = "/dev/shm"
 

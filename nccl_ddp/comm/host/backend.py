@@ -19,15 +19,15 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from ..device import DEFAULT_TIMEOUT, HostEvent, ImmediateStream
-from ..env import env_int
-from ..errors import CommError, CommTimeout, ConfigError, NcclDdpError
-from ._reduce import Reduction, dtype_code
-from ._ring import RingTransport, SelfTransport
-from ._shm import ShmTransport
-from ._wire import (ALL_GATHER, ALL_REDUCE, BARRIER, BROADCAST, REDUCE_SCATTER, Rendezvous,
+from nccl_ddp.device import DEFAULT_TIMEOUT, HostEvent, ImmediateStream
+from nccl_ddp.env import env_int
+from nccl_ddp.errors import CommError, CommTimeout, ConfigError, NcclDdpError
+from nccl_ddp.comm.host.reduce import Reduction, dtype_code
+from nccl_ddp.comm.host.ring import RingTransport, SelfTransport
+from nccl_ddp.comm.host.shm import ShmTransport
+from nccl_ddp.comm.host.wire import (ALL_GATHER, ALL_REDUCE, BARRIER, BROADCAST, REDUCE_SCATTER, Rendezvous,
                     host_id)
-from .group import ProcessGroup, ReduceOp, Work, check_gather_buffers
+from nccl_ddp.comm.group import ProcessGroup, ReduceOp, Work, check_gather_buffers
 
 log = logging.getLogger(__name__)
 
@@ -297,7 +297,7 @@ class HostProcessGroup(ProcessGroup):
 
     def new_subgroup(self, ranks: Sequence[int]) -> Optional["HostProcessGroup"]:
         """Collective over this group (every member calls it, in the same order)."""
-        from ..store import PrefixStore
+        from nccl_ddp.store.client import PrefixStore
         n = next(self._subgroups)
         members = sorted(set(int(r) for r in ranks))
         bad = [r for r in members if r not in self.ranks]

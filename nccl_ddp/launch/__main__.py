@@ -1,0 +1,3 @@
+from nccl_ddp.launch.launcher import main
+
+main()
