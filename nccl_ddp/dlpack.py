@@ -12,7 +12,7 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 
-from nccl_ddp.errors import ConfigError
+from nccl_ddp.errors import ConfigError, ConfigTypeError
 
 KDL_CPU, KDL_CUDA, KDL_CUDA_HOST = 1, 2, 3
 _DEVICE_NAMES = {1: "cpu", 2: "cuda", 3: "cuda-host", 4: "opencl", 7: "vulkan", 8: "metal",
@@ -144,7 +144,7 @@ def native_from_dlpack(x: Any, device_type: int) -> Any:
     if device_type == KDL_CUDA:
         import cupy
         return cupy.from_dlpack(x)
-    raise TypeError(f"arrays on DLPack device type {device_type} are not supported (CPU or CUDA only)")
+    raise ConfigTypeError(f"arrays on DLPack device type {device_type} are not supported (CPU or CUDA only)")
 
 
 def bfloat16_dtype() -> np.dtype:

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
-from nccl_ddp.errors import ConfigError
+from nccl_ddp.errors import ConfigError, ConfigTypeError
 
 LOOPBACK = "127.0.0.1"
 
@@ -125,7 +125,7 @@ def resolve_env(rank: Optional[int] = None, world_size: Optional[int] = None,
                         ("master_port", master_port)):
         if value is not None and (isinstance(value, bool)
                                   or not isinstance(value, numbers.Integral)):
-            raise TypeError(f"{name} must be an int or None (read from the environment), got "
+            raise ConfigTypeError(f"{name} must be an int or None (read from the environment), got "
                             f"{type(value).__name__} {value!r}")
     environ = os.environ if environ is None else environ
     source, (e_rank, e_world, e_local, e_local_world), addr_hint = _identity(environ)

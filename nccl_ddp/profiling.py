@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from nccl_ddp.device import HostStream, ImmediateStream
-from nccl_ddp.errors import NcclDdpError
+from nccl_ddp.errors import ConfigError, NcclDdpError
 
 log = logging.getLogger(__name__)
 
@@ -315,7 +315,7 @@ class Timeline:
         if not self._on:
             return
         if edge not in ("start", "end"):
-            raise ValueError(f"mark edge must be 'start' or 'end', not {edge!r}")
+            raise ConfigError(f"mark edge must be 'start' or 'end', not {edge!r}")
         if self._nvtx is not None:
             if edge == "start":
                 self._nvtx.push(phase, PHASES.get(phase, OTHER_COLOUR))

@@ -26,6 +26,7 @@ import abc
 from typing import Any, Callable, List, Mapping, Optional, Sequence, Union
 
 import numpy as np
+from nccl_ddp.errors import ConfigError, ConfigTypeError
 
 
 class GradModule(abc.ABC):
@@ -82,7 +83,7 @@ class ArrayModule(GradModule):
             self.keys: list = list(params)
             for k in self.keys:
                 if not isinstance(k, str):
-                    raise TypeError(f"ArrayModule params: dict keys must be str, got {k!r}")
+                    raise ConfigTypeError(f"ArrayModule params: dict keys must be str, got {k!r}")
             self.params: Union[list, dict] = dict(params)
             self.names = list(self.keys)
         elif isinstance(params, (list, tuple)):
@@ -90,12 +91,12 @@ class ArrayModule(GradModule):
             self.params = list(params)
             self.names = [None] * len(params)
         else:
-            raise TypeError("ArrayModule params must be a list, tuple or dict of arrays, got "
+            raise ConfigTypeError("ArrayModule params must be a list, tuple or dict of arrays, got "
                             f"{type(params).__name__}")
         for k in self.keys:
             _check_array(f"params[{k!r}]", self.params[k])
         if forward is not None and not callable(forward):
-            raise TypeError(f"ArrayModule forward must be callable, got {type(forward).__name__}")
+            raise ConfigTypeError(f"ArrayModule forward must be callable, got {type(forward).__name__}")
         self._forward = forward
         self.grads = type(self.params)() if isinstance(self.params, dict) else []
         for k in self.keys:
@@ -135,7 +136,7 @@ class ArrayModule(GradModule):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._forward is None:
-            raise TypeError("this ArrayModule has no forward function; pass forward= to "
+            raise ConfigTypeError("this ArrayModule has no forward function; pass forward= to "
                             "ArrayModule(...) or run your model yourself and only call mark_ready")
         return self._forward(self.params, *args, **kwargs)
 
@@ -150,11 +151,11 @@ def _xp(a: Any):
 def _check_array(what: str, a: Any) -> None:
     mod = type(a).__module__.split(".")[0]
     if mod not in ("numpy", "cupy") or not hasattr(a, "shape"):
-        raise TypeError(f"ArrayModule {what} must be a NumPy or CuPy array, got "
+        raise ConfigTypeError(f"ArrayModule {what} must be a NumPy or CuPy array, got "
                         f"{type(a).__module__}.{type(a).__name__}; pass a torch.nn.Module or "
                         "MindSpore Cell itself, or for JAX use DistributedGradReducer")
     if not a.flags.c_contiguous:
-        raise ValueError(f"ArrayModule {what} must be C-contiguous (collectives write it in place)")
+        raise ConfigError(f"ArrayModule {what} must be C-contiguous (collectives write it in place)")
     if not getattr(a.flags, "writeable", True):
-        raise ValueError(f"ArrayModule {what} is read-only, but the initial broadcast and the "
+        raise ConfigError(f"ArrayModule {what} is read-only, but the initial broadcast and the "
                          "optimizer write it in place; pass a writable array (x.copy())")

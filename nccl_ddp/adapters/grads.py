@@ -12,6 +12,7 @@ import sys
 from typing import Any, Callable, List, Optional
 
 import numpy as np
+from nccl_ddp.errors import ConfigTypeError
 
 # top-level module of a leaf's type -> adapter module under nccl_ddp.adapters
 _FRAMEWORKS = {"torch": "torch", "mindspore": "mindspore", "jax": "jax", "jaxlib": "jax"}
@@ -90,7 +91,7 @@ def for_objects(obj: Any) -> Optional[GradsAdapter]:
     try:
         module = importlib.import_module(f"nccl_ddp.adapters.{framework}")
     except ImportError as e:
-        raise TypeError(f"no nccl_ddp adapter for {framework} could be loaded ({e}); pass NumPy / "
+        raise ConfigTypeError(f"no nccl_ddp adapter for {framework} could be loaded ({e}); pass NumPy / "
                         "CuPy arrays instead") from e
     return module.grads_adapter()
 

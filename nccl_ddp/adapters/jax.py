@@ -22,10 +22,11 @@ import numpy as np
 
 from nccl_ddp.dlpack import KDL_CPU, KDL_CUDA, bfloat16_dtype, native_from_dlpack
 from nccl_ddp.adapters.grads import GradsAdapter, ParamInfo
+from nccl_ddp.errors import ConfigTypeError
 
 
 def adapt(module: Any) -> Any:
-    raise TypeError("JAX models have no grad hooks for DistributedDataParallel: compute grads with "
+    raise ConfigTypeError("JAX models have no grad hooks for DistributedDataParallel: compute grads with "
                     "jax.grad and reduce the pytree with nccl_ddp.DistributedGradReducer(params)")
 
 
@@ -41,13 +42,13 @@ def to_native(x: Any) -> Any:
     """A native array viewing the JAX array `x` (read-only on the CPU)."""
     import jax
     if not isinstance(x, jax.Array):
-        raise TypeError(f"expected a jax.Array leaf, got {type(x).__module__}.{type(x).__name__}")
+        raise ConfigTypeError(f"expected a jax.Array leaf, got {type(x).__module__}.{type(x).__name__}")
     kind = int(x.__dlpack_device__()[0])
     if kind not in (KDL_CPU, KDL_CUDA):
-        raise TypeError(f"JAX arrays on {x.devices()} are not supported (CPU or CUDA only)")
+        raise ConfigTypeError(f"JAX arrays on {x.devices()} are not supported (CPU or CUDA only)")
     if _is_bf16(x):
         if kind != KDL_CPU:
-            raise TypeError("bfloat16 JAX grads on the GPU have no CuPy dtype; reduce them in "
+            raise ConfigTypeError("bfloat16 JAX grads on the GPU have no CuPy dtype; reduce them in "
                             "float32 (or float16)")
         return np.asarray(x)    # JAX's own zero-copy NumPy view (ml_dtypes.bfloat16)
     return native_from_dlpack(x, kind)

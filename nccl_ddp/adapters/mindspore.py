@@ -28,13 +28,14 @@ import numpy as np
 from nccl_ddp.dlpack import KDL_CPU, CapsuleHolder, native_from_dlpack
 from nccl_ddp.adapters.arrays import GradModule
 from nccl_ddp.adapters.grads import GradsAdapter, ParamInfo
+from nccl_ddp.errors import ConfigError, ConfigTypeError
 
 
 def adapt(cell: Any) -> "MindSporeModule":
     """The DDP adapter for a `mindspore.nn.Cell`."""
     import mindspore
     if not isinstance(cell, mindspore.nn.Cell):
-        raise TypeError(f"expected a mindspore.nn.Cell, got {type(cell).__module__}."
+        raise ConfigTypeError(f"expected a mindspore.nn.Cell, got {type(cell).__module__}."
                         f"{type(cell).__name__}")
     _require_pynative("DistributedDataParallel")
     return MindSporeModule(cell)
@@ -47,7 +48,7 @@ def grads_adapter() -> "MindSporeGrads":
 def _require_pynative(what: str) -> None:
     import mindspore
     if mindspore.get_context("mode") != mindspore.PYNATIVE_MODE:
-        raise RuntimeError(f"nccl_ddp {what} over MindSpore needs PyNative mode "
+        raise ConfigError(f"nccl_ddp {what} over MindSpore needs PyNative mode "
                            "(mindspore.set_context(mode=mindspore.PYNATIVE_MODE)): grad hooks and "
                            "Python calls cannot run inside a compiled graph")
 
@@ -158,7 +159,7 @@ class MindSporeGrads(GradsAdapter):
 
     def to_native(self, grads: Any) -> List[Any]:
         if not isinstance(grads, (list, tuple)):
-            raise TypeError(f"grads must be a tuple or list of tensors, got {type(grads).__name__}")
+            raise ConfigTypeError(f"grads must be a tuple or list of tensors, got {type(grads).__name__}")
         return [to_native(g) for g in grads]
 
     def from_native(self, grads: Any, reduced: List[Any]) -> Any:

@@ -17,13 +17,14 @@ from typing import Any, Iterator, List, Optional
 from nccl_ddp.dlpack import KDL_CPU, KDL_CUDA, bfloat16_dtype, native_from_dlpack
 from nccl_ddp.adapters.arrays import GradModule
 from nccl_ddp.adapters.grads import GradsAdapter, ParamInfo
+from nccl_ddp.errors import ConfigError, ConfigTypeError
 
 
 def adapt(module: Any) -> "TorchModule":
     """The DDP adapter for a `torch.nn.Module`."""
     import torch
     if not isinstance(module, torch.nn.Module):
-        raise TypeError(f"expected a torch.nn.Module, got {type(module).__module__}."
+        raise ConfigTypeError(f"expected a torch.nn.Module, got {type(module).__module__}."
                         f"{type(module).__name__}")
     return TorchModule(module)
 
@@ -42,10 +43,10 @@ def to_native(t: Any) -> Any:
     t = t.detach()
     kind = {"cpu": KDL_CPU, "cuda": KDL_CUDA}.get(t.device.type)
     if kind is None:
-        raise TypeError(f"tensors on {t.device} are not supported; use CPU or CUDA tensors")
+        raise ConfigTypeError(f"tensors on {t.device} are not supported; use CPU or CUDA tensors")
     if t.dtype == torch.bfloat16:
         if kind != KDL_CPU:
-            raise TypeError("bfloat16 CUDA tensors have no CuPy dtype; keep bfloat16 parameters "
+            raise ConfigTypeError("bfloat16 CUDA tensors have no CuPy dtype; keep bfloat16 parameters "
                             "on the host backend or use float16 / float32")
         return native_from_dlpack(t.view(torch.int16), kind).view(bfloat16_dtype())
     return native_from_dlpack(t, kind)
@@ -99,11 +100,11 @@ class TorchModule(GradModule):
         self.params = [p for _, p in named]
         for n, p in named:
             if p.is_sparse or not p.is_contiguous():
-                raise ValueError(f"parameter {n!r} must be dense and contiguous (collectives and "
+                raise ConfigError(f"parameter {n!r} must be dense and contiguous (collectives and "
                                  "bucket views need contiguous memory)")
         devices = {str(p.device) for p in self.params}
         if len(devices) > 1:
-            raise ValueError(f"all parameters must be on one device, found {sorted(devices)}; "
+            raise ConfigError(f"all parameters must be on one device, found {sorted(devices)}; "
                              "one process drives one device")
         self.on_cuda = bool(self.params) and _is_cuda(self.params[0])
         # _grads[i]: the tensor the reducer's grads[i] aliases; p.grad is set to it at forward.
@@ -228,7 +229,7 @@ class TorchModule(GradModule):
         group = ddp.process_group
         for name, b in self.module.named_buffers():
             if _is_cuda(b) != self.on_cuda:
-                raise ValueError(f"buffer {name!r} is on {b.device}, the parameters on "
+                raise ConfigError(f"buffer {name!r} is on {b.device}, the parameters on "
                                  f"{self.params[0].device}; move the whole module to one device")
             native = to_native(b if b.is_contiguous() else b.contiguous())
             group.broadcast(native, 0).wait(group.timeout)
@@ -273,8 +274,8 @@ class TorchGrads(GradsAdapter):
     @staticmethod
     def _check(grads: Any) -> None:
         if not isinstance(grads, (list, tuple)):
-            raise TypeError(f"grads must be a list or tuple of tensors, got {type(grads).__name__}")
+            raise ConfigTypeError(f"grads must be a list or tuple of tensors, got {type(grads).__name__}")
         for i, g in enumerate(grads):
             if g is None:
-                raise ValueError(f"grads[{i}] is None (that parameter got no grad); pass "
+                raise ConfigError(f"grads[{i}] is None (that parameter got no grad); pass "
                                  "torch.zeros_like(param) for it so every rank reduces the same list")

@@ -19,7 +19,7 @@ from nccl_ddp import dlpack
 from nccl_ddp.device import HostDevice
 from nccl_ddp.validate import check_bool
 from nccl_ddp.env import DistEnv, resolve_env
-from nccl_ddp.errors import ConfigError, NcclDdpError
+from nccl_ddp.errors import ConfigError, ConfigTypeError, NcclDdpError
 from nccl_ddp.comm.group import NonMemberGroup, ProcessGroup, ReduceOp, Work
 
 log = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ def init_process_group(backend: Optional[str] = None, *, timeout: float = 300.0,
                           f"destroy_process_group() first")
     _check_timeout(timeout, "init_process_group")
     if store is not None and not all(hasattr(store, m) for m in ("get", "set", "add", "wait")):
-        raise TypeError(f"init_process_group: store must be a key-value store (nccl_ddp.store."
+        raise ConfigTypeError(f"init_process_group: store must be a key-value store (nccl_ddp.store."
                         f"TCPStore) or None (connect to MASTER_ADDR:MASTER_PORT), got "
                         f"{type(store).__name__}")
     env = resolve_env(rank=rank, world_size=world_size)
@@ -101,7 +101,7 @@ def init_process_group(backend: Optional[str] = None, *, timeout: float = 300.0,
 
 def _check_timeout(timeout: Any, where: str) -> None:
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
-        raise TypeError(f"{where}: timeout must be a number of seconds, got "
+        raise ConfigTypeError(f"{where}: timeout must be a number of seconds, got "
                         f"{type(timeout).__name__} {timeout!r}")
     if not 0 < timeout < float("inf"):
         raise ConfigError(f"{where}: timeout must be a finite number of seconds > 0 "
@@ -165,12 +165,12 @@ def new_group(ranks: Sequence[int]) -> Union[ProcessGroup, NonMemberGroup]:
     order. Non-members get a falsy `NonMemberGroup` that refuses to be used."""
     w = _require("new_group")
     if isinstance(ranks, (str, bytes, dict)) or not hasattr(ranks, "__iter__"):
-        raise TypeError(f"rank {w.env.rank}: new_group: ranks must be a list of global ranks "
+        raise ConfigTypeError(f"rank {w.env.rank}: new_group: ranks must be a list of global ranks "
                         f"(ints), got {type(ranks).__name__} {ranks!r}")
     ranks = list(ranks)
     bad = [r for r in ranks if isinstance(r, bool) or not isinstance(r, (int, np.integer))]
     if bad:
-        raise TypeError(f"rank {w.env.rank}: new_group: ranks must be ints, got {bad!r} in "
+        raise ConfigTypeError(f"rank {w.env.rank}: new_group: ranks must be ints, got {bad!r} in "
                         f"{list(ranks)!r}")
     if len(set(int(r) for r in ranks)) != len(ranks):
         raise ConfigError(f"rank {w.env.rank}: new_group: ranks {list(ranks)} list a rank more "
@@ -261,7 +261,7 @@ def broadcast(x: Any, src: int = 0, group: Optional[ProcessGroup] = None,
     """Copy global rank `src`'s `x` to every member of the group."""
     g, kind, where, stream = _context(group, "broadcast", async_op)
     if isinstance(src, bool) or not isinstance(src, (int, np.integer)):
-        raise TypeError(f"{where}: src must be an int (a global rank), got "
+        raise ConfigTypeError(f"{where}: src must be an int (a global rank), got "
                         f"{type(src).__name__} {src!r}")
     if src not in g.ranks:
         raise ConfigError(f"{where}: src rank {src} is not a member of the group "

@@ -25,7 +25,7 @@ class ReduceOp(str, enum.Enum):
         try:
             return op if isinstance(op, ReduceOp) else cls(str(op).lower())
         except ValueError:
-            raise ValueError(
+            raise ConfigError(
                 f"unknown reduce op {op!r}; use one of {[o.value for o in cls]}") from None
 
 

@@ -16,6 +16,7 @@ import dataclasses
 from typing import Hashable, Optional, Sequence
 
 import numpy as np
+from nccl_ddp.errors import ConfigError
 
 MiB = 1024 * 1024
 DEFAULT_CAP_BYTES = 25 * MiB
@@ -106,7 +107,7 @@ def assign_buckets(specs: Sequence[ParamSpec], cap_bytes: int = DEFAULT_CAP_BYTE
     the padded length are multiples of `align_bytes` (a multiple of 16).
     """
     if align_bytes < ALIGN_BYTES or align_bytes % ALIGN_BYTES:
-        raise ValueError(f"align_bytes must be a multiple of {ALIGN_BYTES}, got {align_bytes}")
+        raise ConfigError(f"align_bytes must be a multiple of {ALIGN_BYTES}, got {align_bytes}")
     n = len(specs)
     if order is None:
         order = range(n - 1, -1, -1)

@@ -5,7 +5,8 @@ import dataclasses
 from typing import Optional
 
 from nccl_ddp.ddp.buckets import DEFAULT_CAP_BYTES, FIRST_CAP_BYTES, MiB
-from nccl_ddp.validate import check_bool, check_positive_int
+from nccl_ddp.validate import check_bool
+from nccl_ddp.errors import ConfigError, ConfigTypeError
 
 REDUCER_MODES = ("CppReducer", "PythonReducer")
 
@@ -43,13 +44,13 @@ class DDPConfig:
             if v is None and name == "bucket_cap_mb":
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise TypeError(f"{name} must be a number of MiB (int or float), got "
+                raise ConfigTypeError(f"{name} must be a number of MiB (int or float), got "
                                 f"{type(v).__name__} {v!r}")
             if not 0 <= v < float("inf") or (name == "broadcast_chunk_mb" and v == 0):
-                raise ValueError(f"{name} must be a finite number "
+                raise ConfigError(f"{name} must be a finite number "
                                  f"{'> 0' if name == 'broadcast_chunk_mb' else '>= 0'} MiB, got {v}")
         if not isinstance(self.reducer_mode, str) or self.reducer_mode not in REDUCER_MODES:
-            raise ValueError(f"reducer_mode must be one of {REDUCER_MODES}, got {self.reducer_mode!r}")
+            raise ConfigError(f"reducer_mode must be one of {REDUCER_MODES}, got {self.reducer_mode!r}")
 
     @property
     def cap_bytes(self) -> int:

@@ -17,7 +17,7 @@ from nccl_ddp.adapters.arrays import ArrayModule, GradModule
 from nccl_ddp.comm.group import NonMemberGroup, ProcessGroup
 from nccl_ddp.ddp.config import DDPConfig
 from nccl_ddp.validate import check_float_dtype
-from nccl_ddp.errors import ReducerError
+from nccl_ddp.errors import ConfigError, ConfigTypeError, ReducerError
 from nccl_ddp.ddp.param_sync import broadcast_params, check_same_params
 from nccl_ddp.ddp.reducer import Reducer
 
@@ -42,7 +42,7 @@ class DistributedDataParallel:
         self.device = device_for(self.process_group)
         params = self._adapter.native_params()
         if not params:
-            raise ValueError("module has no parameters to reduce")
+            raise ConfigError("module has no parameters to reduce")
         _check_native(params, self.device, "parameter", self._adapter.names)
         grads = self._adapter.native_grads()
         _check_native(grads, self.device, "grad", self._adapter.names)
@@ -85,12 +85,12 @@ class DistributedDataParallel:
             f" ({name!r})" if name else "")
         want = self.device.xp.__name__
         if type(grad).__module__.split(".")[0] != want or not hasattr(grad, "dtype"):
-            raise TypeError(f"{label} must be a {want}.ndarray like the parameter, got "
+            raise ConfigTypeError(f"{label} must be a {want}.ndarray like the parameter, got "
                             f"{type(grad).__module__}.{type(grad).__name__}")
         if tuple(grad.shape) != spec.shape:
-            raise ValueError(f"{label} has shape {tuple(grad.shape)}, the parameter {spec.shape}")
+            raise ConfigError(f"{label} has shape {tuple(grad.shape)}, the parameter {spec.shape}")
         if grad.dtype != spec.dtype:
-            raise TypeError(f"{label} has dtype {grad.dtype}, the parameter {spec.dtype}; cast "
+            raise ConfigTypeError(f"{label} has dtype {grad.dtype}, the parameter {spec.dtype}; cast "
                             f"it first (grad.astype({str(spec.dtype)!r}))")
 
     def grad_hook(self, param: Any) -> Callable[[Any], Any]:
@@ -177,10 +177,10 @@ def adapt_module(module: Any) -> GradModule:
         try:
             mod = importlib.import_module(f"nccl_ddp.adapters.{adapters[framework]}")
         except ImportError as e:
-            raise TypeError(f"module: no nccl_ddp adapter for {framework} is available ({e}); wrap "
+            raise ConfigTypeError(f"module: no nccl_ddp adapter for {framework} is available ({e}); wrap "
                             "the parameters in nccl_ddp.adapters.arrays.ArrayModule") from e
         return mod.adapt(module)
-    raise TypeError(f"module must be a model of a supported framework, an ArrayModule or a list/dict "
+    raise ConfigTypeError(f"module must be a model of a supported framework, an ArrayModule or a list/dict "
                     f"of NumPy/CuPy arrays, got {type(module).__module__}.{type(module).__name__}")
 
 
@@ -192,7 +192,7 @@ def resolve_group(group: Optional[ProcessGroup], argname: str) -> ProcessGroup:
     if isinstance(group, NonMemberGroup):
         raise group.refuse(f"{argname}")
     if not isinstance(group, ProcessGroup):
-        raise TypeError(f"{argname} must be a ProcessGroup from nccl_ddp.new_group(...) or None "
+        raise ConfigTypeError(f"{argname} must be a ProcessGroup from nccl_ddp.new_group(...) or None "
                         f"(the world), got {type(group).__name__} {group!r}")
     return group
 
@@ -209,8 +209,8 @@ def _check_native(arrays: List[Any], device, what: str, names: List[Optional[str
     for i, a in enumerate(arrays):
         label = f"{what} {i}" + (f" ({names[i]!r})" if names[i] else "")
         if type(a).__module__.split(".")[0] != want:
-            raise TypeError(f"{label} is a {type(a).__module__}.{type(a).__name__}, but the process "
+            raise ConfigTypeError(f"{label} is a {type(a).__module__}.{type(a).__name__}, but the process "
                             f"group's backend ({device.kind}) reduces {want} arrays")
         check_float_dtype(label, np.dtype(a.dtype))
         if not a.flags.c_contiguous:
-            raise ValueError(f"{label} is not C-contiguous; collectives need contiguous arrays")
+            raise ConfigError(f"{label} is not C-contiguous; collectives need contiguous arrays")

@@ -36,6 +36,7 @@ from nccl_ddp.validate import check_bool, check_float_dtype, check_positive_int
 from nccl_ddp.ddp.param_sync import check_same_params
 from nccl_ddp.ddp.reducer import bucket_tag
 from nccl_ddp.ddp.step_failure import StepFailure
+from nccl_ddp.errors import ConfigError, ConfigTypeError
 
 
 class DistributedGradReducer:
@@ -48,12 +49,12 @@ class DistributedGradReducer:
         if adapter is not None:   # torch / JAX / MindSpore parameters, described natively
             parameters = adapter.param_infos(parameters)
         if not isinstance(parameters, (list, tuple)) or not parameters:
-            raise TypeError("parameters must be a non-empty list or tuple of parameters, got "
+            raise ConfigTypeError("parameters must be a non-empty list or tuple of parameters, got "
                             f"{type(parameters).__name__}")
         check_bool("mean", mean)
         if degree is not None and (isinstance(degree, bool) or not isinstance(degree, int)
                                    or degree <= 0):
-            raise ValueError(f"degree must be a positive int (or None: the group size), got "
+            raise ConfigError(f"degree must be a positive int (or None: the group size), got "
                              f"{type(degree).__name__} {degree!r}")
         check_positive_int("fusion_type", fusion_type, allow_zero=True)
         self.group = resolve_group(group, "group")
@@ -64,7 +65,7 @@ class DistributedGradReducer:
         specs, fusion_ids = [], []
         for i, p in enumerate(parameters):
             if not hasattr(p, "shape") or not hasattr(p, "dtype"):
-                raise TypeError(f"parameters[{i}] has no shape/dtype: {type(p).__name__}")
+                raise ConfigTypeError(f"parameters[{i}] has no shape/dtype: {type(p).__name__}")
             fid = getattr(p, "comm_fusion", fusion_type)
             check_positive_int(f"parameters[{i}].comm_fusion", fid, allow_zero=True)
             fusion_ids.append(fid)
@@ -89,9 +90,9 @@ class DistributedGradReducer:
         if adapter is not None:   # framework grads: in and out through DLPack
             return adapter.reduce(self, grads)
         if not isinstance(grads, (list, tuple)):
-            raise TypeError(f"grads must be a list or tuple, got {type(grads).__name__}")
+            raise ConfigTypeError(f"grads must be a list or tuple, got {type(grads).__name__}")
         if len(grads) != len(self.specs):
-            raise ValueError(f"got {len(grads)} grads for {len(self.specs)} parameters")
+            raise ConfigError(f"got {len(grads)} grads for {len(self.specs)} parameters")
         native = [self._native(i, g) for i, g in enumerate(grads)]
         with self._failure.closes_step():   # a failed all-reduce: every later call says so
             return type(grads)(self._reduce(native))
@@ -123,12 +124,12 @@ class DistributedGradReducer:
 
     def _native(self, i: int, g: Any) -> Any:
         if type(g).__module__.split(".")[0] != self.device.xp.__name__:
-            raise TypeError(f"grads[{i}] is a {type(g).__module__}.{type(g).__name__}; the "
+            raise ConfigTypeError(f"grads[{i}] is a {type(g).__module__}.{type(g).__name__}; the "
                             f"{self.group.backend} group reduces {self.device.xp.__name__} arrays "
                             "(or the tensors of a framework with an adapter)")
         spec = self.specs[i]
         if tuple(g.shape) != spec.shape or np.dtype(g.dtype) != spec.dtype:
-            raise ValueError(f"grads[{i}] has shape {tuple(g.shape)} {g.dtype}; "
+            raise ConfigError(f"grads[{i}] has shape {tuple(g.shape)} {g.dtype}; "
                              f"parameter {i} has {spec.describe()}")
         return g
 
@@ -146,5 +147,5 @@ def _param_dtype(p: Any, i: int) -> np.dtype:
     try:
         return np.dtype(p.dtype)
     except TypeError as e:
-        raise TypeError(f"parameters[{i}] has dtype {p.dtype!r}, not a NumPy/CuPy dtype; pass "
+        raise ConfigTypeError(f"parameters[{i}] has dtype {p.dtype!r}, not a NumPy/CuPy dtype; pass "
                         "NumPy/CuPy arrays or the parameters of a framework with an adapter") from e

@@ -6,7 +6,7 @@ import time
 from typing import Any, Callable, Optional
 
 from nccl_ddp.device.base import DEFAULT_TIMEOUT, Device, Event, Stream
-from nccl_ddp.errors import CommTimeout, ConfigError, NcclDdpError
+from nccl_ddp.errors import CommTimeout, ConfigError, ConfigTypeError, NcclDdpError
 
 
 def _cupy() -> Any:
@@ -123,7 +123,7 @@ class CudaDevice(Device):
         if isinstance(obj, int):
             obj = RawStream(obj)
         elif not hasattr(obj, "__cuda_stream__"):
-            raise TypeError(f"expected an object with __cuda_stream__ or a raw stream pointer "
+            raise ConfigTypeError(f"expected an object with __cuda_stream__ or a raw stream pointer "
                             f"(int), got {type(obj).__name__}")
         with self.xp.cuda.Device(self.device_id):
             return CudaStream(self.xp.cuda.Stream.from_external(obj), self.device_id)

@@ -23,7 +23,7 @@ import numpy as np
 
 from nccl_ddp.env import env_int
 from nccl_ddp.errors import KernelError
-from nccl_ddp.kernels import (PACK_PAIRS, SCALE_DTYPES, UNPACK_PAIRS, check_flag, check_flat,
+from nccl_ddp.kernels.spec import (PACK_PAIRS, SCALE_DTYPES, UNPACK_PAIRS, check_flag, check_flat,
                       check_segments, dtype_name, kernel_source_dir)
 
 log = logging.getLogger(__name__)

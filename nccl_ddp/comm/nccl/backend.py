@@ -160,7 +160,7 @@ class NcclProcessGroup(ProcessGroup):
 
     def broadcast(self, buf, root: int = 0, stream=None, *, tag: Optional[str] = None) -> NcclWork:
         if not 0 <= root < self.size:
-            raise ValueError(f"broadcast root {root} is not a rank of group {self.name!r} "
+            raise ConfigError(f"broadcast root {root} is not a rank of group {self.name!r} "
                              f"(size {self.size}); pass a group rank")
         dt, p = self._dtype(buf), self._rt.ptr(buf)
         return self._launch("broadcast", tag, stream, buf, (buf,),
@@ -192,7 +192,7 @@ class NcclProcessGroup(ProcessGroup):
     def _dtype(self, buf) -> int:
         """NCCL type of `buf`, which must be contiguous (NCCL sees a pointer and a count)."""
         if not buf.flags.c_contiguous:
-            raise ValueError(f"NCCL buffers must be contiguous; got a strided {buf.dtype} array of "
+            raise ConfigError(f"NCCL buffers must be contiguous; got a strided {buf.dtype} array of "
                              f"shape {buf.shape} on group {self.name!r} (pass a contiguous copy)")
         return nccl_dtype(buf.dtype, self._rt.lib)
 
@@ -297,7 +297,7 @@ class NcclProcessGroup(ProcessGroup):
         through the store. Call it with no collective in flight."""
         ranks = tuple(int(r) for r in ranks)
         if not ranks or len(set(ranks)) != len(ranks) or not set(ranks) <= set(self.ranks):
-            raise ValueError(f"new_subgroup{list(ranks)}: ranks must be distinct members of group "
+            raise ConfigError(f"new_subgroup{list(ranks)}: ranks must be distinct members of group "
                              f"{self.name!r} {list(self.ranks)}")
         me = self.ranks[self.rank]
         member = me in ranks

@@ -8,7 +8,7 @@ import contextlib
 import threading
 from typing import Any, Callable, Iterator
 
-from nccl_ddp.errors import CommError, CommTimeout
+from nccl_ddp.errors import CommError, CommTimeout, ConfigTypeError
 from nccl_ddp.comm.group import ReduceOp
 
 ADVICE = ("Rerun with NCCL_DEBUG=INFO (NCCL_DEBUG_SUBSYS=INIT,COLL narrows it) and check the other "
@@ -49,7 +49,7 @@ def nccl_dtype(dtype: Any, lib: Any) -> int:
         return int(getattr(lib, _DTYPES[name]))
     if name in _FP8 and lib.get_version() >= _FP8_MIN_VERSION:
         return _FP8[name]
-    raise TypeError(f"NCCL cannot reduce dtype {name}; use one of "
+    raise ConfigTypeError(f"NCCL cannot reduce dtype {name}; use one of "
                     f"{sorted(_DTYPES) + sorted(_FP8)} (float8 needs NCCL >= 2.24)")
 
 
@@ -64,7 +64,7 @@ def stream_ptr(stream: Any) -> int:
     if ptr is None and hasattr(stream, "__cuda_stream__"):
         ptr = stream.__cuda_stream__()[1]
     if ptr is None:
-        raise TypeError(f"stream {stream!r} is not a CUDA stream (no .ptr or __cuda_stream__)")
+        raise ConfigTypeError(f"stream {stream!r} is not a CUDA stream (no .ptr or __cuda_stream__)")
     return int(ptr)
 
 
