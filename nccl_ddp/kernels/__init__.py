@@ -19,31 +19,14 @@ fused multiply-add.
 """
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
-from nccl_ddp.errors import KernelError
+from nccl_ddp.kernels.cuda import kernel_source_dir
 from nccl_ddp.kernels.spec import (PACK_PAIRS, SCALE_DTYPES, UNPACK_PAIRS, acc_dtype, check_flag,
                                    check_flat, check_segments, dtype_name, pack_ref, scale_ref,
                                    unpack_ref, zero_ref)
-
-def kernel_source_dir() -> Path:
-    """The folder holding the .cu sources: $NCCL_DDP_KERNEL_DIR, else the copy shipped inside the
-    installed package (nccl_ddp/_kernels), else the source checkout's top-level kernels/."""
-    env = os.environ.get("NCCL_DDP_KERNEL_DIR")
-    candidates = [Path(env)] if env else []
-    here = Path(__file__).resolve().parent
-    candidates += [here.parent / "_kernels", here.parent.parent / "kernels"]
-    for c in candidates:
-        if (c / "bucket.cu").is_file():
-            return c
-    raise KernelError(
-        f"kernel sources (bucket.cu) not found in {', '.join(map(str, candidates))}; reinstall "
-        "nccl_ddp or set NCCL_DDP_KERNEL_DIR to the folder holding kernels/bucket.cu")
-
 
 # ---------------------------------------------------------------------------------------------
 # public operations (dispatch on the array type)

@@ -16,7 +16,9 @@ from __future__ import annotations
 import collections
 import io
 import logging
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -24,7 +26,7 @@ import numpy as np
 from nccl_ddp.env import env_int
 from nccl_ddp.errors import KernelError
 from nccl_ddp.kernels.spec import (PACK_PAIRS, SCALE_DTYPES, UNPACK_PAIRS, check_flag, check_flat,
-                      check_segments, dtype_name, kernel_source_dir)
+                                   check_segments, dtype_name)
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +47,21 @@ SEG_DTYPE = np.dtype([("ptr", "<u8"), ("off", "<i8"), ("n", "<i8")])
 SMALL_DTYPE = np.dtype([("ptr", "<u8", (SMALL_MAX,)), ("off", "<i8", (SMALL_MAX,)),
                         ("n", "<i8", (SMALL_MAX,)), ("first_item", "<i4", (SMALL_MAX + 1,)),
                         ("nseg", "<i4")])
+
+
+def kernel_source_dir() -> Path:
+    """The folder holding the .cu sources: $NCCL_DDP_KERNEL_DIR, else the copy shipped inside the
+    installed package (nccl_ddp/_kernels), else the source checkout's top-level kernels/."""
+    env = os.environ.get("NCCL_DDP_KERNEL_DIR")
+    candidates = [Path(env)] if env else []
+    here = Path(__file__).resolve().parent
+    candidates += [here.parent / "_kernels", here.parent.parent / "kernels"]
+    for c in candidates:
+        if (c / "bucket.cu").is_file():
+            return c
+    raise KernelError(
+        f"kernel sources (bucket.cu) not found in {', '.join(map(str, candidates))}; reinstall "
+        "nccl_ddp or set NCCL_DDP_KERNEL_DIR to the folder holding kernels/bucket.cu")
 
 
 def kernel_name(op: str, pair: tuple, flag: bool, small: bool) -> str:
