@@ -8,6 +8,7 @@ DLPack array (converted by `nccl_ddp.dlpack`).
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import numbers
 from dataclasses import dataclass
@@ -19,7 +20,8 @@ from nccl_ddp import dlpack
 from nccl_ddp.device import HostDevice
 from nccl_ddp.validate import check_bool
 from nccl_ddp.env import DistEnv, resolve_env
-from nccl_ddp.errors import ConfigError, ConfigTypeError, NcclDdpError
+from nccl_ddp.errors import (CommTimeout, ConfigError, ConfigTypeError, NcclDdpError,
+                             RankMismatchError, StoreTimeout)
 from nccl_ddp.comm.group import NonMemberGroup, ProcessGroup, ReduceOp, Work
 
 log = logging.getLogger(__name__)
@@ -27,6 +29,7 @@ log = logging.getLogger(__name__)
 BACKENDS = ("host", "nccl")
 _DEVICE_KIND = {"host": "host", "nccl": "cuda"}
 _inits = itertools.count(1)    # init_process_group calls so far: fresh store keys for each
+MAX_TIMEOUT = 30 * 86400.0     # seconds; beyond it waits overflow (threading.TIMEOUT_MAX ~ 9.2e9)
 
 
 @dataclass
@@ -35,6 +38,11 @@ class _World:
     store: Any
     group: ProcessGroup
     owns_store: bool
+    keys: Any                   # this world's namespace in the store
+    new_groups: Any = None      # new_group calls so far (the same sequence on every rank)
+
+    def __post_init__(self) -> None:
+        self.new_groups = itertools.count(1)
 
 
 _world: Optional[_World] = None
@@ -87,14 +95,14 @@ def init_process_group(backend: Optional[str] = None, *, timeout: float = 300.0,
         from nccl_ddp.store.client import connect_store
         store = connect_store(env, timeout)
     from nccl_ddp.store.client import PrefixStore
+    keys = PrefixStore(store, f"nccl_ddp/init{next(_inits)}")
     try:
-        group = _create_group(name, PrefixStore(store, f"nccl_ddp/init{next(_inits)}"), env,
-                              timeout)
+        group = _create_group(name, keys, env, timeout)
     except BaseException:
         if owns:
             store.close()
         raise
-    _world = _World(env, store, group, owns)
+    _world = _World(env, store, group, owns, PrefixStore(keys, "api"))
     log.debug("rank %d/%d: %s world group ready", env.rank, env.world_size, name)
     return group
 
@@ -103,9 +111,9 @@ def _check_timeout(timeout: Any, where: str) -> None:
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
         raise ConfigTypeError(f"{where}: timeout must be a number of seconds, got "
                         f"{type(timeout).__name__} {timeout!r}")
-    if not 0 < timeout < float("inf"):
-        raise ConfigError(f"{where}: timeout must be a finite number of seconds > 0 "
-                          f"(every wait is bounded), got {timeout}")
+    if not 0 < timeout <= MAX_TIMEOUT:
+        raise ConfigError(f"{where}: timeout must be a finite number of seconds > 0 and at most "
+                          f"{MAX_TIMEOUT:.0f} (30 days; every wait is bounded), got {timeout}")
 
 
 def destroy_process_group() -> None:
@@ -176,8 +184,33 @@ def new_group(ranks: Sequence[int]) -> Union[ProcessGroup, NonMemberGroup]:
         raise ConfigError(f"rank {w.env.rank}: new_group: ranks {list(ranks)} list a rank more "
                           f"than once; pass each member once")
     ranks = [int(r) for r in ranks]
+    _agree_on_members(w, ranks)
     group = w.group.new_subgroup(ranks)
     return NonMemberGroup(ranks, w.env.rank) if group is None else group
+
+
+def _agree_on_members(w: _World, ranks: list) -> None:
+    """Every rank publishes the list it passed to this new_group call (the n-th on every rank);
+    a member reads its fellow members' lists and raises `RankMismatchError` naming both lists
+    if one differs: groups built from different lists would reduce the wrong ranks' data."""
+    n, me = next(w.new_groups), w.env.rank
+    keys = w.keys
+    keys.set(f"new_group{n}/{me}", json.dumps(ranks))
+    if me not in ranks:
+        return
+    timeout = w.group.timeout
+    for r in ranks:
+        try:
+            theirs = json.loads(keys.get(f"new_group{n}/{r}", timeout=timeout))
+        except StoreTimeout as e:
+            raise CommTimeout(f"rank {me}: new_group({ranks}) (call #{n}): rank {r} did not call "
+                              f"new_group within {timeout:g}s; every rank of the world must call "
+                              f"new_group, in the same order") from e
+        if theirs != ranks:
+            raise RankMismatchError(
+                f"rank {me}: new_group call #{n}: this rank passed ranks {ranks} but rank {r} "
+                f"passed {theirs}; every rank must call new_group with the same ranks (in the "
+                f"same order), or the groups would reduce the wrong ranks' data")
 
 
 # -- collectives --------------------------------------------------------------------------------

@@ -26,7 +26,9 @@ def check_same_params(specs: Sequence[ParamSpec], group: ProcessGroup, device,
     """`RankMismatchError` on every rank unless all ranks have the same shapes and dtypes and the
     same `settings` (name -> JSON value: the options of `owner` that every rank must share)."""
     settings = json.loads(json.dumps(settings or {}))     # tuples -> lists, as the peers' arrive
-    text = ";".join(f"{tuple(s.shape)}:{s.dtype}" for s in specs)
+    # names, where the framework gives them: same-shape parameters in a different order would
+    # otherwise pass and be averaged with the wrong tensors
+    text = ";".join(f"{s.name or ''}:{tuple(s.shape)}:{s.dtype}" for s in specs)
     digest = hashlib.sha256(
         f"{len(specs)}|{text}|{json.dumps(settings, sort_keys=True)}".encode()).digest()
     digests = _all_gather_bytes(digest, group, device)
@@ -47,12 +49,14 @@ def _first_mismatch(described: list, owner: str) -> str:
         for i in range(max(len(base), len(other))):
             a = base[i] if i < len(base) else None
             b = other[i] if i < len(other) else None
-            if a is not None and b is not None and a[:2] == b[:2]:
+            if a is not None and b is not None and a == b:
                 continue
+            names = a is not None and b is not None and a[2] != b[2]
             name = (a or b)[2]
-            label = f"parameter {i}" + (f" ({name!r})" if name else "")
+            label = f"parameter {i}" + (f" ({name!r})" if name and not names else "")
             return (f"the wrapped parameters differ across ranks: {label}: "
-                    f"rank 0 has {_describe(a, len(base))}, rank {r} has {_describe(b, len(other))}. "
+                    f"rank 0 has {_describe(a, len(base), names)}, "
+                    f"rank {r} has {_describe(b, len(other), names)}. "
                     "Every rank must wrap the same model (same parameters in the same order).")
     base = described[0]["settings"]
     for r, other in enumerate((d["settings"] for d in described[1:]), start=1):
@@ -69,10 +73,10 @@ def _first_mismatch(described: list, owner: str) -> str:
     return "the wrapped parameters or settings differ across ranks (digest mismatch)"
 
 
-def _describe(entry: Optional[list], count: int) -> str:
+def _describe(entry: Optional[list], count: int, named: bool = False) -> str:
     if entry is None:
         return f"no such parameter (only {count})"
-    return f"shape {tuple(entry[0])} {entry[1]}"
+    return (f"{entry[2]!r} of " if named else "") + f"shape {tuple(entry[0])} {entry[1]}"
 
 
 def _all_gather_bytes(data: bytes, group: ProcessGroup, device) -> list:

@@ -21,7 +21,7 @@ import numpy as np
 
 from nccl_ddp.device import DEFAULT_TIMEOUT, HostEvent, ImmediateStream
 from nccl_ddp.env import env_int
-from nccl_ddp.errors import CommError, CommTimeout, ConfigError, NcclDdpError
+from nccl_ddp.errors import CommError, CommTimeout, ConfigError, NcclDdpError, RankMismatchError
 from nccl_ddp.comm.host.reduce import Reduction, dtype_code
 from nccl_ddp.comm.host.ring import RingTransport, SelfTransport
 from nccl_ddp.comm.host.shm import ShmTransport
@@ -124,8 +124,16 @@ class HostProcessGroup(ProcessGroup):
             self.transport_kind = "self"
             return SelfTransport()
         rdv = Rendezvous(self._store, self.rank, list(self.ranks), self.timeout, self._where,
-                         {"host": host_id(), "transport": transport, "chunk": chunk_bytes})
+                         {"host": host_id(), "transport": transport, "chunk": chunk_bytes,
+                          "members": list(self.ranks)})
         infos = rdv.infos
+        for r, info in enumerate(infos):
+            if info["members"] != list(self.ranks):
+                rdv.listener.close()
+                raise RankMismatchError(
+                    f"{self._where}: this rank's group has members {list(self.ranks)} but group "
+                    f"rank {r} (rank {info['members'][r]}) joined with members {info['members']}; "
+                    f"every member must create the group from the same ranks")
         chunk = infos[0]["chunk"]           # every rank must chunk alike
         same_host = len({i["host"] for i in infos}) == 1
         if any(i["transport"] == "shm" for i in infos) and not same_host:
@@ -308,7 +316,9 @@ class HostProcessGroup(ProcessGroup):
         if me not in members:
             return None
         name = f"group{members}" if self.name == "world" else f"{self.name}/group{members}"
-        return HostProcessGroup(PrefixStore(self._store, f"sub{n}"), members.index(me),
+        # keyed by the members too: ranks that disagree on them never share rendezvous keys
+        keys = PrefixStore(self._store, f"sub{n}/{'-'.join(map(str, members))}")
+        return HostProcessGroup(keys, members.index(me),
                                 len(members), members, self.timeout, name.replace(" ", ""))
 
     @property

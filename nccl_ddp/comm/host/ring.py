@@ -22,7 +22,7 @@ from nccl_ddp.comm.host.reduce import Reduction
 from nccl_ddp.comm.host.wire import Header, PeerLink
 from nccl_ddp.comm.group import ReduceOp
 
-DATA = 3   # message kind (see _wire.KIND_NAMES)
+STAGED, DATA = 1, 3   # message kinds (see wire.KIND_NAMES)
 
 
 class _Sender:
@@ -144,7 +144,18 @@ class RingTransport:
         self._all_gather(buf, desc)
         self.sender.drain(self.timeout)
 
+    def _agree(self, desc: tuple) -> None:
+        """Send this rank's description of the op to the next rank and check the previous
+        rank's: around the ring, every rank then knows that its neighbour runs the same op."""
+        self.send_seq += 1
+        self.sender.put(self.next, Header(self.send_seq, STAGED, *desc), memoryview(b""))
+        self.recv_seq += 1
+        self.prev.expect(Header(self.recv_seq, STAGED, *desc))
+
     def broadcast(self, buf: np.ndarray, root: int, desc: tuple) -> None:
+        # data flows only away from the root: without this check, ranks that disagree on the root
+        # would all return (the mismatch surfacing at a later collective, under its name)
+        self._agree(desc)
         pos = (self.rank - root) % self.size
         if pos == 0:
             self._send(buf, desc)
