@@ -125,3 +125,125 @@ def run_torch_ddp(rank: int, config: OracleConfig) -> dict:
     ddp = DistributedDataParallel(module, find_unused_parameters=not static,
                                   static_graph=static)
     return train(ddp, module, rank, config)
+
+
+# ---------------------------------------------------------------------------------------------
+# The drop-in oracle: real training code's models and loops, torch DDP against ours.
+
+CLASSES = 4
+
+
+def make_bn_cnn(rank: int):
+    """Conv + BatchNorm (running statistics and num_batches_tracked are buffers) + a head."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(2000 + rank)
+    return nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(24, CLASSES))
+
+
+def make_frozen_backbone(rank: int):
+    """A fine-tune: a frozen backbone (requires_grad=False, different on every rank until DDP
+    broadcasts it) with a BatchNorm, and a trainable head."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(3000 + rank)
+    model = nn.Sequential(nn.Linear(IN, HIDDEN), nn.BatchNorm1d(HIDDEN), nn.Tanh(),
+                          nn.Linear(HIDDEN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, CLASSES))
+    for layer in list(model)[:4]:
+        layer.requires_grad_(False)
+    return model
+
+
+def make_tied(rank: int):
+    """TiedNet with its branch always used (the tied weight gets two grads per backward)."""
+    import torch
+
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = make_model(rank)
+
+        def forward(self, x):
+            return self.net(x, use_branch=True)[:, :CLASSES]
+
+    return Tied()
+
+
+MODELS = {"bn_cnn": make_bn_cnn, "frozen_backbone": make_frozen_backbone, "tied": make_tied}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A training loop: `accumulate` micro-batches per optimizer step (all but the last under
+    no_sync()), SGD with momentum or AdamW with two parameter groups, optional gradient clipping
+    and bf16 autocast, and an evaluation forward under torch.no_grad() after every step."""
+
+    model: str
+    steps: int = 4
+    accumulate: int = 1
+    optimizer: str = "sgd"
+    clip: float = 0.0
+    bf16_autocast: bool = False
+    batch: int = 6
+
+
+def scenario_batches(rank: int, scenario: Scenario):
+    import torch
+
+    g = np.random.default_rng(500 + rank)
+    shape = (scenario.batch, 3, 6, 6) if scenario.model == "bn_cnn" else (scenario.batch, IN)
+    n = scenario.steps * scenario.accumulate + 1
+    return [(torch.from_numpy(g.standard_normal(shape, dtype=np.float32)),
+             torch.from_numpy(g.integers(0, CLASSES, scenario.batch)))
+            for _ in range(n)]
+
+
+def _optimizer(module, scenario: Scenario):
+    import torch
+
+    params = [p for p in module.parameters() if p.requires_grad]
+    if scenario.optimizer == "adamw":
+        decay = [p for p in params if p.dim() >= 2]
+        rest = [p for p in params if p.dim() < 2]
+        return torch.optim.AdamW([{"params": decay, "weight_decay": 0.05},
+                                  {"params": rest, "weight_decay": 0.0}], lr=0.01)
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def train_scenario(ddp_model, module, rank: int, scenario: Scenario) -> dict:
+    """Train `ddp_model` (wrapping `module`); returns {name: ndarray} of parameters and buffers."""
+    import torch
+
+    opt = _optimizer(module, scenario)
+    data = iter(scenario_batches(rank, scenario))
+    for _ in range(scenario.steps):
+        for k in range(scenario.accumulate):
+            x, y = next(data)
+            last = k == scenario.accumulate - 1
+            sync = contextlib.nullcontext() if last else ddp_model.no_sync()
+            cast = (torch.autocast("cpu", dtype=torch.bfloat16) if scenario.bf16_autocast
+                    else contextlib.nullcontext())
+            with sync:
+                with cast:
+                    loss = torch.nn.functional.cross_entropy(ddp_model(x), y)
+                loss.backward()
+        if scenario.clip:
+            torch.nn.utils.clip_grad_norm_(module.parameters(), scenario.clip)
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():              # an evaluation forward between steps
+            ddp_model(next(iter(scenario_batches(rank, scenario)))[0])
+    state = {n: t.detach().cpu().numpy().copy() for n, t in module.named_parameters()}
+    state.update({n: t.detach().cpu().numpy().copy() for n, t in module.named_buffers()})
+    return state
+
+
+def run_torch_scenario(rank: int, scenario: Scenario) -> dict:
+    """The oracle: torch's DistributedDataParallel on gloo (inside `gloo_group`)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    module = MODELS[scenario.model](rank)
+    return train_scenario(DistributedDataParallel(module), module, rank, scenario)

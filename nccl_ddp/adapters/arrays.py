@@ -23,7 +23,9 @@ bucket views, and a conversion of the framework's grads to native arrays (DLPack
 from __future__ import annotations
 
 import abc
-from typing import Any, Callable, List, Mapping, Optional, Sequence, Union
+import contextlib
+from typing import (Any, Callable, ContextManager, List, Mapping, Optional, Sequence, Tuple,
+                    Union)
 
 import numpy as np
 from nccl_ddp.errors import ConfigError, ConfigTypeError
@@ -63,8 +65,30 @@ class GradModule(abc.ABC):
         """Wait for the framework's queued work that may still read the grads (MindSpore's
         asynchronous PyNative ops) before the reducer overwrites them."""
 
+    def named_frozen(self) -> List[Tuple[Optional[str], Any]]:
+        """(name, writable native array) of the parameters that get no grad (frozen): every rank
+        starts from rank 0's, like the trainable ones."""
+        return []
+
+    def named_buffers(self) -> List[Tuple[Optional[str], Any]]:
+        """(name, writable native array) of the module's buffers as they are now (a framework
+        may have replaced one since the last call); broadcast_buffers sends rank 0's."""
+        return []
+
     def params_updated(self) -> None:
-        """Called after the native parameters were overwritten (immutable frameworks reload)."""
+        """Called after the native parameters, frozen parameters and buffers were overwritten by
+        the init broadcast (immutable frameworks reload them)."""
+
+    def buffers_updated(self) -> None:
+        """Called after the arrays of the last `named_buffers()` were overwritten."""
+
+    def grad_enabled(self) -> bool:
+        """Whether a forward now records grads (torch.no_grad() forwards do not sync buffers)."""
+        return True
+
+    def on_compute_stream(self) -> ContextManager[None]:
+        """Make the framework's compute stream the current one for the reducer's work."""
+        return contextlib.nullcontext()
 
     @abc.abstractmethod
     def forward(self, *args: Any, **kwargs: Any) -> Any:

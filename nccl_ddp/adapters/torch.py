@@ -12,7 +12,7 @@ the compute stream. PyTorch's grad semantics are kept: a parameter whose `.grad`
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, List, Optional
+from typing import Any, Iterator, List, Optional, Tuple
 
 from nccl_ddp.dlpack import KDL_CPU, KDL_CUDA, bfloat16_dtype, native_from_dlpack
 from nccl_ddp.adapters.arrays import GradModule
@@ -118,6 +118,7 @@ class TorchModule(GradModule):
         self._callback_queued = False
         self._syncing = True            # whether this step all-reduces (fixed when it opens)
         self._forward_opened = False    # the step was opened by our forward, not by a hook
+        self._copy_back: list = []      # (tensor, contiguous copy) of non-contiguous state
 
     # ---- GradModule
     def native_params(self) -> List[Any]:
@@ -148,12 +149,10 @@ class TorchModule(GradModule):
         return i if i is not None else _missing(param)
 
     def attach(self, ddp: Any) -> None:
-        """Register the grad hooks and broadcast rank 0's buffers (with init_sync)."""
+        """Register the grad hooks."""
         self._ddp = ddp
         for i, p in enumerate(self.params):
             self._hooks.append(p.register_post_accumulate_grad_hook(self._hook_for(i)))
-        if ddp.config.init_sync:
-            self._broadcast_buffers(ddp)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # the wrapper has just opened the step (reducer.prepare), reading sync_enabled as we do
@@ -224,17 +223,44 @@ class TorchModule(GradModule):
         for i in unused:
             self.params[i].grad = None
 
-    def _broadcast_buffers(self, ddp: Any) -> None:
-        """Every rank starts from rank 0's buffers (running statistics and the like)."""
-        group = ddp.process_group
-        for name, b in self.module.named_buffers():
-            if _is_cuda(b) != self.on_cuda:
-                raise ConfigError(f"buffer {name!r} is on {b.device}, the parameters on "
-                                 f"{self.params[0].device}; move the whole module to one device")
-            native = to_native(b if b.is_contiguous() else b.contiguous())
-            group.broadcast(native, 0).wait(group.timeout)
-            if not b.is_contiguous():
-                b.copy_(from_native(native))
+    # ---- state besides the trainable parameters: frozen parameters and buffers
+    def named_frozen(self) -> List[Tuple[Optional[str], Any]]:
+        return [(n, self._native_state(n, p, "parameter"))
+                for n, p in self.module.named_parameters() if not p.requires_grad]
+
+    def named_buffers(self) -> List[Tuple[Optional[str], Any]]:
+        # looked up each time: a buffer may have been replaced since (torch does the same)
+        return [(n, self._native_state(n, b, "buffer")) for n, b in self.module.named_buffers()]
+
+    def _native_state(self, name: str, t: Any, what: str) -> Any:
+        """A writable native array of `t`; for a non-contiguous tensor a contiguous copy that
+        `params_updated` / `buffers_updated` copies back."""
+        if _is_cuda(t) != self.on_cuda:
+            raise ConfigError(f"{what} {name!r} is on {t.device}, the trainable parameters on "
+                              f"{self.params[0].device}; move the whole module to one device "
+                              "before wrapping it")
+        if t.is_contiguous():
+            return to_native(t)
+        tmp = t.detach().contiguous()
+        self._copy_back.append((t, tmp))
+        return to_native(tmp)
+
+    def params_updated(self) -> None:
+        self.buffers_updated()
+
+    def buffers_updated(self) -> None:
+        import torch
+        with torch.no_grad():
+            for t, tmp in self._copy_back:
+                t.copy_(tmp)
+        self._copy_back = []
+
+    def grad_enabled(self) -> bool:
+        import torch
+        return torch.is_grad_enabled()
+
+    def on_compute_stream(self) -> Any:
+        return torch_stream_current(self.on_cuda)
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

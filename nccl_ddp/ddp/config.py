@@ -32,12 +32,16 @@ class DDPConfig:
     """"CppReducer": fused buckets; the grads become views of the bucket buffers when the module's
     adapter can alias them (zero copy), else one fused pack/unpack per bucket. "PythonReducer":
     one all-reduce per grad, no fused kernels (a reference path)."""
+    broadcast_buffers: bool = True
+    """PyTorch's default: rank 0's buffers (BatchNorm running statistics and the like) go to every
+    rank at construction (with init_sync) and at the start of each forward that follows a
+    synchronised one, in one coalesced broadcast. False: buffers stay per rank."""
     broadcast_chunk_mb: float = 25.0
     """Chunk size of the initial parameter broadcast."""
 
     def __post_init__(self) -> None:
         for name in ("init_sync", "find_unused_parameters", "average_in_collective",
-                     "static_graph"):
+                     "static_graph", "broadcast_buffers"):
             check_bool(name, getattr(self, name))
         for name in ("bucket_cap_mb", "broadcast_chunk_mb"):
             v = getattr(self, name)
@@ -70,6 +74,7 @@ class DDPConfig:
         return {"find_unused_parameters": self.find_unused_parameters,
                 "average_in_collective": self.average_in_collective,
                 "reducer_mode": self.reducer_mode, "static_graph": self.static_graph,
+                "broadcast_buffers": self.broadcast_buffers,
                 "bucket_cap_mb": self.cap_bytes / MiB}
 
     @property

@@ -18,7 +18,8 @@ from nccl_ddp.comm.group import NonMemberGroup, ProcessGroup
 from nccl_ddp.ddp.config import DDPConfig
 from nccl_ddp.validate import check_float_dtype
 from nccl_ddp.errors import ConfigError, ConfigTypeError, ReducerError
-from nccl_ddp.ddp.param_sync import broadcast_params, check_same_params
+from nccl_ddp.ddp.buckets import ParamSpec
+from nccl_ddp.ddp.param_sync import broadcast_coalesced, check_same_params
 from nccl_ddp.ddp.reducer import Reducer
 
 log = logging.getLogger(__name__)
@@ -30,12 +31,13 @@ class DistributedDataParallel:
     def __init__(self, module: Any, init_sync: bool = True,
                  process_group: Optional[ProcessGroup] = None, bucket_cap_mb: Optional[int] = None,
                  find_unused_parameters: bool = False, average_in_collective: bool = False,
-                 static_graph: bool = False, reducer_mode: str = "CppReducer") -> None:
+                 static_graph: bool = False, reducer_mode: str = "CppReducer", *,
+                 broadcast_buffers: bool = True) -> None:
         self.config = DDPConfig(
             init_sync=init_sync, bucket_cap_mb=bucket_cap_mb,
             find_unused_parameters=find_unused_parameters,
             average_in_collective=average_in_collective, static_graph=static_graph,
-            reducer_mode=reducer_mode)
+            reducer_mode=reducer_mode, broadcast_buffers=broadcast_buffers)
         self.module = module
         self._adapter = adapt_module(module)
         self.process_group = resolve_group(process_group, "process_group")
@@ -49,20 +51,54 @@ class DistributedDataParallel:
         install = self._adapter.install_grad if self._adapter.can_install_grads else None
         self.reducer = Reducer(params, grads, self.process_group, self.device, self.config,
                                names=self._adapter.names, install=install)
+        self._sync_buffers_next = True      # torch: the first forward syncs buffers
         if init_sync:
-            check_same_params(self.reducer.specs, self.process_group, self.device,
-                              self.config.rank_settings)
-            broadcast_params(params, self.reducer.specs, self.process_group, self.device,
-                             self.config.broadcast_chunk_bytes)
-            self._adapter.params_updated()
+            self._init_sync(params)
         self._adapter.attach(self)
+
+    def _init_sync(self, params: List[Any]) -> None:
+        """Check that every rank wraps the same parameters, frozen ones and buffers included,
+        with the same settings, then give every rank rank 0's values (torch's
+        _sync_module_states)."""
+        state = self._adapter.named_frozen()
+        if self.config.broadcast_buffers:
+            state += self._adapter.named_buffers()
+        _check_native([a for _, a in state], self.device, "frozen parameter or buffer",
+                      [n for n, _ in state], floats_only=False)
+        specs = list(self.reducer.specs) + [ParamSpec(tuple(a.shape), np.dtype(a.dtype), n)
+                                            for n, a in state]
+        check_same_params(specs, self.process_group, self.device, self.config.rank_settings)
+        with self._adapter.on_compute_stream():
+            broadcast_coalesced(list(params) + [a for _, a in state], self.process_group,
+                                self.device, self.config.broadcast_chunk_bytes)
+        self._adapter.params_updated()
 
     # ------------------------------------------------------------------ the step
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The module's forward; the grads that follow belong to a new step."""
-        self.reducer.prepare()
+        self._pre_forward()
         return self._adapter.forward(*args, **kwargs)
+
+    def _pre_forward(self) -> None:
+        """Open a step; with broadcast_buffers, first give every rank rank 0's buffers when the
+        previous forward was a synchronised one (torch's require_forward_param_sync: not after a
+        forward under no_sync() or without grad recording)."""
+        self.reducer.prepare()
+        if self._sync_buffers_next and self.config.broadcast_buffers:
+            self.sync_buffers()
+        self._sync_buffers_next = self.reducer.sync_enabled and self._adapter.grad_enabled()
+
+    def sync_buffers(self) -> None:
+        """Overwrite every rank's buffers with rank 0's (one coalesced broadcast). Every rank
+        must call it; forward does when broadcast_buffers=True."""
+        buffers = [a for _, a in self._adapter.named_buffers()]
+        if not buffers:
+            return
+        with self._adapter.on_compute_stream():
+            broadcast_coalesced(buffers, self.process_group, self.device,
+                                self.config.broadcast_chunk_bytes)
+        self._adapter.buffers_updated()
 
     def mark_ready(self, param: Any, grad: Any = None) -> Any:
         """Parameter `param` (index, name or the parameter itself) has its grad for this step.
@@ -204,13 +240,15 @@ def device_for(group: ProcessGroup):
                       getattr(group, "device_id", None))
 
 
-def _check_native(arrays: List[Any], device, what: str, names: List[Optional[str]]) -> None:
+def _check_native(arrays: List[Any], device, what: str, names: List[Optional[str]], *,
+                  floats_only: bool = True) -> None:
     want = device.xp.__name__
     for i, a in enumerate(arrays):
         label = f"{what} {i}" + (f" ({names[i]!r})" if names[i] else "")
         if type(a).__module__.split(".")[0] != want:
             raise ConfigTypeError(f"{label} is a {type(a).__module__}.{type(a).__name__}, but the process "
                             f"group's backend ({device.kind}) reduces {want} arrays")
-        check_float_dtype(label, np.dtype(a.dtype))
+        if floats_only:
+            check_float_dtype(label, np.dtype(a.dtype))
         if not a.flags.c_contiguous:
             raise ConfigError(f"{label} is not C-contiguous; collectives need contiguous arrays")

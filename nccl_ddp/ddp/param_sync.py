@@ -3,7 +3,8 @@ copy rank 0's values.
 
 The check is one all_gather of a 32-byte digest; only on a mismatch are the descriptions
 exchanged, so that every rank raises the same `RankMismatchError` naming the first difference.
-The broadcast packs parameters into chunks (the bucket layout with the chunk size as cap).
+The broadcast packs the bytes of parameters and buffers (any dtypes) into chunks, one broadcast
+per chunk.
 """
 from __future__ import annotations
 
@@ -13,9 +14,8 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from nccl_ddp import kernels
 from nccl_ddp.ddp.bucket_memory import to_host
-from nccl_ddp.ddp.buckets import ParamSpec, assign_buckets
+from nccl_ddp.ddp.buckets import ParamSpec
 from nccl_ddp.comm.group import ProcessGroup
 from nccl_ddp.errors import RankMismatchError
 
@@ -87,18 +87,48 @@ def _all_gather_bytes(data: bytes, group: ProcessGroup, device) -> list:
     return [host[r * len(data):(r + 1) * len(data)].tobytes() for r in range(group.size)]
 
 
-def broadcast_params(params: Sequence[Any], specs: Sequence[ParamSpec], group: ProcessGroup,
-                     device, chunk_bytes: int) -> None:
-    """Overwrite every rank's parameters with rank 0's, a chunk of up to `chunk_bytes` at a time."""
-    layout = assign_buckets(specs, chunk_bytes, chunk_bytes, order=range(len(specs)))
+def broadcast_coalesced(arrays: Sequence[Any], group: ProcessGroup, device,
+                        chunk_bytes: int) -> None:
+    """Overwrite every rank's `arrays` (any dtypes, C-contiguous, writable) with rank 0's: their
+    bytes packed into one buffer per chunk of up to `chunk_bytes` (an array larger than that
+    goes alone), so a model's parameters or buffers cost one broadcast per chunk."""
     compute = device.current_stream()
-    for bucket in layout.buckets:
-        members = [params[p] for p in bucket.params]
-        buf = device.empty(bucket.padded, bucket.dtype)
+    for chunk in _byte_chunks([a for a in arrays if a.nbytes], chunk_bytes):
+        buf = device.empty(sum(a.nbytes for a in chunk), np.uint8)
         if group.rank == 0:
-            compute.submit(kernels.pack, members, buf, list(bucket.offsets))
+            compute.submit(_pack_bytes, chunk, buf)
         compute.synchronize(group.timeout)
         group.broadcast(buf, 0).wait(group.timeout)
         if group.rank != 0:
-            compute.submit(kernels.unpack, members, buf, list(bucket.offsets))
+            compute.submit(_unpack_bytes, chunk, buf)
     compute.synchronize(group.timeout)
+
+
+def _byte_chunks(arrays: Sequence[Any], chunk_bytes: int) -> list:
+    chunks: list = [[]]
+    size = 0
+    for a in arrays:
+        if chunks[-1] and size + a.nbytes > chunk_bytes:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(a)
+        size += a.nbytes
+    return [c for c in chunks if c]
+
+
+def _as_bytes(a: Any) -> Any:
+    return a.reshape(-1).view(np.uint8)
+
+
+def _pack_bytes(arrays: Sequence[Any], buf: Any) -> None:
+    off = 0
+    for a in arrays:
+        buf[off:off + a.nbytes] = _as_bytes(a)
+        off += a.nbytes
+
+
+def _unpack_bytes(arrays: Sequence[Any], buf: Any) -> None:
+    off = 0
+    for a in arrays:
+        _as_bytes(a)[...] = buf[off:off + a.nbytes]
+        off += a.nbytes
