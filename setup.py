@@ -1,4 +1,4 @@
-"""Build hook only (everything else is in setup.cfg): copy the top-level kernels/*.cu into the
+"""Build hook only (everything else is in pyproject.toml): copy the top-level kernels/*.cu into the
 built package as nccl_ddp/_kernels/, so an installed wheel finds its CUDA sources.
 Editable installs read kernels/ from the checkout (nccl_ddp.kernels.kernel_source_dir)."""
 from pathlib import Path

@@ -12,16 +12,13 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 
+from nccl_ddp import frameworks
+from nccl_ddp.frameworks import is_immutable
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 
 KDL_CPU, KDL_CUDA, KDL_CUDA_HOST = 1, 2, 3
 _DEVICE_NAMES = {1: "cpu", 2: "cuda", 3: "cuda-host", 4: "opencl", 7: "vulkan", 8: "metal",
                  10: "rocm", 13: "cuda-managed"}
-
-
-def is_immutable(x: Any) -> bool:
-    """True for arrays that must never be written in place (JAX)."""
-    return type(x).__module__.split(".")[0] in ("jax", "jaxlib")
 
 
 def _dlpack_source(x: Any, where: str) -> Any:
@@ -119,11 +116,7 @@ def from_native(native: Any, like: Any) -> Any:
     if native is like:
         return like
     if is_immutable(like):
-        if isinstance(native, np.ndarray):
-            import jax.numpy as jnp
-            return jnp.asarray(native)
-        import jax.dlpack
-        return jax.dlpack.from_dlpack(native)
+        return frameworks.adapter("jax").array_from_native(native)
     if type(like).__module__.split(".")[0] in ("numpy", "cupy") or not _shares(native, like):
         return native          # a read-only input got a new array
     return like                # a DLPack view of a writable framework array: written in place

@@ -16,83 +16,18 @@ Instead of passing `grad=` you may write into `model.grads[k]` in place and call
 `ddp.mark_ready(k)`. With the default CppReducer, `model.grads[k]` are views of the bucket buffers
 (assigned when DDP is built): keep reading them through `model.grads`, never hold on to an old one.
 
-The contract with the core (what an adapter for another framework provides, see `GradModule`):
+The contract with the core (what an adapter for another framework provides: `nccl_ddp.ddp.interfaces.GradModule`):
 native arrays (NumPy/CuPy) for parameters and grads, a callback to make the framework's grads alias
 bucket views, and a conversion of the framework's grads to native arrays (DLPack).
 """
 from __future__ import annotations
 
-import abc
-import contextlib
-from typing import (Any, Callable, ContextManager, List, Mapping, Optional, Sequence, Tuple,
-                    Union)
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Union
 
 import numpy as np
+
+from nccl_ddp.ddp.interfaces import GradModule
 from nccl_ddp.errors import ConfigError, ConfigTypeError
-
-
-class GradModule(abc.ABC):
-    """What `DistributedDataParallel` needs from a wrapped model, in native arrays."""
-
-    names: List[Optional[str]]
-
-    @abc.abstractmethod
-    def native_params(self) -> List[Any]:
-        """Writable native arrays sharing memory with the parameters (init broadcast writes them)."""
-
-    @abc.abstractmethod
-    def native_grads(self) -> List[Any]:
-        """Native arrays holding the accumulated grads (zeros before the first backward)."""
-
-    def install_grad(self, i: int, view: Any) -> None:
-        """Make the framework's grad of parameter i alias `view` (a bucket slice)."""
-        raise NotImplementedError
-
-    @property
-    def can_install_grads(self) -> bool:
-        """Whether `install_grad` works for this module (grads may become bucket views)."""
-        return False
-
-    def to_native(self, i: int, grad: Any) -> Any:
-        """A native array for a grad of parameter i produced by the framework."""
-        return grad
-
-    def attach(self, ddp: Any) -> None:
-        """Called once the DDP wrapper is built: install framework hooks that call its
-        mark_ready (torch, MindSpore); nothing for raw arrays."""
-
-    def synchronize(self) -> None:
-        """Wait for the framework's queued work that may still read the grads (MindSpore's
-        asynchronous PyNative ops) before the reducer overwrites them."""
-
-    def named_frozen(self) -> List[Tuple[Optional[str], Any]]:
-        """(name, writable native array) of the parameters that get no grad (frozen): every rank
-        starts from rank 0's, like the trainable ones."""
-        return []
-
-    def named_buffers(self) -> List[Tuple[Optional[str], Any]]:
-        """(name, writable native array) of the module's buffers as they are now (a framework
-        may have replaced one since the last call); broadcast_buffers sends rank 0's."""
-        return []
-
-    def params_updated(self) -> None:
-        """Called after the native parameters, frozen parameters and buffers were overwritten by
-        the init broadcast (immutable frameworks reload them)."""
-
-    def buffers_updated(self) -> None:
-        """Called after the arrays of the last `named_buffers()` were overwritten."""
-
-    def grad_enabled(self) -> bool:
-        """Whether a forward now records grads (torch.no_grad() forwards do not sync buffers)."""
-        return True
-
-    def on_compute_stream(self) -> ContextManager[None]:
-        """Make the framework's compute stream the current one for the reducer's work."""
-        return contextlib.nullcontext()
-
-    @abc.abstractmethod
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the wrapped model."""
 
 
 class ArrayModule(GradModule):

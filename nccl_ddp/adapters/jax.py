@@ -21,7 +21,8 @@ from typing import Any, List
 import numpy as np
 
 from nccl_ddp.dlpack import KDL_CPU, KDL_CUDA, bfloat16_dtype, native_from_dlpack
-from nccl_ddp.adapters.grads import GradsAdapter, ParamInfo
+from nccl_ddp.ddp.buckets import ParamSpec
+from nccl_ddp.ddp.interfaces import GradsAdapter
 from nccl_ddp.errors import ConfigTypeError
 
 
@@ -32,6 +33,24 @@ def adapt(module: Any) -> Any:
 
 def grads_adapter() -> "JaxGrads":
     return JaxGrads()
+
+
+def first_leaf(obj: Any) -> Any:
+    """The first leaf of any pytree (None for an empty one)."""
+    import jax
+    leaves = jax.tree_util.tree_leaves(obj)
+    return leaves[0] if leaves else None
+
+
+def array_from_native(native: Any) -> Any:
+    """A new JAX array holding a native (NumPy / CuPy) array's values: what a collective returns
+    to a JAX caller, whose arrays are immutable."""
+    import numpy
+    if isinstance(native, numpy.ndarray):
+        import jax.numpy as jnp
+        return jnp.asarray(native)
+    import jax.dlpack
+    return jax.dlpack.from_dlpack(native)
 
 
 def _is_bf16(x: Any) -> bool:
@@ -67,10 +86,10 @@ class JaxGrads(GradsAdapter):
     """Parameters and grads: pytrees of `jax.Array` (any JAX pytree: dicts, lists, flax
     structures); leaves are matched in `jax.tree_util` flattening order."""
 
-    def param_infos(self, parameters: Any) -> List[ParamInfo]:
+    def param_infos(self, parameters: Any) -> List[ParamSpec]:
         import jax
         leaves = jax.tree_util.tree_flatten_with_path(parameters)[0]
-        return [ParamInfo(tuple(x.shape), np.dtype(x.dtype), jax.tree_util.keystr(path))
+        return [ParamSpec(tuple(x.shape), np.dtype(x.dtype), jax.tree_util.keystr(path))
                 for path, x in leaves]
 
     def to_native(self, grads: Any) -> List[Any]:

@@ -26,8 +26,9 @@ from typing import Any, List, Optional
 import numpy as np
 
 from nccl_ddp.dlpack import KDL_CPU, CapsuleHolder, native_from_dlpack
-from nccl_ddp.adapters.arrays import GradModule
-from nccl_ddp.adapters.grads import GradsAdapter, ParamInfo
+from nccl_ddp.ddp.interfaces import GradModule
+from nccl_ddp.ddp.buckets import ParamSpec
+from nccl_ddp.ddp.interfaces import GradsAdapter
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 
 
@@ -89,7 +90,7 @@ class MindSporeModule(GradModule):
         self.names: List[Optional[str]] = [p.name for p in self.params]
         self._grads = [np.zeros(tuple(p.shape), np_dtype(p.dtype)) for p in self.params]
         self._host_params: List[np.ndarray] = []
-        self._ddp = None
+        self._ddp: Any = None           # the DistributedDataParallel, set by attach()
         self._handles: list = []
 
     def native_params(self) -> List[Any]:
@@ -153,9 +154,9 @@ class MindSporeGrads(GradsAdapter):
     """Parameters: MindSpore Parameters (an optimizer's `.parameters`); grads: a tuple/list of
     tensors. The reduced grads are tensors viewing the reducer's fresh bucket memory."""
 
-    def param_infos(self, parameters: Any) -> List[ParamInfo]:
-        return [ParamInfo(tuple(p.shape), np_dtype(p.dtype), getattr(p, "name", None),
-                          getattr(p, "comm_fusion", None)) for p in parameters]
+    def param_infos(self, parameters: Any) -> List[ParamSpec]:
+        return [ParamSpec(tuple(p.shape), np_dtype(p.dtype), getattr(p, "name", None),
+                          comm_fusion=getattr(p, "comm_fusion", None)) for p in parameters]
 
     def to_native(self, grads: Any) -> List[Any]:
         if not isinstance(grads, (list, tuple)):

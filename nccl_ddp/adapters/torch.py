@@ -15,8 +15,9 @@ import contextlib
 from typing import Any, Iterator, List, Optional, Tuple
 
 from nccl_ddp.dlpack import KDL_CPU, KDL_CUDA, bfloat16_dtype, native_from_dlpack
-from nccl_ddp.adapters.arrays import GradModule
-from nccl_ddp.adapters.grads import GradsAdapter, ParamInfo
+from nccl_ddp.ddp.interfaces import GradModule
+from nccl_ddp.ddp.buckets import ParamSpec
+from nccl_ddp.ddp.interfaces import GradsAdapter
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 
 
@@ -111,7 +112,7 @@ class TorchModule(GradModule):
         self._grads = [torch.zeros_like(p, memory_format=torch.contiguous_format)
                        for p in self.params]
         self._index = {id(p): i for i, p in enumerate(self.params)}
-        self._ddp = None
+        self._ddp: Any = None           # the DistributedDataParallel, set by attach()
         self._hooks: list = []
         self._was_none: set = set()     # params whose .grad was None at this step's forward
         self._seen: set = set()         # params whose hook ran in this backward
@@ -156,7 +157,7 @@ class TorchModule(GradModule):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # the wrapper has just opened the step (reducer.prepare), reading sync_enabled as we do
-        self._syncing = self._ddp.reducer.sync_enabled
+        self._syncing = self._ddp.sync_enabled
         self._forward_opened = True
         self._point_grads_at_buckets()
         return self.module(*args, **kwargs)
@@ -194,7 +195,7 @@ class TorchModule(GradModule):
             if not self._callback_queued:
                 self._callback_queued = True
                 if not self._forward_opened:   # backward without our forward: the hook opens it
-                    self._syncing = self._ddp.reducer.sync_enabled
+                    self._syncing = self._ddp.sync_enabled
                 import torch
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             with torch_stream_current(self.on_cuda):
@@ -207,7 +208,6 @@ class TorchModule(GradModule):
         `.grad = None` back to params that had it and that got no grad anywhere."""
         seen, self._seen, self._callback_queued = self._seen, set(), False
         self._forward_opened = False
-        reducer = self._ddp.reducer
         with torch_stream_current(self.on_cuda):
             # (a param used under no_sync() earlier and not in this backward is reduced too:
             # the reducer counts it as used, as PyTorch does)
@@ -216,10 +216,8 @@ class TorchModule(GradModule):
         if not unused:
             return
         if self._syncing:
-            everywhere = getattr(reducer, "unused_last_step", None)
-            if everywhere is None:
-                return
-            unused = [i for i in unused if i in everywhere or i in reducer.excluded]
+            untouched = self._ddp.untouched_last_step()
+            unused = [i for i in unused if i in untouched]
         for i in unused:
             self.params[i].grad = None
 
@@ -280,9 +278,9 @@ class TorchGrads(GradsAdapter):
     """Parameters: tensors (`model.parameters()` works); grads: a list/tuple of tensors. The
     reduced grads are new tensors viewing the reducer's fresh bucket memory (no copy out)."""
 
-    def param_infos(self, parameters: Any) -> List[ParamInfo]:
+    def param_infos(self, parameters: Any) -> List[ParamSpec]:
         import torch
-        return [ParamInfo(tuple(p.shape), to_native(torch.empty(0, dtype=p.dtype)).dtype)
+        return [ParamSpec(tuple(p.shape), to_native(torch.empty(0, dtype=p.dtype)).dtype)
                 for p in parameters]
 
     def to_native(self, grads: Any) -> List[Any]:

@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import numpy as np
 
 from nccl_ddp import dlpack
-from nccl_ddp.device import HostDevice
+from nccl_ddp.device import Device, HostDevice, get_device
 from nccl_ddp.validate import check_bool
 from nccl_ddp.env import DistEnv, resolve_env
 from nccl_ddp.errors import (CommTimeout, ConfigError, ConfigTypeError, NcclDdpError,
@@ -64,7 +64,6 @@ def _pick_backend(backend: Optional[str]) -> str:
 def _create_group(backend: str, store, env: DistEnv, timeout: float) -> ProcessGroup:
     ranks = list(range(env.world_size))
     if backend == "nccl":
-        from nccl_ddp.device import get_device
         from nccl_ddp.comm.nccl.backend import NcclProcessGroup
         # the GPU DDP's device picks too: the local rank, or 0 when each process sees one GPU
         device_id = get_device("cuda", env.local_rank).device_id
@@ -211,6 +210,24 @@ def _agree_on_members(w: _World, ranks: list) -> None:
                 f"rank {me}: new_group call #{n}: this rank passed ranks {ranks} but rank {r} "
                 f"passed {theirs}; every rank must call new_group with the same ranks (in the "
                 f"same order), or the groups would reduce the wrong ranks' data")
+
+
+def resolve_group(group: Optional[ProcessGroup], argname: str) -> ProcessGroup:
+    """`group`, or the world group when None (the process group must be initialised)."""
+    if group is None:
+        return get_world_group()
+    if isinstance(group, NonMemberGroup):
+        raise group.refuse(f"{argname}")
+    if not isinstance(group, ProcessGroup):
+        raise ConfigTypeError(f"{argname} must be a ProcessGroup from nccl_ddp.new_group(...) or None "
+                        f"(the world), got {type(group).__name__} {group!r}")
+    return group
+
+
+def device_of(group: ProcessGroup) -> Device:
+    """The device whose arrays `group` reduces: host (NumPy) or cuda (CuPy)."""
+    return get_device("host" if group.backend == "host" else "cuda",
+                      getattr(group, "device_id", None))
 
 
 # -- collectives --------------------------------------------------------------------------------

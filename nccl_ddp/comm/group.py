@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import abc
 import enum
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from nccl_ddp.errors import ConfigError
 
@@ -141,4 +141,3 @@ class NonMemberGroup:
             f"group: skip the call on other ranks (`if group:`)")
 
 
-BackendFactory = Callable[..., ProcessGroup]

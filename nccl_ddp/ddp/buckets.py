@@ -32,6 +32,7 @@ class ParamSpec:
     dtype: np.dtype
     name: Optional[str] = None
     key: Hashable = None            # params with different keys never share a bucket (fusion ids)
+    comm_fusion: Optional[int] = None   # a framework parameter's own fusion id (MindSpore)
 
     @property
     def numel(self) -> int:

@@ -76,8 +76,3 @@ class DDPConfig:
                 "reducer_mode": self.reducer_mode, "static_graph": self.static_graph,
                 "broadcast_buffers": self.broadcast_buffers,
                 "bucket_cap_mb": self.cap_bytes / MiB}
-
-    @property
-    def checks_unused(self) -> bool:
-        """Whether step ends look for parameters without grads (find_unused or static's step 1)."""
-        return self.find_unused_parameters or self.static_graph

@@ -13,9 +13,11 @@ from typing import Any, Callable, Iterator, List, Optional
 
 import numpy as np
 
-from nccl_ddp.adapters.arrays import ArrayModule, GradModule
-from nccl_ddp.comm.group import NonMemberGroup, ProcessGroup
+from nccl_ddp import frameworks
+from nccl_ddp.comm.api import device_of, resolve_group
+from nccl_ddp.comm.group import ProcessGroup
 from nccl_ddp.ddp.config import DDPConfig
+from nccl_ddp.ddp.interfaces import GradModule
 from nccl_ddp.validate import check_float_dtype
 from nccl_ddp.errors import ConfigError, ConfigTypeError, ReducerError
 from nccl_ddp.ddp.buckets import ParamSpec
@@ -39,9 +41,10 @@ class DistributedDataParallel:
             average_in_collective=average_in_collective, static_graph=static_graph,
             reducer_mode=reducer_mode, broadcast_buffers=broadcast_buffers)
         self.module = module
-        self._adapter = adapt_module(module)
+        self._adapter = (module if isinstance(module, GradModule)
+                         else frameworks.module_adapter(module))
         self.process_group = resolve_group(process_group, "process_group")
-        self.device = device_for(self.process_group)
+        self.device = device_of(self.process_group)
         params = self._adapter.native_params()
         if not params:
             raise ConfigError("module has no parameters to reduce")
@@ -157,6 +160,16 @@ class DistributedDataParallel:
         finally:
             self.reducer.sync_enabled = before
 
+    @property
+    def sync_enabled(self) -> bool:
+        """Whether the step opened now all-reduces (False inside `no_sync()`)."""
+        return self.reducer.sync_enabled
+
+    def untouched_last_step(self) -> frozenset:
+        """Parameters the last synchronised step left as they were: unused on every rank
+        (find_unused_parameters) or excluded from the buckets (static_graph)."""
+        return self.reducer.unused_last_step | self.reducer.excluded
+
     def zero_grad(self) -> None:
         """Zero the accumulated grads (DDP keeps accumulating across steps until this is called)."""
         self._adapter.synchronize()
@@ -196,48 +209,6 @@ class DistributedDataParallel:
         what = repr(param) if isinstance(param, str) else f"a {type(param).__name__}"
         raise ReducerError(f"rank {self.process_group.rank}: unknown parameter {what}; pass an index "
                            f"(0..{n - 1}), a parameter name or one of the wrapped parameter objects")
-
-
-def adapt_module(module: Any) -> GradModule:
-    """The adapter for `module`: itself when it already is one, else by its framework."""
-    if isinstance(module, GradModule):
-        return module
-    if isinstance(module, (list, tuple, dict)):
-        return ArrayModule(module)
-    adapters = {"torch": "torch", "mindspore": "mindspore", "flax": "jax", "jax": "jax"}
-    # a user's model subclasses the framework's (torch.nn.Module, mindspore.nn.Cell): the MRO says
-    framework = next((f for f in (c.__module__.split(".")[0] for c in type(module).__mro__)
-                      if f in adapters), type(module).__module__.split(".")[0])
-    if framework in adapters:
-        import importlib
-        try:
-            mod = importlib.import_module(f"nccl_ddp.adapters.{adapters[framework]}")
-        except ImportError as e:
-            raise ConfigTypeError(f"module: no nccl_ddp adapter for {framework} is available ({e}); wrap "
-                            "the parameters in nccl_ddp.adapters.arrays.ArrayModule") from e
-        return mod.adapt(module)
-    raise ConfigTypeError(f"module must be a model of a supported framework, an ArrayModule or a list/dict "
-                    f"of NumPy/CuPy arrays, got {type(module).__module__}.{type(module).__name__}")
-
-
-def resolve_group(group: Optional[ProcessGroup], argname: str) -> ProcessGroup:
-    """`group`, or the world group when None (the process group must be initialised)."""
-    if group is None:
-        from nccl_ddp.comm import api
-        return api.get_world_group()
-    if isinstance(group, NonMemberGroup):
-        raise group.refuse(f"{argname}")
-    if not isinstance(group, ProcessGroup):
-        raise ConfigTypeError(f"{argname} must be a ProcessGroup from nccl_ddp.new_group(...) or None "
-                        f"(the world), got {type(group).__name__} {group!r}")
-    return group
-
-
-def device_for(group: ProcessGroup):
-    """The device whose arrays `group` reduces: host (NumPy) or cuda (CuPy)."""
-    from nccl_ddp.device import get_device
-    return get_device("host" if group.backend == "host" else "cuda",
-                      getattr(group, "device_id", None))
 
 
 def _check_native(arrays: List[Any], device, what: str, names: List[Optional[str]], *,

@@ -5,7 +5,7 @@ bucket i+1 is packed on the caller's stream. The reduced grads come back as view
 bucket buffers (no unpack copy), reshaped like the inputs, in a list/tuple like the input. Every
 call allocates its own buffers and never touches them again, so returned grads never change
 (JAX's zero-copy arrays over them rely on that); the grads keep their buffers alive.
-Framework tensors go through their adapter (adapters/grads.py) in and out via DLPack.
+Framework tensors go through their adapter (`nccl_ddp.frameworks.grads_adapter`) in and out via DLPack.
 Every rank constructs the reducer (as in MindSpore); construction checks with one collective that
 all ranks pass the same parameter shapes/dtypes, mean, degree and fusion ids (`RankMismatchError`
 on every rank otherwise), and each call checks its grads against the parameters, locally.
@@ -28,10 +28,10 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from nccl_ddp import kernels
-from nccl_ddp.adapters import grads as grads_adapters
+from nccl_ddp import frameworks
 from nccl_ddp.ddp.buckets import DEFAULT_CAP_BYTES, FIRST_CAP_BYTES, ParamSpec, assign_buckets
 from nccl_ddp.comm.group import ProcessGroup, ReduceOp
-from nccl_ddp.ddp.data_parallel import device_for, resolve_group
+from nccl_ddp.comm.api import device_of, resolve_group
 from nccl_ddp.validate import check_bool, check_float_dtype, check_positive_int
 from nccl_ddp.ddp.param_sync import check_same_params
 from nccl_ddp.ddp.reducer import bucket_tag
@@ -44,8 +44,8 @@ class DistributedGradReducer:
 
     def __init__(self, parameters: Sequence[Any], mean: bool = True, degree: Optional[int] = None,
                  fusion_type: int = 1, group: Optional[ProcessGroup] = None) -> None:
-        parameters = grads_adapters.materialize(parameters)
-        adapter = grads_adapters.for_objects(parameters)
+        parameters = _materialize(parameters)
+        adapter = frameworks.grads_adapter(parameters)
         if adapter is not None:   # torch / JAX / MindSpore parameters, described natively
             parameters = adapter.param_infos(parameters)
         if not isinstance(parameters, (list, tuple)) or not parameters:
@@ -58,7 +58,7 @@ class DistributedGradReducer:
                              f"{type(degree).__name__} {degree!r}")
         check_positive_int("fusion_type", fusion_type, allow_zero=True)
         self.group = resolve_group(group, "group")
-        self.device = device_for(self.group)
+        self.device = device_of(self.group)
         self.mean = mean
         self.degree = self.group.size if degree is None else degree
         self.fusion_type = fusion_type
@@ -66,7 +66,8 @@ class DistributedGradReducer:
         for i, p in enumerate(parameters):
             if not hasattr(p, "shape") or not hasattr(p, "dtype"):
                 raise ConfigTypeError(f"parameters[{i}] has no shape/dtype: {type(p).__name__}")
-            fid = getattr(p, "comm_fusion", fusion_type)
+            fid = getattr(p, "comm_fusion", None)
+            fid = fusion_type if fid is None else fid
             check_positive_int(f"parameters[{i}].comm_fusion", fid, allow_zero=True)
             fusion_ids.append(fid)
             key = ("alone", i) if fid == 0 else fid
@@ -86,9 +87,13 @@ class DistributedGradReducer:
 
     def __call__(self, grads: Sequence[Any]) -> Sequence[Any]:
         self._failure.check()
-        adapter = grads_adapters.for_objects(grads)
+        adapter = frameworks.grads_adapter(grads)
         if adapter is not None:   # framework grads: in and out through DLPack
-            return adapter.reduce(self, grads)
+            return adapter.reduce(self._reduce_native, grads)
+        return self._reduce_native(grads)
+
+    def _reduce_native(self, grads: Sequence[Any]) -> Sequence[Any]:
+        """Check and reduce a list/tuple of native (NumPy / CuPy) grads."""
         if not isinstance(grads, (list, tuple)):
             raise ConfigTypeError(f"grads must be a list or tuple, got {type(grads).__name__}")
         if len(grads) != len(self.specs):
@@ -149,3 +154,12 @@ def _param_dtype(p: Any, i: int) -> np.dtype:
     except TypeError as e:
         raise ConfigTypeError(f"parameters[{i}] has dtype {p.dtype!r}, not a NumPy/CuPy dtype; pass "
                         "NumPy/CuPy arrays or the parameters of a framework with an adapter") from e
+
+
+def _materialize(parameters: Any) -> Any:
+    """A list for a one-shot iterable of parameters (torch's `model.parameters()` generator)."""
+    if isinstance(parameters, (list, tuple, dict)) or hasattr(parameters, "shape"):
+        return parameters
+    if hasattr(parameters, "__iter__") and hasattr(parameters, "__next__"):
+        return list(parameters)
+    return parameters
