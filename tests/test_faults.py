@@ -3,6 +3,10 @@
 Multi-process cases run on loopback with a hard bound (tests/mp.py); the slow variants are
 marked `slow`.
 """
+import os
+import threading
+import time
+
 import numpy as np
 import pytest
 
@@ -97,3 +101,98 @@ def test_init_process_group_timeout_out_of_range_is_a_config_error(timeout):
     with pytest.raises(ConfigError, match="init_process_group: timeout"):
         nd.init_process_group("host", timeout=timeout, rank=0, world_size=1)
     assert not nd.is_initialized()
+
+
+# -- the store: a local process without the secret must not break a job --------------------------
+
+
+@pytest.fixture
+def store_server():
+    from nccl_ddp.store.client import StoreServer
+    s = StoreServer("127.0.0.1", 0, "secret")
+    yield s
+    s.close()
+
+
+def _store_serves(port, key="alive"):
+    """A fresh authenticated client can connect and use the store (the leak check's last item)."""
+    from nccl_ddp.store.client import TCPStore
+    with TCPStore("127.0.0.1", port, "secret", timeout=10) as c:
+        c.set(key, b"1")
+        return c.get(key, timeout=5) == b"1"
+
+
+def _greeted(port):
+    import socket
+    from nccl_ddp.store.wire import _recv_frame
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    _recv_frame(s)                   # the server's greeting: it has accepted us
+    return s
+
+
+def test_store_keeps_accepting_after_running_out_of_descriptors(store_server):
+    # before: one EMFILE in accept() ended the accept loop for good; no rank could join after
+    import resource
+    import socket
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    idle = []
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 60, hard))
+    try:
+        for _ in range(200):         # each costs 2 descriptors here: the server runs out
+            try:
+                idle.append(socket.create_connection(("127.0.0.1", store_server.port), timeout=2))
+            except OSError:
+                break
+        time.sleep(0.5)              # the server hits EMFILE, drops the oldest strangers, retries
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    try:
+        assert _store_serves(store_server.port)
+    finally:
+        for s in idle:
+            s.close()
+
+
+def test_store_closes_an_oversized_frame_before_authentication(store_server):
+    # before: a stranger announcing a 64 MiB frame made the server buffer up to 64 MiB for it
+    import struct
+    s = _greeted(store_server.port)
+    s.sendall(struct.pack(">I", 64 << 20) + b"x" * 1000)
+    s.settimeout(5)
+    assert s.recv(16) == b""         # closed at once, not after the handshake deadline
+    s.close()
+    assert _store_serves(store_server.port)
+
+
+def test_store_caps_and_times_out_unauthenticated_connections(monkeypatch):
+    from nccl_ddp.store import server as srv
+    monkeypatch.setattr(srv, "MAX_UNAUTHENTICATED", 20)
+    monkeypatch.setattr(srv, "HANDSHAKE_DEADLINE", 1.0)
+    with srv.StoreServer("127.0.0.1", 0, "secret") as server:
+        socks = [_greeted(server.port) for _ in range(30)]
+        time.sleep(0.2)
+        assert server.connections == 20            # the oldest 10 were dropped
+        for s in socks[:10]:
+            s.settimeout(2)
+            assert s.recv(16) == b""
+        t0 = time.monotonic()
+        socks[-1].settimeout(5)
+        assert socks[-1].recv(16) == b""           # the handshake deadline closes the rest
+        assert time.monotonic() - t0 < 4
+        assert _store_serves(server.port)
+        for s in socks:
+            s.close()
+
+
+def test_store_serves_many_idle_connections_from_one_thread(store_server):
+    # before: one thread per connection (3,000 idle sockets made 3,009 threads)
+    from nccl_ddp.store.client import TCPStore
+    before = threading.active_count()
+    clients = [TCPStore("127.0.0.1", store_server.port, "secret", timeout=10) for _ in range(200)]
+    try:
+        assert threading.active_count() == before
+        clients[0].set("k", b"v")
+        assert all(c.get("k", timeout=5) == b"v" for c in clients[::20])
+    finally:
+        for c in clients:
+            c.close()

@@ -1,21 +1,71 @@
-"""The store's server: holds the keys, authenticates clients, serves each on its own thread."""
+"""The store's server: holds the keys, authenticates clients, serves them all from one thread.
+
+One selector loop accepts, reads, answers and times out every connection, so 2,000 idle ranks
+cost 2,000 sockets and no threads. Blocking requests (get of a missing key, wait, barrier) are
+parked with a deadline and answered when a later request makes them true, or when it passes.
+
+Defences against a local process without the job's secret:
+  - before the handshake a frame larger than the handshake needs closes the connection (no
+    64 MiB buffers for strangers), and the handshake must finish within HANDSHAKE_DEADLINE;
+  - at most MAX_UNAUTHENTICATED connections may be in their handshake: the oldest goes first;
+  - running out of file descriptors (EMFILE) pauses accepting briefly, closes the oldest
+    unauthenticated connection and logs once; the server keeps accepting afterwards.
+"""
 from __future__ import annotations
 
+import errno
 import hmac
 import logging
 import os
+import selectors
 import socket
+import struct
 import threading
 import time
+from collections import OrderedDict
+from typing import Callable, Optional
 
-from nccl_ddp.store.wire import HANDSHAKE_TIMEOUT, MAGIC, _encode, _Malformed, _proof, _recv_frame
+from nccl_ddp.store.wire import MAGIC, MAX_FRAME, _decode, _encode, _Malformed, _proof
 from nccl_ddp.errors import StoreError
 
 log = logging.getLogger("nccl_ddp.store")
 
+HANDSHAKE_DEADLINE = 5.0       # seconds a new connection has to authenticate
+MAX_UNAUTHENTICATED = 256      # connections in their handshake at once; the oldest is dropped
+MAX_HANDSHAKE_FRAME = 512      # bytes; the auth frame is 84
+ACCEPT_PAUSE = 0.1             # seconds without accepting after EMFILE/ENFILE
+_LEN = struct.Struct(">I")
+_RESOURCE_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+
+
+class _Conn:
+    """One client connection: buffers, handshake state and at most one parked request."""
+
+    def __init__(self, sock: socket.socket, who: str, nonce: bytes, deadline: float) -> None:
+        self.sock, self.who, self.nonce = sock, who, nonce
+        self.deadline: Optional[float] = deadline       # handshake deadline, None once in
+        self.inbuf = bytearray()
+        self.outbuf = bytearray()
+        self.parked: Optional["_Parked"] = None
+        self.closing = False          # close once outbuf is flushed
+        self.writing = False          # registered for EVENT_WRITE (outbuf did not fit)
+
+    @property
+    def authenticated(self) -> bool:
+        return self.deadline is None
+
+
+class _Parked:
+    """A blocking request: `ready()` says when `reply()` can answer; `expire()` answers at the
+    deadline."""
+
+    def __init__(self, ready: Callable[[], bool], reply: Callable[[], list],
+                 expire: Callable[[], list], deadline: float) -> None:
+        self.ready, self.reply, self.expire, self.deadline = ready, reply, expire, deadline
+
 
 class StoreServer:
-    """Holds the keys; one thread accepts, one thread serves each authenticated connection.
+    """Holds the keys and serves every connection from one selector thread.
 
     Binds `host` (never all interfaces unless `bind_all=True`); `port=0` picks a free port, read it
     back from `.port`. `close()` drops every connection; clients then get StoreError.
@@ -27,44 +77,55 @@ class StoreServer:
         self._secret = secret.encode()
         self._data: dict[str, bytes] = {}
         self._barriers: dict[str, list[int]] = {}    # name -> [arrived, generation, world size]
-        self._cond = threading.Condition()
-        self._conns: dict[socket.socket, threading.Thread] = {}
+        self._conns: dict[socket.socket, _Conn] = {}
+        self._pending: "OrderedDict[socket.socket, _Conn]" = OrderedDict()  # unauthenticated
         self._closed = False
+        self._accept_paused_until: Optional[float] = None
+        self._resource_logged = False
+        self._dirty = False            # keys changed: parked requests may be ready
+        self._parked: dict[socket.socket, _Conn] = {}   # connections with a parked request
+        self._rbuf = bytearray(256 << 10)
+        self._rview = memoryview(self._rbuf)
         addr = ("0.0.0.0" if bind_all else host, port)
         try:
             self._sock = socket.create_server(addr, family=_family(addr[0]), backlog=backlog)
         except OSError as e:
             raise StoreError(f"cannot bind the store to {addr[0]}:{port} ({e}); choose another "
                              f"MASTER_PORT, or check MASTER_ADDR is an address of this host") from e
-        self._sock.settimeout(0.2)     # so the accept loop notices close()
+        self._sock.setblocking(False)
         self.port: int = self._sock.getsockname()[1]
         if not secret:
             log.warning("store on %s:%d has no secret (NCCL_DDP_SECRET is empty): any process that "
                         "can reach it can read and write keys", addr[0], self.port)
-        self._thread = threading.Thread(target=self._accept_loop, daemon=True,
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._sock, selectors.EVENT_READ, "accept")
+        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._grace = 2.0
+        self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"nccl_ddp-store:{self.port}")
         self._thread.start()
 
     def close(self, grace: float = 2.0) -> None:
-        """Stop serving. Replies already being computed (a barrier that just completed) still go
-        out within `grace` seconds; blocked get/wait/barrier calls fail with StoreError."""
-        with self._cond:
-            if self._closed:
-                return
-            self._closed = True
-            self._cond.notify_all()
-            conns = dict(self._conns)
-        self._thread.join(timeout=5)
-        self._sock.close()
-        for c in conns:                 # wakes threads blocked in recv; sends still work
-            try:
-                c.shutdown(socket.SHUT_RD)
-            except OSError:
-                pass
-        deadline = time.monotonic() + grace
-        for c, t in conns.items():
-            t.join(timeout=max(0.0, deadline - time.monotonic()))
-            _shutdown(c)
+        """Stop serving. Replies already computed still go out within `grace` seconds; parked
+        get/wait/barrier requests fail (their connection closes: StoreError on the client)."""
+        if self._closed:
+            return
+        self._grace = grace
+        self._closed = True
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+        self._thread.join(timeout=grace + 5)
+        if self._thread.is_alive():
+            log.warning("store on port %d: serving thread did not stop", self.port)
+            return
+        self._sel.close()
+        for s in (self._sock, self._wake_r, self._wake_w):
+            s.close()
 
     def __enter__(self) -> "StoreServer":
         return self
@@ -72,60 +133,227 @@ class StoreServer:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _accept_loop(self) -> None:
-        while not self._closed:
-            try:
-                conn, peer = self._sock.accept()
-            except socket.timeout:
-                continue
-            except OSError:
-                if not self._closed:
-                    log.exception("store on port %d stopped accepting", self.port)
-                return
-            t = threading.Thread(target=self._serve, args=(conn, peer), daemon=True)
-            with self._cond:
-                if self._closed:
-                    conn.close()
-                    return
-                self._conns[conn] = t
-            t.start()
+    @property
+    def connections(self) -> int:
+        """Open client connections (authenticated or not)."""
+        return len(self._conns)
 
-    def _serve(self, conn: socket.socket, peer) -> None:
-        who = f"{peer[0]}:{peer[1]}"
+    # -- the loop ------------------------------------------------------------------------------
+
+    def _run(self) -> None:
         try:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if not self._handshake(conn, who):
-                return
-            while True:
-                reply = self._handle(_recv_frame(conn))
-                conn.sendall(_encode(reply))
-        except _Malformed as e:
-            log.warning("store closed the connection from %s: %s", who, e)
-        except (ConnectionError, OSError):
-            pass           # the client went away or the server is closing
+            while not self._closed:
+                for key, mask in self._sel.select(self._next_timeout()):
+                    if key.data == "accept":
+                        self._accept()
+                    elif key.data == "wake":
+                        self._drain_wake()
+                    else:
+                        self._on_event(key.data, mask)
+                self._settle()
+                self._expire(time.monotonic())
+                self._settle()
+        except Exception:       # a bug here must not leave ranks hanging on a silent store
+            log.exception("store on port %d stopped serving", self.port)
         finally:
-            with self._cond:
-                self._conns.pop(conn, None)
-            _shutdown(conn)
+            self._shutdown_all()
 
-    def _handshake(self, conn: socket.socket, who: str) -> bool:
-        conn.settimeout(HANDSHAKE_TIMEOUT)
+    def _next_timeout(self) -> float:
+        now, t = time.monotonic(), 1.0
+        if self._accept_paused_until is not None:
+            t = min(t, self._accept_paused_until - now)
+        if self._pending:
+            t = min(t, next(iter(self._pending.values())).deadline - now)
+        for c in self._parked.values():
+            t = min(t, c.parked.deadline - now)
+        return max(0.0, t)
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_r.recv(64):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _accept(self) -> None:
+        for _ in range(64):            # a burst per wakeup, then serve the others
+            try:
+                sock, peer = self._sock.accept()
+            except BlockingIOError:
+                return
+            except OSError as e:
+                if e.errno not in _RESOURCE_ERRNOS:
+                    raise
+                self._out_of_resources(e)
+                return
+            self._admit(sock, peer)
+
+    def _out_of_resources(self, e: OSError) -> None:
+        if not self._resource_logged:
+            self._resource_logged = True
+            log.warning("store on port %d cannot accept (%s; %d connections open, %d not "
+                        "authenticated); dropping the oldest unauthenticated ones and retrying "
+                        "(logged once)", self.port, e, len(self._conns), len(self._pending))
+        if self._pending:
+            self._drop(next(iter(self._pending.values())))
+        self._sel.unregister(self._sock)
+        self._accept_paused_until = time.monotonic() + ACCEPT_PAUSE
+
+    def _admit(self, sock: socket.socket, peer) -> None:
+        if len(self._pending) >= MAX_UNAUTHENTICATED:
+            self._drop(next(iter(self._pending.values())))
+        sock.setblocking(False)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass
         nonce = os.urandom(32)
-        conn.sendall(_encode([MAGIC, nonce]))
-        fields = _recv_frame(conn)
+        c = _Conn(sock, f"{peer[0]}:{peer[1]}", nonce, time.monotonic() + HANDSHAKE_DEADLINE)
+        self._conns[sock] = c
+        self._pending[sock] = c
+        self._sel.register(sock, selectors.EVENT_READ, c)
+        self._send(c, [MAGIC, nonce])
+
+    def _expire(self, now: float) -> None:
+        if self._accept_paused_until is not None and now >= self._accept_paused_until:
+            self._accept_paused_until = None
+            self._sel.register(self._sock, selectors.EVENT_READ, "accept")
+        while self._pending:
+            c = next(iter(self._pending.values()))
+            if c.deadline > now:
+                break
+            log.warning("store closed the connection from %s: no handshake within %gs", c.who,
+                        HANDSHAKE_DEADLINE)
+            self._drop(c)
+        for c in list(self._parked.values()):
+            if c.sock in self._parked and c.parked.deadline <= now:
+                p = self._unpark(c)
+                self._send(c, p.reply() if p.ready() else p.expire())
+                self._process(c)
+
+    def _settle(self) -> None:
+        """Answer the parked requests that changes made ready (answering may change more)."""
+        while self._dirty:
+            self._dirty = False
+            for c in list(self._parked.values()):
+                if c.sock in self._parked and c.parked.ready():
+                    self._send(c, self._unpark(c).reply())
+                    self._process(c)
+
+    def _unpark(self, c: _Conn) -> _Parked:
+        p, c.parked = c.parked, None
+        del self._parked[c.sock]
+        return p
+
+    # -- reading and writing -------------------------------------------------------------------
+
+    def _on_event(self, c: _Conn, mask: int) -> None:
+        if mask & selectors.EVENT_WRITE:
+            self._flush(c)
+        if mask & selectors.EVENT_READ and c.sock in self._conns:
+            try:
+                n = c.sock.recv_into(self._rbuf)   # no 1 MiB allocation per request
+            except BlockingIOError:
+                return
+            except OSError:
+                n = 0
+            if not n:
+                self._drop(c)
+                return
+            c.inbuf += self._rview[:n]
+            self._process(c)
+
+    def _process(self, c: _Conn) -> None:
+        """Handle the complete frames buffered on `c`, one at a time (a parked request waits)."""
+        try:
+            while c.parked is None and not c.closing and len(c.inbuf) >= 4:
+                (n,) = _LEN.unpack_from(c.inbuf)
+                limit = MAX_FRAME if c.authenticated else MAX_HANDSHAKE_FRAME
+                if n > limit:
+                    raise _Malformed(f"frame of {n} bytes exceeds the {limit}-byte limit"
+                                     + ("" if c.authenticated else " before authentication"))
+                if len(c.inbuf) < 4 + n:
+                    return
+                fields = _decode(bytes(c.inbuf[4:4 + n]))
+                del c.inbuf[:4 + n]
+                if c.authenticated:
+                    self._request(c, fields)
+                else:
+                    self._handshake(c, fields)
+        except _Malformed as e:
+            log.warning("store closed the connection from %s: %s", c.who, e)
+            self._drop(c)
+
+    def _send(self, c: _Conn, fields: list) -> None:
+        c.outbuf += _encode(fields)
+        self._flush(c)
+
+    def _flush(self, c: _Conn) -> None:
+        if c.sock not in self._conns:
+            return
+        try:
+            while c.outbuf:
+                k = c.sock.send(c.outbuf)
+                del c.outbuf[:k]
+        except BlockingIOError:
+            pass
+        except OSError:
+            self._drop(c)
+            return
+        if c.closing and not c.outbuf:
+            self._drop(c)
+        elif c.writing != bool(c.outbuf):
+            c.writing = bool(c.outbuf)
+            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if c.writing else 0)
+            self._sel.modify(c.sock, events, c)
+
+    def _drop(self, c: _Conn) -> None:
+        if self._conns.pop(c.sock, None) is None:
+            return
+        self._pending.pop(c.sock, None)
+        self._parked.pop(c.sock, None)
+        try:
+            self._sel.unregister(c.sock)
+        except (KeyError, ValueError):
+            pass
+        _shutdown(c.sock)
+
+    def _shutdown_all(self) -> None:
+        """On close: parked requests are abandoned; computed replies get `grace` to go out."""
+        self._parked.clear()
+        for c in list(self._conns.values()):
+            c.parked = None
+            c.closing = True
+            if c.outbuf:
+                c.sock.setblocking(True)
+        deadline = time.monotonic() + self._grace
+        for c in list(self._conns.values()):
+            if c.outbuf:
+                try:
+                    c.sock.settimeout(max(0.01, deadline - time.monotonic()))
+                    c.sock.sendall(c.outbuf)
+                except OSError:
+                    pass
+            self._drop(c)
+
+    # -- protocol ------------------------------------------------------------------------------
+
+    def _handshake(self, c: _Conn, fields: list) -> None:
         if len(fields) != 3 or fields[0] != b"auth":
             raise _Malformed("bad handshake")
         client_nonce, proof = fields[1], fields[2]
-        if not hmac.compare_digest(proof, _proof(self._secret, b"c", nonce, client_nonce)):
+        if not hmac.compare_digest(proof, _proof(self._secret, b"c", c.nonce, client_nonce)):
             log.warning("store refused a client from %s: it did not present the job's secret "
-                        "(NCCL_DDP_SECRET)", who)
-            conn.sendall(_encode([b"auth", b"wrong or missing job secret"]))
-            return False
-        conn.sendall(_encode([b"ok", _proof(self._secret, b"s", nonce, client_nonce)]))
-        conn.settimeout(None)          # authenticated clients may idle between requests
-        return True
+                        "(NCCL_DDP_SECRET)", c.who)
+            c.closing = True
+            self._pending.pop(c.sock, None)
+            self._send(c, [b"auth", b"wrong or missing job secret"])
+            return
+        c.deadline = None
+        self._pending.pop(c.sock, None)
+        self._send(c, [b"ok", _proof(self._secret, b"s", c.nonce, client_nonce)])
 
-    def _handle(self, req: list[bytes]) -> list[bytes]:
+    def _request(self, c: _Conn, req: list) -> None:
         if not req:
             raise _Malformed("empty request")
         op, args = req[0].decode("ascii", "replace"), req[1:]
@@ -133,36 +361,39 @@ class StoreServer:
         if handler is None:
             raise _Malformed(f"unknown op {op!r}")
         try:
-            with self._cond:
-                return handler(*args)
+            reply = handler(*args)
         except (TypeError, ValueError, UnicodeDecodeError) as e:
             raise _Malformed(f"bad arguments to {op!r}: {e}") from e
+        if isinstance(reply, _Parked):
+            c.parked = reply
+            self._parked[c.sock] = c
+        else:
+            self._send(c, reply)
 
-    def _wait_for(self, predicate, timeout_ms: bytes) -> bool:
-        self._cond.wait_for(lambda: self._closed or predicate(), int(timeout_ms) / 1000)
-        if predicate():
-            return True
-        if self._closed:
-            raise ConnectionError("store closing")
-        return False
+    def _changed(self) -> None:
+        self._dirty = True
 
-    # Each _op_ runs with self._cond held and returns the reply fields.
+    def _park(self, ready, reply, expire, timeout_ms: bytes):
+        if ready():
+            return reply()
+        return _Parked(ready, reply, expire, time.monotonic() + int(timeout_ms) / 1000)
+
+    # Each _op_ returns the reply fields, or a _Parked request.
     def _op_set(self, key: bytes, value: bytes) -> list[bytes]:
         self._data[key.decode()] = value
-        self._cond.notify_all()
+        self._changed()
         return [b"ok"]
 
-    def _op_get(self, key: bytes, timeout_ms: bytes) -> list[bytes]:
+    def _op_get(self, key: bytes, timeout_ms: bytes):
         k = key.decode()
-        if not self._wait_for(lambda: k in self._data, timeout_ms):
-            return [b"timeout"]
-        return [b"ok", self._data[k]]
+        return self._park(lambda: k in self._data, lambda: [b"ok", self._data[k]],
+                          lambda: [b"timeout"], timeout_ms)
 
-    def _op_wait(self, timeout_ms: bytes, *keys: bytes) -> list[bytes]:
+    def _op_wait(self, timeout_ms: bytes, *keys: bytes):
         names = [k.decode() for k in keys]
-        if not self._wait_for(lambda: all(k in self._data for k in names), timeout_ms):
-            return [b"timeout"] + [k.encode() for k in names if k not in self._data]
-        return [b"ok"]
+        return self._park(lambda: all(k in self._data for k in names), lambda: [b"ok"],
+                          lambda: [b"timeout"] + [k.encode() for k in names
+                                                  if k not in self._data], timeout_ms)
 
     def _op_add(self, key: bytes, amount: bytes) -> list[bytes]:
         k = key.decode()
@@ -172,7 +403,7 @@ class StoreServer:
         except ValueError:
             return [b"error", f"key {k!r} holds {old[:40]!r}, not an integer".encode()]
         self._data[k] = str(new).encode()
-        self._cond.notify_all()
+        self._changed()
         return [b"ok", self._data[k]]
 
     def _op_cas(self, key: bytes, expected: bytes, desired: bytes) -> list[bytes]:
@@ -180,14 +411,15 @@ class StoreServer:
         current = self._data.get(k)
         if (current is None and expected == b"") or current == expected:
             self._data[k] = current = desired
-            self._cond.notify_all()
+            self._changed()
         return [b"ok", b"" if current is None else current]
 
     def _op_delete(self, key: bytes) -> list[bytes]:
         return [b"ok", b"1" if self._data.pop(key.decode(), None) is not None else b"0"]
 
-    def _op_barrier(self, name: bytes, world: bytes, timeout_ms: bytes) -> list[bytes]:
+    def _op_barrier(self, name: bytes, world: bytes, timeout_ms: bytes):
         n, size = name.decode(), int(world)
+        int(timeout_ms)                  # a malformed timeout fails before the state changes
         state = self._barriers.setdefault(n, [0, 0, size])
         if state[0] == 0:
             state[2] = size
@@ -198,13 +430,15 @@ class StoreServer:
         state[0] += 1
         if state[0] == size:             # last arrival releases everyone; the name is reusable
             state[0], state[1] = 0, generation + 1
-            self._cond.notify_all()
+            self._changed()
             return [b"ok"]
-        if not self._wait_for(lambda: state[1] != generation, timeout_ms):
+
+        def expire() -> list[bytes]:
             arrived = state[0]
             state[0] -= 1
             return [b"timeout", str(arrived).encode()]
-        return [b"ok"]
+
+        return self._park(lambda: state[1] != generation, lambda: [b"ok"], expire, timeout_ms)
 
 
 def _family(host: str) -> socket.AddressFamily:

@@ -16,7 +16,7 @@ from nccl_ddp.errors import StoreError
 
 MAGIC = b"nccl_ddp-store/1"
 MAX_FRAME = 64 << 20           # bytes per frame; bigger frames close the connection
-HANDSHAKE_TIMEOUT = 10.0       # seconds a new connection has to authenticate
+HANDSHAKE_TIMEOUT = 10.0       # seconds a client waits for each handshake reply
 _LEN = struct.Struct(">I")
 
 Value = Union[bytes, bytearray, memoryview, str]
