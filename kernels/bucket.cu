@@ -16,8 +16,10 @@
 //     parameter (no upload at all), the item's segment found by scanning `first_item`.
 // Within a chunk a warp moves 16-byte vectors when both sides are aligned for it (the bucket side
 // always is when offsets are 16-byte aligned), ILP vectors in flight per lane; otherwise it falls
-// back to coalesced scalar accesses. Arithmetic uses the _rn intrinsics so no multiply-add is
-// contracted: results are bit-identical to the NumPy references.
+// back to coalesced scalar accesses. Arithmetic is explicit round-to-nearest multiplies and adds
+// (never contracted to a multiply-add, never flushed to zero under CuPy's -ftz=true): results are
+// bit-identical to the NumPy references, subnormals and -0.0 included (NaN payloads are not kept:
+// the GPU returns its canonical NaN).
 
 typedef unsigned long long u64;
 typedef long long i64;
@@ -78,10 +80,32 @@ template <> struct Conv<f16_t> {
   static __device__ __forceinline__ bool finite(f16_t x) { return (x.bits & 0x7c00u) != 0x7c00u; }
 };
 
-__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+// float32 arithmetic as inline PTX without .ftz: CuPy compiles every RawModule with -ftz=true
+// (after our options; NVRTC keeps the last), which would turn __fmul_rn/__fadd_rn into
+// mul.rn.ftz.f32/add.rn.ftz.f32 and flush subnormal grads to zero. Inline PTX is emitted as
+// written, so these keep subnormals (IEEE round to nearest even) whatever the flag.
+__device__ __forceinline__ float mul_rn(float a, float b) {
+  float r;
+  asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+__device__ __forceinline__ float add_rn(float a, float b) {
+  float r;
+  asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
 __device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
-__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
 __device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
+
+// The scale in the arithmetic type; float as inline PTX too (a static_cast would become
+// cvt.rn.ftz.f32.f64 under -ftz=true and flush a subnormal scale).
+template <typename A> __device__ __forceinline__ A to_acc(double x);
+template <> __device__ __forceinline__ float to_acc<float>(double x) {
+  float r;
+  asm("cvt.rn.f32.f64 %0, %1;" : "=f"(r) : "d"(x));
+  return r;
+}
+template <> __device__ __forceinline__ double to_acc<double>(double x) { return x; }
 
 // The arithmetic type of a (source, destination) pair: double only for f64 -> f64.
 template <typename TS, typename TD> struct AccOf { typedef float type; };
@@ -104,7 +128,9 @@ template <typename T, int N> union VecOf {
 
 // Global-memory access of any T through its raw word. The addresses come from tables (not kernel
 // pointer parameters), so plain dereferences would compile to generic ld/st: these pin them to
-// ld.global.nc (read-only sources), ld.global and st.global.
+// ld.global.nc (read-only sources), ld.global and st.global. Every global access of this file
+// goes through them (the CPU build in tests/cuda_cpu checks each one; a plain dereference of a
+// device pointer faults there).
 template <typename T> __device__ __forceinline__ T ld_nc(const T* p) {
   VecOf<T, 1> u;
   u.raw = __ldg(reinterpret_cast<const typename VecOf<T, 1>::raw_t*>(p));
@@ -275,7 +301,7 @@ template <typename TS, typename TD, bool kPack, bool kAccum, bool kCheck, typena
 __device__ __forceinline__ void run_items(const Table& tab, u64 bucket, int chunk, double scale,
                                           int* flag) {
   typedef typename AccOf<TS, TD>::type A;
-  const A s = static_cast<A>(scale);
+  const A s = to_acc<A>(scale);
   const int lane = threadIdx.x & (kWarp - 1);
   const i64 warps = static_cast<i64>(gridDim.x) * (blockDim.x / kWarp);
   const int nitems = tab.count();
@@ -337,7 +363,7 @@ __global__ void __launch_bounds__(kThreads) nd_scale(T* buf, i64 n, double facto
   typedef typename AccOf<T, T>::type A;
   constexpr int kVec = 16 / sizeof(T);
   typedef VecOf<T, kVec> V;
-  const A f = static_cast<A>(factor);
+  const A f = to_acc<A>(factor);
   const i64 tid = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x;
   const i64 stride = static_cast<i64>(gridDim.x) * blockDim.x;
   i64 done = 0;
@@ -346,12 +372,14 @@ __global__ void __launch_bounds__(kThreads) nd_scale(T* buf, i64 n, double facto
     const i64 nvec = n / kVec;
     for (i64 i = tid; i < nvec; i += stride) {
       V v;
-      v.raw = p[i];
+      v.raw = ld_rw(p + i);
 #pragma unroll
       for (int e = 0; e < kVec; ++e) v.e[e] = Conv<T>::store(mul_rn(Conv<T>::load(v.e[e]), f));
-      p[i] = v.raw;
+      st_g(p + i, v.raw);
     }
     done = nvec * kVec;
   }
-  for (i64 i = done + tid; i < n; i += stride) buf[i] = Conv<T>::store(mul_rn(Conv<T>::load(buf[i]), f));
+  for (i64 i = done + tid; i < n; i += stride) {
+    st_g(buf + i, Conv<T>::store(mul_rn(Conv<T>::load(ld_rw(buf + i)), f)));
+  }
 }

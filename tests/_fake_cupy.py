@@ -1,17 +1,21 @@
-"""A fake CuPy for machines without a GPU: arrays live in one NumPy byte heap at fake device
-addresses, and every kernel launch is executed from its RAW ARGUMENTS (the by-value SmallTable
-bytes, or the segment table and item map read back from the heap), the way bucket.cu reads them,
-with the NumPy references doing the arithmetic on each work item. So the Python launch path
-(argument packing, tables, cache, streams) is tested end to end; the CUDA code itself is not."""
+"""A fake CuPy for machines without a GPU: arrays live in one byte heap at fake device addresses,
+and every kernel launch runs the REAL kernels/bucket.cu, compiled for the CPU (tests/cuda_cpu:
+PTX mapped to software of the same semantics, warps as fibers, memcheck/racecheck-like checks),
+from the raw arguments the launch path packs, checked like cuLaunchKernel. So the Python launch path
+(tables, cache, chunking, argument packing, streams) drives the CUDA code end to end. Where no C++
+compiler is available (`CPU_KERNELS_MISSING` says why) launches fall back to executing the NumPy
+references on each work item the way bucket.cu reads its tables."""
 import re
+import struct
 import types
+import weakref
 
 import numpy as np
 
-from nccl_ddp.kernels import cuda as ck
 from nccl_ddp import kernels as K
+from nccl_ddp.kernels import cuda as ck
 
-BASE = 0x7F00_0000_0000
+BASE = 0x7F00_0000_0000   # device addresses when the kernels run as references
 C_DTYPE = {"float": np.dtype(np.float32), "double": np.dtype(np.float64),
            "f16_t": np.dtype(np.float16)}
 
@@ -23,9 +27,45 @@ def _c_dtype(name):
     return C_DTYPE[name]
 
 
+def cpu_kernels():
+    """The CPU build of the real kernels/bucket.cu (cached), or None (see CPU_KERNELS_MISSING)."""
+    global CPU_KERNELS_MISSING
+    if CPU_KERNELS_MISSING is not None:
+        return None
+    try:
+        from cuda_cpu import runtime
+        if runtime.compiler() is None:
+            CPU_KERNELS_MISSING = "no C++ compiler (g++ or clang++) to build kernels/bucket.cu"
+            return None
+        src = (ck.kernel_source_dir() / "bucket.cu").read_text()
+        return runtime.load(src, ck.name_expressions(),
+                            runtime.effective_ftz(cupy_nvrtc_options(ck.COMPILE_OPTIONS)))
+    except Exception as e:   # a build failure is a test failure: report it, do not fall back
+        raise RuntimeError(f"building kernels/bucket.cu for the CPU failed: {e}") from e
+
+
+CPU_KERNELS_MISSING = None
+
+
+def cupy_nvrtc_options(options, arch="sm_90", nvrtc=(12, 9)):
+    """The option list CuPy 14.2 hands NVRTC for RawModule(options=options): `-ftz=true` after
+    ours (cupy/cuda/compiler.py _compile_with_cache_cuda), then the arch, then
+    --device-as-default-execution-space, and --pch for NVRTC >= 12.8."""
+    opts = tuple(options) + ("-ftz=true", f"-arch={arch}", "--device-as-default-execution-space")
+    if nvrtc >= (12, 8):
+        opts += ("--pch",)
+    return opts
+
+
 class Heap:
-    def __init__(self, nbytes=256 << 20):
-        self.mem = np.zeros(nbytes, np.uint8)
+    def __init__(self, nbytes=256 << 20, cpu=None):
+        self.cpu = cpu   # the CPU kernel module, or None
+        if cpu is not None:
+            self.dev = cpu.new_heap(nbytes)
+            self.mem, self.base = self.dev.mem, self.dev.base
+        else:
+            self.dev = None
+            self.mem, self.base = np.zeros(nbytes, np.uint8), BASE
         self.top = 0
 
     def alloc(self, nbytes, misalign=0):
@@ -33,18 +73,29 @@ class Heap:
         if off + nbytes > self.mem.size:
             raise MemoryError("fake heap full")
         self.top = off + nbytes
-        return BASE + off
+        return self.base + off
 
     def view(self, addr, n, dtype):
         dtype = np.dtype(dtype)
-        off = addr - BASE
+        off = addr - self.base
         assert 0 <= off and off + n * dtype.itemsize <= self.top, "access outside allocations"
         return self.mem[off:off + n * dtype.itemsize].view(dtype)
 
 
+class Allocation:
+    """One device allocation: live (for the kernels' memory checks) while any array uses it."""
+
+    def __init__(self, heap, nbytes, misalign=0):
+        self.ptr = heap.alloc(nbytes, misalign)
+        if heap.dev is not None and nbytes:
+            heap.dev.register(self.ptr, nbytes)
+            weakref.finalize(self, heap.dev.unregister, self.ptr)
+
+
 class FakeArray:
-    def __init__(self, cp, addr, shape, dtype, device_id=0, contiguous=True):
+    def __init__(self, cp, addr, shape, dtype, device_id=0, contiguous=True, owner=None):
         self.cp, self.dtype, self.shape = cp, np.dtype(dtype), tuple(shape)
+        self.owner = owner   # the Allocation (kept alive by every view of it)
         self.size = int(np.prod(self.shape, dtype=np.int64))
         self.nbytes = self.size * self.dtype.itemsize
         self.strides = tuple(int(np.prod(self.shape[i + 1:])) * self.dtype.itemsize
@@ -66,7 +117,7 @@ class FakeArray:
         start, stop, step = key.indices(self.size)
         assert step == 1 and len(self.shape) == 1
         return FakeArray(self.cp, self.data.ptr + start * self.dtype.itemsize,
-                         (max(0, stop - start),), self.dtype, self.device.id)
+                         (max(0, stop - start),), self.dtype, self.device.id, owner=self.owner)
 
     def __setitem__(self, key, value):
         self.host()[key] = value.host() if isinstance(value, FakeArray) else value
@@ -83,7 +134,7 @@ class FakeArray:
     def view(self, dtype):
         dtype = np.dtype(dtype)
         return FakeArray(self.cp, self.data.ptr, (self.nbytes // dtype.itemsize,), dtype,
-                         self.device.id)
+                         self.device.id, owner=self.owner)
 
     def get(self):
         return self.host().copy()
@@ -149,7 +200,7 @@ class FakeEvent:
 class FakeDeviceCtx:
     def __init__(self, device_id=None):
         self.id = 0 if device_id is None else device_id
-        self.attributes = {"MultiProcessorCount": 132}
+        self.attributes = {"MultiProcessorCount": FAKE_STATE.get("sms", 132)}
 
     def synchronize(self):
         return None
@@ -161,15 +212,54 @@ class FakeDeviceCtx:
         return None
 
 
+def cupy_arg(a):
+    """(bytes, kind, description) of one kernel argument, converted the way CuPy 14 does
+    (cupy/_core/_scalar.pyx, cuda/function.pyx): an array is its pointer, None a NULL pointer, a
+    Python int an int64 (uint64 from 2**63), a float a double, a NumPy scalar keeps its type, a
+    CNumpyArray (or a size-1 structured ndarray) passes its bytes by value."""
+    from cuda_cpu.runtime import LaunchError
+    if isinstance(a, FakeArray):
+        return struct.pack("<Q", a.data.ptr), "pointer", f"a cupy.ndarray of {a.dtype}"
+    if a is None:
+        return bytes(8), "pointer", "None"
+    if isinstance(a, FakeCNumpyArray):
+        return a.val.tobytes(), "struct", f"a CNumpyArray of {a.val.dtype}"
+    if isinstance(a, np.ndarray):
+        if a.size == 1 and a.dtype.names:
+            return a.tobytes(), "struct", f"a structured ndarray of {a.dtype}"
+        raise LaunchError(f"CuPy cannot pass a NumPy array of shape {a.shape} to a kernel")
+    if isinstance(a, (bool, np.bool_)):
+        return bytes([bool(a)]), "integer", "bool"
+    if isinstance(a, int):
+        if -2**63 <= a < 2**63:
+            return struct.pack("<q", a), "integer", "a Python int (int64)"
+        if 0 <= a < 2**64:
+            return struct.pack("<Q", a), "integer", "a Python int (uint64)"
+        raise LaunchError(f"Python int {a} does not fit 64 bits")
+    if isinstance(a, float):
+        return struct.pack("<d", a), "float", "a Python float (double)"
+    if isinstance(a, np.generic) and a.dtype.kind in "iuf":
+        return a.tobytes(), "float" if a.dtype.kind == "f" else "integer", f"numpy.{a.dtype}"
+    raise LaunchError(f"unsupported kernel argument type {type(a).__name__}")
+
+
 class FakeFunction:
-    def __init__(self, cp, name):
-        self.cp, self.name = cp, name
+    """A RawKernel of the fake module: runs the CPU build of the kernel when there is one."""
+
+    def __init__(self, cp, name, cpu=None, prefix=""):
+        self.cp, self.name, self.cpu = cp, name, cpu
+        self.cpu_name = f"{prefix}::{name}" if prefix else name
         self.kernel = types.SimpleNamespace(ptr=hash(name) & 0xFFFF_FFFF)
 
     def __call__(self, grid, block, args, shared_mem=0, stream=None):
-        assert block == (ck.THREADS,) and len(grid) == 1 and grid[0] >= 1
+        assert len(grid) == 1 and len(block) == 1
         on = (stream or FAKE_STATE["current"]).ptr
         self.cp.launches.append((self.name, grid[0], on))
+        if self.cpu is not None:
+            self.cpu.launch(self.cp.heap.dev, self.cpu_name, int(grid[0]), int(block[0]),
+                            [cupy_arg(a) for a in args])
+            return
+        assert block == (ck.THREADS,) and grid[0] >= 1
         m = re.fullmatch(r"nd_scale<(\w+)>", self.name)
         if m:
             ptr, n, factor = args
@@ -234,16 +324,33 @@ class FakeCNumpyArray:
 
 
 class FakeRawModule:
+    """cupy.RawModule: with a CPU build, compiles `code` (with the -ftz CuPy's option list
+    implies) for the CPU once, at the first compile() or get_function()."""
+
     def __init__(self, cp, code, options, name_expressions):
         assert "nd_pack" in code and "-std=c++17" in options
-        self.cp, self.names = cp, set(name_expressions)
+        self.cp, self.code, self.options = cp, code, tuple(options)
+        self.names = tuple(name_expressions)
+        self.module, self.prefix = None, ""
+
+    def _build(self):
+        if self.module is None and self.cp.cpu_override is not None:
+            self.module, self.prefix = self.cp.cpu_override
+        if self.module is None and self.cp.cpu is not None:
+            from cuda_cpu import runtime
+            names = self.cp.kernel_names or self.names   # a subset: quicker mutant builds
+            self.module = runtime.load(self.code, names, runtime.effective_ftz(
+                cupy_nvrtc_options(self.options)))
 
     def compile(self, log_stream=None):
         self.cp.compiles += 1
+        self._build()
 
     def get_function(self, name):
         assert name in self.names, name
-        return FakeFunction(self.cp, name)
+        self.cp.get_function_calls += 1
+        self._build()
+        return FakeFunction(self.cp, name, self.module, self.prefix)
 
 
 class FakeCupy:
@@ -252,11 +359,17 @@ class FakeCupy:
     uint8, uint16, int32, float32 = np.uint8, np.uint16, np.int32, np.float32
     __version__ = "0.0-fake"
 
-    def __init__(self, devices=1):
-        self.heap = Heap()
+    def __init__(self, devices=1, cpu=True, sms=132):
+        """cpu: run the real kernels compiled for the CPU (when a compiler exists), else the
+        references; sms: the multiprocessor count the fake GPU reports."""
+        self.cpu = cpu_kernels() if cpu else None
+        self.heap = Heap(cpu=self.cpu)
         self.launches, self.uploads, self.memsets = [], [], []
-        self.compiles = 0
+        self.compiles = self.get_function_calls = 0
+        self.kernel_names = None   # build only these instantiations (tests of planted bugs)
+        self.cpu_override = None   # (Module, namespace): run that build's kernels instead
         FAKE_STATE["current"] = FakeStream(null=True)
+        FAKE_STATE["sms"] = sms
         runtime = types.SimpleNamespace(
             getDeviceCount=lambda: devices,
             memsetAsync=lambda ptr, value, size, stream: self._memset(ptr, value, size, stream),
@@ -286,7 +399,8 @@ class FakeCupy:
     def empty(self, n, dtype, misalign=0, device_id=0):
         shape = n if isinstance(n, tuple) else (n,)
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        return FakeArray(self, self.heap.alloc(nbytes, misalign), shape, dtype, device_id)
+        a = Allocation(self.heap, nbytes, misalign)
+        return FakeArray(self, a.ptr, shape, dtype, device_id, owner=a)
 
     zeros = empty   # the heap starts zeroed and is never reused
 

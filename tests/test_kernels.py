@@ -8,10 +8,11 @@ import sys
 
 import numpy as np
 import pytest
+from _fake_cupy import cupy_nvrtc_options
 
-from nccl_ddp.kernels import cuda as ck
 from nccl_ddp import kernels as K
 from nccl_ddp.errors import KernelError
+from nccl_ddp.kernels import cuda as ck
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -30,12 +31,17 @@ def _nvrtc():
 
 
 def _nvrtc_compile(src, arch, names=(), extra=()):
+    """Compile as CuPy 14.2 does: its exact NVRTC option list (-ftz=true after ours)."""
     nvrtc = _nvrtc()
     prog = nvrtc.createProgram(src, "bucket.cu", [], [])
     for n in names:
         nvrtc.addNameExpression(prog, n)
+    version = tuple(nvrtc.getVersion())
+    # --pch (NVRTC >= 12.8) only caches headers (and writes bucket.pch into the cwd): left out
+    options = [o for o in cupy_nvrtc_options((*ck.COMPILE_OPTIONS, *extra), arch, version)
+               if o != "--pch"]
     try:
-        nvrtc.compileProgram(prog, [f"-arch={arch}", *ck.COMPILE_OPTIONS, *extra])
+        nvrtc.compileProgram(prog, list(options))
     except Exception as e:
         pytest.fail(f"NVRTC {arch}: {e}\n{nvrtc.getProgramLog(prog)}")
     return nvrtc, prog
@@ -98,6 +104,18 @@ def test_aligned_spans_use_16_byte_vectors():
         generic = re.findall(r"\b(?:ld|st)\.(?:v\d\.)?[usbf]\d+\b", body)
         assert generic == [], f"generic (not .global) accesses: {generic[:4]}"
         assert ".local" not in body
+
+
+def test_no_flush_to_zero_instruction_under_cupys_options():
+    """CuPy appends -ftz=true: the float32 arithmetic and conversions must still keep
+    subnormals (inline PTX without .ftz), in every instantiation."""
+    nvrtc, prog = _nvrtc_compile(SOURCE, "compute_90", ck.name_expressions())
+    ptx = nvrtc.getPTX(prog)
+    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+    assert "-ftz=true" in cupy_nvrtc_options(ck.COMPILE_OPTIONS)
+    assert ptx.count(".entry ") == 52
+    assert re.findall(r"^\s*\S*\.ftz\S*", ptx, re.MULTILINE) == []
+    assert re.search(r"\bmul\.rn\.f32\b", ptx) and re.search(r"\badd\.rn\.f32\b", ptx)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")

@@ -1,0 +1,247 @@
+"""The real kernels/bucket.cu executed on the CPU (tests/cuda_cpu) through the project's launch path
+on the fake CuPy: randomised cases bit for bit against pack_ref/unpack_ref/scale_ref for every
+kernel instantiation, the memory/race/vote/launch checks of the CPU build, and the software PTX
+against NumPy."""
+import sys
+
+import _fake_cupy
+import numpy as np
+import pytest
+from _fake_cupy import FakeCupy
+
+from nccl_ddp import kernels as K
+from nccl_ddp.kernels import cuda as ck
+from nccl_ddp.kernels.spec import PACK_PAIRS, SCALE_DTYPES, UNPACK_PAIRS
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+BF16 = np.dtype(ml_dtypes.bfloat16)
+DT = {"float16": np.dtype(np.float16), "bfloat16": BF16, "float32": np.dtype(np.float32),
+      "float64": np.dtype(np.float64)}
+UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def _cpu_or_skip():
+    if _fake_cupy.cpu_kernels() is None:
+        pytest.skip(_fake_cupy.CPU_KERNELS_MISSING)
+
+
+@pytest.fixture
+def cp(monkeypatch):
+    _cpu_or_skip()
+    fake = FakeCupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(ck, "_BACKEND", ck.CudaKernels(fake))
+    return fake
+
+
+def assert_bits_equal(got, want, what=""):
+    """Bit for bit, NaN compared as NaN (payloads are not preserved, see the README)."""
+    got, want = np.asarray(got).reshape(-1), np.asarray(want).reshape(-1)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    u = UINT[got.dtype.itemsize]
+    gb, wb = got.view(u), want.view(u)
+    both_nan = np.isnan(got.astype(np.float64)) & np.isnan(want.astype(np.float64))
+    bad = np.flatnonzero((gb != wb) & ~both_nan)
+    if bad.size:
+        i = bad[:5]
+        pytest.fail(f"{what}: {bad.size} of {got.size} elements differ, first at {i.tolist()}: "
+                    f"got {got[i].tolist()} ({[hex(int(x)) for x in gb[i]]}) want "
+                    f"{want[i].tolist()} ({[hex(int(x)) for x in wb[i]]})")
+
+
+def values(rng, n, dtype, special=True, nonfinite=False):
+    """Random values of `dtype` over its whole range: normals of every exponent, subnormals, -0.0,
+    +-0.0, near-overflow values; inf/NaN when `nonfinite`."""
+    dt = DT[dtype]
+    if dtype == "float64":
+        x = rng.standard_normal(n) * 2.0 ** rng.integers(-60, 60, n)
+    else:
+        x = rng.standard_normal(n).astype(np.float32) * np.float32(2.0) ** rng.integers(
+            -20, 20, n).astype(np.float32)
+    x = x.astype(dt)
+    if special and n:
+        k = max(1, n // 8)
+        idx = rng.integers(0, n, (6, k))
+        tiny = {"float16": 2.0 ** -24, "bfloat16": 2.0 ** -133, "float32": 2.0 ** -149,
+                "float64": 2.0 ** -1074}[dtype]
+        x[idx[0]] = (rng.integers(1, 1000, k) * tiny * rng.choice([-1, 1], k)).astype(dt)
+        x[idx[1]] = dt.type(-0.0)
+        x[idx[2]] = dt.type(0.0)
+        big = {"float16": 60000.0, "bfloat16": 3e38, "float32": 3e38, "float64": 1e300}[dtype]
+        x[idx[3]] = (big * rng.uniform(0.5, 1, k)).astype(dt)
+        x[idx[4]] = (1e-38 * rng.uniform(0.01, 2, k)).astype(dt) if dtype != "float16" else x[idx[4]]
+        if nonfinite:
+            x[idx[5][: max(1, k // 4)]] = rng.choice([np.inf, -np.inf, np.nan], max(1, k // 4))
+    return x
+
+
+SCALES = [1.0, 0.5, 1 / 3, 0.125, 3.0, 1e-3, 2.0 ** -20]
+
+
+def _sizes(rng, count):
+    if count > 100:
+        s = rng.integers(0, 24, count)
+    else:
+        s = rng.integers(0, 3000, count)
+        s[rng.integers(0, count, max(1, count // 4))] = rng.integers(1, 17, max(1, count // 4))
+    return s
+
+
+def _pack_case(cp, rng, pair, flag, count, misalign):
+    src_t, bkt_t = pair
+    sizes = _sizes(rng, count)
+    nonfinite = flag and bool(rng.integers(0, 2))
+    hosts = [values(rng, int(n), src_t, nonfinite=nonfinite and i % 5 == 1)
+             for i, n in enumerate(sizes)]
+    item = DT[src_t].itemsize
+    devs = [cp.asarray(h, misalign=(item * int(rng.integers(1, 8)) if misalign and i % 3 else 0))
+            for i, h in enumerate(hosts)]
+    gaps = rng.integers(0, 3, count)          # odd bucket offsets, gaps left unwritten
+    offs = (np.cumsum(sizes + gaps) - sizes).tolist()
+    total = int(offs[-1] + sizes[-1] + 5) if count else 5
+    fill = np.full(total, np.nan, DT[bkt_t])
+    scale = float(rng.choice(SCALES))
+    bucket = cp.asarray(fill)
+    want = fill.copy()
+    f_dev = cp.asarray(np.zeros(1, np.int32)) if flag else None
+    f_ref = np.zeros(1, np.int32) if flag else None
+    K.pack_ref(hosts, want, offs, scale=scale, nonfinite_flag=f_ref)
+    K.pack(devs, bucket, offs, scale=scale, nonfinite_flag=f_dev)
+    assert_bits_equal(bucket.host(), want, f"pack {pair} K={count} scale={scale}")
+    if flag:
+        assert f_dev.host()[0] == f_ref[0]
+    return hosts, devs, offs, bucket, want
+
+
+@pytest.mark.parametrize("pair", sorted(PACK_PAIRS))
+@pytest.mark.parametrize("flag", [False, True])
+@pytest.mark.parametrize("count", [1, 7, 32, 33, 257])
+def test_pack_random_bit_exact(cp, pair, flag, count):
+    rng = np.random.default_rng([count, flag, *map(len, pair)])
+    _pack_case(cp, rng, pair, flag, count, misalign=count % 2 == 1)
+    small = count <= ck.SMALL_MAX
+    assert cp.launches[-1][0] == ck.kernel_name("pack", pair, flag, small)
+
+
+@pytest.mark.parametrize("pair", sorted(UNPACK_PAIRS))
+@pytest.mark.parametrize("accumulate", [False, True])
+@pytest.mark.parametrize("count", [1, 5, 32, 40])
+def test_unpack_random_bit_exact(cp, pair, accumulate, count):
+    bkt_t, dst_t = pair
+    rng = np.random.default_rng([count, accumulate, *map(len, pair)])
+    sizes = _sizes(rng, count)
+    offs = (np.cumsum(sizes + rng.integers(0, 3, count)) - sizes).tolist()
+    bucket_h = values(rng, int(offs[-1] + sizes[-1] + 3), bkt_t, nonfinite=True)
+    bucket = cp.asarray(bucket_h)
+    item = DT[dst_t].itemsize
+    inits = [values(rng, int(n), dst_t) for n in sizes]
+    outs = [cp.asarray(h, misalign=item * (i % 3)) for i, h in enumerate(inits)]
+    want = [h.copy() for h in inits]
+    scale = float(rng.choice(SCALES))
+    K.unpack_ref(want, bucket_h, offs, scale=scale, accumulate=accumulate)
+    K.unpack(outs, bucket, offs, scale=scale, accumulate=accumulate)
+    for i, (o, w) in enumerate(zip(outs, want)):
+        assert_bits_equal(o.host(), w, f"unpack {pair} tensor {i}")
+    assert cp.launches[-1][0] == ck.kernel_name("unpack", pair, accumulate,
+                                                count <= ck.SMALL_MAX)
+
+
+def test_thousands_of_tensors_both_table_kinds_and_cached_tables(cp):
+    rng = np.random.default_rng(7)
+    for count in (3000, 31):
+        hosts, devs, offs, bucket, want = _pack_case(cp, rng, ("float32", "bfloat16"), True,
+                                                     count, misalign=True)
+        builds = ck.backend().stats["table_builds"]
+        for h, d in zip(hosts, devs):   # new values, same pointers: the cached table serves
+            h[...] = values(rng, h.size, "float32")
+            d.host()[...] = h
+        f_dev, f_ref = cp.asarray(np.zeros(1, np.int32)), np.zeros(1, np.int32)
+        K.pack(devs, bucket, offs, scale=0.25, nonfinite_flag=f_dev)
+        K.pack_ref(hosts, want, offs, scale=0.25, nonfinite_flag=f_ref)
+        assert ck.backend().stats["table_builds"] == builds
+        assert_bits_equal(bucket.host(), want, f"cached table K={count}")
+        assert f_dev.host()[0] == f_ref[0]
+        outs = [cp.asarray(np.ones(h.size, np.float32)) for h in hosts]
+        wants = [np.ones(h.size, np.float32) for h in hosts]
+        K.unpack(outs, bucket, offs, scale=4.0, accumulate=True)
+        K.unpack_ref(wants, want, offs, scale=4.0, accumulate=True)
+        for o, w in zip(outs, wants):
+            assert_bits_equal(o.host(), w, "unpack after cached pack")
+
+
+def test_few_multiprocessors_many_items_per_warp_and_big_chunks(cp, monkeypatch):
+    """One SM: 32 resident warps, so chunks grow to cover big tensors in one wave, and many
+    tensors share each warp's item loop."""
+    monkeypatch.setitem(_fake_cupy.FAKE_STATE, "sms", 1)
+    monkeypatch.setattr(ck, "_BACKEND", ck.CudaKernels(cp))
+    rng = np.random.default_rng(11)
+    _pack_case(cp, rng, ("float32", "float32"), True, 5, misalign=True)
+    _pack_case(cp, rng, ("float64", "float64"), False, 300, misalign=False)
+
+
+@pytest.mark.parametrize("pair", [("float32", "float32"), ("float32", "float16"),
+                                  ("float64", "float64")])
+@pytest.mark.parametrize("grid", [1, 2])
+def test_grid_smaller_than_the_item_count(cp, pair, grid):
+    """Direct launches with fewer warps than items: each warp's grid-stride item loop."""
+    rng = np.random.default_rng(grid)
+    for count in (4, 40):
+        sizes = rng.integers(1, 700, count)
+        hosts = [values(rng, int(n), pair[0]) for n in sizes]
+        devs = [cp.asarray(h, misalign=DT[pair[0]].itemsize * (i % 2)) for i, h in enumerate(hosts)]
+        offs = (np.cumsum(sizes) - sizes).tolist()
+        bucket = cp.asarray(np.full(int(sizes.sum()), np.nan, DT[pair[1]]))
+        kb = ck.backend()
+        offs_a = np.asarray(offs, np.int64)
+        tab, chunk = kb.table("pack", pair, devs, bucket, sizes.astype(np.int64), offs_a)
+        chunk = 64     # many items; rebuild the table with small chunks
+        itemsize = DT[pair[0]].itemsize
+        ptrs = np.array([d.data.ptr for d in devs], np.uint64)
+        tab = ck.build_table(ptrs, sizes.astype(np.int64), offs_a, chunk, itemsize)
+        if tab.small is None:
+            tab.device_buf = cp.asarray(tab.items.view(np.uint8))
+        assert tab.nitems > grid * ck.WARPS_PER_BLOCK
+        flag = cp.asarray(np.zeros(1, np.int32))
+        name = ck.kernel_name("pack", pair, True, tab.small is not None)
+        kb.function(0, name)((grid,), (ck.THREADS,),
+                             kb.launch_args(tab, bucket, chunk, 0.5) + (flag,))
+        want = np.full(int(sizes.sum()), np.nan, DT[pair[1]])
+        K.pack_ref(hosts, want, offs, scale=0.5)
+        assert_bits_equal(bucket.host(), want, f"grid {grid}, {tab.nitems} items")
+
+
+@pytest.mark.parametrize("dtype", sorted(SCALE_DTYPES))
+@pytest.mark.parametrize("sms", [1, 132])
+def test_scale_random_bit_exact(cp, monkeypatch, dtype, sms):
+    monkeypatch.setitem(_fake_cupy.FAKE_STATE, "sms", sms)
+    monkeypatch.setattr(ck, "_BACKEND", ck.CudaKernels(cp))
+    rng = np.random.default_rng(sms)
+    for n, mis in ((1, 0), (13, 1), (40_001, 0), (5003, 3)):
+        x = values(rng, n, dtype, nonfinite=True)
+        d = cp.asarray(x, misalign=DT[dtype].itemsize * mis)
+        f = float(rng.choice(SCALES))
+        K.scale_(d, f)
+        want = x.copy()
+        K.scale_ref(want, f)
+        assert_bits_equal(d.host(), want, f"scale {dtype} n={n} factor={f}")
+
+
+@pytest.mark.parametrize("pair", [("float32", "float32"), ("float32", "bfloat16"),
+                                  ("float32", "float16")])
+def test_float32_subnormals_survive_cuda_ftz(cp, pair):
+    """CuPy compiles with -ftz=true (last on NVRTC's line): float32 arithmetic must not flush.
+    Subnormal inputs, outputs made subnormal by the scale, -0.0."""
+    tiny = np.array([2.0 ** -149, -(2.0 ** -140), 1e-39, -1e-40, 2.0 ** -126, -0.0, 0.0,
+                     1e-30, 3e-38, 1.5e-38] * 7, np.float32)
+    bucket = cp.asarray(np.full(tiny.size, np.nan, DT[pair[1]]))
+    K.pack([cp.asarray(tiny)], bucket, [0], scale=0.5)
+    want = np.full(tiny.size, np.nan, DT[pair[1]])
+    K.pack_ref([tiny], want, [0], scale=0.5)
+    assert_bits_equal(bucket.host(), want, "pack of subnormals")
+    if pair[1] == "float32":
+        assert (bucket.host().view(np.uint32)[1:5] & 0x7FFFFFFF != 0).all()   # not flushed
+    out = cp.asarray(np.full(tiny.size, 1e-39, np.float32))
+    K.unpack([out], bucket, [0], scale=1e-3, accumulate=True)
+    ref = np.full(tiny.size, 1e-39, np.float32)
+    K.unpack_ref([ref], want, [0], scale=1e-3, accumulate=True)
+    assert_bits_equal(out.host(), ref, "accumulate of subnormals")
