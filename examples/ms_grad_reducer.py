@@ -1,13 +1,13 @@
 """MindSpore's nn.DistributedGradReducer example (the TrainingWrapper from its docs), run on CPU
-with nccl_ddp: only the imports, the process-group start and the mode are changed.
+with nccl_ddp: only the imports and the process-group start are changed.
 
     nccl-ddp-run --nproc-per-node 2 examples/ms_grad_reducer.py      # prints 256.0 on every rank
 
-The docs run GRAPH_MODE on Ascend/GPU; our reducer is a Python call, so `construct` runs in
-PyNative mode here (in GRAPH_MODE a compiled construct cannot call it). As in the docs, the mean
+As in the docs, `construct` is compiled (GRAPH_MODE; --mode pynative runs it eagerly) and the mean
 and degree come from the auto-parallel context: gradients_mean is False there, so the grads are
-summed over the ranks. --scale-by-rank multiplies rank r's inputs by r+1 (tests use it);
---save writes the weight after the step.
+summed over the ranks. Options for the tests: --mean sets gradients_mean=True and device_num to
+the world size (the step then uses the mean grad); --scale-by-rank multiplies rank r's inputs by
+r+1; --save PATH writes the weight after the step ("{rank}" in PATH: each rank its own file).
 """
 import argparse
 
@@ -74,13 +74,18 @@ def rank_inputs(rank, size, in_features, out_features, scale_by_rank=False):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scale-by-rank", action="store_true")
-    parser.add_argument("--save", help="write rank 0's weight after the step to this .npz")
+    parser.add_argument("--mean", action="store_true")
+    parser.add_argument("--mode", choices=["graph", "pynative"], default="graph")
+    parser.add_argument("--save", help="write the weight after the step to this .npz")
     args = parser.parse_args()
 
-    ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU")   # docs: GRAPH_MODE
+    mode = ms.GRAPH_MODE if args.mode == "graph" else ms.PYNATIVE_MODE
+    ms.set_context(mode=mode, device_target="CPU")
     nd.init_process_group()                                      # docs: init()
     ms.reset_auto_parallel_context()
     ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL)
+    if args.mean:
+        ms.set_auto_parallel_context(gradients_mean=True, device_num=nd.get_world_size())
 
     size, in_features, out_features = 16, 16, 10
     network = Net(in_features, out_features)
@@ -92,8 +97,9 @@ def main():
                                 args.scale_by_rank)
     grads = train_cell(inputs, label)
     print(grads)
-    if args.save and nd.get_rank() == 0:
-        np.savez(args.save, weight=network.weight.asnumpy())
+    if args.save:
+        np.savez(args.save.format(rank=nd.get_rank()), weight=network.weight.asnumpy())
+    train_cell.grad_reducer.close()
     nd.destroy_process_group()
 
 

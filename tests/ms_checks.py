@@ -5,9 +5,10 @@ Prints "ms_checks: all passed" or raises.
 import numpy as np
 
 import mindspore as ms
-from mindspore import Parameter, Tensor, nn
+from mindspore import Parameter, Tensor, nn, ops
 
 import nccl_ddp as nd
+from nccl_ddp.errors import ConfigError
 
 
 class Tiny(nn.Cell):
@@ -20,14 +21,108 @@ class Tiny(nn.Cell):
         return ((x @ self.w + self.b) ** 2).sum()
 
 
+class Mixed(nn.Cell):
+    """Three parameters: float32 (2, 3), float16 (3,), a float32 scalar."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = Parameter(Tensor(np.arange(6, dtype=np.float32).reshape(2, 3)), name="w")
+        self.h = Parameter(Tensor(np.full(3, 0.5, np.float16)), name="h")
+        self.s = Parameter(Tensor(np.array(1.5, np.float32)), name="s")
+
+    def construct(self, x):
+        y = ops.matmul(x, self.w) + ops.cast(self.h, ms.float32)
+        return (y ** 2).sum() * self.s
+
+
+class ReducedGrads(nn.Cell):
+    """Like MindSpore's TrainingWrapper, without the optimizer: the reduced grads come out."""
+
+    def __init__(self, net, reducer):
+        super().__init__(auto_prefix=False)
+        self.net = net
+        self.weights = ms.ParameterTuple(net.trainable_params())
+        self.grad = ops.GradOperation(get_by_list=True)
+        self.grad_reducer = reducer
+
+    def construct(self, x):
+        grads = self.grad(self.net, self.weights)(x)
+        return self.grad_reducer(grads)
+
+
+def graph_mode_reducer_cell():
+    """In GRAPH_MODE the reducer is compiled into the construct; its buckets follow dtype and
+    fusion ids; it divides by degree when mean; PyNative gives the same numbers."""
+    net = Mixed()
+    x = Tensor(np.array([[1.0, -2.0], [0.5, 3.0]], np.float32))
+    plain = [np.asarray(g.asnumpy()) for g in ops.GradOperation(get_by_list=True)(
+        net, ms.ParameterTuple(net.trainable_params()))(x)]
+    for fusion_type, mean, buckets in ((1, True, 2), (0, False, 3)):
+        reducer = nd.DistributedGradReducer(net.trainable_params(), mean, 4,
+                                            fusion_type=fusion_type)
+        assert isinstance(reducer, nn.Cell), type(reducer)
+        assert len(reducer.bucket_ops) == buckets, (fusion_type, reducer.bucket_ops)
+        want = [np.asarray(g / 4 if mean else g, g.dtype) for g in plain]
+        results = {}
+        for mode in (ms.GRAPH_MODE, ms.PYNATIVE_MODE):
+            ms.set_context(mode=mode)
+            out = ReducedGrads(net, reducer)(x)
+            assert len(out) == 3, out
+            results[mode] = [g.asnumpy() for g in out]
+            for got, w in zip(results[mode], want):
+                assert got.dtype == w.dtype and got.shape == w.shape, (mode, got, w)
+                np.testing.assert_allclose(got, w, rtol=1e-3 if w.dtype == np.float16 else 1e-6)
+        for g, p in zip(results[ms.GRAPH_MODE], results[ms.PYNATIVE_MODE]):
+            np.testing.assert_array_equal(g, p)
+        reducer.close()
+
+
+def comm_fusion_ids_as_in_mindspore():
+    """Parameters' comm_fusion ids (every MindSpore Parameter has one, 1 by default) override
+    fusion_type only when they differ, as in MindSpore's reducer."""
+    net = Tiny()                          # two float32 parameters
+    for fusion_type, ids, buckets in ((1, (1, 1), 1), (0, (1, 1), 2), (0, (2, 2), 2),
+                                      (1, (1, 2), 2), (5, (3, 3), 1)):
+        net.w.comm_fusion, net.b.comm_fusion = ids
+        reducer = nd.DistributedGradReducer(net.trainable_params(), fusion_type=fusion_type)
+        assert len(reducer.bucket_ops) == buckets, (fusion_type, ids, reducer.bucket_ops)
+        reducer.close()
+
+
+def graph_mode_reducer_rejects_wrong_grads():
+    """A grad tuple of the wrong length fails when the graph is compiled, naming both counts."""
+    net = Mixed()
+    reducer = nd.DistributedGradReducer(net.trainable_params())
+
+    class TwoGrads(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.grad_reducer = reducer
+
+        def construct(self, a, b):
+            return self.grad_reducer((a, b))
+
+    try:
+        fails_in_graph_mode(lambda: TwoGrads()(Tensor(np.ones((2, 3), np.float32)),
+                                               Tensor(np.ones(3, np.float16))),
+                            ValueError, "2 grads for 3 parameters")
+    finally:
+        reducer.close()
+
+
 def graph_mode_is_refused():
+    fails_in_graph_mode(lambda: nd.DistributedDataParallel(Tiny()), ConfigError, "PyNative")
+
+
+def fails_in_graph_mode(call, error, text):
+    """`call()` in GRAPH_MODE raises `error` saying `text` (then back to PyNative mode)."""
     ms.set_context(mode=ms.GRAPH_MODE)
     try:
-        nd.DistributedDataParallel(Tiny())
-    except RuntimeError as e:
-        assert "PyNative" in str(e), e
+        call()
+    except error as e:
+        assert text in str(e), e
     else:
-        raise AssertionError("DDP over MindSpore accepted GRAPH_MODE")
+        raise AssertionError(f"no {error.__name__} ({text}) in GRAPH_MODE")
     finally:
         ms.set_context(mode=ms.PYNATIVE_MODE)
 
@@ -69,6 +164,9 @@ def main():
         graph_mode_is_refused()
         ddp_accumulates_until_zero_grad()
         grad_reducer_returns_tensors()
+        graph_mode_reducer_cell()
+        comm_fusion_ids_as_in_mindspore()
+        graph_mode_reducer_rejects_wrong_grads()
     finally:
         nd.destroy_process_group()
     print("ms_checks: all passed")

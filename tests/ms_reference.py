@@ -6,7 +6,11 @@ tests/test_mindspore_adapter.py; no nccl_ddp involved).
         computed one after the other here: what data parallelism must produce.
     python tests/ms_reference.py grad-reducer OUT.npz --world W
         examples/ms_grad_reducer.py's Net after one Momentum step on the SUM of the ranks' grads
-        (mean=False, as the example's auto-parallel context says); --scale-by-rank as there.
+        (mean=False, as the example's auto-parallel context says); --mean: on their mean;
+        --scale-by-rank as there.
+    python tests/ms_reference.py all OUT_DIR --steps N --world W
+        all of them in one process (MindSpore is slow to start): OUT_DIR/ddp.npz and
+        OUT_DIR/grad-reducer-{sum,mean}-{docs,scaled}.npz.
 """
 import argparse
 import importlib.util
@@ -42,7 +46,7 @@ def ddp_reference(steps, world):
     return {p.name: p.asnumpy() for p in net.trainable_params()}
 
 
-def grad_reducer_reference(world, scale_by_rank):
+def grad_reducer_reference(world, scale_by_rank, mean=False):
     ex = load_example("ms_grad_reducer")
     size, in_features, out_features = 16, 16, 10
     net = ex.Net(in_features, out_features)
@@ -55,21 +59,31 @@ def grad_reducer_reference(world, scale_by_rank):
         g = grad(net_with_loss, params)(inputs, label)[0].asnumpy()
         total = g if total is None else total + g
     optimizer = nn.Momentum(params, learning_rate=0.1, momentum=0.9)
-    optimizer((ms.Tensor(total),))
+    optimizer((ms.Tensor(total / world if mean else total),))
     return {"weight": net.weight.asnumpy()}
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("which", choices=["ddp", "grad-reducer"])
+    parser.add_argument("which", choices=["ddp", "grad-reducer", "all"])
     parser.add_argument("out")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--scale-by-rank", action="store_true")
+    parser.add_argument("--mean", action="store_true")
     args = parser.parse_args()
     ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU")
+    if args.which == "all":
+        os.makedirs(args.out, exist_ok=True)
+        np.savez(os.path.join(args.out, "ddp.npz"), **ddp_reference(args.steps, args.world))
+        for mean in (False, True):
+            for scaled in (False, True):
+                name = f"grad-reducer-{'mean' if mean else 'sum'}-{'scaled' if scaled else 'docs'}"
+                np.savez(os.path.join(args.out, name + ".npz"),
+                         **grad_reducer_reference(args.world, scaled, mean))
+        return
     result = (ddp_reference(args.steps, args.world) if args.which == "ddp"
-              else grad_reducer_reference(args.world, args.scale_by_rank))
+              else grad_reducer_reference(args.world, args.scale_by_rank, args.mean))
     np.savez(args.out, **result)
 
 

@@ -1,5 +1,7 @@
-"""The MindSpore adapter: the two examples from MindSpore's docs, run on CPU with 2 processes
-through nccl-ddp-run, checked against single-process references (tests/ms_reference.py).
+"""The MindSpore adapter: the two examples from MindSpore's docs (the grad reducer's in GRAPH_MODE
+as documented, and in PyNative mode) and the LeNet training in GRAPH_MODE, run on CPU with 2
+processes through nccl-ddp-run, checked against single-process references (tests/ms_reference.py,
+computed once per module: MindSpore takes seconds to start).
 
 MindSpore 2.10 needs numpy<2, so everything MindSpore runs in the .venv-ms venv made by
 scripts/setup_ms_venv.sh (or $NCCL_DDP_MS_VENV); without it these tests are skipped.
@@ -50,47 +52,82 @@ def _launch(example: str, *args: str, cwd: str) -> str:
                  os.path.join(ROOT, "examples", example), *args], cwd)
 
 
-def _reference(*args: str, cwd: str) -> None:
-    _run([PY, os.path.join(ROOT, "tests", "ms_reference.py"), *args], cwd)
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """name -> the reference parameters (ddp, grad-reducer-{sum,mean}-{docs,scaled})."""
+    out = tmp_path_factory.mktemp("ms_reference")
+    _run([PY, os.path.join(ROOT, "tests", "ms_reference.py"), "all", str(out),
+          "--steps", "4", "--world", "2"], str(out))
+    return lambda name: np.load(out / f"{name}.npz")
+
+
+def _assert_params_equal(a, b, rtol: float, atol: float = 0.0) -> None:
+    assert sorted(a.files) == sorted(b.files), (a.files, b.files)
+    for k in a.files:
+        np.testing.assert_allclose(a[k], b[k], rtol=rtol, atol=atol, err_msg=k)
 
 
 def _rank_lines(out: str, rank: int, pattern: str) -> list:
     return re.findall(rf"^\[rank {rank}\] {pattern}$", out, flags=re.M)
 
 
-def test_ddp_example_matches_mean_of_rank_grads(tmp_path):
-    """DDP (AVG in the collective, static graph, value_and_grad + hooks) over 4 AdamWeightDecay
-    steps equals one process applying the mean of both ranks' grads."""
-    ours, ref = tmp_path / "ours.npz", tmp_path / "ref.npz"
-    out = _launch("ms_ddp_lenet.py", "--steps", "4", "--save", str(ours), cwd=str(tmp_path))
-    _reference("ddp", str(ref), "--steps", "4", "--world", "2", cwd=str(tmp_path))
+def _check_training_output(out: str) -> None:
     for rank in (0, 1):
         assert len(_rank_lines(out, rank, r"epoch: 0, step: \d, loss is [0-9.]+")) == 4, out
     sums = [_rank_lines(out, r, r"param checksum: (\S+)") for r in (0, 1)]
     assert sums[0] and sums[0] == sums[1], out
-    a, b = np.load(ours), np.load(ref)
-    assert sorted(a.files) == sorted(b.files) and len(a.files) == 8
-    for k in a.files:
-        np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
-@pytest.mark.parametrize("scaled", [False, True], ids=["docs-inputs", "inputs-scaled-by-rank"])
-def test_grad_reducer_example(tmp_path, scaled):
-    """The TrainingWrapper prints the docs' 256.0 (rank r with scaled inputs: 256 (r+1)^2) and
-    its Momentum step uses the sum of both ranks' grads."""
-    flags = ["--scale-by-rank"] if scaled else []
-    ours, ref = tmp_path / "ours.npz", tmp_path / "ref.npz"
-    out = _launch("ms_grad_reducer.py", *flags, "--save", str(ours), cwd=str(tmp_path))
-    _reference("grad-reducer", str(ref), "--world", "2", *flags, cwd=str(tmp_path))
+def test_ddp_example_matches_mean_of_rank_grads(tmp_path, reference):
+    """DDP (AVG in the collective, static graph, value_and_grad + hooks) over 4 AdamWeightDecay
+    steps equals one process applying the mean of both ranks' grads."""
+    ours = tmp_path / "ours.npz"
+    out = _launch("ms_ddp_lenet.py", "--steps", "4", "--save", str(ours), cwd=str(tmp_path))
+    _check_training_output(out)
+    a = np.load(ours)
+    assert len(a.files) == 8
+    _assert_params_equal(a, reference("ddp"), rtol=1e-5, atol=1e-6)
+
+
+def test_lenet_graph_mode_equals_pynative(tmp_path, reference):
+    """The LeNet training with nn.TrainOneStepCell + our reducer compiled (GRAPH_MODE) gives
+    every rank the parameters of the same run in PyNative mode, and of the mean-grad reference."""
+    runs = {}
+    for mode in ("graph", "pynative"):
+        save = str(tmp_path / f"{mode}-{{rank}}.npz")
+        out = _launch("ms_lenet_graph.py", "--mode", mode, "--steps", "4", "--save", save,
+                      cwd=str(tmp_path))
+        _check_training_output(out)
+        runs[mode] = [np.load(save.format(rank=r)) for r in (0, 1)]
+    graph, pynative = runs["graph"], runs["pynative"]
+    _assert_params_equal(graph[0], graph[1], rtol=0)
+    _assert_params_equal(graph[0], pynative[0], rtol=1e-6, atol=1e-7)
+    _assert_params_equal(graph[0], reference("ddp"), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["graph", "pynative"])
+@pytest.mark.parametrize("variant", ["docs", "scaled-mean"])
+def test_grad_reducer_example(tmp_path, reference, mode, variant):
+    """The docs' TrainingWrapper (GRAPH_MODE as documented, and PyNative) prints 256.0 on rank 0
+    (rank r with inputs scaled by r+1: 256 (r+1)^2) and every rank's Momentum step uses the sum of
+    both ranks' grads (the docs' context, gradients_mean False) or, with --mean, their mean."""
+    scaled = variant == "scaled-mean"
+    flags = ["--scale-by-rank", "--mean"] if scaled else []
+    save = str(tmp_path / "weight-{rank}.npz")
+    out = _launch("ms_grad_reducer.py", "--mode", mode, *flags, "--save", save,
+                  cwd=str(tmp_path))
     for rank in (0, 1):
         want = 256.0 * ((rank + 1) ** 2 if scaled else 1)
         assert _rank_lines(out, rank, re.escape(f"{want}")), out
-    np.testing.assert_allclose(np.load(ours)["weight"], np.load(ref)["weight"], rtol=1e-6)
+    ref = reference("grad-reducer-mean-scaled" if scaled else "grad-reducer-sum-docs")["weight"]
+    for rank in (0, 1):
+        np.testing.assert_allclose(np.load(save.format(rank=rank))["weight"], ref, rtol=1e-6)
 
 
 def test_ms_checks_in_venv(tmp_path):
-    """Single-process behaviours (tests/ms_checks.py): graph-mode refusal, zero-copy out,
-    accumulation until zero_grad."""
+    """Single-process behaviours (tests/ms_checks.py): DDP's graph-mode refusal, zero-copy out,
+    accumulation until zero_grad; the reducer Cell in a compiled construct (buckets per dtype and
+    fusion id, mean/degree) against PyNative."""
     out = _run([PY, os.path.join(ROOT, "tests", "ms_checks.py")], str(tmp_path))
     assert "ms_checks: all passed" in out, out
 

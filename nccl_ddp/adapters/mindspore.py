@@ -14,14 +14,17 @@ end-of-backward callback: with find_unused_parameters=True call `net.finalize()`
 `value_and_grad`, and take the grads of parameters this rank did not use from `net.grads` (what
 `value_and_grad` returns for them is MindSpore's own zeros, not the reduced grad).
 
-Graph mode: hooks and our Python reducer cannot run inside a compiled graph. DDP is PyNative
-only (as MindSpore's own). `DistributedGradReducer` works wherever a Python call is allowed:
-PyNative mode, or a training step that calls it outside the `@jit` / GRAPH_MODE `construct`;
-inside a compiled `construct` it cannot be called (reduce the grads the graph returns instead).
+Graph mode: DDP's hooks cannot run inside a compiled graph, so DDP is PyNative only (as
+MindSpore's own). `DistributedGradReducer(mindspore_parameters, ...)` is an `nn.Cell` (as
+MindSpore's is, `GradReducerCell`): in PyNative mode calling it runs our reducer directly; in a
+compiled `construct` (GRAPH_MODE, `@jit`) its `construct` concatenates each bucket's grads in the
+graph and hands them to one `ops.Custom(func_type="pyfunc")` op per bucket, which runs our
+reducer's `reduce_bucket` at run time and returns the reduced grads into the graph. The bucket
+ops are chained with `Depend`, so every rank issues its all-reduces in the same order.
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
 import numpy as np
 
@@ -155,8 +158,13 @@ class MindSporeGrads(GradsAdapter):
     tensors. The reduced grads are tensors viewing the reducer's fresh bucket memory."""
 
     def param_infos(self, parameters: Any) -> List[ParamSpec]:
+        # every MindSpore Parameter has a comm_fusion (default 1); as in MindSpore's reducer,
+        # they override fusion_type only when they differ
+        fusion = [getattr(p, "comm_fusion", None) for p in parameters]
+        if len(set(fusion)) == 1:
+            fusion = [None] * len(fusion)
         return [ParamSpec(tuple(p.shape), np_dtype(p.dtype), getattr(p, "name", None),
-                          comm_fusion=getattr(p, "comm_fusion", None)) for p in parameters]
+                          comm_fusion=f) for p, f in zip(parameters, fusion)]
 
     def to_native(self, grads: Any) -> List[Any]:
         if not isinstance(grads, (list, tuple)):
@@ -166,3 +174,96 @@ class MindSporeGrads(GradsAdapter):
     def from_native(self, grads: Any, reduced: List[Any]) -> Any:
         out = [from_native(a) for a in reduced]
         return list(out) if isinstance(grads, list) else tuple(out)
+
+    def reducer_wrapper(self) -> Optional[Callable[[Any], Any]]:
+        return grad_reducer_cell
+
+
+def grad_reducer_cell(reducer: Any) -> Any:
+    """`reducer` (a `DistributedGradReducer` over MindSpore parameters) as an `nn.Cell`."""
+    return _grad_reducer_cell_class()(reducer)
+
+
+_CELL_CLASS: Any = None
+
+
+def _grad_reducer_cell_class() -> type:
+    """The `nn.Cell` subclass, made once on first use (MindSpore is imported lazily). Its
+    `construct` uses only attributes of `self`, which MindSpore's graph compiler resolves."""
+    global _CELL_CLASS
+    if _CELL_CLASS is not None:
+        return _CELL_CLASS
+    import mindspore
+    from mindspore import nn, ops
+
+    class GradReducerCell(nn.Cell):
+        """MindSpore's `DistributedGradReducer` face of our reducer: callable in PyNative mode
+        and inside a compiled `construct` on a tuple of grads, one per parameter."""
+
+        def __init__(self, reducer: Any) -> None:
+            super().__init__(auto_prefix=False)
+            self.reducer = reducer
+            self.mean, self.degree = reducer.mean, reducer.degree
+            buckets = reducer.layout.buckets
+            where = {p: (b, k) for b, bucket in enumerate(buckets)
+                     for k, p in enumerate(bucket.params)}
+            # constants of the compiled graph: params per bucket, each param's (bucket, slot)
+            self.bucket_params = tuple(tuple(bucket.params) for bucket in buckets)
+            self.slots = tuple(where[p] for p in range(len(reducer.specs)))
+            self.shapes = tuple(spec.shape for spec in reducer.specs)
+            self.bucket_ops = tuple(_bucket_op(reducer, b) for b in range(len(buckets)))
+            self.concat = ops.Concat()
+            self.reshape = ops.Reshape()
+            self.depend = ops.Depend()
+
+        def __call__(self, grads: Any, *args: Any, **kwargs: Any) -> Any:
+            if mindspore.get_context("mode") == mindspore.PYNATIVE_MODE and not (args or kwargs):
+                return self.reducer(grads)     # zero-copy, no graph: as before
+            return super().__call__(grads, *args, **kwargs)
+
+        def construct(self, grads):
+            if len(grads) != len(self.shapes):
+                raise ValueError(f"got {len(grads)} grads for {len(self.shapes)} parameters")
+            reduced = []
+            previous = grads
+            for params, op in zip(self.bucket_params, self.bucket_ops):
+                flat = self.concat([self.reshape(grads[p], (-1,)) for p in params])
+                out = op(self.depend(flat, previous))   # after the previous bucket's op
+                reduced.append(out)
+                previous = out
+            return tuple([self.reshape(reduced[b][k], shape)
+                          for (b, k), shape in zip(self.slots, self.shapes)])
+
+        def close(self) -> None:
+            self.reducer.close()
+
+    _CELL_CLASS = GradReducerCell
+    return _CELL_CLASS
+
+
+def _bucket_op(reducer: Any, b: int) -> Any:
+    """The run-time op of bucket `b`: its grads, flat and concatenated, in; one flat reduced
+    grad per parameter out. (A pyfunc must take its inputs as named parameters: MindSpore 2.10
+    packs extra inputs of a `*args` function into a tuple it then rejects.)"""
+    from mindspore import ops
+    bucket = reducer.layout.buckets[b]
+    shapes = [reducer.specs[p].shape for p in bucket.params]
+    bounds = np.cumsum([0, *bucket.numels])
+
+    def reduce_bucket(flat: np.ndarray) -> tuple:
+        grads = [flat[lo:hi].reshape(shape) for lo, hi, shape in zip(bounds, bounds[1:], shapes)]
+        return tuple(g.reshape(-1) for g in reducer.reduce_bucket(b, grads))
+
+    reduce_bucket.__name__ = f"nccl_ddp_reduce_bucket_{b}"
+    dtype = _ms_dtype(bucket.dtype)
+    return ops.Custom(reduce_bucket, out_shape=[[int(n)] for n in bucket.numels],
+                      out_dtype=[dtype] * len(bucket.params), func_type="pyfunc")
+
+
+def _ms_dtype(dtype: np.dtype) -> Any:
+    """MindSpore's float type for a NumPy dtype (the reducer accepts float dtypes only)."""
+    import mindspore
+    for t in (mindspore.float16, mindspore.float32, mindspore.float64):
+        if np_dtype(t) == dtype:
+            return t
+    raise ConfigTypeError(f"no MindSpore float type for {dtype}")

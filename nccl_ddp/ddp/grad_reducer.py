@@ -40,7 +40,20 @@ from nccl_ddp.errors import ConfigError, ConfigTypeError
 
 
 class DistributedGradReducer:
-    """Callable on a list/tuple of grads (one per parameter, same shapes); returns them reduced."""
+    """Callable on a list/tuple of grads (one per parameter, same shapes); returns them reduced.
+
+    A framework adapter may hand back its own object around the reducer instead (MindSpore: an
+    `nn.Cell`, so that a compiled `construct` can call it); see `GradsAdapter.reducer_wrapper`."""
+
+    def __new__(cls, parameters: Any = None, *args: Any, **kwargs: Any) -> Any:
+        reducer = super().__new__(cls)
+        adapter = (frameworks.grads_adapter(parameters)
+                   if isinstance(parameters, (list, tuple)) else None)
+        wrap = adapter.reducer_wrapper() if adapter is not None else None
+        if wrap is None:
+            return reducer
+        cls.__init__(reducer, parameters, *args, **kwargs)   # Python skips it: not a cls instance
+        return wrap(reducer)
 
     def __init__(self, parameters: Sequence[Any], mean: bool = True, degree: Optional[int] = None,
                  fusion_type: int = 1, group: Optional[ProcessGroup] = None) -> None:
@@ -102,15 +115,28 @@ class DistributedGradReducer:
         with self._failure.closes_step():   # a failed all-reduce: every later call says so
             return type(grads)(self._reduce(native))
 
-    def _reduce(self, native: list) -> list:
-        """The native grads reduced: views of fresh bucket buffers, packing and all-reducing
-        pipelined across the compute and comm streams."""
+    def reduce_bucket(self, b: int, grads: Sequence[Any]) -> list:
+        """Bucket `b`'s grads (native arrays, in `layout.buckets[b].params` order) reduced, for
+        callers that hand the buckets over one at a time (MindSpore's graph-mode ops)."""
+        self._failure.check()
+        bucket = self.layout.buckets[b]
+        native: list = [None] * len(self.specs)
+        for p, g in zip(bucket.params, grads):
+            native[p] = self._native(p, g)
+        with self._failure.closes_step():
+            out = self._reduce(native, (b,))
+        return [out[p] for p in bucket.params]
+
+    def _reduce(self, native: list, buckets: Optional[Sequence[int]] = None) -> list:
+        """The native grads of `buckets` (all by default) reduced: views of fresh bucket
+        buffers, packing and all-reducing pipelined across the compute and comm streams."""
         scale = 1.0 / self.degree if self.mean else 1.0
         pack = functools.partial(kernels.pack, scale=scale)
         compute = self.device.current_stream()
         out = [None] * len(native)
         done = []
-        for b, bucket in enumerate(self.layout.buckets):
+        for b in range(len(self.layout.buckets)) if buckets is None else buckets:
+            bucket = self.layout.buckets[b]
             buf = self.device.empty(bucket.padded, bucket.dtype)
             offsets = list(bucket.offsets)
             # compute: ─[pack b]─●ready b─[pack b+1]─●ready b+1─ ... ── wait(done *) ─▶

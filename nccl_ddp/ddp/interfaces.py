@@ -88,6 +88,11 @@ class GradsAdapter(abc.ABC):
     def from_native(self, grads: Any, reduced: List[Any]) -> Any:
         """`reduced` (native arrays) as the framework's grads, in the structure of `grads`."""
 
+    def reducer_wrapper(self) -> Optional[Callable[[Any], Any]]:
+        """What `DistributedGradReducer(parameters)` returns instead of the reducer itself, as a
+        function of it (MindSpore: an `nn.Cell` around it); None: the reducer itself."""
+        return None
+
     def reduce(self, reduce_native: Callable[[List[Any]], List[Any]], grads: Any) -> Any:
         """Run `reduce_native` (the reducer on a native list) on `grads`; the frameworks whose
         compute stream is not CuPy's current one override this to make it current."""
