@@ -13,9 +13,8 @@ import argparse
 import os
 import sys
 
-import numpy as np
-
 import mindspore as ms
+import numpy as np
 from mindspore import nn
 
 import nccl_ddp as nd
@@ -43,10 +42,10 @@ def main():
 
     for step, (image, label) in enumerate(create_dataset(nd.get_rank(), args.steps), 1):
         loss = train_step(image, label)
-        print("epoch: 0, step: %s, loss is %.15f" % (step, float(loss.asnumpy())))
+        print(f"epoch: 0, step: {step}, loss is {float(loss.asnumpy()):.15f}")
 
     params = {p.name: p.asnumpy() for p in net.trainable_params()}
-    print("param checksum: %.9e" % sum(float(np.abs(v).sum()) for v in params.values()))
+    print(f"param checksum: {sum(float(np.abs(v).sum()) for v in params.values()):.9e}")
     if args.save:
         np.savez(args.save.format(rank=nd.get_rank()), **params)
     train_step.grad_reducer.close()

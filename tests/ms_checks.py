@@ -2,9 +2,8 @@
 tests/test_mindspore_adapter.py (a job of one: the collectives are identities, the plumbing is not).
 Prints "ms_checks: all passed" or raises.
 """
-import numpy as np
-
 import mindspore as ms
+import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
 import nccl_ddp as nd

@@ -33,7 +33,9 @@ def _venv_problem() -> str:
 
 
 _problem = _venv_problem()
-pytestmark = pytest.mark.skipif(bool(_problem), reason=_problem)
+# each test starts up to 2 launches of 2 MindSpore processes (150 s bound each): beyond the default
+pytestmark = [pytest.mark.skipif(bool(_problem), reason=_problem), pytest.mark.timeout(420),
+              pytest.mark.slow]
 
 
 def _run(args: list, cwd: str) -> str:
