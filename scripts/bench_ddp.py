@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 from benchlib import (Progress, format_table, plot_panels, slowest,  # noqa: E402
                       synchronize, timed_steps, write_csv)
 
+import bench_ddp_params  # noqa: E402
 import train_mlp as mlp  # noqa: E402
 
 COLUMNS = ("mode", "ranks", "backend", "params_MiB", "cap_MiB", "buckets", "local_ms", "ddp_ms",
@@ -56,6 +57,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--png", default="out/bench_ddp.png",
                    help="step time and hidden share against bucket cap ('' for none)")
     p.add_argument("--timeout", type=float, default=900.0)
+    bench_ddp_params.add_args(p)
     return p.parse_args(argv)
 
 
@@ -179,6 +181,11 @@ def _plot(rows: list, path: str) -> bool:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.many_params:
+        if "RANK" not in os.environ:    # one job per world size, each through nccl-ddp-run
+            return bench_ddp_params.main(args, sys.argv[1:] if argv is None else list(argv))
+        bench_ddp_params.worker(args)
+        return 0
     if "RANK" not in os.environ:     # not under a launcher: start the ranks through nccl-ddp-run
         cmd = [sys.executable, "-m", "nccl_ddp.launch", "--nproc-per-node", str(args.nranks),
                os.path.abspath(__file__), *(sys.argv[1:] if argv is None else argv)]

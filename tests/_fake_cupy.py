@@ -131,6 +131,11 @@ class FakeArray:
     def fill(self, value):
         self.host()[...] = value
 
+    def reshape(self, shape):
+        shape = tuple(shape) if isinstance(shape, (tuple, list)) else (shape,)
+        assert int(np.prod(shape, dtype=np.int64)) == self.size and self.flags.c_contiguous
+        return FakeArray(self.cp, self.data.ptr, shape, self.dtype, self.device.id)
+
     def view(self, dtype):
         dtype = np.dtype(dtype)
         return FakeArray(self.cp, self.data.ptr, (self.nbytes // dtype.itemsize,), dtype,

@@ -184,12 +184,17 @@ class TorchModule(GradModule):
                 p.grad = mine
 
     def _hook_for(self, i: int):
+        """The post-accumulate-grad hook of parameter i. It runs once per parameter per step, so
+        it stays lean: the reducer enters torch's CUDA stream (`on_compute_stream`) only when a
+        bucket completes."""
+        mark_ready = self._ddp.mark_ready
+
         def hook(p: Any) -> None:
-            mine = self._grads[i]
-            if p.grad is None or p.grad.data_ptr() != mine.data_ptr():
+            mine, g = self._grads[i], p.grad
+            if g is not mine and (g is None or g.data_ptr() != mine.data_ptr()):
                 # backward without our forward (or .grad replaced meanwhile): bring it in
-                if p.grad is not None:
-                    mine.copy_(p.grad)
+                if g is not None:
+                    mine.copy_(g)
                 p.grad = mine
             self._seen.add(i)
             if not self._callback_queued:
@@ -198,8 +203,7 @@ class TorchModule(GradModule):
                     self._syncing = self._ddp.sync_enabled
                 import torch
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            with torch_stream_current(self.on_cuda):
-                self._ddp.mark_ready(i)
+            mark_ready(i)
         hook.__name__ = f"nccl_ddp_grad_ready_{i}"
         return hook
 

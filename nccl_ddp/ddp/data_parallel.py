@@ -53,7 +53,8 @@ class DistributedDataParallel:
         _check_native(grads, self.device, "grad", self._adapter.names)
         install = self._adapter.install_grad if self._adapter.can_install_grads else None
         self.reducer = Reducer(params, grads, self.process_group, self.device, self.config,
-                               names=self._adapter.names, install=install)
+                               names=self._adapter.names, install=install,
+                               stream_scope=self._adapter.on_compute_stream)
         self._sync_buffers_next = True      # torch: the first forward syncs buffers
         if init_sync:
             self._init_sync(params)
@@ -109,6 +110,8 @@ class DistributedDataParallel:
         With `grad`, it is added to the accumulated grad first. Returns the accumulated grad (a
         bucket view with the default CppReducer). The last parameter finalizes the step.
         """
+        if grad is None and type(param) is int and 0 <= param < len(self.reducer.params):
+            return self.reducer.mark_ready(param)       # a framework hook's call, once per grad
         i = self.index_of(param)
         native = None if grad is None else self._adapter.to_native(i, grad)
         if native is not None:
@@ -119,10 +122,13 @@ class DistributedDataParallel:
         """A grad given to mark_ready must match its parameter exactly (checked before the
         reducer sees it, so a refused grad leaves the step as it was)."""
         spec = self.reducer.specs[i]
+        want = self.device.xp.__name__
+        if (type(grad).__module__.split(".")[0] == want and hasattr(grad, "dtype")
+                and grad.shape == spec.shape and grad.dtype == spec.dtype):
+            return      # once per grad: the common case builds no message
         name = self._adapter.names[i]
         label = f"rank {self.process_group.rank}: grad of parameter {i}" + (
             f" ({name!r})" if name else "")
-        want = self.device.xp.__name__
         if type(grad).__module__.split(".")[0] != want or not hasattr(grad, "dtype"):
             raise ConfigTypeError(f"{label} must be a {want}.ndarray like the parameter, got "
                             f"{type(grad).__module__}.{type(grad).__name__}")

@@ -15,9 +15,10 @@ All three give the same numbers.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, ContextManager, List, Optional, Sequence
 
 import numpy as np
 
@@ -35,17 +36,26 @@ log = logging.getLogger(__name__)
 InstallFn = Callable[[int, Any], None]
 """install(i, view): make the framework's grad of parameter i alias `view` from now on."""
 
+StreamScope = Callable[[], ContextManager[Any]]
+"""stream_scope(): a context in which `device.current_stream()` is the framework's compute stream
+(torch: its current CUDA stream made CuPy's). Entered only around work that touches streams."""
+
 
 class Reducer:
     """Per-step state machine: idle -> open (grads arriving, buckets launching) -> idle.
 
     A step opens with `prepare()` (the wrapper's forward) or the first `mark_ready`; it closes with
     `finalize()`, called automatically once every bucketed grad is ready.
+
+    `mark_ready` runs once per parameter per step, so its common case is a flat fast path: no
+    stream, event, allocation or context manager unless a bucket completes (then a constant
+    number of stream calls per bucket, inside `stream_scope()`).
     """
 
     def __init__(self, params: Sequence[Any], grads: List[Any], group: ProcessGroup, device,
                  config: DDPConfig, *, names: Optional[Sequence[Optional[str]]] = None,
-                 install: Optional[InstallFn] = None) -> None:
+                 install: Optional[InstallFn] = None,
+                 stream_scope: StreamScope = contextlib.nullcontext) -> None:
         self.params = list(params)
         self.grads = grads                  # native arrays; entries replaced by views on install
         self.group, self.device, self.config = group, device, config
@@ -53,6 +63,7 @@ class Reducer:
         self.specs = [ParamSpec(tuple(p.shape), np.dtype(p.dtype), n)
                       for p, n in zip(self.params, self.names)]
         self._install = install
+        self.stream_scope = stream_scope
         self.comm = device.new_stream()
         self.prof = Timeline(group.rank)    # NVTX ranges / per-step timeline when switched on
         self.sync_enabled = True            # False inside no_sync()
@@ -61,6 +72,8 @@ class Reducer:
         self.unused_last_step: frozenset = frozenset()   # no rank used them (find_unused/static)
         self._used_unsynced: set = set()    # marked ready in no_sync() steps since the last sync
         self._arrival: List[int] = []
+        self._ready = bytearray(len(self.params))   # 1: grad i is ready this step
+        self._count = 0                     # grads ready this step (ones in _ready)
         self._open = False
         self._step_syncs = True
         self._uses_prepare = False
@@ -78,6 +91,11 @@ class Reducer:
     def _set_layout(self, layout: BucketLayout) -> None:
         """Allocate buffers for `layout`; in CppReducer mode move the grads into bucket views."""
         self.layout = layout
+        # per parameter: its bucket, or -1 (excluded); what mark_ready's fast path reads
+        self._bucket_of = [-1] * len(self.params)
+        for b in layout.buckets:
+            for p in b.params:
+                self._bucket_of[p] = b.index
         self.memory = None
         self._views_installed = False
         if self.config.reducer_mode == "PythonReducer":
@@ -95,7 +113,7 @@ class Reducer:
     def prepare(self) -> None:
         """Called by the wrapper's forward: the next grads belong to a new step."""
         self._failure.check()
-        if self._open and self._step_syncs and self._ready.any():
+        if self._open and self._step_syncs and self._count:
             raise ReducerError(self._missing_message(
                 "Expected to have finished reduction in the prior iteration before starting a new "
                 "one (forward was called again before every grad of the previous step was ready)"))
@@ -104,7 +122,7 @@ class Reducer:
 
     def _open_step(self) -> None:
         n = len(self.params)
-        self._ready = np.zeros(n, dtype=bool)
+        self._ready = bytearray(n)
         self._pending = [len(b.params) for b in self.layout.buckets]
         self._next = 0
         self._done: list = []
@@ -119,6 +137,28 @@ class Reducer:
         Launches every bucket that is now complete and whose predecessors have launched; the last
         grad finalizes the step. Returns the accumulated grad array (a bucket view in view mode).
         """
+        b = self._bucket_of[i]
+        # the common case, flat: a synchronised step already under way (after the first step,
+        # whose arrival order the rebuild needs), nothing failed, a bucketed grad seen first now
+        if (self._count and self._step_syncs and self.steps and b >= 0 and not self._ready[i]
+                and self._open and self._failure.error is None):
+            if grad is not None and grad is not self.grads[i]:
+                self.device.current_stream().submit(_accumulate, self.grads[i], grad)
+            self._ready[i] = 1
+            self._count += 1
+            pending = self._pending
+            pending[b] -= 1
+            if (b == self._next and not pending[b]) or self._count == self._expected:
+                with self.stream_scope(), self._failure.closes_step(self._abandon_step):
+                    self._launch_ready()
+                    if self._count == self._expected:
+                        self._finalize()
+            return self.grads[i]
+        with self.stream_scope():
+            return self._mark_ready(i, grad)
+
+    def _mark_ready(self, i: int, grad: Any) -> Any:
+        """mark_ready's general path: opens the step, checks misuse, records the arrival order."""
         self._failure.check()
         if not self._open:
             if self._uses_prepare:
@@ -151,16 +191,16 @@ class Reducer:
     def _set_ready(self, i: int) -> None:
         """Count grad i as ready: a synchronised step may launch its bucket now; a no_sync() step
         remembers it as used for the next synchronised step."""
-        self._ready[i] = True
+        self._ready[i] = 1
         self._count += 1
         if not self._step_syncs:
             self._used_unsynced.add(i)
             return
         if self.steps == 0:
             self._arrival.append(i)
-        where = self.layout.locate(i)
-        if where is not None:
-            self._pending[where[0]] -= 1
+        b = self._bucket_of[i]
+        if b >= 0:
+            self._pending[b] -= 1
             self._launch_ready()
 
     def _launch_ready(self) -> None:
@@ -223,7 +263,7 @@ class Reducer:
         bitmap all-reduce tells which params no rank used: those keep their previous grad.
         """
         self._failure.check()
-        with self._failure.closes_step(self._abandon_step):
+        with self.stream_scope(), self._failure.closes_step(self._abandon_step):
             self._finalize()
 
     def _finalize(self) -> None:
@@ -252,9 +292,8 @@ class Reducer:
             compute = self.device.current_stream()
             for i in missing:
                 saved[i] = _copy_of(self.device, compute, self.grads[i])
-                where = self.layout.locate(i)
-                if where is not None:
-                    self._pending[where[0]] -= 1
+                if self._bucket_of[i] >= 0:
+                    self._pending[self._bucket_of[i]] -= 1
             self._launch_ready()
         compute = self.device.current_stream()
         self.prof.mark("backward", "end", compute)
@@ -278,7 +317,7 @@ class Reducer:
     def _globally_unused(self, missing: list) -> list:
         """Params no rank marked ready this step (blocks on a small bitmap all-reduce, as
         PyTorch's find_unused_parameters does at the end of backward)."""
-        used = self.device.xp.asarray(self._ready.astype(np.int32))
+        used = self.device.xp.asarray(np.frombuffer(self._ready, np.uint8).astype(np.int32))
         self.comm.wait(self.device.current_stream().record())
         self.comm.submit(self._all_reduce_here, used, ReduceOp.SUM, "the used-parameter bitmap")
         self.comm.synchronize(self.group.timeout)
@@ -315,10 +354,10 @@ class Reducer:
     def zero_grad(self) -> None:
         """Zero every grad (the buckets in view mode). Not allowed while a step is open."""
         self._failure.check()
-        if self._open and self._ready.any():
+        if self._open and self._count:
             raise ReducerError(
                 f"rank {self.group.rank}: zero_grad() called in the middle of a step ("
-                f"{int(self._ready.sum())} grads already marked ready); call it before forward or "
+                f"{self._count} grads already marked ready); call it before forward or "
                 "after the optimizer step")
         compute = self.device.current_stream()
         if self.mode == "view":
