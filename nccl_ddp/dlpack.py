@@ -23,7 +23,7 @@ _DEVICE_NAMES = {1: "cpu", 2: "cuda", 3: "cuda-host", 4: "opencl", 7: "vulkan", 
 
 def _dlpack_source(x: Any, where: str) -> Any:
     if not hasattr(x, "__dlpack__"):
-        raise ConfigError(f"{where}: expected an array that supports DLPack (NumPy, CuPy, torch, "
+        raise ConfigTypeError(f"{where}: expected an array that supports DLPack (NumPy, CuPy, torch, "
                           f"JAX), got {type(x).__module__}.{type(x).__name__}")
     if getattr(x, "requires_grad", False) and hasattr(x, "detach"):
         return x.detach()          # torch: same storage, no autograd tracking

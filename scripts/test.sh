@@ -1,17 +1,32 @@
 #!/usr/bin/env bash
-# Set up a virtual environment with the test extras and every framework we test, then run the suite.
-#   bash scripts/test.sh [pytest args...]
-# Environments (created once, reused): .venv (NumPy 2, torch CPU, JAX CPU, CuPy + NVRTC + NCCL wheels
-# for the kernel compile checks) and .venv-ms (MindSpore 2.10, which needs numpy<2; the MindSpore
-# tests run their examples in it). NCCL_DDP_SKIP_FRAMEWORKS=1 skips the framework installs.
+# Set up a virtual environment with the test extras and every framework we test, then check.
+#   bash scripts/test.sh [--fast] [pytest args...]
+# Stages: lint (ruff) and types (mypy), then pytest. --fast runs only the tests not marked `slow`
+# (under 2 s each); without it, the whole suite. Environments (created once, reused): .venv (NumPy 2,
+# torch CPU, JAX CPU, CuPy + NVRTC + NCCL wheels for the kernel compile checks) and .venv-ms
+# (MindSpore 2.10, which needs numpy<2; the MindSpore tests run their examples in it).
+# NCCL_DDP_SKIP_FRAMEWORKS=1 skips the framework installs (their tests then skip, saying why).
 set -euo pipefail
 source "$(dirname "$0")/_venv.sh"
-pip_install -e ".[test,plot]"
+fast=0
+if [[ ${1:-} == --fast ]]; then
+  fast=1
+  shift
+fi
+pip_install -e ".[test,plot,lint]"
 if [[ ${NCCL_DDP_SKIP_FRAMEWORKS:-0} != 1 ]]; then
   # torch 2.13.0 is a CPU wheel on local disk; a plain "torch" would fetch a CUDA build of several GB.
   pip_install "torch==2.13.0" jax jaxlib cupy-cuda12x nvidia-cuda-nvrtc-cu12 nvidia-nccl-cu12
   if [[ -f scripts/setup_ms_venv.sh ]]; then
     bash scripts/setup_ms_venv.sh
   fi
+fi
+echo "== lint (ruff)"
+"$VENV/bin/ruff" check nccl_ddp tests scripts examples
+echo "== types (mypy)"
+"$VENV/bin/mypy"
+echo "== tests"
+if ((fast)); then
+  exec "$VENV/bin/python" -m pytest -m "not slow" "$@"
 fi
 exec "$VENV/bin/python" -m pytest "$@"

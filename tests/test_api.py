@@ -10,7 +10,7 @@ import pytest
 
 import nccl_ddp as nd
 from mp import run_ranks
-from nccl_ddp.errors import ConfigError
+from nccl_ddp.errors import ConfigError, ConfigTypeError
 from test_host_collectives import no_shm_leaks  # noqa: F401  (autouse: /dev/shm stays clean)
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
@@ -116,7 +116,7 @@ def api_body(rank, world):
         nd.broadcast(b, src=5)
     with pytest.raises(ConfigError, match=f"has 1 arrays but the group has {world}"):
         nd.all_gather([np.empty(2)], np.zeros(2))
-    with pytest.raises(ConfigError, match=f"rank {rank}.*complex64 is not supported"):
+    with pytest.raises(ConfigTypeError, match=f"rank {rank}.*complex64 is not supported"):
         nd.all_reduce(np.zeros(2, np.complex64))
     with pytest.raises(ConfigError, match="must be a ProcessGroup"):
         nd.all_reduce(x, group="world")

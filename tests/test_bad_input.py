@@ -14,7 +14,7 @@ import pytest
 import nccl_ddp as nd
 from mp import run_ranks
 from nccl_ddp.adapters.arrays import ArrayModule
-from nccl_ddp.errors import ConfigError, RankMismatchError, ReducerError
+from nccl_ddp.errors import ConfigError, ConfigTypeError, RankMismatchError, ReducerError
 
 _ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
         "SLURM_PROCID", "SLURM_NTASKS", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")
@@ -117,7 +117,7 @@ def test_init_twice_keeps_the_first_group(world1):
 ])
 @pytest.mark.parametrize("collective", ["all_reduce", "broadcast"])
 def test_unsupported_arrays_are_refused(world1, collective, array, match):
-    with pytest.raises(ConfigError, match=match):
+    with pytest.raises(ConfigTypeError, match=match):
         getattr(nd, collective)(array)
     _ok(world1)
 
@@ -299,11 +299,11 @@ def _grads():
 
 
 @pytest.mark.parametrize("kwargs, exc, match", [
-    (dict(degree=0), ValueError, "degree must be a positive int.*got int 0"),
-    (dict(degree=-1), ValueError, "degree must be a positive int"),
-    (dict(degree=True), ValueError, "degree must be a positive int.*bool"),
-    (dict(degree=2.5), ValueError, "degree.*float 2.5"),
-    (dict(degree="2"), ValueError, "degree.*str '2'"),
+    (dict(degree=0), ValueError, "degree must be > 0, got 0"),
+    (dict(degree=-1), ValueError, "degree must be > 0"),
+    (dict(degree=True), TypeError, "degree must be an int, got bool"),
+    (dict(degree=2.5), TypeError, "degree.*float 2.5"),
+    (dict(degree="2"), TypeError, "degree.*str '2'"),
     (dict(fusion_type=-1), ValueError, "fusion_type must be >= 0, got -1"),
     (dict(fusion_type="1"), TypeError, "fusion_type must be an int, got str"),
     (dict(fusion_type=True), TypeError, "fusion_type must be an int, got bool"),
@@ -455,3 +455,35 @@ def test_bad_socket_addr_is_named():
     assert "cannot listen for peers on 'no-such-host.invalid'" in msg
     assert "NCCL_DDP_SOCKET_ADDR" in msg
     assert res[1] is not None
+
+
+# ------------------------------------------------------------------ one config per wrapper
+
+
+def test_ddp_takes_a_config_and_refuses_it_beside_options(world1):
+    from nccl_ddp.ddp.config import DDPConfig
+    cfg = DDPConfig(bucket_cap_mb=0.5, find_unused_parameters=True)
+    ddp = nd.DistributedDataParallel([np.ones(4, np.float32)], config=cfg)
+    assert ddp.config is cfg
+    ddp.close()
+    with pytest.raises(ConfigError, match=r"either config= or the options \['static_graph'\]"):
+        nd.DistributedDataParallel([np.ones(4, np.float32)], static_graph=True, config=cfg)
+    with pytest.raises(ConfigTypeError, match="config must be a DDPConfig or None, got dict"):
+        nd.DistributedDataParallel([np.ones(4, np.float32)], config={"static_graph": True})
+    _ok(world1)
+
+
+def test_grad_reducer_takes_a_frozen_config(world1):
+    import dataclasses
+
+    from nccl_ddp.ddp.config import GradReducerConfig
+    cfg = GradReducerConfig(mean=False, fusion_type=0)
+    reducer = nd.DistributedGradReducer([np.ones(2, np.float32)], config=cfg)
+    assert reducer.config is cfg and reducer.mean is False and reducer.fusion_type == 0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.mean = True   # type: ignore[misc]
+    with pytest.raises(ConfigError, match=r"either config= or the options \['degree'\]"):
+        nd.DistributedGradReducer([np.ones(2, np.float32)], degree=4, config=cfg)
+    with pytest.raises(ConfigTypeError, match="degree must be an int, got bool"):
+        GradReducerConfig(degree=True)
+    _ok(world1)

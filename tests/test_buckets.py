@@ -1,3 +1,4 @@
+import dataclasses
 import numpy as np
 import pytest
 
@@ -71,5 +72,5 @@ def test_keys_never_share_a_bucket():
 
 def test_layout_is_frozen():
     layout = assign_buckets(specs_of(((4,), F32)))
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         layout.buckets = ()

@@ -67,8 +67,8 @@ def one_group():
 
 
 @pytest.mark.parametrize("kwargs,exc,match", [
-    (dict(degree=True), ValueError, "degree"), (dict(degree=0), ValueError, "degree"),
-    (dict(degree=-2), ValueError, "degree"), (dict(degree=2.0), ValueError, "degree"),
+    (dict(degree=True), TypeError, "degree"), (dict(degree=0), ValueError, "degree"),
+    (dict(degree=-2), ValueError, "degree"), (dict(degree=2.0), TypeError, "degree"),
     (dict(mean=1), TypeError, "mean"), (dict(fusion_type=-1), ValueError, "fusion_type"),
     (dict(fusion_type=False), TypeError, "fusion_type"), (dict(group="g"), TypeError, "group"),
 ])

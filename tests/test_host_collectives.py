@@ -14,7 +14,7 @@ from mp import run_ranks
 from nccl_ddp.comm.host.reduce import DTYPES
 from nccl_ddp.comm.group import ReduceOp
 from nccl_ddp.comm.host.backend import HostProcessGroup
-from nccl_ddp.errors import CommError, CommTimeout, ConfigError
+from nccl_ddp.errors import CommError, CommTimeout, ConfigError, ConfigTypeError
 
 SIZES = (0, 1, 2, 7, 1001, 3000)          # 3000 x 8 bytes spans several 4 KiB chunks
 OPS = tuple(ReduceOp)
@@ -303,7 +303,7 @@ def test_single_rank_group_and_argument_errors():
     out = np.empty(6, np.int32)
     g.all_gather(out, x).wait()
     np.testing.assert_array_equal(out, x)
-    with pytest.raises(ConfigError, match="complex64 is not supported"):
+    with pytest.raises(ConfigTypeError, match="complex64 is not supported"):
         g.all_reduce(np.zeros(3, np.complex64))
     with pytest.raises(ConfigError, match="not defined for bool"):
         g.all_reduce(np.zeros(3, bool), "sum")

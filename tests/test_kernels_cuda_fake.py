@@ -181,7 +181,7 @@ def test_cuda_events_record_wait_and_bounded_synchronize(cp):
     t0 = time.monotonic()
     with pytest.raises(CommTimeout, match="CUDA event not reached within 0.1s"):
         ev.synchronize(timeout=0.1)
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 30   # not the 300 s default
     ev.event.done = True
     ev.synchronize(timeout=0.1)
     assert ev.query()

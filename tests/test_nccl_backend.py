@@ -312,7 +312,7 @@ def test_finished_ops_leave_the_watchdog_and_synchronize_times_out():
     t0 = time.monotonic()
     with pytest.raises(CommTimeout, match="host synchronize"):
         w.synchronize(timeout=0.1)
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 30   # not the group's 60 s
     w.event.done = True
     w.synchronize(timeout=1)
     g.shutdown()
@@ -342,7 +342,7 @@ def test_init_that_never_finishes_times_out():
     t0 = time.monotonic()
     with pytest.raises(CommTimeout, match="communicator init of group 'world'.*within 0.3s"):
         nb.NcclProcessGroup.create(DictStore(), 0, 1, [0], 0.3, "world", 0, runtime=rt)
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 20   # bounded by the 0.3 s timeout, not hanging
     never.set()
 
 

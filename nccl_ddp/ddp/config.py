@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, Optional, Type, TypeVar
 
 from nccl_ddp.ddp.buckets import DEFAULT_CAP_BYTES, FIRST_CAP_BYTES, MiB
-from nccl_ddp.validate import check_bool
+from nccl_ddp.validate import check_bool, check_positive_int
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 
 REDUCER_MODES = ("CppReducer", "PythonReducer")
@@ -76,3 +76,43 @@ class DDPConfig:
                 "reducer_mode": self.reducer_mode, "static_graph": self.static_graph,
                 "broadcast_buffers": self.broadcast_buffers,
                 "bucket_cap_mb": self.cap_bytes / MiB}
+
+
+@dataclasses.dataclass(frozen=True)
+class GradReducerConfig:
+    """The options of `DistributedGradReducer`, validated once and then never changed."""
+
+    mean: bool = True
+    """Divide the sum by `degree` (MindSpore's `mean`)."""
+    degree: Optional[int] = None
+    """The divisor for `mean` (None: the group's size)."""
+    fusion_type: int = 1
+    """0: one all-reduce per grad; n >= 1: grads fused into 25 MiB buckets under fusion id n (a
+    parameter's own `comm_fusion` id overrides it)."""
+
+    def __post_init__(self) -> None:
+        check_bool("mean", self.mean)
+        if self.degree is not None:
+            check_positive_int("degree", self.degree)
+        check_positive_int("fusion_type", self.fusion_type, allow_zero=True)
+
+
+C = TypeVar("C", DDPConfig, GradReducerConfig)
+
+
+def config_from(cls: Type[C], config: Optional[C], **options: Any) -> C:
+    """A wrapper's config: `config` when given (every option must then be left at its default,
+    so nothing the caller passed is silently ignored), else one built from the options."""
+    built = cls(**options)
+    if config is None:
+        return built
+    if not isinstance(config, cls):
+        raise ConfigTypeError(f"config must be a {cls.__name__} or None, got "
+                              f"{type(config).__name__} {config!r}")
+    default = cls()
+    changed = [f.name for f in dataclasses.fields(built)
+               if getattr(built, f.name) != getattr(default, f.name)]
+    if changed:
+        raise ConfigError(f"pass either config= or the options {changed}, not both: the config "
+                          f"holds every option (dataclasses.replace(config, ...) changes one)")
+    return config

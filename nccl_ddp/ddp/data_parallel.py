@@ -16,7 +16,7 @@ import numpy as np
 from nccl_ddp import frameworks
 from nccl_ddp.comm.api import device_of, resolve_group
 from nccl_ddp.comm.group import ProcessGroup
-from nccl_ddp.ddp.config import DDPConfig
+from nccl_ddp.ddp.config import DDPConfig, config_from
 from nccl_ddp.ddp.interfaces import GradModule
 from nccl_ddp.validate import check_float_dtype
 from nccl_ddp.errors import ConfigError, ConfigTypeError, ReducerError
@@ -31,12 +31,13 @@ class DistributedDataParallel:
     """Wraps `module`; calling the wrapper runs the module's forward and opens a step."""
 
     def __init__(self, module: Any, init_sync: bool = True,
-                 process_group: Optional[ProcessGroup] = None, bucket_cap_mb: Optional[int] = None,
+                 process_group: Optional[ProcessGroup] = None,
+                 bucket_cap_mb: Optional[float] = None,
                  find_unused_parameters: bool = False, average_in_collective: bool = False,
                  static_graph: bool = False, reducer_mode: str = "CppReducer", *,
-                 broadcast_buffers: bool = True) -> None:
-        self.config = DDPConfig(
-            init_sync=init_sync, bucket_cap_mb=bucket_cap_mb,
+                 broadcast_buffers: bool = True, config: Optional[DDPConfig] = None) -> None:
+        self.config = config_from(
+            DDPConfig, config, init_sync=init_sync, bucket_cap_mb=bucket_cap_mb,
             find_unused_parameters=find_unused_parameters,
             average_in_collective=average_in_collective, static_graph=static_graph,
             reducer_mode=reducer_mode, broadcast_buffers=broadcast_buffers)
@@ -56,7 +57,7 @@ class DistributedDataParallel:
                                names=self._adapter.names, install=install,
                                stream_scope=self._adapter.on_compute_stream)
         self._sync_buffers_next = True      # torch: the first forward syncs buffers
-        if init_sync:
+        if self.config.init_sync:
             self._init_sync(params)
         self._adapter.attach(self)
 

@@ -29,10 +29,11 @@ import numpy as np
 
 from nccl_ddp import kernels
 from nccl_ddp import frameworks
+from nccl_ddp.ddp.config import GradReducerConfig, config_from
 from nccl_ddp.ddp.buckets import DEFAULT_CAP_BYTES, FIRST_CAP_BYTES, ParamSpec, assign_buckets
 from nccl_ddp.comm.group import ProcessGroup, ReduceOp
 from nccl_ddp.comm.api import device_of, resolve_group
-from nccl_ddp.validate import check_bool, check_float_dtype, check_positive_int
+from nccl_ddp.validate import check_float_dtype, check_positive_int
 from nccl_ddp.ddp.param_sync import check_same_params
 from nccl_ddp.ddp.reducer import bucket_tag
 from nccl_ddp.ddp.step_failure import StepFailure
@@ -56,7 +57,11 @@ class DistributedGradReducer:
         return wrap(reducer)
 
     def __init__(self, parameters: Sequence[Any], mean: bool = True, degree: Optional[int] = None,
-                 fusion_type: int = 1, group: Optional[ProcessGroup] = None) -> None:
+                 fusion_type: int = 1, group: Optional[ProcessGroup] = None, *,
+                 config: Optional[GradReducerConfig] = None) -> None:
+        self.config = config_from(GradReducerConfig, config, mean=mean, degree=degree,
+                                  fusion_type=fusion_type)
+        mean, fusion_type = self.config.mean, self.config.fusion_type
         parameters = _materialize(parameters)
         adapter = frameworks.grads_adapter(parameters)
         if adapter is not None:   # torch / JAX / MindSpore parameters, described natively
@@ -64,16 +69,10 @@ class DistributedGradReducer:
         if not isinstance(parameters, (list, tuple)) or not parameters:
             raise ConfigTypeError("parameters must be a non-empty list or tuple of parameters, got "
                             f"{type(parameters).__name__}")
-        check_bool("mean", mean)
-        if degree is not None and (isinstance(degree, bool) or not isinstance(degree, int)
-                                   or degree <= 0):
-            raise ConfigError(f"degree must be a positive int (or None: the group size), got "
-                             f"{type(degree).__name__} {degree!r}")
-        check_positive_int("fusion_type", fusion_type, allow_zero=True)
         self.group = resolve_group(group, "group")
         self.device = device_of(self.group)
         self.mean = mean
-        self.degree = self.group.size if degree is None else degree
+        self.degree = self.group.size if self.config.degree is None else self.config.degree
         self.fusion_type = fusion_type
         specs, fusion_ids = [], []
         for i, p in enumerate(parameters):

@@ -10,7 +10,7 @@ from typing import Sequence
 
 import numpy as np
 
-from nccl_ddp.errors import ConfigError
+from nccl_ddp.errors import ConfigError, ConfigTypeError
 from nccl_ddp.comm.group import ReduceOp
 
 
@@ -35,12 +35,12 @@ _BOOL_UFUNC = {ReduceOp.MAX: np.logical_or, ReduceOp.MIN: np.logical_and}
 
 
 def dtype_code(dtype, where: str) -> int:
-    """The wire code of `dtype`; `ConfigError` naming `where` (rank, op) if unsupported."""
+    """The wire code of `dtype`; `ConfigTypeError` naming `where` (rank, op) if unsupported."""
     dt = np.dtype(dtype)
     try:
         return DTYPES.index(dt)
     except ValueError:
-        raise ConfigError(f"{where}: dtype {dt} is not supported by the host backend; use one of "
+        raise ConfigTypeError(f"{where}: dtype {dt} is not supported by the host backend; use one of "
                           f"{[d.name for d in DTYPES]}") from None
 
 

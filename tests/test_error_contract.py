@@ -1,0 +1,45 @@
+"""One error contract: the same misuse raises the same class on the host and NCCL backends (NCCL
+on the fake runtime), the class is an `NcclDdpError` and the builtin users catch, and the message
+names the argument."""
+import numpy as np
+import pytest
+from test_nccl_backend import make_group
+
+from nccl_ddp.comm.host import HostProcessGroup
+from nccl_ddp.errors import ConfigError, ConfigTypeError, NcclDdpError
+
+
+def host_group():
+    return HostProcessGroup(None, 0, 1)
+
+
+def nccl_group():
+    return make_group()[0]
+
+
+MISUSES = [
+    ("broadcast root", lambda g: g.broadcast(np.ones(4, np.float32), root=3), ConfigError, "root 3"),
+    ("strided buffer", lambda g: g.all_reduce(np.ones(8, np.float32)[::2]), ConfigError,
+     "contiguous"),
+    ("complex dtype", lambda g: g.all_reduce(np.ones(4, np.complex64)), ConfigTypeError,
+     "complex64"),
+    ("subgroup ranks", lambda g: g.new_subgroup([0, 7]), ConfigError, "7"),
+    ("all_gather sizes", lambda g: g.all_gather(np.ones(3, np.float32), np.ones(2, np.float32)),
+     ConfigError, "out"),
+    ("all_gather dtypes", lambda g: g.all_gather(np.ones(2, np.float64), np.ones(2, np.float32)),
+     ConfigError, "float64"),
+]
+
+
+@pytest.mark.parametrize("make", [host_group, nccl_group], ids=["host", "nccl"])
+@pytest.mark.parametrize("what, call, cls, named", MISUSES, ids=[m[0] for m in MISUSES])
+def test_same_misuse_same_error_on_both_backends(make, what, call, cls, named):
+    group = make()
+    try:
+        with pytest.raises(cls, match=named) as info:
+            call(group)
+    finally:
+        group.shutdown() if hasattr(group, "shutdown") else None
+    assert isinstance(info.value, NcclDdpError)
+    builtin = TypeError if cls is ConfigTypeError else ValueError
+    assert isinstance(info.value, builtin)
