@@ -191,15 +191,40 @@ FAKE_STATE = {"current": FakeStream(null=True)}
 
 
 class FakeEvent:
+    """cupy.cuda.Event; `status` is what cudaEventQuery returns (0 done, 600 not ready, else a
+    CUDA error)."""
+    _next = 0xE000
+    registry: dict = {}
+
     def __init__(self, block=False, disable_timing=False, interprocess=False):
         self.recorded_on = None
-        self.done = False
+        self.status = 600
+        FakeEvent._next += 16
+        self.ptr = FakeEvent._next
+        FakeEvent.registry[self.ptr] = self
+
+    @property
+    def done(self):   # CuPy 14: eventQuery(...) == 0, errors read as "not done"
+        return self.status == 0
+
+    @done.setter
+    def done(self, value):
+        self.status = 0 if value else 600
 
     def record(self, stream=None):
         self.recorded_on = stream
 
     def synchronize(self):
-        self.done = True
+        self.status = 0
+
+
+class FakeCUDARuntimeError(RuntimeError):
+    NAMES = {700: "cudaErrorIllegalAddress: an illegal memory access was encountered",
+             716: "cudaErrorMisalignedAddress: misaligned address"}
+
+    def __init__(self, status):
+        self.status = status
+        super().__init__(self.NAMES.get(status, f"cudaError {status}"))
 
 
 class FakeDeviceCtx:
@@ -379,7 +404,9 @@ class FakeCupy:
             getDeviceCount=lambda: devices,
             memsetAsync=lambda ptr, value, size, stream: self._memset(ptr, value, size, stream),
             getDeviceProperties=lambda dev: {"name": b"Fake GPU"},
-            runtimeGetVersion=lambda: 12090)
+            runtimeGetVersion=lambda: 12090,
+            eventQuery=lambda ptr: FakeEvent.registry[ptr].status,
+            CUDARuntimeError=FakeCUDARuntimeError)
         self.cuda = types.SimpleNamespace(
             is_available=lambda: devices > 0, runtime=runtime, Device=FakeDeviceCtx,
             Stream=FakeStream, Event=FakeEvent,

@@ -291,3 +291,30 @@ def test_bench_kernels_keeps_going_after_a_failed_measurement(cp, monkeypatch, t
     assert rc == 1
     assert [r["pair"] for r in csv.DictReader(out.open())] == ["f32", "f32"]
     assert "pack f32-bf16 1 MiB x3: FAILED TypeError: no bfloat16 here" in capsys.readouterr().err
+
+
+def test_a_cuda_error_is_reported_at_once_not_as_a_timeout(cp):
+    """cudaEventQuery returns the error (700) instead of 0/600: KernelError naming it, at once
+    (CuPy's Event.done reads it as "not done", so this used to poll until the timeout)."""
+    ev = D.CudaDevice(0).new_stream().record()
+    ev.event.status = 700
+    t0 = time.monotonic()
+    with pytest.raises(KernelError, match="cudaErrorIllegalAddress"):
+        ev.synchronize(timeout=30)
+    assert time.monotonic() - t0 < 5
+    ev.event.status = 600
+    assert not ev.query()
+
+
+def test_one_raw_kernel_per_device_and_name(cp):
+    """get_function builds a new RawKernel (cuModuleGetFunction) per call in CuPy 14: cached."""
+    bucket = cp.empty(64, np.float32)
+    for _ in range(3):
+        K.pack([cp.asarray(np.ones(8, np.float32))], bucket, [0])
+        K.scale_(bucket, 0.5)
+    assert len(cp.launches) == 6 and cp.compiles == 1
+    # pack's occupancy query looks up both variants once; nothing more after the first round
+    assert sorted(ck.backend()._functions) == [
+        (0, "nd_pack_small<float, float, false>"), (0, "nd_pack_small<float, float, true>"),
+        (0, "nd_scale<float>")]
+    assert cp.get_function_calls == 3

@@ -490,3 +490,57 @@ def test_real_stream_ordering_without_host_sync(real_group):
         y = x + 1
     b.synchronize()
     assert float(y.min()) == 6.0 and float(y.max()) == 6.0
+
+
+def test_barrier_blocks_the_host_until_every_rank_reached_it():
+    """barrier() returns only once the collective completed; a stuck one raises CommTimeout
+    after the group's timeout (it used to return at once)."""
+    g, comm, rt = make_group(rt=FakeRuntime(complete=False), timeout=0.3)
+    t0 = time.monotonic()
+    with pytest.raises(CommTimeout, match="barrier"):
+        g.barrier()
+    assert time.monotonic() - t0 >= 0.3
+    g.shutdown()
+    g, comm, rt = make_group()
+    assert g.barrier().is_completed()
+    g.shutdown()
+
+
+def test_cupy_runtime_query_reports_cuda_errors_instead_of_not_done():
+    """cudaEventQuery: 0 done, 600 (cudaErrorNotReady) pending, anything else raises (CuPy's
+    Event.done would read a faulted kernel as pending until the timeout)."""
+    from nccl_ddp.comm.nccl.runtime import CupyRuntime
+
+    class CudaError(RuntimeError):
+        def __init__(self, status):
+            super().__init__(f"cudaErrorIllegalAddress ({status})")
+
+    status = {}
+    rt = CupyRuntime.__new__(CupyRuntime)
+    rt.cupy = SimpleNamespace(cuda=SimpleNamespace(runtime=SimpleNamespace(
+        eventQuery=lambda ptr: status[ptr], CUDARuntimeError=CudaError)))
+    status.update({1: 0, 2: 600, 3: 700})
+    assert rt.query(SimpleNamespace(ptr=1)) is True
+    assert rt.query(SimpleNamespace(ptr=2)) is False
+    with pytest.raises(CudaError, match="cudaErrorIllegalAddress"):
+        rt.query(SimpleNamespace(ptr=3))
+
+
+def test_watchdog_reports_a_faulted_kernel_as_an_error_not_a_timeout():
+    rt = FakeRuntime(complete=False)
+
+    def query(event):
+        if getattr(event, "faulted", False):
+            raise FakeNcclError("cudaErrorIllegalAddress: an illegal memory access")
+        return event.done
+
+    rt.query = query
+    g, comm, _ = make_group(rt=rt, timeout=30.0)
+    w = g.all_reduce(np.zeros(4, np.float32))
+    w.event.faulted = True
+    deadline = time.monotonic() + 10
+    while not g.failed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(CommError, match="failed on the GPU: cudaErrorIllegalAddress"):
+        w.wait()
+    g.shutdown()

@@ -6,7 +6,10 @@ import time
 from typing import Any, Callable, Optional
 
 from nccl_ddp.device.base import DEFAULT_TIMEOUT, Device, Event, Stream
-from nccl_ddp.errors import CommTimeout, ConfigError, ConfigTypeError, NcclDdpError
+from nccl_ddp.errors import CommTimeout, ConfigError, ConfigTypeError, KernelError, NcclDdpError
+
+CUDA_SUCCESS = 0
+CUDA_ERROR_NOT_READY = 600   # cudaErrorNotReady: the event's work is still pending
 
 
 def _cupy() -> Any:
@@ -34,7 +37,18 @@ class CudaEvent(Event):
         self.event = event   # cupy.cuda.Event
 
     def query(self) -> bool:
-        return bool(self.event.done)
+        """True once reached. A CUDA error (a faulted kernel) raises KernelError at once: CuPy's
+        `Event.done` is `eventQuery(...) == 0` and would read it as "not yet" until the timeout."""
+        rt = _cupy().cuda.runtime
+        status = int(rt.eventQuery(self.event.ptr))
+        if status == CUDA_SUCCESS:
+            return True
+        if status == CUDA_ERROR_NOT_READY:
+            return False
+        raise KernelError(f"CUDA error while waiting for an event: {rt.CUDARuntimeError(status)} "
+                          f"(status {status}); a kernel or NCCL op on this device faulted and the "
+                          "CUDA context is unusable: rerun with CUDA_LAUNCH_BLOCKING=1 or under "
+                          "compute-sanitizer to find it")
 
     def synchronize(self, timeout: Optional[float] = None) -> None:
         timeout = DEFAULT_TIMEOUT if timeout is None else timeout

@@ -168,6 +168,7 @@ class CudaKernels:
     def __init__(self, cp: Any) -> None:
         self.cp = cp
         self._modules: dict = {}
+        self._functions: dict = {}   # (device, name) -> RawKernel
         self._sm_count: dict = {}
         self._resident: dict = {}
         # NCCL_DDP_SMALL_TABLE_MAX=0 sends every call through the device table (a workaround
@@ -179,6 +180,11 @@ class CudaKernels:
     # -- module -------------------------------------------------------------------------------
 
     def function(self, device_id: int, name: str) -> Any:
+        """The RawKernel `name` on `device_id`, one per (device, name): CuPy's get_function builds
+        a new RawKernel (and calls cuModuleGetFunction) on every call."""
+        fn = self._functions.get((device_id, name))
+        if fn is not None:
+            return fn
         mod = self._modules.get(device_id)
         if mod is None:
             path = kernel_source_dir() / "bucket.cu"
@@ -194,9 +200,11 @@ class CudaKernels:
                                   "that the CUDA runtime/NVRTC match the driver") from e
             self._modules[device_id] = mod
         try:
-            return mod.get_function(name)
+            fn = mod.get_function(name)
         except Exception as e:
             raise KernelError(f"kernel {name} not found in bucket.cu: {e}") from e
+        self._functions[(device_id, name)] = fn
+        return fn
 
     def _launch(self, device_id: int, name: str, grid: int, args: tuple) -> None:
         fn = self.function(device_id, name)

@@ -181,13 +181,16 @@ class NcclProcessGroup(ProcessGroup):
                             lambda c, s: c.reduceScatter(pi, po, out.size, dt, code, s))
 
     def barrier(self, stream=None, *, tag: Optional[str] = None) -> NcclWork:
-        """A 1-element all-reduce: done once every rank's comm stream reached it."""
+        """A 1-element all-reduce; returns once every rank reached it (the host blocks, bounded
+        by the group's timeout: CommTimeout)."""
         if self._scratch is None:
             self._scratch = self._rt.scratch()
         buf = self._scratch
         dt, code, p = self._dtype(buf), nccl_op("sum", self._rt.lib), self._rt.ptr(buf)
-        return self._launch("barrier", tag, stream, None, (buf,),
+        work = self._launch("barrier", tag, stream, None, (buf,),
                             lambda c, s: c.allReduce(p, p, 1, dt, code, s))
+        work.synchronize()
+        return work
 
     def _dtype(self, buf) -> int:
         """NCCL type of `buf`, which must be contiguous (NCCL sees a pointer and a count)."""

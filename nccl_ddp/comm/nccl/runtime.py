@@ -104,7 +104,15 @@ class CupyRuntime:
         self.cupy.cuda.runtime.streamWaitEvent(stream, event.ptr)
 
     def query(self, event: Any) -> bool:
-        return event.done
+        """True once reached; a CUDA error raises CUDARuntimeError naming it (CuPy's `Event.done`
+        would read a faulted kernel as "not done" until the watchdog's timeout)."""
+        rt = self.cupy.cuda.runtime
+        status = int(rt.eventQuery(event.ptr))
+        if status == 0:
+            return True
+        if status == 600:   # cudaErrorNotReady
+            return False
+        raise rt.CUDARuntimeError(status)
 
     def ptr(self, buf: Any) -> int:
         return buf.data.ptr
