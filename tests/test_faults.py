@@ -9,10 +9,10 @@ import time
 
 import numpy as np
 import pytest
+from mp import run_ranks
 
 import nccl_ddp as nd
 from nccl_ddp.errors import ConfigError
-from mp import run_ranks
 
 f32 = np.float32
 
@@ -124,6 +124,7 @@ def _store_serves(port, key="alive"):
 
 def _greeted(port):
     import socket
+
     from nccl_ddp.store.wire import _recv_frame
     s = socket.create_connection(("127.0.0.1", port), timeout=5)
     _recv_frame(s)                   # the server's greeting: it has accepted us
@@ -196,3 +197,129 @@ def test_store_serves_many_idle_connections_from_one_thread(store_server):
     finally:
         for c in clients:
             c.close()
+
+
+# -- the launcher: nothing of a job outlives it, and the right rank is blamed ---------------------
+
+from test_launch import _run, _script, _wait_gone  # noqa: E402
+
+
+def _shm_names():
+    return {n for n in os.listdir("/dev/shm") if n.startswith("nccl_ddp-")}
+
+
+def _start_launcher(tmp_path, script, *args, nproc=2):
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "NCCL_DDP_SECRET")}
+    return subprocess.Popen([sys.executable, "-m", "nccl_ddp.launch", "--nproc-per-node",
+                             str(nproc), "--grace-period", "2", script, str(tmp_path), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _wait_files(proc, files, timeout=30):
+    deadline = time.monotonic() + timeout
+    while not all(f.exists() and f.read_text() for f in files):
+        assert time.monotonic() < deadline and proc.poll() is None, "workers did not start"
+        time.sleep(0.05)
+
+
+# Each worker maps a segment of its own (as shm setup does) and a child process, then waits.
+HOLDS_SHM = """
+    import os, subprocess, sys, time
+    from nccl_ddp.comm.host.shm import Segment
+    seg = Segment.create(4096, "host")
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    rank = os.environ["RANK"]
+    open(os.path.join(sys.argv[1], "pids" + rank), "w").write(f"{os.getpid()} {child.pid}")
+    time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+def test_launcher_killed_leaves_no_worker_and_no_segment(tmp_path, how):
+    # before: SIGTERM left each worker's segment in /dev/shm; SIGKILL also left the workers
+    # running (still alive 40 s later)
+    import signal
+    before = _shm_names()
+    proc = _start_launcher(tmp_path, _script(tmp_path, HOLDS_SHM))
+    try:
+        files = [tmp_path / "pids0", tmp_path / "pids1"]
+        _wait_files(proc, files)
+        pids = [int(p) for f in files for p in f.read_text().split()]
+        assert len(_shm_names() - before) == 2
+        proc.send_signal(getattr(signal, how))
+        _, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+    assert _wait_gone(pids, timeout=10) == [], "workers or their children outlived the launcher"
+    deadline = time.monotonic() + 5
+    while _shm_names() - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _shm_names() - before == set()
+    if how == "SIGKILL":
+        assert "the launcher (pid" in err and "killed their 2 process group(s)" in err, err
+
+
+KILLED_MID_ALL_REDUCE = """
+    import os, signal, sys, time
+    import numpy as np
+    import nccl_ddp as nd
+    nd.init_process_group("host", timeout=30)
+    rank = int(os.environ["RANK"])
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)   # rank 0 always fails on its own, naming rank 1
+    for step in range(1000):
+        if rank == 1 and step == 20:
+            os.kill(os.getpid(), signal.SIGKILL)
+        nd.all_reduce(np.ones(1 << 16, np.float32))
+"""
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_launcher_names_the_killed_rank_not_the_survivor(tmp_path, transport):
+    # before: 6 of 16 runs said rank 0 (which raised CommError naming rank 1) "failed first"
+    r = _run(["--nproc-per-node", "2", "--grace-period", "2",
+              _script(tmp_path, KILLED_MID_ALL_REDUCE)],
+             env={"NCCL_DDP_HOST_TRANSPORT": transport}, timeout=90)
+    assert r.returncode == 128 + 9, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("nccl-ddp-run:")]
+    root = next(ln for ln in lines if "root cause" in ln)
+    assert root.endswith("root cause: rank 1 (local rank 1): killed by signal SIGKILL"), lines
+    then = [ln for ln in lines if "  then rank 0 (local rank 0): exit code 1: " in ln]
+    assert then and "[blames rank 1]" in then[0], lines
+
+
+def test_launcher_splits_an_endless_line(tmp_path):
+    # before: a line without a newline was buffered whole (two 300 MiB lines: 1.46 GiB)
+    script = _script(tmp_path, """
+        import sys
+        sys.stdout.write("x" * (200 << 10))
+        sys.stdout.flush()
+        print("end")
+    """)
+    r = _run(["--nproc-per-node", "1", script])
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert max(len(ln) for ln in lines) <= (64 << 10) + 100
+    assert sum(ln.count("x") for ln in lines) == 200 << 10
+    assert sum("line split at 64 KiB" in ln for ln in lines) == 3, [ln[-60:] for ln in lines]
+    assert lines[-1] == "[rank 0] " + "x" * ((200 << 10) - 3 * (64 << 10)) + "end"
+
+
+def _exit_without_destroy(rank, world):
+    nd.init_process_group("host", timeout=20)
+    nd.all_reduce(np.ones(4, f32))
+    if rank == 1:
+        return None                          # exits without destroy_process_group
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    nd.destroy_process_group()
+    return time.monotonic() - t0
+
+
+def test_destroy_does_not_wait_for_a_rank_that_exited():
+    # before: rank 0 waited for the destroy barrier until its timeout (20 s here, 30 s at most)
+    elapsed = run_ranks(_exit_without_destroy, 2, timeout=60)[0]
+    assert elapsed < 8, elapsed

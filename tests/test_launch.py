@@ -100,7 +100,7 @@ def test_failing_rank_stops_the_others(tmp_path, mode):
     r = _run(["--nproc-per-node", "2", "--grace-period", "1", script, str(tmp_path), "3", mode])
     elapsed = time.monotonic() - t0
     assert r.returncode == 3, r.stderr
-    assert "rank 1 (local rank 1) failed first: exit code 3" in r.stderr
+    assert "root cause: rank 1 (local rank 1): exit code 3" in r.stderr
     assert elapsed < 15
     pids = [int((tmp_path / f).read_text()) for f in ("pid0", "child0")]
     assert _wait_gone(pids) == []
@@ -151,7 +151,7 @@ def test_killed_by_signal_is_reported(tmp_path):
     """)
     r = _run(["--nproc-per-node", "2", script])
     assert r.returncode == 128 + signal.SIGKILL
-    assert "rank 0 (local rank 0) failed first: killed by signal SIGKILL" in r.stderr
+    assert "root cause: rank 0 (local rank 0): killed by signal SIGKILL" in r.stderr
 
 
 def test_two_standalone_jobs_do_not_collide(tmp_path):
@@ -264,3 +264,60 @@ def test_torch_distributed_script_runs_unchanged(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     for r in (0, 1):
         assert f"[rank {r}] ours [3.0, 3.0, 3.0] torch [3.0, 3.0, 3.0]" in res.stdout
+
+
+# -- torchrun's command lines (issue 11) ---------------------------------------------------------
+
+
+def test_torchrun_spellings_are_accepted():
+    # before: exit 2 on --nproc_per_node, --rdzv_id, --rdzv_endpoint, --rdzv-backend, --max-restarts
+    cfg = parse_args(["--nnodes", "1:1", "--nproc_per_node", "2", "--rdzv_id", "job7",
+                      "--rdzv_backend", "c10d", "--rdzv_endpoint", "10.1.2.3:29511",
+                      "--max_restarts", "3", "--node_rank", "0", "--log_dir", "/tmp/x",
+                      "--grace_period", "1.5", "train.py", "--lr", "1"])
+    assert (cfg.nproc_per_node, cfg.nnodes, cfg.node_rank, cfg.max_restarts) == (2, 1, 0, 3)
+    assert (cfg.master_addr, cfg.master_port, cfg.run_id) == ("10.1.2.3", 29511, "job7")
+    assert (cfg.log_dir, cfg.grace_period, cfg.args) == ("/tmp/x", 1.5, ("--lr", "1"))
+    dashed = parse_args(["--nproc-per-node", "gpu", "--rdzv-backend", "static", "--rdzv-endpoint",
+                         "node0", "--max-restarts", "1", "--master_addr", "ignored", "t.py"])
+    assert (dashed.nproc_per_node, dashed.master_addr, dashed.master_port) == ("auto", "node0",
+                                                                               29400)
+    with pytest.raises(ConfigError, match="--rdzv-backend='etcd'"):
+        parse_args(["--rdzv-backend", "etcd", "t.py"])
+    with pytest.raises(SystemExit):
+        parse_args(["--nnodes", "1:4", "t.py"])        # elastic ranges: a clear argparse error
+    with pytest.raises(ConfigError, match="--max-restarts=-1"):
+        parse_args(["--max-restarts", "-1", "t.py"])
+
+
+CRASH_ONCE = """
+    import os, sys
+    import numpy as np
+    import nccl_ddp as nd
+    restart = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    assert restart == os.environ["NCCL_DDP_RESTART_COUNT"]
+    rank = int(os.environ["RANK"])
+    nd.init_process_group("host", timeout=20)
+    x = nd.all_reduce(np.full(2, rank + 1.0, np.float32))
+    if rank == 1 and restart == "0":
+        sys.exit(5)                      # the first attempt crashes after using the store
+    print(f"attempt {restart} sum {x[0]}")
+    nd.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("restarts", [0, 1])
+def test_max_restarts_restarts_every_worker_after_a_failure(tmp_path, restarts):
+    script = _script(tmp_path, CRASH_ONCE)
+    r = _run(["--nproc_per_node", "2", "--max-restarts", str(restarts), "--grace-period", "2",
+              script], timeout=120)
+    if restarts == 0:
+        assert r.returncode == 5, r.stderr
+        assert "restart 1 of" not in r.stderr, r.stderr
+        return
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "restart 1 of 1: rank 1 (local rank 1): exit code 5; restarting all 2 worker(s)" \
+        in r.stderr, r.stderr
+    for rank in (0, 1):
+        assert f"[rank {rank}] attempt 1 sum 3.0" in r.stdout, r.stdout
+    assert "[rank 1] attempt 0" not in r.stdout

@@ -11,24 +11,32 @@ import itertools
 import json
 import logging
 import numbers
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 
 from nccl_ddp import dlpack
-from nccl_ddp.device import Device, HostDevice, get_device
-from nccl_ddp.validate import check_bool
-from nccl_ddp.env import DistEnv, resolve_env
-from nccl_ddp.errors import (CommTimeout, ConfigError, ConfigTypeError, NcclDdpError,
-                             RankMismatchError, StoreTimeout)
 from nccl_ddp.comm.group import NonMemberGroup, ProcessGroup, ReduceOp, Work
+from nccl_ddp.device import Device, HostDevice, get_device
+from nccl_ddp.env import DistEnv, install_failure_hook, resolve_env
+from nccl_ddp.errors import (
+    CommTimeout,
+    ConfigError,
+    ConfigTypeError,
+    NcclDdpError,
+    RankMismatchError,
+    StoreTimeout,
+)
+from nccl_ddp.validate import check_bool
 
 log = logging.getLogger(__name__)
 
 BACKENDS = ("host", "nccl")
 _DEVICE_KIND = {"host": "host", "nccl": "cuda"}
 _inits = itertools.count(1)    # init_process_group calls so far: fresh store keys for each
+DESTROY_POLL = 0.5             # seconds between checks for exited peers in destroy_process_group
 MAX_TIMEOUT = 30 * 86400.0     # seconds; beyond it waits overflow (threading.TIMEOUT_MAX ~ 9.2e9)
 
 
@@ -88,6 +96,7 @@ def init_process_group(backend: Optional[str] = None, *, timeout: float = 300.0,
                         f"TCPStore) or None (connect to MASTER_ADDR:MASTER_PORT), got "
                         f"{type(store).__name__}")
     env = resolve_env(rank=rank, world_size=world_size)
+    install_failure_hook()
     name = _pick_backend(backend)
     owns = store is None
     if owns:
@@ -118,25 +127,44 @@ def _check_timeout(timeout: Any, where: str) -> None:
 def destroy_process_group() -> None:
     """Shut the world group down and close the store (rank 0 last). No-op if not initialized.
 
-    After a failed collective of the world group (a peer died) it does not wait for the other
-    ranks: they may be gone, and with them the store if rank 0 died."""
+    When rank 0 hosts the store, the ranks first wait for each other (so that nobody loses the
+    store early), but never for a rank that is gone: not after a failed collective (a peer died),
+    and not once the group sees a member's connection closed (it exited without destroying)."""
     global _world
     w, _world = _world, None
     if w is None:
         return
-    w.group.shutdown()
-    if not w.owns_store:
-        return
+    try:
+        if w.owns_store and w.env.world_size > 1 and not w.env.store_hosted_externally:
+            _wait_for_peers(w)
+    finally:
+        w.group.shutdown()
+        if w.owns_store:
+            w.store.close()
+
+
+def _wait_for_peers(w: _World) -> None:
+    """The destroy barrier, in slices: between them, stop waiting if the group lost a peer."""
     if w.group.failed:
         log.warning("rank %d: destroy_process_group after a failed collective on the world "
                     "group: closing without waiting for the other ranks", w.env.rank)
-    elif w.env.world_size > 1:   # rank 0 hosts the store: nobody may still need it when it closes
+        return
+    deadline = time.monotonic() + min(w.group.timeout, 30.0)
+    while True:
         try:
-            w.store.barrier("nccl_ddp/destroy", w.env.world_size, min(w.group.timeout, 30.0))
+            w.store.barrier("nccl_ddp/destroy", w.env.world_size, DESTROY_POLL)
+            return
+        except StoreTimeout as e:
+            lost = w.group.lost_peers()
+            if lost or time.monotonic() > deadline:
+                log.warning("rank %d: destroy_process_group: not every rank arrived (%s); "
+                            "closing without them", w.env.rank,
+                            f"ranks {lost} exited" if lost else e)
+                return
         except NcclDdpError as e:
             log.warning("rank %d: destroy_process_group: not every rank arrived (%s)",
                         w.env.rank, e)
-    w.store.close()
+            return
 
 
 def is_initialized() -> bool:
@@ -295,7 +323,7 @@ def _run(work: Work, finish: Callable[[], Any], async_op: bool) -> Any:
     return w.result()
 
 
-def all_reduce(x: Any, op: "ReduceOp | str" = "sum", group: Optional[ProcessGroup] = None,
+def all_reduce(x: Any, op: ReduceOp | str = "sum", group: Optional[ProcessGroup] = None,
                async_op: bool = False) -> Any:
     """Reduce `x` over the group (in place where possible); returns `x` or the new array.
 
@@ -355,7 +383,7 @@ def all_gather(out: Any, x: Any, group: Optional[ProcessGroup] = None,
                 async_op)
 
 
-def reduce_scatter(out: Any, inputs: Any, op: "ReduceOp | str" = "sum",
+def reduce_scatter(out: Any, inputs: Any, op: ReduceOp | str = "sum",
                    group: Optional[ProcessGroup] = None, async_op: bool = False) -> Any:
     """`inputs` (a list of group-size arrays, or one array of group size x `out.size`) is reduced
     over the group; member i receives part i in `out`. Returns `out` (or a new array)."""

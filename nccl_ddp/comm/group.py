@@ -98,6 +98,11 @@ class ProcessGroup(abc.ABC):
     def shutdown(self) -> None:
         """Release sockets / communicators / threads. Idempotent."""
 
+    def lost_peers(self) -> list:
+        """Global ranks of members whose connection is gone (they exited), as far as this group
+        can tell without communicating; [] when it cannot tell."""
+        return []
+
     @property
     def failed(self) -> bool:
         """True once a collective of this group failed or the group was aborted: it is unusable

@@ -21,11 +21,21 @@ import threading
 import time
 from typing import Iterable, Optional, Sequence
 
-from nccl_ddp.store.server import StoreServer
-from nccl_ddp.store.wire import (HANDSHAKE_TIMEOUT, MAGIC, MAX_FRAME, Value, _as_bytes, _encode,
-                          _Malformed, _ms, _proof, _recv_frame)
 from nccl_ddp.env import DistEnv
 from nccl_ddp.errors import AuthError, StoreError, StoreTimeout
+from nccl_ddp.store.server import StoreServer
+from nccl_ddp.store.wire import (
+    HANDSHAKE_TIMEOUT,
+    MAGIC,
+    MAX_FRAME,
+    Value,
+    _as_bytes,
+    _encode,
+    _Malformed,
+    _ms,
+    _proof,
+    _recv_frame,
+)
 
 __all__ = ["StoreServer", "TCPStore", "PrefixStore", "connect_store", "MAX_FRAME"]
 
@@ -110,7 +120,7 @@ class TCPStore:
                 self._sock.settimeout(limit)
                 self._sock.sendall(frame)
                 reply = _recv_frame(self._sock)
-            except socket.timeout as e:
+            except TimeoutError as e:
                 self._drop()
                 raise StoreTimeout(f"{self._who}: no reply from the store at {self.host}:"
                                    f"{self.port} within {limit:g}s; is rank 0 alive?") from e
@@ -182,7 +192,7 @@ class TCPStore:
             self._server.close()
             self._server = None
 
-    def __enter__(self) -> "TCPStore":
+    def __enter__(self) -> TCPStore:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -194,7 +204,7 @@ class PrefixStore:
 
     `close()` does nothing: the underlying store belongs to whoever created it."""
 
-    def __init__(self, store: "TCPStore | PrefixStore", prefix: str):
+    def __init__(self, store: TCPStore | PrefixStore, prefix: str):
         self.store, self.prefix = store, prefix
 
     def _k(self, key: str) -> str:

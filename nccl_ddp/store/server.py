@@ -25,8 +25,8 @@ import time
 from collections import OrderedDict
 from typing import Callable, Optional
 
-from nccl_ddp.store.wire import MAGIC, MAX_FRAME, _decode, _encode, _Malformed, _proof
 from nccl_ddp.errors import StoreError
+from nccl_ddp.store.wire import MAGIC, MAX_FRAME, _decode, _encode, _Malformed, _proof
 
 log = logging.getLogger("nccl_ddp.store")
 
@@ -43,16 +43,13 @@ class _Conn:
 
     def __init__(self, sock: socket.socket, who: str, nonce: bytes, deadline: float) -> None:
         self.sock, self.who, self.nonce = sock, who, nonce
-        self.deadline: Optional[float] = deadline       # handshake deadline, None once in
+        self.deadline = deadline          # to finish the handshake by
+        self.authenticated = False
         self.inbuf = bytearray()
         self.outbuf = bytearray()
-        self.parked: Optional["_Parked"] = None
+        self.parked: Optional[_Parked] = None
         self.closing = False          # close once outbuf is flushed
         self.writing = False          # registered for EVENT_WRITE (outbuf did not fit)
-
-    @property
-    def authenticated(self) -> bool:
-        return self.deadline is None
 
 
 class _Parked:
@@ -78,7 +75,7 @@ class StoreServer:
         self._data: dict[str, bytes] = {}
         self._barriers: dict[str, list[int]] = {}    # name -> [arrived, generation, world size]
         self._conns: dict[socket.socket, _Conn] = {}
-        self._pending: "OrderedDict[socket.socket, _Conn]" = OrderedDict()  # unauthenticated
+        self._pending: OrderedDict[socket.socket, _Conn] = OrderedDict()  # unauthenticated
         self._closed = False
         self._accept_paused_until: Optional[float] = None
         self._resource_logged = False
@@ -127,7 +124,7 @@ class StoreServer:
         for s in (self._sock, self._wake_r, self._wake_w):
             s.close()
 
-    def __enter__(self) -> "StoreServer":
+    def __enter__(self) -> StoreServer:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -165,7 +162,8 @@ class StoreServer:
         if self._pending:
             t = min(t, next(iter(self._pending.values())).deadline - now)
         for c in self._parked.values():
-            t = min(t, c.parked.deadline - now)
+            if c.parked is not None:
+                t = min(t, c.parked.deadline - now)
         return max(0.0, t)
 
     def _drain_wake(self) -> None:
@@ -226,7 +224,7 @@ class StoreServer:
                         HANDSHAKE_DEADLINE)
             self._drop(c)
         for c in list(self._parked.values()):
-            if c.sock in self._parked and c.parked.deadline <= now:
+            if c.sock in self._parked and c.parked is not None and c.parked.deadline <= now:
                 p = self._unpark(c)
                 self._send(c, p.reply() if p.ready() else p.expire())
                 self._process(c)
@@ -236,13 +234,15 @@ class StoreServer:
         while self._dirty:
             self._dirty = False
             for c in list(self._parked.values()):
-                if c.sock in self._parked and c.parked.ready():
+                if c.sock in self._parked and c.parked is not None and c.parked.ready():
                     self._send(c, self._unpark(c).reply())
                     self._process(c)
 
     def _unpark(self, c: _Conn) -> _Parked:
         p, c.parked = c.parked, None
         del self._parked[c.sock]
+        if p is None:
+            raise RuntimeError("store: unparked a connection without a parked request")
         return p
 
     # -- reading and writing -------------------------------------------------------------------
@@ -349,7 +349,7 @@ class StoreServer:
             self._pending.pop(c.sock, None)
             self._send(c, [b"auth", b"wrong or missing job secret"])
             return
-        c.deadline = None
+        c.authenticated = True
         self._pending.pop(c.sock, None)
         self._send(c, [b"ok", _proof(self._secret, b"s", c.nonce, client_nonce)])
 

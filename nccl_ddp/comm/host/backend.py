@@ -325,6 +325,9 @@ class HostProcessGroup(ProcessGroup):
     def failed(self) -> bool:
         return self._error is not None
 
+    def lost_peers(self) -> list:
+        return sorted(link.peer for link in self._links if link.closed_by_peer())
+
     def shutdown(self) -> None:
         if self._closed:
             return

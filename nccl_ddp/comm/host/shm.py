@@ -43,7 +43,10 @@ class Segment:
 
     @classmethod
     def create(cls, nbytes: int, tag: str) -> "Segment":
-        return cls(f"nccl_ddp-{tag}-{os.getpid()}-{secrets.token_hex(4)}", nbytes, create=True)
+        """A new segment named `nccl_ddp-<job>-<pid>-<random>`: $NCCL_DDP_JOB_ID (set by
+        nccl-ddp-run, which removes `nccl_ddp-<job>-*` when it exits) or `tag`."""
+        job = os.environ.get("NCCL_DDP_JOB_ID") or tag
+        return cls(f"nccl_ddp-{job}-{os.getpid()}-{secrets.token_hex(4)}", nbytes, create=True)
 
     def unlink(self) -> None:
         """Remove the name (mappings stay valid). Idempotent."""

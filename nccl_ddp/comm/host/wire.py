@@ -114,6 +114,15 @@ class PeerLink:
                 f"{want.describe()}; every rank must call the same collectives, in the same order, "
                 f"with the same sizes and dtypes")
 
+    def closed_by_peer(self) -> bool:
+        """True if the peer closed its end (it exited or shut the group down); never blocks."""
+        try:
+            return self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True
+
     def abort(self, reason: str) -> None:
         """Tell the peer why this rank gives up, then end our direction of the stream: the peer's
         next read fails with the reason instead of waiting for its timeout."""

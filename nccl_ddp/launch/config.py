@@ -1,0 +1,97 @@
+"""What one `nccl-ddp-run` invocation runs: the validated `LaunchConfig` and the worker count."""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from nccl_ddp.env import LOOPBACK
+from nccl_ddp.errors import ConfigError
+
+log = logging.getLogger("nccl_ddp.launch")
+
+HOST_FALLBACK_NPROC = 2     # `auto` without a GPU: enough ranks to exercise the collectives
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Everything `launch` needs; validated once here, never changed afterwards."""
+
+    entrypoint: str                        # script path, or module name with module=True
+    args: Sequence[str] = ()               # passed to the entrypoint unchanged
+    module: bool = False                   # run `python -m entrypoint`
+    nproc_per_node: int | str = "auto"   # an int, or "auto": one per GPU (2 without a GPU)
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = LOOPBACK            # node 0's address; its launcher hosts the store there
+    master_port: int = 0                   # MASTER_PORT for the script; 0: a free one (single node)
+    store_port: int = 0                    # our store on node 0; 0: free (one node), else master+1
+    standalone: bool = False               # single node, loopback, free port
+    log_dir: Optional[str] = None          # also write rank_<R>.log files here
+    grace_period: float = 5.0              # seconds between SIGTERM and SIGKILL when stopping
+    max_restarts: int = 0                  # restart every worker after a failure, this many times
+    run_id: Optional[str] = None           # names the job (--rdzv-id); None: random
+    secret: Optional[str] = field(default=None, repr=False)   # None: generated (single node)
+
+    def __post_init__(self):
+        if not self.entrypoint:
+            raise ConfigError("nccl-ddp-run: no script given; usage: nccl-ddp-run [options] "
+                              "script.py args...")
+        if self.nproc_per_node != "auto" and (not isinstance(self.nproc_per_node, int)
+                                              or self.nproc_per_node < 1):
+            raise ConfigError(f"--nproc-per-node={self.nproc_per_node!r}: use a positive integer "
+                              f"or 'auto' (or set NCCL_DDP_NPROC_PER_NODE)")
+        if self.nnodes < 1:
+            raise ConfigError(f"--nnodes={self.nnodes}: use a positive integer (1 for one node)")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"--node-rank={self.node_rank} with --nnodes={self.nnodes}: the node "
+                              f"rank must be in [0, nnodes)")
+        if not 0 <= self.master_port <= 65535:
+            raise ConfigError(f"--master-port={self.master_port} is not a port (0..65535)")
+        if not 0 <= self.store_port <= 65535:
+            raise ConfigError(f"--store-port={self.store_port} is not a port (0..65535)")
+        if self.grace_period < 0:
+            raise ConfigError(f"--grace-period={self.grace_period} must be >= 0")
+        if self.max_restarts < 0:
+            raise ConfigError(f"--max-restarts={self.max_restarts} must be >= 0 (0: no restart)")
+        if self.nnodes > 1:
+            if self.standalone:
+                raise ConfigError("--standalone runs a single node; drop it or --nnodes")
+            if self.master_port == 0:
+                raise ConfigError("a multi-node job needs --master-port (or MASTER_PORT), the same "
+                                  "free port on every node")
+            if self.master_addr in (LOOPBACK, "localhost"):
+                raise ConfigError("a multi-node job needs --master-addr (or MASTER_ADDR): the "
+                                  "address of node 0, the same on every node")
+            if not self.secret:
+                raise ConfigError("a multi-node job needs NCCL_DDP_SECRET set to the same value on "
+                                  "every node (e.g. from `python -c 'import secrets; "
+                                  "print(secrets.token_hex(32))'`)")
+
+
+def local_device_count() -> int:
+    """GPUs visible to this process: CUDA_VISIBLE_DEVICES if set, else NVML's count (0 if none)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        try:
+            return int(pynvml.nvmlDeviceGetCount())
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception as e:       # no pynvml, no driver: no GPU as far as we can tell
+        log.debug("NVML unavailable (%s)", e)
+        return 0
+
+
+def resolve_nproc(nproc_per_node: int | str) -> int:
+    if nproc_per_node != "auto":
+        return int(nproc_per_node)
+    gpus = local_device_count()
+    if gpus == 0:
+        log.info("no GPU found (nvidia-ml-py / driver); starting %d host processes",
+                 HOST_FALLBACK_NPROC)
+    return gpus or HOST_FALLBACK_NPROC

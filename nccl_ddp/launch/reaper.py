@@ -1,0 +1,106 @@
+"""A watchdog process that cleans up after a launcher that died (SIGKILL, OOM killer).
+
+The launcher starts it with a pipe on its stdin and writes one line per event: `pgid N` for each
+worker process group it starts, `shm PREFIX` for its /dev/shm names, `done` when it exits
+normally. End of input without `done` means the launcher is gone: the reaper kills every worker
+group (the workers and their children), removes the job's /dev/shm segments and says so on
+stderr (the launcher's terminal: the workers' own output died with the launcher's pumps).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from typing import IO, Optional
+
+SHM_DIR = "/dev/shm"
+
+
+def remove_segments(prefix: str, shm_dir: str = SHM_DIR) -> list:
+    """Unlink every /dev/shm entry whose name starts with `prefix`; returns the names removed."""
+    removed: list = []
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return removed
+    for name in names:
+        if name.startswith(prefix):
+            try:
+                os.unlink(os.path.join(shm_dir, name))
+                removed.append(name)
+            except OSError:
+                pass
+    return removed
+
+
+class Reaper:
+    """The launcher's side: start the watchdog and tell it what to clean."""
+
+    def __init__(self, launcher_pid: int) -> None:
+        self._proc: Optional[subprocess.Popen] = subprocess.Popen(
+            [sys.executable, "-c", "from nccl_ddp.launch.reaper import main; main()",
+             str(launcher_pid)],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+            start_new_session=True)   # Ctrl-C at the terminal goes to the launcher only
+
+    def _say(self, line: str) -> None:
+        stdin = self._proc.stdin if self._proc is not None else None
+        if stdin is None:
+            return
+        try:
+            stdin.write(f"{line}\n".encode())
+            stdin.flush()
+        except OSError:
+            pass
+
+    def watch_group(self, pgid: int) -> None:
+        self._say(f"pgid {pgid}")
+
+    def watch_shm(self, prefix: str) -> None:
+        self._say(f"shm {prefix}")
+
+    def close(self) -> None:
+        """The launcher cleaned up itself: the reaper exits without touching anything."""
+        if self._proc is None:
+            return
+        self._say("done")
+        try:
+            if self._proc.stdin is not None:
+                self._proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self._proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait(5)
+        self._proc = None
+
+
+def watch(stream: IO[bytes], launcher_pid: int) -> int:
+    groups, prefixes = [], []
+    for raw in iter(stream.readline, b""):
+        word, _, arg = raw.decode(errors="replace").strip().partition(" ")
+        if word == "done":
+            return 0
+        if word == "pgid":
+            groups.append(int(arg))
+        elif word == "shm":
+            prefixes.append(arg)
+    for pgid in groups:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    removed = [n for p in prefixes for n in remove_segments(p)]
+    sys.stderr.write(f"nccl-ddp-run: the launcher (pid {launcher_pid}) died without stopping its "
+                     f"workers; killed their {len(groups)} process group(s) and removed "
+                     f"{len(removed)} /dev/shm segment(s)\n")
+    return 1
+
+
+def main() -> None:
+    """The watchdog process: `python -c "...; main()" LAUNCHER_PID`, the pipe on stdin."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.exit(watch(sys.stdin.buffer, int(sys.argv[1])))

@@ -1,0 +1,260 @@
+"""The launcher's workers: start them, pump their output, stop them all on the first failure, and
+say which rank failed first for a reason of its own (the root cause) and which failed because of it.
+"""
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import IO, Optional
+
+log = logging.getLogger("nccl_ddp.launch")
+
+POLL_INTERVAL = 0.05
+LINE_CAP = 64 << 10          # bytes of one output line; longer ones are split with a marker
+SPLIT_MARKER = b" [nccl-ddp-run: line split at 64 KiB]\n"
+
+
+class WorkerState(str, enum.Enum):
+    """Life of one worker process as the launcher sees it.
+
+        INIT --start--> RUNNING --exit 0-----------------> SUCCEEDED
+                           |----exit != 0 or signal----> FAILED
+                           '--stop--> STOPPING --exit--> STOPPED
+
+    STOPPED means the launcher stopped it (another rank failed or the launcher got a signal);
+    its exit code does not count as a failure.
+    """
+
+    INIT = "INIT"
+    RUNNING = "RUNNING"
+    STOPPING = "STOPPING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    STOPPED = "STOPPED"
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+class Worker:
+    """One worker process in its own process group, with its output pumped through a prefix."""
+
+    def __init__(self, rank: int, local_rank: int, error_file: Optional[str] = None):
+        self.rank, self.local_rank = rank, local_rank
+        self.error_file = error_file      # where the worker records why it failed
+        self.state = WorkerState.INIT
+        self.returncode: Optional[int] = None
+        self.exit_time: Optional[float] = None
+        self.proc: Optional[subprocess.Popen] = None
+        self._pumps: list[threading.Thread] = []
+
+    def start(self, cmd: list[str], env: dict, log_file: Optional[IO[bytes]],
+              out_lock: threading.Lock) -> None:
+        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     start_new_session=True)   # own group: grandchildren too
+        prefix = f"[rank {self.rank}] ".encode()
+        for pipe, sink in ((self.proc.stdout, sys.stdout), (self.proc.stderr, sys.stderr)):
+            t = threading.Thread(target=_pump, args=(pipe, sink, prefix, log_file, out_lock),
+                                 daemon=True, name=f"nccl-ddp-run-pump-{self.rank}")
+            t.start()
+            self._pumps.append(t)
+        self.state = WorkerState.RUNNING
+
+    def poll(self) -> bool:
+        """Update the state from the process; True if the worker just finished."""
+        if self.state not in (WorkerState.RUNNING, WorkerState.STOPPING):
+            return False
+        code = self.proc.poll()
+        if code is None:
+            return False
+        self.returncode, self.exit_time = code, time.time()
+        if self.state is WorkerState.STOPPING:
+            self.state = WorkerState.STOPPED
+        else:
+            self.state = WorkerState.SUCCEEDED if code == 0 else WorkerState.FAILED
+        return True
+
+    def signal(self, sig: int, stopping: bool = True) -> None:
+        """Send `sig` to the worker's whole process group."""
+        if self.state is WorkerState.RUNNING and stopping:
+            self.state = WorkerState.STOPPING
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass                   # the group is already gone
+
+    def finish(self, timeout: float = 2.0) -> None:
+        for t in self._pumps:
+            t.join(timeout)
+
+    def record(self) -> Optional[dict]:
+        """The failure record the worker wrote (nccl_ddp.env.record_failure), if any."""
+        if not self.error_file:
+            return None
+        try:
+            with open(self.error_file) as f:
+                rec = json.load(f)
+        except (OSError, ValueError):
+            return None
+        return rec if isinstance(rec, dict) else None
+
+    def describe(self) -> str:
+        text = f"rank {self.rank} (local rank {self.local_rank}): {describe_exit(self.returncode)}"
+        rec = self.record()
+        if rec:
+            text += f": {rec.get('type', 'error')}: {str(rec.get('message', ''))[:500]}"
+            if rec.get("blames") is not None:
+                text += f" [blames rank {rec['blames']}]"
+        return text
+
+
+def _pump(pipe: IO[bytes], sink: IO, prefix: bytes, log_file: Optional[IO[bytes]],
+          lock: threading.Lock) -> None:
+    out = getattr(sink, "buffer", None)
+    sink_ok = True
+    for line in iter(lambda: pipe.readline(LINE_CAP), b""):
+        if not line.endswith(b"\n"):      # a line over the cap (or the last one, unterminated)
+            line += SPLIT_MARKER if len(line) == LINE_CAP else b"\n"
+        with lock:
+            if sink_ok:
+                try:
+                    if out is not None:
+                        out.write(prefix + line)
+                    else:
+                        sink.write((prefix + line).decode(errors="replace"))
+                    sink.flush()
+                except (OSError, ValueError):   # our stdout went away: keep draining the worker
+                    sink_ok = False
+            if log_file is not None:
+                log_file.write(line)
+                log_file.flush()
+    pipe.close()
+
+
+class Signals:
+    """Records SIGINT/SIGTERM for the monitor loop while installed (main thread only)."""
+
+    def __init__(self):
+        self.received: Optional[int] = None      # the first signal
+        self.count = 0                           # a second one skips the grace period
+        self._old: dict[int, object] = {}
+
+    def __enter__(self) -> Signals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def _on_signal(self, signum, frame) -> None:
+        self.count += 1
+        if self.received is None:
+            self.received = signum
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+
+
+@dataclass
+class Outcome:
+    """How one attempt ended: exit code for the launcher, root cause first among the failures."""
+
+    code: int
+    failures: list = field(default_factory=list)    # FAILED workers, root cause first
+    signal: Optional[int] = None                    # the signal the launcher got, if any
+
+    @property
+    def root(self) -> Optional[Worker]:
+        """The worker that failed by itself first (None: the job was stopped by a signal)."""
+        first = self.failures[0] if self.failures else None
+        return first if first is not None and first.state is WorkerState.FAILED else None
+
+
+def order_failures(failed: list) -> list:
+    """Root cause first: a rank that no failure record blames on another rank (killed, or failed
+    for its own reason), preferring ranks others blame, earliest first; then the ranks that
+    failed because of it."""
+    records = {w.rank: w.record() for w in failed}
+    blamed = {r.get("blames") for r in records.values() if r}
+
+    def key(w: Worker) -> tuple:
+        rec = records[w.rank]
+        caused = bool(rec) and rec.get("blames") not in (None, w.rank)
+        when = rec.get("time", w.exit_time) if rec else w.exit_time
+        return caused, w.rank not in blamed, when or 0.0, w.rank
+
+    return sorted(failed, key=key)
+
+
+def supervise(workers: list, signals: Signals, grace: float) -> Outcome:
+    """Wait for the workers; stop them all on the first failure or signal.
+
+    Stopping: SIGTERM (or the signal the launcher got) to every worker's process group, SIGKILL
+    after `grace` seconds or at once when a second signal arrives."""
+    first: Optional[Worker] = None
+    stop_deadline: Optional[float] = None
+    killed = False
+    while True:
+        for w in workers:
+            if w.poll() and w.state is WorkerState.FAILED and first is None:
+                first = w
+        if stop_deadline is None and (first is not None or signals.received is not None):
+            if first is not None:
+                log.error("rank %d (local rank %d) exited (%s); stopping the other workers",
+                          first.rank, first.local_rank, describe_exit(first.returncode))
+                sig = signal.SIGTERM
+            else:
+                sig = signals.received
+                log.warning("received %s; forwarding it to the workers",
+                            signal.Signals(sig).name)
+            for w in workers:
+                w.signal(sig)
+            stop_deadline = time.monotonic() + grace
+        if all(w.state not in (WorkerState.RUNNING, WorkerState.STOPPING) for w in workers):
+            break
+        if (stop_deadline is not None and not killed
+                and (time.monotonic() > stop_deadline or signals.count > 1)):
+            for w in workers:
+                if w.state is WorkerState.STOPPING:
+                    w.signal(signal.SIGKILL)
+            killed = True
+        time.sleep(POLL_INTERVAL)
+    if stop_deadline is not None:
+        for w in workers:                      # grandchildren left in a stopped worker's group
+            w.signal(signal.SIGKILL, stopping=False)
+    # a stopped worker that recorded a failure of its own failed too (before the stop reached it);
+    # the root cause is a worker that failed by itself, since its failure started the stop
+    ordered = order_failures([w for w in workers if w.state is WorkerState.FAILED
+                              or (w.state is WorkerState.STOPPED and w.record())])
+    root = next((w for w in ordered if w.state is WorkerState.FAILED), None)
+    failures = ([root] if root else []) + [w for w in ordered if w is not root]
+    if root is not None:
+        code = root.returncode
+        return Outcome(code if code > 0 else 128 - code, failures, signals.received)
+    if signals.received is not None:
+        return Outcome(128 + signals.received, failures, signals.received)
+    return Outcome(0)
+
+
+def report(outcome: Outcome) -> None:
+    """Log the root cause first, then the ranks that failed because of it."""
+    root = outcome.root
+    if root is not None:
+        log.error("job failed; root cause: %s", root.describe())
+    for w in outcome.failures[1 if root else 0:]:
+        log.error("  then %s", w.describe())
