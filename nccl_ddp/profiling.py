@@ -343,6 +343,8 @@ class Timeline:
             return point
         if isinstance(point, _Stamp):
             return point.t
+        if self._clock is None:
+            return None
         return self._clock.host_time(point)
 
     def end_step(self) -> Optional[StepSummary]:

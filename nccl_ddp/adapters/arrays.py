@@ -57,7 +57,7 @@ class ArrayModule(GradModule):
         if forward is not None and not callable(forward):
             raise ConfigTypeError(f"ArrayModule forward must be callable, got {type(forward).__name__}")
         self._forward = forward
-        self.grads = type(self.params)() if isinstance(self.params, dict) else []
+        self.grads: Any = type(self.params)() if isinstance(self.params, dict) else []
         for k in self.keys:
             p = self.params[k]
             z = _xp(p).zeros(p.shape, dtype=p.dtype)

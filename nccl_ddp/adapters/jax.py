@@ -62,7 +62,7 @@ def to_native(x: Any) -> Any:
     import jax
     if not isinstance(x, jax.Array):
         raise ConfigTypeError(f"expected a jax.Array leaf, got {type(x).__module__}.{type(x).__name__}")
-    kind = int(x.__dlpack_device__()[0])
+    kind = int(x.__dlpack_device__()[0])   # type: ignore[attr-defined]
     if kind not in (KDL_CPU, KDL_CUDA):
         raise ConfigTypeError(f"JAX arrays on {x.devices()} are not supported (CPU or CUDA only)")
     if _is_bf16(x):

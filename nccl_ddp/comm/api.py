@@ -13,13 +13,13 @@ import logging
 import numbers
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union, cast
 
 import numpy as np
 
 from nccl_ddp import dlpack
 from nccl_ddp.comm.group import NonMemberGroup, ProcessGroup, ReduceOp, Work
-from nccl_ddp.device import Device, HostDevice, get_device
+from nccl_ddp.device import CudaDevice, Device, HostDevice, get_device
 from nccl_ddp.env import DistEnv, install_failure_hook, resolve_env
 from nccl_ddp.errors import (
     CommTimeout,
@@ -74,7 +74,7 @@ def _create_group(backend: str, store, env: DistEnv, timeout: float) -> ProcessG
     if backend == "nccl":
         from nccl_ddp.comm.nccl.backend import NcclProcessGroup
         # the GPU DDP's device picks too: the local rank, or 0 when each process sees one GPU
-        device_id = get_device("cuda", env.local_rank).device_id
+        device_id = cast(CudaDevice, get_device("cuda", env.local_rank)).device_id
         return NcclProcessGroup.create(store, env.rank, env.world_size, ranks, timeout, "world",
                                        device_id=device_id)
     from nccl_ddp.comm.host.backend import HostProcessGroup
@@ -119,7 +119,7 @@ def _check_timeout(timeout: Any, where: str) -> None:
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
         raise ConfigTypeError(f"{where}: timeout must be a number of seconds, got "
                         f"{type(timeout).__name__} {timeout!r}")
-    if not 0 < timeout <= MAX_TIMEOUT:
+    if not 0 < float(timeout) <= MAX_TIMEOUT:
         raise ConfigError(f"{where}: timeout must be a finite number of seconds > 0 and at most "
                           f"{MAX_TIMEOUT:.0f} (30 days; every wait is bounded), got {timeout}")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any, Callable, List, Sequence
 
 from nccl_ddp.ddp.buckets import BucketLayout
+from nccl_ddp.errors import ReducerError
 
 
 class BucketBuffers:
@@ -19,7 +20,10 @@ class BucketBuffers:
 
     def view(self, param: int, shape: Sequence[int]) -> Any:
         """The slice of the bucket that holds `param`, shaped like the parameter (no copy)."""
-        b, slot = self.layout.locate(param)
+        where = self.layout.locate(param)
+        if where is None:
+            raise ReducerError(f"parameter {param} is in no bucket (excluded by static_graph)")
+        b, slot = where
         bucket = self.layout.buckets[b]
         start = bucket.offsets[slot]
         return self.buffers[b][start:start + bucket.numels[slot]].reshape(tuple(shape))

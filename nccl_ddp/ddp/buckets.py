@@ -69,6 +69,7 @@ class BucketLayout:
 
     buckets: tuple
     num_params: int
+    _where: dict = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         where = {}
@@ -116,7 +117,9 @@ def assign_buckets(specs: Sequence[ParamSpec], cap_bytes: int = DEFAULT_CAP_BYTE
     visit = [i for i in dict.fromkeys(order) if i not in excluded]
     seen = set(visit)
     visit += [i for i in range(n - 1, -1, -1) if i not in excluded and i not in seen]
-    open_, caps_used, closed = {}, {}, []
+    open_: dict = {}
+    caps_used: dict = {}
+    closed: list = []
 
     def close(group):
         closed.append(open_.pop(group))

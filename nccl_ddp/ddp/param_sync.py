@@ -52,7 +52,7 @@ def _first_mismatch(described: list, owner: str) -> str:
             if a is not None and b is not None and a == b:
                 continue
             names = a is not None and b is not None and a[2] != b[2]
-            name = (a or b)[2]
+            name = (a or b or (None, None, None))[2]
             label = f"parameter {i}" + (f" ({name!r})" if name and not names else "")
             return (f"the wrapped parameters differ across ranks: {label}: "
                     f"rank 0 has {_describe(a, len(base), names)}, "

@@ -129,7 +129,7 @@ def pack_ref(srcs: Sequence[np.ndarray], dst: np.ndarray, offsets: Sequence[int]
             flat[o:o + n] = y
             if nonfinite_flag is not None and not bad:
                 bad = not bool(np.isfinite(y.astype(acc)).all())
-    if bad:
+    if bad and nonfinite_flag is not None:
         nonfinite_flag.reshape(-1)[0] = 1
 
 

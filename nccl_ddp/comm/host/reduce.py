@@ -6,7 +6,7 @@ sum by the number of ranks; on integer dtypes it truncates toward zero, like NCC
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -55,7 +55,7 @@ class Reduction:
         if self.dtype == np.bool_:
             if op not in _BOOL_UFUNC:
                 raise ConfigError(f"{where}: op {op.value} is not defined for bool; use max or min")
-            self.ufunc = _BOOL_UFUNC[op]
+            self.ufunc: Any = _BOOL_UFUNC[op]
         else:
             self.ufunc = _UFUNC[op]
         self.half = self.dtype.name in _HALF and op in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PROD)
