@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 from typing import Callable, Dict
 
@@ -27,8 +26,8 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
-from benchlib import (Progress, format_table, plot_panels, slowest,  # noqa: E402
-                      synchronize, timed_steps, write_csv)
+from benchlib import (Progress, format_table, plot_panels, run_ranks,  # noqa: E402
+                      slowest, synchronize, timed_steps, write_csv)
 
 import bench_ddp_params  # noqa: E402
 import train_mlp as mlp  # noqa: E402
@@ -187,12 +186,8 @@ def main(argv=None) -> int:
         bench_ddp_params.worker(args)
         return 0
     if "RANK" not in os.environ:     # not under a launcher: start the ranks through nccl-ddp-run
-        cmd = [sys.executable, "-m", "nccl_ddp.launch", "--nproc-per-node", str(args.nranks),
-               os.path.abspath(__file__), *(sys.argv[1:] if argv is None else argv)]
-        env = dict(os.environ)
-        for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-            env.setdefault(var, "1")        # one BLAS thread per rank: ranks share the cores
-        return subprocess.run(cmd, timeout=args.timeout, env=env).returncode
+        return run_ranks(__file__, args.nranks, sys.argv[1:] if argv is None else argv,
+                         args.timeout)
     worker(args)
     return 0
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import os
+import subprocess
 import sys
 import time
 from typing import Any, Callable, Iterable, Optional, Sequence
@@ -21,6 +22,18 @@ def array_module(nd: Any) -> Any:
         import cupy
         return cupy
     return np
+
+
+def run_ranks(script: str, nranks: int, argv: Sequence[str], timeout: float,
+              env: Optional[dict] = None) -> int:
+    """Run `script argv` on `nranks` ranks through nccl-ddp-run (this Python), one BLAS thread
+    per rank unless set: the ranks share the cores. Returns the launcher's exit status."""
+    cmd = [sys.executable, "-m", "nccl_ddp.launch", "--nproc-per-node", str(nranks),
+           os.path.abspath(script), *argv]
+    env = dict(os.environ if env is None else env)
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        env.setdefault(var, "1")
+    return subprocess.run(cmd, timeout=timeout, env=env).returncode
 
 
 def synchronize(xp: Any) -> None:
