@@ -94,8 +94,10 @@ def _grads_are_bucket_views(rank: int, world: int) -> dict:
         inside = all(any(lo <= p.grad.data_ptr() < hi for lo, hi in starts)
                      for p in module.parameters())
         grads = {n: p.grad.numpy().copy() for n, p in module.named_parameters()}
-        ddp.zero_grad()
+        ddp.zero_grad(set_to_none=False)    # torch's zero_grad: in place, in the buckets
         zeroed = all(float(p.grad.abs().sum()) == 0.0 for p in module.parameters())
+        ddp.zero_grad()                     # torch's default: set_to_none
+        zeroed = zeroed and all(p.grad is None for p in module.parameters())
         ddp.close()
     finally:
         nd.destroy_process_group()

@@ -172,7 +172,32 @@ def make_tied(rank: int):
     return Tied()
 
 
-MODELS = {"bn_cnn": make_bn_cnn, "frozen_backbone": make_frozen_backbone, "tied": make_tied}
+def make_channels_last(rank: int):
+    """The BatchNorm CNN in channels_last memory format: its conv weight is a non-contiguous
+    Parameter."""
+    import torch
+
+    return make_bn_cnn(rank).to(memory_format=torch.channels_last)
+
+
+def make_cnn_class(rank: int):
+    """The BatchNorm CNN inside a model class of the user's own (torch.compile compiles frames of
+    user code; torch's own nn.Sequential.forward alone is left to eager mode)."""
+    import torch
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.features = make_bn_cnn(rank)
+
+        def forward(self, x):
+            return self.features(x)
+
+    return Net()
+
+
+MODELS = {"bn_cnn": make_bn_cnn, "cnn_class": make_cnn_class, "frozen_backbone": make_frozen_backbone, "tied": make_tied,
+          "channels_last": make_channels_last}
 
 
 @dataclass(frozen=True)
@@ -194,7 +219,8 @@ def scenario_batches(rank: int, scenario: Scenario):
     import torch
 
     g = np.random.default_rng(500 + rank)
-    shape = (scenario.batch, 3, 6, 6) if scenario.model == "bn_cnn" else (scenario.batch, IN)
+    images = scenario.model in ("bn_cnn", "cnn_class", "channels_last")
+    shape = (scenario.batch, 3, 6, 6) if images else (scenario.batch, IN)
     n = scenario.steps * scenario.accumulate + 1
     return [(torch.from_numpy(g.standard_normal(shape, dtype=np.float32)),
              torch.from_numpy(g.integers(0, CLASSES, scenario.batch)))

@@ -30,6 +30,12 @@ def adapt(module: Any) -> "TorchModule":
     return TorchModule(module)
 
 
+def wrapper_class() -> type:
+    """The DDP wrapper class for torch modules: a torch.nn.Module itself (adapters/torch_ddp.py)."""
+    from nccl_ddp.adapters.torch_ddp import TorchDistributedDataParallel
+    return TorchDistributedDataParallel
+
+
 def grads_adapter() -> "TorchGrads":
     return TorchGrads()
 
@@ -96,13 +102,15 @@ class TorchModule(GradModule):
     def __init__(self, module: Any) -> None:
         import torch
         self.module = module
+        _check_initialized(module)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.names: List[Optional[str]] = [n for n, _ in named]
         self.params = [p for _, p in named]
         for n, p in named:
-            if p.is_sparse or not p.is_contiguous():
-                raise ConfigError(f"parameter {n!r} must be dense and contiguous (collectives and "
-                                 "bucket views need contiguous memory)")
+            if p.layout != torch.strided:
+                raise ConfigError(f"parameter {n!r} has layout {p.layout}; DistributedDataParallel "
+                                  "reduces dense parameters only: make it dense (p.to_dense()) "
+                                  "before wrapping the module")
         devices = {str(p.device) for p in self.params}
         if len(devices) > 1:
             raise ConfigError(f"all parameters must be on one device, found {sorted(devices)}; "
@@ -119,10 +127,11 @@ class TorchModule(GradModule):
         self._callback_queued = False
         self._syncing = True            # whether this step all-reduces (fixed when it opens)
         self._forward_opened = False    # the step was opened by our forward, not by a hook
-        self._copy_back: list = []      # (tensor, contiguous copy) of non-contiguous state
 
     # ---- GradModule
     def native_params(self) -> List[Any]:
+        # (a non-contiguous parameter, e.g. a channels_last conv weight, is a strided view: its
+        # grad is contiguous bucket memory all the same, which autograd accumulates into)
         return [to_native(p) for p in self.params]
 
     def native_grads(self) -> List[Any]:
@@ -143,6 +152,20 @@ class TorchModule(GradModule):
         if p.grad is not None and p.grad.data_ptr() == old.data_ptr():
             p.grad = self._grads[i]
 
+    def realias_grads(self) -> None:
+        """After a module conversion (to(memory_format=...), share_memory()) gave the grad tensors
+        new storage: make them our memory again (the reducer's), keeping their values."""
+        import torch
+        for i, p in enumerate(self.params):
+            mine, old = from_native(self._ddp.reducer.grads[i]), self._grads[i]
+            if old.data_ptr() == mine.data_ptr():
+                continue
+            with torch.no_grad():
+                mine.copy_(old)
+            self._grads[i] = mine
+            if p.grad is not None:
+                p.grad = mine
+
     def index_of(self, param: Any) -> int:
         if isinstance(param, str):
             return self.names.index(param) if param in self.names else _missing(param)
@@ -156,11 +179,34 @@ class TorchModule(GradModule):
             self._hooks.append(p.register_post_accumulate_grad_hook(self._hook_for(i)))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        # the wrapper has just opened the step (reducer.prepare), reading sync_enabled as we do
+        self.before_forward()
+        return self.module(*args, **kwargs)
+
+    def before_forward(self) -> None:
+        """The wrapper has just opened the step (reducer.prepare), reading sync_enabled as we do:
+        check that the trainable parameters are still the wrapped ones, point grads at buckets."""
+        self._check_same_params()
         self._syncing = self._ddp.sync_enabled
         self._forward_opened = True
         self._point_grads_at_buckets()
-        return self.module(*args, **kwargs)
+
+    def _check_same_params(self) -> None:
+        """Parameters added, replaced or unfrozen after wrapping would silently not be reduced
+        (their grads differ across ranks): refuse them at the next step."""
+        now = [p for p in self.module.parameters() if p.requires_grad]
+        if len(now) == len(self.params) and all(a is b for a, b in zip(now, self.params)):
+            return
+        wrapped = set(map(id, self.params))
+        added = [n for n, p in self.module.named_parameters()
+                 if p.requires_grad and id(p) not in wrapped]
+        alive = set(map(id, now))
+        gone = [n for n, p in zip(self.names, self.params) if id(p) not in alive]
+        raise ConfigError(
+            f"rank {self._ddp.process_group.rank}: the module's trainable parameters changed after "
+            f"it was wrapped in DistributedDataParallel (new or unfrozen: {added or 'none'}; "
+            f"removed, replaced or frozen: {gone or 'none'}). DDP reduces the parameters it found "
+            "when it was built: add, replace or (un)freeze parameters before wrapping, or wrap the "
+            "module again")
 
     # ---- the step
     def _point_grads_at_buckets(self) -> None:
@@ -169,7 +215,7 @@ class TorchModule(GradModule):
         self._was_none = {i for i, p in enumerate(self.params) if p.grad is None}
         with torch_stream_current(self.on_cuda):
             if len(self._was_none) == len(self.params):    # after optimizer.zero_grad()
-                self._ddp.zero_grad()                       # one fill per bucket
+                self._ddp.reducer.zero_grad()               # one fill per bucket
                 for p, mine in zip(self.params, self._grads):
                     p.grad = mine
                 return
@@ -235,27 +281,12 @@ class TorchModule(GradModule):
         return [(n, self._native_state(n, b, "buffer")) for n, b in self.module.named_buffers()]
 
     def _native_state(self, name: str, t: Any, what: str) -> Any:
-        """A writable native array of `t`; for a non-contiguous tensor a contiguous copy that
-        `params_updated` / `buffers_updated` copies back."""
+        """A writable native array (a strided view when `t` is not contiguous) of `t`."""
         if _is_cuda(t) != self.on_cuda:
             raise ConfigError(f"{what} {name!r} is on {t.device}, the trainable parameters on "
                               f"{self.params[0].device}; move the whole module to one device "
                               "before wrapping it")
-        if t.is_contiguous():
-            return to_native(t)
-        tmp = t.detach().contiguous()
-        self._copy_back.append((t, tmp))
-        return to_native(tmp)
-
-    def params_updated(self) -> None:
-        self.buffers_updated()
-
-    def buffers_updated(self) -> None:
-        import torch
-        with torch.no_grad():
-            for t, tmp in self._copy_back:
-                t.copy_(tmp)
-        self._copy_back = []
+        return to_native(t)
 
     def grad_enabled(self) -> bool:
         import torch
@@ -268,6 +299,19 @@ class TorchModule(GradModule):
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+def _check_initialized(module: Any) -> None:
+    """Lazy modules (LazyLinear, LazyConv2d) have no shapes until their first forward."""
+    from torch.nn.parameter import is_lazy
+    for kind, named in (("parameter", module.named_parameters()),
+                        ("buffer", module.named_buffers())):
+        for n, t in named:
+            if is_lazy(t):
+                raise ConfigError(
+                    f"{kind} {n!r} is uninitialized (a lazy module such as LazyLinear creates it "
+                    "at its first forward): run one forward pass on the module (e.g. with a dummy "
+                    "batch) before wrapping it in DistributedDataParallel")
 
 
 def _missing(param: Any) -> int:

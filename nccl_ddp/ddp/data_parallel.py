@@ -28,7 +28,23 @@ log = logging.getLogger(__name__)
 
 
 class DistributedDataParallel:
-    """Wraps `module`; calling the wrapper runs the module's forward and opens a step."""
+    """Wraps `module`; calling the wrapper runs the module's forward and opens a step.
+
+    For a framework whose models are objects of its own (torch.nn.Module), the wrapper is one
+    too: `DistributedDataParallel(torch_model)` is an instance of the adapter's subclass
+    (adapters/torch_ddp.py), which is also a torch.nn.Module.
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "DistributedDataParallel":
+        module = args[0] if args else kwargs.get("module")
+        if cls is DistributedDataParallel and module is not None \
+                and not isinstance(module, (GradModule, list, tuple, dict)):
+            name = frameworks.framework_of(module)
+            wrapper = None if name is None else getattr(frameworks.adapter(name),
+                                                        "wrapper_class", None)
+            if wrapper is not None:
+                cls = wrapper()
+        return super().__new__(cls)
 
     def __init__(self, module: Any, init_sync: bool = True,
                  process_group: Optional[ProcessGroup] = None,
@@ -49,7 +65,7 @@ class DistributedDataParallel:
         params = self._adapter.native_params()
         if not params:
             raise ConfigError("module has no parameters to reduce")
-        _check_native(params, self.device, "parameter", self._adapter.names)
+        _check_native(params, self.device, "parameter", self._adapter.names, contiguous=False)
         grads = self._adapter.native_grads()
         _check_native(grads, self.device, "grad", self._adapter.names)
         install = self._adapter.install_grad if self._adapter.can_install_grads else None
@@ -69,7 +85,7 @@ class DistributedDataParallel:
         if self.config.broadcast_buffers:
             state += self._adapter.named_buffers()
         _check_native([a for _, a in state], self.device, "frozen parameter or buffer",
-                      [n for n, _ in state], floats_only=False)
+                      [n for n, _ in state], floats_only=False, contiguous=False)
         specs = list(self.reducer.specs) + [ParamSpec(tuple(a.shape), np.dtype(a.dtype), n)
                                             for n, a in state]
         check_same_params(specs, self.process_group, self.device, self.config.rank_settings)
@@ -219,7 +235,7 @@ class DistributedDataParallel:
 
 
 def _check_native(arrays: List[Any], device, what: str, names: List[Optional[str]], *,
-                  floats_only: bool = True) -> None:
+                  floats_only: bool = True, contiguous: bool = True) -> None:
     want = device.xp.__name__
     for i, a in enumerate(arrays):
         label = f"{what} {i}" + (f" ({names[i]!r})" if names[i] else "")
@@ -228,5 +244,5 @@ def _check_native(arrays: List[Any], device, what: str, names: List[Optional[str
                             f"group's backend ({device.kind}) reduces {want} arrays")
         if floats_only:
             check_float_dtype(label, np.dtype(a.dtype))
-        if not a.flags.c_contiguous:
+        if contiguous and not a.flags.c_contiguous:
             raise ConfigError(f"{label} is not C-contiguous; collectives need contiguous arrays")

@@ -89,12 +89,12 @@ def _all_gather_bytes(data: bytes, group: ProcessGroup, device) -> list:
 
 def broadcast_coalesced(arrays: Sequence[Any], group: ProcessGroup, device,
                         chunk_bytes: int) -> None:
-    """Overwrite every rank's `arrays` (any dtypes, C-contiguous, writable) with rank 0's: their
+    """Overwrite every rank's `arrays` (any dtypes and strides, writable) with rank 0's: their
     bytes packed into one buffer per chunk of up to `chunk_bytes` (an array larger than that
     goes alone), so a model's parameters or buffers cost one broadcast per chunk."""
     compute = device.current_stream()
     for chunk in _byte_chunks([a for a in arrays if a.nbytes], chunk_bytes):
-        buf = device.empty(sum(a.nbytes for a in chunk), np.uint8)
+        buf = device.empty(_offsets(chunk)[-1], np.uint8)
         if group.rank == 0:
             compute.submit(_pack_bytes, chunk, buf)
         compute.synchronize(group.timeout)
@@ -116,19 +116,20 @@ def _byte_chunks(arrays: Sequence[Any], chunk_bytes: int) -> list:
     return [c for c in chunks if c]
 
 
-def _as_bytes(a: Any) -> Any:
-    return a.reshape(-1).view(np.uint8)
+def _offsets(arrays: Sequence[Any], align: int = 16) -> list:
+    """Where each array starts in the chunk (aligned, so typed views of the chunk are aligned),
+    and the chunk's size last."""
+    offsets = [0]
+    for a in arrays:
+        offsets.append(-(-(offsets[-1] + a.nbytes) // align) * align)
+    return offsets
 
 
 def _pack_bytes(arrays: Sequence[Any], buf: Any) -> None:
-    off = 0
-    for a in arrays:
-        buf[off:off + a.nbytes] = _as_bytes(a)
-        off += a.nbytes
+    for a, off in zip(arrays, _offsets(arrays)):
+        buf[off:off + a.nbytes] = a.reshape(-1).view(np.uint8)    # reshape copies if strided
 
 
 def _unpack_bytes(arrays: Sequence[Any], buf: Any) -> None:
-    off = 0
-    for a in arrays:
-        _as_bytes(a)[...] = buf[off:off + a.nbytes]
-        off += a.nbytes
+    for a, off in zip(arrays, _offsets(arrays)):
+        a[...] = buf[off:off + a.nbytes].view(a.dtype).reshape(a.shape)

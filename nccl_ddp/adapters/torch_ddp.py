@@ -1,0 +1,169 @@
+"""`DistributedDataParallel` of a `torch.nn.Module` is itself a `torch.nn.Module`, as torch's is.
+
+`.module` is the wrapped model; `parameters()`, `named_parameters()`, `state_dict()` and
+`load_state_dict()` carry torch DDP's `module.` prefix, so a checkpoint of a model wrapped in
+torch's DDP loads into ours and the reverse; `train()`/`eval()` return the wrapper; forward hooks
+and `zero_grad()` are torch's. torch's keyword arguments are accepted beside MindSpore's
+signature (`device_ids`, `output_device`, `dim`, `broadcast_buffers`, `gradient_as_bucket_view`,
+...); one we cannot honour is a `ConfigError` saying why.
+
+torch.compile: `forward` runs in a frame that dynamo skips (torch DDP does the same) and the step's
+bookkeeping is marked to be skipped too, so compiling the wrapper compiles the wrapped module's
+forward and nothing of ours. Backward's grad hooks run in the autograd engine, outside compiled
+code.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from nccl_ddp.comm.api import resolve_group
+from nccl_ddp.ddp.config import DDPConfig
+from nccl_ddp.ddp.data_parallel import DistributedDataParallel
+from nccl_ddp.errors import ConfigError, ConfigTypeError
+from nccl_ddp.validate import check_bool
+
+# torch's arguments that need a feature we do not have: name -> (the value that is fine, why)
+_UNSUPPORTED = {
+    "mixed_precision": (None, "use torch.autocast (or cast the model) instead"),
+    "device_mesh": (None, "pass an nccl_ddp group (nccl_ddp.new_group) as process_group"),
+    "delay_all_reduce_named_params": (None, "every parameter is reduced as its grad is ready"),
+    "param_to_hook_all_reduce": (None, "every parameter is reduced as its grad is ready"),
+    "skip_all_reduce_unused_params": (False, "unused parameters are reduced as zeros, as by "
+                                             "default in torch"),
+    "forward_sync_buffers": (True, "use broadcast_buffers=False to keep buffers per rank "
+                                   "(which also skips their broadcast at construction)"),
+}
+
+
+class TorchDistributedDataParallel(torch.nn.Module, DistributedDataParallel):
+    """What `nccl_ddp.DistributedDataParallel(torch_module, ...)` builds."""
+
+    def __init__(self, module: Any, init_sync: bool = True, process_group: Any = None,
+                 bucket_cap_mb: Optional[float] = None, find_unused_parameters: bool = False,
+                 average_in_collective: bool = False, static_graph: bool = False,
+                 reducer_mode: str = "CppReducer", *, device_ids: Any = None,
+                 output_device: Any = None, dim: int = 0, broadcast_buffers: bool = True,
+                 gradient_as_bucket_view: bool = False, check_reduction: bool = False,
+                 config: Optional[DDPConfig] = None, **torch_options: Any) -> None:
+        torch.nn.Module.__init__(self)
+        if isinstance(init_sync, (list, tuple)):
+            raise ConfigTypeError(
+                f"init_sync must be a bool, got {init_sync!r}: the second positional argument is "
+                "init_sync (MindSpore's signature), not torch's device_ids; pass "
+                "device_ids=[...] by keyword")
+        _check_torch_options(torch_options, process_group, dim, gradient_as_bucket_view,
+                             check_reduction)
+        if not isinstance(module, torch.nn.Module):
+            raise ConfigTypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        self.device_ids, self.output_device = _device_ids(module, device_ids, output_device,
+                                                          process_group)
+        self.dim = dim
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        DistributedDataParallel.__init__(
+            self, module, init_sync, process_group, bucket_cap_mb, find_unused_parameters,
+            average_in_collective, static_graph, reducer_mode,
+            broadcast_buffers=broadcast_buffers, config=config)
+
+    @torch._disable_dynamo(recursive=False)    # (lazy torch.compiler.disable; torch DDP's way)
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        inputs, kwargs = self._before_forward(inputs, kwargs)
+        return self.module(*inputs, **kwargs)
+
+    @torch._disable_dynamo
+    def _before_forward(self, inputs: tuple, kwargs: dict) -> tuple:
+        """Open the step (buffers from rank 0 first when due), point grads at the buckets, and
+        with device_ids move the inputs there, as torch DDP does."""
+        self._pre_forward()
+        self._adapter.before_forward()
+        if self.device_ids:
+            from torch.distributed.utils import _to_kwargs
+            moved, moved_kwargs = _to_kwargs(inputs, kwargs,
+                                             torch.device("cuda", self.device_ids[0]), False)
+            return moved[0], moved_kwargs[0]
+        return inputs, kwargs
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "TorchDistributedDataParallel":
+        """to()/cuda()/half()... : a conversion that keeps every tensor's device and dtype
+        (memory format, share_memory()) is done and the grads alias the buckets again; one that
+        would move or cast the parameters under the reducer is refused before anything changes."""
+        kinds = {(t.dtype, t.device) for t in (*self.module.parameters(), *self.module.buffers())}
+        for dtype, device in kinds:
+            probe = torch.empty(0, dtype=dtype, device=device)
+            out = fn(probe)
+            if isinstance(out, torch.Tensor) and (out.dtype, out.device) != (dtype, device):
+                raise ConfigError(
+                    f"rank {self.process_group.rank}: DistributedDataParallel was built for "
+                    f"{dtype} tensors on {device}; this conversion would make them {out.dtype} "
+                    f"on {out.device}. Move or cast the module before wrapping it (or wrap the "
+                    "converted module again)")
+        super()._apply(fn, recurse)
+        self._adapter.realias_grads()
+        return self
+
+
+def _check_torch_options(options: dict, process_group: Any, dim: Any,
+                         gradient_as_bucket_view: Any, check_reduction: Any) -> None:
+    for name, value in options.items():
+        if name not in _UNSUPPORTED:
+            raise ConfigTypeError(f"DistributedDataParallel got an unexpected keyword argument "
+                                  f"{name!r}")
+        fine, why = _UNSUPPORTED[name]
+        if value != fine:
+            raise ConfigError(f"{name}={value!r} is not supported by nccl_ddp's "
+                              f"DistributedDataParallel (only {fine!r}): {why}")
+    if torch.distributed.is_available() and isinstance(process_group,
+                                                       torch.distributed.ProcessGroup):
+        raise ConfigTypeError(
+            "process_group is a torch.distributed group; nccl_ddp reduces over its own: pass "
+            "None (the world from nccl_ddp.init_process_group) or nccl_ddp.new_group(ranks)")
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise ConfigTypeError(f"dim must be an int, got {type(dim).__name__} {dim!r}")
+    check_bool("gradient_as_bucket_view", gradient_as_bucket_view)
+    check_bool("check_reduction", check_reduction)
+
+
+def _device_ids(module: Any, device_ids: Any, output_device: Any,
+                process_group: Any) -> tuple:
+    """torch's single-device contract: device_ids None for a CPU module, [the module's GPU] for a
+    GPU one; output_device None or that GPU."""
+    devices = {p.device for p in module.parameters()}
+    if device_ids is None:
+        if output_device is not None:
+            raise ConfigError(f"output_device={output_device!r} needs device_ids=[...]; the "
+                              "output stays where the module computes it")
+        return None, None
+    if not isinstance(device_ids, (list, tuple)) or len(device_ids) != 1:
+        raise ConfigError(f"device_ids must be None or a list of one GPU (this process's), got "
+                          f"{device_ids!r}: one process drives one device, as in torch DDP")
+    if len(devices) != 1 or next(iter(devices)).type != "cuda":
+        raise ConfigError(f"device_ids={device_ids!r} is for a module on one GPU, but its "
+                          f"parameters are on {sorted(map(str, devices))}: pass device_ids=None "
+                          "for a CPU module (or move the module to the GPU first)")
+    index = _device_index(device_ids[0], "device_ids[0]")
+    (device,) = devices
+    if index != device.index:
+        raise ConfigError(f"device_ids={device_ids!r}, but the module's parameters are on "
+                          f"{device}: move the module to cuda:{index} (model.to(device_ids[0])) "
+                          "before wrapping it")
+    group_device = getattr(resolve_group(process_group, "process_group"), "device_id", None)
+    if group_device is not None and group_device != index:
+        raise ConfigError(f"device_ids={device_ids!r}, but this process's nccl_ddp group "
+                          f"communicates on cuda:{group_device} (its LOCAL_RANK): use that GPU")
+    if output_device is not None and _device_index(output_device, "output_device") != index:
+        raise ConfigError(f"output_device={output_device!r} differs from device_ids[0]; the "
+                          "output stays on the module's GPU, as in torch's single-device DDP")
+    return [index], index
+
+
+def _device_index(d: Any, what: str) -> int:
+    if isinstance(d, int) and not isinstance(d, bool):
+        return d
+    try:
+        device = torch.device(d)
+    except (TypeError, RuntimeError) as e:
+        raise ConfigTypeError(f"{what} must be a GPU index or a CUDA device, got {d!r}") from e
+    if device.type != "cuda":
+        raise ConfigError(f"{what} must be a CUDA device, got {device}")
+    return device.index if device.index is not None else torch.cuda.current_device()
