@@ -14,10 +14,11 @@ code.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 
+from nccl_ddp.adapters.torch import TorchModule
 from nccl_ddp.comm.api import resolve_group
 from nccl_ddp.ddp.config import DDPConfig
 from nccl_ddp.ddp.data_parallel import DistributedDataParallel
@@ -30,10 +31,10 @@ _UNSUPPORTED = {
     "device_mesh": (None, "pass an nccl_ddp group (nccl_ddp.new_group) as process_group"),
     "delay_all_reduce_named_params": (None, "every parameter is reduced as its grad is ready"),
     "param_to_hook_all_reduce": (None, "every parameter is reduced as its grad is ready"),
-    "skip_all_reduce_unused_params": (False, "unused parameters are reduced as zeros, as by "
-                                             "default in torch"),
-    "forward_sync_buffers": (True, "use broadcast_buffers=False to keep buffers per rank "
-                                   "(which also skips their broadcast at construction)"),
+    "skip_all_reduce_unused_params": (False, ("unused parameters are reduced as zeros, as by "
+                                              "default in torch")),
+    "forward_sync_buffers": (True, ("use broadcast_buffers=False to keep buffers per rank "
+                                    "(which also skips their broadcast at construction)")),
 }
 
 
@@ -76,13 +77,17 @@ class TorchDistributedDataParallel(torch.nn.Module, DistributedDataParallel):
         """Open the step (buffers from rank 0 first when due), point grads at the buckets, and
         with device_ids move the inputs there, as torch DDP does."""
         self._pre_forward()
-        self._adapter.before_forward()
+        self._torch_module.before_forward()
         if self.device_ids:
             from torch.distributed.utils import _to_kwargs
             moved, moved_kwargs = _to_kwargs(inputs, kwargs,
                                              torch.device("cuda", self.device_ids[0]), False)
             return moved[0], moved_kwargs[0]
         return inputs, kwargs
+
+    @property
+    def _torch_module(self) -> TorchModule:
+        return cast(TorchModule, self._adapter)
 
     def _apply(self, fn: Any, recurse: bool = True) -> "TorchDistributedDataParallel":
         """to()/cuda()/half()... : a conversion that keeps every tensor's device and dtype
@@ -99,7 +104,7 @@ class TorchDistributedDataParallel(torch.nn.Module, DistributedDataParallel):
                     f"on {out.device}. Move or cast the module before wrapping it (or wrap the "
                     "converted module again)")
         super()._apply(fn, recurse)
-        self._adapter.realias_grads()
+        self._torch_module.realias_grads()
         return self
 
 
