@@ -15,8 +15,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch==2.13.0)")
 
 from mp import run_ranks  # noqa: E402
-from torch_oracle import (OracleConfig, batches, gloo_group, make_model, run_torch_ddp,  # noqa: E402
-                          train)
+from torch_oracle import OracleConfig, batches, gloo_group, make_model, run_torch_ddp, train  # noqa: E402
 
 WORLD = 2
 CONFIGS = {

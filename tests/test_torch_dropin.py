@@ -16,8 +16,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch==2.13.0)")
 
 from mp import run_ranks  # noqa: E402
-from torch_oracle import (MODELS, Scenario, gloo_group, run_torch_scenario,  # noqa: E402
-                          scenario_batches, train_scenario)
+from torch_oracle import MODELS, Scenario, gloo_group, run_torch_scenario, scenario_batches, train_scenario  # noqa: E402
 
 WORLD = 2
 SCENARIOS = {
@@ -76,9 +75,9 @@ def test_params_and_buffers_match_torch_ddp(name, oracle):
 
 
 def _contract(rank: int, world: int, store_dir: str) -> dict:
-    import nccl_ddp as nd
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
+    import nccl_ddp as nd
     from nccl_ddp.errors import ConfigError
 
     torch.set_num_threads(1)

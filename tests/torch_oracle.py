@@ -196,7 +196,8 @@ def make_cnn_class(rank: int):
     return Net()
 
 
-MODELS = {"bn_cnn": make_bn_cnn, "cnn_class": make_cnn_class, "frozen_backbone": make_frozen_backbone, "tied": make_tied,
+MODELS = {"bn_cnn": make_bn_cnn, "cnn_class": make_cnn_class,
+          "frozen_backbone": make_frozen_backbone, "tied": make_tied,
           "channels_last": make_channels_last}
 
 

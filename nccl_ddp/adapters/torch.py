@@ -14,14 +14,13 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator, List, Optional, Tuple
 
-from nccl_ddp.dlpack import KDL_CPU, KDL_CUDA, bfloat16_dtype, native_from_dlpack
-from nccl_ddp.ddp.interfaces import GradModule
 from nccl_ddp.ddp.buckets import ParamSpec
-from nccl_ddp.ddp.interfaces import GradsAdapter
+from nccl_ddp.ddp.interfaces import GradModule, GradsAdapter
+from nccl_ddp.dlpack import KDL_CPU, KDL_CUDA, bfloat16_dtype, native_from_dlpack
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 
 
-def adapt(module: Any) -> "TorchModule":
+def adapt(module: Any) -> TorchModule:
     """The DDP adapter for a `torch.nn.Module`."""
     import torch
     if not isinstance(module, torch.nn.Module):
@@ -36,7 +35,7 @@ def wrapper_class() -> type:
     return TorchDistributedDataParallel
 
 
-def grads_adapter() -> "TorchGrads":
+def grads_adapter() -> TorchGrads:
     return TorchGrads()
 
 

@@ -89,7 +89,7 @@ class TorchDistributedDataParallel(torch.nn.Module, DistributedDataParallel):
     def _torch_module(self) -> TorchModule:
         return cast(TorchModule, self._adapter)
 
-    def _apply(self, fn: Any, recurse: bool = True) -> "TorchDistributedDataParallel":
+    def _apply(self, fn: Any, recurse: bool = True) -> TorchDistributedDataParallel:
         """to()/cuda()/half()... : a conversion that keeps every tensor's device and dtype
         (memory format, share_memory()) is done and the grads alias the buckets again; one that
         would move or cast the parameters under the reducer is refused before anything changes."""

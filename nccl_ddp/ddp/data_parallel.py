@@ -16,13 +16,13 @@ import numpy as np
 from nccl_ddp import frameworks
 from nccl_ddp.comm.api import device_of, resolve_group
 from nccl_ddp.comm.group import ProcessGroup
+from nccl_ddp.ddp.buckets import ParamSpec
 from nccl_ddp.ddp.config import DDPConfig, config_from
 from nccl_ddp.ddp.interfaces import GradModule
-from nccl_ddp.validate import check_float_dtype
-from nccl_ddp.errors import ConfigError, ConfigTypeError, ReducerError
-from nccl_ddp.ddp.buckets import ParamSpec
 from nccl_ddp.ddp.param_sync import broadcast_coalesced, check_same_params
 from nccl_ddp.ddp.reducer import Reducer
+from nccl_ddp.errors import ConfigError, ConfigTypeError, ReducerError
+from nccl_ddp.validate import check_float_dtype
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ class DistributedDataParallel:
     (adapters/torch_ddp.py), which is also a torch.nn.Module.
     """
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> "DistributedDataParallel":
+    def __new__(cls, *args: Any, **kwargs: Any) -> DistributedDataParallel:
         module = args[0] if args else kwargs.get("module")
         if cls is DistributedDataParallel and module is not None \
                 and not isinstance(module, (GradModule, list, tuple, dict)):

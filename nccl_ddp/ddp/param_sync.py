@@ -14,9 +14,9 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from nccl_ddp.comm.group import ProcessGroup
 from nccl_ddp.ddp.bucket_memory import to_host
 from nccl_ddp.ddp.buckets import ParamSpec
-from nccl_ddp.comm.group import ProcessGroup
 from nccl_ddp.errors import RankMismatchError
 
 
