@@ -7,7 +7,7 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
 import nccl_ddp as nd
-from nccl_ddp.errors import ConfigError
+from nccl_ddp.errors import CommError, ConfigError, ReducerError
 
 
 class Tiny(nn.Cell):
@@ -74,6 +74,42 @@ def graph_mode_reducer_cell():
         for g, p in zip(results[ms.GRAPH_MODE], results[ms.PYNATIVE_MODE]):
             np.testing.assert_array_equal(g, p)
         reducer.close()
+
+
+def jit_step_uses_the_bucket_ops():
+    """In PyNative mode, a `@ms.jit` step compiles the reducer too: its bucket op runs (and the
+    grads come out divided by degree); a failed earlier step surfaces in the graph as our
+    `ReducerError`, not as a MindSpore error."""
+    net = nn.Dense(3, 2)
+    reducer = nd.DistributedGradReducer(net.trainable_params(), True, 4)
+    loss_fn = nn.MSELoss()
+
+    def forward(x, y):
+        return loss_fn(net(x), y)
+
+    grad_fn = ms.value_and_grad(forward, None, net.trainable_params())
+    ran = []
+    reduce_bucket = reducer.reducer.reduce_bucket
+    reducer.reducer.reduce_bucket = lambda b, grads: (ran.append(b), reduce_bucket(b, grads))[1]
+
+    @ms.jit
+    def step(x, y):
+        _, grads = grad_fn(x, y)
+        return reducer(grads)
+
+    x, y = Tensor(np.ones((4, 3), np.float32)), Tensor(np.zeros((4, 2), np.float32))
+    reduced = [g.asnumpy() for g in step(x, y)]    # (PyNative runs the compiled step async)
+    assert ran == [0], ran
+    for g, p in zip(reduced, grad_fn(x, y)[1]):
+        np.testing.assert_allclose(g, p.asnumpy() / 4, rtol=1e-6)
+    reducer.reducer._failure.error = CommError("rank 1 died (simulated)")
+    try:
+        step(x, y)[0].asnumpy()
+    except ReducerError as e:
+        assert "a previous step failed" in str(e), e
+    else:
+        raise AssertionError("the compiled step ran after a failed one")
+    reducer.close()
 
 
 def comm_fusion_ids_as_in_mindspore():
@@ -165,6 +201,7 @@ def main():
         grad_reducer_returns_tensors()
         graph_mode_reducer_cell()
         comm_fusion_ids_as_in_mindspore()
+        jit_step_uses_the_bucket_ops()
         graph_mode_reducer_rejects_wrong_grads()
     finally:
         nd.destroy_process_group()

@@ -129,7 +129,8 @@ def test_grad_reducer_example(tmp_path, reference, mode, variant):
 def test_ms_checks_in_venv(tmp_path):
     """Single-process behaviours (tests/ms_checks.py): DDP's graph-mode refusal, zero-copy out,
     accumulation until zero_grad; the reducer Cell in a compiled construct (buckets per dtype and
-    fusion id, mean/degree) against PyNative."""
+    fusion id, mean/degree) against PyNative, a PyNative `@ms.jit` step, our ReducerError out of a
+    compiled step."""
     out = _run([PY, os.path.join(ROOT, "tests", "ms_checks.py")], str(tmp_path))
     assert "ms_checks: all passed" in out, out
 
