@@ -244,3 +244,17 @@ def install_failure_hook() -> None:
 
     sys.excepthook = hook
     _hook_installed = True
+
+
+DEBUG_LEVELS = ("OFF", "INFO", "DETAIL")
+
+
+def debug_level(environ: Optional[Mapping[str, str]] = None) -> str:
+    """NCCL_DDP_DEBUG: OFF (default), INFO or DETAIL (every NCCL collective is compared across
+    ranks before it runs; see nccl_ddp.comm.desync)."""
+    environ = os.environ if environ is None else environ
+    value = environ.get("NCCL_DDP_DEBUG", "").strip().upper() or "OFF"
+    if value not in DEBUG_LEVELS:
+        raise ConfigError(f"NCCL_DDP_DEBUG={environ.get('NCCL_DDP_DEBUG')!r}: use one of "
+                          f"{', '.join(DEBUG_LEVELS)} (or unset it)")
+    return value

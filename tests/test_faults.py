@@ -323,3 +323,101 @@ def test_destroy_does_not_wait_for_a_rank_that_exited():
     # before: rank 0 waited for the destroy barrier until its timeout (20 s here, 30 s at most)
     elapsed = run_ranks(_exit_without_destroy, 2, timeout=60)[0]
     assert elapsed < 8, elapsed
+
+
+# -- NCCL: desync debug mode and two ranks on one GPU (on the fake runtime) -----------------------
+
+
+def _nccl_group(rank, world, rt, timeout=10.0):
+    """(store, group, error): the group built through a real store on the fake runtime."""
+    from nccl_ddp.comm.nccl import backend as nb
+    from nccl_ddp.env import resolve_env
+    from nccl_ddp.store.client import PrefixStore, connect_store
+    store = connect_store(resolve_env(), timeout=30)
+    try:
+        return store, nb.NcclProcessGroup.create(PrefixStore(store, "t"), rank, world,
+                                                 range(world), timeout, "world", 0, runtime=rt)
+    except Exception:
+        store.barrier("failed", world, timeout=30)    # rank 0 hosts the store: leave together
+        store.close()
+        raise
+
+
+def _launched(rt):
+    return [c[0] for c in rt.comms[0].calls]
+
+
+def _desync(rank, world, case, debug):
+    from test_nccl_backend import FakeRuntime
+    if debug:
+        os.environ["NCCL_DDP_DEBUG"] = "DETAIL"
+    rt = FakeRuntime()
+    store, g = _nccl_group(rank, world, rt, timeout=3.0)
+    try:
+        buf = np.ones(4, f32)
+        g.all_reduce(buf)                               # the same everywhere: passes
+        if case == "op":
+            got = _outcome(lambda: (g.all_reduce if rank == 0 else g.broadcast)(buf))
+        elif case == "count":
+            got = _outcome(lambda: g.all_reduce(np.ones(4 + (rank == world - 1), f32)))
+        elif case == "root":
+            got = _outcome(lambda: g.broadcast(buf, root=0 if rank == 0 else 1))
+        elif case == "dtype":
+            got = _outcome(lambda: g.all_gather(np.ones(world * 2, f32 if rank else np.float64),
+                                                np.ones(2, f32 if rank else np.float64)))
+        else:                                           # "missing": rank 1 skips one
+            got = ("skipped", "") if rank == 1 else _outcome(lambda: g.barrier())
+        after = _outcome(lambda: g.all_reduce(np.ones(2, f32)) and None) if case != "missing" \
+            else ("ok", None)
+        got = (got[0], got[1] if isinstance(got[1], str) else None)   # a Work does not pickle
+        return got, after, _launched(rt)
+    finally:
+        g.shutdown()
+        store.barrier("done", world, timeout=30)
+        store.close()
+
+
+@pytest.mark.parametrize("case", ["op", "count", "root", "dtype"])
+def test_nccl_debug_detail_catches_a_desync_on_every_rank(case):
+    # before: NCCL ran whatever it was given (a real GPU hangs or reduces garbage)
+    world = 3
+    for rank, (got, after, launched) in enumerate(run_ranks(_desync, world, case, True,
+                                                            timeout=90)):
+        kind, msg = got
+        assert kind == "RankMismatchError", (rank, got)
+        assert f"rank {rank}: collective #2 of group 'world' differs across ranks" in msg, msg
+        assert after == ("ok", None), after                 # the group is still usable
+        assert len(launched) == 2, launched                 # the mismatched one never reached NCCL
+
+
+def test_nccl_debug_off_by_default_runs_mismatches_unchecked():
+    for got, _, launched in run_ranks(_desync, 2, "op", False, timeout=90):
+        assert got[0] == "ok" and len(launched) == 3, (got, launched)
+
+
+def test_nccl_debug_detail_names_a_rank_that_skipped_a_collective():
+    results = run_ranks(_desync, 3, "missing", True, timeout=90)
+    for rank in (0, 2):
+        kind, msg = results[rank][0]
+        assert kind == "CommTimeout" and "rank 1 did not reach collective #2" in msg, msg
+
+
+def _shared_gpu(rank, world):
+    from test_nccl_backend import FakeRuntime
+    rt = FakeRuntime()
+    rt.device_uuid = lambda: "gpu-b" if rank in (0, 2) else f"gpu-{rank}"
+    try:
+        store, g = _nccl_group(rank, world, rt)
+    except Exception as e:  # the test asserts on it
+        return type(e).__name__, str(e), len(rt.comms)
+    g.shutdown()
+    store.close()
+    return "ok", "", len(rt.comms)
+
+
+def test_two_ranks_on_one_gpu_is_a_config_error_before_the_communicator():
+    # before: NCCL itself refused them with an unhelpful message (or hung)
+    for rank, (kind, msg, comms) in enumerate(run_ranks(_shared_gpu, 3, timeout=90)):
+        assert kind == "ConfigError", (rank, kind, msg)
+        assert f"rank {rank}: ranks 0 and 2 would both use GPU 0 (UUID gpu-b)" in msg, msg
+        assert "CUDA_VISIBLE_DEVICES" in msg and comms == 0

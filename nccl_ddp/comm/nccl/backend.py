@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional, Sequence
 from nccl_ddp.errors import CommError, CommTimeout, ConfigError, StoreTimeout
 from nccl_ddp.comm.nccl.runtime import (ADVICE, CupyRuntime, bounded, check, is_available, nccl_dtype,
                             nccl_op, stream_ptr)
+from nccl_ddp.comm.desync import DesyncChecker, check_distinct_devices
 from nccl_ddp.comm.group import ProcessGroup, ReduceOp, Work, check_gather_buffers
 
 __all__ = ["NcclProcessGroup", "NcclWork", "exchange_unique_id", "is_available", "nccl_dtype",
@@ -126,6 +127,7 @@ class NcclProcessGroup(ProcessGroup):
         self._released = False                    # communicator destroyed or aborted
         self._scratch = None                      # barrier's 1-element buffer
         self._stop = threading.Event()
+        self._desync = DesyncChecker.maybe(store, rank, self.ranks, name, self.timeout)
         self._watchdog = threading.Thread(target=self._watch, daemon=True,
                                           name=f"nccl_ddp-watchdog:{name}")
         self._watchdog.start()
@@ -143,6 +145,10 @@ class NcclProcessGroup(ProcessGroup):
         gen = _generations[(name, ranks)] = _generations.get((name, ranks), 0) + 1
         key = f"nccl_ddp/nccl_uid/{name}/{','.join(map(str, ranks))}/{gen}"
         who = f"rank {ranks[rank]} (group {name!r} rank {rank}/{size})"
+        if size > 1:    # two ranks on one GPU: a clear error before NCCL gives an obscure one
+            with check(rt.errors, f"GPU query of {who}, GPU {device_id}"):
+                uuid = getattr(rt, "device_uuid", lambda: None)()
+            check_distinct_devices(store, rank, ranks, name, timeout, device_id, uuid)
         uid = exchange_unique_id(store, key, rank, timeout, rt.unique_id, who)
         what = f"communicator init of group {name!r} on {who}, GPU {device_id}"
         with check(rt.errors, what):
@@ -155,6 +161,7 @@ class NcclProcessGroup(ProcessGroup):
     def all_reduce(self, buf, op: ReduceOp = ReduceOp.SUM, stream=None, *,
                    tag: Optional[str] = None) -> NcclWork:
         dt, code, p = self._dtype(buf), nccl_op(op, self._rt.lib), self._rt.ptr(buf)
+        self._debug_check("all_reduce", buf, redop=ReduceOp.parse(op))
         return self._launch("all_reduce", tag, stream, buf, (buf,),
                             lambda c, s: c.allReduce(p, p, buf.size, dt, code, s))
 
@@ -163,12 +170,14 @@ class NcclProcessGroup(ProcessGroup):
             raise ConfigError(f"broadcast root {root} is not a rank of group {self.name!r} "
                              f"(size {self.size}); pass a group rank")
         dt, p = self._dtype(buf), self._rt.ptr(buf)
+        self._debug_check("broadcast", buf, root=root)
         return self._launch("broadcast", tag, stream, buf, (buf,),
                             lambda c, s: c.broadcast(p, p, buf.size, dt, root, s))
 
     def all_gather(self, out, inp, stream=None, *, tag: Optional[str] = None) -> NcclWork:
         self._check_sizes("all_gather", tag, out, inp, "out", "input")
         dt, pi, po = self._dtype(inp), self._rt.ptr(inp), self._rt.ptr(out)
+        self._debug_check("all_gather", inp)
         return self._launch("all_gather", tag, stream, out, (out, inp),
                             lambda c, s: c.allGather(pi, po, inp.size, dt, s))
 
@@ -177,6 +186,7 @@ class NcclProcessGroup(ProcessGroup):
         self._check_sizes("reduce_scatter", tag, inp, out, "input", "out")
         dt, code = self._dtype(inp), nccl_op(op, self._rt.lib)
         pi, po = self._rt.ptr(inp), self._rt.ptr(out)
+        self._debug_check("reduce_scatter", out, redop=ReduceOp.parse(op))
         return self._launch("reduce_scatter", tag, stream, out, (out, inp),
                             lambda c, s: c.reduceScatter(pi, po, out.size, dt, code, s))
 
@@ -187,10 +197,18 @@ class NcclProcessGroup(ProcessGroup):
             self._scratch = self._rt.scratch()
         buf = self._scratch
         dt, code, p = self._dtype(buf), nccl_op("sum", self._rt.lib), self._rt.ptr(buf)
+        self._debug_check("barrier", None)
         work = self._launch("barrier", tag, stream, None, (buf,),
                             lambda c, s: c.allReduce(p, p, 1, dt, code, s))
         work.synchronize()
         return work
+
+    def _debug_check(self, op: str, buf, root: int = 0, redop=None) -> None:
+        """NCCL_DDP_DEBUG=DETAIL: compare this collective with every member's (comm/desync.py)."""
+        if self._desync is not None:
+            self._raise_if_failed(self._describe(op, None))
+            self._desync.check(op, None if buf is None else buf.dtype,
+                               0 if buf is None else buf.size, root, redop)
 
     def _dtype(self, buf) -> int:
         """NCCL type of `buf`, which must be contiguous (NCCL sees a pointer and a count)."""

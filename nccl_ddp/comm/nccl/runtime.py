@@ -124,6 +124,11 @@ class CupyRuntime:
     def bind_thread(self) -> None:
         self._device().use()
 
+    def device_uuid(self) -> "str | None":
+        """The GPU's UUID (hex), to tell two ranks on one device apart; None if CuPy has none."""
+        uuid = self.cupy.cuda.runtime.getDeviceProperties(self.device_id).get("uuid")
+        return bytes(uuid).hex() if uuid else None
+
 
 @contextlib.contextmanager
 def check(errors: tuple, what: str) -> Iterator[None]:
