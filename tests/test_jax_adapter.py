@@ -199,3 +199,35 @@ def test_reduced_leaves_alias_fresh_buckets_and_never_change():
         # every leaf of both calls is a view into that call's own bucket buffers (no copy)
         assert pointers_inside == [[True] * 5, [True] * 5]
         assert all(not np.any(leaf) for leaf in leaves_after_write)
+
+
+def _reduce_inside_jit(rank: int, world: int) -> tuple:
+    import nccl_ddp as nd
+    from nccl_ddp.errors import ConfigError
+
+    nd.init_process_group("host")
+    try:
+        reducer = nd.DistributedGradReducer(_tree(0))
+        try:
+            jax.jit(reducer)(_tree(rank))
+            error = None
+        except ConfigError as e:
+            error = str(e)
+        # outside jit the same reducer still works (the refused call left nothing half done)
+        mean = float(np.array(reducer(_tree(rank))["big"])[0, 0])
+        reducer.close()
+    finally:
+        nd.destroy_process_group()
+    return error, mean
+
+
+def test_grad_reducer_inside_jit_says_what_to_do():
+    """Inside jax.jit the grads are tracers: a ConfigError that says to reduce the grads the
+    jitted function returns (before: AttributeError: DynamicJaxprTracer has no attribute
+    __dlpack_device__)."""
+    results = run_ranks(_reduce_inside_jit, 2, timeout=90)
+    want = (float(np.array(_tree(0)["big"])[0, 0]) + float(np.array(_tree(1)["big"])[0, 0])) / 2
+    for error, mean in results:
+        assert error is not None and "inside jax.jit" in error
+        assert "Reduce the grads the jitted function returns" in error
+        assert abs(mean - want) < 1e-6

@@ -23,7 +23,7 @@ import numpy as np
 from nccl_ddp.dlpack import KDL_CPU, KDL_CUDA, bfloat16_dtype, native_from_dlpack
 from nccl_ddp.ddp.buckets import ParamSpec
 from nccl_ddp.ddp.interfaces import GradsAdapter
-from nccl_ddp.errors import ConfigTypeError
+from nccl_ddp.errors import ConfigError, ConfigTypeError
 
 
 def adapt(module: Any) -> Any:
@@ -60,6 +60,12 @@ def _is_bf16(x: Any) -> bool:
 def to_native(x: Any) -> Any:
     """A native array viewing the JAX array `x` (read-only on the CPU)."""
     import jax
+    if isinstance(x, jax.core.Tracer):
+        raise ConfigError(
+            f"a grad is a {type(x).__name__}: DistributedGradReducer was called inside jax.jit "
+            "(or another JAX transformation), where grads are abstract tracers with no memory to "
+            "communicate. Reduce the grads the jitted function returns, outside it: "
+            "grads = jax.jit(jax.grad(loss))(params, batch); grads = reducer(grads)")
     if not isinstance(x, jax.Array):
         raise ConfigTypeError(f"expected a jax.Array leaf, got {type(x).__module__}.{type(x).__name__}")
     kind = int(x.__dlpack_device__()[0])   # type: ignore[attr-defined]
