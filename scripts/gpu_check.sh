@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
-# One-command GPU check (about 6 minutes at most): the GPU tests of the whole suite (`pytest -m
-# gpu`), the kernel benchmark and a chunk-size sweep, then the NCCL all-reduce benchmark with one
-# rank and the DDP benchmark when those scripts exist. Each step is bounded by `timeout`. Runs
-# from the working tree (PYTHONPATH=., nothing installed); needs one CUDA GPU, CuPy, NCCL.
+# One-command GPU check for one GPU (under 7 minutes whatever happens): an environment probe that
+# compiles and runs one tiny RawKernel (missing CUDA headers, an unwritable kernel cache or a
+# broken driver are named in the summary instead of failing every test), the GPU tests of the
+# whole suite (`pytest -m gpu`, 180 s; the kernels bit for bit, torch on CUDA streams and bfloat16
+# first: scripts/pytest_gpu_first.py), the kernel benchmark and a chunk-size sweep, then the NCCL
+# all-reduce benchmark with one rank and the DDP benchmark. Each step is bounded by `timeout`.
+# Runs from the working tree (PYTHONPATH=., nothing installed); needs one CUDA GPU, CuPy, NCCL.
 #
 #   bash scripts/gpu_check.sh            # results under $OUT if set, else out/gpu_check/
 #
 # Files (flat, at most 8): log.txt (every step's output), pytest.txt, kernels.csv, chunks.csv,
 # allreduce.csv, ddp.csv, kernels.png, summary.txt. The summary table is printed LAST.
 # Exit status: 0 all steps passed, 1 a step failed or timed out, 2 no GPU (benchmarks skipped).
-# Timeouts (seconds) can be changed with GPU_CHECK_{PYTEST,KERNELS,CHUNKS,ALLREDUCE,DDP}_TIMEOUT.
+# Timeouts (seconds) can be changed with GPU_CHECK_{PROBE,PYTEST,KERNELS,CHUNKS,ALLREDUCE,DDP}_TIMEOUT
+# (defaults 45+180+65+30+35+35 = 390 s).
 set -u -o pipefail
 
 cd "$(dirname "$0")/.." || exit 1
@@ -44,7 +48,8 @@ skip() {
 }
 
 # -- environment ------------------------------------------------------------------------------
-"$PY" - > "$WORK/env" 2>&1 <<'EOF'
+timeout --kill-after=5 "${GPU_CHECK_PROBE_TIMEOUT:-45}" "$PY" - > "$WORK/env" 2>&1 <<'EOF'
+import os
 import platform
 print(f"python={platform.python_version()}")
 try:
@@ -61,6 +66,23 @@ try:
         print(f"sms={props['multiProcessorCount']}")
         print(f"driver={cp.cuda.runtime.driverGetVersion()}")
         print(f"runtime={cp.cuda.runtime.runtimeGetVersion()}")
+        cache = os.environ.get("CUPY_CACHE_DIR") or os.path.expanduser("~/.cupy/kernel_cache")
+        try:
+            os.makedirs(cache, exist_ok=True)
+            writable = os.access(cache, os.W_OK)
+        except OSError:
+            writable = False
+        print(f"kernel_cache={cache}{'' if writable else ' (NOT WRITABLE: set CUPY_CACHE_DIR)'}")
+        try:   # one tiny kernel through NVRTC, the driver and a launch
+            k = cp.RawKernel(r'''extern "C" __global__ void probe(float* x) {
+                x[threadIdx.x] = 2.0f * threadIdx.x; }''', "probe")
+            x = cp.zeros(32, dtype=cp.float32)
+            k((1,), (32,), (x,))
+            got = cp.asnumpy(x)
+            print("probe=ok" if float(got[3]) == 6.0 else f"probe=WRONG RESULT {got[:4]}")
+        except Exception as e:
+            msg = " ".join(str(e).split())[:300]
+            print(f"probe=FAILED {type(e).__name__}: {msg}")
     try:
         from cupy.cuda import nccl
         print(f"nccl={nccl.get_version() if nccl.available else 'unavailable'}")
@@ -88,22 +110,27 @@ fi
 # -v names each test as it starts (a step killed by its timeout still shows which test hung);
 # a per-test limit well under the step's (pytest-timeout dumps the stacks of a hung test and the
 # run goes on; -o, not --timeout, so a missing plugin is a warning, not a usage error).
-step pytest "${GPU_CHECK_PYTEST_TIMEOUT:-130}" \
-    "$PY" -m pytest -m gpu -v -p no:cacheprovider -o timeout=75 --durations=12 tests
+FIRST=()
+if [ -f scripts/pytest_gpu_first.py ]; then
+    FIRST=(-p pytest_gpu_first)
+    export PYTHONPATH="scripts:$PYTHONPATH"
+fi
+step pytest "${GPU_CHECK_PYTEST_TIMEOUT:-180}" \
+    "$PY" -m pytest -m gpu -v -p no:cacheprovider ${FIRST[@]+"${FIRST[@]}"} -o timeout=75 --durations=12 tests
 cp "$WORK/pytest.out" "$RES/pytest.txt"
 
 # -- benchmarks -------------------------------------------------------------------------------
 if [ "$GPUS" = "0" ]; then
     for s in kernels chunks allreduce ddp; do skip "$s" "no GPU"; done
 else
-    step kernels "${GPU_CHECK_KERNELS_TIMEOUT:-90}" \
+    step kernels "${GPU_CHECK_KERNELS_TIMEOUT:-65}" \
         "$PY" scripts/bench_kernels.py --sizes 1,25,100 --counts 1,100,10000 --reps 20 \
         --csv "$RES/kernels.csv" --png "$RES/kernels.png"
-    step chunks "${GPU_CHECK_CHUNKS_TIMEOUT:-35}" \
+    step chunks "${GPU_CHECK_CHUNKS_TIMEOUT:-30}" \
         "$PY" scripts/bench_kernels.py --sizes 25 --counts 1,100 --pairs f32 \
         --chunk-bytes 0,2048,4096,8192,16384,32768 --reps 20 --csv "$RES/chunks.csv" --png ""
     if [ -f scripts/bench_allreduce.py ]; then
-        step allreduce "${GPU_CHECK_ALLREDUCE_TIMEOUT:-40}" \
+        step allreduce "${GPU_CHECK_ALLREDUCE_TIMEOUT:-35}" \
             "$PY" scripts/bench_allreduce.py --backend nccl --nranks 1 --no-gloo --max 256M \
             --iters 10 --timeout 35 --png "" --csv "$WORK/allreduce.csv"
         [ -f "$WORK/allreduce.csv" ] && cp "$WORK/allreduce.csv" "$RES/allreduce.csv"
@@ -111,7 +138,7 @@ else
         skip allreduce "scripts/bench_allreduce.py not found"
     fi
     if [ -f scripts/bench_ddp.py ]; then
-        step ddp "${GPU_CHECK_DDP_TIMEOUT:-50}" \
+        step ddp "${GPU_CHECK_DDP_TIMEOUT:-35}" \
             "$PY" scripts/bench_ddp.py --nranks 1 --caps 1,25 --steps 10 --timeout 45 --png "" \
             --csv "$WORK/ddp.csv"
         [ -f "$WORK/ddp.csv" ] && cp "$WORK/ddp.csv" "$RES/ddp.csv"
@@ -147,6 +174,8 @@ else:
 print(f"versions cuda driver/runtime {env.get('driver', '?')}/{env.get('runtime', '?')}  "
       f"cupy {env.get('cupy', '?')}  nccl {env.get('nccl', '?')}  torch {env.get('torch', '?')}  "
       f"jax {env.get('jax', '?')}  python {env.get('python', '?')}")
+probe = env.get("probe", "not run (no GPU, or the environment step failed: see log.txt)")
+print(f"probe    RawKernel compile+launch: {probe}; kernel cache {env.get('kernel_cache', '?')}")
 print("steps    " + "  ".join(
     f"{n}={'ok' if rc == '0' else 'skipped' if rc == 'skipped' else 'TIMEOUT' if rc in ('124', '137') else 'FAILED(rc ' + rc + ')'}"
     f"{'' if rc == 'skipped' else ' ' + sec + 's'}" for n, rc, sec in steps))

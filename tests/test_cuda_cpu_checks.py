@@ -138,7 +138,10 @@ def test_tiny_kernels_faults_and_votes(module):
     heap = mod.new_heap(1 << 20)
     heap.register(heap.base, 4096)
     ptr = (heap.base.to_bytes(8, "little"), "pointer", "ptr")
-    i32 = lambda v: (np.int32(v).tobytes(), "integer", "int")
+
+    def i32(v):
+        return np.int32(v).tobytes(), "integer", "int"
+
     with pytest.raises(runtime.KernelFault, match="plain dereference of device memory"):
         mod.launch(heap, "plain", 1, 32, [ptr])
     mod.launch(heap, "vote", 1, 64, [ptr, i32(32)])   # a true vote: every lane sees lane 3

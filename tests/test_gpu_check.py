@@ -15,6 +15,11 @@ SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 FAKE_CUPY = '''
 __version__ = "14.2.0"
 from . import cuda
+
+class RawKernel:   # the probe's compile fails the way a missing CUDA toolkit header does
+    def __init__(self, code, name):
+        raise RuntimeError("CompileException: kern.cu(1): catastrophic error: cannot open "
+                           "source file \\"cuda_fp16.h\\"")
 '''
 FAKE_CUDA = '''
 import types
@@ -77,6 +82,7 @@ def scratch(tmp_path):
     (repo / "scripts").mkdir(parents=True)
     (repo / "tests").mkdir()
     shutil.copy(SCRIPT, repo / "scripts" / "gpu_check.sh")
+    shutil.copy(ROOT / "scripts" / "pytest_gpu_first.py", repo / "scripts")
     (repo / "scripts" / "bench_kernels.py").write_text(FAKE_BENCH)
     (repo / "scripts" / "bench_allreduce.py").write_text("import time\ntime.sleep(60)\n")
     (repo / "scripts" / "bench_ddp.py").write_text(FAKE_DDP)
@@ -101,6 +107,8 @@ def test_gpu_check_flow_summary_last_and_files(scratch):
     summary = "\n".join(lines[start:])
     assert lines[-1].startswith("=====") and len(lines) - start < 30
     assert "NVIDIA H200  (141 GiB, sm_90, 132 SMs)" in summary
+    assert ('probe    RawKernel compile+launch: FAILED RuntimeError: CompileException: kern.cu(1): '
+            'catastrophic error: cannot open source file "cuda_fp16.h"') in summary
     assert "cuda driver/runtime 13000/13000  cupy 14.2.0  nccl 22805" in summary
     assert "1 failed, 1 passed, 1 deselected" in summary
     assert "FAILED tests/test_fake.py::test_fails" in summary
@@ -132,3 +140,24 @@ def test_gpu_check_without_a_gpu_says_so(scratch):
 
 def test_gpu_check_is_valid_bash():
     subprocess.run(["bash", "-n", str(SCRIPT)], check=True, timeout=30)
+
+
+def test_gpu_tests_that_matter_most_run_first():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import pytest_gpu_first as plugin
+    finally:
+        sys.path.pop(0)
+
+    class Item:
+        def __init__(self, file, name):
+            self.path, self.name = Path("tests") / file, name
+
+    items = [Item("test_api.py", "test_a"), Item("test_nccl_backend.py", "test_n"),
+             Item("test_kernels_gpu.py", "test_pack"), Item("test_torch_adapter.py", "test_t"),
+             Item("test_kernels_gpu.py", "test_bf16_x"), Item("test_ddp_gpu.py", "test_d")]
+    plugin.pytest_collection_modifyitems(None, None, items)
+    assert [(i.path.name, i.name) for i in items] == [
+        ("test_kernels_gpu.py", "test_bf16_x"), ("test_kernels_gpu.py", "test_pack"),
+        ("test_torch_adapter.py", "test_t"), ("test_ddp_gpu.py", "test_d"),
+        ("test_nccl_backend.py", "test_n"), ("test_api.py", "test_a")]

@@ -2,6 +2,7 @@
 launch count, tables passed by value or uploaded and cached, argument types, streams, events."""
 import sys
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -19,6 +20,16 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 @pytest.fixture
 def cp(monkeypatch):
     fake = FakeCupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(ck, "_BACKEND", ck.CudaKernels(fake))
+    return fake
+
+
+@pytest.fixture
+def cp_ref(monkeypatch):
+    """The fake with the references for arithmetic (the benchmark tests check the script's
+    logic; the CPU build of the kernels would only make them slower)."""
+    fake = FakeCupy(cpu=False)
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setattr(ck, "_BACKEND", ck.CudaKernels(fake))
     return fake
@@ -242,8 +253,9 @@ def _bench_module(monkeypatch):
     return bench
 
 
-def test_bench_kernels_runs_and_writes_csv(cp, monkeypatch, tmp_path, capsys):
+def test_bench_kernels_runs_and_writes_csv(cp_ref, monkeypatch, tmp_path, capsys):
     import csv
+    cp = cp_ref
     bench = _bench_module(monkeypatch)
     out = tmp_path / "k.csv"
     rc = bench.main(["--sizes", "1", "--counts", "1,40", "--chunk-bytes", "4096,0",
@@ -274,7 +286,8 @@ def test_small_table_can_be_switched_off(cp, monkeypatch):
     np.testing.assert_array_equal(bucket.host()[4:14], 2 * x)
 
 
-def test_bench_kernels_keeps_going_after_a_failed_measurement(cp, monkeypatch, tmp_path, capsys):
+def test_bench_kernels_keeps_going_after_a_failed_measurement(cp_ref, monkeypatch, tmp_path,
+                                                             capsys):
     import csv
     bench = _bench_module(monkeypatch)
     real = bench.Bench.measure
@@ -318,3 +331,86 @@ def test_one_raw_kernel_per_device_and_name(cp):
         (0, "nd_pack_small<float, float, false>"), (0, "nd_pack_small<float, float, true>"),
         (0, "nd_scale<float>")]
     assert cp.get_function_calls == 3
+
+
+def test_inputs_the_gpu_cannot_take_are_refused(cp):
+    """Misaligned pointers, unpack destinations sharing memory and a pack source overlapping the
+    bucket ranges written: each a KernelError before any launch (the CPU build of the kernels
+    reports a misaligned access, a race and an __ldg hazard for them)."""
+    bucket = cp.empty(64, np.float32)
+    x = cp.asarray(np.ones(9, np.float32), misalign=2)
+    with pytest.raises(KernelError, match="array 1 starts at 0x[0-9a-f]+, not a multiple of its "
+                                          "4-byte element size"):
+        K.pack([cp.asarray(np.ones(3, np.float32)), x], bucket, [0, 8])
+    with pytest.raises(KernelError, match="the bucket starts at .* not a multiple"):
+        K.unpack([cp.empty(4, np.float32)], cp.empty(8, np.float32, misalign=1), [0])
+    big = cp.empty(100, np.float32)
+    with pytest.raises(KernelError, match="arrays 0 and 2 share memory"):
+        K.unpack([big[40:100], cp.empty(5, np.float32), big[0:60]], bucket, [0, 0, 0])
+    with pytest.raises(KernelError, match="array 0 overlaps the bucket range being packed"):
+        K.pack([bucket[0:10]], bucket, [5])
+    with pytest.raises(KernelError, match="array 1 overlaps the bucket range"):
+        K.pack([cp.empty(4, np.float32), bucket[30:34]], bucket, [0, 28])
+    assert cp.launches == []
+    # fine: adjacent destinations, a source in the bucket outside the written ranges, empty
+    K.unpack([big[0:50], big[50:100], big[0:0]], bucket, [0, 0, 0])
+    K.pack([bucket[40:50], cp.empty(0, np.float32, misalign=1)], bucket, [0, 0])
+    assert len(cp.launches) == 2
+
+
+class _CudaView:
+    """A framework array that says it lives on the GPU (its bytes are the wrapped CPU array's)."""
+
+    def __init__(self, x, dtype):
+        self.x, self.dtype = x, dtype
+        self.device = SimpleNamespace(type="cuda")
+
+    def detach(self):
+        return self
+
+    def __dlpack_device__(self):
+        return (2, 0)   # kDLCUDA
+
+
+def _cupy_from_dlpack(cp, seen):
+    def from_dlpack(x, kind):
+        """CuPy 14's from_dlpack of a bfloat16 GPU array: an ml_dtypes.bfloat16 array."""
+        assert kind == 2
+        seen.append(x)
+        return cp.asarray(np.asarray(x.x).view(BF16) if x.x.dtype != BF16 else x.x)
+    return from_dlpack
+
+
+@pytest.fixture
+def frameworks():
+    """torch and JAX imported before the fake CuPy replaces `cupy` (torch imports cupyx)."""
+    torch = pytest.importorskip("torch")
+    jax = pytest.importorskip("jax")
+    from nccl_ddp.adapters import jax as jax_adapter
+    from nccl_ddp.adapters import torch as torch_adapter
+    return torch, jax, torch_adapter, jax_adapter
+
+
+def test_bfloat16_cuda_tensors_go_to_the_kernels(frameworks, cp, monkeypatch):
+    """torch and JAX bfloat16 grads on the GPU reach the bf16 kernels (they used to be refused
+    with ConfigTypeError)."""
+    torch, jax, torch_adapter, jax_adapter = frameworks
+    seen = []
+    monkeypatch.setattr(torch_adapter, "native_from_dlpack", _cupy_from_dlpack(cp, seen))
+    t = torch.randn(37).to(torch.bfloat16)
+    native = torch_adapter.to_native(_CudaView(t.view(torch.int16).numpy(), torch.bfloat16))
+    assert native.dtype == BF16 and len(seen) == 1
+    bucket = cp.asarray(np.full(40, np.nan, BF16))
+    K.pack([native], bucket, [1], scale=0.5)
+    want = np.full(40, np.nan, BF16)
+    K.pack_ref([t.view(torch.int16).numpy().view(BF16)], want, [1], scale=0.5)
+    np.testing.assert_array_equal(bucket.host().view(np.uint16), want.view(np.uint16))
+
+    monkeypatch.setattr(jax, "Array", _CudaView)
+    monkeypatch.setattr(jax_adapter, "native_from_dlpack", _cupy_from_dlpack(cp, seen))
+    x = np.arange(5, dtype=np.float32).astype(BF16)
+    native = jax_adapter.to_native(_CudaView(x, BF16))
+    assert native.dtype == BF16 and len(seen) == 2
+    out = cp.asarray(np.zeros(5, np.float32))
+    K.unpack([out], native, [0], scale=2.0)
+    np.testing.assert_array_equal(out.host(), 2 * np.arange(5, dtype=np.float32))

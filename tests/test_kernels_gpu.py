@@ -204,3 +204,45 @@ def test_occupancy_query_and_one_wave_chunk():
     sizes = np.array([25 * 2**20 // 4], np.int64)
     chunk = ck.choose_chunk(sizes, ("float32", "float32"), warps)
     assert 0.97 * warps < -(-sizes[0] // chunk) <= warps
+
+
+def test_float32_subnormals_survive_cupys_ftz_on_the_gpu():
+    """CuPy compiles with -ftz=true: pack/unpack/scale keep float32 subnormals bit for bit."""
+    x = np.array([2.0 ** -149 * 3, -1e-40, 1e-39, 2.0 ** -127, 1e-30, -0.0] * 50, np.float32)
+    for bdt in (np.dtype(np.float32), BF16):
+        bucket = cp.empty(x.size, dtype=bdt)
+        poison(bucket)
+        K.pack([to_dev(x)], bucket, [0], scale=0.5)
+        want = np.empty(x.size, bdt)
+        K.pack_ref([x], want, [0], scale=0.5)
+        np.testing.assert_array_equal(to_host(bucket).view(np.uint16 if bdt == BF16 else np.uint32),
+                                      want.view(np.uint16 if bdt == BF16 else np.uint32))
+    out = to_dev(np.full(x.size, 1e-39, np.float32))
+    K.unpack([out], to_dev(x), [0], scale=0.25, accumulate=True)
+    ref = np.full(x.size, 1e-39, np.float32)
+    K.unpack_ref([ref], x, [0], scale=0.25, accumulate=True)
+    np.testing.assert_array_equal(to_host(out).view(np.uint32), ref.view(np.uint32))
+
+
+def test_torch_bfloat16_cuda_tensors_pack_and_unpack():
+    """A bf16 CUDA tensor through the torch adapter (CuPy reads DLPack bf16 as ml_dtypes)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("this torch has no CUDA")
+    from nccl_ddp.adapters import torch as torch_adapter
+    t = torch.randn(1001, device="cuda").to(torch.bfloat16)
+    native = torch_adapter.to_native(t)
+    assert native.dtype == BF16 and native.data.ptr == t.data_ptr()
+    bucket = cp.empty(1003, dtype=BF16)
+    poison(bucket)
+    K.pack([native], bucket, [2], scale=0.5)
+    host = t.view(torch.int16).cpu().numpy().view(BF16)
+    want = np.full(1003, np.nan, BF16)
+    K.pack_ref([host], want, [2], scale=0.5)
+    eq(to_host(bucket)[2:], want[2:])
+    K.unpack([native], bucket, [2], scale=2.0, accumulate=True)
+    torch.cuda.synchronize()
+    ref = host.copy()
+    K.unpack_ref([ref], want, [2], scale=2.0, accumulate=True)
+    eq(t.view(torch.int16).cpu().numpy().view(BF16), ref)
+    assert torch_adapter.from_native(native).dtype == torch.bfloat16

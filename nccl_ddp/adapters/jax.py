@@ -7,9 +7,9 @@ grad is a slice of that memory handed to `jax.dlpack.from_dlpack`, which keeps i
 when the slice meets JAX's alignment (64 bytes on the CPU: the host device allocates buckets and
 places grads at 64-byte boundaries, so every leaf is aliased there) and copies it otherwise. The
 reducer allocates new buckets per call and never writes them after it returns, so a returned leaf
-never changes, and it keeps its bucket alive. bfloat16 (CPU only: CuPy has no bfloat16) has no
-NumPy DLPack type: it goes in through `numpy.asarray` (a read-only view) and out through
-`jax.device_put`, which aliases aligned NumPy memory on the CPU as well.
+never changes, and it keeps its bucket alive. bfloat16 has no NumPy DLPack type: on the CPU it
+goes in through `numpy.asarray` (a read-only view) and out through `jax.device_put`, which aliases
+aligned NumPy memory as well; on the GPU CuPy 14's DLPack reads it as ml_dtypes.bfloat16.
 
 JAX has no per-parameter grad hooks and `jax.grad` returns all grads at once, so there is no
 JAX `DistributedDataParallel`: reduce the grads pytree after `jax.grad` instead.
@@ -71,12 +71,9 @@ def to_native(x: Any) -> Any:
     kind = int(x.__dlpack_device__()[0])   # type: ignore[attr-defined]
     if kind not in (KDL_CPU, KDL_CUDA):
         raise ConfigTypeError(f"JAX arrays on {x.devices()} are not supported (CPU or CUDA only)")
-    if _is_bf16(x):
-        if kind != KDL_CPU:
-            raise ConfigTypeError("bfloat16 JAX grads on the GPU have no CuPy dtype; reduce them in "
-                            "float32 (or float16)")
+    if _is_bf16(x) and kind == KDL_CPU:   # NumPy's DLPack knows no bfloat16
         return np.asarray(x)    # JAX's own zero-copy NumPy view (ml_dtypes.bfloat16)
-    return native_from_dlpack(x, kind)
+    return native_from_dlpack(x, kind)   # CuPy 14 reads bfloat16 as ml_dtypes.bfloat16
 
 
 def from_native(a: Any, device: Any) -> Any:

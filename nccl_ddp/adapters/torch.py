@@ -50,12 +50,9 @@ def to_native(t: Any) -> Any:
     kind = {"cpu": KDL_CPU, "cuda": KDL_CUDA}.get(t.device.type)
     if kind is None:
         raise ConfigTypeError(f"tensors on {t.device} are not supported; use CPU or CUDA tensors")
-    if t.dtype == torch.bfloat16:
-        if kind != KDL_CPU:
-            raise ConfigTypeError("bfloat16 CUDA tensors have no CuPy dtype; keep bfloat16 parameters "
-                            "on the host backend or use float16 / float32")
+    if t.dtype == torch.bfloat16 and kind == KDL_CPU:   # NumPy's DLPack knows no bfloat16
         return native_from_dlpack(t.view(torch.int16), kind).view(bfloat16_dtype())
-    return native_from_dlpack(t, kind)
+    return native_from_dlpack(t, kind)   # CuPy 14 reads bfloat16 as ml_dtypes.bfloat16
 
 
 def from_native(a: Any) -> Any:

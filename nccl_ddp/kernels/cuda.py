@@ -25,8 +25,15 @@ import numpy as np
 
 from nccl_ddp.env import env_int
 from nccl_ddp.errors import KernelError
-from nccl_ddp.kernels.spec import (PACK_PAIRS, SCALE_DTYPES, UNPACK_PAIRS, check_flag, check_flat,
-                                   check_segments, dtype_name)
+from nccl_ddp.kernels.spec import (
+    PACK_PAIRS,
+    SCALE_DTYPES,
+    UNPACK_PAIRS,
+    check_flag,
+    check_flat,
+    check_segments,
+    dtype_name,
+)
 
 log = logging.getLogger(__name__)
 
@@ -174,8 +181,9 @@ class CudaKernels:
         # NCCL_DDP_SMALL_TABLE_MAX=0 sends every call through the device table (a workaround
         # should passing the table by value ever fail on some CuPy/driver).
         self.small_max = min(SMALL_MAX, env_int("NCCL_DDP_SMALL_TABLE_MAX", SMALL_MAX))
-        self._tables: "collections.OrderedDict" = collections.OrderedDict()
-        self.stats = collections.Counter()   # launches, memsets, table_builds, table_uploads
+        self._tables: collections.OrderedDict = collections.OrderedDict()
+        # launches, memsets, table_builds, table_uploads
+        self.stats: collections.Counter[str] = collections.Counter()
 
     # -- module -------------------------------------------------------------------------------
 
@@ -256,7 +264,7 @@ class CudaKernels:
         itemsize = ITEMSIZE[pair[0] if op == "pack" else pair[1]]
         tab = build_table(ptrs, sizes, offsets, chunk, itemsize, self.small_max)
         self.stats["table_builds"] += 1
-        if tab.small is None:
+        if tab.items is not None:
             host = tab.items.view(np.uint8)
             buf = self.cp.empty(host.size, dtype=self.cp.uint8)
             buf.set(host, stream=stream)   # ordered before the launch on the same stream
@@ -298,6 +306,7 @@ class CudaKernels:
     def launch_args(self, tab: Table, bucket: Any, chunk: int, scale: float) -> tuple:
         """The kernel arguments up to `scale` (pack appends the flag pointer). The SmallTable
         goes by value: CuPy's CNumpyArray hands the launch a pointer to its 904 bytes."""
+        head: tuple
         if tab.small is not None:
             by_value = getattr(getattr(self.cp.cuda, "function", None), "CNumpyArray", None)
             head = (by_value(tab.small) if by_value else tab.small,)

@@ -76,7 +76,52 @@ def check_segments(op: str, arrays: Sequence[Any], bucket: Any, offsets: Sequenc
             i, j = int(order[clash[0]]), int(order[clash[0] + 1])
             raise KernelError(f"{op}: arrays {i} and {j} overlap in the bucket (offsets "
                               f"{int(offs[i])} and {int(offs[j])}); give each its own range")
+    if kind != "numpy":
+        _check_device_memory(op, arrays, bucket, sizes, offs, to_bucket)
     return sizes, offs, pair
+
+
+def _check_device_memory(op: str, arrays: Sequence[Any], bucket: Any, sizes: np.ndarray,
+                         offs: np.ndarray, to_bucket: bool) -> None:
+    """What the GPU kernels cannot take although the references can: a pointer that is not a
+    multiple of its element size (a misaligned-address fault kills the CUDA context), unpack
+    destinations sharing memory (their updates would race), a pack source overlapping the bucket
+    ranges being written (read through the read-only cache while written)."""
+    bitem = np.dtype(bucket.dtype).itemsize
+    if bucket.data.ptr % bitem:
+        raise KernelError(f"{op}: the bucket starts at {bucket.data.ptr:#x}, not a multiple of its "
+                          f"{bitem}-byte element size; allocate it with device.empty(n, dtype)")
+    nz = np.flatnonzero(sizes)
+    if not nz.size:
+        return
+    item = np.dtype(arrays[0].dtype).itemsize
+    ptrs = np.fromiter((arrays[i].data.ptr for i in nz), dtype=np.int64, count=nz.size)
+    odd = np.flatnonzero(ptrs % item)
+    if odd.size:
+        i = int(nz[odd[0]])
+        raise KernelError(f"{op}: array {i} starts at {int(ptrs[odd[0]]):#x}, not a multiple of "
+                          f"its {item}-byte element size (the kernels would fault on a misaligned "
+                          "address); pass an aligned copy (x.copy())")
+    ends = ptrs + sizes[nz] * item
+    if not to_bucket:
+        order = np.argsort(ptrs, kind="stable")
+        clash = np.flatnonzero(ends[order][:-1] > ptrs[order][1:])
+        if clash.size:
+            i, j = sorted((int(nz[order[clash[0]]]), int(nz[order[clash[0] + 1]])))
+            raise KernelError(f"{op}: arrays {i} and {j} share memory; unpack destinations must "
+                              "not overlap (their updates would race and be lost): pass distinct "
+                              "arrays")
+        return
+    w_start = bucket.data.ptr + offs[nz] * bitem      # bucket ranges written, disjoint
+    order = np.argsort(w_start, kind="stable")
+    w_start, w_end = w_start[order], (w_start + sizes[nz] * bitem)[order]
+    last = np.searchsorted(w_start, ends, side="left") - 1   # last range starting before the end
+    hit = np.flatnonzero((last >= 0) & (w_end[np.maximum(last, 0)] > ptrs))
+    if hit.size:
+        i = int(nz[hit[0]])
+        raise KernelError(f"{op}: array {i} overlaps the bucket range being packed (it is read "
+                          "through the read-only cache while the kernel writes there); pack a "
+                          "copy of it")
 
 
 def _kind(x: Any) -> str:
