@@ -134,3 +134,22 @@ def test_ms_checks_in_venv(tmp_path):
     out = _run([PY, os.path.join(ROOT, "tests", "ms_checks.py")], str(tmp_path))
     assert "ms_checks: all passed" in out, out
 
+
+
+def test_ddp_syncs_frozen_params_and_buffers(tmp_path):
+    """Frozen Parameters, BatchNorm statistics and registered buffers start as rank 0's on both
+    ranks; after a step moved the statistics locally, the next forward takes rank 0's again."""
+    out = _run([PY, "-m", "nccl_ddp.launch", "--nproc-per-node", "2",
+                os.path.join(ROOT, "tests", "ms_state_sync.py")], str(tmp_path))
+    import json
+    seen = {int(m.group(1)): json.loads(m.group(2))
+            for m in re.finditer(r"\[rank (\d)\] ms_state_sync (.*)", out)}
+    assert sorted(seen) == [0, 1], out[-3000:]
+    r0, r1 = seen[0], seen[1]
+    assert r1["built"] == r0["built"] and r0["built"]["frozen"] == [0.0] * 3
+    assert r0["built"]["count"] == [10.0] and r0["built"]["mean"] == [0.0] * 3
+    assert r1["after_step"]["mean"] != r0["after_step"]["mean"]   # different data per rank
+    assert r1["after_step"]["w"] == r0["after_step"]["w"]
+    assert r1["next_forward"]["mean"] == r0["after_step"]["mean"]
+    assert r1["next_forward"]["count"] == [50.0]                  # rank 0's, set before forward
+    assert r0["next_forward"] == r1["next_forward"]

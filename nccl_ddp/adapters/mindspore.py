@@ -24,7 +24,7 @@ ops are chained with `Depend`, so every rank issues its all-reduces in the same 
 """
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
 
@@ -93,6 +93,7 @@ class MindSporeModule(GradModule):
         self.names: List[Optional[str]] = [p.name for p in self.params]
         self._grads = [np.zeros(tuple(p.shape), np_dtype(p.dtype)) for p in self.params]
         self._host_params: List[np.ndarray] = []
+        self._state_copies: List[Tuple[Any, np.ndarray]] = []   # (tensor, copy) to write back
         self._ddp: Any = None           # the DistributedDataParallel, set by attach()
         self._handles: list = []
 
@@ -107,6 +108,41 @@ class MindSporeModule(GradModule):
         for p, a in zip(self.params, self._host_params):
             p.set_data(Tensor(a))
         self._host_params = []
+        self.buffers_updated()
+
+    # ---- state besides the trainable parameters. MindSpore keeps BatchNorm's running statistics
+    # in untrainable Parameters: they count as buffers (as in torch), with Cell.register_buffer's;
+    # the other untrainable Parameters are frozen weights (broadcast at construction only).
+    def named_frozen(self) -> List[Tuple[Optional[str], Any]]:
+        stats = {id(p) for p in self._batchnorm_stats()}
+        return self._host_copies([(p.name, p) for p in self.cell.untrainable_params()
+                                  if id(p) not in stats])
+
+    def named_buffers(self) -> List[Tuple[Optional[str], Any]]:
+        return self._host_copies(list(self.cell.named_buffers())
+                                 + [(p.name, p) for p in self._batchnorm_stats()])
+
+    def _batchnorm_stats(self) -> List[Any]:
+        from mindspore.nn.layer.normalization import _BatchNorm
+        return [p for _, c in self.cell.cells_and_names() if isinstance(c, _BatchNorm)
+                for p in c.untrainable_params()]
+
+    def _host_copies(self, named: List[Tuple[Optional[str], Any]]) -> List[Tuple[Optional[str], Any]]:
+        """Writable copies (MindSpore exports read-only memory), written back by
+        `buffers_updated`."""
+        synchronize()
+        copies = [(n, t, np.array(to_native(t))) for n, t in named]
+        self._state_copies += [(t, a) for _, t, a in copies]
+        return [(n, a) for n, _, a in copies]
+
+    def buffers_updated(self) -> None:
+        from mindspore import Parameter, Tensor
+        for t, a in self._state_copies:
+            if isinstance(t, Parameter):
+                t.set_data(Tensor(a))
+            else:
+                t.assign_value(Tensor(a))
+        self._state_copies = []
 
     def native_grads(self) -> List[Any]:
         return list(self._grads)
