@@ -231,6 +231,7 @@ HOLDS_SHM = """
     seg = Segment.create(4096, "host")
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     rank = os.environ["RANK"]
+    open(os.path.join(sys.argv[1], "shm" + rank), "w").write(seg.name)
     open(os.path.join(sys.argv[1], "pids" + rank), "w").write(f"{os.getpid()} {child.pid}")
     time.sleep(120)
 """
@@ -241,13 +242,13 @@ def test_launcher_killed_leaves_no_worker_and_no_segment(tmp_path, how):
     # before: SIGTERM left each worker's segment in /dev/shm; SIGKILL also left the workers
     # running (still alive 40 s later)
     import signal
-    before = _shm_names()
     proc = _start_launcher(tmp_path, _script(tmp_path, HOLDS_SHM))
     try:
         files = [tmp_path / "pids0", tmp_path / "pids1"]
         _wait_files(proc, files)
         pids = [int(p) for f in files for p in f.read_text().split()]
-        assert len(_shm_names() - before) == 2
+        segments = {(tmp_path / f"shm{r}").read_text() for r in (0, 1)}
+        assert segments <= _shm_names() and len(segments) == 2
         proc.send_signal(getattr(signal, how))
         _, err = proc.communicate(timeout=20)
     finally:
@@ -256,9 +257,9 @@ def test_launcher_killed_leaves_no_worker_and_no_segment(tmp_path, how):
             proc.wait(5)
     assert _wait_gone(pids, timeout=10) == [], "workers or their children outlived the launcher"
     deadline = time.monotonic() + 5
-    while _shm_names() - before and time.monotonic() < deadline:
+    while segments & _shm_names() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _shm_names() - before == set()
+    assert segments & _shm_names() == set()
     if how == "SIGKILL":
         assert "the launcher (pid" in err and "killed their 2 process group(s)" in err, err
 
@@ -347,58 +348,68 @@ def _launched(rt):
     return [c[0] for c in rt.comms[0].calls]
 
 
-def _desync(rank, world, case, debug):
+def _desync(rank, world, cases, debug):
+    """{case: (what the mismatched call did, what the next matching call did, NCCL calls made)}."""
     from test_nccl_backend import FakeRuntime
     if debug:
         os.environ["NCCL_DDP_DEBUG"] = "DETAIL"
     rt = FakeRuntime()
     store, g = _nccl_group(rank, world, rt, timeout=3.0)
+    results = {}
     try:
-        buf = np.ones(4, f32)
-        g.all_reduce(buf)                               # the same everywhere: passes
-        if case == "op":
-            got = _outcome(lambda: (g.all_reduce if rank == 0 else g.broadcast)(buf))
-        elif case == "count":
-            got = _outcome(lambda: g.all_reduce(np.ones(4 + (rank == world - 1), f32)))
-        elif case == "root":
-            got = _outcome(lambda: g.broadcast(buf, root=0 if rank == 0 else 1))
-        elif case == "dtype":
-            got = _outcome(lambda: g.all_gather(np.ones(world * 2, f32 if rank else np.float64),
-                                                np.ones(2, f32 if rank else np.float64)))
-        else:                                           # "missing": rank 1 skips one
-            got = ("skipped", "") if rank == 1 else _outcome(lambda: g.barrier())
-        after = _outcome(lambda: g.all_reduce(np.ones(2, f32)) and None) if case != "missing" \
-            else ("ok", None)
-        got = (got[0], got[1] if isinstance(got[1], str) else None)   # a Work does not pickle
-        return got, after, _launched(rt)
+        for case in cases:
+            buf = np.ones(4, f32)
+            g.all_reduce(buf)                               # the same everywhere: passes
+            before = len(_launched(rt))
+            if case == "op":
+                got = _outcome(lambda b=buf: (g.all_reduce if rank == 0 else g.broadcast)(b))
+            elif case == "count":
+                got = _outcome(lambda: g.all_reduce(np.ones(4 + (rank == world - 1), f32)))
+            elif case == "root":
+                got = _outcome(lambda b=buf: g.broadcast(b, root=0 if rank == 0 else 1))
+            elif case == "dtype":
+                dt = f32 if rank else np.float64
+                got = _outcome(lambda d=dt: g.all_gather(np.ones(world * 2, d), np.ones(2, d)))
+            else:                                           # "missing": rank 1 skips one
+                got = ("skipped", "") if rank == 1 else _outcome(lambda: g.barrier())
+            launched = len(_launched(rt)) - before
+            after = ("ok", None) if case == "missing" else \
+                _outcome(lambda: g.all_reduce(np.ones(2, f32)) and None)
+            got = (got[0], got[1] if isinstance(got[1], str) else None)   # a Work does not pickle
+            results[case] = got, after, launched
+        return results
     finally:
         g.shutdown()
         store.barrier("done", world, timeout=30)
         store.close()
 
 
-@pytest.mark.parametrize("case", ["op", "count", "root", "dtype"])
-def test_nccl_debug_detail_catches_a_desync_on_every_rank(case):
+DESYNCS = ["op", "count", "root", "dtype"]
+
+
+def test_nccl_debug_detail_catches_a_desync_on_every_rank():
     # before: NCCL ran whatever it was given (a real GPU hangs or reduces garbage)
     world = 3
-    for rank, (got, after, launched) in enumerate(run_ranks(_desync, world, case, True,
-                                                            timeout=90)):
-        kind, msg = got
-        assert kind == "RankMismatchError", (rank, got)
-        assert f"rank {rank}: collective #2 of group 'world' differs across ranks" in msg, msg
-        assert after == ("ok", None), after                 # the group is still usable
-        assert len(launched) == 2, launched                 # the mismatched one never reached NCCL
+    for rank, results in enumerate(run_ranks(_desync, world, DESYNCS, True, timeout=90)):
+        for seq, case in enumerate(DESYNCS):
+            (kind, msg), after, launched = results[case]
+            assert kind == "RankMismatchError", (rank, case, kind, msg)
+            n = 3 * seq + 2          # each case: a matching call, the mismatch, a matching call
+            assert f"rank {rank}: collective #{n} of group 'world' differs across ranks" in msg, msg
+            assert after == ("ok", None), after             # the group is still usable
+            assert launched == 0, (case, launched)          # the mismatch never reached NCCL
 
 
 def test_nccl_debug_off_by_default_runs_mismatches_unchecked():
-    for got, _, launched in run_ranks(_desync, 2, "op", False, timeout=90):
-        assert got[0] == "ok" and len(launched) == 3, (got, launched)
+    for results in run_ranks(_desync, 2, ["op"], False, timeout=90):
+        got, _, launched = results["op"]
+        assert got[0] == "ok" and launched == 1, (got, launched)
 
 
 def test_nccl_debug_detail_names_a_rank_that_skipped_a_collective():
-    results = run_ranks(_desync, 3, "missing", True, timeout=90)
+    results = run_ranks(_desync, 3, ["missing"], True, timeout=90)
     for rank in (0, 2):
-        kind, msg = results[rank][0]
+        kind, msg = results[rank]["missing"][0]
         assert kind == "CommTimeout" and "rank 1 did not reach collective #2" in msg, msg
 
 
@@ -421,3 +432,206 @@ def test_two_ranks_on_one_gpu_is_a_config_error_before_the_communicator():
         assert kind == "ConfigError", (rank, kind, msg)
         assert f"rank {rank}: ranks 0 and 2 would both use GPU 0 (UUID gpu-b)" in msg, msg
         assert "CUDA_VISIBLE_DEVICES" in msg and comms == 0
+
+
+# -- multi-node through the real path: two launchers on loopback ----------------------------------
+
+
+TRAIN = """
+    import hashlib, os, sys
+    import numpy as np
+    import nccl_ddp as nd
+    from nccl_ddp.adapters.arrays import ArrayModule
+    nd.init_process_group("host", timeout=60)
+    rank = nd.get_rank()
+    rng = np.random.default_rng(100 + rank)
+    params = {"w": rng.standard_normal((16, 4)).astype(np.float32),   # differs per rank:
+              "b": rng.standard_normal(4).astype(np.float32)}         # init_sync makes it rank 0's
+    module = ArrayModule(params)
+    ddp = nd.DistributedDataParallel(module)
+    for step in range(6):
+        data = np.random.default_rng(1000 * step + rank)
+        x = data.standard_normal((32, 16)).astype(np.float32)
+        y = data.standard_normal((32, 4)).astype(np.float32)
+        err = x @ params["w"] + params["b"] - y
+        ddp.mark_ready("b", (2 * err.mean(0)).astype(np.float32))
+        ddp.mark_ready("w", (2 * x.T @ err / len(x)).astype(np.float32))
+        for k in params:
+            params[k] -= 0.05 * module.grads[k]
+        ddp.zero_grad()
+    ddp.close()
+    digest = hashlib.sha256(params["w"].tobytes() + params["b"].tobytes()).hexdigest()
+    print(f"final {nd.get_world_size()} {digest} {float(params['w'].sum()):.6f}")
+    nd.destroy_process_group()
+"""
+
+
+def _free_pair():
+    """A port P with P+1 free too (the store of a multi-node job listens on MASTER_PORT + 1)."""
+    import socket
+    for _ in range(50):
+        with socket.socket() as a, socket.socket() as b:
+            try:
+                a.bind(("127.0.0.2", 0))
+                port = a.getsockname()[1]
+                b.bind(("127.0.0.2", port + 1))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError("no free port pair")
+
+
+def _finals(out):
+    return sorted(ln.split("] ", 1)[1] for ln in out.splitlines() if "] final " in ln)
+
+
+def test_two_launchers_as_two_nodes_train_like_one_node(tmp_path):
+    import subprocess
+    import sys
+    script = _script(tmp_path, TRAIN)
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR")}
+    env.update(NCCL_DDP_HOST_TRANSPORT="tcp", NCCL_DDP_SECRET="multi-node-test")
+    single = subprocess.run([sys.executable, "-m", "nccl_ddp.launch", "--nproc-per-node", "2",
+                             script], capture_output=True, text=True, env=env, timeout=120)
+    assert single.returncode == 0, single.stderr
+    port = str(_free_pair())
+    nodes = [subprocess.Popen([sys.executable, "-m", "nccl_ddp.launch", "--nnodes", "2",
+                               "--node-rank", str(n), "--nproc-per-node", "1", "--master-addr",
+                               "127.0.0.2", "--master-port", port, script],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for n in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=120) for p in nodes]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+                p.wait(5)
+    assert [p.returncode for p in nodes] == [0, 0], [e for _, e in outs]
+    assert "node 1/2" in outs[1][1] and "[rank 1] final" in outs[1][0]
+    multi = _finals(outs[0][0] + outs[1][0])
+    assert len(multi) == 2 and multi[0] == multi[1], multi            # the ranks agree
+    assert multi == _finals(single.stdout), (multi, single.stdout)   # and match one node's run
+
+
+# -- chaos: a rank SIGKILLed or SIGSTOPped at a random point, then the leak check ------------------
+
+CHAOS = """
+    import json, os, random, signal, sys, threading, time
+    import numpy as np
+    out, point, sig, victim, seed = sys.argv[1:6]
+    victim, rank = int(victim), int(os.environ["RANK"])
+    rng = random.Random(int(seed) * 7 + rank)
+    open(os.path.join(out, f"pid{rank}"), "w").write(str(os.getpid()))
+    open(os.path.join(out, "job"), "w").write(os.environ["NCCL_DDP_JOB_ID"])
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)    # survivors finish their report themselves
+    me = rank == victim
+
+    def strike(at, delay):
+        if me and point == at:
+            threading.Timer(delay, os.kill, (os.getpid(), getattr(signal, "SIG" + sig))).start()
+
+    import nccl_ddp as nd
+    from nccl_ddp.adapters.arrays import ArrayModule
+    from nccl_ddp.env import record_failure
+    report = {"rank": rank, "error": None}
+    try:
+        strike("setup", rng.uniform(0.0, 0.15))
+        nd.init_process_group("host", timeout=3)
+        model = ArrayModule({"w": np.zeros(1 << 15, np.float32), "b": np.zeros(1 << 12, np.float32)})
+        ddp = nd.DistributedDataParallel(model, bucket_cap_mb=0.05)
+        hit = rng.randrange(5, 40)
+        for step in range(60):
+            if step == hit:
+                strike("collective", rng.uniform(0, 0.002))
+            nd.all_reduce(np.ones(1 << 14, np.float32))
+        for step in range(30):
+            if step == hit % 30:
+                strike("backward", rng.uniform(0, 0.002))
+            ddp.mark_ready("b", np.ones(1 << 12, np.float32))
+            ddp.mark_ready("w", np.ones(1 << 15, np.float32))
+            ddp.zero_grad()
+        ddp.close()
+        strike("destroy", 0.0)
+    except Exception as e:
+        report["error"] = f"{type(e).__name__}: {e}"[:300]
+        record_failure(e)
+    nd.destroy_process_group()
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline and any(t.name.startswith("nccl_ddp")
+                                              for t in threading.enumerate()):
+        time.sleep(0.02)
+    report["threads"] = [t.name for t in threading.enumerate() if t.name.startswith("nccl_ddp")]
+    from nccl_ddp.store.client import TCPStore
+    with TCPStore(os.environ["MASTER_ADDR"], int(os.environ["NCCL_DDP_STORE_PORT"]),
+                  os.environ["NCCL_DDP_SECRET"], timeout=5) as s:
+        s.set(f"alive{rank}", b"1")
+        report["store"] = s.get(f"alive{rank}", timeout=5) == b"1"
+    json.dump(report, open(os.path.join(out, f"report{rank}.json"), "w"))
+    sys.exit(1 if report["error"] else 0)
+"""
+
+POINTS = ("setup", "collective", "backward", "destroy")
+
+
+def _chaos(tmp_path, world, transport, point, sig, seed):
+    import json
+    import random
+    import signal
+    import subprocess
+    import sys
+    victim = random.Random(seed).randrange(world)
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "NCCL_DDP_SECRET")}
+    env["NCCL_DDP_HOST_TRANSPORT"] = transport
+    proc = subprocess.Popen([sys.executable, "-m", "nccl_ddp.launch", "--nproc-per-node",
+                             str(world), "--grace-period", "8", _script(tmp_path, CHAOS),
+                             str(tmp_path), point, sig, str(victim), str(seed)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    survivors = [r for r in range(world) if r != victim]
+    deadline = time.monotonic() + 60
+    try:
+        if sig == "STOP":      # a hung rank: once the others reported, an operator kills it
+            while not all((tmp_path / f"report{r}.json").exists() for r in survivors):
+                assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()
+                time.sleep(0.05)
+            os.kill(int((tmp_path / f"pid{victim}").read_text()), signal.SIGKILL)
+        out, err = proc.communicate(timeout=max(1, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+    where = f"world {world} {transport} {sig} rank {victim} at {point} (seed {seed}):\n{err[-3000:]}"
+    assert proc.returncode != 0, where
+    if sig == "KILL":
+        assert f"root cause: rank {victim} (local rank {victim}): killed by signal SIGKILL" in err, \
+            where
+    for r in survivors:
+        rep = json.loads((tmp_path / f"report{r}.json").read_text())
+        assert rep["threads"] == [] and rep["store"], (rep, where)
+        assert rep["error"] is None or rep["error"].split(":")[0] in (
+            "CommError", "CommTimeout", "StoreError", "StoreTimeout", "RankMismatchError"), \
+            (rep, where)
+    pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(world)
+            if (tmp_path / f"pid{r}").exists()]
+    assert _wait_gone(pids, timeout=10) == [], where
+    job = (tmp_path / "job").read_text()      # other jobs on this machine may hold segments
+    assert {n for n in _shm_names() if n.startswith(f"nccl_ddp-{job}-")} == set(), where
+
+
+CHAOS_FAST = [(2, "shm", "collective", "KILL", 1), (3, "tcp", "backward", "KILL", 2),
+              (2, "tcp", "setup", "KILL", 3), (3, "shm", "collective", "STOP", 4)]
+
+
+@pytest.mark.parametrize("world,transport,point,sig,seed", CHAOS_FAST)
+def test_chaos_sample(tmp_path, world, transport, point, sig, seed):
+    _chaos(tmp_path, world, transport, point, sig, seed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", ["KILL", "STOP"])
+@pytest.mark.parametrize("point", POINTS)
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_chaos_matrix(tmp_path, world, transport, point, sig):
+    seed = int(time.time() * 1000) % 100000      # a fresh random point each run, shown on failure
+    _chaos(tmp_path, world, transport, point, sig, seed)

@@ -39,8 +39,7 @@ class Reaper:
 
     def __init__(self, launcher_pid: int) -> None:
         self._proc: Optional[subprocess.Popen] = subprocess.Popen(
-            [sys.executable, "-c", "from nccl_ddp.launch.reaper import main; main()",
-             str(launcher_pid)],
+            [sys.executable, "-I", os.path.abspath(__file__), str(launcher_pid)],  # stdlib only
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
             start_new_session=True)   # Ctrl-C at the terminal goes to the launcher only
 
@@ -101,6 +100,11 @@ def watch(stream: IO[bytes], launcher_pid: int) -> int:
 
 
 def main() -> None:
-    """The watchdog process: `python -c "...; main()" LAUNCHER_PID`, the pipe on stdin."""
+    """The watchdog process: `python reaper.py LAUNCHER_PID`, the pipe on stdin (run as a file,
+    so it starts at once: it imports no package)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sys.exit(watch(sys.stdin.buffer, int(sys.argv[1])))
+
+
+if __name__ == "__main__":
+    main()
