@@ -16,7 +16,9 @@ nccl-ddp-run; `--load` adds, per world, a run beside one busy process (a Python 
 competing load of a shared machine. Every row records the 1-minute load average before it ran.
 stall_ms: per step, wall time of our step minus the main thread's CPU time in it, minus the
 same for the step without DDP: time the training thread spent not running (waiting for the GIL,
-for the comm worker at the end of backward, or for a core).
+for the comm worker at the end of backward, or for a core). *_threads_ms: CPU time per step of
+every other thread of the process (our comm stream and group workers; gloo's threads): an upper
+bound on the time our workers hold the GIL, which NumPy and socket waits release.
 """
 from __future__ import annotations
 
@@ -34,11 +36,11 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 COLUMNS = ("world", "load", "loadavg", "params", "local_ms", "torch_ms", "ours_ms",
            "torch_us_per_param", "ours_us_per_param", "ratio", "torch_cpu_us_per_param",
-           "ours_cpu_us_per_param", "cpu_ratio", "stall_ms")
+           "ours_cpu_us_per_param", "cpu_ratio", "stall_ms", "torch_threads_ms", "ours_threads_ms")
 FORMATS = {"loadavg": ".2f", "local_ms": ".2f", "torch_ms": ".2f", "ours_ms": ".2f",
            "torch_us_per_param": ".1f", "ours_us_per_param": ".1f", "ratio": ".2f",
            "torch_cpu_us_per_param": ".1f", "ours_cpu_us_per_param": ".1f", "cpu_ratio": ".2f",
-           "stall_ms": ".2f"}
+           "stall_ms": ".2f", "torch_threads_ms": ".2f", "ours_threads_ms": ".2f"}
 
 
 def add_args(p) -> None:
@@ -117,6 +119,9 @@ def measure(nd, args) -> dict:
     def median(k, series):   # the slowest rank's median
         return slowest(nd, float(np.median(series[k])))
 
+    def others(k):           # CPU time of every thread but this one, per step
+        return slowest(nd, float(np.median(np.subtract(proc_cpu[k], main_cpu[k]))))
+
     med = {k: median(k, times) for k in times}
     cpu = {k: median(k, proc_cpu) for k in times}
     idle = {k: slowest(nd, float(np.median(np.subtract(times[k], main_cpu[k])))) for k in times}
@@ -127,7 +132,8 @@ def measure(nd, args) -> dict:
                ours_us_per_param=(med["ours"] - med["local"]) / n * 1e6,
                torch_cpu_us_per_param=(cpu["torch"] - cpu["local"]) / n * 1e6,
                ours_cpu_us_per_param=(cpu["ours"] - cpu["local"]) / n * 1e6,
-               stall_ms=(idle["ours"] - idle["local"]) * 1e3)
+               stall_ms=(idle["ours"] - idle["local"]) * 1e3,
+               torch_threads_ms=others("torch") * 1e3, ours_threads_ms=others("ours") * 1e3)
     row["ratio"] = row["ours_us_per_param"] / row["torch_us_per_param"]
     row["cpu_ratio"] = row["ours_cpu_us_per_param"] / row["torch_cpu_us_per_param"]
     dist.destroy_process_group()

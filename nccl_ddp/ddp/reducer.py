@@ -281,8 +281,8 @@ class Reducer:
         self._used_unsynced = set()
         checks_unused = self.config.find_unused_parameters or (
             self.config.static_graph and self.steps == 0)
-        missing = [i for i in range(len(self.params))
-                   if not self._ready[i] and i not in self.excluded]
+        missing = [] if self._count == len(self.params) else [
+            i for i in range(len(self.params)) if not self._ready[i] and i not in self.excluded]
         if missing and not checks_unused:
             self._open = False
             raise ReducerError(self._missing_message(
