@@ -40,6 +40,16 @@ def main():
     try:
         net = nd.DistributedDataParallel(Net(rank))
         seen = {"built": values(net.module)}
+        # the wrapper is a Cell whose parameter names (and checkpoint) are the wrapped cell's
+        seen["cell"] = isinstance(net, nn.Cell)
+        seen["names"] = [list(net.parameters_dict()), list(Net(rank).parameters_dict()),
+                         [p.name for p in net.trainable_params()]]
+        path = f"ddp_rank{rank}.ckpt"
+        ms.save_checkpoint(net, path)
+        bare = Net(rank + 5)
+        ms.load_param_into_net(bare, ms.load_checkpoint(path))
+        params = ("frozen", "w", "mean")           # (a checkpoint holds Parameters, not buffers)
+        seen["checkpoint"] = all(values(bare)[k] == values(net.module)[k] for k in params)
         x = Tensor(np.random.default_rng(rank).standard_normal((4, 3)).astype(np.float32))
         grad_fn = ms.value_and_grad(lambda x: net(x), None, net.trainable_params())
         net.set_train(True)

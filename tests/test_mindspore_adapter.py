@@ -137,8 +137,10 @@ def test_ms_checks_in_venv(tmp_path):
 
 
 def test_ddp_syncs_frozen_params_and_buffers(tmp_path):
-    """Frozen Parameters, BatchNorm statistics and registered buffers start as rank 0's on both
-    ranks; after a step moved the statistics locally, the next forward takes rank 0's again."""
+    """The wrapper is an nn.Cell with the wrapped cell's parameter names (a checkpoint of it loads
+    into the bare cell). Frozen Parameters, BatchNorm statistics and registered buffers start as
+    rank 0's on both ranks; after a step moved the statistics locally, the next forward takes
+    rank 0's again."""
     out = _run([PY, "-m", "nccl_ddp.launch", "--nproc-per-node", "2",
                 os.path.join(ROOT, "tests", "ms_state_sync.py")], str(tmp_path))
     import json
@@ -146,6 +148,10 @@ def test_ddp_syncs_frozen_params_and_buffers(tmp_path):
             for m in re.finditer(r"\[rank (\d)\] ms_state_sync (.*)", out)}
     assert sorted(seen) == [0, 1], out[-3000:]
     r0, r1 = seen[0], seen[1]
+    for r in (r0, r1):
+        assert r["cell"] and r["checkpoint"]
+        assert r["names"][0] == r["names"][1] and "w" in r["names"][0]   # no "module." prefix
+        assert r["names"][2] == ["w", "bn.gamma", "bn.beta"]
     assert r1["built"] == r0["built"] and r0["built"]["frozen"] == [0.0] * 3
     assert r0["built"]["count"] == [10.0] and r0["built"]["mean"] == [0.0] * 3
     assert r1["after_step"]["mean"] != r0["after_step"]["mean"]   # different data per rank

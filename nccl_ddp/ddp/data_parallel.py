@@ -44,6 +44,7 @@ class DistributedDataParallel:
                                                         "wrapper_class", None)
             if wrapper is not None:
                 cls = wrapper()
+                return cls.__new__(cls)     # the framework base's own __new__ (MindSpore's Cell_)
         return super().__new__(cls)
 
     def __init__(self, module: Any, init_sync: bool = True,
