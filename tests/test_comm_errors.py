@@ -13,7 +13,7 @@ import pytest
 from mp import run_ranks
 from nccl_ddp.comm.host.backend import HostProcessGroup
 from nccl_ddp.device import HostStream
-from nccl_ddp.errors import CommError, CommTimeout, ConfigError, NcclDdpError
+from nccl_ddp.errors import CommError, CommTimeout, ConfigError, ConfigTypeError, NcclDdpError
 from nccl_ddp.ddp.reducer import bucket_tag
 
 N = 1 << 16            # float32 elements per parameter: 256 KiB
@@ -293,7 +293,7 @@ def test_host_messages_carry_the_tag():
     g = HostProcessGroup(None, 0, 1)
     stream = HostStream("blocked")
     try:
-        with pytest.raises(ConfigError, match=r"all_reduce of bucket 2 \(4 B\) on group 'world' "
+        with pytest.raises(ConfigTypeError, match=r"all_reduce of bucket 2 \(4 B\) on group 'world' "
                                               r"\(rank 0, group rank 0/1\).*complex64"):
             g.all_reduce(np.zeros(1, np.complex64), tag="bucket 2 (4 B)")
         with pytest.raises(ConfigError, match="all_gather of grad 5 on group 'world'.*group size"):
