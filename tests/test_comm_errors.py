@@ -278,7 +278,7 @@ def test_launcher_exits_naming_the_rank_that_died(tmp_path):
                        capture_output=True, text=True, timeout=90, env=env)
     elapsed = time.monotonic() - t0
     assert r.returncode == 1, r.stderr
-    assert "rank 1 (local rank 1) failed first: exit code 1" in r.stderr, r.stderr
+    assert "root cause: rank 1 (local rank 1): exit code 1" in r.stderr, r.stderr
     assert "[rank 1] step 1 done" in r.stdout and "step 2 done" not in r.stdout, r.stdout
     caught = [line for line in r.stderr.splitlines() if line.startswith("[rank 0] caught ")]
     assert caught and "CommError" in caught[0] and "bucket" in caught[0], r.stderr

@@ -4,8 +4,8 @@ import threading
 import time
 
 import pytest
-
 from mp import free_port, run_ranks
+
 from nccl_ddp.env import resolve_env
 from nccl_ddp.errors import AuthError, StoreError, StoreTimeout
 from nccl_ddp.store.client import MAX_FRAME, PrefixStore, StoreServer, TCPStore, connect_store
@@ -42,7 +42,7 @@ def _ops(rank, world_size):
         group = PrefixStore(store, "group1")
         group.set("x", str(rank))
         group.barrier("b", world_size)
-        prefixed = store.get(f"group1/x")
+        prefixed = store.get("group1/x")
         store.barrier("end", world_size)
         return got, counts, total, won, leader, prefixed
     finally:
@@ -51,7 +51,8 @@ def _ops(rank, world_size):
 
 def test_ops_across_three_processes():
     results = run_ranks(_ops, 3, timeout=60)
-    for got, counts, total, won, leader, prefixed in results:
+    assert sum(r[3] for r in results) == 1               # one rank won the compare_set
+    for got, counts, total, _won, leader, prefixed in results:
         assert got == [b"from 0", b"from 1", b"from 2"]
         assert counts == sorted(counts) and len(set(counts)) == 50
         assert total == 150

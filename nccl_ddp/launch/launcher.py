@@ -159,7 +159,8 @@ def _attempt(config: LaunchConfig, nproc: int, port: int, secret: str, restart: 
                 for w, f in zip(workers, logs):
                     w.start(cmd, worker_env(config, nproc, w.local_rank, port, secret, store_port,
                                             restart, job_id, w.error_file), f, out_lock)
-                    reaper.watch_group(w.proc.pid)
+                    if w.proc is not None:
+                        reaper.watch_group(w.proc.pid)
             except OSError as e:
                 for w in workers:
                     if w.proc is not None:

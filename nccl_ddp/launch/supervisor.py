@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import IO, Optional
+from typing import IO, Any, Optional
 
 log = logging.getLogger("nccl_ddp.launch")
 
@@ -41,7 +41,9 @@ class WorkerState(str, enum.Enum):
     STOPPED = "STOPPED"
 
 
-def describe_exit(code: int) -> str:
+def describe_exit(code: Optional[int]) -> str:
+    if code is None:
+        return "still running"
     if code < 0:
         try:
             return f"killed by signal {signal.Signals(-code).name}"
@@ -77,7 +79,7 @@ class Worker:
 
     def poll(self) -> bool:
         """Update the state from the process; True if the worker just finished."""
-        if self.state not in (WorkerState.RUNNING, WorkerState.STOPPING):
+        if self.state not in (WorkerState.RUNNING, WorkerState.STOPPING) or self.proc is None:
             return False
         code = self.proc.poll()
         if code is None:
@@ -91,6 +93,8 @@ class Worker:
 
     def signal(self, sig: int, stopping: bool = True) -> None:
         """Send `sig` to the worker's whole process group."""
+        if self.proc is None:
+            return
         if self.state is WorkerState.RUNNING and stopping:
             self.state = WorkerState.STOPPING
         try:
@@ -152,7 +156,7 @@ class Signals:
     def __init__(self):
         self.received: Optional[int] = None      # the first signal
         self.count = 0                           # a second one skips the grace period
-        self._old: dict[int, object] = {}
+        self._old: dict[int, Any] = {}
 
     def __enter__(self) -> Signals:
         if threading.current_thread() is threading.main_thread():
@@ -214,12 +218,13 @@ def supervise(workers: list, signals: Signals, grace: float) -> Outcome:
             if w.poll() and w.state is WorkerState.FAILED and first is None:
                 first = w
         if stop_deadline is None and (first is not None or signals.received is not None):
+            sig: int
             if first is not None:
                 log.error("rank %d (local rank %d) exited (%s); stopping the other workers",
                           first.rank, first.local_rank, describe_exit(first.returncode))
                 sig = signal.SIGTERM
             else:
-                sig = signals.received
+                sig = int(signals.received or signal.SIGTERM)
                 log.warning("received %s; forwarding it to the workers",
                             signal.Signals(sig).name)
             for w in workers:
@@ -244,7 +249,7 @@ def supervise(workers: list, signals: Signals, grace: float) -> Outcome:
     root = next((w for w in ordered if w.state is WorkerState.FAILED), None)
     failures = ([root] if root else []) + [w for w in ordered if w is not root]
     if root is not None:
-        code = root.returncode
+        code = root.returncode or 0
         return Outcome(code if code > 0 else 128 - code, failures, signals.received)
     if signals.received is not None:
         return Outcome(128 + signals.received, failures, signals.received)

@@ -19,15 +19,22 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from nccl_ddp.device import DEFAULT_TIMEOUT, HostEvent, ImmediateStream
-from nccl_ddp.env import env_int
-from nccl_ddp.errors import CommError, CommTimeout, ConfigError, NcclDdpError, RankMismatchError
+from nccl_ddp.comm.group import ProcessGroup, ReduceOp, Work, check_gather_buffers
 from nccl_ddp.comm.host.reduce import Reduction, dtype_code
 from nccl_ddp.comm.host.ring import RingTransport, SelfTransport
 from nccl_ddp.comm.host.shm import ShmTransport
-from nccl_ddp.comm.host.wire import (ALL_GATHER, ALL_REDUCE, BARRIER, BROADCAST, REDUCE_SCATTER, Rendezvous,
-                    host_id)
-from nccl_ddp.comm.group import ProcessGroup, ReduceOp, Work, check_gather_buffers
+from nccl_ddp.comm.host.wire import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    BARRIER,
+    BROADCAST,
+    REDUCE_SCATTER,
+    Rendezvous,
+    host_id,
+)
+from nccl_ddp.device import DEFAULT_TIMEOUT, HostEvent, ImmediateStream
+from nccl_ddp.env import env_int
+from nccl_ddp.errors import CommError, CommTimeout, ConfigError, NcclDdpError, RankMismatchError
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +117,7 @@ class HostProcessGroup(ProcessGroup):
 
     @classmethod
     def create(cls, store, rank: int, size: int, ranks: Sequence[int], timeout: float,
-               name: str) -> "HostProcessGroup":
+               name: str) -> HostProcessGroup:
         return cls(store, rank, size, ranks, timeout, name)
 
     # -- setup ---------------------------------------------------------------------------------
@@ -140,6 +147,7 @@ class HostProcessGroup(ProcessGroup):
             rdv.listener.close()
             raise ConfigError(f"{self._where}: shm transport requested but the members run on "
                               f"several hosts; use NCCL_DDP_HOST_TRANSPORT=auto or tcp")
+        t: Callable[[], Any]
         if same_host and all(i["transport"] != "tcp" for i in infos):
             links = rdv.connect(range(self.size))
             kind, t = "shm", lambda: ShmTransport(links, self.rank, self.size, chunk, "host")
@@ -303,7 +311,7 @@ class HostProcessGroup(ProcessGroup):
 
     # -- groups --------------------------------------------------------------------------------
 
-    def new_subgroup(self, ranks: Sequence[int]) -> Optional["HostProcessGroup"]:
+    def new_subgroup(self, ranks: Sequence[int]) -> Optional[HostProcessGroup]:
         """Collective over this group (every member calls it, in the same order)."""
         from nccl_ddp.store.client import PrefixStore
         n = next(self._subgroups)

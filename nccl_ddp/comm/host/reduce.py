@@ -10,8 +10,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from nccl_ddp.errors import ConfigError, ConfigTypeError
 from nccl_ddp.comm.group import ReduceOp
+from nccl_ddp.errors import ConfigError, ConfigTypeError
 
 
 def _dtypes() -> tuple:

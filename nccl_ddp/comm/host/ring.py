@@ -17,10 +17,10 @@ from typing import Optional
 
 import numpy as np
 
-from nccl_ddp.errors import CommTimeout
+from nccl_ddp.comm.group import ReduceOp
 from nccl_ddp.comm.host.reduce import Reduction
 from nccl_ddp.comm.host.wire import Header, PeerLink
-from nccl_ddp.comm.group import ReduceOp
+from nccl_ddp.errors import CommTimeout
 
 STAGED, DATA = 1, 3   # message kinds (see wire.KIND_NAMES)
 
@@ -107,7 +107,7 @@ class RingTransport:
               forward: bool = False) -> None:
         """Receive `a` from the previous rank: into it, or reduced into it with `red`; `forward`
         passes each piece on to the next rank as soon as it has arrived."""
-        tmp = np.empty(min(a.size, self.chunk // a.itemsize), a.dtype) if red else None
+        tmp = np.empty(min(a.size, self.chunk // a.itemsize) if red else 0, a.dtype)
         for p in self._pieces(a):
             self.recv_seq += 1
             hdr = Header(self.recv_seq, DATA, *desc)
@@ -116,7 +116,7 @@ class RingTransport:
                 self.prev.recv_into(memoryview(p.view(np.uint8)))
             else:
                 t = tmp[:p.size]
-                self.prev.recv_into(memoryview(t.view(np.uint8)))
+                self.prev.recv_into(t.view(np.uint8).data)
                 red.combine(p, [t], final=False)
             if forward:
                 self.send_seq += 1

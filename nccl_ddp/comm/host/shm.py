@@ -42,7 +42,7 @@ class Segment:
         self.array = np.frombuffer(self._map, dtype=np.uint8)
 
     @classmethod
-    def create(cls, nbytes: int, tag: str) -> "Segment":
+    def create(cls, nbytes: int, tag: str) -> Segment:
         """A new segment named `nccl_ddp-<job>-<pid>-<random>`: $NCCL_DDP_JOB_ID (set by
         nccl-ddp-run, which removes `nccl_ddp-<job>-*` when it exits) or `tag`."""
         job = os.environ.get("NCCL_DDP_JOB_ID") or tag

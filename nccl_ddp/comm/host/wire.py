@@ -16,8 +16,8 @@ import time
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional
 
-from nccl_ddp.errors import CommError, CommTimeout, ConfigError, RankMismatchError, StoreTimeout
 from nccl_ddp.comm.host.reduce import DTYPES
+from nccl_ddp.errors import CommError, CommTimeout, ConfigError, RankMismatchError, StoreTimeout
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class Header:
                             self.count)
 
     @classmethod
-    def unpack(cls, raw: bytes) -> "Header":
+    def unpack(cls, raw: bytes) -> Header:
         return cls(*_HEADER.unpack(raw))
 
     def describe(self) -> str:
@@ -73,7 +73,7 @@ class PeerLink:
                 self.sock.sendall(payload)
             else:
                 self.sock.sendall(header.pack())
-        except socket.timeout as e:
+        except TimeoutError as e:
             raise CommTimeout(f"peer rank {self.peer} did not accept data for {self.timeout:.1f}s "
                               f"(is it stuck or dead?)") from e
         except OSError as e:
@@ -89,7 +89,7 @@ class PeerLink:
                     raise CommError(f"peer rank {self.peer} closed the connection (did it die or "
                                     f"fail? check its log)")
                 got += k
-        except socket.timeout as e:
+        except TimeoutError as e:
             raise CommTimeout(f"peer rank {self.peer} sent nothing for {self.timeout:.1f}s "
                               f"(is it stuck, dead, or running a different collective?)") from e
         except CommError:
@@ -256,7 +256,7 @@ class Rendezvous:
         self.listener.settimeout(self._left())
         try:
             sock, _ = self.listener.accept()
-        except socket.timeout as e:
+        except TimeoutError as e:
             raise CommTimeout(f"{self.where}: ranks {[self.ranks[p] for p in sorted(expected)]} "
                               f"did not connect within {self.timeout:.1f}s") from e
         sock.settimeout(self._left())
