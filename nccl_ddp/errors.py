@@ -47,3 +47,12 @@ class ReducerError(NcclDdpError):
 
 class KernelError(NcclDdpError):
     """A CUDA kernel could not be found, compiled or launched."""
+
+
+class JoinError(NcclDdpError):
+    """Inside `Join`: a rank raised (the others name it instead of hanging), or a rank ran out of
+    inputs with `throw_on_early_termination=True`."""
+
+
+class NonFiniteGradError(NcclDdpError):
+    """`check_finite="raise"`: a step's grads held NaN or Inf (raised on every rank)."""

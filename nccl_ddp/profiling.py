@@ -45,7 +45,7 @@ PHASES = {  # phase -> NVTX colour (ARGB)
     "backward": 0xFF4C72B0, "pack": 0xFFDD8452, "allreduce": 0xFF55A868,
     "unpack": 0xFFC44E52, "finalize": 0xFF8172B3,
 }
-COMM_PHASES = frozenset({"pack", "allreduce", "unpack"})
+COMM_PHASES = frozenset({"pack", "allreduce", "unpack", "hook"})
 OTHER_COLOUR = 0xFF999999
 MAX_SPANS = 200_000          # spans kept for the Chrome trace (the oldest are dropped)
 MAX_STEPS = 10_000           # step summaries kept in `Timeline.steps`
@@ -126,10 +126,10 @@ class _Nvtx:
             self.pop()
 
 
-def _label(phase: str, bucket: Optional[int], nbytes: int) -> str:
+def _label(phase: str, bucket: Optional[int], nbytes: int, dtype: str = "") -> str:
     if bucket is None:
         return phase
-    return f"{phase} bucket {bucket} {nbytes / 2**20:.2f} MiB"
+    return f"{phase} bucket {bucket} {nbytes / 2**20:.2f} MiB" + (f" {dtype}" if dtype else "")
 
 
 # ---------------------------------------------------------------------------------- timeline
@@ -145,6 +145,7 @@ class Span:
     nbytes: int
     start: float
     end: float
+    dtype: str = ""         # the wire dtype when a hook compressed the bucket ("bfloat16")
 
 
 @dataclass(frozen=True)
@@ -240,7 +241,7 @@ class Timeline:
         self._on = self.timeline or self._nvtx is not None
         self._clock: Optional[_CudaClock] = None
         self._tracks: dict = {}              # id(stream) -> (stream, track name)
-        self._pending: list = []             # (track, phase, bucket, nbytes, start, end) this step
+        self._pending: list = []   # (track, phase, bucket, nbytes, start, end, dtype) this step
         self._open: dict = {}                # phase -> start point of an open mark
         self._host_streams: dict = {}        # id -> host stream used this step
         self._spans: collections.deque = collections.deque(maxlen=MAX_SPANS)
@@ -272,8 +273,9 @@ class Timeline:
         return self._nvtx.range(_label(phase, bucket, nbytes), phase)
 
     def submit(self, stream: Any, phase: str, bucket: Optional[int], nbytes: int,
-               fn: Callable[..., Any], *args: Any) -> None:
-        """`stream.submit(fn, *args)`, wrapped in an NVTX range and timed when those are on."""
+               fn: Callable[..., Any], *args: Any, dtype: str = "") -> None:
+        """`stream.submit(fn, *args)`, wrapped in an NVTX range and timed when those are on.
+        `dtype`: the wire dtype when it differs from the bucket's (compression hooks)."""
         if not self._on:
             stream.submit(fn, *args)
             return
@@ -289,7 +291,7 @@ class Timeline:
                 stream.submit(fn, *args)
                 end = self._cuda_event(stream)
         if self.timeline:
-            self._pending.append((self._track(stream), phase, bucket, nbytes, start, end))
+            self._pending.append((self._track(stream), phase, bucket, nbytes, start, end, dtype))
 
     def _host_task(self, label: str, phase: str, start: Optional[_Stamp], end: Optional[_Stamp],
                    fn: Callable[..., Any], args: tuple) -> None:
@@ -334,7 +336,7 @@ class Timeline:
         if edge == "start":
             self._open[phase] = point
         elif phase in self._open:
-            self._pending.append(("compute", phase, None, 0, self._open.pop(phase), point))
+            self._pending.append(("compute", phase, None, 0, self._open.pop(phase), point, ""))
         else:
             log.warning("profiling: mark(%r, 'end') without a start; ignored", phase)
 
@@ -359,10 +361,10 @@ class Timeline:
                 log.warning("profiling: step %d: a stream task failed (%s); its spans are dropped",
                             self._step, e)
         spans = []
-        for track, phase, bucket, nbytes, start, end in self._pending:
+        for track, phase, bucket, nbytes, start, end, dtype in self._pending:
             t0, t1 = self._time(start), self._time(end)
             if t0 is not None and t1 is not None:
-                spans.append(Span(self._step, track, phase, bucket, nbytes, t0, t1))
+                spans.append(Span(self._step, track, phase, bucket, nbytes, t0, t1, dtype))
         summary = summarize(self.rank, self._step, spans)
         self._spans.extend(spans)
         self.steps.append(summary)
@@ -398,7 +400,10 @@ class Timeline:
                     "args": {"name": track}} for track, tid in tids.items()]
         for s in spans:
             args = {"step": s.step, "bucket": s.bucket, "bytes": s.nbytes}
-            events.append({"ph": "X", "name": _label(s.phase, s.bucket, s.nbytes), "cat": s.phase,
+            if s.dtype:
+                args["wire_dtype"] = s.dtype
+            events.append({"ph": "X", "name": _label(s.phase, s.bucket, s.nbytes, s.dtype),
+                           "cat": s.phase,
                            "pid": self.rank, "tid": tids[s.track], "ts": (s.start - origin) * 1e6,
                            "dur": (s.end - s.start) * 1e6, "args": args})
         with open(path, "w") as f:

@@ -191,6 +191,11 @@ def get_local_rank() -> int:
     return _require("get_local_rank").env.local_rank
 
 
+def get_store() -> Any:
+    """The job's key-value store (coordination beside the collectives, e.g. Join's error report)."""
+    return _require("get_store").store
+
+
 def get_world_group() -> ProcessGroup:
     return _require("get_world_group").group
 

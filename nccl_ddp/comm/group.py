@@ -103,6 +103,11 @@ class ProcessGroup(abc.ABC):
         can tell without communicating; [] when it cannot tell."""
         return []
 
+    def abort(self, reason: str) -> None:
+        """Give up on the group now: peers blocked on this rank fail (with `reason` where the
+        backend can say it) instead of waiting for their timeout. The group is unusable after."""
+        self.shutdown()
+
     @property
     def failed(self) -> bool:
         """True once a collective of this group failed or the group was aborted: it is unusable

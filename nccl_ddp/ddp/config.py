@@ -38,6 +38,9 @@ class DDPConfig:
     synchronised one, in one coalesced broadcast. False: buffers stay per rank."""
     broadcast_chunk_mb: float = 25.0
     """Chunk size of the initial parameter broadcast."""
+    check_finite: object = False
+    """True: the pack kernels flag NaN/Inf grads, `last_step_finite` says whether a step had any
+    (on any rank). "raise": `NonFiniteGradError` on every rank at the end of such a step."""
 
     def __post_init__(self) -> None:
         for name in ("init_sync", "find_unused_parameters", "average_in_collective",
@@ -53,6 +56,7 @@ class DDPConfig:
             if not 0 <= v < float("inf") or (name == "broadcast_chunk_mb" and v == 0):
                 raise ConfigError(f"{name} must be a finite number "
                                  f"{'> 0' if name == 'broadcast_chunk_mb' else '>= 0'} MiB, got {v}")
+        check_finite_option("check_finite", self.check_finite)
         if not isinstance(self.reducer_mode, str) or self.reducer_mode not in REDUCER_MODES:
             raise ConfigError(f"reducer_mode must be one of {REDUCER_MODES}, got {self.reducer_mode!r}")
 
@@ -74,8 +78,12 @@ class DDPConfig:
         return {"find_unused_parameters": self.find_unused_parameters,
                 "average_in_collective": self.average_in_collective,
                 "reducer_mode": self.reducer_mode, "static_graph": self.static_graph,
-                "broadcast_buffers": self.broadcast_buffers,
+                "broadcast_buffers": self.broadcast_buffers, "check_finite": self.check_finite,
                 "bucket_cap_mb": self.cap_bytes / MiB}
+
+
+COMPRESS = {None: None, "bf16": "bfloat16", "fp16": "float16"}
+"""DistributedGradReducer's compress option -> the dtype on the wire."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,12 +97,20 @@ class GradReducerConfig:
     fusion_type: int = 1
     """0: one all-reduce per grad; n >= 1: grads fused into 25 MiB buckets under fusion id n (a
     parameter's own `comm_fusion` id overrides it)."""
+    compress: Optional[str] = None
+    """"bf16" / "fp16": float32 buckets travel in that dtype (half the bytes); None: as they are."""
+    check_finite: object = False
+    """As DDPConfig.check_finite, per call."""
 
     def __post_init__(self) -> None:
         check_bool("mean", self.mean)
         if self.degree is not None:
             check_positive_int("degree", self.degree)
         check_positive_int("fusion_type", self.fusion_type, allow_zero=True)
+        if self.compress not in COMPRESS:
+            raise ConfigError(f"compress must be one of {sorted(COMPRESS, key=str)}, got "
+                              f"{self.compress!r}")
+        check_finite_option("check_finite", self.check_finite)
 
 
 C = TypeVar("C", DDPConfig, GradReducerConfig)
@@ -116,3 +132,9 @@ def config_from(cls: Type[C], config: Optional[C], **options: Any) -> C:
         raise ConfigError(f"pass either config= or the options {changed}, not both: the config "
                           f"holds every option (dataclasses.replace(config, ...) changes one)")
     return config
+
+
+def check_finite_option(name: str, value: object) -> None:
+    """check_finite is False, True or "raise"."""
+    if value is not False and value is not True and value != "raise":
+        raise ConfigError(f"{name} must be False, True or \"raise\", got {value!r}")

@@ -8,17 +8,21 @@ hand-written backprop (adapters/arrays.py); the last one finalizes the step.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
-from typing import Any, Callable, Iterator, List, Optional
+from typing import Any, Callable, Iterator, List, Optional, Union
 
 import numpy as np
 
 from nccl_ddp import frameworks
 from nccl_ddp.comm.api import device_of, resolve_group
 from nccl_ddp.comm.group import ProcessGroup
+from nccl_ddp.ddp import comm_hooks
 from nccl_ddp.ddp.buckets import ParamSpec
 from nccl_ddp.ddp.config import DDPConfig, config_from
 from nccl_ddp.ddp.interfaces import GradModule
+from nccl_ddp.ddp.join import (Join, JoinHook, Joinable, ReducerJoinHook, buffer_source,
+                               on_step_open)
 from nccl_ddp.ddp.param_sync import broadcast_coalesced, check_same_params
 from nccl_ddp.ddp.reducer import Reducer
 from nccl_ddp.errors import ConfigError, ConfigTypeError, ReducerError
@@ -27,7 +31,7 @@ from nccl_ddp.validate import check_float_dtype
 log = logging.getLogger(__name__)
 
 
-class DistributedDataParallel:
+class DistributedDataParallel(Joinable):
     """Wraps `module`; calling the wrapper runs the module's forward and opens a step.
 
     For a framework whose models are objects of its own (torch.nn.Module), the wrapper is one
@@ -52,12 +56,14 @@ class DistributedDataParallel:
                  bucket_cap_mb: Optional[float] = None,
                  find_unused_parameters: bool = False, average_in_collective: bool = False,
                  static_graph: bool = False, reducer_mode: str = "CppReducer", *,
-                 broadcast_buffers: bool = True, config: Optional[DDPConfig] = None) -> None:
+                 broadcast_buffers: bool = True, check_finite: Union[bool, str] = False,
+                 config: Optional[DDPConfig] = None) -> None:
         self.config = config_from(
             DDPConfig, config, init_sync=init_sync, bucket_cap_mb=bucket_cap_mb,
             find_unused_parameters=find_unused_parameters,
             average_in_collective=average_in_collective, static_graph=static_graph,
-            reducer_mode=reducer_mode, broadcast_buffers=broadcast_buffers)
+            reducer_mode=reducer_mode, broadcast_buffers=broadcast_buffers,
+            check_finite=check_finite)
         self.module = module
         self._adapter = (module if isinstance(module, GradModule)
                          else frameworks.module_adapter(module))
@@ -74,6 +80,8 @@ class DistributedDataParallel:
                                names=self._adapter.names, install=install,
                                stream_scope=self._adapter.on_compute_stream)
         self._sync_buffers_next = True      # torch: the first forward syncs buffers
+        self._join_divide_by_initial = True     # set by join_hook(divide_by_initial_world_size)
+        self.reducer.on_open = functools.partial(on_step_open, self)
         if self.config.init_sync:
             self._init_sync(params)
         self._adapter.attach(self)
@@ -112,14 +120,19 @@ class DistributedDataParallel:
         self._sync_buffers_next = self.reducer.sync_enabled and self._adapter.grad_enabled()
 
     def sync_buffers(self) -> None:
-        """Overwrite every rank's buffers with rank 0's (one coalesced broadcast). Every rank
-        must call it; forward does when broadcast_buffers=True."""
+        """Overwrite every rank's buffers with rank 0's (one coalesced broadcast; inside a Join,
+        the last rank's still training, as rank 0 may have joined). Every rank must call it;
+        forward does when broadcast_buffers=True."""
+        self._broadcast_buffers(joined=False)
+
+    def _broadcast_buffers(self, joined: bool) -> None:
         buffers = [a for _, a in self._adapter.named_buffers()]
         if not buffers:
             return
+        src = buffer_source(self, joined)
         with self._adapter.on_compute_stream():
             broadcast_coalesced(buffers, self.process_group, self.device,
-                                self.config.broadcast_chunk_bytes)
+                                self.config.broadcast_chunk_bytes, src=src)
         self._adapter.buffers_updated()
 
     def mark_ready(self, param: Any, grad: Any = None) -> Any:
@@ -202,6 +215,58 @@ class DistributedDataParallel:
     def close(self) -> None:
         """Wait for pending communication and stop the comm stream."""
         self.reducer.close()
+
+    # ------------------------------------------------------------------ hooks, Join, checks
+
+    def register_comm_hook(self, state: Any, hook: Callable[[Any, Any], Any]) -> None:
+        """Reduce each bucket with `hook(state, bucket) -> Future` (torch's contract; built-ins
+        in `nccl_ddp.hooks`). Once, before the first step; not with PythonReducer."""
+        comm_hooks.check_hook(hook)
+        r = self.reducer
+        where = f"rank {self.process_group.rank}: register_comm_hook"
+        if self.config.reducer_mode == "PythonReducer":
+            raise ConfigError(f"{where}: comm hooks work on buckets; use "
+                              "reducer_mode=\"CppReducer\" (the default)")
+        if r.comm_hook is not None:
+            raise ConfigError(f"{where}: a comm hook is registered already; register one hook, "
+                              "once")
+        if r.steps or r._open:
+            raise ConfigError(f"{where}: call it before the first forward/backward")
+        r.comm_hook = (state, hook)
+
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Join:
+        """`with ddp.join():` trains with uneven inputs (torch's `DistributedDataParallel.join`)."""
+        return Join([self], enable, throw_on_early_termination,
+                         divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        unknown = set(kwargs) - {"divide_by_initial_world_size"}
+        if unknown:
+            raise ConfigError(f"Join: unknown keyword arguments {sorted(unknown)} for "
+                              "DistributedDataParallel (it takes divide_by_initial_world_size)")
+        return ReducerJoinHook(self, **kwargs)
+
+    @property
+    def join_process_group(self) -> ProcessGroup:
+        return self.process_group
+
+    def _sync_from(self, src: int) -> None:
+        """Every rank takes rank `src`'s parameters, frozen ones and (with broadcast_buffers)
+        buffers included (Join's end: the last rank to join; torch's _sync_final_model)."""
+        state = [a for _, a in self._adapter.named_frozen()]
+        if self.config.broadcast_buffers:
+            state += [a for _, a in self._adapter.named_buffers()]
+        with self._adapter.on_compute_stream():
+            broadcast_coalesced(list(self.reducer.params) + state, self.process_group,
+                                self.device, self.config.broadcast_chunk_bytes, src=src)
+        self._adapter.params_updated()
+
+    @property
+    def last_step_finite(self) -> Optional[bool]:
+        """check_finite: whether every grad of the last synchronised step was finite on every
+        rank (None before the first step)."""
+        return self.reducer.last_step_finite
 
     # ------------------------------------------------------------------ helpers
 

@@ -23,13 +23,16 @@ the same id (and dtype) share buckets, different ids never do, id 0 is never fus
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
 from nccl_ddp import kernels
 from nccl_ddp import frameworks
-from nccl_ddp.ddp.config import GradReducerConfig, config_from
+from nccl_ddp.ddp import comm_hooks
+from nccl_ddp.ddp.bucket_memory import to_host
+from nccl_ddp.ddp.config import COMPRESS, GradReducerConfig, config_from
+from nccl_ddp.ddp.join import GradReducerJoinHook, Join, Joinable, JoinHook
 from nccl_ddp.ddp.buckets import DEFAULT_CAP_BYTES, FIRST_CAP_BYTES, ParamSpec, assign_buckets
 from nccl_ddp.comm.group import ProcessGroup, ReduceOp
 from nccl_ddp.comm.api import device_of, resolve_group
@@ -37,11 +40,15 @@ from nccl_ddp.validate import check_float_dtype, check_positive_int
 from nccl_ddp.ddp.param_sync import check_same_params
 from nccl_ddp.ddp.reducer import bucket_tag
 from nccl_ddp.ddp.step_failure import StepFailure
-from nccl_ddp.errors import ConfigError, ConfigTypeError
+from nccl_ddp.errors import ConfigError, ConfigTypeError, NonFiniteGradError
 
 
-class DistributedGradReducer:
+class DistributedGradReducer(Joinable):
     """Callable on a list/tuple of grads (one per parameter, same shapes); returns them reduced.
+
+    `compress="bf16"|"fp16"`: float32 buckets travel in that dtype (packed with the mean's scale
+    in one launch, widened back after the all-reduce): half the bytes. `check_finite`: as DDP's
+    (`last_step_finite`, or `NonFiniteGradError` with "raise"). Joinable (`nccl_ddp.Join`).
 
     A framework adapter may hand back its own object around the reducer instead (MindSpore: an
     `nn.Cell`, so that a compiled `construct` can call it); see `GradsAdapter.reducer_wrapper`."""
@@ -58,9 +65,11 @@ class DistributedGradReducer:
 
     def __init__(self, parameters: Sequence[Any], mean: bool = True, degree: Optional[int] = None,
                  fusion_type: int = 1, group: Optional[ProcessGroup] = None, *,
+                 compress: Optional[str] = None, check_finite: Union[bool, str] = False,
                  config: Optional[GradReducerConfig] = None) -> None:
         self.config = config_from(GradReducerConfig, config, mean=mean, degree=degree,
-                                  fusion_type=fusion_type)
+                                  fusion_type=fusion_type, compress=compress,
+                                  check_finite=check_finite)
         mean, fusion_type = self.config.mean, self.config.fusion_type
         parameters = _materialize(parameters)
         adapter = frameworks.grads_adapter(parameters)
@@ -69,6 +78,11 @@ class DistributedGradReducer:
         if not isinstance(parameters, (list, tuple)) or not parameters:
             raise ConfigTypeError("parameters must be a non-empty list or tuple of parameters, got "
                             f"{type(parameters).__name__}")
+        self.compress, self.check_finite = self.config.compress, self.config.check_finite
+        self._join_divide_by_initial = True
+        self._divisor = 1
+        self._flags: Any = None
+        self._flags_host: Any = None
         self.group = resolve_group(group, "group")
         self.device = device_of(self.group)
         self.mean = mean
@@ -89,7 +103,8 @@ class DistributedGradReducer:
         self.specs = specs
         # every rank constructs the reducer: one collective now instead of wrong numbers later
         check_same_params(specs, self.group, self.device, {
-            "mean": mean, "degree": self.degree,
+            "mean": mean, "degree": self.degree, "compress": self.compress,
+            "check_finite": self.check_finite,
             "fusion id (fusion_type or comm_fusion)": fusion_ids}, owner="DistributedGradReducer")
         # the device's alignment: on the host, 64 bytes, so JAX can alias each reduced grad
         self.layout = assign_buckets(specs, DEFAULT_CAP_BYTES, FIRST_CAP_BYTES,
@@ -116,8 +131,12 @@ class DistributedGradReducer:
 
     def reduce_bucket(self, b: int, grads: Sequence[Any]) -> list:
         """Bucket `b`'s grads (native arrays, in `layout.buckets[b].params` order) reduced, for
-        callers that hand the buckets over one at a time (MindSpore's graph-mode ops)."""
+        callers that hand the buckets over one at a time (MindSpore's graph-mode ops). Inside a
+        Join, bucket 0 opens a step: hand every bucket over, in order."""
         self._failure.check()
+        if self.check_finite:
+            raise ConfigError(f"rank {self.group.rank}: check_finite reads the flags of a whole "
+                              "call; reduce the grads in one call (reducer(grads)) to use it")
         bucket = self.layout.buckets[b]
         native: list = [None] * len(self.specs)
         for p, g in zip(bucket.params, grads):
@@ -129,28 +148,115 @@ class DistributedGradReducer:
     def _reduce(self, native: list, buckets: Optional[Sequence[int]] = None) -> list:
         """The native grads of `buckets` (all by default) reduced: views of fresh bucket
         buffers, packing and all-reducing pipelined across the compute and comm streams."""
-        scale = 1.0 / self.degree if self.mean else 1.0
-        pack = functools.partial(kernels.pack, scale=scale)
+        if buckets is None or buckets[0] == 0:    # a call (or its first bucket) opens a step
+            active = Join.notify_join_context(self) if self._join_config.enable else None
+            self._divisor = (self.degree if self._join_divide_by_initial or active is None
+                             else active)
+        scale = 1.0 / self._divisor if self.mean else 1.0
         compute = self.device.current_stream()
+        flags = self._open_flags()
         out = [None] * len(native)
         done = []
         for b in range(len(self.layout.buckets)) if buckets is None else buckets:
             bucket = self.layout.buckets[b]
             buf = self.device.empty(bucket.padded, bucket.dtype)
             offsets = list(bucket.offsets)
+            views = [buf[off:off + n] for off, n in zip(offsets, bucket.numels)]
+            wire = self._wire_dtype(bucket)
+            wbuf = buf if wire is None else self.device.empty(bucket.padded, wire)
+            flag = None if flags is None else flags[b:b + 1]
             # compute: ─[pack b]─●ready b─[pack b+1]─●ready b+1─ ... ── wait(done *) ─▶
             #                      ╲                   ╲
             # comm:    ───────────wait─[all-reduce b]─wait─[all-reduce b+1]─●done
-            compute.submit(pack, [native[p] for p in bucket.params], buf, offsets)
+            compute.submit(functools.partial(kernels.pack, scale=scale, nonfinite_flag=flag),
+                           [native[p] for p in bucket.params], wbuf, offsets)
             self.comm.wait(compute.record())
-            self.group.all_reduce(buf, ReduceOp.SUM, stream=self.comm,
+            self.group.all_reduce(wbuf, ReduceOp.SUM, stream=self.comm,
                                   tag=bucket_tag(b, bucket.nbytes))
+            if wire is not None:   # widen into the fresh float32 buffer the grads view
+                self.comm.submit(kernels.unpack, views, wbuf, offsets)
             done.append(self.comm.record())
-            for p, off, n in zip(bucket.params, offsets, bucket.numels):
-                out[p] = buf[off:off + n].reshape(self.specs[p].shape)
+            for p, v in zip(bucket.params, views):
+                out[p] = v.reshape(self.specs[p].shape)
+        self._reduce_flags(flags)
         for ev in done:
             compute.wait(ev)
         return out
+
+    def _wire_dtype(self, bucket: Any) -> Any:
+        """The dtype a bucket travels in: compress's for float32 buckets, else None (its own)."""
+        wire = COMPRESS[self.compress]
+        if wire is None or np.dtype(bucket.dtype) != np.float32:
+            return None
+        return comm_hooks.wire_dtype(wire)
+
+    def _open_flags(self) -> Any:
+        if not self.check_finite:
+            return None
+        self._flags_host = None
+        self._flags = self.device.zeros(max(1, len(self.layout.buckets)), np.int32)
+        return self._flags
+
+    def _reduce_flags(self, flags: Any) -> None:
+        """check_finite: sum the per-bucket flags over the ranks after the buckets (one small
+        all-reduce); with "raise", read them now."""
+        if flags is None:
+            return
+        self.group.all_reduce(flags, ReduceOp.SUM, stream=self.comm, tag="the non-finite flags")
+        self.device.current_stream().wait(self.comm.record())
+        if self.check_finite == "raise" and self.last_step_finite is False:
+            bad = [int(b) for b in np.flatnonzero(self._flags_host)]
+            bucket = self.layout.buckets[bad[0]]
+            names = ", ".join(f"{p}" + (f" ({self.specs[p].name!r})" if self.specs[p].name else "")
+                              for p in bucket.params[:20])
+            raise NonFiniteGradError(
+                f"rank {self.group.rank}: non-finite grads (NaN or Inf) on at least one rank: "
+                f"first in {bucket_tag(bad[0], bucket.nbytes)}, which holds parameters {names}; "
+                f"buckets flagged: {bad}")
+
+    @property
+    def last_step_finite(self) -> Optional[bool]:
+        """check_finite: whether every grad of the last call was finite on every rank (None
+        before the first call); reading it waits for that call's communication."""
+        if not self.check_finite:
+            raise ConfigError(f"rank {self.group.rank}: last_step_finite needs check_finite=True "
+                              "(or \"raise\") when the DistributedGradReducer is built")
+        if self._flags is None:
+            return None
+        if self._flags_host is None:
+            self.comm.synchronize(self.group.timeout)
+            self.device.current_stream().synchronize(self.group.timeout)
+            self._flags_host = np.asarray(to_host(self._flags))
+        return not bool(self._flags_host.any())
+
+    # ------------------------------------------------------------------ Join
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        unknown = set(kwargs) - {"divide_by_initial_world_size"}
+        if unknown:
+            raise ConfigError(f"Join: unknown keyword arguments {sorted(unknown)} for "
+                              "DistributedGradReducer (it takes divide_by_initial_world_size)")
+        return GradReducerJoinHook(self, **kwargs)
+
+    @property
+    def join_process_group(self) -> ProcessGroup:
+        return self.group
+
+    def shadow_call(self) -> None:
+        """A joined rank's stand-in for one call of the ranks still reducing: the same
+        all-reduces, on zeros."""
+        self._failure.check()
+        with self._failure.closes_step():
+            flags = self._open_flags()
+            for b, bucket in enumerate(self.layout.buckets):
+                wire = self._wire_dtype(bucket)
+                buf = self.device.zeros(bucket.padded, bucket.dtype if wire is None else wire)
+                self.group.all_reduce(buf, ReduceOp.SUM, stream=self.comm,
+                                      tag=bucket_tag(b, bucket.nbytes))
+            if flags is not None:
+                self.group.all_reduce(flags, ReduceOp.SUM, stream=self.comm,
+                                      tag="the non-finite flags")
+            self.comm.synchronize(self.group.timeout)
 
     def _native(self, i: int, g: Any) -> Any:
         if type(g).__module__.split(".")[0] != self.device.xp.__name__:

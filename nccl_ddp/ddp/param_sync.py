@@ -88,18 +88,18 @@ def _all_gather_bytes(data: bytes, group: ProcessGroup, device) -> list:
 
 
 def broadcast_coalesced(arrays: Sequence[Any], group: ProcessGroup, device,
-                        chunk_bytes: int) -> None:
-    """Overwrite every rank's `arrays` (any dtypes and strides, writable) with rank 0's: their
+                        chunk_bytes: int, src: int = 0) -> None:
+    """Overwrite every rank's `arrays` (any dtypes and strides, writable) with rank `src`'s: their
     bytes packed into one buffer per chunk of up to `chunk_bytes` (an array larger than that
     goes alone), so a model's parameters or buffers cost one broadcast per chunk."""
     compute = device.current_stream()
     for chunk in _byte_chunks([a for a in arrays if a.nbytes], chunk_bytes):
         buf = device.empty(_offsets(chunk)[-1], np.uint8)
-        if group.rank == 0:
+        if group.rank == src:
             compute.submit(_pack_bytes, chunk, buf)
         compute.synchronize(group.timeout)
-        group.broadcast(buf, 0).wait(group.timeout)
-        if group.rank != 0:
+        group.broadcast(buf, src).wait(group.timeout)
+        if group.rank != src:
             compute.submit(_unpack_bytes, chunk, buf)
     compute.synchronize(group.timeout)
 

@@ -23,11 +23,12 @@ from typing import Any, Callable, ContextManager, List, Optional, Sequence
 import numpy as np
 
 from nccl_ddp import kernels
+from nccl_ddp.ddp import comm_hooks
 from nccl_ddp.ddp.bucket_memory import BucketBuffers, copy_into, to_host
 from nccl_ddp.ddp.buckets import BucketLayout, ParamSpec, assign_buckets
 from nccl_ddp.comm.group import ProcessGroup, ReduceOp
 from nccl_ddp.ddp.config import DDPConfig
-from nccl_ddp.errors import ReducerError
+from nccl_ddp.errors import NonFiniteGradError, ReducerError
 from nccl_ddp.profiling import Timeline
 from nccl_ddp.ddp.step_failure import StepFailure
 
@@ -78,6 +79,12 @@ class Reducer:
         self._step_syncs = True
         self._uses_prepare = False
         self._failure = StepFailure(group.rank, "DistributedDataParallel")   # what broke a step
+        self.comm_hook: Optional[tuple] = None   # (state, hook) from register_comm_hook
+        self.on_open: Optional[Callable[[bool], None]] = None   # Join: on_open(syncs) per step
+        self.step_divisor: Optional[int] = None  # Join: divide by the active ranks this step
+        self._wire: dict = {}                   # (layout, bucket) -> buffer in a wire dtype
+        self._used_globally = np.zeros(len(self.params), dtype=bool)   # by the last bitmap
+        self._finite = FiniteCheck(self) if config.check_finite else None
         self._set_layout(assign_buckets(self.specs, config.cap_bytes, config.first_cap_bytes))
 
     # ------------------------------------------------------------------ layout and memory
@@ -130,6 +137,10 @@ class Reducer:
         self._count = 0
         self._open = True
         self._step_syncs = self.sync_enabled
+        if self._finite is not None and self._step_syncs:
+            self._finite.open()
+        if self.on_open is not None:
+            self.on_open(self._step_syncs)
 
     def mark_ready(self, i: int, grad: Any = None) -> Any:
         """Grad `i` of this step is final (`grad` given: add it to the accumulated grad first).
@@ -214,34 +225,111 @@ class Reducer:
         #                                 ╲                                           ╱
         # comm:    ──────────────────────wait(ready)─[pack]─[all-reduce]─[unpack]─●record(done)──────────
         bucket = self.layout.buckets[b]
-        compute = self.device.current_stream()
-        self.comm.wait(compute.record())
-        world = self.group.size
-        avg = self.config.average_in_collective
-        op = ReduceOp.AVG if avg else ReduceOp.SUM
-        scale = 1.0 if avg else 1.0 / world
+        self.comm.wait(self.device.current_stream().record())
         grads = [self.grads[p] for p in bucket.params]
-        submit, comm = self.prof.submit, self.comm
-        if self.mode == "python":
+        buf = None if self.mode == "python" else self.memory.buffers[b]
+        flag = None if self._finite is None else self._finite.flag(b)
+        self._submit_bucket(b, self.mode, grads, buf, flag)
+        self._done.append(self.comm.record())
+
+    def scale_and_op(self, divisor: Optional[int] = None) -> tuple:
+        """(pack scale, reduce op) of a step that divides by `divisor` ranks (None: the group)."""
+        world = self.group.size
+        divisor = world if divisor is None else divisor
+        if self.config.average_in_collective and divisor == world:
+            return 1.0, ReduceOp.AVG
+        return 1.0 / divisor, ReduceOp.SUM
+
+    def _submit_bucket(self, b: int, mode: str, grads: list, buf: Any, flag: Any,
+                       divisor: Optional[int] = None) -> None:
+        """Queue bucket b's pack / all-reduce / unpack on the comm stream. `grads` are the
+        bucket's grads and `buf` its buffer (views of it in "view" mode); a Join shadow passes
+        zeros. `flag`: the bucket's non-finite flag (check_finite) or None."""
+        bucket = self.layout.buckets[b]
+        scale, op = self.scale_and_op(self.step_divisor if divisor is None else divisor)
+        submit, comm, tag = self.prof.submit, self.comm, bucket_tag(b, bucket.nbytes)
+        if mode == "python":
             for p, g in zip(bucket.params, grads):
-                if scale != 1.0:
-                    submit(comm, "pack", b, g.nbytes, _scale_plain, g, scale)
-                tag = f"grad {self._label(p)} of {bucket_tag(b, bucket.nbytes)}"
-                submit(comm, "allreduce", b, g.nbytes, self._all_reduce_here, g, op, tag)
+                if scale != 1.0 or flag is not None:
+                    submit(comm, "pack", b, g.nbytes, _scale_checked, g, scale, flag)
+                submit(comm, "allreduce", b, g.nbytes, self._all_reduce_here, g, op,
+                       f"grad {self._label(p)} of {tag}")
+            return
+        offsets = list(bucket.offsets)
+        srcs, offs = ([buf], [0]) if mode == "view" else (grads, offsets)
+        wire = self._fused_wire(bucket)
+        if self.comm_hook is not None and wire is False:
+            state, hook = self.comm_hook
+            submit(comm, "hook", b, bucket.nbytes, self._run_hook, b, mode, grads, buf, flag,
+                   state, hook)
+            return
+        if wire:       # fused compression: pack into the wire dtype, all-reduce it, widen back
+            wbuf = self._wire_buffer(b, wire)
+            submit(comm, "pack", b, bucket.nbytes, functools.partial(
+                kernels.pack, scale=1.0 / (divisor or self.step_divisor or self.group.size),
+                nonfinite_flag=flag), srcs, wbuf, offs)
+            submit(comm, "allreduce", b, wbuf.nbytes, self._all_reduce_here, wbuf, ReduceOp.SUM,
+                   tag, dtype=wire)
+            submit(comm, "unpack", b, bucket.nbytes, kernels.unpack, srcs, wbuf, offs)
+            return
+        if mode == "view":
+            if scale != 1.0 or flag is not None:
+                submit(comm, "pack", b, bucket.nbytes, functools.partial(
+                    kernels.pack, scale=scale, nonfinite_flag=flag), srcs, buf, offs)
         else:
-            buf = self.memory.buffers[b]
-            offsets = self.memory.offsets(b)
-            if self.mode == "view":
-                if scale != 1.0:
-                    submit(comm, "pack", b, bucket.nbytes, kernels.scale_, buf, scale)
-            else:
-                submit(comm, "pack", b, bucket.nbytes,
-                       functools.partial(kernels.pack, scale=scale), grads, buf, offsets)
-            submit(comm, "allreduce", b, bucket.nbytes, self._all_reduce_here, buf, op,
-                   bucket_tag(b, bucket.nbytes))
-            if self.mode == "pack":
-                submit(comm, "unpack", b, bucket.nbytes, kernels.unpack, grads, buf, offsets)
-        self._done.append(comm.record())
+            submit(comm, "pack", b, bucket.nbytes, functools.partial(
+                kernels.pack, scale=scale, nonfinite_flag=flag), grads, buf, offsets)
+        submit(comm, "allreduce", b, bucket.nbytes, self._all_reduce_here, buf, op, tag)
+        if mode == "pack":
+            submit(comm, "unpack", b, bucket.nbytes, kernels.unpack, grads, buf, offsets)
+
+    def _fused_wire(self, bucket: Any) -> Any:
+        """How the registered hook runs on `bucket`: None (the default fused all-reduce), a wire
+        dtype name (fused compression of a float32 bucket), or False (call the hook)."""
+        if self.comm_hook is None:
+            return None
+        state, hook = self.comm_hook
+        if not comm_hooks.is_builtin(hook) or state not in (None, self.group):
+            return False
+        wire = comm_hooks.fused_wire_dtype(hook)
+        if wire is None or np.dtype(bucket.dtype).name == wire:
+            return None
+        return wire if np.dtype(bucket.dtype) == np.float32 else False
+
+    def _wire_buffer(self, b: int, wire: str) -> Any:
+        """Bucket b's buffer in the wire dtype (allocated once per layout)."""
+        key = (self.layout, b)
+        buf = self._wire.get(key)
+        if buf is None:
+            self._wire = {k: v for k, v in self._wire.items() if k[0] is self.layout}
+            buf = self._wire[key] = self.device.zeros(self.layout.buckets[b].padded,
+                                                      comm_hooks.wire_dtype(wire))
+        return buf
+
+    def _run_hook(self, b: int, mode: str, grads: list, buf: Any, flag: Any, state: Any,
+                  hook: Callable[[Any, Any], Any]) -> None:
+        """A registered hook on bucket b, in comm-stream order: the buffer it gets holds the
+        unscaled grads (torch's contract); its result goes back into the bucket and the grads."""
+        bucket = self.layout.buckets[b]
+        offsets = list(bucket.offsets)
+        if mode == "pack" or flag is not None:
+            srcs, offs = (grads, offsets) if mode == "pack" else ([buf], [0])
+            kernels.pack(srcs, buf, offs, nonfinite_flag=flag)
+        gb = comm_hooks.GradBucket(b, buf, offsets, [self.specs[p].shape for p in bucket.params],
+                                   [self.params[p] for p in bucket.params],
+                                   b == len(self.layout.buckets) - 1, self.group)
+        out = comm_hooks.resolve(hook(state, gb), hook)
+        if out is not buf:
+            if tuple(out.shape) != tuple(buf.shape) or out.dtype != buf.dtype:
+                raise ReducerError(
+                    f"rank {self.group.rank}: comm hook {getattr(hook, '__name__', hook)!r} "
+                    f"returned a {tuple(out.shape)} {out.dtype} array for "
+                    f"{bucket_tag(b, bucket.nbytes)}, which is {tuple(buf.shape)} {buf.dtype}; "
+                    "return the "
+                    "reduced bucket buffer (same shape and dtype)")
+            copy_into(buf, out)
+        if mode == "pack":
+            kernels.unpack(grads, buf, offsets)
 
     def _all_reduce_here(self, buf, op: ReduceOp, tag: str) -> None:
         """The collective, run in comm-stream order: cuda enqueues it on the current (comm)
@@ -301,12 +389,49 @@ class Reducer:
         # comm:    ─[bucket 0]─●done 0 ─ ... ─[bucket n-1]─●done n-1
         for ev in self._done:
             compute.wait(ev)
-        unused_everywhere = self._globally_unused(missing) if checks_unused else []
+        unused_everywhere = self._end_collectives(np.frombuffer(self._ready, np.uint8),
+                                                  missing, checks_unused)
         for i in unused_everywhere:
             compute.submit(copy_into, self.grads[i], saved[i])
         self.unused_last_step = frozenset(unused_everywhere)
         self._open = False
         self.prof.end_step()
+        self._close_step(unused_everywhere)
+        if self._finite is not None:
+            self._finite.after_step()
+
+    def _end_collectives(self, ready: np.ndarray, missing: list, checks_unused: bool) -> list:
+        """The step's closing collective, after its buckets: the used-parameter bitmap
+        (find_unused_parameters) and the per-bucket non-finite flags (check_finite), fused into
+        one small all-reduce. Returns the params in `missing` that no rank used."""
+        flags = None if self._finite is None else self._finite.flags
+        if not checks_unused and flags is None:
+            return []
+        bitmap = ready.astype(np.int32) if checks_unused else np.zeros(0, np.int32)
+        box: list = []
+        self.comm.wait(self.device.current_stream().record())
+        self.comm.submit(self._reduce_bitmap_and_flags, bitmap, flags, box)
+        if not checks_unused:   # check_finite only: read lazily (or at once with "raise")
+            self.device.current_stream().wait(self.comm.record())
+            return []
+        # blocks on the bitmap, as PyTorch's find_unused_parameters does at the end of backward
+        self.comm.synchronize(self.group.timeout)
+        used = to_host(box[0])
+        self._used_globally = used[:len(self.params)] > 0
+        return [i for i in missing if used[i] == 0]
+
+    def _reduce_bitmap_and_flags(self, bitmap: np.ndarray, flags: Any, box: list) -> None:
+        xp = self.device.xp
+        parts = ([xp.asarray(bitmap)] if bitmap.size else []) + ([] if flags is None else [flags])
+        buf = xp.concatenate(parts) if len(parts) > 1 else parts[0]
+        what = " and ".join(w for w, on in (("the used-parameter bitmap", bitmap.size),
+                                            ("the non-finite flags", flags is not None)) if on)
+        self._all_reduce_here(buf, ReduceOp.SUM, what)
+        if flags is not None and len(parts) > 1:
+            flags[...] = buf[bitmap.size:]
+        box.append(buf)
+
+    def _close_step(self, unused_everywhere: list) -> None:
         first = self.steps == 0
         self.steps += 1
         if first and self.config.static_graph:
@@ -314,15 +439,47 @@ class Reducer:
         if first and (self.config.static_graph or not self.config.find_unused_parameters):
             self._rebuild()
 
-    def _globally_unused(self, missing: list) -> list:
-        """Params no rank marked ready this step (blocks on a small bitmap all-reduce, as
-        PyTorch's find_unused_parameters does at the end of backward)."""
-        used = self.device.xp.asarray(np.frombuffer(self._ready, np.uint8).astype(np.int32))
-        self.comm.wait(self.device.current_stream().record())
-        self.comm.submit(self._all_reduce_here, used, ReduceOp.SUM, "the used-parameter bitmap")
-        self.comm.synchronize(self.group.timeout)
-        used = to_host(used)
-        return [i for i in missing if used[i] == 0]
+    def shadow_step(self, divisor: Optional[int] = None) -> None:
+        """A joined rank's stand-in for one synchronised step of the ranks still training (Join):
+        the same collectives in the same order, on zeros; its own grads stay as they are.
+        `divisor`: what the training ranks divide by (None: the group size)."""
+        self._failure.check()
+        if self._open and self._count:
+            raise ReducerError(f"rank {self.group.rank}: a step is half done ({self._count} "
+                               "grads ready) while this rank has joined; "
+                               "finish backward before leaving the Join block")
+        with self._failure.closes_step(self._abandon_step):
+            self._open = False
+            if self._finite is not None:
+                self._finite.open()
+            mode = "python" if self.mode == "python" else "view"
+            compute = self.device.current_stream()
+            self.comm.wait(compute.record())
+            for b, bucket in enumerate(self.layout.buckets):
+                buf = self.device.zeros(bucket.padded, bucket.dtype)
+                grads = [buf[o:o + n] for o, n in zip(bucket.offsets, bucket.numels)]
+                flag = None if self._finite is None else self._finite.flag(b)
+                self._submit_bucket(b, mode, grads, buf, flag, divisor)
+            compute.wait(self.comm.record())
+            checks_unused = self.config.find_unused_parameters or (
+                self.config.static_graph and self.steps == 0)
+            n = len(self.params)
+            missing = [i for i in range(n) if i not in self.excluded]
+            # torch's joined rank sends the used map of its last step (as reduced then), not
+            # zeros: what it used then counts as used while it shadows
+            used = self._used_globally
+            unused = self._end_collectives(used, missing, checks_unused)
+            self.unused_last_step = frozenset(unused)
+            self._close_step(unused)
+
+    @property
+    def last_step_finite(self) -> Optional[bool]:
+        """check_finite: whether every grad of the last synchronised step was finite on every
+        rank (None before the first); reading it waits for the step's communication."""
+        if self._finite is None:
+            raise ReducerError(f"rank {self.group.rank}: last_step_finite needs "
+                               "check_finite=True (or \"raise\") when the wrapper is built")
+        return self._finite.finite()
 
     def _rebuild(self) -> None:
         """Refill the buckets in the order rank 0's grads arrived in the first step."""
@@ -415,7 +572,65 @@ def _scale_plain(g, f: float) -> None:
     g *= g.dtype.type(f)
 
 
+def _scale_checked(g, f: float, flag) -> None:
+    """PythonReducer's per-grad scale; with a flag, through the pack kernel, which sets it."""
+    if flag is None:
+        _scale_plain(g, f)
+    else:
+        flat = g.reshape(-1)
+        kernels.pack([flat], flat, [0], scale=f, nonfinite_flag=flag)
+
+
 def _copy_of(device, stream, x):
     out = device.xp.empty_like(x)
     stream.submit(copy_into, out, x)
     return out
+
+
+class FiniteCheck:
+    """check_finite: one int32 flag per bucket, set by the pack kernel when it writes a NaN/Inf,
+    summed across ranks by the step's closing all-reduce and read once, when asked (True) or at
+    the end of the step ("raise": `NonFiniteGradError` on every rank)."""
+
+    def __init__(self, reducer: Reducer) -> None:
+        self.reducer = reducer
+        self.flags: Any = None          # this step's device flags
+        self._host: Optional[np.ndarray] = None
+        self._layout: Optional[BucketLayout] = None
+        self._step = -1
+
+    def open(self) -> None:
+        r = self.reducer
+        self.flags = r.device.zeros(max(1, len(r.layout.buckets)), np.int32)
+        self._layout, self._host, self._step = r.layout, None, r.steps
+
+    def flag(self, b: int) -> Any:
+        return self.flags[b:b + 1]
+
+    def _read(self) -> Optional[np.ndarray]:
+        if self.flags is None:
+            return None
+        if self._host is None:
+            self.reducer.device.current_stream().synchronize(self.reducer.group.timeout)
+            self._host = np.asarray(to_host(self.flags))
+        return self._host
+
+    def finite(self) -> Optional[bool]:
+        host = self._read()
+        return None if host is None else not bool(host.any())
+
+    def after_step(self) -> None:
+        if self.reducer.config.check_finite != "raise" or self.finite() is not False:
+            return
+        r, layout, host = self.reducer, self._layout, self._host
+        if layout is None or host is None:   # finite() has read both
+            return
+        bad = [int(b) for b in np.flatnonzero(host)]
+        bucket = layout.buckets[bad[0]]
+        names = ", ".join(r._label(p) for p in bucket.params[:20]) + (
+            f" and {len(bucket.params) - 20} more" if len(bucket.params) > 20 else "")
+        raise NonFiniteGradError(
+            f"rank {r.group.rank}: step {self._step} produced non-finite grads (NaN or Inf) on at "
+            f"least one rank: first in {bucket_tag(bad[0], bucket.nbytes)}, which holds "
+            f"parameters {names}; buckets flagged: {bad}. The step's grads are reduced (and "
+            "non-finite); skip the optimizer step and zero the grads, or lower the learning rate")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from typing import Callable, Iterator, Optional
 
-from nccl_ddp.errors import ReducerError
+from nccl_ddp.errors import NonFiniteGradError, ReducerError
 
 
 class StepFailure:
@@ -24,10 +24,10 @@ class StepFailure:
     @contextlib.contextmanager
     def closes_step(self, close: Optional[Callable[[], None]] = None) -> Iterator[None]:
         """Around a step's communication: an error (not a `ReducerError`, which reports the
-        caller's misuse as it is) is remembered, `close()` abandons the step, and it propagates."""
+        caller's misuse as it is, nor a `NonFiniteGradError` of a step that completed) is remembered, `close()` abandons the step, and it propagates."""
         try:
             yield
-        except ReducerError:
+        except (ReducerError, NonFiniteGradError):   # the step itself completed
             raise
         except Exception as e:
             if close is not None:

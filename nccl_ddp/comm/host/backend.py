@@ -336,6 +336,12 @@ class HostProcessGroup(ProcessGroup):
     def lost_peers(self) -> list:
         return sorted(link.peer for link in self._links if link.closed_by_peer())
 
+    def abort(self, reason: str) -> None:
+        if self._error is None:
+            self._error = CommError(f"{self._where}: aborted: {reason}")
+        for link in self._links:   # peers blocked on us fail at once, with the reason
+            link.abort(reason)
+
     def shutdown(self) -> None:
         if self._closed:
             return
