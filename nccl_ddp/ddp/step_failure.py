@@ -24,7 +24,8 @@ class StepFailure:
     @contextlib.contextmanager
     def closes_step(self, close: Optional[Callable[[], None]] = None) -> Iterator[None]:
         """Around a step's communication: an error (not a `ReducerError`, which reports the
-        caller's misuse as it is, nor a `NonFiniteGradError` of a step that completed) is remembered, `close()` abandons the step, and it propagates."""
+        caller's misuse as it is, nor a `NonFiniteGradError` of a step that completed) is
+        remembered, `close()` abandons the step, and it propagates."""
         try:
             yield
         except (ReducerError, NonFiniteGradError):   # the step itself completed
