@@ -144,6 +144,9 @@ class FakeArray:
     def get(self):
         return self.host().copy()
 
+    def copy(self):
+        return self.cp.asarray(self.host().copy())
+
 
 class FakeMemPtr:
     def __init__(self, cp, ptr):

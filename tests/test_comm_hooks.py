@@ -452,3 +452,62 @@ def _finite_off(rank: int, world: int) -> str:
         return "no error"
     finally:
         nd.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------
+# the CUDA path, on the fake CuPy (tests/_fake_cupy.py: the kernels run on the CPU simulator)
+
+
+@pytest.mark.parametrize("hook", ["bf16", "fp16", None])
+def test_cuda_path_compression_and_check_finite(monkeypatch, hook):
+    """View mode on the CUDA device: a float32 bucket is packed into the wire dtype with the 1/2
+    scale by the kernel, all-reduced (a no-op here: rank 0 of a counting group of 2), unpacked
+    widened back; check_finite's flag comes from the kernel (no in-place pack: the simulator
+    rejects a pack whose source aliases its destination)."""
+    import collections
+    import sys
+
+    from _fake_cupy import FakeCupy
+    from test_reducer_hot_path import CountingGroup
+
+    from nccl_ddp import device as D
+    from nccl_ddp import hooks
+    from nccl_ddp.ddp.comm_hooks import wire_dtype
+    from nccl_ddp.ddp.config import DDPConfig
+    from nccl_ddp.ddp.reducer import Reducer
+    from nccl_ddp.kernels import cuda as ck
+
+    import _fake_cupy
+
+    cp = FakeCupy()
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    monkeypatch.setattr(ck, "_BACKEND", ck.CudaKernels(cp))
+    record = _fake_cupy.FakeEvent.record
+
+    def record_done(ev, stream=None):   # the simulator runs kernels at launch: done at once
+        out = record(ev, stream)
+        ev.done = True
+        return out
+    monkeypatch.setattr(_fake_cupy.FakeEvent, "record", record_done)
+    counts: collections.Counter = collections.Counter()
+    sizes = [12, 5, 6]
+    params = [cp.asarray(np.ones(n, np.float32)) for n in sizes]
+    grads = [cp.zeros(n, dtype=np.float32) for n in sizes]
+    r = Reducer(params, grads, CountingGroup(counts), D.CudaDevice(0),
+                DDPConfig(check_finite=True), install=lambda i, view: None)
+    if hook:
+        r.comm_hook = (None, getattr(hooks, f"{hook}_compress"))
+    wire = {"bf16": wire_dtype("bfloat16"), "fp16": np.float16, None: np.float32}[hook]
+    for step in range(2):
+        values = [_grad(0, step, i) for i in range(3)]
+        if step == 1:
+            values[1][3] = np.inf
+        for i in reversed(range(3)):
+            r.grads[i].host()[...] = values[i].reshape(-1)
+            r.mark_ready(i)
+        for i in range(3):
+            expected = (values[i] * np.float32(0.5)).astype(wire).astype(np.float32)
+            np.testing.assert_array_equal(r.grads[i].get(), expected.reshape(-1))
+        assert r.last_step_finite is (step == 0)
+        r.zero_grad()
+    assert counts["all_reduce"] == 4     # one bucket + the flags, per step

@@ -273,9 +273,10 @@ class Reducer:
             submit(comm, "unpack", b, bucket.nbytes, kernels.unpack, srcs, wbuf, offs)
             return
         if mode == "view":
-            if scale != 1.0 or flag is not None:
-                submit(comm, "pack", b, bucket.nbytes, functools.partial(
-                    kernels.pack, scale=scale, nonfinite_flag=flag), srcs, buf, offs)
+            if flag is not None:
+                submit(comm, "pack", b, bucket.nbytes, _scale_flagged, buf, scale, flag)
+            elif scale != 1.0:
+                submit(comm, "pack", b, bucket.nbytes, kernels.scale_, buf, scale)
         else:
             submit(comm, "pack", b, bucket.nbytes, functools.partial(
                 kernels.pack, scale=scale, nonfinite_flag=flag), grads, buf, offsets)
@@ -312,9 +313,10 @@ class Reducer:
         unscaled grads (torch's contract); its result goes back into the bucket and the grads."""
         bucket = self.layout.buckets[b]
         offsets = list(bucket.offsets)
-        if mode == "pack" or flag is not None:
-            srcs, offs = (grads, offsets) if mode == "pack" else ([buf], [0])
-            kernels.pack(srcs, buf, offs, nonfinite_flag=flag)
+        if mode == "pack":
+            kernels.pack(grads, buf, offsets, nonfinite_flag=flag)
+        elif flag is not None:
+            _scale_flagged(buf, 1.0, flag)
         gb = comm_hooks.GradBucket(b, buf, offsets, [self.specs[p].shape for p in bucket.params],
                                    [self.params[p] for p in bucket.params],
                                    b == len(self.layout.buckets) - 1, self.group)
@@ -577,8 +579,15 @@ def _scale_checked(g, f: float, flag) -> None:
     if flag is None:
         _scale_plain(g, f)
     else:
-        flat = g.reshape(-1)
-        kernels.pack([flat], flat, [0], scale=f, nonfinite_flag=flag)
+        _scale_flagged(g.reshape(-1), f, flag)
+
+
+def _scale_flagged(buf, f: float, flag) -> None:
+    """buf *= f, raising `flag` on a NaN/Inf: the pack kernel, in place on the host (the NumPy
+    reference reads a segment before writing it); on the GPU from a copy, since the kernel's
+    source and destination must not alias (it reads through the read-only cache)."""
+    src = buf if isinstance(buf, np.ndarray) else buf.copy()
+    kernels.pack([src], buf, [0], scale=f, nonfinite_flag=flag)
 
 
 def _copy_of(device, stream, x):
