@@ -467,6 +467,7 @@ def test_cuda_path_compression_and_check_finite(monkeypatch, hook):
     import collections
     import sys
 
+    import _fake_cupy
     from _fake_cupy import FakeCupy
     from test_reducer_hot_path import CountingGroup
 
@@ -476,8 +477,6 @@ def test_cuda_path_compression_and_check_finite(monkeypatch, hook):
     from nccl_ddp.ddp.config import DDPConfig
     from nccl_ddp.ddp.reducer import Reducer
     from nccl_ddp.kernels import cuda as ck
-
-    import _fake_cupy
 
     cp = FakeCupy()
     monkeypatch.setitem(sys.modules, "cupy", cp)

@@ -13,7 +13,6 @@ import os
 
 import numpy as np
 import pytest
-
 from mp import run_ranks
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed")
