@@ -32,10 +32,13 @@ from benchlib import (Progress, format_table, plot_panels, run_ranks,  # noqa: E
 import bench_ddp_params  # noqa: E402
 import train_mlp as mlp  # noqa: E402
 
-COLUMNS = ("mode", "ranks", "backend", "params_MiB", "cap_MiB", "buckets", "local_ms", "ddp_ms",
-           "overhead_ms", "comm_ms", "hidden_pct", "torch_ddp_ms", "ratio")
+COLUMNS = ("mode", "hook", "ranks", "backend", "params_MiB", "cap_MiB", "buckets", "local_ms",
+           "ddp_ms", "overhead_ms", "comm_ms", "hidden_pct", "sent_MiB", "torch_ddp_ms",
+           "torch_sent_MiB", "ratio")
 FORMATS = {"params_MiB": ".2f", "local_ms": ".2f", "ddp_ms": ".2f", "overhead_ms": ".2f",
-           "comm_ms": ".2f", "hidden_pct": ".0f", "torch_ddp_ms": ".2f", "ratio": ".2f"}
+           "comm_ms": ".2f", "hidden_pct": ".0f", "sent_MiB": ".3f", "torch_ddp_ms": ".2f",
+           "torch_sent_MiB": ".3f", "ratio": ".2f"}
+HOOKS = ("allreduce", "bf16", "fp16", "powersgd")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -44,6 +47,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--modes", default="arrays", help=f"comma-separated, of {sorted(RUNNERS)}")
     p.add_argument("--torch", action="store_true",
                    help="add mode torch: our DDP vs torch DDP on the same model (ratio = ours/torch)")
+    p.add_argument("--hook", default="allreduce",
+                   help=f"comm hooks, comma-separated, of {HOOKS} (torch mode: torch DDP gets the "
+                        "matching torch hook)")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--features", type=int, default=256)
     p.add_argument("--hidden", type=int, default=1024)
@@ -64,7 +70,34 @@ def _timed(nd, xp, step: Callable[[], None], args) -> float:
     return timed_steps(nd, step, args.warmup, args.steps, lambda: synchronize(xp))
 
 
-def run_arrays(nd, xp, args, cap_mb: float) -> dict:
+def our_hook(nd, ddp, hook: str):
+    """Register our built-in `hook` on `ddp`; returns the PowerSGD state (else None)."""
+    from nccl_ddp import hooks
+    if hook == "allreduce":
+        return None
+    if hook == "powersgd":
+        state = hooks.PowerSGDState(None, matrix_approximation_rank=POWERSGD_RANK,
+                                    start_powerSGD_iter=2)
+        ddp.register_comm_hook(state, hooks.powersgd)
+        return state
+    ddp.register_comm_hook(None, getattr(hooks, f"{hook}_compress"))
+    return None
+
+
+POWERSGD_RANK = 4
+
+
+def sent_mib(buckets, hook: str, state, before: int, steps: int) -> float:
+    """MiB each rank hands to all-reduces per step: the buckets (float32 ones in half precision
+    with fp16/bf16), or PowerSGD's factors and uncompressed grads (its element count)."""
+    if hook == "powersgd":
+        return (state.total_numel_after_compression - before) * 4 / max(1, steps) / 2**20
+    half = hook in ("bf16", "fp16")
+    return sum(b.nbytes // (2 if half and np.dtype(b.dtype) == np.float32 else 1)
+               for b in buckets) / 2**20
+
+
+def run_arrays(nd, xp, args, cap_mb: float, hook: str = "allreduce") -> dict:
     """The raw-array MLP (hand-written backprop, a DDP hook per parameter, plain SGD)."""
     from nccl_ddp.adapters.arrays import ArrayModule
     from nccl_ddp.profiling import Timeline
@@ -92,6 +125,7 @@ def run_arrays(nd, xp, args, cap_mb: float) -> dict:
 
     model = ArrayModule(mlp.init_params(xp, dims, 0), forward=mlp.forward)
     ddp = nd.DistributedDataParallel(model, bucket_cap_mb=cap_mb)
+    state = our_hook(nd, ddp, hook)
     hooks = {k: ddp.grad_hook(k) for k in model.keys}
 
     def ddp_step():
@@ -99,13 +133,17 @@ def run_arrays(nd, xp, args, cap_mb: float) -> dict:
 
     t_ddp = _timed(nd, xp, ddp_step, args)
     ddp.reducer.prof = Timeline(rank, timeline=True)
+    before = state.total_numel_after_compression if state else 0
     for _ in range(args.profile_steps):
         ddp_step()
     steps = list(ddp.reducer.prof.steps)
     comm = sum(s.comm_s for s in steps) / max(1, len(steps))
     hidden = sum(s.overlap_s for s in steps) / max(1e-12, sum(s.comm_s for s in steps))
     nbytes = sum(b.nbytes for b in ddp.reducer.layout.buckets)
-    row = dict(mode="arrays", ranks=nd.get_world_size(), backend=nd.get_world_group().backend,
+    row = dict(mode="arrays", hook=hook, ranks=nd.get_world_size(),
+               backend=nd.get_world_group().backend,
+               sent_MiB=sent_mib(ddp.reducer.layout.buckets, hook, state, before,
+                                 args.profile_steps),
                params_MiB=nbytes / 2**20, cap_MiB=cap_mb, buckets=len(ddp.reducer.layout.buckets),
                local_ms=t_local * 1e3, ddp_ms=t_ddp * 1e3, overhead_ms=(t_ddp - t_local) * 1e3,
                comm_ms=slowest(nd, comm) * 1e3, hidden_pct=100.0 * hidden)
@@ -113,10 +151,10 @@ def run_arrays(nd, xp, args, cap_mb: float) -> dict:
     return row
 
 
-def run_torch(nd, xp, args, cap_mb: float) -> dict:
+def run_torch(nd, xp, args, cap_mb: float, hook: str = "allreduce") -> dict:
     """PyTorch MLP: ours vs torch.nn.parallel.DistributedDataParallel (scripts/bench_ddp_torch.py)."""
     from bench_ddp_torch import run_torch as run
-    return run(nd, xp, args, cap_mb)
+    return run(nd, xp, args, cap_mb, hook)
 
 
 RUNNERS: Dict[str, Callable] = {"arrays": run_arrays, "torch": run_torch}
@@ -136,13 +174,17 @@ def worker(args) -> list:
     if unknown:
         raise SystemExit(f"bench_ddp: unknown mode(s) {unknown}; choose from {sorted(RUNNERS)}")
     caps = [float(c) for c in args.caps.split(",") if c]
-    prog = Progress(len(caps) * len(modes), "bench_ddp") if rank == 0 else None
+    hooks = [h for h in args.hook.split(",") if h]
+    if any(h not in HOOKS for h in hooks):
+        raise SystemExit(f"bench_ddp: unknown hook(s) in {hooks}; choose from {HOOKS}")
+    prog = Progress(len(caps) * len(modes) * len(hooks), "bench_ddp") if rank == 0 else None
     rows = []
     for mode in modes:
-        for cap in caps:
-            rows.append(RUNNERS[mode](nd, xp, args, cap))
-            if prog:
-                prog.step(f"{mode} cap {cap} MiB")
+        for hook in hooks:
+            for cap in caps:
+                rows.append(RUNNERS[mode](nd, xp, args, cap, hook))
+                if prog:
+                    prog.step(f"{mode} {hook} cap {cap} MiB")
     if prog:
         prog.close()
     if rank == 0:
@@ -164,7 +206,7 @@ def _plot(rows: list, path: str) -> bool:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     times, hidden = [], []
     for r in rows:
-        cap, mode = r["cap_MiB"], r["mode"]
+        cap, mode = r["cap_MiB"], f"{r['mode']} {r['hook']}"
         times.append(dict(cap=cap, ms=r["local_ms"], series=f"{mode}: no DDP"))
         times.append(dict(cap=cap, ms=r["ddp_ms"], series=f"{mode}: nccl_ddp DDP"))
         if r.get("torch_ddp_ms") is not None:

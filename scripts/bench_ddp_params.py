@@ -58,6 +58,9 @@ def add_args(p) -> None:
     g.add_argument("--params-csv", default="out/bench_ddp_params.csv")
     g.add_argument("--params-png", default="out/bench_ddp_params.png")
     g.add_argument("--params-batch", type=int, default=8)
+    g.add_argument("--find-unused", action="store_true",
+                   help="also both DDPs with find_unused_parameters=True: the used-parameter "
+                        "bitmap's cost per step (*_fu_ms - *_ms)")
     g.add_argument("--rows-out", default="", help=argparse.SUPPRESS)   # a rank's result file
 
 
@@ -99,6 +102,13 @@ def measure(nd, args) -> dict:
         "torch": stepper(theirs, TorchDDP(theirs, gradient_as_bucket_view=True)),
         "ours": stepper(mine, nd.DistributedDataParallel(mine)),
     }
+    if args.find_unused:
+        theirs_fu = _model(torch, args.linears, args.width)
+        mine_fu = _model(torch, args.linears, args.width)
+        variants["torch_fu"] = stepper(theirs_fu, TorchDDP(
+            theirs_fu, gradient_as_bucket_view=True, find_unused_parameters=True))
+        variants["ours_fu"] = stepper(mine_fu, nd.DistributedDataParallel(
+            mine_fu, find_unused_parameters=True))
     times: dict = {k: [] for k in variants}
     main_cpu: dict = {k: [] for k in variants}      # this (the training) thread's CPU time
     proc_cpu: dict = {k: [] for k in variants}      # all threads', comm workers included
@@ -134,6 +144,10 @@ def measure(nd, args) -> dict:
                ours_cpu_us_per_param=(cpu["ours"] - cpu["local"]) / n * 1e6,
                stall_ms=(idle["ours"] - idle["local"]) * 1e3,
                torch_threads_ms=others("torch") * 1e3, ours_threads_ms=others("ours") * 1e3)
+    if args.find_unused:
+        row.update(torch_fu_ms=med["torch_fu"] * 1e3, ours_fu_ms=med["ours_fu"] * 1e3,
+                   torch_bitmap_ms=(med["torch_fu"] - med["torch"]) * 1e3,
+                   ours_bitmap_ms=(med["ours_fu"] - med["ours"]) * 1e3)
     row["ratio"] = row["ours_us_per_param"] / row["torch_us_per_param"]
     row["cpu_ratio"] = row["ours_cpu_us_per_param"] / row["torch_cpu_us_per_param"]
     dist.destroy_process_group()
@@ -209,7 +223,9 @@ def main(args, argv: List[str]) -> int:
     print(f"# {args.linears} x Linear({args.width}, {args.width}), batch {args.params_batch}, median "
           f"of {args.rounds * args.params_steps} steps per variant (interleaved), slowest rank; "
           f"us_per_param = (DDP step - step without DDP) / params; ratio = ours / torch")
-    print(format_table(rows, COLUMNS, FORMATS))
+    fu = ("torch_fu_ms", "ours_fu_ms", "torch_bitmap_ms", "ours_bitmap_ms")
+    print(format_table(rows, COLUMNS + (fu if args.find_unused else ()),
+                       dict(FORMATS, **{k: ".3f" for k in fu})))
     if args.params_csv:
         os.makedirs(os.path.dirname(os.path.abspath(args.params_csv)), exist_ok=True)
         write_csv(rows, args.params_csv)
