@@ -47,7 +47,8 @@ class TorchDistributedDataParallel(torch.nn.Module, DistributedDataParallel):
                  reducer_mode: str = "CppReducer", *, device_ids: Any = None,
                  output_device: Any = None, dim: int = 0, broadcast_buffers: bool = True,
                  gradient_as_bucket_view: bool = False, check_reduction: bool = False,
-                 config: Optional[DDPConfig] = None, **torch_options: Any) -> None:
+                 check_finite: Any = False, config: Optional[DDPConfig] = None,
+                 **torch_options: Any) -> None:
         torch.nn.Module.__init__(self)
         if isinstance(init_sync, (list, tuple)):
             raise ConfigTypeError(
@@ -65,7 +66,7 @@ class TorchDistributedDataParallel(torch.nn.Module, DistributedDataParallel):
         DistributedDataParallel.__init__(
             self, module, init_sync, process_group, bucket_cap_mb, find_unused_parameters,
             average_in_collective, static_graph, reducer_mode,
-            broadcast_buffers=broadcast_buffers, config=config)
+            broadcast_buffers=broadcast_buffers, check_finite=check_finite, config=config)
 
     @torch._disable_dynamo(recursive=False)    # (lazy torch.compiler.disable; torch DDP's way)
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
