@@ -236,15 +236,19 @@ def main(args, argv: List[str]) -> int:
 
 
 def _plot(rows: list, path: str) -> bool:
-    """Overhead per parameter against world size, ours and torch's, quiet and under load."""
+    """Overhead per parameter against world size, ours and torch's, quiet and under load: wall
+    time (left) and process CPU time (right)."""
     from benchlib import plot_panels
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    pts = []
-    for r in rows:
-        when = "quiet" if r["load"] == 0 else f"+{r['load']} busy"
-        pts.append(dict(world=r["world"], us=r["torch_us_per_param"], series=f"torch DDP, {when}"))
-        pts.append(dict(world=r["world"], us=r["ours_us_per_param"], series=f"nccl_ddp, {when}"))
-    return plot_panels([dict(rows=pts, x="world", y="us", series="series", logx=False,
-                             title=f"DDP overhead per parameter ({rows[0]['params']} params)",
-                             xlabel="world size (ranks)", ylabel="us per parameter per step")],
-                       path)
+    panels = []
+    for kind, label in (("", "wall time"), ("cpu_", "process CPU time")):
+        pts = []
+        for r in rows:
+            when = "quiet" if r["load"] == 0 else f"+{r['load']} busy"
+            for who, name in (("torch", "torch DDP"), ("ours", "nccl_ddp")):
+                pts.append(dict(world=r["world"], us=r[f"{who}_{kind}us_per_param"],
+                                series=f"{name}, {when}"))
+        panels.append(dict(rows=pts, x="world", y="us", series="series", logx=False,
+                           title=f"DDP overhead per parameter, {label} ({rows[0]['params']} params)",
+                           xlabel="world size (ranks)", ylabel="us per parameter per step"))
+    return plot_panels(panels, path)
