@@ -183,8 +183,9 @@ def test_torch_hooks_enter_the_compute_stream_per_bucket_not_per_grad(monkeypatc
     buckets it must be entered about once per completed bucket (+ the forward, the step's first
     grad and the end-of-backward finalize), never once per grad."""
     torch = pytest.importorskip("torch")
-    import nccl_ddp as nd
     from fakegroup import run_threads
+
+    import nccl_ddp as nd
     from nccl_ddp.adapters import torch as torch_adapter
 
     real = torch_adapter.torch_stream_current

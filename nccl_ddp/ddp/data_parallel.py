@@ -21,8 +21,7 @@ from nccl_ddp.ddp import comm_hooks
 from nccl_ddp.ddp.buckets import ParamSpec
 from nccl_ddp.ddp.config import DDPConfig, config_from
 from nccl_ddp.ddp.interfaces import GradModule
-from nccl_ddp.ddp.join import (Join, JoinHook, Joinable, ReducerJoinHook, buffer_source,
-                               on_step_open)
+from nccl_ddp.ddp.join import Join, Joinable, JoinHook, ReducerJoinHook, buffer_source, on_step_open
 from nccl_ddp.ddp.param_sync import broadcast_coalesced, check_same_params
 from nccl_ddp.ddp.reducer import Reducer
 from nccl_ddp.errors import ConfigError, ConfigTypeError, ReducerError

@@ -23,14 +23,14 @@ from typing import Any, Callable, ContextManager, List, Optional, Sequence
 import numpy as np
 
 from nccl_ddp import kernels
+from nccl_ddp.comm.group import ProcessGroup, ReduceOp
 from nccl_ddp.ddp import comm_hooks
 from nccl_ddp.ddp.bucket_memory import BucketBuffers, copy_into, to_host
 from nccl_ddp.ddp.buckets import BucketLayout, ParamSpec, assign_buckets
-from nccl_ddp.comm.group import ProcessGroup, ReduceOp
 from nccl_ddp.ddp.config import DDPConfig
+from nccl_ddp.ddp.step_failure import StepFailure
 from nccl_ddp.errors import NonFiniteGradError, ReducerError
 from nccl_ddp.profiling import Timeline
-from nccl_ddp.ddp.step_failure import StepFailure
 
 log = logging.getLogger(__name__)
 
