@@ -181,7 +181,9 @@ def _torch_on_gpu(rank: int, world: int) -> tuple:
         local = make_model(0).cuda()
         ref = train(_NoDDP(local), local, rank, config, device="cuda")
         module = make_model(0).cuda()
-        ddp = nd.DistributedDataParallel(module, find_unused_parameters=True)
+        # torch's single-GPU spelling: device_ids=[this GPU] (inputs are moved there, as torch does)
+        ddp = nd.DistributedDataParallel(module, find_unused_parameters=True,
+                                         device_ids=[torch.cuda.current_device()])
         ours = train(ddp, module, rank, config, device="cuda")
         x, y = batches(rank, config)[0]
         torch.nn.functional.mse_loss(ddp(x.cuda()), y.cuda()).backward()
