@@ -365,3 +365,27 @@ def test_planted_bugs_are_caught(module, monkeypatch):
         run(what, _mutant_cuda_module(CUDA_PY[1].replace(old, new)), "ok")
     print("\n".join(f"{k}: {v}" for k, v in seen.items()))
     assert missed == [], f"planted bugs not caught: {missed}"
+
+
+def test_build_is_cached_by_source_and_skips_without_a_compiler(module, monkeypatch, tmp_path):
+    monkeypatch.setenv("NCCL_DDP_CPU_KERNEL_CACHE", str(tmp_path))
+    src = "__global__ void k(int* p) { __stwb(p, 1); }\n"
+    prog = translate.program(src, ["k"], False, "k.cu")
+    lib = runtime.build(prog, "k.cu")
+    assert lib.parent == tmp_path and lib.exists()
+    calls = []
+    real_run = runtime.subprocess.run
+    monkeypatch.setattr(runtime.subprocess, "run",
+                        lambda cmd, **kw: calls.append(cmd) or real_run(cmd, **kw))
+    assert runtime.build(prog, "k.cu") == lib                # cached: no compile
+    assert all("--version" in c for c in calls)
+    assert runtime.build(translate.program(src + "\n", ["k"], False, "k.cu"), "k.cu") != lib
+    # no compiler: the fake CuPy falls back to the references and says why
+    monkeypatch.setattr(runtime, "compiler", lambda: None)
+    monkeypatch.setattr(_fake_cupy, "CPU_KERNELS_MISSING", None)
+    assert _fake_cupy.cpu_kernels() is None
+    assert "no C++ compiler" in _fake_cupy.CPU_KERNELS_MISSING
+    fake = FakeCupy()
+    assert fake.cpu is None and fake.heap.dev is None
+    with pytest.raises(runtime.BuildError, match="no C\\+\\+ compiler"):
+        runtime.build(prog + "//", "k.cu")
