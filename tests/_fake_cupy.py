@@ -197,7 +197,7 @@ class FakeEvent:
     """cupy.cuda.Event; `status` is what cudaEventQuery returns (0 done, 600 not ready, else a
     CUDA error)."""
     _next = 0xE000
-    registry: dict = {}
+    registry: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()   # ptr -> event
 
     def __init__(self, block=False, disable_timing=False, interprocess=False):
         self.recorded_on = None
