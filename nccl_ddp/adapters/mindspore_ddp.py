@@ -7,27 +7,20 @@ grad hooks need it.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from mindspore import nn
 
-from nccl_ddp.ddp.config import DDPConfig
 from nccl_ddp.ddp.data_parallel import DistributedDataParallel
 
 
 class MindSporeDistributedDataParallel(nn.Cell, DistributedDataParallel):
     """What `nccl_ddp.DistributedDataParallel(cell, ...)` builds for a MindSpore Cell."""
 
-    def __init__(self, module: Any, init_sync: bool = True, process_group: Any = None,
-                 bucket_cap_mb: Optional[float] = None, find_unused_parameters: bool = False,
-                 average_in_collective: bool = False, static_graph: bool = False,
-                 reducer_mode: str = "CppReducer", *, broadcast_buffers: bool = True,
-                 config: Optional[DDPConfig] = None) -> None:
+    def __init__(self, module: Any, *args: Any, **kwargs: Any) -> None:
+        # the core's signature (MindSpore's, and every option it grows) as it is
         nn.Cell.__init__(self, auto_prefix=False)
-        DistributedDataParallel.__init__(
-            self, module, init_sync, process_group, bucket_cap_mb, find_unused_parameters,
-            average_in_collective, static_graph, reducer_mode,
-            broadcast_buffers=broadcast_buffers, config=config)
+        DistributedDataParallel.__init__(self, module, *args, **kwargs)
 
     def construct(self, *inputs: Any, **kwargs: Any) -> Any:
         self._pre_forward()
