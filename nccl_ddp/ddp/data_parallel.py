@@ -257,7 +257,7 @@ class DistributedDataParallel(Joinable):
         if self.config.broadcast_buffers:
             state += [a for _, a in self._adapter.named_buffers()]
         with self._adapter.on_compute_stream():
-            broadcast_coalesced(list(self.reducer.params) + state, self.process_group,
+            broadcast_coalesced(list(self._adapter.native_params()) + state, self.process_group,
                                 self.device, self.config.broadcast_chunk_bytes, src=src)
         self._adapter.params_updated()
 
