@@ -82,10 +82,10 @@ def main():
             optimizer(grads)
             net.zero_grad()
             step += 1
-            print("epoch: %s, step: %s, loss is %.15f" % (epoch, step, loss_value))
+            print(f"epoch: {epoch}, step: {step}, loss is {loss_value:.15f}")
 
     params = {p.name: p.asnumpy() for p in net.trainable_params()}
-    print("param checksum: %.9e" % sum(float(np.abs(v).sum()) for v in params.values()))
+    print(f"param checksum: {sum(float(np.abs(v).sum()) for v in params.values()):.9e}")
     if args.save and nd.get_rank() == 0:
         np.savez(args.save, **params)
     net.close()

@@ -64,7 +64,7 @@ def main():
 
     flat = {jax.tree_util.keystr(path): np.asarray(leaf)
             for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
-    print("param checksum: %.9e" % sum(float(np.abs(v).sum()) for v in flat.values()))
+    print(f"param checksum: {sum(float(np.abs(v).sum()) for v in flat.values()):.9e}")
     if args.save and rank == 0:
         np.savez(args.save, **flat)
     reducer.close()

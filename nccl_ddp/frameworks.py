@@ -69,5 +69,6 @@ def module_adapter(module: Any) -> Any:
     if name is None:
         raise ConfigTypeError(
             f"module must be a model of a supported framework (torch.nn.Module, MindSpore nn.Cell), "
-            f"an nccl_ddp ArrayModule or a list/dict of NumPy/CuPy arrays, got {type(module).__module__}.{type(module).__name__}")
+            f"an nccl_ddp ArrayModule or a list/dict of NumPy/CuPy arrays, got "
+            f"{type(module).__module__}.{type(module).__name__}")
     return adapter(name).adapt(module)

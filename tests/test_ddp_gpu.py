@@ -49,7 +49,7 @@ def test_ddp_flag_matrix_on_gpu():
     for flags, (res, mode) in out.items():
         assert mode == ("python" if flags[1] == "PythonReducer" else "view")
         for step in range(2):
-            for k, (_, d) in zip(res[step], SHAPES):
+            for k, _ in zip(res[step], SHAPES):
                 want = local_grads(0, step)[k].astype(np.float64)
                 np.testing.assert_allclose(res[step][k], want, rtol=2e-3, atol=2e-3,
                                            err_msg=f"{flags} {k}")

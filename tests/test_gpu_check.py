@@ -103,7 +103,7 @@ def test_gpu_check_flow_summary_last_and_files(scratch):
     res = _run(repo, env)
     assert res.returncode == 1, res.stdout + res.stderr      # a test failed, a bench hung
     lines = res.stdout.rstrip().splitlines()
-    start = max(i for i, l in enumerate(lines) if l == "GPU CHECK SUMMARY")
+    start = max(i for i, line in enumerate(lines) if line == "GPU CHECK SUMMARY")
     summary = "\n".join(lines[start:])
     assert lines[-1].startswith("=====") and len(lines) - start < 30
     assert "NVIDIA H200  (141 GiB, sm_90, 132 SMs)" in summary

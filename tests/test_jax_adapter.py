@@ -48,7 +48,7 @@ def _numpy_grads(layers, x, y):
 
 def _numpy_training(ex, steps: int, ranks: list) -> list:
     p = ex.init_params()
-    layers = [(np.asarray(l["w"], np.float64), np.asarray(l["b"], np.float64)) for l in p["layers"]]
+    layers = [(np.asarray(la["w"], np.float64), np.asarray(la["b"], np.float64)) for la in p["layers"]]
     for step in range(steps):
         per_rank = [_numpy_grads(layers, *ex.batch(r, step)) for r in ranks]
         mean = [tuple(sum(g[k][j] for g in per_rank) / len(ranks) for j in range(2))
@@ -65,7 +65,7 @@ def test_jax_mlp_example_matches_numpy(tmp_path):
                           cwd=str(tmp_path))
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    sums = [[l for l in out.splitlines() if l.startswith(f"[rank {r}] param checksum")]
+    sums = [[line for line in out.splitlines() if line.startswith(f"[rank {r}] param checksum")]
             for r in (0, 1)]
     assert sums[0] and sums[0][0].split()[-1] == sums[1][0].split()[-1], out
 

@@ -56,8 +56,8 @@ FLAGS = list(itertools.product([False, True], ["CppReducer", "PythonReducer"], [
                                [False, True]))
 
 
-@pytest.mark.parametrize("flags", FLAGS, ids=lambda f: "avg%d-%s-static%d-unused%d" % (
-    f[0], f[1][:3], f[2], f[3]))
+@pytest.mark.parametrize(
+    "flags", FLAGS, ids=lambda f: f"avg{f[0]:d}-{f[1][:3]}-static{f[2]:d}-unused{f[3]:d}")
 def test_reduced_grads_equal_numpy_mean(flags):
     size, steps = 3, 2
     res = run_threads(_flags_rank, size, flags, steps)
@@ -69,7 +69,7 @@ def test_reduced_grads_equal_numpy_mean(flags):
             np.testing.assert_array_equal(params[k], rank0_params[k])
         for step in range(steps):
             want = expected_mean(size, step)
-            for k, (s, d) in zip(want, SHAPES):
+            for k, (_, d) in zip(want, SHAPES):
                 np.testing.assert_allclose(out[step][k], want[k], **tol(d), err_msg=k)
 
 
@@ -95,7 +95,7 @@ def test_pack_mode_gives_the_same_numbers():
     want = expected_mean(2, 0)
     for mode, grads in res:
         assert mode == "pack"
-        for k, (s, d) in zip(want, SHAPES):
+        for k, (_, d) in zip(want, SHAPES):
             np.testing.assert_allclose(grads[k], want[k], **tol(d))
 
 

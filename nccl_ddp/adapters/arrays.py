@@ -16,7 +16,8 @@ Instead of passing `grad=` you may write into `model.grads[k]` in place and call
 `ddp.mark_ready(k)`. With the default CppReducer, `model.grads[k]` are views of the bucket buffers
 (assigned when DDP is built): keep reading them through `model.grads`, never hold on to an old one.
 
-The contract with the core (what an adapter for another framework provides: `nccl_ddp.ddp.interfaces.GradModule`):
+The contract with the core (what an adapter for another framework provides,
+`nccl_ddp.ddp.interfaces.GradModule`):
 native arrays (NumPy/CuPy) for parameters and grads, a callback to make the framework's grads alias
 bucket views, and a conversion of the framework's grads to native arrays (DLPack).
 """

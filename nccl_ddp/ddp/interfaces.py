@@ -78,7 +78,8 @@ class GradsAdapter(abc.ABC):
 
     @abc.abstractmethod
     def param_infos(self, parameters: Any) -> List[ParamSpec]:
-        """One `ParamSpec` per parameter (shape, dtype, name, comm_fusion), in the order `to_native` lists the grads."""
+        """One `ParamSpec` per parameter (shape, dtype, name, comm_fusion), in the order
+        `to_native` lists the grads."""
 
     @abc.abstractmethod
     def to_native(self, grads: Any) -> List[Any]:

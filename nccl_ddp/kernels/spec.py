@@ -95,7 +95,7 @@ def _check_device_memory(op: str, arrays: Sequence[Any], bucket: Any, sizes: np.
     if not nz.size:
         return
     item = np.dtype(arrays[0].dtype).itemsize
-    ptrs = np.fromiter((arrays[i].data.ptr for i in nz), dtype=np.int64, count=nz.size)
+    ptrs = np.fromiter((arrays[int(i)].data.ptr for i in nz), dtype=np.int64, count=nz.size)
     odd = np.flatnonzero(ptrs % item)
     if odd.size:
         i = int(nz[odd[0]])
