@@ -41,7 +41,7 @@ def _torch_grads(rank: int, hook_name: str, steps: int) -> list:
     if hook_name == "fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif hook_name == "bf16":
-        ddp.register_comm_hook(None, _torch_bf16_compress_hook)
+        ddp.register_comm_hook(None, torch_bf16_compress_hook())
     out = []
     for step in range(steps):
         ddp.zero_grad()
@@ -51,20 +51,13 @@ def _torch_grads(rank: int, hook_name: str, steps: int) -> list:
     return out
 
 
-def _torch_bf16_compress_hook(process_group, bucket):
-    """torch's default_hooks.bf16_compress_hook without its check for NCCL >= 2.10 (it refuses
-    gloo; gloo reduces bfloat16 all the same): same casts, same division, same all-reduce."""
-    import torch
-    import torch.distributed as dist
-
-    group = process_group if process_group is not None else dist.group.WORLD
-    buffer = bucket.buffer()
-    compressed = buffer.to(torch.bfloat16).div_(group.size())
-
-    def decompress(fut):
-        buffer.copy_(fut.value()[0])
-        return buffer
-    return dist.all_reduce(compressed, group=group, async_op=True).get_future().then(decompress)
+def torch_bf16_compress_hook():
+    """torch's bf16_compress_hook without its check for NCCL >= 2.10 (it refuses gloo; gloo
+    reduces bfloat16 all the same), as scripts/bench_ddp_torch.py has it."""
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+    from bench_ddp_torch import torch_bf16_compress_hook as hook
+    return hook
 
 
 def _Sum(params):

@@ -21,7 +21,15 @@ from nccl_ddp.ddp import comm_hooks
 from nccl_ddp.ddp.buckets import ParamSpec
 from nccl_ddp.ddp.config import DDPConfig, config_from
 from nccl_ddp.ddp.interfaces import GradModule
-from nccl_ddp.ddp.join import Join, Joinable, JoinHook, ReducerJoinHook, buffer_source, on_step_open
+from nccl_ddp.ddp.join import (
+    Join,
+    Joinable,
+    JoinHook,
+    ReducerJoinHook,
+    buffer_source,
+    hook_kwargs,
+    on_step_open,
+)
 from nccl_ddp.ddp.param_sync import broadcast_coalesced, check_same_params
 from nccl_ddp.ddp.reducer import Reducer
 from nccl_ddp.errors import ConfigError, ConfigTypeError, ReducerError
@@ -240,11 +248,7 @@ class DistributedDataParallel(Joinable):
                          divide_by_initial_world_size=divide_by_initial_world_size)
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
-        unknown = set(kwargs) - {"divide_by_initial_world_size"}
-        if unknown:
-            raise ConfigError(f"Join: unknown keyword arguments {sorted(unknown)} for "
-                              "DistributedDataParallel (it takes divide_by_initial_world_size)")
-        return ReducerJoinHook(self, **kwargs)
+        return ReducerJoinHook(self, **hook_kwargs("DistributedDataParallel", kwargs))
 
     @property
     def join_process_group(self) -> ProcessGroup:

@@ -27,20 +27,19 @@ from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
-from nccl_ddp import kernels
-from nccl_ddp import frameworks
+from nccl_ddp import frameworks, kernels
+from nccl_ddp.comm.api import device_of, resolve_group
+from nccl_ddp.comm.group import ProcessGroup, ReduceOp
 from nccl_ddp.ddp import comm_hooks
 from nccl_ddp.ddp.bucket_memory import to_host
-from nccl_ddp.ddp.config import COMPRESS, GradReducerConfig, config_from
-from nccl_ddp.ddp.join import GradReducerJoinHook, Join, Joinable, JoinHook
 from nccl_ddp.ddp.buckets import DEFAULT_CAP_BYTES, FIRST_CAP_BYTES, ParamSpec, assign_buckets
-from nccl_ddp.comm.group import ProcessGroup, ReduceOp
-from nccl_ddp.comm.api import device_of, resolve_group
-from nccl_ddp.validate import check_float_dtype, check_positive_int
+from nccl_ddp.ddp.config import COMPRESS, GradReducerConfig, config_from
+from nccl_ddp.ddp.join import GradReducerJoinHook, Join, Joinable, JoinHook, hook_kwargs
 from nccl_ddp.ddp.param_sync import check_same_params
 from nccl_ddp.ddp.reducer import bucket_tag
 from nccl_ddp.ddp.step_failure import StepFailure
 from nccl_ddp.errors import ConfigError, ConfigTypeError, NonFiniteGradError
+from nccl_ddp.validate import check_float_dtype, check_positive_int
 
 
 class DistributedGradReducer(Joinable):
@@ -232,11 +231,7 @@ class DistributedGradReducer(Joinable):
     # ------------------------------------------------------------------ Join
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
-        unknown = set(kwargs) - {"divide_by_initial_world_size"}
-        if unknown:
-            raise ConfigError(f"Join: unknown keyword arguments {sorted(unknown)} for "
-                              "DistributedGradReducer (it takes divide_by_initial_world_size)")
-        return GradReducerJoinHook(self, **kwargs)
+        return GradReducerJoinHook(self, **hook_kwargs("DistributedGradReducer", kwargs))
 
     @property
     def join_process_group(self) -> ProcessGroup:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import re
 from types import TracebackType
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
@@ -34,6 +35,7 @@ from nccl_ddp.validate import check_bool
 log = logging.getLogger(__name__)
 
 PEER_ERROR_WAIT_S = 3.0
+_REPORT = re.compile(r"rank \d+ raised \w+ inside nccl_ddp\.Join: [^\n]*")
 """How long a rank whose collective failed inside a Join looks for a peer's error report."""
 
 
@@ -157,8 +159,8 @@ class Join:
         peer's error: then raise `JoinError` naming that peer. Otherwise the error is this rank's
         own: report it and abort the group so that the peers stop waiting for us."""
         store = _store()
-        if isinstance(error, CommError) and store is not None:
-            peer = self._peer_error(store)
+        if isinstance(error, CommError):
+            peer = self._peer_error(store, error)
             if peer is not None:
                 raise JoinError(f"rank {self._group.rank}: leaving Join because {peer}") from error
             return
@@ -175,7 +177,17 @@ class Join:
         log.error("%s; aborting the process group so that the other ranks stop waiting", text)
         self._group.abort(text)
 
-    def _peer_error(self, store: Any) -> Optional[str]:
+    def _peer_error(self, store: Any, error: BaseException) -> Optional[str]:
+        """A peer's report: in the failed collective's message (the host backend carries the
+        abort reason), else in the store (NCCL; the peer may be gone, and the store with it)."""
+        e: Optional[BaseException] = error
+        while e is not None:
+            found = _REPORT.search(str(e))
+            if found:
+                return found.group(0)
+            e = e.__cause__
+        if store is None:
+            return None
         try:
             return store.get(f"{self._key}/error1", timeout=PEER_ERROR_WAIT_S).decode(
                 errors="replace")
@@ -271,6 +283,15 @@ def on_step_open(ddp: Any, syncs: bool) -> None:
     divide_initial = ddp._join_divide_by_initial
     reducer.step_divisor = None if divide_initial or active is None else active
     exchange(ddp.process_group, [1 if syncs else 0], "Join's sync flag")
+
+
+def hook_kwargs(owner: str, kwargs: dict) -> dict:
+    """The keyword arguments of `Join` a joinable's hook takes (divide_by_initial_world_size)."""
+    unknown = set(kwargs) - {"divide_by_initial_world_size"}
+    if unknown:
+        raise ConfigError(f"Join: unknown keyword arguments {sorted(unknown)} for {owner} (it "
+                          "takes divide_by_initial_world_size)")
+    return kwargs
 
 
 def buffer_source(ddp: Any, joined: bool) -> int:
