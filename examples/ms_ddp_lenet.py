@@ -8,13 +8,12 @@ set is synthetic (the docs use MNIST): different images on every rank, the same 
 """
 import argparse
 
-import numpy as np
-
 import mindspore as ms
+import numpy as np
 from mindspore import nn
 
 import nccl_ddp as nd
-from nccl_ddp import DistributedDataParallel   # was: mindspore.parallel.distributed
+from nccl_ddp import DistributedDataParallel  # was: mindspore.parallel.distributed
 
 ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU")
 
@@ -82,7 +81,7 @@ def main():
             optimizer(grads)
             net.zero_grad()
             step += 1
-            print(f"epoch: {epoch}, step: {step}, loss is {loss_value:.15f}")
+            print(f"epoch: {epoch}, step: {step}, loss is {float(loss_value):.15f}")
 
     params = {p.name: p.asnumpy() for p in net.trainable_params()}
     print(f"param checksum: {sum(float(np.abs(v).sum()) for v in params.values()):.9e}")

@@ -11,18 +11,17 @@ r+1; --save PATH writes the weight after the step ("{rank}" in PATH: each rank i
 """
 import argparse
 
-import numpy as np
-
 import mindspore as ms
-from mindspore import Parameter, Tensor, context, nn, ops   # the docs use `context` unimported
+import numpy as np
+from mindspore import Parameter, Tensor, context, nn, ops  # the docs use `context` unimported
 
 import nccl_ddp as nd
-from nccl_ddp import DistributedGradReducer   # was: nn.DistributedGradReducer
+from nccl_ddp import DistributedGradReducer  # was: nn.DistributedGradReducer
 
 
 class TrainingWrapper(nn.Cell):
     def __init__(self, network, optimizer, sens=1.0):
-        super(TrainingWrapper, self).__init__(auto_prefix=False)
+        super().__init__(auto_prefix=False)
         self.network = network
         self.network.add_flags(defer_inline=True)
         self.weights = optimizer.parameters
@@ -53,7 +52,7 @@ class TrainingWrapper(nn.Cell):
 
 class Net(nn.Cell):
     def __init__(self, in_features, out_features):
-        super(Net, self).__init__()
+        super().__init__()
         self.weight = Parameter(Tensor(np.ones([in_features, out_features]).astype(np.float32)),
                                 name='weight')
         self.matmul = ops.MatMul()

@@ -8,10 +8,9 @@ batch; because the grads are averaged, all ranks end with identical parameters.
 """
 import argparse
 
-import numpy as np
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import nccl_ddp as nd
 

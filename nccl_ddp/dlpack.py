@@ -13,8 +13,8 @@ from typing import Any, Optional, Tuple
 import numpy as np
 
 from nccl_ddp import frameworks
-from nccl_ddp.frameworks import is_immutable
 from nccl_ddp.errors import ConfigError, ConfigTypeError
+from nccl_ddp.frameworks import is_immutable
 
 KDL_CPU, KDL_CUDA, KDL_CUDA_HOST = 1, 2, 3
 _DEVICE_NAMES = {1: "cpu", 2: "cuda", 3: "cuda-host", 4: "opencl", 7: "vulkan", 8: "metal",

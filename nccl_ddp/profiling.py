@@ -114,7 +114,7 @@ class _Nvtx:
             self.push: Callable[[str, int], Any] = lambda msg, c: nvtx.push_range(msg, color=c)
             self.pop: Callable[[], Any] = nvtx.pop_range
         except ImportError:
-            from cupy.cuda import nvtx as cnvtx   # RangePushC(message, ARGB colour)
+            from cupy.cuda import nvtx as cnvtx  # RangePushC(message, ARGB colour)
             self.push, self.pop = cnvtx.RangePushC, cnvtx.RangePop
 
     @contextlib.contextmanager

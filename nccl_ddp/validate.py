@@ -2,7 +2,6 @@
 `ConfigError` (a ValueError) that names the argument and the value it got."""
 from __future__ import annotations
 
-
 import numpy as np
 
 from nccl_ddp.errors import ConfigError, ConfigTypeError

@@ -22,8 +22,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import (Progress, array_module, format_table, plot_series, slowest,  # noqa: E402
-                      synchronize, write_csv)
+from benchlib import Progress, array_module, format_table, plot_series, slowest, synchronize, write_csv  # noqa: E402
 
 BYTES_PER_SIZE = 1 << 30     # aim to move about this much per size and backend (caps iterations)
 COLUMNS = ("size", "count", "dtype", "time_us", "algbw_GBps", "busbw_GBps", "gloo_time_us",

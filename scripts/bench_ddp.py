@@ -17,6 +17,7 @@ another framework without touching the rest.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from typing import Callable, Dict
@@ -26,11 +27,18 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
-from benchlib import (Progress, format_table, plot_panels, run_ranks,  # noqa: E402
-                      slowest, synchronize, timed_steps, write_csv)
-
 import bench_ddp_params  # noqa: E402
 import train_mlp as mlp  # noqa: E402
+from benchlib import (  # noqa: E402
+    Progress,
+    format_table,
+    plot_panels,
+    run_ranks,
+    slowest,
+    synchronize,
+    timed_steps,
+    write_csv,
+)
 
 COLUMNS = ("mode", "hook", "ranks", "backend", "params_MiB", "cap_MiB", "buckets", "local_ms",
            "ddp_ms", "overhead_ms", "comm_ms", "hidden_pct", "sent_MiB", "torch_ddp_ms",
@@ -118,7 +126,7 @@ def run_arrays(nd, xp, args, cap_mb: float, hook: str = "allreduce") -> dict:
 
     local = mlp.init_params(xp, dims, 0)
     local_grads: dict = {}
-    local_hooks = {k: (lambda k: lambda g: local_grads.__setitem__(k, g))(k) for k in local}
+    local_hooks = {k: functools.partial(local_grads.__setitem__, k) for k in local}
     t_local = _timed(nd, xp, lambda: train_step(
         local, local_grads.__getitem__, local_hooks, lambda v: mlp.forward(local, v),
         lambda: None), args)

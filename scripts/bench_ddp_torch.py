@@ -14,7 +14,6 @@ import socket
 from typing import Callable
 
 import numpy as np
-
 from benchlib import array_module, slowest, timed_steps
 
 _TORCH_PG = {}
@@ -85,9 +84,8 @@ def torch_bf16_compress_hook(process_group, bucket):
 
 def run_torch(nd, xp, args, cap_mb: float, hook: str = "allreduce") -> dict:
     import torch
-    from torch.nn.parallel import DistributedDataParallel as TorchDDP
-
     from bench_ddp import POWERSGD_RANK, our_hook, sent_mib
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     from nccl_ddp.profiling import Timeline
     ours_backend = nd.get_world_group().backend

@@ -59,8 +59,9 @@ def ints(s):
 class Bench:
     def __init__(self, cp, args):
         import ml_dtypes
-        from nccl_ddp.kernels import cuda as ck
+
         from nccl_ddp import kernels as K
+        from nccl_ddp.kernels import cuda as ck
         self.cp, self.args, self.ck, self.K = cp, args, ck, K
         self.kb = ck.backend()
         self.dt = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
@@ -253,6 +254,7 @@ def main(argv=None) -> int:
               "to measure. Run it on a GPU machine.", file=sys.stderr)
         return 2
     import cupy as cp
+
     from nccl_ddp.kernels import cuda as ck
     bench = Bench(cp, args)
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)

@@ -16,9 +16,8 @@ import argparse
 import importlib.util
 import os
 
-import numpy as np
-
 import mindspore as ms
+import numpy as np
 from mindspore import nn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -7,11 +7,11 @@ import logging
 
 import numpy as np
 import pytest
+from mp import run_ranks
+from test_host_collectives import no_shm_leaks  # noqa: F401  (autouse: /dev/shm stays clean)
 
 import nccl_ddp as nd
-from mp import run_ranks
 from nccl_ddp.errors import ConfigError, ConfigTypeError
-from test_host_collectives import no_shm_leaks  # noqa: F401  (autouse: /dev/shm stays clean)
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 

@@ -10,9 +10,9 @@ import sys
 
 import numpy as np
 import pytest
+from mp import run_ranks
 
 import nccl_ddp as nd
-from mp import run_ranks
 from nccl_ddp.adapters.arrays import ArrayModule
 from nccl_ddp.errors import ConfigError, ConfigTypeError, RankMismatchError, ReducerError
 

@@ -9,12 +9,12 @@ import time
 
 import numpy as np
 import pytest
-
 from mp import run_ranks
+
 from nccl_ddp.comm.host.backend import HostProcessGroup
+from nccl_ddp.ddp.reducer import bucket_tag
 from nccl_ddp.device import HostStream
 from nccl_ddp.errors import CommError, CommTimeout, ConfigError, ConfigTypeError, NcclDdpError
-from nccl_ddp.ddp.reducer import bucket_tag
 
 N = 1 << 16            # float32 elements per parameter: 256 KiB
 TIMEOUT = 15.0         # group timeout of the multi-process tests

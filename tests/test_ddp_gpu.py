@@ -6,7 +6,6 @@ import sys
 
 import numpy as np
 import pytest
-
 from mp import run_ranks
 from test_reducer import FLAGS, SHAPES, local_grads, make_params
 

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
-
 from fakegroup import FakeGroup, _Shared, run_threads
+
 from nccl_ddp.ddp.grad_reducer import DistributedGradReducer
 
 DT = [np.float32, np.float64, np.float16, np.float32]

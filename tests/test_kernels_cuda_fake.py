@@ -6,12 +6,12 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-
 from _fake_cupy import FakeCupy, FakeStream
-from nccl_ddp.kernels import cuda as ck
+
 from nccl_ddp import device as D
 from nccl_ddp import kernels as K
 from nccl_ddp.errors import CommTimeout, ConfigError, KernelError
+from nccl_ddp.kernels import cuda as ck
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 BF16 = np.dtype(ml_dtypes.bfloat16)

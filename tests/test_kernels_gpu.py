@@ -6,8 +6,8 @@ import io
 import numpy as np
 import pytest
 
-from nccl_ddp.kernels import cuda as ck
 from nccl_ddp import kernels as K
+from nccl_ddp.kernels import cuda as ck
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")

@@ -12,11 +12,11 @@ from types import SimpleNamespace
 import ml_dtypes
 import numpy as np
 import pytest
-
 from conftest import HAS_GPU
 from mp import run_ranks
-from nccl_ddp.comm.nccl import backend as nb
+
 from nccl_ddp.comm.group import ReduceOp
+from nccl_ddp.comm.nccl import backend as nb
 from nccl_ddp.errors import CommError, CommTimeout, ConfigError
 
 # ncclDataType_t / ncclRedOp_t values from nccl.h

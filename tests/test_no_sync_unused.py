@@ -3,7 +3,6 @@ a grad accumulated in a no_sync() micro-step counts as used in the next synchron
 when that step gives it no grad, so its accumulated grad is reduced, as in PyTorch DDP."""
 import numpy as np
 import pytest
-
 from mp import run_ranks
 
 SHAPES = {"a": ((5, 3), np.float32), "b": ((7,), np.float32), "c": ((4,), np.float64),

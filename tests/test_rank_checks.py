@@ -2,7 +2,6 @@
 options, DistributedDataParallel's settings (init_sync). A mismatch raises RankMismatchError on
 every rank naming the difference; the group stays usable."""
 import numpy as np
-
 from mp import run_ranks
 
 f32 = np.float32

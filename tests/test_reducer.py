@@ -5,8 +5,8 @@ import time
 
 import numpy as np
 import pytest
-
 from fakegroup import run_threads
+
 from nccl_ddp import errors
 from nccl_ddp.adapters.arrays import ArrayModule
 from nccl_ddp.ddp.data_parallel import DistributedDataParallel

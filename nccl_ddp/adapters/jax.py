@@ -20,9 +20,9 @@ from typing import Any, List
 
 import numpy as np
 
-from nccl_ddp.dlpack import KDL_CPU, KDL_CUDA, bfloat16_dtype, native_from_dlpack
 from nccl_ddp.ddp.buckets import ParamSpec
 from nccl_ddp.ddp.interfaces import GradsAdapter
+from nccl_ddp.dlpack import KDL_CPU, KDL_CUDA, bfloat16_dtype, native_from_dlpack
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 
 
@@ -31,7 +31,7 @@ def adapt(module: Any) -> Any:
                     "jax.grad and reduce the pytree with nccl_ddp.DistributedGradReducer(params)")
 
 
-def grads_adapter() -> "JaxGrads":
+def grads_adapter() -> JaxGrads:
     return JaxGrads()
 
 

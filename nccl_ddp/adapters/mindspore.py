@@ -28,14 +28,13 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
 
-from nccl_ddp.dlpack import KDL_CPU, CapsuleHolder, native_from_dlpack
-from nccl_ddp.ddp.interfaces import GradModule
 from nccl_ddp.ddp.buckets import ParamSpec
-from nccl_ddp.ddp.interfaces import GradsAdapter
+from nccl_ddp.ddp.interfaces import GradModule, GradsAdapter
+from nccl_ddp.dlpack import KDL_CPU, CapsuleHolder, native_from_dlpack
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 
 
-def adapt(cell: Any) -> "MindSporeModule":
+def adapt(cell: Any) -> MindSporeModule:
     """The DDP adapter for a `mindspore.nn.Cell`."""
     import mindspore
     if not isinstance(cell, mindspore.nn.Cell):
@@ -51,7 +50,7 @@ def wrapper_class() -> type:
     return MindSporeDistributedDataParallel
 
 
-def grads_adapter() -> "MindSporeGrads":
+def grads_adapter() -> MindSporeGrads:
     return MindSporeGrads()
 
 

@@ -21,7 +21,7 @@ class ReduceOp(str, enum.Enum):
     PROD = "prod"
 
     @classmethod
-    def parse(cls, op: "ReduceOp | str") -> "ReduceOp":
+    def parse(cls, op: ReduceOp | str) -> ReduceOp:
         try:
             return op if isinstance(op, ReduceOp) else cls(str(op).lower())
         except ValueError:
@@ -91,7 +91,7 @@ class ProcessGroup(abc.ABC):
         """Completes once every rank of the group has reached it."""
 
     @abc.abstractmethod
-    def new_subgroup(self, ranks: Sequence[int]) -> Optional["ProcessGroup"]:
+    def new_subgroup(self, ranks: Sequence[int]) -> Optional[ProcessGroup]:
         """Collective over this group: a group of the given global ranks (None on non-members)."""
 
     @abc.abstractmethod

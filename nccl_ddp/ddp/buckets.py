@@ -16,6 +16,7 @@ import dataclasses
 from typing import Hashable, Optional, Sequence
 
 import numpy as np
+
 from nccl_ddp.errors import ConfigError
 
 MiB = 1024 * 1024

@@ -5,8 +5,8 @@ import dataclasses
 from typing import Any, Optional, Type, TypeVar
 
 from nccl_ddp.ddp.buckets import DEFAULT_CAP_BYTES, FIRST_CAP_BYTES, MiB
-from nccl_ddp.validate import check_bool, check_positive_int
 from nccl_ddp.errors import ConfigError, ConfigTypeError
+from nccl_ddp.validate import check_bool, check_positive_int
 
 REDUCER_MODES = ("CppReducer", "PythonReducer")
 

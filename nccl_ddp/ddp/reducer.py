@@ -103,7 +103,7 @@ class Reducer:
         for b in layout.buckets:
             for p in b.params:
                 self._bucket_of[p] = b.index
-        self.memory = None
+        self.memory: Optional[BucketBuffers] = None
         self._views_installed = False
         if self.config.reducer_mode == "PythonReducer":
             return
@@ -227,7 +227,7 @@ class Reducer:
         bucket = self.layout.buckets[b]
         self.comm.wait(self.device.current_stream().record())
         grads = [self.grads[p] for p in bucket.params]
-        buf = None if self.mode == "python" else self.memory.buffers[b]
+        buf = None if self.memory is None else self.memory.buffers[b]   # None: PythonReducer
         flag = None if self._finite is None else self._finite.flag(b)
         self._submit_bucket(b, self.mode, grads, buf, flag)
         self._done.append(self.comm.record())
@@ -493,9 +493,9 @@ class Reducer:
         self.comm.wait(self.device.current_stream().record())
         self.comm.submit(self._broadcast_here, buf, "rank 0's grad arrival order")
         self.comm.synchronize(self.group.timeout)
-        order = [int(i) for i in to_host(buf) if i >= 0]
+        rank0_order = [int(i) for i in to_host(buf) if i >= 0]
         layout = assign_buckets(self.specs, self.config.cap_bytes, self.config.first_cap_bytes,
-                                order=order, exclude=sorted(self.excluded))
+                                order=rank0_order, exclude=sorted(self.excluded))
         self._arrival = []
         if layout.buckets == self.layout.buckets:
             return
@@ -519,7 +519,7 @@ class Reducer:
                 f"{self._count} grads already marked ready); call it before forward or "
                 "after the optimizer step")
         compute = self.device.current_stream()
-        if self.mode == "view":
+        if self.mode == "view" and self.memory is not None:
             for buf in self.memory.buffers:
                 compute.submit(kernels.zero_, buf)
             covered = set(self.layout.param_order)

@@ -5,8 +5,7 @@ from typing import Optional
 
 from nccl_ddp.device.base import DEFAULT_TIMEOUT, Device, Event, Stream
 from nccl_ddp.device.cuda import CudaDevice, CudaEvent, CudaStream, RawStream, cuda_available
-from nccl_ddp.device.host import (HostDevice, HostEvent, HostStream, ImmediateStream,
-                                  aligned_empty)
+from nccl_ddp.device.host import HostDevice, HostEvent, HostStream, ImmediateStream, aligned_empty
 from nccl_ddp.errors import ConfigError
 
 __all__ = ["DEFAULT_TIMEOUT", "Device", "Event", "Stream", "CudaDevice", "CudaEvent", "CudaStream",

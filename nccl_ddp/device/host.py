@@ -52,7 +52,7 @@ class HostStream(Stream):
     def __init__(self, name: str = "") -> None:
         HostStream._count += 1
         self.name = name or f"host-stream-{HostStream._count}"
-        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self.error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
         self._thread.start()

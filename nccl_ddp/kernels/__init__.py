@@ -24,9 +24,20 @@ from typing import Any, Sequence
 import numpy as np
 
 from nccl_ddp.kernels.cuda import kernel_source_dir
-from nccl_ddp.kernels.spec import (PACK_PAIRS, SCALE_DTYPES, UNPACK_PAIRS, acc_dtype, check_flag,
-                                   check_flat, check_segments, dtype_name, pack_ref, scale_ref,
-                                   unpack_ref, zero_ref)
+from nccl_ddp.kernels.spec import (
+    PACK_PAIRS,
+    SCALE_DTYPES,
+    UNPACK_PAIRS,
+    acc_dtype,
+    check_flag,
+    check_flat,
+    check_segments,
+    dtype_name,
+    pack_ref,
+    scale_ref,
+    unpack_ref,
+    zero_ref,
+)
 
 # ---------------------------------------------------------------------------------------------
 # public operations (dispatch on the array type)

@@ -26,11 +26,19 @@ import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from nccl_ddp.errors import CommError, CommTimeout, ConfigError, StoreTimeout
-from nccl_ddp.comm.nccl.runtime import (ADVICE, CupyRuntime, bounded, check, is_available, nccl_dtype,
-                            nccl_op, stream_ptr)
 from nccl_ddp.comm.desync import DesyncChecker, check_distinct_devices
 from nccl_ddp.comm.group import ProcessGroup, ReduceOp, Work, check_gather_buffers
+from nccl_ddp.comm.nccl.runtime import (
+    ADVICE,
+    CupyRuntime,
+    bounded,
+    check,
+    is_available,
+    nccl_dtype,
+    nccl_op,
+    stream_ptr,
+)
+from nccl_ddp.errors import CommError, CommTimeout, ConfigError, StoreTimeout
 
 __all__ = ["NcclProcessGroup", "NcclWork", "exchange_unique_id", "is_available", "nccl_dtype",
            "nccl_op"]
@@ -64,7 +72,7 @@ def exchange_unique_id(store: Any, key: str, rank: int, timeout: float,
 class NcclWork(Work):
     """One collective in flight: its done-event, its output, and the buffers it keeps alive."""
 
-    def __init__(self, group: "NcclProcessGroup", what: str, event: Any, output: Any,
+    def __init__(self, group: NcclProcessGroup, what: str, event: Any, output: Any,
                  keep: tuple) -> None:
         self.what, self.event, self.output = what, event, output
         self.started = time.monotonic()
@@ -134,7 +142,7 @@ class NcclProcessGroup(ProcessGroup):
 
     @classmethod
     def create(cls, store: Any, rank: int, size: int, ranks: Sequence[int], timeout: float,
-               name: str, device_id: int, *, runtime: Any = None) -> "NcclProcessGroup":
+               name: str, device_id: int, *, runtime: Any = None) -> NcclProcessGroup:
         """Collective over the members: exchange the unique id through `store` and build the
         communicator on `device_id`. `runtime` replaces the CuPy calls (tests)."""
         ranks = tuple(int(r) for r in ranks)
@@ -313,7 +321,7 @@ class NcclProcessGroup(ProcessGroup):
 
     # ------------------------------------------------------------------ groups
 
-    def new_subgroup(self, ranks: Sequence[int]) -> Optional["NcclProcessGroup"]:
+    def new_subgroup(self, ranks: Sequence[int]) -> Optional[NcclProcessGroup]:
         """Collective over this group: ncclCommSplit where CuPy binds it, else a new unique id
         through the store. Call it with no collective in flight."""
         ranks = tuple(int(r) for r in ranks)

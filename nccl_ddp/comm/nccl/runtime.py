@@ -8,8 +8,8 @@ import contextlib
 import threading
 from typing import Any, Callable, Iterator
 
-from nccl_ddp.errors import CommError, CommTimeout, ConfigTypeError
 from nccl_ddp.comm.group import ReduceOp
+from nccl_ddp.errors import CommError, CommTimeout, ConfigTypeError
 
 ADVICE = ("Rerun with NCCL_DEBUG=INFO (NCCL_DEBUG_SUBSYS=INIT,COLL narrows it) and check the other "
           "ranks' logs for the first error.")
@@ -53,7 +53,7 @@ def nccl_dtype(dtype: Any, lib: Any) -> int:
                     f"{sorted(_DTYPES) + sorted(_FP8)} (float8 needs NCCL >= 2.24)")
 
 
-def nccl_op(op: "ReduceOp | str", lib: Any) -> int:
+def nccl_op(op: ReduceOp | str, lib: Any) -> int:
     """The ncclRedOp_t of a ReduceOp (AVG is NCCL's native ncclAvg)."""
     return int(getattr(lib, _OPS[ReduceOp.parse(op)]))
 
@@ -124,7 +124,7 @@ class CupyRuntime:
     def bind_thread(self) -> None:
         self._device().use()
 
-    def device_uuid(self) -> "str | None":
+    def device_uuid(self) -> str | None:
         """The GPU's UUID (hex), to tell two ranks on one device apart; None if CuPy has none."""
         uuid = self.cupy.cuda.runtime.getDeviceProperties(self.device_id).get("uuid")
         return bytes(uuid).hex() if uuid else None
