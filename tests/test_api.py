@@ -188,6 +188,7 @@ def torch_body(rank, world):
 
 
 @pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed")
+@pytest.mark.slow
 def test_torch_cpu_tensors_in_place():
     run_ranks(torch_body, 2, timeout=120)
 
@@ -263,6 +264,7 @@ def destroy_waits_for_peers_body(rank, world, tmp):
             f.write(repr(time.time()))
 
 
+@pytest.mark.slow
 def test_destroy_without_failure_keeps_its_barrier(tmp_path):
     run_ranks(destroy_waits_for_peers_body, 2, str(tmp_path), timeout=60)
     entered = float((tmp_path / "entered").read_text())

@@ -447,6 +447,7 @@ def _bad_socket_addr(rank, world_size):
     return None
 
 
+@pytest.mark.slow
 def test_bad_socket_addr_is_named():
     res = run_ranks(_bad_socket_addr, 2, timeout=60,
                     env={"NCCL_DDP_SOCKET_ADDR": "no-such-host.invalid"})

@@ -4,9 +4,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench_ddp.py")
 
 
+@pytest.mark.slow
 def test_bench_ddp_smoke(tmp_path):
     out = tmp_path / "bench.csv"
     r = subprocess.run([sys.executable, SCRIPT, "--caps", "0.01,1", "--hidden", "64", "--layers",

@@ -10,6 +10,7 @@ import pytest
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench_ddp.py")
 
 
+@pytest.mark.slow
 def test_many_params_smoke(tmp_path):
     pytest.importorskip("torch")
     out = tmp_path / "params.csv"

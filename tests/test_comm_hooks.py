@@ -137,6 +137,7 @@ class _PackOnly:
 
 
 @pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.slow
 def test_compression_matches_torch_hooks(world, tmp_path):
     pytest.importorskip("torch", reason="PyTorch is not installed")
     results = run_ranks(_compare_with_torch, world, str(tmp_path), timeout=180)

@@ -367,6 +367,7 @@ def test_planted_bugs_are_caught(module, monkeypatch):
     assert missed == [], f"planted bugs not caught: {missed}"
 
 
+@pytest.mark.slow
 def test_build_is_cached_by_source_and_skips_without_a_compiler(module, monkeypatch, tmp_path):
     monkeypatch.setenv("NCCL_DDP_CPU_KERNEL_CACHE", str(tmp_path))
     src = "__global__ void k(int* p) { __stwb(p, 1); }\n"

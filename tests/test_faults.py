@@ -406,6 +406,7 @@ def test_nccl_debug_off_by_default_runs_mismatches_unchecked():
         assert got[0] == "ok" and launched == 1, (got, launched)
 
 
+@pytest.mark.slow
 def test_nccl_debug_detail_names_a_rank_that_skipped_a_collective():
     results = run_ranks(_desync, 3, ["missing"], True, timeout=90)
     for rank in (0, 2):
@@ -623,6 +624,7 @@ CHAOS_FAST = [(2, "shm", "collective", "KILL", 1), (3, "tcp", "backward", "KILL"
 
 
 @pytest.mark.parametrize("world,transport,point,sig,seed", CHAOS_FAST)
+@pytest.mark.slow
 def test_chaos_sample(tmp_path, world, transport, point, sig, seed):
     _chaos(tmp_path, world, transport, point, sig, seed)
 

@@ -98,6 +98,7 @@ def scratch(tmp_path):
     return repo, env, tmp_path / "out"
 
 
+@pytest.mark.slow
 def test_gpu_check_flow_summary_last_and_files(scratch):
     repo, env, out = scratch
     res = _run(repo, env)
@@ -127,6 +128,7 @@ def test_gpu_check_flow_summary_last_and_files(scratch):
     assert "planted" in (out / "pytest.txt").read_text()
 
 
+@pytest.mark.slow
 def test_gpu_check_without_a_gpu_says_so(scratch):
     repo, env, out = scratch
     (repo / "tests" / "test_fake.py").write_text(FAKE_TESTS.replace("assert 1 == 2", "pass #"))

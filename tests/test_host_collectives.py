@@ -134,6 +134,7 @@ def collectives_body(rank, world, transport):
 
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.slow
 def test_collectives_match_numpy(world, transport):
     res = run_ranks(collectives_body, world, transport, timeout=150)
     assert {k for k, _ in res} == {transport}
@@ -244,6 +245,7 @@ def dying_body(rank, world, transport):
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.slow
 def test_dead_rank_is_named(transport):
     failed = run_ranks(dying_body, 3, transport, timeout=60, expect_fail=True)
     assert set(failed) == {0, 1, 2}
@@ -266,6 +268,7 @@ def hung_body(rank, world):
         raise RuntimeError(f"got CommTimeout after {time.monotonic() - t0:.1f}s: {e}") from e
 
 
+@pytest.mark.slow
 def test_unresponsive_peer_times_out_naming_it():
     failed = run_ranks(hung_body, 2, timeout=60, expect_fail=True)
     assert set(failed) == {0}
@@ -288,6 +291,7 @@ def absent_body(rank, world):
         store.close()
 
 
+@pytest.mark.slow
 def test_missing_rank_times_out_naming_it():
     failed = run_ranks(absent_body, 3, timeout=60, expect_fail=True)
     assert set(failed) == {0, 1}

@@ -57,6 +57,7 @@ def _numpy_training(ex, steps: int, ranks: list) -> list:
     return layers
 
 
+@pytest.mark.slow
 def test_jax_mlp_example_matches_numpy(tmp_path):
     saved = tmp_path / "params.npz"
     proc = subprocess.run([sys.executable, "-m", "nccl_ddp.launch", "--nproc-per-node", "2",
@@ -112,6 +113,7 @@ def _reduce_tree(rank: int, world: int):
     return same_structure, all_jax, untouched, result, dtypes
 
 
+@pytest.mark.slow
 def test_grad_reducer_on_pytree():
     results = run_ranks(_reduce_tree, 2, timeout=90)
     trees = [jax.tree_util.tree_map(lambda a: np.array(a.astype(np.float32)), _tree(r))
@@ -185,6 +187,7 @@ def _zero_copy_rank(rank: int, world: int):
     return first_values, after_second, pointers_inside, leaves_after_write
 
 
+@pytest.mark.slow
 def test_reduced_leaves_alias_fresh_buckets_and_never_change():
     results = run_ranks(_zero_copy_rank, 2, timeout=90)
     want = jax.tree_util.tree_map(lambda a, b: (a + b) / 2, _as_f64(_odd_tree(0, 0)),

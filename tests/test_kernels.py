@@ -52,6 +52,7 @@ def _nvrtc_compile(src, arch, names=(), extra=()):
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_100"])
+@pytest.mark.slow
 def test_nvrtc_compiles_every_kernel_without_warnings(arch):
     names = ck.name_expressions()
     nvrtc, prog = _nvrtc_compile(SOURCE, arch, names, ["-Xptxas=-v"])
@@ -106,6 +107,7 @@ def test_aligned_spans_use_16_byte_vectors():
         assert ".local" not in body
 
 
+@pytest.mark.slow
 def test_no_flush_to_zero_instruction_under_cupys_options():
     """CuPy appends -ftz=true: the float32 arithmetic and conversions must still keep
     subnormals (inline PTX without .ftz), in every instantiation."""
@@ -119,6 +121,7 @@ def test_no_flush_to_zero_instruction_under_cupys_options():
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+@pytest.mark.slow
 def test_nvcc_compiles_with_all_warnings_as_errors(tmp_path):
     inst = tmp_path / "inst.cu"
     refs = ",\n".join(f"  reinterpret_cast<const void*>(&{n})" for n in ck.name_expressions())

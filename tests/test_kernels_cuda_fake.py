@@ -46,6 +46,7 @@ def _case(cp, rng, sizes, sdtype, misalign_every=3):
 
 @pytest.mark.parametrize("count", [1, 5, 32, 33, 100, 10_000])
 @pytest.mark.parametrize("bucket_dtype", ["float32", "bfloat16"])
+@pytest.mark.slow
 def test_pack_then_unpack_one_launch_each_matches_reference(cp, count, bucket_dtype):
     rng = np.random.default_rng(count)
     sizes = rng.integers(0, 40 if count > 100 else 5000, count)
@@ -253,6 +254,7 @@ def _bench_module(monkeypatch):
     return bench
 
 
+@pytest.mark.slow
 def test_bench_kernels_runs_and_writes_csv(cp_ref, monkeypatch, tmp_path, capsys):
     import csv
     cp = cp_ref

@@ -256,6 +256,7 @@ TORCH_GLOO_AND_OURS = """
 """
 
 
+@pytest.mark.slow
 def test_torch_distributed_script_runs_unchanged(tmp_path):
     """MASTER_PORT is left to the script: torch.distributed's own store binds it while ours
     listens on NCCL_DDP_STORE_PORT, so a torchrun script can use both."""

@@ -99,6 +99,7 @@ def _torch_and_ours(rank: int, world: int, store_dir: str, rank_r: int) -> dict:
 
 
 @pytest.mark.parametrize("rank_r", [1, 2, 4])
+@pytest.mark.slow
 def test_powersgd_matches_torch(rank_r, tmp_path):
     results = run_ranks(_torch_and_ours, 2, str(tmp_path), rank_r, timeout=180)
     for rank, res in enumerate(results):
@@ -146,6 +147,7 @@ def _converges(rank: int, world: int, hook: str) -> list:
         nd.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_powersgd_training_converges_like_allreduce():
     plain = run_ranks(_converges, 2, "allreduce", timeout=120)
     psgd = run_ranks(_converges, 2, "powersgd", timeout=120)

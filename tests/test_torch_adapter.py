@@ -104,6 +104,7 @@ def _grads_are_bucket_views(rank: int, world: int) -> dict:
             "scale": module.scale.numpy().copy()}
 
 
+@pytest.mark.slow
 def test_grads_alias_buckets_and_are_averaged():
     r0, r1 = run_ranks(_grads_are_bucket_views, WORLD, timeout=60)
     assert r0["inside"] and r1["inside"], "p.grad must be a view of the bucket memory"
@@ -144,6 +145,7 @@ def _grad_reducer(rank: int, world: int) -> list:
     return result
 
 
+@pytest.mark.slow
 def test_grad_reducer_on_tensors():
     r0, r1 = run_ranks(_grad_reducer, WORLD, timeout=60)
     for (shape, dtype, g0, local0), (_, _, g1, local1) in zip(r0, r1):
@@ -152,6 +154,7 @@ def test_grad_reducer_on_tensors():
         np.testing.assert_array_equal(g0, g1)
 
 
+@pytest.mark.slow
 def test_bench_ddp_torch_mode(tmp_path):
     """scripts/bench_ddp.py --torch runs end to end and reports ours vs torch DDP as a ratio."""
     import csv

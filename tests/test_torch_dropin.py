@@ -296,6 +296,7 @@ def _compiled(rank: int, world: int) -> dict:
     return {"eager": eager, "compiled": compiled, "breaks": breaks, "graphs": graphs}
 
 
+@pytest.mark.slow
 def test_torch_compile_matches_eager():
     for rank, r in enumerate(run_ranks(_compiled, WORLD, timeout=240)):
         # the only break is the one we ask for: dynamo skips the wrapper's forward frame (as it
