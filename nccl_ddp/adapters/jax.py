@@ -68,7 +68,7 @@ def to_native(x: Any) -> Any:
             "grads = jax.jit(jax.grad(loss))(params, batch); grads = reducer(grads)")
     if not isinstance(x, jax.Array):
         raise ConfigTypeError(f"expected a jax.Array leaf, got {type(x).__module__}.{type(x).__name__}")
-    kind = int(x.__dlpack_device__()[0])   # type: ignore[attr-defined]
+    kind = int(x.__dlpack_device__()[0])
     if kind not in (KDL_CPU, KDL_CUDA):
         raise ConfigTypeError(f"JAX arrays on {x.devices()} are not supported (CPU or CUDA only)")
     if _is_bf16(x) and kind == KDL_CPU:   # NumPy's DLPack knows no bfloat16
