@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator, List, Optional, Tuple
 
+from nccl_ddp.adapters.torch_watch import ModuleWatch
 from nccl_ddp.ddp.buckets import ParamSpec
 from nccl_ddp.ddp.interfaces import GradModule, GradsAdapter
 from nccl_ddp.dlpack import KDL_CPU, KDL_CUDA, bfloat16_dtype, native_from_dlpack
@@ -116,10 +117,10 @@ class TorchModule(GradModule):
         self._grads = [torch.zeros_like(p, memory_format=torch.contiguous_format)
                        for p in self.params]
         self._index = {id(p): i for i, p in enumerate(self.params)}
+        self._watch = ModuleWatch(module, self.params)
         self._ddp: Any = None           # the DistributedDataParallel, set by attach()
         self._hooks: list = []
-        self._was_none: set = set()     # params whose .grad was None at this step's forward
-        self._seen: set = set()         # params whose hook ran in this backward
+        self._was_none: List[int] = []  # params whose .grad was None at this step's forward
         self._callback_queued = False
         self._syncing = True            # whether this step all-reduces (fixed when it opens)
         self._forward_opened = False    # the step was opened by our forward, not by a hook
@@ -181,7 +182,9 @@ class TorchModule(GradModule):
     def before_forward(self) -> None:
         """The wrapper has just opened the step (reducer.prepare), reading sync_enabled as we do:
         check that the trainable parameters are still the wrapped ones, point grads at buckets."""
-        self._check_same_params()
+        if not self._watch.params_unchanged():
+            self._check_same_params()
+            self._watch.params_checked()
         self._syncing = self._ddp.sync_enabled
         self._forward_opened = True
         self._point_grads_at_buckets()
@@ -208,57 +211,66 @@ class TorchModule(GradModule):
     def _point_grads_at_buckets(self) -> None:
         """Before backward: every `.grad` is our bucket view, so autograd accumulates in place.
         A `.grad` that is None starts from zero; one the user replaced is copied in."""
-        self._was_none = {i for i, p in enumerate(self.params) if p.grad is None}
+        now = [p.grad for p in self.params]
+        self._was_none = [i for i, g in enumerate(now) if g is None]
         with torch_stream_current(self.on_cuda):
             if len(self._was_none) == len(self.params):    # after optimizer.zero_grad()
                 self._ddp.reducer.zero_grad()               # one fill per bucket
                 for p, mine in zip(self.params, self._grads):
                     p.grad = mine
                 return
-            for i, p in enumerate(self.params):
-                mine = self._grads[i]
-                if p.grad is not None and p.grad.data_ptr() == mine.data_ptr():
+            for p, g, mine in zip(self.params, now, self._grads):
+                if g is mine or (g is not None and g.data_ptr() == mine.data_ptr()):
                     continue
-                if p.grad is None:
+                if g is None:
                     mine.zero_()
                 else:
-                    mine.copy_(p.grad)
+                    mine.copy_(g)
                 p.grad = mine
 
     def _hook_for(self, i: int):
         """The post-accumulate-grad hook of parameter i. It runs once per parameter per step, so
-        it stays lean: the reducer enters torch's CUDA stream (`on_compute_stream`) only when a
-        bucket completes."""
-        mark_ready = self._ddp.mark_ready
+        it stays lean: it calls the reducer directly (i is a valid index), which enters torch's
+        CUDA stream (`on_compute_stream`) only when a bucket completes."""
+        mark_ready, grads = self._ddp.reducer.mark_ready, self._grads
 
         def hook(p: Any) -> None:
-            mine, g = self._grads[i], p.grad
-            if g is not mine and (g is None or g.data_ptr() != mine.data_ptr()):
-                # backward without our forward (or .grad replaced meanwhile): bring it in
-                if g is not None:
-                    mine.copy_(g)
-                p.grad = mine
-            self._seen.add(i)
+            if p.grad is not grads[i]:
+                self._adopt_grad(i, p)
             if not self._callback_queued:
-                self._callback_queued = True
-                if not self._forward_opened:   # backward without our forward: the hook opens it
-                    self._syncing = self._ddp.sync_enabled
-                import torch
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+                self._queue_end_of_backward()
             mark_ready(i)
         hook.__name__ = f"nccl_ddp_grad_ready_{i}"
         return hook
 
+    def _adopt_grad(self, i: int, p: Any) -> None:
+        """The hook found `p.grad` is not our bucket view (backward without our forward, or
+        `.grad` replaced or set to None after forward, e.g. `zero_grad()` between forward and
+        backward): bring it into the bucket."""
+        mine, g = self._grads[i], p.grad
+        if g is not None and g.data_ptr() == mine.data_ptr():
+            return
+        if g is not None:
+            mine.copy_(g)
+        p.grad = mine
+
+    def _queue_end_of_backward(self) -> None:
+        """The first hook of a backward: finalize the step when the autograd engine is done."""
+        import torch
+        self._callback_queued = True
+        if not self._forward_opened:   # backward without our forward: the hook opens the step
+            self._syncing = self._ddp.sync_enabled
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
     def _end_of_backward(self) -> None:
         """Runs on the autograd engine once backward has finished: close the step, then give
         `.grad = None` back to params that had it and that got no grad anywhere."""
-        seen, self._seen, self._callback_queued = self._seen, set(), False
-        self._forward_opened = False
+        self._callback_queued = self._forward_opened = False
+        # params whose hook did not run in this backward (read before finalize, which counts a
+        # param used under no_sync() earlier as ready: it is reduced, as in PyTorch)
+        unused = self._ddp.reducer.not_ready(self._was_none)
         with torch_stream_current(self.on_cuda):
-            # (a param used under no_sync() earlier and not in this backward is reduced too:
-            # the reducer counts it as used, as PyTorch does)
             self._ddp.finalize()
-        unused = [i for i in self._was_none if i not in seen]
         if not unused:
             return
         if self._syncing:
@@ -273,8 +285,11 @@ class TorchModule(GradModule):
                 for n, p in self.module.named_parameters() if not p.requires_grad]
 
     def named_buffers(self) -> List[Tuple[Optional[str], Any]]:
-        # looked up each time: a buffer may have been replaced since (torch does the same)
-        return [(n, self._native_state(n, b, "buffer")) for n, b in self.module.named_buffers()]
+        # cached: listed and converted again only when a buffer was added, replaced or moved
+        return self._watch.buffers(self._native_buffer)
+
+    def _native_buffer(self, name: str, b: Any) -> Any:
+        return self._native_state(name, b, "buffer")
 
     def _native_state(self, name: str, t: Any, what: str) -> Any:
         """A writable native array (a strided view when `t` is not contiguous) of `t`."""

@@ -83,10 +83,6 @@ class BucketLayout:
         """(bucket index, slot) of a parameter; None when it is in no bucket (excluded)."""
         return self._where.get(param)
 
-    @property
-    def param_order(self) -> tuple:
-        return tuple(p for b in self.buckets for p in b.params)
-
     def summary(self) -> str:
         return "; ".join(f"bucket {b.index}: {len(b.params)} params {b.dtype} {b.nbytes} B"
                          for b in self.buckets)

@@ -76,6 +76,7 @@ class Reducer:
         self._ready = bytearray(len(self.params))   # 1: grad i is ready this step
         self._count = 0                     # grads ready this step (ones in _ready)
         self._open = False
+        self._fast = False                  # mark_ready may take its fast path (see there)
         self._step_syncs = True
         self._uses_prepare = False
         self._failure = StepFailure(group.rank, "DistributedDataParallel")   # what broke a step
@@ -103,6 +104,7 @@ class Reducer:
         for b in layout.buckets:
             for p in b.params:
                 self._bucket_of[p] = b.index
+        self._unbucketed = [i for i, b in enumerate(self._bucket_of) if b < 0]
         self.memory: Optional[BucketBuffers] = None
         self._views_installed = False
         if self.config.reducer_mode == "PythonReducer":
@@ -136,6 +138,7 @@ class Reducer:
         self._expected = n - len(self.excluded)
         self._count = 0
         self._open = True
+        self._fast = False
         self._step_syncs = self.sync_enabled
         if self._finite is not None and self._step_syncs:
             self._finite.open()
@@ -149,10 +152,10 @@ class Reducer:
         grad finalizes the step. Returns the accumulated grad array (a bucket view in view mode).
         """
         b = self._bucket_of[i]
-        # the common case, flat: a synchronised step already under way (after the first step,
-        # whose arrival order the rebuild needs), nothing failed, a bucketed grad seen first now
-        if (self._count and self._step_syncs and self.steps and b >= 0 and not self._ready[i]
-                and self._open and self._failure.error is None):
+        # the common case, flat: a synchronised step already under way (`_fast`: set by the
+        # step's first grad, after the first step, whose arrival order the rebuild needs; cleared
+        # when the step closes or fails), a bucketed grad seen first now
+        if self._fast and b >= 0 and not self._ready[i]:
             if grad is not None and grad is not self.grads[i]:
                 self.device.current_stream().submit(_accumulate, self.grads[i], grad)
             self._ready[i] = 1
@@ -197,7 +200,15 @@ class Reducer:
             self._set_ready(i)
             if self._count == self._expected:
                 self._finalize()
+        self._fast = self._open and self._step_syncs and self.steps > 0
         return self.grads[i]
+
+    def not_ready(self, indices: Sequence[int]) -> List[int]:
+        """Those of `indices` whose grad was not marked ready in the current (or just finalized)
+        step."""
+        if self._count == len(self.params):
+            return []
+        return [i for i in indices if not self._ready[i]]
 
     def _set_ready(self, i: int) -> None:
         """Count grad i as ready: a synchronised step may launch its bucket now; a no_sync() step
@@ -357,6 +368,7 @@ class Reducer:
             self._finalize()
 
     def _finalize(self) -> None:
+        self._fast = False
         if not self._open:
             return
         if not self._step_syncs:   # no_sync(): grads stay local and keep accumulating
@@ -451,7 +463,7 @@ class Reducer:
                                "grads ready) while this rank has joined; "
                                "finish backward before leaving the Join block")
         with self._failure.closes_step(self._abandon_step):
-            self._open = False
+            self._open = self._fast = False
             if self._finite is not None:
                 self._finite.open()
             mode = "python" if self.mode == "python" else "view"
@@ -506,7 +518,7 @@ class Reducer:
         """A launch or finalize raised (a collective failed: peer died, group destroyed): the
         step is half-reduced and the ranks are out of step; `self._failure` makes every later
         call say so instead of naming grads as missing."""
-        self._open = False
+        self._open = self._fast = False
 
     # ------------------------------------------------------------------ accumulation
 
@@ -522,8 +534,7 @@ class Reducer:
         if self.mode == "view" and self.memory is not None:
             for buf in self.memory.buffers:
                 compute.submit(kernels.zero_, buf)
-            covered = set(self.layout.param_order)
-            rest = [g for i, g in enumerate(self.grads) if i not in covered]
+            rest = [self.grads[i] for i in self._unbucketed]
         else:
             rest = self.grads
         for g in rest:

@@ -1,0 +1,97 @@
+"""Whether a wrapped torch module still has the parameters and buffers it was wrapped with, asked
+at every forward: one attribute read per parameter instead of a walk of the module tree.
+
+torch calls process-wide hooks whenever any module registers a parameter, a buffer or a submodule
+(`setattr`, `register_*`, `add_module`): a counter of those events says whether the tree may have
+changed since the last full look. What registration does not report is checked directly:
+`requires_grad` flips, and buffers replaced in their module's dict (`Module._apply`, e.g. `.to()`
+on the inner module) or given new storage (`buf.data = ...`).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional, Tuple
+
+_events = 0             # registrations seen in this process (any module)
+_installed = False
+
+
+def _count(*_: Any) -> None:
+    global _events
+    _events += 1
+
+
+def _install() -> None:
+    """Register the counter once per process (it never changes what is registered)."""
+    global _installed
+    if _installed:
+        return
+    from torch.nn.modules import module
+    for name in ("register_module_parameter_registration_hook",
+                 "register_module_buffer_registration_hook",
+                 "register_module_module_registration_hook"):
+        getattr(module, name)(_count)
+    _installed = True
+
+
+class ModuleWatch:
+    """The wrapped module's trainable parameters (as wrapped) and its buffers (cached natives)."""
+
+    def __init__(self, module: Any, trainable: List[Any]) -> None:
+        _install()
+        self.module = module
+        self.trainable = trainable
+        self._params_seen = -1
+        self._frozen: List[Any] = []
+        self._buffers_seen = -1
+        self._buffer_slots: List[Tuple[dict, str, Any, int]] = []
+        self._buffers: List[Tuple[Optional[str], Any]] = []
+        self.params_checked()
+
+    # ---- parameters
+    def params_unchanged(self) -> bool:
+        """No registration anywhere since the last full check, and no parameter (un)frozen."""
+        if self._params_seen != _events:
+            return False
+        for p in self.trainable:
+            if not p.requires_grad:
+                return False
+        for p in self._frozen:
+            if p.requires_grad:
+                return False
+        return True
+
+    def params_checked(self) -> None:
+        """A full look found the wrapped parameters as they were: remember what it saw."""
+        self._params_seen = _events
+        self._frozen = [p for p in self.module.parameters() if not p.requires_grad]
+
+    # ---- buffers
+    def buffers(self, convert: Callable[[str, Any], Any]) -> List[Tuple[Optional[str], Any]]:
+        """`[(name, convert(name, buffer))]` as `module.named_buffers()` lists them, converted
+        again only when a buffer was added, replaced or given new storage."""
+        if not self._buffers_unchanged():
+            self._list_buffers(convert)
+        return self._buffers
+
+    def _buffers_unchanged(self) -> bool:
+        if self._buffers_seen != _events:
+            return False
+        for slots, name, b, ptr in self._buffer_slots:
+            if b.data_ptr() != ptr or slots.get(name) is not b:
+                return False
+        return True
+
+    def _list_buffers(self, convert: Callable[[str, Any], Any]) -> None:
+        seen_events = _events
+        slots, named, memo = [], [], set()
+        for prefix, m in self.module.named_modules():
+            for name, b in m._buffers.items():
+                if b is None or id(b) in memo:      # named_buffers() lists a shared one once
+                    continue
+                memo.add(id(b))
+                full = f"{prefix}.{name}" if prefix else name
+                named.append((full, convert(full, b)))
+                # (the converted view keeps the old storage alive, so new storage cannot reuse
+                # its address: a changed data_ptr always shows)
+                slots.append((m._buffers, name, b, b.data_ptr()))
+        self._buffer_slots, self._buffers, self._buffers_seen = slots, named, seen_events
