@@ -211,15 +211,15 @@ class TorchModule(GradModule):
     def _point_grads_at_buckets(self) -> None:
         """Before backward: every `.grad` is our bucket view, so autograd accumulates in place.
         A `.grad` that is None starts from zero; one the user replaced is copied in."""
-        now = [p.grad for p in self.params]
-        self._was_none = [i for i, g in enumerate(now) if g is None]
+        self._was_none = [i for i, p in enumerate(self.params) if p.grad is None]
         with torch_stream_current(self.on_cuda):
             if len(self._was_none) == len(self.params):    # after optimizer.zero_grad()
                 self._ddp.reducer.zero_grad()               # one fill per bucket
                 for p, mine in zip(self.params, self._grads):
                     p.grad = mine
                 return
-            for p, g, mine in zip(self.params, now, self._grads):
+            for p, mine in zip(self.params, self._grads):
+                g = p.grad
                 if g is mine or (g is not None and g.data_ptr() == mine.data_ptr()):
                     continue
                 if g is None:
