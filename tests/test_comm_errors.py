@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import numpy as np
@@ -13,7 +14,7 @@ from mp import run_ranks
 
 from nccl_ddp.comm.host.backend import HostProcessGroup
 from nccl_ddp.ddp.reducer import bucket_tag
-from nccl_ddp.device import HostStream
+from nccl_ddp.device import HostDevice, HostStream
 from nccl_ddp.errors import CommError, CommTimeout, ConfigError, ConfigTypeError, NcclDdpError
 
 N = 1 << 16            # float32 elements per parameter: 256 KiB
@@ -333,6 +334,62 @@ def test_host_stream_reraises_our_errors_as_they_are():
         assert isinstance(e.value.__cause__, ZeroDivisionError)
     finally:
         other.close()
+
+
+def test_host_event_is_reached_once_and_times_out():
+    from nccl_ddp.device import HostEvent
+
+    ev = HostEvent()
+    assert not ev.query() and not ev.reached(0.01)
+    with pytest.raises(CommTimeout, match="not reached within 0.0s"):
+        ev.synchronize(0.01)
+    err = CommError("all_reduce #1 failed")
+    threading.Timer(0.05, ev._set, (err,)).start()
+    assert ev.reached(10) and ev.query()
+    with pytest.raises(CommError) as e:
+        ev.synchronize(10)
+    assert e.value is err
+    ev._set(None)                   # a second set changes nothing (the first error stays)
+    assert ev.error is err and ev.reached(0) and ev.reached(0)   # any number of waiters
+    done = HostDevice().current_stream().record()   # the immediate stream's shared event
+    assert done.query() and done.error is None
+    done.synchronize(0)
+
+
+def test_awaited_host_stream_runs_inline_only_when_idle():
+    stream = HostStream("comm")
+    me = threading.current_thread().name
+    ran = []
+    try:
+        stream.submit(lambda: ran.append(("queued", threading.current_thread().name)))
+        stream.synchronize(10)
+        with stream.awaited():
+            stream.submit(lambda: ran.append(("idle", threading.current_thread().name)))
+            assert stream.record().query()              # nothing queued: reached at once
+            gate = threading.Event()
+            stream.submit(lambda: ran.append(("inline", threading.current_thread().name)))
+            stream.wait(_event_set_by(gate))          # a wait queues: busy from here on
+            stream.submit(lambda: ran.append(("after the wait", threading.current_thread().name)))
+            ev = stream.record()
+            assert not ev.query()
+            gate.set()
+            ev.synchronize(10)
+        assert ran == [("queued", "comm"), ("idle", me), ("inline", me),
+                       ("after the wait", "comm")], ran
+        with stream.awaited(), pytest.raises(ZeroDivisionError):
+            stream.submit(lambda: 1 / 0)                # inline: raised here ...
+        with pytest.raises(NcclDdpError, match="division by zero"):
+            stream.submit(lambda: None)                 # ... and kept, as from the worker
+    finally:
+        stream.close()
+
+
+def _event_set_by(gate):
+    """A HostEvent reached when `gate` is set."""
+    from nccl_ddp.device import HostEvent
+    ev = HostEvent()
+    threading.Thread(target=lambda: (gate.wait(10), ev._set()), daemon=True).start()
+    return ev
 
 
 @pytest.mark.parametrize("b,nbytes,want", [(3, 1 << 20, "bucket 3 (1.0 MiB)"),

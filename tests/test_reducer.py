@@ -200,6 +200,35 @@ def test_allreduce_starts_before_the_last_grad_is_ready():
         assert started and started[0] < t_last
 
 
+def _where_buckets_reduce(group):
+    """Step 2 (the fast path): every bucket but the last reduced on the comm thread while grads
+    still arrive; the last one, with the comm stream idle, on the thread that waits for it."""
+    import threading
+    model = small_model()
+    ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=0)
+    threads = []
+    reduce = group.all_reduce
+
+    def recording(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return reduce(*args, **kwargs)
+
+    group.all_reduce = recording
+    g = np.ones(8, np.float32)
+    for _ in range(2):
+        threads.clear()
+        for i in (3, 2, 1):
+            ddp.mark_ready(i, g)
+        ddp.reducer.comm.synchronize(10)        # buckets 0-2 reduced: the comm stream is idle
+        ddp.mark_ready(0, g)
+    return threads, threading.current_thread().name, ddp.reducer.comm.name
+
+
+def test_last_bucket_is_reduced_on_the_waiting_thread():
+    for threads, mine, comm in run_threads(_where_buckets_reduce, 2):
+        assert threads == [comm, comm, comm, mine], threads
+
+
 def _no_sync_rank(group, use_no_sync):
     model = small_model()
     ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=0)

@@ -164,9 +164,12 @@ class Reducer:
             pending[b] -= 1
             if (b == self._next and not pending[b]) or self._count == self._expected:
                 with self.stream_scope(), self._failure.closes_step(self._abandon_step):
-                    self._launch_ready()
                     if self._count == self._expected:
-                        self._finalize()
+                        with self.comm.awaited():   # the step waits for what is left at once
+                            self._launch_ready()
+                            self._finalize()
+                    else:
+                        self._launch_ready()
             return self.grads[i]
         with self.stream_scope():
             return self._mark_ready(i, grad)
@@ -237,10 +240,12 @@ class Reducer:
         # comm:    ──────────────────────wait(ready)─[pack]─[all-reduce]─[unpack]─●record(done)──────────
         bucket = self.layout.buckets[b]
         self.comm.wait(self.device.current_stream().record())
-        grads = [self.grads[p] for p in bucket.params]
+        mode = self.mode
+        # (in view mode the grads are views of the buffer: the buffer is all it needs)
+        grads = [] if mode == "view" else [self.grads[p] for p in bucket.params]
         buf = None if self.memory is None else self.memory.buffers[b]   # None: PythonReducer
         flag = None if self._finite is None else self._finite.flag(b)
-        self._submit_bucket(b, self.mode, grads, buf, flag)
+        self._submit_bucket(b, mode, grads, buf, flag)
         self._done.append(self.comm.record())
 
     def scale_and_op(self, divisor: Optional[int] = None) -> tuple:
@@ -254,8 +259,8 @@ class Reducer:
     def _submit_bucket(self, b: int, mode: str, grads: list, buf: Any, flag: Any,
                        divisor: Optional[int] = None) -> None:
         """Queue bucket b's pack / all-reduce / unpack on the comm stream. `grads` are the
-        bucket's grads and `buf` its buffer (views of it in "view" mode); a Join shadow passes
-        zeros. `flag`: the bucket's non-finite flag (check_finite) or None."""
+        bucket's grads (unused in "view" mode, where they are views of it) and `buf` its buffer;
+        a Join shadow passes zeros. `flag`: the bucket's non-finite flag (check_finite) or None."""
         bucket = self.layout.buckets[b]
         scale, op = self.scale_and_op(self.step_divisor if divisor is None else divisor)
         submit, comm, tag = self.prof.submit, self.comm, bucket_tag(b, bucket.nbytes)
@@ -266,7 +271,7 @@ class Reducer:
                 submit(comm, "allreduce", b, g.nbytes, self._all_reduce_here, g, op,
                        f"grad {self._label(p)} of {tag}")
             return
-        offsets = list(bucket.offsets)
+        offsets = bucket.offsets
         srcs, offs = ([buf], [0]) if mode == "view" else (grads, offsets)
         wire = self._fused_wire(bucket)
         if self.comm_hook is not None and wire is False:
@@ -364,7 +369,8 @@ class Reducer:
         bitmap all-reduce tells which params no rank used: those keep their previous grad.
         """
         self._failure.check()
-        with self.stream_scope(), self._failure.closes_step(self._abandon_step):
+        with self.stream_scope(), self._failure.closes_step(self._abandon_step), \
+                self.comm.awaited():
             self._finalize()
 
     def _finalize(self) -> None:

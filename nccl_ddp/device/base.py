@@ -5,7 +5,8 @@ Two implementations: `host` (NumPy, each stream a worker thread) and `cuda` (CuP
 from __future__ import annotations
 
 import abc
-from typing import Any, Callable, Optional
+import contextlib
+from typing import Any, Callable, ContextManager, Optional
 
 DEFAULT_TIMEOUT = 300.0
 
@@ -41,6 +42,12 @@ class Stream(abc.ABC):
     @abc.abstractmethod
     def synchronize(self, timeout: Optional[float] = None) -> None:
         """Block until all submitted work has finished; raises what a host task raised."""
+
+    def awaited(self) -> ContextManager[Any]:
+        """Around work the caller submits and then waits for at once (nothing is left to overlap
+        with): a host stream that is idle runs it on the calling thread, without two thread
+        hand-offs. A CUDA stream queues it as always."""
+        return contextlib.nullcontext()
 
 
 class Device(abc.ABC):

@@ -56,7 +56,7 @@ class HostWork(Work):
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         t = self._timeout if timeout is None else timeout
-        if not self.event._done.wait(t):
+        if not self.event.reached(t):
             raise CommTimeout(f"{self.what} did not complete within {t:.1f}s; a peer may be stuck "
                               f"or slow (raise the timeout, or check the other ranks' logs)")
         if self.event.error is not None:
@@ -103,6 +103,7 @@ class HostProcessGroup(ProcessGroup):
         self._where = f"group {name!r} (rank {self.ranks[rank]}, group rank {rank}/{size})"
         self._subgroups = itertools.count(1)
         self._seq = itertools.count(1)
+        self._reductions: dict = {}     # (dtype, op) -> Reduction
         self._error: Optional[BaseException] = None
         self._closed = False
         self._transport = self._connect(
@@ -203,7 +204,7 @@ class HostProcessGroup(ProcessGroup):
         if inline:
             self._execute((work, fn, None))
         elif immediate:
-            work.event._done.wait(self.timeout)   # errors surface in work.wait()
+            work.event.reached(self.timeout)   # errors surface in work.wait()
         elif stream is not None:
             stream.wait(work.event)
         return work
@@ -262,7 +263,12 @@ class HostProcessGroup(ProcessGroup):
         return (op, dtype_code(a.dtype, what), _REDOPS.index(redop) if redop else 0, root, a.size)
 
     def _reduction(self, what: str, a: np.ndarray, op) -> Reduction:
-        return Reduction(a.dtype, ReduceOp.parse(op), self.size, what)
+        op = ReduceOp.parse(op)
+        key = (a.dtype, op)     # (a DDP step reduces a few dtypes with one op, bucket by bucket)
+        red = self._reductions.get(key)
+        if red is None:
+            red = self._reductions[key] = Reduction(a.dtype, op, self.size, what)
+        return red
 
     def all_reduce(self, buf, op: ReduceOp = ReduceOp.SUM, stream=None, *,
                    tag: Optional[str] = None) -> HostWork:
