@@ -434,3 +434,26 @@ def test_timeline_sees_comm_inside_backward():
         assert summary.buckets == 4 and summary.nbytes == 4 * 4 * (1 << 16)
         assert summary.comm_s > 0 and summary.overlap_s > 0
         assert summary.overlap_s <= summary.comm_s + 1e-9
+
+
+def _inline_timeline_rank(group):
+    from nccl_ddp.profiling import Timeline
+    model = ArrayModule({f"w{i}": np.zeros(1 << 16, np.float32) for i in range(4)})
+    ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=0, init_sync=False)
+    for _ in range(2):                                    # step 2 takes the fast path
+        ddp.reducer.prof = Timeline(group.rank, timeline=True)
+        for i in (3, 2, 1):
+            ddp.mark_ready(i, np.ones(1 << 16, np.float32))
+        ddp.reducer.comm.synchronize(10)                  # idle: the last bucket runs inline
+        ddp.mark_ready(0, np.ones(1 << 16, np.float32))
+    return list(ddp.reducer.prof._spans)
+
+
+def test_timeline_does_not_hide_the_bucket_run_after_backward():
+    """The last bucket, run on the waiting thread (Stream.awaited), comes after the end of
+    backward on the timeline: before, its span counted as hidden behind backward."""
+    for spans in run_threads(_inline_timeline_rank, 2):
+        backward = [s for s in spans if s.phase == "backward"]
+        last = [s for s in spans if s.phase == "allreduce" and s.bucket == 3]
+        assert len(backward) == 1 and len(last) == 1, spans
+        assert last[0].start >= backward[0].end

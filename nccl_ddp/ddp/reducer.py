@@ -77,6 +77,7 @@ class Reducer:
         self._count = 0                     # grads ready this step (ones in _ready)
         self._open = False
         self._fast = False                  # mark_ready may take its fast path (see there)
+        self._backward_ended = False        # this step's end of backward is on the timeline
         self._step_syncs = True
         self._uses_prepare = False
         self._failure = StepFailure(group.rank, "DistributedDataParallel")   # what broke a step
@@ -139,6 +140,7 @@ class Reducer:
         self._count = 0
         self._open = True
         self._fast = False
+        self._backward_ended = False
         self._step_syncs = self.sync_enabled
         if self._finite is not None and self._step_syncs:
             self._finite.open()
@@ -166,6 +168,7 @@ class Reducer:
                 with self.stream_scope(), self._failure.closes_step(self._abandon_step):
                     if self._count == self._expected:
                         with self.comm.awaited():   # the step waits for what is left at once
+                            self._mark_backward_end()
                             self._launch_ready()
                             self._finalize()
                     else:
@@ -373,6 +376,13 @@ class Reducer:
                 self.comm.awaited():
             self._finalize()
 
+    def _mark_backward_end(self) -> None:
+        """The timeline's end of backward: the last grad is in (once per step, before what is
+        left is launched, which may run on this thread: it is not hidden behind backward)."""
+        if not self._backward_ended:
+            self._backward_ended = True
+            self.prof.mark("backward", "end", self.device.current_stream())
+
     def _finalize(self) -> None:
         self._fast = False
         if not self._open:
@@ -380,6 +390,7 @@ class Reducer:
         if not self._step_syncs:   # no_sync(): grads stay local and keep accumulating
             self._open = False
             return
+        self._mark_backward_end()
         # a grad accumulated in a no_sync() step since the last sync is part of this step's grad,
         # whether or not it got one now: it counts as used and is reduced (PyTorch's
         # local_used_map, which only a synchronised step clears)
@@ -404,7 +415,6 @@ class Reducer:
                     self._pending[self._bucket_of[i]] -= 1
             self._launch_ready()
         compute = self.device.current_stream()
-        self.prof.mark("backward", "end", compute)
         # compute: ── backward done ── wait(done 0) ... wait(done n-1) ── optimizer ─▶
         # comm:    ─[bucket 0]─●done 0 ─ ... ─[bucket n-1]─●done n-1
         for ev in self._done:
