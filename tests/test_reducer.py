@@ -229,6 +229,12 @@ def test_last_bucket_is_reduced_on_the_waiting_thread():
         assert threads == [comm, comm, comm, mine], threads
 
 
+def test_one_rank_reduces_every_bucket_on_the_calling_thread():
+    """World 1: an identity all-reduce is not worth waking the comm thread for."""
+    (threads, mine, _), = run_threads(_where_buckets_reduce, 1)
+    assert threads == [mine] * 4, threads
+
+
 def _no_sync_rank(group, use_no_sync):
     model = small_model()
     ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=0)

@@ -241,15 +241,20 @@ class Reducer:
         # compute: ─ grads of b ready ─●record(ready)─── backward goes on ────────── finalize: wait(done) ─▶
         #                                 ╲                                           ╱
         # comm:    ──────────────────────wait(ready)─[pack]─[all-reduce]─[unpack]─●record(done)──────────
-        bucket = self.layout.buckets[b]
-        self.comm.wait(self.device.current_stream().record())
-        mode = self.mode
-        # (in view mode the grads are views of the buffer: the buffer is all it needs)
-        grads = [] if mode == "view" else [self.grads[p] for p in bucket.params]
-        buf = None if self.memory is None else self.memory.buffers[b]   # None: PythonReducer
-        flag = None if self._finite is None else self._finite.flag(b)
-        self._submit_bucket(b, mode, grads, buf, flag)
-        self._done.append(self.comm.record())
+        bucket, mode = self.layout.buckets[b], self.mode
+        # one rank, view mode, no hook or flags: the bucket's only work is the bookkeeping of an
+        # identity all-reduce, nothing worth overlapping: an idle host comm stream runs it on
+        # this thread instead of waking its worker (a CUDA stream queues it as always)
+        alone = (self.group.size == 1 and mode == "view" and self.comm_hook is None
+                 and self._finite is None)
+        with self.comm.awaited() if alone else contextlib.nullcontext():
+            self.comm.wait(self.device.current_stream().record())
+            # (in view mode the grads are views of the buffer: the buffer is all it needs)
+            grads = [] if mode == "view" else [self.grads[p] for p in bucket.params]
+            buf = None if self.memory is None else self.memory.buffers[b]   # None: PythonReducer
+            flag = None if self._finite is None else self._finite.flag(b)
+            self._submit_bucket(b, mode, grads, buf, flag)
+            self._done.append(self.comm.record())
 
     def scale_and_op(self, divisor: Optional[int] = None) -> tuple:
         """(pack scale, reduce op) of a step that divides by `divisor` ranks (None: the group)."""

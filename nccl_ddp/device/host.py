@@ -126,11 +126,11 @@ class HostStream(Stream):
 
     @contextlib.contextmanager
     def awaited(self) -> Iterator[None]:
-        self._awaited = True
+        before, self._awaited = self._awaited, True
         try:
             yield
         finally:
-            self._awaited = False
+            self._awaited = before
 
     def wait(self, event: Event) -> None:
         if isinstance(event, HostEvent) and event.query() and event.error is None:
