@@ -12,7 +12,7 @@ import pytest
 from mp import run_ranks
 
 import nccl_ddp as nd
-from nccl_ddp.errors import ConfigError
+from nccl_ddp.errors import CommError, ConfigError
 
 f32 = np.float32
 
@@ -290,6 +290,27 @@ def test_launcher_names_the_killed_rank_not_the_survivor(tmp_path, transport):
     assert root.endswith("root cause: rank 1 (local rank 1): killed by signal SIGKILL"), lines
     then = [ln for ln in lines if "  then rank 0 (local rank 0): exit code 1: " in ln]
     assert then and "[blames rank 1]" in then[0], lines
+
+
+def test_refused_connection_at_setup_blames_the_peer():
+    """A rank killed at setup leaves a published address nobody listens on: the survivor's
+    CommError must blame it, or the launcher may name the survivor as the root cause (seen in
+    test_chaos_matrix[2-shm-setup-KILL]: 'cannot connect to rank 0' matched no blame)."""
+    import socket
+
+    from nccl_ddp.comm.host.wire import Rendezvous
+    from nccl_ddp.env import blamed_rank
+
+    with socket.socket() as s:          # a port that was just free: connecting is refused
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rdv = Rendezvous.__new__(Rendezvous)
+    rdv.infos = [{"addr": "127.0.0.1", "port": port, "token": "0" * 32}, {}]
+    rdv.rank, rdv.ranks, rdv.where, rdv.timeout = 1, [4, 5], "group 'world' (rank 5)", 5.0
+    rdv._left = lambda: 5.0
+    with pytest.raises(CommError, match="cannot connect to peer rank 4") as e:
+        rdv._dial(0)
+    assert blamed_rank(e.value) == 4
 
 
 def test_launcher_splits_an_endless_line(tmp_path):

@@ -247,7 +247,9 @@ class Rendezvous:
             sock = socket.create_connection((info["addr"], info["port"]), timeout=self._left())
             sock.sendall(_HANDSHAKE.pack(info["token"].encode(), self.rank))
         except OSError as e:
-            raise CommError(f"{self.where}: cannot connect to rank {self.ranks[p]} at "
+            # "peer rank N": the launcher blames that rank (a refused connection at setup is
+            # usually a peer that died after publishing its address)
+            raise CommError(f"{self.where}: cannot connect to peer rank {self.ranks[p]} at "
                             f"{info['addr']}:{info['port']} ({e}); check that the address is "
                             f"reachable or set NCCL_DDP_SOCKET_ADDR") from e
         return PeerLink(sock, self.ranks[p], self.timeout)
