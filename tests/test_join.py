@@ -12,6 +12,7 @@ import os
 import numpy as np
 import pytest
 from mp import run_ranks
+from torch_oracle import assert_matches_torch
 
 WORLD = 3
 BATCHES = (5, 7, 9)     # per rank: rank 2 is the last to join
@@ -90,12 +91,7 @@ def torch_results(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_join_matches_torch(name, torch_results):
-    for rank, results in enumerate(torch_results):
-        reference, ours = results[name]
-        assert set(ours) == set(reference)
-        for key in reference:
-            np.testing.assert_allclose(ours[key], reference[key], rtol=1e-6, atol=1e-6,
-                                       err_msg=f"rank {rank} {name}: {key}")
+    assert_matches_torch(torch_results, name)
     # every rank ends with the last joiner's parameters
     for key in torch_results[0][name][1]:
         np.testing.assert_array_equal(torch_results[0][name][1][key], torch_results[2][name][1][key])

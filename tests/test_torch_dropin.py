@@ -16,7 +16,15 @@ import pytest
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch==2.13.0)")
 
 from mp import run_ranks  # noqa: E402
-from torch_oracle import MODELS, Scenario, gloo_group, run_torch_scenario, scenario_batches, train_scenario  # noqa: E402
+from torch_oracle import (  # noqa: E402
+    MODELS,
+    Scenario,
+    assert_matches_torch,
+    gloo_group,
+    run_torch_scenario,
+    scenario_batches,
+    train_scenario,
+)
 
 WORLD = 2
 SCENARIOS = {
@@ -58,12 +66,7 @@ def oracle(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_params_and_buffers_match_torch_ddp(name, oracle):
-    for rank, results in enumerate(oracle):
-        reference, ours = results[name]
-        assert set(ours) == set(reference)
-        for key in reference:
-            np.testing.assert_allclose(ours[key], reference[key], rtol=1e-6, atol=1e-6,
-                                       err_msg=f"rank {rank} {name}: {key}")
+    assert_matches_torch(oracle, name)
     # parameters end equal on both ranks (buffers not: the last forward updates them locally)
     module = MODELS[SCENARIOS[name].model](0)
     for key, _ in module.named_parameters():

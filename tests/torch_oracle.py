@@ -18,6 +18,17 @@ import numpy as np
 IN, HIDDEN = 8, 16
 
 
+def assert_matches_torch(per_rank: list, name: str) -> None:
+    """Case `name` of every rank's results (`results[name] = (torch DDP's state, ours)`): ours
+    has the same keys and equals torch's to 1e-6."""
+    for rank, results in enumerate(per_rank):
+        reference, ours = results[name]
+        assert set(ours) == set(reference)
+        for key in reference:
+            np.testing.assert_allclose(ours[key], reference[key], rtol=1e-6, atol=1e-6,
+                                       err_msg=f"rank {rank} {name}: {key}")
+
+
 @dataclass(frozen=True)
 class OracleConfig:
     """One training scenario. `accumulate`: micro-batches per optimizer step (all but the last
