@@ -347,6 +347,52 @@ def test_destroy_does_not_wait_for_a_rank_that_exited():
     assert elapsed < 8, elapsed
 
 
+def test_lost_peer_check_does_not_block_on_a_live_quiet_peer():
+    # issue 22 item 2's cause: before, the check waited the link's whole timeout (5 s here) for
+    # data from a live peer that had nothing to say, then reported it lost
+    import socket
+
+    from nccl_ddp.comm.host.wire import PeerLink
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        b = socket.create_connection(srv.getsockname(), timeout=5)
+        a, _ = srv.accept()
+    link = PeerLink(a, 1, timeout=5.0)
+    try:
+        t0 = time.monotonic()
+        assert link.closed_by_peer() is False
+        assert time.monotonic() - t0 < 2.5           # half the timeout: it did not wait for one
+        b.sendall(b"x")
+        assert link.closed_by_peer() is False         # data pending: alive
+        b.close()
+        link.recv_into(memoryview(bytearray(1)))
+        assert link.closed_by_peer() is True          # hung up
+    finally:
+        link.close()
+        b.close()
+
+
+def _staggered_destroy(rank, world, gap):
+    nd.init_process_group("host", timeout=12)
+    nd.all_reduce(np.ones(4, f32))
+    time.sleep(gap * rank)                   # rank r reaches destroy r * gap seconds late
+    t0 = time.monotonic()
+    nd.destroy_process_group()
+    return time.monotonic() - t0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_destroy_with_staggered_ranks_waits_for_the_last_not_a_timeout_per_peer(world):
+    # issue 22 item 2 (no launcher: rank 0 hosts the store). Before: the lost-peer check peeked a
+    # socket that has a timeout, so it blocked the whole timeout (12 s) per live peer and then
+    # called it lost: rank 0 took 12 s at world 2, 24 s at world 3. The slowest rank arrives
+    # (world - 1) * 1.5 s after rank 0; 6 s of slack for a loaded machine is still half a timeout.
+    gap = 1.5
+    elapsed = run_ranks(_staggered_destroy, world, gap, timeout=120)
+    assert elapsed[0] < (world - 1) * gap + 6, elapsed
+    assert max(elapsed) < (world - 1) * gap + 6, elapsed
+
+
 # -- NCCL: desync debug mode and two ranks on one GPU (on the fake runtime) -----------------------
 
 

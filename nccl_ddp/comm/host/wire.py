@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import secrets
+import select
 import socket
 import struct
 import time
@@ -115,12 +116,19 @@ class PeerLink:
                 f"with the same sizes and dtypes")
 
     def closed_by_peer(self) -> bool:
-        """True if the peer closed its end (it exited or shut the group down); never blocks."""
+        """True if the peer closed its end (it exited or shut the group down); never blocks.
+
+        Polled, not peeked with MSG_DONTWAIT: on a socket with a timeout Python first waits up to
+        that timeout for data, so a live, quiet peer cost a whole timeout and then looked lost."""
         try:
+            poller = select.poll()
+            poller.register(self.sock, select.POLLIN)
+            if not poller.poll(0):
+                return False                 # nothing to read, no hang-up: the peer is there
             return self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-        except (BlockingIOError, InterruptedError):
+        except (BlockingIOError, InterruptedError, TimeoutError):
             return False
-        except OSError:
+        except (OSError, ValueError):        # reset, or our own socket already closed
             return True
 
     def abort(self, reason: str) -> None:
