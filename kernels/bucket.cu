@@ -2,8 +2,9 @@
 // bucket in ONE launch whatever K is, with a fused scale, an optional cast (f32 <-> bf16/f16) and
 // an optional non-finite flag; plus an in-place scale of a flat buffer.
 //
-// Loaded by nccl_ddp/_cuda_kernels.py with cupy.RawModule (NVRTC, -std=c++17, name_expressions for the
-// template instantiations). nccl_ddp.kernels.pack_ref/unpack_ref/scale_ref are the specification.
+// Loaded by nccl_ddp/kernels/cuda.py with cupy.RawModule (NVRTC, -std=c++17, name_expressions for
+// the template instantiations). nccl_ddp.kernels.pack_ref/unpack_ref/scale_ref are the
+// specification.
 //
 // Work decomposition: every non-empty tensor ("segment") is cut into chunks of `chunk` elements;
 // one chunk is one work item, processed by ONE WARP (so 10,000 tiny tensors give 10,000 short warp
@@ -243,14 +244,14 @@ __device__ __forceinline__ void copy_span(const TS* __restrict__ src, TD* __rest
 }
 
 // ---------------------------------------------------------------------------------------------
-// segment tables (layouts mirrored by nccl_ddp/kernels.py: SEG_DTYPE, small_table_dtype)
+// segment tables (layouts mirrored by nccl_ddp/kernels/cuda.py: SEG_DTYPE, SMALL_DTYPE)
 
 struct Seg {
   u64 ptr;   // tensor-side address (source of pack, destination of unpack)
   i64 off;   // offset in the bucket, in bucket elements
   i64 n;     // elements
 };
-static_assert(sizeof(Seg) == 24, "Seg layout is mirrored in _cuda_kernels.py");
+static_assert(sizeof(Seg) == 24, "Seg layout is mirrored in nccl_ddp/kernels/cuda.py");
 
 // Device table: one Seg per work item, already cut to at most `chunk` elements.
 struct TableRef {
@@ -293,7 +294,7 @@ struct SmallTable {
   }
 };
 static_assert(sizeof(SmallTable) == 24 * kSmallMax + 4 * (kSmallMax + 2),
-              "SmallTable layout is mirrored in _cuda_kernels.py");
+              "SmallTable layout is mirrored in nccl_ddp/kernels/cuda.py");
 
 // Every warp takes items warp_id, warp_id + total_warps, ...; pack reads the segments and writes
 // the bucket, unpack the reverse.
