@@ -199,6 +199,81 @@ def test_store_serves_many_idle_connections_from_one_thread(store_server):
             c.close()
 
 
+def _two_rank_group_with_strangers(store_server, strangers, timeout=20.0):
+    """Build a 2-rank host group (threads of this process) while `strangers(port)` connects to
+    rank 0's rendezvous listener first; returns (seconds each rank took, the strangers)."""
+    import json
+
+    from nccl_ddp.comm.host.backend import HostProcessGroup
+    from nccl_ddp.store.client import PrefixStore, TCPStore
+    took: dict = {}
+
+    def rank(r, clients):
+        store = TCPStore("127.0.0.1", store_server.port, "secret", timeout=30)
+        t0 = time.monotonic()
+        try:
+            g = HostProcessGroup(PrefixStore(store, "t"), r, 2, timeout=timeout, transport="tcp")
+            took[r] = time.monotonic() - t0
+            g.all_reduce(np.ones(2, f32)).wait()
+            g.shutdown()
+        except Exception as e:  # the test asserts on it
+            took[r] = e
+        finally:
+            store.close()
+
+    with TCPStore("127.0.0.1", store_server.port, "secret", timeout=30) as probe:
+        t0 = threading.Thread(target=rank, args=(0, None))
+        t0.start()
+        info = json.loads(probe.get("t/peer/0", timeout=10))
+        socks = strangers(info["port"])
+        t1 = threading.Thread(target=rank, args=(1, None))
+        t1.start()
+        for t in (t0, t1):
+            t.join(timeout + 10)
+    return took, socks
+
+
+def _silent(port, n=1):
+    import socket
+    return [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(n)]
+
+
+def test_silent_connection_to_the_rendezvous_does_not_stall_group_creation(store_server):
+    # issue 22 item 5. Before: rank 0 waited for the stranger's handshake for the whole timeout
+    # (20 s here) before it accepted rank 1
+    took, socks = _two_rank_group_with_strangers(store_server, _silent)
+    try:
+        assert all(isinstance(t, float) and t < 10 for t in took.values()), took
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_rendezvous_caps_handshakes_evicting_silent_strangers(store_server, monkeypatch, caplog):
+    from nccl_ddp.comm.host import wire
+    monkeypatch.setattr(wire, "MAX_UNAUTHENTICATED", 3)
+    monkeypatch.setattr(wire, "HANDSHAKE_DEADLINE", 60.0)   # only eviction can drop them
+
+    def strangers(port):
+        talkative = _silent(port)
+        talkative[0].sendall(b"x" * 10)       # started a handshake: evicted last
+        time.sleep(0.2)
+        return talkative + _silent(port, 4)
+
+    took, socks = _two_rank_group_with_strangers(store_server, strangers, timeout=10.0)
+    try:
+        assert all(isinstance(t, float) for t in took.values()), took
+        evicted = [m for m in caplog.messages if "evicted" in m]
+        ports = [s.getsockname()[1] for s in socks]
+        # 5 strangers, then rank 1, with room for 3: the three oldest silent ones were evicted,
+        # the one that had started a handshake was not
+        assert [p for p in ports if any(f":{p}: evicted" in m for m in evicted)] == ports[1:4], \
+            (ports, evicted)
+    finally:
+        for s in socks:
+            s.close()
+
+
 # -- the launcher: nothing of a job outlives it, and the right rank is blamed ---------------------
 
 from test_launch import _run, _script, _wait_gone  # noqa: E402

@@ -6,16 +6,18 @@ different collectives (or the same one with different sizes) fail at once with a
 """
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import os
 import secrets
 import select
+import selectors
 import socket
 import struct
 import time
-from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from nccl_ddp.comm.host.reduce import DTYPES
 from nccl_ddp.errors import CommError, CommTimeout, ConfigError, RankMismatchError, StoreTimeout
@@ -28,6 +30,8 @@ KIND_NAMES = ("", "staged", "reduced", "data", "abort")
 ABORT = 4
 _HEADER = struct.Struct("<QBBBBIQ")   # seq, kind, op, dtype code, reduce op code, root, count
 _HANDSHAKE = struct.Struct("<32sI")   # acceptor's token, connector's group rank
+HANDSHAKE_DEADLINE = 5.0              # seconds a connection to the listener has to identify
+MAX_UNAUTHENTICATED = 64              # handshakes in progress at once; then one is evicted
 
 
 @dataclass(frozen=True)
@@ -239,8 +243,8 @@ class Rendezvous:
             for p in (p for p in peers if p < self.rank):
                 links[p] = self._dial(p)
             expected = {p for p in peers if p > self.rank}
-            while expected:
-                links.update(self._accept(expected))
+            if expected:
+                links.update(self._accept_all(expected))
         except BaseException:
             for link in links.values():
                 link.close()
@@ -262,30 +266,116 @@ class Rendezvous:
                             f"reachable or set NCCL_DDP_SOCKET_ADDR") from e
         return PeerLink(sock, self.ranks[p], self.timeout)
 
-    def _accept(self, expected: set) -> Dict[int, PeerLink]:
-        self.listener.settimeout(self._left())
+    def _accept_all(self, expected: set) -> Dict[int, PeerLink]:
+        """Accept until every rank in `expected` (group ranks) completed its handshake.
+
+        The store's rules for strangers: every connection gets HANDSHAKE_DEADLINE seconds to send
+        its fixed-size handshake (nothing more is read before it checks out), handshakes proceed
+        side by side, and at most MAX_UNAUTHENTICATED wait at once (a new one evicts the oldest
+        that sent nothing, else the oldest). So a process that connects and stays silent costs
+        a peer nothing, instead of the whole timeout."""
+        sel = selectors.DefaultSelector()
+        pending: Dict[socket.socket, _Handshake] = {}    # insertion order: oldest first
+        links: Dict[int, PeerLink] = {}
+        self.listener.setblocking(False)
+        sel.register(self.listener, selectors.EVENT_READ)
         try:
-            sock, _ = self.listener.accept()
-        except TimeoutError as e:
-            raise CommTimeout(f"{self.where}: ranks {[self.ranks[p] for p in sorted(expected)]} "
-                              f"did not connect within {self.timeout:.1f}s") from e
-        sock.settimeout(self._left())
+            while expected:
+                now = time.monotonic()
+                if now >= self.deadline:
+                    raise CommTimeout(f"{self.where}: ranks "
+                                      f"{[self.ranks[p] for p in sorted(expected)]} did not "
+                                      f"connect within {self.timeout:.1f}s")
+                wake = min([self.deadline] + [h.deadline for h in pending.values()])
+                for key, _ in sel.select(max(0.0, wake - now)):
+                    # a peer sends its handshake with its connect: read at once what came
+                    sock = self._admit(sel, pending) if key.fileobj is self.listener \
+                        else key.fileobj
+                    got = None if sock is None else \
+                        self._read_handshake(sel, pending, sock, expected)
+                    if got is not None:
+                        links[got[0]] = got[1]
+                now = time.monotonic()
+                for sock, h in list(pending.items()):
+                    if h.deadline <= now:
+                        self._drop(sel, pending, sock, f"no handshake within "
+                                                       f"{HANDSHAKE_DEADLINE:g}s")
+        except BaseException:
+            for link in links.values():
+                link.close()
+            raise
+        finally:
+            for sock in list(pending):
+                self._drop(sel, pending, sock, None)
+            sel.close()
+        return links
+
+    def _admit(self, sel: selectors.BaseSelector, pending: Dict[socket.socket, _Handshake]
+               ) -> Optional[socket.socket]:
         try:
-            raw = bytearray(_HANDSHAKE.size)
-            view, got = memoryview(raw), 0
-            while got < len(raw):
-                k = sock.recv_into(view[got:])
-                if k == 0:
-                    raise OSError("closed during handshake")
-                got += k
-            token, peer = _HANDSHAKE.unpack(bytes(raw))
+            sock, addr = self.listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return None
+        except OSError as e:           # out of descriptors: make room, the peer's dial waits
+            log.warning("%s: cannot accept a peer connection (%s)", self.where, e)
+            if pending:
+                self._drop(sel, pending, _evictee(pending), "evicted to accept others")
+            time.sleep(0.01)
+            return None
+        if len(pending) >= MAX_UNAUTHENTICATED:
+            self._drop(sel, pending, _evictee(pending), "evicted: too many handshakes at once")
+        sock.setblocking(False)
+        pending[sock] = _Handshake(f"{addr[0]}:{addr[1]}",
+                                   time.monotonic() + HANDSHAKE_DEADLINE)
+        sel.register(sock, selectors.EVENT_READ)
+        return sock
+
+    def _read_handshake(self, sel: selectors.BaseSelector,
+                        pending: Dict[socket.socket, _Handshake], sock: Any,
+                        expected: set) -> Optional[Tuple[int, PeerLink]]:
+        """(group rank, link) once `sock` sent a valid handshake; None while it has not."""
+        h = pending[sock]
+        try:
+            chunk = sock.recv(_HANDSHAKE.size - len(h.buf))
+        except (BlockingIOError, InterruptedError):
+            return None
         except OSError as e:
-            sock.close()
-            log.warning("%s: dropped a connection that failed the handshake: %s", self.where, e)
-            return {}
-        if token.decode(errors="replace") != self.token or peer not in expected:
-            sock.close()
-            log.warning("%s: dropped a connection with a wrong token or rank %d", self.where, peer)
-            return {}
+            self._drop(sel, pending, sock, f"failed the handshake: {e}")
+            return None
+        if not chunk:
+            self._drop(sel, pending, sock, "closed during the handshake")
+            return None
+        h.buf += chunk
+        if len(h.buf) < _HANDSHAKE.size:
+            return None
+        token, peer = _HANDSHAKE.unpack(bytes(h.buf))
+        if not hmac.compare_digest(token, self.token.encode()) or peer not in expected:
+            self._drop(sel, pending, sock, f"wrong token or rank {peer}")
+            return None
+        sel.unregister(sock)
+        del pending[sock]
         expected.discard(peer)
-        return {peer: PeerLink(sock, self.ranks[peer], self.timeout)}
+        return peer, PeerLink(sock, self.ranks[peer], self.timeout)
+
+    def _drop(self, sel: selectors.BaseSelector, pending: Dict[socket.socket, _Handshake],
+              sock: socket.socket, why: Optional[str]) -> None:
+        h = pending.pop(sock)
+        sel.unregister(sock)
+        sock.close()
+        if why is not None:
+            log.warning("%s: dropped the connection from %s: %s", self.where, h.who, why)
+
+
+@dataclass
+class _Handshake:
+    """A connection to the rendezvous listener that has not proven it is a peer yet."""
+
+    who: str
+    deadline: float
+    buf: bytearray = field(default_factory=bytearray)
+
+
+def _evictee(pending: Dict[socket.socket, _Handshake]) -> socket.socket:
+    """The oldest connection that sent nothing (a peer sends its handshake with its connect),
+    else the oldest."""
+    return next((s for s, h in pending.items() if not h.buf), next(iter(pending)))
