@@ -185,6 +185,85 @@ def test_store_caps_and_times_out_unauthenticated_connections(monkeypatch):
             s.close()
 
 
+def test_store_client_retries_a_handshake_the_server_closed():
+    # issue 22 item 6. Before: a handshake closed by the server (evicted under a flood of
+    # strangers) was a final StoreError; now the client retries until its timeout
+    import socket
+
+    from nccl_ddp.store.client import StoreServer, TCPStore
+    fake = socket.create_server(("127.0.0.1", 0))
+    port = fake.getsockname()[1]
+    fake.settimeout(10)
+    got: list = []
+    client = threading.Thread(target=lambda: got.append(
+        _outcome(lambda: TCPStore("127.0.0.1", port, "secret", timeout=20).close())))
+    client.start()
+    for _ in range(2):               # two handshakes closed before a greeting, as an eviction does
+        conn, _ = fake.accept()
+        conn.close()
+    fake.close()
+    with StoreServer("127.0.0.1", port, "secret"):
+        client.join(25)
+    assert got == [("ok", None)], got
+
+
+def test_store_evicts_silent_connections_before_one_mid_handshake(monkeypatch):
+    from nccl_ddp.store import server as srv
+    monkeypatch.setattr(srv, "MAX_UNAUTHENTICATED", 3)
+    with srv.StoreServer("127.0.0.1", 0, "secret") as server:
+        talking = _greeted(server.port)
+        talking.sendall(b"\x00\x00")             # the start of a frame: mid-handshake
+        time.sleep(0.1)
+        silent = [_greeted(server.port) for _ in range(3)]   # the third makes room
+        time.sleep(0.2)
+        silent[0].settimeout(2)
+        assert silent[0].recv(16) == b""          # the oldest silent one went
+        talking.settimeout(0.3)
+        with pytest.raises(TimeoutError):         # before: the oldest (this one) was evicted
+            talking.recv(16)
+        for s in [talking] + silent:
+            s.close()
+
+
+def test_store_clients_connect_through_a_flood_of_strangers(monkeypatch):
+    # issue 22 item 6 as found: strangers flooding the handshake slots evicted real clients mid
+    # handshake (2 of 40 failed with StoreError). Here 8 slots, 20 clients, 600 strangers.
+    import socket
+
+    from nccl_ddp.store import server as srv
+    from nccl_ddp.store.client import TCPStore
+    monkeypatch.setattr(srv, "MAX_UNAUTHENTICATED", 8)
+    with srv.StoreServer("127.0.0.1", 0, "secret") as server:
+        stop, strangers = threading.Event(), []
+
+        def flood():
+            while not stop.is_set() and len(strangers) < 600:
+                try:
+                    strangers.append(socket.create_connection(("127.0.0.1", server.port), 5))
+                except OSError:
+                    time.sleep(0.01)
+
+        def client(out):
+            out.append(_outcome(lambda: TCPStore("127.0.0.1", server.port, "secret",
+                                                 timeout=20).close()))
+
+        flooders = [threading.Thread(target=flood) for _ in range(3)]
+        outs: list = []
+        clients = [threading.Thread(target=client, args=(outs,)) for _ in range(20)]
+        try:
+            for t in flooders + clients:
+                t.start()
+            for t in clients:
+                t.join(30)
+        finally:
+            stop.set()
+            for t in flooders:
+                t.join(10)
+            for s in strangers:
+                s.close()
+        assert outs == [("ok", None)] * 20, [o for o in outs if o[0] != "ok"]
+
+
 def test_store_serves_many_idle_connections_from_one_thread(store_server):
     # before: one thread per connection (3,000 idle sockets made 3,009 threads)
     from nccl_ddp.store.client import TCPStore

@@ -59,6 +59,10 @@ class TCPStore:
         self._sock: Optional[socket.socket] = self._connect(secret.encode())
 
     def _connect(self, secret: bytes) -> socket.socket:
+        """Connect and authenticate, retrying with backoff until `timeout`: a refused connection
+        (the server is not up yet) and a handshake the server closed (it evicts unauthenticated
+        connections when strangers flood it) are retried; a wrong secret or a service that is
+        not a store is final."""
         deadline = time.monotonic() + self.timeout
         delay, last = 0.05, None
         while True:
@@ -72,15 +76,18 @@ class TCPStore:
                 sock = socket.create_connection((self.host, self.port), timeout=left)
             except OSError as e:
                 last = e
-                time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-                delay = min(delay * 2, 1.0)
-                continue
-            try:
-                self._authenticate(sock, secret, max(left, 1.0))
-            except BaseException:
-                sock.close()
-                raise
-            return sock
+            else:
+                try:
+                    self._authenticate(sock, secret, max(left, 1.0))
+                    return sock
+                except _HandshakeLost as e:
+                    sock.close()
+                    last = e.__cause__
+                except BaseException:
+                    sock.close()
+                    raise
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 2, 1.0)
 
     def _authenticate(self, sock: socket.socket, secret: bytes, timeout: float) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -88,15 +95,19 @@ class TCPStore:
         where = f"{self.host}:{self.port}"
         try:
             hello = _recv_frame(sock)
-            if len(hello) != 2 or hello[0] != MAGIC:
-                raise StoreError(f"{self._who}: {where} is not an nccl_ddp store (bad greeting); "
-                                 f"check MASTER_ADDR/MASTER_PORT")
-            nonce = os.urandom(32)
+        except OSError as e:
+            raise _HandshakeLost() from e
+        except _Malformed:
+            hello = []
+        if len(hello) != 2 or hello[0] != MAGIC:
+            raise StoreError(f"{self._who}: {where} is not an nccl_ddp store (bad greeting); "
+                             f"check MASTER_ADDR/MASTER_PORT")
+        nonce = os.urandom(32)
+        try:
             sock.sendall(_encode([b"auth", nonce, _proof(secret, b"c", hello[1], nonce)]))
             reply = _recv_frame(sock)
         except (OSError, _Malformed) as e:
-            raise StoreError(f"{self._who}: handshake with the store at {where} failed ({e}); "
-                             f"check MASTER_ADDR/MASTER_PORT") from e
+            raise _HandshakeLost() from e
         if reply[:1] == [b"auth"]:
             raise AuthError(f"{self._who}: the store at {where} refused this client: wrong or "
                             f"missing job secret; set NCCL_DDP_SECRET to the job's secret on "
@@ -197,6 +208,11 @@ class TCPStore:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _HandshakeLost(Exception):
+    """The connection broke or timed out during the handshake (the server may have evicted it);
+    `__cause__` says how. The client retries."""
 
 
 class PrefixStore:

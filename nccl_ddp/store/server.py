@@ -7,7 +7,8 @@ parked with a deadline and answered when a later request makes them true, or whe
 Defences against a local process without the job's secret:
   - before the handshake a frame larger than the handshake needs closes the connection (no
     64 MiB buffers for strangers), and the handshake must finish within HANDSHAKE_DEADLINE;
-  - at most MAX_UNAUTHENTICATED connections may be in their handshake: the oldest goes first;
+  - at most MAX_UNAUTHENTICATED connections may be in their handshake: the oldest that sent
+    nothing goes first (else the oldest); a client whose handshake is closed retries;
   - running out of file descriptors (EMFILE) pauses accepting briefly, closes the oldest
     unauthenticated connection and logs once; the server keeps accepting afterwards.
 """
@@ -45,6 +46,7 @@ class _Conn:
         self.sock, self.who, self.nonce = sock, who, nonce
         self.deadline = deadline          # to finish the handshake by
         self.authenticated = False
+        self.received = False             # sent us at least one byte
         self.inbuf = bytearray()
         self.outbuf = bytearray()
         self.parked: Optional[_Parked] = None
@@ -193,13 +195,13 @@ class StoreServer:
                         "authenticated); dropping the oldest unauthenticated ones and retrying "
                         "(logged once)", self.port, e, len(self._conns), len(self._pending))
         if self._pending:
-            self._drop(next(iter(self._pending.values())))
+            self._drop(self._evictee())
         self._sel.unregister(self._sock)
         self._accept_paused_until = time.monotonic() + ACCEPT_PAUSE
 
     def _admit(self, sock: socket.socket, peer) -> None:
         if len(self._pending) >= MAX_UNAUTHENTICATED:
-            self._drop(next(iter(self._pending.values())))
+            self._drop(self._evictee())
         sock.setblocking(False)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -211,6 +213,12 @@ class StoreServer:
         self._pending[sock] = c
         self._sel.register(sock, selectors.EVENT_READ, c)
         self._send(c, [MAGIC, nonce])
+
+    def _evictee(self) -> _Conn:
+        """The unauthenticated connection to close for room: the oldest that has sent nothing
+        (a client sends its auth frame as soon as it reads the greeting), else the oldest."""
+        oldest = next(iter(self._pending.values()))
+        return next((c for c in self._pending.values() if not c.received), oldest)
 
     def _expire(self, now: float) -> None:
         if self._accept_paused_until is not None and now >= self._accept_paused_until:
@@ -261,6 +269,7 @@ class StoreServer:
                 self._drop(c)
                 return
             c.inbuf += self._rview[:n]
+            c.received = True
             self._process(c)
 
     def _process(self, c: _Conn) -> None:
