@@ -64,7 +64,8 @@ class TCPStore:
         connections when strangers flood it) are retried; a wrong secret or a service that is
         not a store is final."""
         deadline = time.monotonic() + self.timeout
-        delay, last = 0.05, None
+        delay: float = 0.05
+        last: Optional[BaseException] = None
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
