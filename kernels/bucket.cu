@@ -155,8 +155,21 @@ enum : int {
   kSmallMax = 32,   // most segments passed by value
 };
 
-// One warp moves dst[0:n] = cast(src[0:n] * scale) (or dst += ...), `lane` in [0, 32). n is at
-// most one chunk, so indices here are 32-bit (fewer registers than 64-bit addressing math).
+// A source element in the arithmetic type. Narrowing (f32 -> bf16/f16, pack into a compressed
+// wire) rounds to the destination type FIRST, so the scale then multiplies the wire value: torch's
+// fp16/bf16_compress_hook order (cast, then divide in the wire dtype; a subnormal-range mean then
+// rounds as torch's does, and a grad above the wire's range is inf, as in torch).
+template <typename TS, typename TD>
+__device__ __forceinline__ typename AccOf<TS, TD>::type load_src(TS x) {
+  if constexpr (sizeof(TD) < sizeof(TS)) {
+    return Conv<TD>::load(Conv<TD>::store(Conv<TS>::load(x)));
+  } else {
+    return Conv<TS>::load(x);
+  }
+}
+
+// One warp moves dst[0:n] = cast(load_src(src[0:n]) * scale) (or dst += ...), `lane` in [0, 32).
+// n is at most one chunk, so indices here are 32-bit (fewer registers than 64-bit addressing).
 template <typename TS, typename TD, bool kAccum, bool kCheck>
 __device__ __forceinline__ void copy_span(const TS* __restrict__ src, TD* __restrict__ dst,
                                           int n, typename AccOf<TS, TD>::type scale, int lane,
@@ -202,7 +215,7 @@ __device__ __forceinline__ void copy_span(const TS* __restrict__ src, TD* __rest
           VD out;
 #pragma unroll
           for (int e = 0; e < kVec; ++e) {
-            A v = mul_rn(Conv<TS>::load(in[k].e[e]), scale);
+            A v = mul_rn(load_src<TS, TD>(in[k].e[e]), scale);
             if constexpr (kAccum) v = add_rn(Conv<TD>::load(old[k].e[e]), v);
             out.e[e] = Conv<TD>::store(v);
             if constexpr (kCheck) bad |= !Conv<TD>::finite(out.e[e]);
@@ -212,7 +225,7 @@ __device__ __forceinline__ void copy_span(const TS* __restrict__ src, TD* __rest
       }
     }
     if (has_tail) {
-      A v = mul_rn(Conv<TS>::load(tail_in), scale);
+      A v = mul_rn(load_src<TS, TD>(tail_in), scale);
       if constexpr (kAccum) v = add_rn(Conv<TD>::load(tail_old), v);
       const TD out = Conv<TD>::store(v);
       if constexpr (kCheck) bad |= !Conv<TD>::finite(out);
@@ -233,7 +246,7 @@ __device__ __forceinline__ void copy_span(const TS* __restrict__ src, TD* __rest
     for (int k = 0; k < kScalarIlp; ++k) {
       const int i = base + k * kWarp;
       if (i < n) {
-        A v = mul_rn(Conv<TS>::load(in[k]), scale);
+        A v = mul_rn(load_src<TS, TD>(in[k]), scale);
         if constexpr (kAccum) v = add_rn(Conv<TD>::load(ld_rw(dst + i)), v);
         const TD out = Conv<TD>::store(v);
         if constexpr (kCheck) bad |= !Conv<TD>::finite(out);
@@ -329,7 +342,8 @@ __device__ __forceinline__ void run_items(const Table& tab, u64 bucket, int chun
   }
 }
 
-// pack: bucket[off_i + k] = cast(src_i[k] * scale); flag := 1 if any written value is not finite.
+// pack: bucket[off_i + k] = cast(load_src(src_i[k]) * scale); flag := 1 if any written value is
+// not finite.
 template <typename TS, typename TD, bool kCheck>
 __global__ void __launch_bounds__(kThreads)
 nd_pack(const Seg* items, int nitems, u64 bucket, int chunk, double scale, int* flag) {

@@ -7,6 +7,7 @@ is exact and both round once per addition; on 3 ranks torch divides (by 3; in th
 after casting: two roundings) and gloo rounds after each addition, while we multiply by
 float32(1/3) and round once when packing and once after the sum: there the results differ by at
 most a few ulps of the dtype on the wire (float32 for plain all-reduce), which the test bounds.
+Means in float16's subnormal range are held bitwise too (torch's rounding order: cast, then scale).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def _grad(rank: int, step: int, i: int, scale: float = 1.0) -> np.ndarray:
 # fp16 / bf16 against torch's hooks
 
 
-def _torch_grads(rank: int, hook_name: str, steps: int) -> list:
+def _torch_grads(rank: int, hook_name: str, steps: int, scale: float = 1.0) -> list:
     """Per step, torch DDP's reduced grads with torch's hook (grads set through a linear model
     whose backward yields exactly our _grad values)."""
     import torch
@@ -45,7 +46,7 @@ def _torch_grads(rank: int, hook_name: str, steps: int) -> list:
     out = []
     for step in range(steps):
         ddp.zero_grad()
-        coeffs = [torch.from_numpy(_grad(rank, step, i)) for i in range(len(SHAPES))]
+        coeffs = [torch.from_numpy(_grad(rank, step, i, scale)) for i in range(len(SHAPES))]
         ddp(coeffs).backward()
         out.append([p.grad.numpy().copy() for p in params])
     return out
@@ -75,7 +76,8 @@ def _Sum(params):
     return Sum()
 
 
-def _our_grads(rank: int, hook_name: str, steps: int, mode: str, state=None) -> list:
+def _our_grads(rank: int, hook_name: str, steps: int, mode: str, state=None,
+               scale: float = 1.0) -> list:
     import nccl_ddp as nd
     from nccl_ddp import hooks
     from nccl_ddp.adapters.arrays import ArrayModule
@@ -88,7 +90,7 @@ def _our_grads(rank: int, hook_name: str, steps: int, mode: str, state=None) -> 
     out = []
     for step in range(steps):
         for i in reversed(range(len(SHAPES))):
-            ddp.mark_ready(i, _grad(rank, step, i))
+            ddp.mark_ready(i, _grad(rank, step, i, scale))
         out.append([g.copy() for g in ddp.grads])
         ddp.zero_grad()
     ddp.close()
@@ -100,7 +102,7 @@ def _whole_world():
     return nd.new_group([0, 1, 2][:nd.get_world_size()])
 
 
-def _compare_with_torch(rank: int, world: int, store_dir: str) -> dict:
+def _compare_with_torch(rank: int, world: int, store_dir: str, scale: float = 1.0) -> dict:
     import torch
     from torch_oracle import gloo_group
 
@@ -109,15 +111,15 @@ def _compare_with_torch(rank: int, world: int, store_dir: str) -> dict:
     torch.set_num_threads(1)
     names = ["allreduce", "fp16", "bf16"]
     with gloo_group(rank, world, os.path.join(store_dir, "gloo")):
-        refs = {n: _torch_grads(rank, n, 3) for n in names}
+        refs = {n: _torch_grads(rank, n, 3, scale) for n in names}
     nd.init_process_group("host")
     try:
         out = {}
         for n in names:
-            out[(n, "view")] = _our_grads(rank, n, 3, "view")
-            out[(n, "pack")] = _our_grads(rank, n, 3, "pack")
+            out[(n, "view")] = _our_grads(rank, n, 3, "view", scale=scale)
+            out[(n, "pack")] = _our_grads(rank, n, 3, "pack", scale=scale)
             # state = another group object: the hook runs as a plain Python hook, not fused
-            out[(n, "unfused")] = _our_grads(rank, n, 3, "view", state=_whole_world)
+            out[(n, "unfused")] = _our_grads(rank, n, 3, "view", state=_whole_world, scale=scale)
         return {"refs": refs, "ours": out}
     finally:
         nd.destroy_process_group()
@@ -156,6 +158,25 @@ def test_compression_matches_torch_hooks(world, tmp_path):
     # compression did happen: fp16/bf16 differ from the float32 all-reduce
     r0 = results[0]["ours"]
     assert not np.array_equal(r0[("bf16", "view")][0][0], r0[("allreduce", "view")][0][0])
+
+
+@pytest.mark.slow
+def test_fp16_subnormal_means_round_as_torch(tmp_path):
+    """Grads whose means fall in float16's subnormal range (|x| < 2**-14): torch's
+    fp16_compress_hook rounds to float16 first and divides there; ours (fused pack, pack mode and
+    the plain hook) equals it bitwise. Scaling first, then casting, differed in the last ulp."""
+    pytest.importorskip("torch", reason="PyTorch is not installed")
+    results = run_ranks(_compare_with_torch, 2, str(tmp_path), 2.0 ** -17, timeout=180)
+    subnormal = 0
+    for rank, res in enumerate(results):
+        for (name, mode), ours in res["ours"].items():
+            for step, (o_step, r_step) in enumerate(zip(ours, res["refs"][name])):
+                for i, (o, r) in enumerate(zip(o_step, r_step)):
+                    np.testing.assert_array_equal(o, r, err_msg=f"rank {rank} {name} {mode} "
+                                                                f"step {step} grad {i}")
+                    if name == "fp16":
+                        subnormal += int(((r != 0) & (np.abs(r) < 2.0 ** -14)).sum())
+    assert subnormal > 100, subnormal     # the case did reach fp16's subnormal range
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,6 +27,10 @@ def _cpu_or_skip():
 
 @pytest.fixture
 def cp(monkeypatch):
+    return _fake_cupy_installed(monkeypatch)
+
+
+def _fake_cupy_installed(monkeypatch):
     _cpu_or_skip()
     fake = FakeCupy()
     monkeypatch.setitem(sys.modules, "cupy", fake)
@@ -245,3 +249,24 @@ def test_float32_subnormals_survive_cuda_ftz(cp, pair):
     ref = np.full(tiny.size, 1e-39, np.float32)
     K.unpack_ref([ref], want, [0], scale=1e-3, accumulate=True)
     assert_bits_equal(out.host(), ref, "accumulate of subnormals")
+
+
+@pytest.mark.parametrize("wire", ["float16", "bfloat16"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_narrowing_pack_rounds_as_torch_compress_hooks(monkeypatch, wire, world):
+    """torch's fp16/bf16_compress_hook: `buffer.to(wire).div_(world)` (round to the wire dtype,
+    then divide in it). Means in float16's subnormal range (and past its largest finite value)
+    round as torch's do, in the kernel and in the reference (both scaled-then-cast before)."""
+    torch = pytest.importorskip("torch")     # before the fake CuPy (torch probes cupyx)
+    cp = _fake_cupy_installed(monkeypatch)
+    rng = np.random.default_rng(world)
+    x = (rng.standard_normal(4096) * 2.0 ** rng.integers(-27, -12, 4096)).astype(np.float32)
+    x[:4] = [70000.0, -65519.0, 2.0 ** -25 * 3, 2.0 ** -24 * 1.5]
+    t = torch.from_numpy(x.copy()).to(getattr(torch, wire)).div_(world)
+    want = (t.view(torch.int16).numpy().view(DT[wire]) if wire == "bfloat16" else t.numpy())
+    ref = np.full(x.size, np.nan, DT[wire])
+    K.pack_ref([x], ref, [0], scale=1.0 / world)
+    assert_bits_equal(ref, want, f"pack_ref {wire} world {world} vs torch")
+    bucket = cp.asarray(np.full(x.size, np.nan, DT[wire]))
+    K.pack([cp.asarray(x)], bucket, [0], scale=1.0 / world)
+    assert_bits_equal(bucket.host(), want, f"pack kernel {wire} world {world} vs torch")

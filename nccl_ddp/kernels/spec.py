@@ -159,7 +159,8 @@ def acc_dtype(pair: tuple) -> type:
 
 def pack_ref(srcs: Sequence[np.ndarray], dst: np.ndarray, offsets: Sequence[int], *,
              scale: float = 1.0, nonfinite_flag: Optional[np.ndarray] = None) -> None:
-    """Reference of `pack` (NumPy arrays)."""
+    """Reference of `pack` (NumPy arrays). A narrowing pack (float32 into a bfloat16/float16
+    bucket) rounds to the bucket dtype first and scales that: torch's compress hooks' order."""
     sizes, offs, pair = check_segments("pack", srcs, dst, offsets, PACK_PAIRS, to_bucket=True)
     check_flag("pack", nonfinite_flag, dst)
     acc = acc_dtype(pair)
@@ -170,7 +171,10 @@ def pack_ref(srcs: Sequence[np.ndarray], dst: np.ndarray, offsets: Sequence[int]
         for x, o, n in zip(srcs, offs, sizes):
             if n == 0:
                 continue
-            y = (x.reshape(-1).astype(acc) * s).astype(dst.dtype)
+            x = x.reshape(-1)
+            if dst.dtype.itemsize < x.dtype.itemsize:
+                x = x.astype(dst.dtype)
+            y = (x.astype(acc) * s).astype(dst.dtype)
             flat[o:o + n] = y
             if nonfinite_flag is not None and not bad:
                 bad = not bool(np.isfinite(y.astype(acc)).all())
