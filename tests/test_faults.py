@@ -484,6 +484,64 @@ def test_launcher_splits_an_endless_line(tmp_path):
     assert lines[-1] == "[rank 0] " + "x" * ((200 << 10) - 3 * (64 << 10)) + "end"
 
 
+# -- /dev/shm too small (issue 22 item 9) ---------------------------------------------------------
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 1 MiB tmpfs (needs root and mount permission; else the test is skipped)."""
+    import subprocess
+    d = tmp_path / "shm"
+    d.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs",
+                                            str(d)], capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", str(d)], check=True)
+
+
+def test_segment_that_does_not_fit_in_shm_is_a_comm_error_at_creation(small_tmpfs, monkeypatch):
+    # before: created sparse, and the first write past the free space killed with SIGBUS
+    from nccl_ddp.comm.host import shm
+    monkeypatch.setattr(shm, "SHM_DIR", str(small_tmpfs))
+    with pytest.raises(CommError) as e:
+        shm.Segment.create(4 << 20, "t")
+    msg = str(e.value)
+    assert "4.0 MiB (4194304 bytes) does not fit" in msg and "need 4.0 MiB" in msg, msg
+    assert "has 1.0 MiB (1048576 bytes) free" in msg and "NCCL_DDP_HOST_TRANSPORT=tcp" in msg, msg
+    assert os.listdir(small_tmpfs) == []                  # nothing left behind
+    seg = shm.Segment.create(256 << 10, "t")              # what fits still works
+    seg.array[:] = 1
+    seg.close()
+
+
+def _shm_full_on_rank0(rank, world):
+    import errno
+    if rank == 0:                # /dev/shm fills up as rank 0 allocates (rank 1 got its room)
+        def full(fd, offset, length):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        os.posix_fallocate = full
+    os.environ["NCCL_DDP_HOST_TRANSPORT"] = "shm"
+    got = _outcome(lambda: nd.init_process_group("host", timeout=10) and None)
+    if got[0] == "ok":
+        nd.destroy_process_group()
+    return got
+
+
+@pytest.mark.slow
+def test_shm_too_small_fails_setup_on_every_rank_naming_the_fix():
+    before = _shm_names()
+    (k0, m0), (k1, m1) = run_ranks(_shm_full_on_rank0, 2, timeout=60)
+    assert k0 == "CommError" and "is too small for the shm transport" in m0, (k0, m0)
+    assert "2 rank(s) on this host need" in m0 and "NCCL_DDP_HOST_TRANSPORT=tcp" in m0, m0
+    # rank 1 fails too, with rank 0's reason rather than "peer rank 0 closed the connection"
+    assert k1 == "CommError" and "peer rank 0 gave up" in m1, (k1, m1)
+    assert "NCCL_DDP_HOST_TRANSPORT=tcp" in m1, m1
+    assert _shm_names() - before == set()
+
+
 def _exit_without_destroy(rank, world):
     nd.init_process_group("host", timeout=20)
     nd.all_reduce(np.ones(4, f32))

@@ -160,15 +160,25 @@ class HostProcessGroup(ProcessGroup):
         try:
             out = t()
         except NcclDdpError as e:
-            self._close_links()
-            raise type(e)(f"{self._where}: setting up the {kind} transport failed: {e}") from e
+            err: NcclDdpError = type(e)(f"{self._where}: setting up the {kind} transport failed: "
+                                        f"{e}")
+            self._give_up_setup(err)
+            raise err from e
         except OSError as e:
-            self._close_links()
-            raise CommError(f"{self._where}: setting up the {kind} transport failed ({e}); set "
-                            f"NCCL_DDP_HOST_TRANSPORT=tcp if /dev/shm is not shared") from e
+            err = CommError(f"{self._where}: setting up the {kind} transport failed ({e}); set "
+                            f"NCCL_DDP_HOST_TRANSPORT=tcp if /dev/shm is not shared")
+            self._give_up_setup(err)
+            raise err from e
         log.debug("%s: %s transport, %d-byte chunks", self._where, kind, chunk)
         self.transport_kind = kind
         return out
+
+    def _give_up_setup(self, err: BaseException) -> None:
+        """Tell the peers why setup failed (their setup then fails with this reason, not with
+        'peer closed the connection'), then close the links."""
+        for link in self._links:
+            link.abort(str(err))
+        self._close_links()
 
     def _close_links(self) -> None:
         for link in self._links:

@@ -1,10 +1,12 @@
 """Shared-memory segments in /dev/shm, mapped with mmap (no multiprocessing resource tracker).
 
 The owner unlinks its segment as soon as every peer has mapped it, so a crash after setup leaves
-nothing behind in /dev/shm.
+nothing behind in /dev/shm. A segment's pages are allocated when it is created: a /dev/shm too
+small for it is a `CommError` at setup, not a SIGBUS at the first collective that touches it.
 """
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import secrets
@@ -13,6 +15,7 @@ from typing import Optional
 import numpy as np
 
 from nccl_ddp.comm.host.wire import SETUP, Header
+from nccl_ddp.errors import CommError
 
 SHM_DIR = "/dev/shm"
 
@@ -20,7 +23,7 @@ SHM_DIR = "/dev/shm"
 class Segment:
     """One mapped segment; `array` is a uint8 view of all of it."""
 
-    def __init__(self, name: str, nbytes: int, create: bool) -> None:
+    def __init__(self, name: str, nbytes: int, create: bool, sharers: int = 1) -> None:
         self.name = name
         self.path = os.path.join(SHM_DIR, name)
         self.owner = create
@@ -29,6 +32,7 @@ class Segment:
         try:
             if create:
                 os.ftruncate(fd, nbytes)
+                _allocate(fd, nbytes, sharers)
             elif os.fstat(fd).st_size != nbytes:
                 raise OSError(f"segment {self.path} has {os.fstat(fd).st_size} bytes, "
                               f"expected {nbytes}")
@@ -42,11 +46,13 @@ class Segment:
         self.array = np.frombuffer(self._map, dtype=np.uint8)
 
     @classmethod
-    def create(cls, nbytes: int, tag: str) -> Segment:
+    def create(cls, nbytes: int, tag: str, sharers: int = 1) -> Segment:
         """A new segment named `nccl_ddp-<job>-<pid>-<random>`: $NCCL_DDP_JOB_ID (set by
-        nccl-ddp-run, which removes `nccl_ddp-<job>-*` when it exits) or `tag`."""
+        nccl-ddp-run, which removes `nccl_ddp-<job>-*` when it exits) or `tag`. `sharers`: how
+        many processes of this host create one alike (for the error when /dev/shm is full)."""
         job = os.environ.get("NCCL_DDP_JOB_ID") or tag
-        return cls(f"nccl_ddp-{job}-{os.getpid()}-{secrets.token_hex(4)}", nbytes, create=True)
+        return cls(f"nccl_ddp-{job}-{os.getpid()}-{secrets.token_hex(4)}", nbytes, create=True,
+                   sharers=sharers)
 
     def unlink(self) -> None:
         """Remove the name (mappings stay valid). Idempotent."""
@@ -67,6 +73,30 @@ class Segment:
             except BufferError:   # a view is still alive; the map is freed with it
                 pass
             self._map = None
+
+
+def _allocate(fd: int, nbytes: int, sharers: int) -> None:
+    """Reserve the segment's pages now; tmpfs otherwise hands them out on first touch and a full
+    /dev/shm kills the process with SIGBUS there."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+            raise
+        try:
+            st = os.statvfs(SHM_DIR)
+            free = f"{_mib(st.f_bavail * st.f_frsize)} free"
+        except OSError:
+            free = "its free space unknown"
+        raise CommError(
+            f"{SHM_DIR} is too small for the shm transport: a segment of {_mib(nbytes)} does not "
+            f"fit ({e.strerror}); {sharers} rank(s) on this host need {_mib(nbytes * sharers)} "
+            f"in all, {SHM_DIR} has {free}. Set NCCL_DDP_HOST_TRANSPORT=tcp, enlarge {SHM_DIR} "
+            f"(docker run --shm-size), or lower NCCL_DDP_HOST_CHUNK_BYTES") from e
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB ({n} bytes)"
 
 
 STAGED, REDUCED = 1, 2      # signal kinds (see _wire.KIND_NAMES)
@@ -102,7 +132,7 @@ class ShmTransport:
         self.seq = 0          # signals exchanged so far
         self.chunks = 0       # chunks staged so far: chunk c uses slot c % _SLOTS
         nbytes = _SLOTS * self.chunk
-        self._own = Segment.create(nbytes, tag)
+        self._own = Segment.create(nbytes, tag, sharers=size)
         segments = {}
         try:
             name = self._own.name.encode().ljust(_NAME_BYTES, b"\0")

@@ -82,8 +82,25 @@ class PeerLink:
             raise CommTimeout(f"peer rank {self.peer} did not accept data for {self.timeout:.1f}s "
                               f"(is it stuck or dead?)") from e
         except OSError as e:
+            reason = self._abort_waiting()
+            if reason is not None:      # it gave up and closed before reading what we sent
+                raise CommError(f"peer rank {self.peer} gave up: {reason}") from e
             raise CommError(f"lost the connection to peer rank {self.peer} ({e}); "
                             f"did it die? check its log") from e
+
+    def _abort_waiting(self) -> Optional[str]:
+        """The reason of an abort message the peer sent next, if it is already here."""
+        try:
+            if not _readable(self.sock):
+                return None
+            raw = self.sock.recv(_HEADER.size, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            if len(raw) < _HEADER.size or Header.unpack(raw).kind != ABORT:
+                return None
+            n = _HEADER.size + min(Header.unpack(raw).count, 4096)
+            raw = self.sock.recv(n, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            return raw[_HEADER.size:].decode(errors="replace") if len(raw) == n else None
+        except (OSError, ValueError):
+            return None
 
     def recv_into(self, view: memoryview) -> None:
         got, n = 0, view.nbytes
@@ -125,9 +142,7 @@ class PeerLink:
         Polled, not peeked with MSG_DONTWAIT: on a socket with a timeout Python first waits up to
         that timeout for data, so a live, quiet peer cost a whole timeout and then looked lost."""
         try:
-            poller = select.poll()
-            poller.register(self.sock, select.POLLIN)
-            if not poller.poll(0):
+            if not _readable(self.sock):
                 return False                 # nothing to read, no hang-up: the peer is there
             return self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
         except (BlockingIOError, InterruptedError, TimeoutError):
@@ -155,6 +170,13 @@ class PeerLink:
         except OSError:
             pass
         self.sock.close()
+
+
+def _readable(sock: socket.socket) -> bool:
+    """Data or a hang-up waits on `sock` (never blocks, whatever the socket's timeout)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def advertise_host() -> str:
