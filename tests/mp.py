@@ -3,9 +3,11 @@
 `run_ranks(fn, world_size, *args, timeout=60, env=None)` starts N spawned processes with the
 launcher's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
 NCCL_DDP_SECRET), calls `fn(rank, world_size, *args)` in each, and returns the list of results in
-rank order. The first rank that raises fails the test with that rank's traceback; a run that
-exceeds `timeout` kills every process and fails naming the ranks that had not finished.
-`fn` must be importable (a module-level function in a test module).
+rank order. When ranks fail, the test fails naming the root cause first, as the launcher does
+(`nccl_ddp.launch.supervisor.order_failures`: a rank that failed for a reason of its own, or
+died, before the ranks whose errors blame a peer), then the ranks that failed because of it, each
+with its traceback. A run that exceeds `timeout` kills every process and fails naming the ranks
+that had not finished. `fn` must be importable (a module-level function in a test module).
 """
 from __future__ import annotations
 
@@ -13,9 +15,16 @@ import multiprocessing as mp
 import os
 import queue
 import secrets
+import signal
 import socket
 import time
 import traceback
+from dataclasses import dataclass
+from typing import Optional
+
+from nccl_ddp.launch.supervisor import order_failures
+
+GRACE = 5.0      # seconds to collect the other ranks' failures after the first one
 
 
 def free_port() -> int:
@@ -27,13 +36,52 @@ def free_port() -> int:
 def _child(fn, rank, world_size, args, env, results):
     os.environ.update(env)
     try:
-        results.put((rank, True, fn(rank, world_size, *args)))
-    except BaseException:
-        results.put((rank, False, traceback.format_exc()))
+        results.put((rank, True, fn(rank, world_size, *args), None))
+    except BaseException as e:
+        from nccl_ddp.env import blamed_rank
+        record = {"rank": rank, "time": time.time(), "type": type(e).__name__,
+                  "message": str(e)[:4000], "blames": blamed_rank(e)}
+        results.put((rank, False, traceback.format_exc(), record))
 
 
 class RankFailed(AssertionError):
     pass
+
+
+@dataclass
+class _Failure:
+    """One failed rank, shaped like the launcher's Worker for `order_failures`."""
+
+    rank: int
+    text: str                      # the traceback, or how the process ended
+    rec: Optional[dict] = None     # the failure record the rank sent (None: it died)
+    exit_time: float = 0.0
+
+    def record(self) -> Optional[dict]:
+        return self.rec
+
+
+def _exit_text(code: Optional[int]) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"process killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            pass
+    return f"process exited with code {code}"
+
+
+def blame_report(failed: dict) -> str:
+    """The failures, root cause first (the launcher's order), each with its traceback."""
+    ordered = order_failures(list(failed.values()))
+    root, then = ordered[0], ordered[1:]
+    text = f"rank {root.rank} failed (root cause"
+    text += f"; then ranks {[f.rank for f in then]})" if then else ")"
+    text += f":\n{root.text}"
+    for f in then:
+        blames = (f.rec or {}).get("blames")
+        text += f"\n--- then rank {f.rank}" + (f" [blames rank {blames}]" if blames is not None
+                                              else "") + f":\n{f.text}"
+    return text
 
 
 def run_ranks(fn, world_size, *args, timeout=60.0, env=None, expect_fail=False):
@@ -53,34 +101,31 @@ def run_ranks(fn, world_size, *args, timeout=60.0, env=None, expect_fail=False):
         p = ctx.Process(target=_child, args=(fn, r, world_size, args, e, results), daemon=True)
         p.start()
         procs.append(p)
-    out, failed = {}, {}
+    out: dict = {}
+    failed: dict = {}
     deadline = time.monotonic() + timeout
+    grace_end: Optional[float] = None     # after the first failure: the others' reasons
     try:
         while len(out) + len(failed) < world_size:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                missing = sorted(set(range(world_size)) - set(out) - set(failed))
-                raise RankFailed(f"timed out after {timeout}s; ranks {missing} did not finish; "
-                                 f"failures so far: {failed}")
-            try:
-                rank, ok, val = results.get(timeout=min(left, 0.5))
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs)
-                        if p.exitcode is not None and r not in out and r not in failed]
-                for r in dead:  # died without reporting (os._exit, signal)
-                    time.sleep(0.2)
-                    try:
-                        while True:
-                            rk, ok2, v2 = results.get_nowait()
-                            (out if ok2 else failed)[rk] = v2
-                    except queue.Empty:
-                        pass
-                    if r not in out and r not in failed:
-                        failed[r] = f"process exited with code {procs[r].exitcode}"
-                continue
-            (out if ok else failed)[rank] = val
-            if failed and not expect_fail:
+            now = time.monotonic()
+            if grace_end is not None and now > grace_end:
                 break
+            if now >= deadline:
+                missing = sorted(set(range(world_size)) - set(out) - set(failed))
+                raise RankFailed(f"timed out after {timeout}s; ranks {missing} did not finish"
+                                 + (f"; failures so far: {blame_report(failed)}"
+                                    if failed else ""))
+            try:
+                rank, ok, val, rec = results.get(timeout=min(deadline - now, 0.5))
+            except queue.Empty:
+                _collect_dead(procs, results, out, failed)
+            else:
+                if ok:
+                    out[rank] = val
+                else:
+                    failed[rank] = _Failure(rank, val, rec)
+            if failed and grace_end is None:
+                grace_end = time.monotonic() + GRACE
     finally:
         for p in procs:
             p.join(timeout=0.5 if failed else 5)
@@ -88,8 +133,29 @@ def run_ranks(fn, world_size, *args, timeout=60.0, env=None, expect_fail=False):
                 p.kill()
                 p.join(5)
     if expect_fail:
-        return failed
+        return {r: f.text for r, f in failed.items()}
     if failed:
-        r = min(failed)
-        raise RankFailed(f"rank {r} failed:\n{failed[r]}")
+        unfinished = sorted(set(range(world_size)) - set(out) - set(failed))
+        raise RankFailed(blame_report(failed) + (
+            f"\n--- ranks {unfinished} had not finished {GRACE:g}s later (killed)"
+            if unfinished else ""))
     return [out[r] for r in range(world_size)]
+
+
+def _collect_dead(procs, results, out: dict, failed: dict) -> None:
+    """Ranks whose process ended without reporting (os._exit, a signal) fail with their exit."""
+    dead = [r for r, p in enumerate(procs)
+            if p.exitcode is not None and r not in out and r not in failed]
+    for r in dead:
+        time.sleep(0.2)                # a report it made may still be in the queue's pipe
+        try:
+            while True:
+                rk, ok, val, rec = results.get_nowait()
+                if ok:
+                    out[rk] = val
+                else:
+                    failed[rk] = _Failure(rk, val, rec)
+        except queue.Empty:
+            pass
+        if r not in out and r not in failed:
+            failed[r] = _Failure(r, _exit_text(procs[r].exitcode), None, time.time())
