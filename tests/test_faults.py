@@ -467,6 +467,46 @@ def test_refused_connection_at_setup_blames_the_peer():
     assert blamed_rank(e.value) == 4
 
 
+def test_dialing_peer_retries_a_handshake_the_acceptor_dropped():
+    """The acceptor confirms a valid handshake; a dialer whose connection was dropped before
+    that (evicted among strangers, or past HANDSHAKE_DEADLINE on a starved machine) dials again
+    (before: it kept the dead socket and failed later with 'peer rank 4 closed the connection')."""
+    import socket
+
+    from nccl_ddp.comm.host.wire import _HANDSHAKE, Rendezvous
+    srv = socket.create_server(("127.0.0.1", 0))
+    srv.settimeout(10)
+    rdv = Rendezvous.__new__(Rendezvous)
+    rdv.infos = [{"addr": "127.0.0.1", "port": srv.getsockname()[1], "token": "a" * 32}, {}]
+    rdv.rank, rdv.ranks, rdv.where, rdv.timeout = 1, [4, 5], "group 'world' (rank 5)", 10.0
+    rdv.deadline = time.monotonic() + 10.0
+    rdv._left = lambda: 10.0
+    seen: list = []
+
+    def acceptor():
+        for confirm in (False, True):
+            conn, _ = srv.accept()
+            conn.settimeout(10)
+            seen.append(_HANDSHAKE.unpack(conn.recv(_HANDSHAKE.size)))
+            if confirm:
+                conn.sendall(b"\x01" + b"data")
+                time.sleep(0.5)
+            conn.close()
+
+    t = threading.Thread(target=acceptor)
+    t.start()
+    try:
+        link = rdv._dial(0)
+        buf = bytearray(4)
+        link.recv_into(memoryview(buf))
+        assert bytes(buf) == b"data" and link.peer == 4
+        link.close()
+    finally:
+        t.join(15)
+        srv.close()
+    assert seen == [(b"a" * 32, 1)] * 2, seen
+
+
 def test_launcher_splits_an_endless_line(tmp_path):
     # before: a line without a newline was buffered whole (two 300 MiB lines: 1.46 GiB)
     script = _script(tmp_path, """

@@ -30,6 +30,7 @@ KIND_NAMES = ("", "staged", "reduced", "data", "abort")
 ABORT = 4
 _HEADER = struct.Struct("<QBBBBIQ")   # seq, kind, op, dtype code, reduce op code, root, count
 _HANDSHAKE = struct.Struct("<32sI")   # acceptor's token, connector's group rank
+_ACCEPTED = b"\x01"                   # the acceptor's confirmation of a valid handshake
 HANDSHAKE_DEADLINE = 5.0              # seconds a connection to the listener has to identify
 MAX_UNAUTHENTICATED = 64              # handshakes in progress at once; then one is evicted
 
@@ -276,17 +277,40 @@ class Rendezvous:
         return links
 
     def _dial(self, p: int) -> PeerLink:
+        """Connect to group rank `p` and identify; the acceptor confirms with one byte. A
+        connection it closed unconfirmed (evicted or timed out under a flood of strangers, or
+        on a starved machine) is dialed again until the deadline."""
         info = self.infos[p]
-        try:
-            sock = socket.create_connection((info["addr"], info["port"]), timeout=self._left())
-            sock.sendall(_HANDSHAKE.pack(info["token"].encode(), self.rank))
-        except OSError as e:
-            # "peer rank N": the launcher blames that rank (a refused connection at setup is
-            # usually a peer that died after publishing its address)
-            raise CommError(f"{self.where}: cannot connect to peer rank {self.ranks[p]} at "
-                            f"{info['addr']}:{info['port']} ({e}); check that the address is "
-                            f"reachable or set NCCL_DDP_SOCKET_ADDR") from e
-        return PeerLink(sock, self.ranks[p], self.timeout)
+        delay = 0.05
+        while True:
+            try:
+                sock = socket.create_connection((info["addr"], info["port"]),
+                                                timeout=self._left())
+            except OSError as e:
+                # "peer rank N": the launcher blames that rank (a refused connection at setup is
+                # usually a peer that died after publishing its address)
+                raise CommError(f"{self.where}: cannot connect to peer rank {self.ranks[p]} at "
+                                f"{info['addr']}:{info['port']} ({e}); check that the address "
+                                f"is reachable or set NCCL_DDP_SOCKET_ADDR") from e
+            try:
+                sock.sendall(_HANDSHAKE.pack(info["token"].encode(), self.rank))
+                sock.settimeout(self._left())
+                if sock.recv(1) == _ACCEPTED:
+                    return PeerLink(sock, self.ranks[p], self.timeout)
+                why = "closed the connection during the handshake"
+            except TimeoutError as e:
+                sock.close()
+                raise CommTimeout(f"{self.where}: peer rank {self.ranks[p]} did not confirm "
+                                  f"the connection within {self.timeout:.1f}s") from e
+            except OSError as e:
+                why = f"dropped the connection during the handshake ({e})"
+            sock.close()
+            if time.monotonic() + delay >= self.deadline:
+                raise CommError(f"{self.where}: peer rank {self.ranks[p]} {why} until the "
+                                f"{self.timeout:.1f}s timeout")
+            log.debug("%s: peer rank %d %s; dialing again", self.where, self.ranks[p], why)
+            time.sleep(delay)
+            delay = min(2 * delay, 1.0)
 
     def _accept_all(self, expected: set) -> Dict[int, PeerLink]:
         """Accept until every rank in `expected` (group ranks) completed its handshake.
@@ -376,6 +400,13 @@ class Rendezvous:
             return None
         sel.unregister(sock)
         del pending[sock]
+        try:
+            sock.send(_ACCEPTED)         # one byte into an empty buffer: never blocks
+        except OSError as e:
+            sock.close()
+            log.warning("%s: peer rank %d left during the handshake (%s)", self.where,
+                        self.ranks[peer], e)
+            return None
         expected.discard(peer)
         return peer, PeerLink(sock, self.ranks[peer], self.timeout)
 
