@@ -572,14 +572,15 @@ def _shm_full_on_rank0(rank, world):
 
 @pytest.mark.slow
 def test_shm_too_small_fails_setup_on_every_rank_naming_the_fix():
-    before = _shm_names()
-    (k0, m0), (k1, m1) = run_ranks(_shm_full_on_rank0, 2, timeout=60)
+    job = f"t{os.getpid()}full"          # our segments' names, apart from other jobs'
+    (k0, m0), (k1, m1) = run_ranks(_shm_full_on_rank0, 2, timeout=60,
+                                   env={"NCCL_DDP_JOB_ID": job})
     assert k0 == "CommError" and "is too small for the shm transport" in m0, (k0, m0)
     assert "2 rank(s) on this host need" in m0 and "NCCL_DDP_HOST_TRANSPORT=tcp" in m0, m0
     # rank 1 fails too, with rank 0's reason rather than "peer rank 0 closed the connection"
     assert k1 == "CommError" and "peer rank 0 gave up" in m1, (k1, m1)
     assert "NCCL_DDP_HOST_TRANSPORT=tcp" in m1, m1
-    assert _shm_names() - before == set()
+    assert [n for n in _shm_names() if n.startswith(f"nccl_ddp-{job}-")] == []
 
 
 def _exit_without_destroy(rank, world):
