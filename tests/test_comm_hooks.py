@@ -437,7 +437,11 @@ def test_check_finite_raise_names_bucket_and_parameter(kind):
     for rank, res in enumerate(results):
         assert [s for s, _ in res["errors"]] == [1], res
         msg = res["errors"][0][1]
-        assert msg.startswith(f"rank {rank}: ")
+        # one check (ddp/finite_check.py) for DDP and the grad reducer: one message
+        assert msg.startswith(f"rank {rank}: step 1 produced non-finite grads (NaN or Inf) on at "
+                              "least one rank: first in bucket "), msg
+        assert msg.endswith("skip the optimizer step and zero the grads, or lower the learning "
+                            "rate"), msg
         # bucket_cap_mb=0, reverse order: "v" is bucket 0, "b" bucket 1 (the grad reducer
         # fuses all three into bucket 0)
         if kind == "grad_reducer":
@@ -449,22 +453,27 @@ def test_check_finite_raise_names_bucket_and_parameter(kind):
 
 def test_check_finite_off_refuses_last_step_finite():
     out = run_ranks(_finite_off, 1, timeout=60)[0]
-    assert "check_finite=True" in out
+    for owner in ("DistributedDataParallel", "DistributedGradReducer"):
+        assert out[owner] == ("ConfigError", "rank 0: last_step_finite needs check_finite=True "
+                              f"(or \"raise\") when the {owner} is built"), out
 
 
-def _finite_off(rank: int, world: int) -> str:
+def _finite_off(rank: int, world: int) -> dict:
     import nccl_ddp as nd
     from nccl_ddp.adapters.arrays import ArrayModule
     from nccl_ddp.errors import NcclDdpError
 
     nd.init_process_group("host")
+    out = {}
     try:
-        ddp = nd.DistributedDataParallel(ArrayModule([np.zeros(3, np.float32)]))
-        try:
-            _ = ddp.last_step_finite
-        except NcclDdpError as e:
-            return str(e)
-        return "no error"
+        for owner in (nd.DistributedDataParallel(ArrayModule([np.zeros(3, np.float32)])),
+                      nd.DistributedGradReducer([np.zeros(3, np.float32)])):
+            try:
+                _ = owner.last_step_finite
+                out[type(owner).__name__] = "no error"
+            except NcclDdpError as e:
+                out[type(owner).__name__] = (type(e).__name__, str(e))
+        return out
     finally:
         nd.destroy_process_group()
 
@@ -510,7 +519,7 @@ def test_cuda_path_compression_and_check_finite(monkeypatch, hook):
     r = Reducer(params, grads, CountingGroup(counts), D.CudaDevice(0),
                 DDPConfig(check_finite=True), install=lambda i, view: None)
     if hook:
-        r.comm_hook = (None, getattr(hooks, f"{hook}_compress"))
+        r.set_comm_hook(None, getattr(hooks, f"{hook}_compress"))
     wire = {"bf16": wire_dtype("bfloat16"), "fp16": np.float16, None: np.float32}[hook]
     for step in range(2):
         values = [_grad(0, step, i) for i in range(3)]

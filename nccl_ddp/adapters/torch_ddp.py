@@ -20,7 +20,7 @@ import torch
 
 from nccl_ddp.adapters.torch import TorchModule
 from nccl_ddp.comm.api import resolve_group
-from nccl_ddp.ddp.config import DDPConfig
+from nccl_ddp.ddp.config import DDPConfig, ReducerMode
 from nccl_ddp.ddp.data_parallel import DistributedDataParallel
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 from nccl_ddp.validate import check_bool
@@ -44,7 +44,7 @@ class TorchDistributedDataParallel(torch.nn.Module, DistributedDataParallel):
     def __init__(self, module: Any, init_sync: bool = True, process_group: Any = None,
                  bucket_cap_mb: Optional[float] = None, find_unused_parameters: bool = False,
                  average_in_collective: bool = False, static_graph: bool = False,
-                 reducer_mode: str = "CppReducer", *, device_ids: Any = None,
+                 reducer_mode: ReducerMode = "CppReducer", *, device_ids: Any = None,
                  output_device: Any = None, dim: int = 0, broadcast_buffers: bool = True,
                  gradient_as_bucket_view: bool = False, check_reduction: bool = False,
                  check_finite: Any = False, config: Optional[DDPConfig] = None,

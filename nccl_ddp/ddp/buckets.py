@@ -8,7 +8,8 @@ actually arrived (rank 0's order, so every rank gets the same layout). Offsets a
 so every view starts on a vector boundary for the pack/unpack kernels; a consumer that needs more
 asks for it (`align_bytes=64` for the host device: JAX on the CPU aliases only 64-byte aligned memory).
 
-A layout is plain, frozen data; memory and scheduling live elsewhere (bucket_memory.py, reducer.py).
+A layout is plain, frozen data; memory and scheduling live elsewhere (bucket_memory.py, reducer.py,
+bucket_submit.py).
 """
 from __future__ import annotations
 
@@ -86,6 +87,14 @@ class BucketLayout:
     def summary(self) -> str:
         return "; ".join(f"bucket {b.index}: {len(b.params)} params {b.dtype} {b.nbytes} B"
                          for b in self.buckets)
+
+
+def bucket_tag(b: int, nbytes: int) -> str:
+    """How collectives and errors name a bucket: "bucket 3 (1.0 MiB)"."""
+    for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= size:
+            return f"bucket {b} ({nbytes / size:.1f} {unit})"
+    return f"bucket {b} ({nbytes} B)"
 
 
 def aligned(n: int, dtype, align_bytes: int = ALIGN_BYTES) -> int:

@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Type, TypeVar
+from typing import Any, Literal, Optional, Type, TypeVar, Union
 
 from nccl_ddp.ddp.buckets import DEFAULT_CAP_BYTES, FIRST_CAP_BYTES, MiB
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 from nccl_ddp.validate import check_bool, check_positive_int
 
+ReducerMode = Literal["CppReducer", "PythonReducer"]
 REDUCER_MODES = ("CppReducer", "PythonReducer")
+CheckFinite = Union[bool, Literal["raise"]]
+"""The check_finite option: False (off), True (flag, read when asked) or "raise"."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +31,7 @@ class DDPConfig:
     static_graph: bool = False
     """The set of used parameters never changes: step 1 finds the unused ones (as with
     find_unused_parameters), later steps leave them out of the buckets."""
-    reducer_mode: str = "CppReducer"
+    reducer_mode: ReducerMode = "CppReducer"
     """"CppReducer": fused buckets; the grads become views of the bucket buffers when the module's
     adapter can alias them (zero copy), else one fused pack/unpack per bucket. "PythonReducer":
     one all-reduce per grad, no fused kernels (a reference path)."""
@@ -38,7 +41,7 @@ class DDPConfig:
     synchronised one, in one coalesced broadcast. False: buffers stay per rank."""
     broadcast_chunk_mb: float = 25.0
     """Chunk size of the initial parameter broadcast."""
-    check_finite: object = False
+    check_finite: CheckFinite = False
     """True: the pack kernels flag NaN/Inf grads, `last_step_finite` says whether a step had any
     (on any rank). "raise": `NonFiniteGradError` on every rank at the end of such a step."""
 
@@ -99,7 +102,7 @@ class GradReducerConfig:
     parameter's own `comm_fusion` id overrides it)."""
     compress: Optional[str] = None
     """"bf16" / "fp16": float32 buckets travel in that dtype (half the bytes); None: as they are."""
-    check_finite: object = False
+    check_finite: CheckFinite = False
     """As DDPConfig.check_finite, per call."""
 
     def __post_init__(self) -> None:

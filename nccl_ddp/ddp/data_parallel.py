@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from typing import Any, Callable, Iterator, List, Optional, Union
+from typing import Any, Callable, Iterator, List, Optional
 
 import numpy as np
 
@@ -19,7 +19,7 @@ from nccl_ddp.comm.api import device_of, resolve_group
 from nccl_ddp.comm.group import ProcessGroup
 from nccl_ddp.ddp import comm_hooks
 from nccl_ddp.ddp.buckets import ParamSpec
-from nccl_ddp.ddp.config import DDPConfig, config_from
+from nccl_ddp.ddp.config import CheckFinite, DDPConfig, ReducerMode, config_from
 from nccl_ddp.ddp.interfaces import GradModule
 from nccl_ddp.ddp.join import (
     Join,
@@ -62,8 +62,8 @@ class DistributedDataParallel(Joinable):
                  process_group: Optional[ProcessGroup] = None,
                  bucket_cap_mb: Optional[float] = None,
                  find_unused_parameters: bool = False, average_in_collective: bool = False,
-                 static_graph: bool = False, reducer_mode: str = "CppReducer", *,
-                 broadcast_buffers: bool = True, check_finite: Union[bool, str] = False,
+                 static_graph: bool = False, reducer_mode: ReducerMode = "CppReducer", *,
+                 broadcast_buffers: bool = True, check_finite: CheckFinite = False,
                  config: Optional[DDPConfig] = None) -> None:
         self.config = config_from(
             DDPConfig, config, init_sync=init_sync, bucket_cap_mb=bucket_cap_mb,
@@ -239,7 +239,7 @@ class DistributedDataParallel(Joinable):
                               "once")
         if r.steps or r._open:
             raise ConfigError(f"{where}: call it before the first forward/backward")
-        r.comm_hook = (state, hook)
+        r.set_comm_hook(state, hook)
 
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
              throw_on_early_termination: bool = False) -> Join:

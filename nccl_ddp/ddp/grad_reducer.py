@@ -23,7 +23,7 @@ the same id (and dtype) share buckets, different ids never do, id 0 is never fus
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -31,14 +31,19 @@ from nccl_ddp import frameworks, kernels
 from nccl_ddp.comm.api import device_of, resolve_group
 from nccl_ddp.comm.group import ProcessGroup, ReduceOp
 from nccl_ddp.ddp import comm_hooks
-from nccl_ddp.ddp.bucket_memory import to_host
-from nccl_ddp.ddp.buckets import DEFAULT_CAP_BYTES, FIRST_CAP_BYTES, ParamSpec, assign_buckets
-from nccl_ddp.ddp.config import COMPRESS, GradReducerConfig, config_from
+from nccl_ddp.ddp.buckets import (
+    DEFAULT_CAP_BYTES,
+    FIRST_CAP_BYTES,
+    ParamSpec,
+    assign_buckets,
+    bucket_tag,
+)
+from nccl_ddp.ddp.config import COMPRESS, CheckFinite, GradReducerConfig, config_from
+from nccl_ddp.ddp.finite_check import FiniteCheck, require_check
 from nccl_ddp.ddp.join import GradReducerJoinHook, Join, Joinable, JoinHook, hook_kwargs
 from nccl_ddp.ddp.param_sync import check_same_params
-from nccl_ddp.ddp.reducer import bucket_tag
 from nccl_ddp.ddp.step_failure import StepFailure
-from nccl_ddp.errors import ConfigError, ConfigTypeError, NonFiniteGradError
+from nccl_ddp.errors import ConfigError, ConfigTypeError
 from nccl_ddp.validate import check_float_dtype, check_positive_int
 
 
@@ -64,7 +69,7 @@ class DistributedGradReducer(Joinable):
 
     def __init__(self, parameters: Sequence[Any], mean: bool = True, degree: Optional[int] = None,
                  fusion_type: int = 1, group: Optional[ProcessGroup] = None, *,
-                 compress: Optional[str] = None, check_finite: Union[bool, str] = False,
+                 compress: Optional[str] = None, check_finite: CheckFinite = False,
                  config: Optional[GradReducerConfig] = None) -> None:
         self.config = config_from(GradReducerConfig, config, mean=mean, degree=degree,
                                   fusion_type=fusion_type, compress=compress,
@@ -80,8 +85,7 @@ class DistributedGradReducer(Joinable):
         self.compress, self.check_finite = self.config.compress, self.config.check_finite
         self._join_divide_by_initial = True
         self._divisor = 1
-        self._flags: Any = None
-        self._flags_host: Any = None
+        self._calls = 0                     # calls (steps) opened so far, shadowed ones too
         self.group = resolve_group(group, "group")
         self.device = device_of(self.group)
         self.mean = mean
@@ -110,6 +114,8 @@ class DistributedGradReducer(Joinable):
                                      align_bytes=self.device.align_bytes)
         self.comm = self.device.new_stream()
         self._failure = StepFailure(self.group.rank, "DistributedGradReducer")
+        self._finite = (FiniteCheck(self.check_finite, self.device, self.group.rank,
+                                    self._settle, self._label) if self.check_finite else None)
 
     def __call__(self, grads: Sequence[Any]) -> Sequence[Any]:
         self._failure.check()
@@ -190,43 +196,34 @@ class DistributedGradReducer(Joinable):
         return comm_hooks.wire_dtype(wire)
 
     def _open_flags(self) -> Any:
-        if not self.check_finite:
-            return None
-        self._flags_host = None
-        self._flags = self.device.zeros(max(1, len(self.layout.buckets)), np.int32)
-        return self._flags
+        """A call (a step) opens: check_finite's fresh per-bucket flags (None without it)."""
+        step, self._calls = self._calls, self._calls + 1
+        return None if self._finite is None else self._finite.open(self.layout, step)
 
     def _reduce_flags(self, flags: Any) -> None:
         """check_finite: sum the per-bucket flags over the ranks after the buckets (one small
         all-reduce); with "raise", read them now."""
-        if flags is None:
+        if flags is None or self._finite is None:
             return
         self.group.all_reduce(flags, ReduceOp.SUM, stream=self.comm, tag="the non-finite flags")
         self.device.current_stream().wait(self.comm.record())
-        if self.check_finite == "raise" and self.last_step_finite is False:
-            bad = [int(b) for b in np.flatnonzero(self._flags_host)]
-            bucket = self.layout.buckets[bad[0]]
-            names = ", ".join(f"{p}" + (f" ({self.specs[p].name!r})" if self.specs[p].name else "")
-                              for p in bucket.params[:20])
-            raise NonFiniteGradError(
-                f"rank {self.group.rank}: non-finite grads (NaN or Inf) on at least one rank: "
-                f"first in {bucket_tag(bad[0], bucket.nbytes)}, which holds parameters {names}; "
-                f"buckets flagged: {bad}")
+        self._finite.raise_if_flagged()
+
+    def _settle(self) -> None:
+        """Wait until the call's reduced non-finite flags can be read."""
+        self.comm.synchronize(self.group.timeout)
+        self.device.current_stream().synchronize(self.group.timeout)
+
+    def _label(self, i: int) -> str:
+        name = self.specs[i].name
+        return f"{i} ({name!r})" if name else str(i)
 
     @property
     def last_step_finite(self) -> Optional[bool]:
         """check_finite: whether every grad of the last call was finite on every rank (None
         before the first call); reading it waits for that call's communication."""
-        if not self.check_finite:
-            raise ConfigError(f"rank {self.group.rank}: last_step_finite needs check_finite=True "
-                              "(or \"raise\") when the DistributedGradReducer is built")
-        if self._flags is None:
-            return None
-        if self._flags_host is None:
-            self.comm.synchronize(self.group.timeout)
-            self.device.current_stream().synchronize(self.group.timeout)
-            self._flags_host = np.asarray(to_host(self._flags))
-        return not bool(self._flags_host.any())
+        require_check(self.check_finite, self.group.rank, "DistributedGradReducer")
+        return None if self._finite is None else self._finite.finite()
 
     # ------------------------------------------------------------------ Join
 

@@ -3,22 +3,22 @@ is still running, and makes the compute stream wait for them at the end of the s
 
 It works on native arrays (NumPy on "host", CuPy on "cuda") and a `Device`; it cannot tell which
 device it runs on. Memory is `bucket_memory.BucketBuffers`, the layout `buckets.BucketLayout`,
-and this module only schedules (Megatron's bucket group: start_grad_sync / finish_grad_sync).
+how a bucket is reduced `bucket_submit.BucketSubmitter`, the non-finite flags
+`finite_check.FiniteCheck`; this module schedules (Megatron's bucket group: start_grad_sync /
+finish_grad_sync).
 
-Three ways a bucket's grads reach the collective (`DDPConfig.reducer_mode` and the module):
+The mode (`DDPConfig.reducer_mode` and the module) says how grads relate to the buckets:
 - "view":   CppReducer, grads are views of the bucket (zero copy, PyTorch's
-            gradient_as_bucket_view): scale in place (unless AVG), all-reduce the bucket.
-- "pack":   CppReducer, the grads live elsewhere: one fused pack (with the 1/world scale),
-            all-reduce, one unpack.
+            gradient_as_bucket_view).
+- "pack":   CppReducer, the grads live elsewhere: packed into the bucket and unpacked back.
 - "python": PythonReducer, one all-reduce per grad, no fused kernels.
 All three give the same numbers.
 """
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
-from typing import Any, Callable, ContextManager, List, Optional, Sequence
+from typing import Any, Callable, ContextManager, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -26,10 +26,12 @@ from nccl_ddp import kernels
 from nccl_ddp.comm.group import ProcessGroup, ReduceOp
 from nccl_ddp.ddp import comm_hooks
 from nccl_ddp.ddp.bucket_memory import BucketBuffers, copy_into, to_host
+from nccl_ddp.ddp.bucket_submit import BucketSubmitter, Mode, all_reduce_here
 from nccl_ddp.ddp.buckets import BucketLayout, ParamSpec, assign_buckets
 from nccl_ddp.ddp.config import DDPConfig
+from nccl_ddp.ddp.finite_check import FiniteCheck, require_check
 from nccl_ddp.ddp.step_failure import StepFailure
-from nccl_ddp.errors import NonFiniteGradError, ReducerError
+from nccl_ddp.errors import ReducerError
 from nccl_ddp.profiling import Timeline
 
 log = logging.getLogger(__name__)
@@ -53,7 +55,7 @@ class Reducer:
     number of stream calls per bucket, inside `stream_scope()`).
     """
 
-    def __init__(self, params: Sequence[Any], grads: List[Any], group: ProcessGroup, device,
+    def __init__(self, params: Sequence[Any], grads: List[Any], group: ProcessGroup, device: Any,
                  config: DDPConfig, *, names: Optional[Sequence[Optional[str]]] = None,
                  install: Optional[InstallFn] = None,
                  stream_scope: StreamScope = contextlib.nullcontext) -> None:
@@ -66,7 +68,9 @@ class Reducer:
         self._install = install
         self.stream_scope = stream_scope
         self.comm = device.new_stream()
-        self.prof = Timeline(group.rank)    # NVTX ranges / per-step timeline when switched on
+        self.submitter = BucketSubmitter(
+            group, device, self.comm, specs=self.specs, params=self.params,
+            average_in_collective=config.average_in_collective, label=self._label)
         self.sync_enabled = True            # False inside no_sync()
         self.steps = 0                      # synchronised steps finished
         self.excluded: frozenset = frozenset()   # static graph: unused in step 1, never reduced
@@ -81,21 +85,39 @@ class Reducer:
         self._step_syncs = True
         self._uses_prepare = False
         self._failure = StepFailure(group.rank, "DistributedDataParallel")   # what broke a step
-        self.comm_hook: Optional[tuple] = None   # (state, hook) from register_comm_hook
         self.on_open: Optional[Callable[[bool], None]] = None   # Join: on_open(syncs) per step
         self.step_divisor: Optional[int] = None  # Join: divide by the active ranks this step
-        self._wire: dict = {}                   # (layout, bucket) -> buffer in a wire dtype
         self._used_globally = np.zeros(len(self.params), dtype=bool)   # by the last bitmap
-        self._finite = FiniteCheck(self) if config.check_finite else None
+        self._finite = (FiniteCheck(config.check_finite, device, group.rank, self._settle,
+                                    self._label) if config.check_finite else None)
         self._set_layout(assign_buckets(self.specs, config.cap_bytes, config.first_cap_bytes))
 
     # ------------------------------------------------------------------ layout and memory
 
     @property
-    def mode(self) -> str:
+    def mode(self) -> Mode:
         if self.config.reducer_mode == "PythonReducer":
             return "python"
         return "view" if self._views_installed else "pack"
+
+    @property
+    def prof(self) -> Timeline:
+        """The NVTX ranges / per-step timeline (off unless switched on); replaceable."""
+        return self.submitter.prof
+
+    @prof.setter
+    def prof(self, timeline: Timeline) -> None:
+        self.submitter.prof = timeline
+
+    @property
+    def comm_hook(self) -> Optional[Tuple[Any, comm_hooks.CommHook]]:
+        """(state, hook) of the registered comm hook, or None."""
+        return self.submitter.hook
+
+    def set_comm_hook(self, state: Any, hook: comm_hooks.CommHook) -> None:
+        """Reduce every bucket through `hook(state, bucket)` from the next step on (the wrapper
+        checks that it is registered once, before the first step)."""
+        self.submitter.hook = (state, hook)
 
     def _set_layout(self, layout: BucketLayout) -> None:
         """Allocate buffers for `layout`; in CppReducer mode move the grads into bucket views."""
@@ -143,7 +165,7 @@ class Reducer:
         self._backward_ended = False
         self._step_syncs = self.sync_enabled
         if self._finite is not None and self._step_syncs:
-            self._finite.open()
+            self._finite.open(self.layout, self.steps)
         if self.on_open is not None:
             self.on_open(self._step_syncs)
 
@@ -245,7 +267,7 @@ class Reducer:
         # one rank, view mode, no hook or flags: the bucket's only work is the bookkeeping of an
         # identity all-reduce, nothing worth overlapping: an idle host comm stream runs it on
         # this thread instead of waking its worker (a CUDA stream queues it as always)
-        alone = (self.group.size == 1 and mode == "view" and self.comm_hook is None
+        alone = (self.group.size == 1 and mode == "view" and self.submitter.hook is None
                  and self._finite is None)
         with self.comm.awaited() if alone else contextlib.nullcontext():
             self.comm.wait(self.device.current_stream().record())
@@ -253,119 +275,11 @@ class Reducer:
             grads = [] if mode == "view" else [self.grads[p] for p in bucket.params]
             buf = None if self.memory is None else self.memory.buffers[b]   # None: PythonReducer
             flag = None if self._finite is None else self._finite.flag(b)
-            self._submit_bucket(b, mode, grads, buf, flag)
+            self.submitter.submit(self.layout, b, mode, grads, buf, flag, self.step_divisor)
             self._done.append(self.comm.record())
 
-    def scale_and_op(self, divisor: Optional[int] = None) -> tuple:
-        """(pack scale, reduce op) of a step that divides by `divisor` ranks (None: the group)."""
-        world = self.group.size
-        divisor = world if divisor is None else divisor
-        if self.config.average_in_collective and divisor == world:
-            return 1.0, ReduceOp.AVG
-        return 1.0 / divisor, ReduceOp.SUM
-
-    def _submit_bucket(self, b: int, mode: str, grads: list, buf: Any, flag: Any,
-                       divisor: Optional[int] = None) -> None:
-        """Queue bucket b's pack / all-reduce / unpack on the comm stream. `grads` are the
-        bucket's grads (unused in "view" mode, where they are views of it) and `buf` its buffer;
-        a Join shadow passes zeros. `flag`: the bucket's non-finite flag (check_finite) or None."""
-        bucket = self.layout.buckets[b]
-        scale, op = self.scale_and_op(self.step_divisor if divisor is None else divisor)
-        submit, comm, tag = self.prof.submit, self.comm, bucket_tag(b, bucket.nbytes)
-        if mode == "python":
-            for p, g in zip(bucket.params, grads):
-                if scale != 1.0 or flag is not None:
-                    submit(comm, "pack", b, g.nbytes, _scale_checked, g, scale, flag)
-                submit(comm, "allreduce", b, g.nbytes, self._all_reduce_here, g, op,
-                       f"grad {self._label(p)} of {tag}")
-            return
-        offsets = bucket.offsets
-        srcs, offs = ([buf], [0]) if mode == "view" else (grads, offsets)
-        wire = self._fused_wire(bucket)
-        if self.comm_hook is not None and wire is False:
-            state, hook = self.comm_hook
-            submit(comm, "hook", b, bucket.nbytes, self._run_hook, b, mode, grads, buf, flag,
-                   state, hook)
-            return
-        if wire:       # fused compression: pack into the wire dtype, all-reduce it, widen back
-            wbuf = self._wire_buffer(b, wire)
-            submit(comm, "pack", b, bucket.nbytes, functools.partial(
-                kernels.pack, scale=1.0 / (divisor or self.step_divisor or self.group.size),
-                nonfinite_flag=flag), srcs, wbuf, offs)
-            submit(comm, "allreduce", b, wbuf.nbytes, self._all_reduce_here, wbuf, ReduceOp.SUM,
-                   tag, dtype=wire)
-            submit(comm, "unpack", b, bucket.nbytes, kernels.unpack, srcs, wbuf, offs)
-            return
-        if mode == "view":
-            if flag is not None:
-                submit(comm, "pack", b, bucket.nbytes, _scale_flagged, buf, scale, flag)
-            elif scale != 1.0:
-                submit(comm, "pack", b, bucket.nbytes, kernels.scale_, buf, scale)
-        else:
-            submit(comm, "pack", b, bucket.nbytes, functools.partial(
-                kernels.pack, scale=scale, nonfinite_flag=flag), grads, buf, offsets)
-        submit(comm, "allreduce", b, bucket.nbytes, self._all_reduce_here, buf, op, tag)
-        if mode == "pack":
-            submit(comm, "unpack", b, bucket.nbytes, kernels.unpack, grads, buf, offsets)
-
-    def _fused_wire(self, bucket: Any) -> Any:
-        """How the registered hook runs on `bucket`: None (the default fused all-reduce), a wire
-        dtype name (fused compression of a float32 bucket), or False (call the hook)."""
-        if self.comm_hook is None:
-            return None
-        state, hook = self.comm_hook
-        if not comm_hooks.is_builtin(hook) or state not in (None, self.group):
-            return False
-        wire = comm_hooks.fused_wire_dtype(hook)
-        if wire is None or np.dtype(bucket.dtype).name == wire:
-            return None
-        return wire if np.dtype(bucket.dtype) == np.float32 else False
-
-    def _wire_buffer(self, b: int, wire: str) -> Any:
-        """Bucket b's buffer in the wire dtype (allocated once per layout)."""
-        key = (self.layout, b)
-        buf = self._wire.get(key)
-        if buf is None:
-            self._wire = {k: v for k, v in self._wire.items() if k[0] is self.layout}
-            buf = self._wire[key] = self.device.zeros(self.layout.buckets[b].padded,
-                                                      comm_hooks.wire_dtype(wire))
-        return buf
-
-    def _run_hook(self, b: int, mode: str, grads: list, buf: Any, flag: Any, state: Any,
-                  hook: Callable[[Any, Any], Any]) -> None:
-        """A registered hook on bucket b, in comm-stream order: the buffer it gets holds the
-        unscaled grads (torch's contract); its result goes back into the bucket and the grads."""
-        bucket = self.layout.buckets[b]
-        offsets = list(bucket.offsets)
-        if mode == "pack":
-            kernels.pack(grads, buf, offsets, nonfinite_flag=flag)
-        elif flag is not None:
-            _scale_flagged(buf, 1.0, flag)
-        gb = comm_hooks.GradBucket(b, buf, offsets, [self.specs[p].shape for p in bucket.params],
-                                   [self.params[p] for p in bucket.params],
-                                   b == len(self.layout.buckets) - 1, self.group)
-        out = comm_hooks.resolve(hook(state, gb), hook)
-        if out is not buf:
-            if tuple(out.shape) != tuple(buf.shape) or out.dtype != buf.dtype:
-                raise ReducerError(
-                    f"rank {self.group.rank}: comm hook {getattr(hook, '__name__', hook)!r} "
-                    f"returned a {tuple(out.shape)} {out.dtype} array for "
-                    f"{bucket_tag(b, bucket.nbytes)}, which is {tuple(buf.shape)} {buf.dtype}; "
-                    "return the "
-                    "reduced bucket buffer (same shape and dtype)")
-            copy_into(buf, out)
-        if mode == "pack":
-            kernels.unpack(grads, buf, offsets)
-
-    def _all_reduce_here(self, buf, op: ReduceOp, tag: str) -> None:
-        """The collective, run in comm-stream order: cuda enqueues it on the current (comm)
-        stream without blocking; host runs it on the group's worker while this stream waits.
-        `tag` names the buffer in errors ("bucket 3 (1.0 MiB)")."""
-        self.group.all_reduce(buf, op, stream=self.device.current_stream(),
-                              tag=tag).wait(self.group.timeout)
-
-    def _broadcast_here(self, buf, tag: str) -> None:
-        """Rank 0's `buf` to every rank, in comm-stream order (like `_all_reduce_here`)."""
+    def _broadcast_here(self, buf: Any, tag: str) -> None:
+        """Rank 0's `buf` to every rank, in comm-stream order (like `all_reduce_here`)."""
         self.group.broadcast(buf, 0, stream=self.device.current_stream(),
                              tag=tag).wait(self.group.timeout)
 
@@ -403,8 +317,7 @@ class Reducer:
             if not self._ready[i]:
                 self._set_ready(i)
         self._used_unsynced = set()
-        checks_unused = self.config.find_unused_parameters or (
-            self.config.static_graph and self.steps == 0)
+        checks_unused = self._checks_unused()
         missing = [] if self._count == len(self.params) else [
             i for i in range(len(self.params)) if not self._ready[i] and i not in self.excluded]
         if missing and not checks_unused:
@@ -433,7 +346,17 @@ class Reducer:
         self.prof.end_step()
         self._close_step(unused_everywhere)
         if self._finite is not None:
-            self._finite.after_step()
+            self._finite.raise_if_flagged()
+
+    def _checks_unused(self) -> bool:
+        """Whether this step's end finds the parameters no rank used (a bitmap all-reduce)."""
+        return self.config.find_unused_parameters or (
+            self.config.static_graph and self.steps == 0)
+
+    def _settle(self) -> None:
+        """Wait until the step's reduced non-finite flags can be read (the compute stream
+        waits on them)."""
+        self.device.current_stream().synchronize(self.group.timeout)
 
     def _end_collectives(self, ready: np.ndarray, missing: list, checks_unused: bool) -> list:
         """The step's closing collective, after its buckets: the used-parameter bitmap
@@ -461,7 +384,7 @@ class Reducer:
         buf = xp.concatenate(parts) if len(parts) > 1 else parts[0]
         what = " and ".join(w for w, on in (("the used-parameter bitmap", bitmap.size),
                                             ("the non-finite flags", flags is not None)) if on)
-        self._all_reduce_here(buf, ReduceOp.SUM, what)
+        all_reduce_here(self.group, self.device, buf, ReduceOp.SUM, what)
         if flags is not None and len(parts) > 1:
             flags[...] = buf[bitmap.size:]
         box.append(buf)
@@ -486,24 +409,21 @@ class Reducer:
         with self._failure.closes_step(self._abandon_step):
             self._open = self._fast = False
             if self._finite is not None:
-                self._finite.open()
-            mode = "python" if self.mode == "python" else "view"
+                self._finite.open(self.layout, self.steps)
+            mode: Mode = "python" if self.mode == "python" else "view"
             compute = self.device.current_stream()
             self.comm.wait(compute.record())
             for b, bucket in enumerate(self.layout.buckets):
                 buf = self.device.zeros(bucket.padded, bucket.dtype)
                 grads = [buf[o:o + n] for o, n in zip(bucket.offsets, bucket.numels)]
                 flag = None if self._finite is None else self._finite.flag(b)
-                self._submit_bucket(b, mode, grads, buf, flag, divisor)
+                self.submitter.submit(self.layout, b, mode, grads, buf, flag, divisor)
             compute.wait(self.comm.record())
-            checks_unused = self.config.find_unused_parameters or (
-                self.config.static_graph and self.steps == 0)
-            n = len(self.params)
-            missing = [i for i in range(n) if i not in self.excluded]
+            missing = [i for i in range(len(self.params)) if i not in self.excluded]
             # torch's joined rank sends the used map of its last step (as reduced then), not
             # zeros: what it used then counts as used while it shadows
             used = self._used_globally
-            unused = self._end_collectives(used, missing, checks_unused)
+            unused = self._end_collectives(used, missing, self._checks_unused())
             self.unused_last_step = frozenset(unused)
             self._close_step(unused)
 
@@ -511,10 +431,8 @@ class Reducer:
     def last_step_finite(self) -> Optional[bool]:
         """check_finite: whether every grad of the last synchronised step was finite on every
         rank (None before the first); reading it waits for the step's communication."""
-        if self._finite is None:
-            raise ReducerError(f"rank {self.group.rank}: last_step_finite needs "
-                               "check_finite=True (or \"raise\") when the wrapper is built")
-        return self._finite.finite()
+        require_check(self.config.check_finite, self.group.rank, "DistributedDataParallel")
+        return None if self._finite is None else self._finite.finite()
 
     def _rebuild(self) -> None:
         """Refill the buckets in the order rank 0's grads arrived in the first step."""
@@ -590,88 +508,11 @@ class Reducer:
                 "parameter gets a grad (mark_ready) in every step.")
 
 
-def bucket_tag(b: int, nbytes: int) -> str:
-    """How collectives name a bucket in their errors: "bucket 3 (1.0 MiB)"."""
-    for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= size:
-            return f"bucket {b} ({nbytes / size:.1f} {unit})"
-    return f"bucket {b} ({nbytes} B)"
-
-
-def _accumulate(dst, src) -> None:
+def _accumulate(dst: Any, src: Any) -> None:
     dst += src.reshape(dst.shape)
 
 
-def _scale_plain(g, f: float) -> None:
-    g *= g.dtype.type(f)
-
-
-def _scale_checked(g, f: float, flag) -> None:
-    """PythonReducer's per-grad scale; with a flag, through the pack kernel, which sets it."""
-    if flag is None:
-        _scale_plain(g, f)
-    else:
-        _scale_flagged(g.reshape(-1), f, flag)
-
-
-def _scale_flagged(buf, f: float, flag) -> None:
-    """buf *= f, raising `flag` on a NaN/Inf: the pack kernel, in place on the host (the NumPy
-    reference reads a segment before writing it); on the GPU from a copy, since the kernel's
-    source and destination must not alias (it reads through the read-only cache)."""
-    src = buf if isinstance(buf, np.ndarray) else buf.copy()
-    kernels.pack([src], buf, [0], scale=f, nonfinite_flag=flag)
-
-
-def _copy_of(device, stream, x):
+def _copy_of(device: Any, stream: Any, x: Any) -> Any:
     out = device.xp.empty_like(x)
     stream.submit(copy_into, out, x)
     return out
-
-
-class FiniteCheck:
-    """check_finite: one int32 flag per bucket, set by the pack kernel when it writes a NaN/Inf,
-    summed across ranks by the step's closing all-reduce and read once, when asked (True) or at
-    the end of the step ("raise": `NonFiniteGradError` on every rank)."""
-
-    def __init__(self, reducer: Reducer) -> None:
-        self.reducer = reducer
-        self.flags: Any = None          # this step's device flags
-        self._host: Optional[np.ndarray] = None
-        self._layout: Optional[BucketLayout] = None
-        self._step = -1
-
-    def open(self) -> None:
-        r = self.reducer
-        self.flags = r.device.zeros(max(1, len(r.layout.buckets)), np.int32)
-        self._layout, self._host, self._step = r.layout, None, r.steps
-
-    def flag(self, b: int) -> Any:
-        return self.flags[b:b + 1]
-
-    def _read(self) -> Optional[np.ndarray]:
-        if self.flags is None:
-            return None
-        if self._host is None:
-            self.reducer.device.current_stream().synchronize(self.reducer.group.timeout)
-            self._host = np.asarray(to_host(self.flags))
-        return self._host
-
-    def finite(self) -> Optional[bool]:
-        host = self._read()
-        return None if host is None else not bool(host.any())
-
-    def after_step(self) -> None:
-        if self.reducer.config.check_finite != "raise" or self.finite() is not False:
-            return
-        r, layout, host = self.reducer, self._layout, self._host
-        if layout is None or host is None:   # finite() has read both
-            return
-        bad = [int(b) for b in np.flatnonzero(host)]
-        bucket = layout.buckets[bad[0]]
-        names = ", ".join(r._label(p) for p in bucket.params[:20]) + (
-            f" and {len(bucket.params) - 20} more" if len(bucket.params) > 20 else "")
-        raise NonFiniteGradError(
-            f"rank {r.group.rank}: step {self._step} produced non-finite grads (NaN or Inf) on at "
-            f"least one rank: first in {bucket_tag(bad[0], bucket.nbytes)}, which holds "
-            f"parameters {names}; buckets flagged: {bad}. The step's grads are reduced (and "
-            "non-finite); skip the optimizer step and zero the grads, or lower the learning rate")

@@ -1,0 +1,212 @@
+"""Bucket submission: how one bucket's grads reach the collective, queued on the comm stream.
+
+The reducer decides *when* a bucket goes (readiness, launch order); this module decides *how*:
+
+- "python" (PythonReducer): one collective per grad, each scaled by 1/world first (no fused kernels).
+- "view" (grads are views of the bucket): scale the bucket in place (unless AVG), reduce it.
+- "pack" (grads live elsewhere): one fused pack with the scale, reduce, one unpack.
+- `Wire.COMPRESSED` (either of the two, a built-in fp16/bf16 hook on a float32 bucket): pack into
+  a buffer of the wire dtype with the scale, reduce that, unpack widened back.
+- `Wire.HOOK` (any other registered hook): the hook on the unscaled bucket; its result copied back.
+
+The collective is a choice (`BucketCollective`): every path reduces its flat buffer through it.
+Today's is `AllReduce`; a sharded optimizer's reduce-scatter into the rank's slice is one more.
+"""
+from __future__ import annotations
+
+import enum
+import functools
+from typing import Any, Callable, Dict, List, Literal, Optional, Protocol, Sequence, Tuple
+
+import numpy as np
+
+from nccl_ddp import kernels
+from nccl_ddp.comm.group import ProcessGroup, ReduceOp
+from nccl_ddp.ddp import comm_hooks
+from nccl_ddp.ddp.bucket_memory import copy_into
+from nccl_ddp.ddp.buckets import Bucket, BucketLayout, ParamSpec, bucket_tag
+from nccl_ddp.errors import ReducerError
+from nccl_ddp.profiling import Timeline
+
+Mode = Literal["python", "view", "pack"]
+"""How a bucket's grads relate to its buffer (see the module doc)."""
+
+
+class Wire(enum.Enum):
+    """What the registered comm hook (if any) makes of a bucket."""
+
+    OWN = "own"
+    """The fused default: the bucket is reduced in its own dtype (no hook, `allreduce_hook`, or a
+    compression hook on a bucket already in the wire dtype)."""
+    COMPRESSED = "compressed"
+    """A built-in fp16/bf16 hook on a float32 bucket, fused into the pack/unpack kernels."""
+    HOOK = "hook"
+    """The hook itself is called on the bucket (a user hook, a state other than the group, or a
+    compression hook on a bucket it cannot fuse)."""
+
+
+class BucketCollective(Protocol):
+    """Reduces a bucket's flat buffer across the group, run in comm-stream order (a submitted
+    task, so the current stream is the comm stream). `phase`: its name on the timeline."""
+
+    phase: str
+
+    def __call__(self, buf: Any, op: ReduceOp, tag: str) -> None: ...
+
+
+class AllReduce:
+    """The whole buffer, reduced in place on every rank."""
+
+    phase = "allreduce"
+
+    def __init__(self, group: ProcessGroup, device: Any) -> None:
+        self.group, self.device = group, device
+
+    def __call__(self, buf: Any, op: ReduceOp, tag: str) -> None:
+        all_reduce_here(self.group, self.device, buf, op, tag)
+
+
+def all_reduce_here(group: ProcessGroup, device: Any, buf: Any, op: ReduceOp, tag: str) -> None:
+    """An all-reduce run in stream order: cuda enqueues it on the current (comm) stream without
+    blocking; host runs it on the group's worker while this stream waits. `tag` names the buffer
+    in errors ("bucket 3 (1.0 MiB)")."""
+    group.all_reduce(buf, op, stream=device.current_stream(), tag=tag).wait(group.timeout)
+
+
+class BucketSubmitter:
+    """Queues buckets' pack / collective / unpack (or hook) on `comm`, timed by `prof`.
+
+    `hook`: the registered (state, hook) or None. `label(i)` names parameter i in errors."""
+
+    def __init__(self, group: ProcessGroup, device: Any, comm: Any, *, specs: Sequence[ParamSpec],
+                 params: Sequence[Any], average_in_collective: bool,
+                 label: Callable[[int], str],
+                 collective: Optional[BucketCollective] = None) -> None:
+        self.group, self.device, self.comm = group, device, comm
+        self.specs, self.params, self.label = specs, params, label
+        self.average_in_collective = average_in_collective
+        self.collective: BucketCollective = (AllReduce(group, device) if collective is None
+                                             else collective)
+        self.prof = Timeline(group.rank)    # NVTX ranges / per-step timeline when switched on
+        self.hook: Optional[Tuple[Any, comm_hooks.CommHook]] = None
+        self._wire_buffers: Dict[Tuple[BucketLayout, int], Any] = {}
+
+    def scale_and_op(self, divisor: Optional[int] = None) -> Tuple[float, ReduceOp]:
+        """(pack scale, reduce op) of a step that divides by `divisor` ranks (None: the group)."""
+        world = self.group.size
+        divisor = world if divisor is None else divisor
+        if self.average_in_collective and divisor == world:
+            return 1.0, ReduceOp.AVG
+        return 1.0 / divisor, ReduceOp.SUM
+
+    def wire(self, bucket: Bucket) -> Tuple[Wire, str]:
+        """What the registered hook makes of `bucket`, and the wire dtype's name when that is
+        `Wire.COMPRESSED` (else "")."""
+        if self.hook is None:
+            return Wire.OWN, ""
+        state, hook = self.hook
+        if not comm_hooks.is_builtin(hook) or state not in (None, self.group):
+            return Wire.HOOK, ""
+        wire = comm_hooks.fused_wire_dtype(hook)
+        if wire is None or np.dtype(bucket.dtype).name == wire:
+            return Wire.OWN, ""
+        if np.dtype(bucket.dtype) == np.float32:
+            return Wire.COMPRESSED, wire
+        return Wire.HOOK, ""
+
+    def submit(self, layout: BucketLayout, b: int, mode: Mode, grads: List[Any], buf: Any,
+               flag: Any, divisor: Optional[int] = None) -> None:
+        """Queue bucket b of `layout` on the comm stream. `grads`: the bucket's grads (unused
+        in "view" mode, where they are views of `buf`); `buf`: its buffer (None in "python"
+        mode); a Join shadow passes zeros. `flag`: the bucket's non-finite flag or None.
+        `divisor`: the ranks the step divides by (None: the group)."""
+        bucket = layout.buckets[b]
+        scale, op = self.scale_and_op(divisor)
+        submit, comm, tag = self.prof.submit, self.comm, bucket_tag(b, bucket.nbytes)
+        collective = self.collective
+        if mode == "python":
+            for p, g in zip(bucket.params, grads):
+                if scale != 1.0 or flag is not None:
+                    submit(comm, "pack", b, g.nbytes, _scale_checked, g, scale, flag)
+                submit(comm, collective.phase, b, g.nbytes, collective, g, op,
+                       f"grad {self.label(p)} of {tag}")
+            return
+        wire, wire_name = self.wire(bucket)
+        if wire is Wire.HOOK and self.hook is not None:
+            state, hook = self.hook
+            submit(comm, "hook", b, bucket.nbytes, self._run_hook, layout, b, mode, grads, buf,
+                   flag, state, hook)
+            return
+        offsets = bucket.offsets
+        srcs, offs = ([buf], [0]) if mode == "view" else (grads, offsets)
+        if wire is Wire.COMPRESSED:   # pack into the wire dtype, reduce it, widen back
+            wbuf = self._wire_buffer(layout, b, wire_name)
+            submit(comm, "pack", b, bucket.nbytes, functools.partial(
+                kernels.pack, scale=1.0 / (divisor or self.group.size),
+                nonfinite_flag=flag), srcs, wbuf, offs)
+            submit(comm, collective.phase, b, wbuf.nbytes, collective, wbuf, ReduceOp.SUM, tag,
+                   dtype=wire_name)
+            submit(comm, "unpack", b, bucket.nbytes, kernels.unpack, srcs, wbuf, offs)
+            return
+        if mode == "view":
+            if flag is not None:
+                submit(comm, "pack", b, bucket.nbytes, _scale_flagged, buf, scale, flag)
+            elif scale != 1.0:
+                submit(comm, "pack", b, bucket.nbytes, kernels.scale_, buf, scale)
+        else:
+            submit(comm, "pack", b, bucket.nbytes, functools.partial(
+                kernels.pack, scale=scale, nonfinite_flag=flag), grads, buf, offsets)
+        submit(comm, collective.phase, b, bucket.nbytes, collective, buf, op, tag)
+        if mode == "pack":
+            submit(comm, "unpack", b, bucket.nbytes, kernels.unpack, grads, buf, offsets)
+
+    def _wire_buffer(self, layout: BucketLayout, b: int, wire: str) -> Any:
+        """Bucket b's buffer in the wire dtype (allocated once per layout)."""
+        key = (layout, b)
+        buf = self._wire_buffers.get(key)
+        if buf is None:
+            self._wire_buffers = {k: v for k, v in self._wire_buffers.items() if k[0] is layout}
+            buf = self._wire_buffers[key] = self.device.zeros(layout.buckets[b].padded,
+                                                              comm_hooks.wire_dtype(wire))
+        return buf
+
+    def _run_hook(self, layout: BucketLayout, b: int, mode: Mode, grads: List[Any], buf: Any,
+                  flag: Any, state: Any, hook: comm_hooks.CommHook) -> None:
+        """A registered hook on bucket b, in comm-stream order: the buffer it gets holds the
+        unscaled grads (torch's contract); its result goes back into the bucket and the grads."""
+        bucket = layout.buckets[b]
+        offsets = list(bucket.offsets)
+        if mode == "pack":
+            kernels.pack(grads, buf, offsets, nonfinite_flag=flag)
+        elif flag is not None:
+            _scale_flagged(buf, 1.0, flag)
+        gb = comm_hooks.GradBucket(b, buf, offsets, [self.specs[p].shape for p in bucket.params],
+                                   [self.params[p] for p in bucket.params],
+                                   b == len(layout.buckets) - 1, self.group)
+        out = comm_hooks.resolve(hook(state, gb), hook)
+        if out is not buf:
+            if tuple(out.shape) != tuple(buf.shape) or out.dtype != buf.dtype:
+                raise ReducerError(
+                    f"rank {self.group.rank}: comm hook {getattr(hook, '__name__', hook)!r} "
+                    f"returned a {tuple(out.shape)} {out.dtype} array for "
+                    f"{bucket_tag(b, bucket.nbytes)}, which is {tuple(buf.shape)} {buf.dtype}; "
+                    "return the reduced bucket buffer (same shape and dtype)")
+            copy_into(buf, out)
+        if mode == "pack":
+            kernels.unpack(grads, buf, offsets)
+
+
+def _scale_checked(g: Any, f: float, flag: Any) -> None:
+    """PythonReducer's per-grad scale; with a flag, through the pack kernel, which sets it."""
+    if flag is None:
+        g *= g.dtype.type(f)
+    else:
+        _scale_flagged(g.reshape(-1), f, flag)
+
+
+def _scale_flagged(buf: Any, f: float, flag: Any) -> None:
+    """buf *= f, raising `flag` on a NaN/Inf: the pack kernel, in place on the host (the NumPy
+    reference reads a segment before writing it); on the GPU from a copy, since the kernel's
+    source and destination must not alias (it reads through the read-only cache)."""
+    src = buf if isinstance(buf, np.ndarray) else buf.copy()
+    kernels.pack([src], buf, [0], scale=f, nonfinite_flag=flag)
