@@ -26,7 +26,17 @@ from nccl_ddp.errors import NcclDdpError
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    """`ZeroRedundancyOptimizer` (torch) loads torch only when first used."""
+    if name == "ZeroRedundancyOptimizer":
+        from nccl_ddp.adapters.torch_zero import ZeroRedundancyOptimizer
+        return ZeroRedundancyOptimizer
+    raise AttributeError(f"module 'nccl_ddp' has no attribute {name!r}")
+
+
 __all__ = ["DistributedDataParallel", "DistributedGradReducer", "Join", "NcclDdpError", "ProcessGroup",
-           "ReduceOp", "Work", "__version__", "all_gather", "all_reduce", "barrier", "broadcast",
+           "ReduceOp", "Work", "ZeroRedundancyOptimizer", "__version__", "all_gather", "all_reduce",
+           "barrier", "broadcast",
            "destroy_process_group", "errors", "hooks", "get_local_rank", "get_rank", "get_world_group",
            "get_world_size", "init_process_group", "is_initialized", "new_group", "reduce_scatter"]

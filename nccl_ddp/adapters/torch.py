@@ -12,6 +12,7 @@ the compute stream. PyTorch's grad semantics are kept: a parameter whose `.grad`
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Iterator, List, Optional, Tuple
 
 from nccl_ddp.adapters.torch_watch import ModuleWatch
@@ -63,6 +64,20 @@ def from_native(a: Any) -> Any:
     if isinstance(a, np.ndarray) and a.dtype == bfloat16_dtype():
         return torch.from_dlpack(a.view(np.int16)).view(torch.bfloat16)
     return torch.from_dlpack(a)
+
+
+_OWNERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+"""id(parameter) -> the TorchModule of the DistributedDataParallel that reduces its grad."""
+
+
+def owner_of(param: Any) -> Optional[TorchModule]:
+    """The TorchModule (of an nccl_ddp DistributedDataParallel) whose reducer reduces `param`'s
+    grad, or None (ZeroRedundancyOptimizer: ZeRO-2 with it, ZeRO-1 without)."""
+    owner = _OWNERS.get(id(param))
+    if owner is None or owner._ddp is None:
+        return None
+    i = owner._index.get(id(param))
+    return owner if i is not None and owner.params[i] is param else None
 
 
 def _is_cuda(t: Any) -> bool:
@@ -174,6 +189,7 @@ class TorchModule(GradModule):
         self._ddp = ddp
         for i, p in enumerate(self.params):
             self._hooks.append(p.register_post_accumulate_grad_hook(self._hook_for(i)))
+            _OWNERS[id(p)] = self
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.before_forward()

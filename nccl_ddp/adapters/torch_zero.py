@@ -1,0 +1,341 @@
+"""`ZeroRedundancyOptimizer` for PyTorch: torch's class's contract over our shard core.
+
+Rank r steps only its slice of every flat bucket (ddp/shard_layout.py): the wrapped torch
+optimizer gets one fp32 1-D tensor per (parameter, shard) piece, a view of our master shard, with
+a view of our fp32 grad shard as its `.grad`; it must be elementwise. Parameters become views of
+flat parameter buffers, all-gathered after every step. With the parameters of an
+`nccl_ddp.DistributedDataParallel` model the wrapper reduce-scatters its buckets (ZeRO-2); with
+any other grads (torch's DDP) the grads are all-reduced already and only the optimizer is sharded
+(ZeRO-1).
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from nccl_ddp.adapters.torch import from_native, owner_of, to_native
+from nccl_ddp.adapters.torch_zero_state import (
+    full_to_torch,
+    local_state,
+    set_local_state,
+    torch_to_full,
+)
+from nccl_ddp.comm.api import device_of, resolve_group
+from nccl_ddp.ddp.buckets import DEFAULT_CAP_BYTES, FIRST_CAP_BYTES, ParamSpec, assign_buckets
+from nccl_ddp.ddp.shard_layout import shard_layout
+from nccl_ddp.ddp.zero_checkpoint import consolidate, reshard
+from nccl_ddp.ddp.zero_shards import ZeroShards
+from nccl_ddp.errors import ConfigError, ConfigTypeError
+from nccl_ddp.validate import check_bool
+
+log = logging.getLogger(__name__)
+
+_ELEMENTWISE = {"SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "RMSprop", "NAdam",
+                "RAdam", "Rprop", "ASGD"}
+_EXTRA: set = set()
+
+
+def register_elementwise(optimizer_class: type) -> type:
+    """Declare a torch optimizer class elementwise (each element's update reads only that
+    element of the grad and state), so it may step shards; returns the class (a decorator)."""
+    _EXTRA.add(optimizer_class)
+    return optimizer_class
+
+
+class ZeroRedundancyOptimizer(torch.optim.Optimizer):
+    """torch.distributed.optim.ZeroRedundancyOptimizer's constructor and methods.
+
+    Ours beyond torch's: `zero_stage` (None: 2 with an nccl_ddp DDP model, else 1),
+    `overlap_param_gather` (ZeRO-2: wait for each bucket's all-gather at its modules' next
+    forward), `skip_nonfinite` (skip the step on every rank when any grad is NaN/Inf),
+    `clip_grad_norm_`, `last_step_skipped`.
+    """
+
+    def __init__(self, params: Any, optimizer_class: type, process_group: Any = None,
+                 parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False, *,
+                 zero_stage: Optional[int] = None, overlap_param_gather: bool = False,
+                 skip_nonfinite: bool = True, **defaults: Any) -> None:
+        _check_class(optimizer_class)
+        check_bool("parameters_as_bucket_view", parameters_as_bucket_view)
+        check_bool("overlap_param_gather", overlap_param_gather)
+        check_bool("skip_nonfinite", skip_nonfinite)
+        if overlap_with_ddp:
+            raise ConfigError("overlap_with_ddp=True is torch's DDP-hook scheme; with nccl_ddp "
+                              "the optimizer and the reduce-scatter overlap by themselves when "
+                              "params come from nccl_ddp.DistributedDataParallel: drop the flag")
+        if zero_stage not in (None, 1, 2):
+            raise ConfigError(f"zero_stage must be None, 1 or 2, got {zero_stage!r}")
+        self.group = resolve_group(_nd_group(process_group), "process_group")
+        self.optimizer_class, self.skip_nonfinite = optimizer_class, skip_nonfinite
+        self.overlap_param_gather = overlap_param_gather
+        self._zero_stage = zero_stage
+        self._built = False
+        self._inner: Any = None
+        self._consolidated: Optional[dict] = None
+        self.last_step_skipped = False
+        self._collected = False            # this step's grads are in the fp32 shards
+        self._norm: Optional[float] = None  # this step's global grad norm, once computed
+        super().__init__(params, defaults)
+        self._build()
+
+    # ------------------------------------------------------------------ layout
+
+    def _build(self) -> None:
+        """Cut the shards, move the parameters into flat buffers, build the inner optimizer."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        if len({id(p) for p in params}) != len(params):
+            raise ConfigError("a parameter appears twice in the optimizer's param groups")
+        for p in params:
+            if not p.is_floating_point() or p.layout != torch.strided:
+                raise ConfigError(f"ZeroRedundancyOptimizer steps dense floating-point "
+                                  f"parameters; got {p.dtype} {p.layout}")
+        self._stage, wrapper = self._pick_stage(params)
+        self.device = device_of(self.group)
+        if self._stage == 2:
+            order = wrapper.params                     # the reducer's indices
+            reducer = wrapper._ddp.reducer
+            shards = reducer.enable_sharding()
+            names = list(wrapper.names)
+        else:
+            order = params
+            reducer = None
+            specs = [ParamSpec(tuple(p.shape), to_native(p).dtype) for p in params]
+            base = assign_buckets(specs, DEFAULT_CAP_BYTES, FIRST_CAP_BYTES,
+                                  align_bytes=self.device.align_bytes)
+            shards = shard_layout(base, self.group.size, self.device.align_bytes)
+            names = [f"{i} ({tuple(p.shape)})" for i, p in enumerate(params)]
+        self._order: List[Any] = list(order)
+        self._names = [str(n) for n in names]
+        self._index = {id(p): i for i, p in enumerate(self._order)}
+        self._global = [self._index[id(p)] for p in params]    # state_dict id -> layout index
+
+        def install(i: int, view: Any) -> None:
+            p = self._order[i]
+            p.data = from_native(view)
+            if reducer is not None:
+                reducer.params[i] = view
+
+        self.zs = ZeroShards(shards, [to_native(p) for p in self._order], self.group,
+                             self.device, install=install,
+                             comm=None if reducer is None else reducer.comm,
+                             shard_grads=None if reducer is None else reducer.shard_grads)
+        self._reducer = reducer
+        group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
+        self._pieces = self.zs.pieces
+        self._piece_params = [from_native(self.zs.master_piece(pc)) for pc in self._pieces]
+        self._piece_grads = [from_native(self.zs.grad_piece(pc)) for pc in self._pieces]
+        inner_groups = []
+        for gi, g in enumerate(self.param_groups):
+            ps = [t for pc, t in zip(self._pieces, self._piece_params)
+                  if group_of[id(self._order[pc.param])] == gi]
+            inner_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": ps})
+        self._inner = self.optimizer_class(inner_groups, **self.defaults)
+        for ours, theirs in zip(self.param_groups, self._inner.param_groups):
+            for k, v in theirs.items():
+                if k != "params":
+                    ours.setdefault(k, v)
+        if self.overlap_param_gather:
+            self._hook_modules(wrapper)
+        self._built = True
+        log.info("rank %d: ZeRO-%d over %d parameters, %s", self.group.rank, self._stage,
+                 len(self._order), shards.summary())
+
+    def _pick_stage(self, params: List[Any]) -> tuple:
+        owners = {id(owner_of(p)) for p in params}
+        owner = owner_of(params[0])
+        if len(owners) > 1 or (owner is None and self._zero_stage == 2):
+            covered = [i for i, p in enumerate(params) if owner_of(p) is not None]
+            missing = [i for i, p in enumerate(params) if owner_of(p) is None]
+            if self._zero_stage == 1 and owner_of(params[0]) is None and not covered:
+                return 1, None
+            raise ConfigError(
+                "ZeRO-2 needs every parameter of the optimizer to belong to one nccl_ddp "
+                f"DistributedDataParallel model; parameters {missing[:10] or covered[:10]} (by "
+                "position in the param groups) are not covered by the same wrapper. Pass only "
+                "that model's parameters, or zero_stage=1 (shard only the optimizer)")
+        if owner is None or self._zero_stage == 1:
+            if self.overlap_param_gather:
+                raise ConfigError("overlap_param_gather=True needs ZeRO-2 (the parameters of an "
+                                  "nccl_ddp DistributedDataParallel model), whose modules' "
+                                  "forward waits for their bucket's all-gather")
+            if owner is not None and self._zero_stage == 1:
+                raise ConfigError("zero_stage=1 with an nccl_ddp DistributedDataParallel model "
+                                  "is not supported (its wrapper reduce-scatters); use the "
+                                  "default (ZeRO-2) or torch's DDP for ZeRO-1")
+            return 1, None
+        ddp_params = {id(p) for p in owner.params}
+        extra = [n for n, p in zip(owner.names, owner.params) if id(p) not in
+                 {id(q) for q in params}]
+        if extra or len(ddp_params) != len(params):
+            raise ConfigError(
+                f"ZeRO-2: the optimizer must hold every trainable parameter of the nccl_ddp "
+                f"DistributedDataParallel model (its buckets are reduce-scattered); missing "
+                f"{extra[:10]}. Pass model.parameters()")
+        if owner._ddp.process_group is not self.group:
+            raise ConfigError("ZeRO-2: the optimizer's process_group differs from the "
+                              "DistributedDataParallel model's; pass the same group (or None)")
+        return 2, owner
+
+    def _hook_modules(self, wrapper: Any) -> None:
+        """A forward pre-hook per module that holds parameters: wait for their buckets."""
+        layout = self.zs.layout
+        for m in wrapper.module.modules():
+            own = [p for p in m.parameters(recurse=False) if id(p) in self._index]
+            buckets = sorted({b for p in own
+                              for b, _ in [layout.locate(self._index[id(p)]) or (-1, -1)]
+                              if b >= 0})
+            if buckets:
+                m.register_forward_pre_hook(_waiter(self.zs, buckets))
+
+    # ------------------------------------------------------------------ the step
+
+    @torch.no_grad()
+    def _collect(self) -> None:
+        if self._collected:
+            return
+        if self._stage == 2:
+            self.zs.collect_reduced()
+        else:
+            self.zs.collect_full([None if p.grad is None else to_native(p.grad)
+                                  for p in self._order])
+        self._collected, self._norm = True, None
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the (sharded) grads by their global 2-norm, as torch.nn.utils.clip_grad_norm_
+        on the full grads would; one all-reduce. Call between backward and `step()`."""
+        if float(norm_type) != 2.0:
+            raise ConfigError(f"clip_grad_norm_ supports norm_type=2 only, got {norm_type!r}")
+        self._collect()
+        total = self._global_norm()
+        coef = float(max_norm) / (total + 1e-6)
+        if coef < 1.0 and math.isfinite(total):
+            self.zs.scale_grads(coef)
+        return torch.tensor(total)
+
+    def _global_norm(self) -> float:
+        if self._norm is None:
+            self._norm = self.zs.global_norm()
+        return self._norm
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """Step this rank's shards, then all-gather the parameters (per bucket)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._collect()
+        self._collected = False
+        self.last_step_skipped = self.skip_nonfinite and not math.isfinite(self._global_norm())
+        if self.last_step_skipped:
+            log.warning("rank %d: non-finite grads (global norm %s): step skipped on every rank",
+                        self.group.rank, self._norm)
+            return loss
+        for ours, theirs in zip(self.param_groups, self._inner.param_groups):
+            theirs.update({k: v for k, v in ours.items() if k != "params"})
+        for pc, t, g in zip(self._pieces, self._piece_params, self._piece_grads):
+            t.grad = None if self._order[pc.param].grad is None else g
+        self._inner.step()
+        self.zs.gather(wait=not self.overlap_param_gather)
+        self._consolidated = None
+        return loss
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """Before construction ends: torch's. After (ZeRO-1): the shards are cut again over the
+        new parameter set, the state kept (a collective: every rank must call it)."""
+        if not self._built:
+            super().add_param_group(param_group)
+            return
+        if self._stage == 2:
+            raise ConfigError("add_param_group after construction with ZeRO-2: the parameters "
+                              "are the DistributedDataParallel model's, all given at once")
+        saved = self._full_state(to=None)
+        assert saved is not None
+        super().add_param_group(param_group)
+        old = self.zs
+        self._build()
+        old.close()
+        new = self.param_groups[-1]
+        n0 = sum(len(g["params"]) for g in saved["param_groups"])
+        saved["param_groups"].append({**{k: v for k, v in new.items() if k != "params"},
+                                      "params": list(range(n0, n0 + len(new["params"])))})
+        self.load_state_dict(saved)
+
+    # ------------------------------------------------------------------ state
+
+    def _full_state(self, to: Optional[int]) -> Optional[dict]:
+        self.zs.wait_all()
+        local = local_state(self._inner, self._piece_params, self.zs)
+        full = consolidate(self.zs, local, to)
+        if full is None:
+            return None
+        return full_to_torch(full, self._global, self.param_groups, self._order)
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Collective: the full optimizer state, as an unsharded optimizer would save it, is
+        built on rank `to` (read it there with `state_dict()`)."""
+        if isinstance(to, bool) or not isinstance(to, int) or not 0 <= to < self.group.size:
+            raise ConfigError(f"consolidate_state_dict(to={to!r}): not a rank of the group "
+                              f"(0..{self.group.size - 1})")
+        self._consolidated = self._full_state(to)
+
+    def state_dict(self) -> dict:
+        if self._consolidated is None:
+            raise ConfigError(
+                f"rank {self.group.rank}: optimizer state has not been consolidated on this rank; "
+                "call consolidate_state_dict(to=this rank) on every rank first (after the last "
+                "step)")
+        return self._consolidated
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a full (consolidated, or an unsharded torch optimizer's) state on every rank,
+        each keeping its shards' slices; checked whole before anything changes."""
+        self.zs.wait_all()
+        full, groups = torch_to_full(state_dict, self.param_groups, self._global, self._order,
+                                     self._names)
+        pieces = reshard(self.zs.shards, self.zs.rank, full,
+                         [p.numel() for p in self._order], self._names)
+        for ours, saved in zip(self.param_groups, groups):
+            ours.update({k: v for k, v in saved.items() if k != "params"})
+        set_local_state(self._inner, self._piece_params, pieces, self.zs)
+        self._consolidated = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+
+    def __repr__(self) -> str:
+        return (f"ZeroRedundancyOptimizer(ZeRO-{getattr(self, '_stage', '?')}, "
+                f"{self.optimizer_class.__name__}, rank {self.group.rank}/{self.group.size})")
+
+
+def _waiter(zs: ZeroShards, buckets: List[int]) -> Any:
+    def hook(module: Any, args: Any) -> None:
+        if zs.gather_pending:
+            for b in buckets:
+                zs.wait_bucket(b)
+    return hook
+
+
+def _check_class(cls: Any) -> None:
+    if not isinstance(cls, type) or not issubclass(cls, torch.optim.Optimizer):
+        raise ConfigTypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got "
+                              f"{cls!r}")
+    if cls in _EXTRA or (cls.__module__.startswith("torch.optim") and cls.__name__ in _ELEMENTWISE):
+        return
+    raise ConfigError(
+        f"optimizer_class {cls.__module__}.{cls.__name__} is not known to be elementwise: a "
+        "sharded optimizer steps each rank's slice of every parameter alone, so the update of an "
+        "element may read only that element's grad and state (SGD, Adam, AdamW, ... are; LBFGS, "
+        "Adafactor and SparseAdam are not). If yours is, declare it with "
+        "nccl_ddp.adapters.torch_zero.register_elementwise(cls)")
+
+
+def _nd_group(group: Any) -> Any:
+    if torch.distributed.is_available() and isinstance(group, torch.distributed.ProcessGroup):
+        raise ConfigTypeError("process_group is a torch.distributed group; pass None (the "
+                              "nccl_ddp world) or an nccl_ddp.new_group(ranks)")
+    return group
