@@ -106,7 +106,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             base = assign_buckets(specs, DEFAULT_CAP_BYTES, FIRST_CAP_BYTES,
                                   align_bytes=self.device.align_bytes)
             shards = shard_layout(base, self.group.size, self.device.align_bytes)
-            names = [f"{i} ({tuple(p.shape)})" for i, p in enumerate(params)]
+            names = [f"{i} (shape {tuple(p.shape)})" for i, p in enumerate(params)]
         self._order: List[Any] = list(order)
         self._names = [str(n) for n in names]
         self._index = {id(p): i for i, p in enumerate(self._order)}
@@ -241,7 +241,6 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             t.grad = None if self._order[pc.param].grad is None else g
         self._inner.step()
         self.zs.gather(wait=not self.overlap_param_gather)
-        self._consolidated = None
         return loss
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:

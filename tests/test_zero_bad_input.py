@@ -1,0 +1,148 @@
+"""nd.ZeroRedundancyOptimizer refuses what it cannot shard with a ConfigError naming it, and a
+refused call changes nothing (one rank, in this process)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch==2.13.0)")
+
+from mp import free_port  # noqa: E402
+from zero_oracle import make_model  # noqa: E402
+
+import nccl_ddp as nd  # noqa: E402
+from nccl_ddp.errors import ConfigError, ConfigTypeError  # noqa: E402
+
+# the first torch optimizer built in a process imports torch._dynamo (5-7 s here)
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def world1(monkeypatch):
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    nd.init_process_group("host", rank=0, world_size=1)
+    yield
+    nd.destroy_process_group()
+
+
+def _step(model, opt, scale=1.0):
+    opt.zero_grad()
+    (model(torch.ones(2, 7)).square().sum() * scale).backward()
+    opt.step()
+
+
+def _local_state(opt):
+    return {k: {n: v.clone() for n, v in s.items()} for k, s in
+            ((id(t), opt._inner.state[t]) for t in opt._piece_params if t in opt._inner.state)}
+
+
+def test_non_elementwise_optimizer_is_refused(world1):
+    m = make_model()
+    with pytest.raises(ConfigError, match=r"torch\.optim\.lbfgs\.LBFGS is not known to be "
+                                          r"elementwise"):
+        nd.ZeroRedundancyOptimizer(m.parameters(), torch.optim.LBFGS, lr=0.1)
+    with pytest.raises(ConfigTypeError, match="optimizer_class must be"):
+        nd.ZeroRedundancyOptimizer(m.parameters(), "AdamW", lr=0.1)
+    # refused before anything moved: the parameters are still the module's own storage
+    assert all(p._base is None for p in m.parameters())
+
+
+def test_registered_elementwise_class_is_accepted(world1):
+    from nccl_ddp.adapters.torch_zero import register_elementwise
+
+    @register_elementwise
+    class MySGD(torch.optim.SGD):
+        pass
+
+    m = make_model()
+    opt = nd.ZeroRedundancyOptimizer(m.parameters(), MySGD, lr=0.1)
+    before = m.a.weight.detach().clone()
+    _step(m, opt)
+    assert not torch.equal(before, m.a.weight)
+
+
+def test_params_not_covered_by_the_wrapper(world1):
+    m = make_model()
+    ddp = nd.DistributedDataParallel(m)
+    extra = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(ConfigError, match="not covered by the same wrapper"):
+        nd.ZeroRedundancyOptimizer([*m.parameters(), extra], torch.optim.AdamW, lr=0.1)
+    with pytest.raises(ConfigError, match=r"missing \['gain'\]"):
+        nd.ZeroRedundancyOptimizer(list(m.parameters())[1:], torch.optim.AdamW, lr=0.1)
+    with pytest.raises(ConfigError, match="zero_stage=2|not covered"):
+        nd.ZeroRedundancyOptimizer(make_model().parameters(), torch.optim.AdamW, lr=0.1,
+                                   zero_stage=2)
+    ddp.close()
+
+
+def test_incompatible_checkpoint_changes_nothing(world1):
+    m = make_model()
+    opt = nd.ZeroRedundancyOptimizer(m.parameters(), torch.optim.AdamW, lr=0.01)
+    _step(m, opt)
+    before = _local_state(opt)
+    other = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.Linear(13, 4),
+                                torch.nn.Linear(4, 3), torch.nn.Linear(1, 1, bias=False))
+    torch_opt = torch.optim.AdamW(other.parameters(), lr=0.01)
+    sum(p.sum() for p in other.parameters()).backward()
+    torch_opt.step()
+    sd = torch_opt.state_dict()
+    with pytest.raises(ConfigError, match=r"state 'exp_avg' of parameter 0 \(shape \(1,\)\) has shape "
+                                          r"\(13, 7\).* another model"):
+        opt.load_state_dict(sd)
+    after = _local_state(opt)
+    assert before.keys() == after.keys()
+    for k in before:
+        for n in before[k]:
+            assert torch.equal(before[k][n], after[k][n]), n
+    with pytest.raises(ConfigError, match="param groups of sizes"):
+        opt.load_state_dict({"state": {}, "param_groups": [{"params": [0]}]})
+    with pytest.raises(ConfigError, match="'state' and 'param_groups'"):
+        opt.load_state_dict({"params": []})
+
+
+def test_state_dict_needs_consolidation(world1):
+    m = make_model()
+    opt = nd.ZeroRedundancyOptimizer(m.parameters(), torch.optim.AdamW, lr=0.01)
+    with pytest.raises(ConfigError, match=r"consolidate_state_dict\(to=this rank\)"):
+        opt.state_dict()
+    with pytest.raises(ConfigError, match="not a rank of the group"):
+        opt.consolidate_state_dict(to=1)
+
+
+def test_non_finite_grads_skip_the_step(world1):
+    m = make_model()
+    opt = nd.ZeroRedundancyOptimizer(m.parameters(), torch.optim.AdamW, lr=0.01)
+    _step(m, opt)
+    before = {n: p.detach().clone() for n, p in m.named_parameters()}
+    _step(m, opt, scale=float("nan"))
+    assert opt.last_step_skipped
+    for n, p in m.named_parameters():
+        assert torch.equal(before[n], p), n
+    _step(m, opt)
+    assert not opt.last_step_skipped
+    assert not torch.equal(before["a.weight"], m.a.weight)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(overlap_with_ddp=True), "overlap_with_ddp=True"),
+    (dict(zero_stage=3), "zero_stage must be"),
+    (dict(overlap_param_gather=True), "overlap_param_gather=True needs ZeRO-2"),
+])
+def test_options_we_cannot_honour(world1, kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        nd.ZeroRedundancyOptimizer(make_model().parameters(), torch.optim.AdamW, lr=0.1,
+                                   **kwargs)
+
+
+def test_clip_reports_the_global_norm(world1):
+    m = make_model()
+    ref = make_model()
+    opt = nd.ZeroRedundancyOptimizer(m.parameters(), torch.optim.SGD, lr=0.1)
+    for model in (m, ref):
+        model(torch.ones(2, 7)).square().sum().backward()
+    norm = opt.clip_grad_norm_(0.5)
+    expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+    np.testing.assert_allclose(float(norm), float(expected), rtol=1e-6)
+    with pytest.raises(ConfigError, match="norm_type=2 only"):
+        opt.clip_grad_norm_(1.0, norm_type=1)
