@@ -39,32 +39,52 @@ class FakeEvent:
 
 
 class FakeComm:
-    """Records the NCCL calls; `async_error` is what check_async_error raises."""
+    """Records the NCCL calls; `async_error` is what check_async_error raises. Like CuPy's
+    NcclCommunicator, each call runs with the GIL released (`gate`, when set, holds the caller
+    inside the call until it is set) and `abort` frees the communicator before zeroing the
+    handle: an abort while a call is inside is a use after free (`freed_under`)."""
 
     def __init__(self):
         self.calls, self.async_error = [], None
         self.aborted = self.destroyed = False
+        self.gate, self.inside, self.order, self.freed_under = None, 0, [], []
+
+    def _call(self, name, a):
+        self.inside += 1
+        self.order.append(("enter", name, threading.current_thread().name))
+        try:
+            if self.gate is not None:
+                assert self.gate.wait(10), "gate never opened"
+            self.calls.append((name,) + a)
+        finally:
+            self.order.append(("leave", name, threading.current_thread().name))
+            self.inside -= 1
 
     def allReduce(self, *a):
-        self.calls.append(("allReduce",) + a)
+        self._call("allReduce", a)
 
     def broadcast(self, *a):
-        self.calls.append(("broadcast",) + a)
+        self._call("broadcast", a)
 
     def allGather(self, *a):
-        self.calls.append(("allGather",) + a)
+        self._call("allGather", a)
 
     def reduceScatter(self, *a):
-        self.calls.append(("reduceScatter",) + a)
+        self._call("reduceScatter", a)
 
     def check_async_error(self):
         if self.async_error is not None:
             raise self.async_error
 
     def abort(self):
+        self.order.append(("abort", threading.current_thread().name))
+        if self.inside:
+            self.freed_under.append(self.order[-2])
         self.aborted = True
 
     def destroy(self):
+        if self.inside:
+            self.freed_under.append(self.order[-1])
         self.destroyed = True
 
 
@@ -283,6 +303,68 @@ def test_watchdog_async_error_aborts_and_next_call_raises():
     assert len(comm.calls) == n            # nothing reached the aborted communicator
     g.shutdown()
     assert not comm.destroyed
+
+
+def _call_held_inside_nccl(g, comm):
+    """Start an all_reduce on another thread and hold it inside the NCCL call (GIL released)."""
+    comm.gate = threading.Event()
+    box = {}
+
+    def train():
+        try:
+            box["work"] = g.all_reduce(np.zeros(2, np.float32), tag="bucket 1")
+        except Exception as e:
+            box["error"] = e
+
+    t = threading.Thread(target=train, name="train")
+    t.start()
+    wait_for(lambda: comm.inside)
+    return t, box
+
+
+@pytest.mark.parametrize("held", [0.3, 1.5])
+def test_watchdog_abort_waits_for_the_nccl_call_in_progress(monkeypatch, held):
+    """Defect 1 of issue 23: the watchdog's abort must not free the communicator under a call of
+    the training thread. Held less than ABORT_LOCK_WAIT, the abort comes after the call (from
+    whichever thread takes the lock first); held longer, the watchdog hands it to the training
+    thread, which aborts on its way out of the call."""
+    monkeypatch.setattr(nb, "ABORT_LOCK_WAIT", 0.8, raising=False)
+    g, comm, rt = make_group(size=2, ranks=[0, 1])
+    t, box = _call_held_inside_nccl(g, comm)
+    comm.async_error = FakeNcclError("NCCL_ERROR_REMOTE_ERROR")
+    wait_for(lambda: g.failed)
+    time.sleep(held)
+    assert not comm.aborted and comm.inside == 1     # still waiting for the call
+    comm.gate.set()
+    t.join(10)
+    wait_for(lambda: comm.aborted)
+    assert comm.freed_under == []
+    assert comm.order[:2] == [("enter", "allReduce", "train"), ("leave", "allReduce", "train")]
+    assert len(comm.order) == 3 and comm.order[2][0] == "abort"
+    if held > 0.8:   # handed over: nobody else could have aborted
+        assert comm.order[2] == ("abort", "train")
+    assert isinstance(box.get("error"), CommError)   # the op went to a failed communicator
+    assert "asynchronous error" in str(box["error"]) and "REMOTE_ERROR" in str(box["error"])
+    with pytest.raises(CommError):
+        g.all_reduce(np.zeros(2, np.float32))
+    assert len(comm.calls) == 1
+    g.shutdown()
+    assert not comm.destroyed
+
+
+def test_a_call_never_returning_bounds_the_next_one():
+    """A thread stuck inside NCCL holds the communicator: another call gets CommTimeout after the
+    group's timeout instead of waiting for it forever."""
+    g, comm, _ = make_group(timeout=0.3)
+    t, _ = _call_held_inside_nccl(g, comm)
+    t0 = time.monotonic()
+    with pytest.raises(CommTimeout, match="earlier NCCL call on group 'world' has not returned"):
+        g.broadcast(np.zeros(2, np.float32))
+    assert time.monotonic() - t0 < 20
+    comm.gate.set()
+    t.join(10)
+    g.shutdown()
+    assert comm.freed_under == [] and comm.destroyed
 
 
 def test_watchdog_timeout_names_op_bucket_and_rank():
@@ -544,3 +626,79 @@ def test_watchdog_reports_a_faulted_kernel_as_an_error_not_a_timeout():
     with pytest.raises(CommError, match="failed on the GPU: cudaErrorIllegalAddress"):
         w.wait()
     g.shutdown()
+
+
+# ---------------------------------------------------------------------------------- blocking init
+
+class CupyLikeNccl:
+    """cupy.cuda.nccl as CuPy 14.2 binds NCCL (cupy_backends/cuda/libs/nccl.pyx): NCCL reads
+    NCCL_COMM_BLOCKING once, at the process's first communicator; non-blocking, init returns
+    ncclInProgress (7) and NcclError(7) raises KeyError from its name table (ERROR2 stops at 6)."""
+    ERROR2 = {0: "NCCL_ERROR_SUCCESS", 1: "NCCL_ERROR_UNHANDLED_CUDA_ERROR",
+              2: "NCCL_ERROR_SYSTEM_ERROR", 3: "NCCL_ERROR_INTERNAL_ERROR",
+              4: "NCCL_ERROR_INVALID_ARGUMENT", 5: "NCCL_ERROR_INVALID_USAGE",
+              6: "NCCL_ERROR_REMOTE_ERROR"}
+
+    def __init__(self):
+        self.blocking = None   # NCCL's cached ncclParamCommBlocking()
+        lib = self
+
+        class NcclError(RuntimeError):
+            def __init__(self, status):
+                super().__init__(f"{lib.ERROR2[status]}: ...")
+
+        class NcclCommunicator:
+            def __init__(self, ndev, uid, rank):
+                if lib.blocking is None:
+                    lib.blocking = os.environ.get("NCCL_COMM_BLOCKING", "1") != "0"
+                if not lib.blocking:
+                    raise NcclError(7)
+
+        self.NcclError, self.NcclCommunicator = NcclError, NcclCommunicator
+
+
+class _Device:
+    def __init__(self, i):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def use(self):
+        pass
+
+
+def _cupy_runtime(lib):
+    from nccl_ddp.comm.nccl.runtime import CupyRuntime
+    rt = CupyRuntime.__new__(CupyRuntime)
+    rt.cupy = SimpleNamespace(cuda=SimpleNamespace(
+        Device=_Device, Stream=lambda non_blocking: SimpleNamespace(ptr=COMM_STREAM)))
+    rt.lib, rt.device_id, rt.errors = lib, 0, (lib.NcclError,)
+    rt.unique_id = lambda: b"u" * 128
+    return rt
+
+
+def test_nccl_comm_blocking_0_is_overridden_before_init(monkeypatch, caplog):
+    """Defect 3 of issue 23: NCCL_COMM_BLOCKING=0 made init raise KeyError: 7 out of CuPy."""
+    monkeypatch.setenv("NCCL_COMM_BLOCKING", "0")
+    lib = CupyLikeNccl()
+    g = nb.NcclProcessGroup.create(DictStore(), 0, 1, [0], 5, "world", 0,
+                                   runtime=_cupy_runtime(lib))
+    assert os.environ["NCCL_COMM_BLOCKING"] == "1" and lib.blocking is True
+    assert "NCCL_COMM_BLOCKING=0 replaced by 1" in caplog.text
+    g._stop.set()
+    g._watchdog.join(5)
+
+
+def test_nccl_already_non_blocking_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("NCCL_COMM_BLOCKING", "1")
+    lib = CupyLikeNccl()
+    lib.blocking = False     # NCCL read 0 before us (another library's communicator)
+    with pytest.raises(CommError, match=r"communicator init of group 'world'.*ncclInProgress "
+                                        r"\(7\).*unset NCCL_COMM_BLOCKING") as e:
+        nb.NcclProcessGroup.create(DictStore(), 0, 1, [0], 5, "world", 0,
+                                   runtime=_cupy_runtime(lib))
+    assert isinstance(e.value.__cause__, KeyError)

@@ -11,6 +11,14 @@ or an op older than the group's timeout, it aborts the communicator, and the nex
 training thread (any collective, `Work.wait`) raises `CommError` / `CommTimeout` naming the op,
 the bucket tag, the group and the rank.
 
+Enqueue and abort are serialized (as torch's ProcessGroupNCCL does with its communicator mutex):
+CuPy releases the GIL inside every NCCL call and zeroes its handle only after `ncclCommAbort`
+returns, so an abort from the watchdog thread while the training thread is inside
+`ncclAllReduce` would free the communicator under that call. Every use of the communicator holds
+`_comm_lock`; the watchdog waits for it up to ABORT_LOCK_WAIT seconds, and if an NCCL call is
+still in progress (blocked connecting to a dead peer, say) it leaves the abort to that call's
+thread, which performs it, still holding the lock, as soon as the call returns.
+
 Beyond the ProcessGroup interface: every collective takes `tag=` ("bucket 3") for error messages,
 `Work.wait(stream=...)` orders another stream than CuPy's current one, and
 `Work.synchronize(timeout)` blocks the host (tests, shutdown). Buffers are contiguous CuPy arrays;
@@ -21,10 +29,11 @@ in a fake one on a machine without a GPU. CuPy is imported lazily: this module n
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from nccl_ddp.comm.desync import DesyncChecker, check_distinct_devices
 from nccl_ddp.comm.group import ProcessGroup, ReduceOp, Work, check_gather_buffers
@@ -46,6 +55,8 @@ __all__ = ["NcclProcessGroup", "NcclWork", "exchange_unique_id", "is_available",
 log = logging.getLogger(__name__)
 
 WATCHDOG_POLL = 0.05     # seconds between watchdog checks
+ABORT_LOCK_WAIT = 1.0    # seconds the watchdog waits for an NCCL call in progress before handing
+                         # the abort to that call's thread
 UNIQUE_ID_BYTES = 128
 _generations: dict = {}  # (name, ranks) -> groups created so far, for unique store keys
 
@@ -129,7 +140,9 @@ class NcclProcessGroup(ProcessGroup):
         with check(runtime.errors, f"comm stream creation of group {name!r}"):
             self._stream = runtime.new_stream()
         self._pending: list = []
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()             # _pending and _released
+        self._comm_lock = threading.Lock()        # every use of the communicator (module doc)
+        self._abort_due = False                   # an abort waits for the call holding _comm_lock
         self._failure: Optional[tuple] = None     # (class, message, cause) set by the watchdog
         self._closed = False
         self._released = False                    # communicator destroyed or aborted
@@ -239,7 +252,7 @@ class NcclProcessGroup(ProcessGroup):
                 call: Callable[[Any, int], None]) -> NcclWork:
         what = self._describe(op, tag)
         self._raise_if_failed(what)
-        with check(self._rt.errors, what):
+        with self._using_comm(what), check(self._rt.errors, what):
             if stream is None:
                 # caller: ──[writes buf]──●ready
                 # comm:                   └─wait──[nccl op]──●done
@@ -249,10 +262,30 @@ class NcclProcessGroup(ProcessGroup):
                 s = stream_ptr(stream)
             call(self._comm, s)
             event = self._rt.record(s)
+        self._raise_if_failed(what)   # the watchdog failed the group during the call
         work = NcclWork(self, what, event, output, keep)
         with self._lock:
             self._pending.append(work)
         return work
+
+    @contextlib.contextmanager
+    def _using_comm(self, what: str) -> Iterator[None]:
+        """Hold the communicator for one NCCL call; perform an abort the watchdog left to us."""
+        if not self._comm_lock.acquire(timeout=self.timeout):
+            raise CommTimeout(f"{what}: an earlier NCCL call on group {self.name!r} has not "
+                              f"returned within {self.timeout:g}s (another thread is blocked "
+                              f"inside NCCL). {ADVICE}")
+        try:
+            self._raise_if_failed(what)
+            if self._released:
+                raise CommError(f"{what}: the communicator of group {self.name!r} was released")
+            yield
+        finally:
+            try:
+                if self._abort_due:
+                    self._release_locked(abort=True)
+            finally:
+                self._comm_lock.release()
 
     # ------------------------------------------------------------------ failures
 
@@ -309,6 +342,21 @@ class NcclProcessGroup(ProcessGroup):
         self._release(abort=True)
 
     def _release(self, abort: bool) -> None:
+        """Abort or destroy the communicator once no NCCL call is using it (module doc)."""
+        if abort:
+            self._abort_due = True     # before the lock: a call holding it sees this on its way out
+        if not self._comm_lock.acquire(timeout=ABORT_LOCK_WAIT if abort else self.timeout):
+            self._abort_due = True
+            log.warning("NCCL %s of group %r deferred: an NCCL call of another thread is in "
+                        "progress; that thread aborts the communicator when the call returns",
+                        "abort" if abort else "destroy", self.name)
+            return
+        try:
+            self._release_locked(abort)
+        finally:
+            self._comm_lock.release()
+
+    def _release_locked(self, abort: bool) -> None:
         with self._lock:
             if self._released:
                 return
@@ -334,10 +382,13 @@ class NcclProcessGroup(ProcessGroup):
         what = self._describe(f"new_subgroup {name}", None)
         self._raise_if_failed(what)
         if hasattr(self._comm, "commSplit"):
+            def split() -> Any:
+                with self._using_comm(what):
+                    return self._comm.commSplit(0 if member else -1,
+                                                ranks.index(me) if member else 0)
+
             with check(self._rt.errors, what):
-                comm = bounded(lambda: self._comm.commSplit(0 if member else -1,
-                                                             ranks.index(me) if member else 0),
-                                self.timeout, f"NCCL {what}")
+                comm = bounded(split, self.timeout, f"NCCL {what}")
             if not member:
                 return None
             return NcclProcessGroup(comm, self._rt, rank=ranks.index(me), size=len(ranks),

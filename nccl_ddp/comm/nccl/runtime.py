@@ -5,12 +5,17 @@ CUDA failures into our exceptions. CuPy is imported only inside functions.
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import threading
 from typing import Any, Callable, Iterator
 
 from nccl_ddp.comm.group import ReduceOp
 from nccl_ddp.errors import CommError, CommTimeout, ConfigTypeError
 
+log = logging.getLogger(__name__)
+
+NCCL_IN_PROGRESS = 7   # ncclInProgress: CuPy 14.2's NcclError has no name for it (KeyError: 7)
 ADVICE = ("Rerun with NCCL_DEBUG=INFO (NCCL_DEBUG_SUBSYS=INIT,COLL narrows it) and check the other "
           "ranks' logs for the first error.")
 
@@ -84,6 +89,7 @@ class CupyRuntime:
         return self.lib.get_unique_id()
 
     def new_comm(self, size: int, uid: bytes, rank: int) -> Any:
+        force_blocking_init()
         with self._device():
             return self.lib.NcclCommunicator(size, uid, rank)
 
@@ -130,6 +136,22 @@ class CupyRuntime:
         return bytes(uuid).hex() if uuid else None
 
 
+def force_blocking_init() -> None:
+    """Set NCCL_COMM_BLOCKING=1 before a communicator is made: our communicators are blocking.
+
+    With NCCL_COMM_BLOCKING=0 NCCL returns ncclInProgress from init and from collectives, and
+    CuPy can neither finish such an init (ncclConfig_t.blocking is not bound; the half-made
+    communicator is destroyed when its constructor raises) nor report it (NcclError raises
+    KeyError for status 7). NCCL reads the variable once per process, at its first communicator:
+    a value read before this runs is reported by `check` instead."""
+    old = os.environ.get("NCCL_COMM_BLOCKING")
+    if old is not None and old.strip() != "1":
+        log.warning("NCCL_COMM_BLOCKING=%s replaced by 1: nccl_ddp's communicators are blocking "
+                    "(CuPy cannot complete a non-blocking init); the watchdog bounds every op",
+                    old)
+    os.environ["NCCL_COMM_BLOCKING"] = "1"
+
+
 @contextlib.contextmanager
 def check(errors: tuple, what: str) -> Iterator[None]:
     """The one place NCCL and CUDA failures (CuPy raises them) become our exceptions."""
@@ -137,6 +159,14 @@ def check(errors: tuple, what: str) -> Iterator[None]:
         yield
     except errors as e:
         raise CommError(f"NCCL {what} failed: {e}. {ADVICE}") from e
+    except KeyError as e:   # CuPy's NcclError(7) looks its name up in a table without 7
+        if e.args != (NCCL_IN_PROGRESS,):
+            raise
+        raise CommError(
+            f"NCCL {what} returned ncclInProgress (7): the communicator is non-blocking "
+            f"(NCCL_COMM_BLOCKING=0 or NCCL_CONF_FILE, read by NCCL before nccl_ddp set "
+            f"NCCL_COMM_BLOCKING=1: another library made a communicator first?), which CuPy "
+            f"cannot drive; unset NCCL_COMM_BLOCKING in the job's environment. {ADVICE}") from e
 
 
 def bounded(fn: Callable[[], Any], timeout: float, what: str) -> Any:
