@@ -5,6 +5,7 @@ from the raw arguments the launch path packs, checked like cuLaunchKernel. So th
 (tables, cache, chunking, argument packing, streams) drives the CUDA code end to end. Where no C++
 compiler is available (`CPU_KERNELS_MISSING` says why) launches fall back to executing the NumPy
 references on each work item the way bucket.cu reads its tables."""
+import os
 import re
 import struct
 import types
@@ -47,14 +48,28 @@ def cpu_kernels():
 CPU_KERNELS_MISSING = None
 
 
-def cupy_nvrtc_options(options, arch="sm_90", nvrtc=(12, 9)):
+def cupy_nvrtc_options(options, arch="sm_90", nvrtc=(12, 9), use_pch=None):
     """The option list CuPy 14.2 hands NVRTC for RawModule(options=options): `-ftz=true` after
     ours (cupy/cuda/compiler.py _compile_with_cache_cuda), then the arch, then
-    --device-as-default-execution-space, and --pch for NVRTC >= 12.8."""
+    --device-as-default-execution-space, and --pch only when CUPY_NVRTC_USE_PCH=1 (read once at
+    CuPy's import; opt-in) and NVRTC >= 12.8. `use_pch` None: read the environment as CuPy does."""
+    if use_pch is None:
+        try:
+            use_pch = int(os.environ.get("CUPY_NVRTC_USE_PCH", "0")) == 1
+        except ValueError:
+            use_pch = False
     opts = tuple(options) + ("-ftz=true", f"-arch={arch}", "--device-as-default-execution-space")
-    if nvrtc >= (12, 8):
+    if use_pch and nvrtc >= (12, 8):
         opts += ("--pch",)
     return opts
+
+
+def nvrtc_log(options, cu_name="kern.cu"):
+    """The program log NVRTC 12.9 writes for a warning-free source: empty, except the line --pch
+    adds (seen with cupy_backends' nvrtc.getProgramLog)."""
+    if "--pch" in options:
+        return f'"{cu_name}": creating precompiled header file "{cu_name[:-3]}.pch"\n'
+    return ""
 
 
 class Heap:
@@ -83,13 +98,18 @@ class Heap:
 
 
 class Allocation:
-    """One device allocation: live (for the kernels' memory checks) while any array uses it."""
+    """One device allocation: live (for the kernels' memory checks) while any array uses it.
+    Under the async pool (`cp.async_pool`) it is freed like CuPy 14.2's MemoryAsync
+    (cupy/cuda/memory.pyx): cudaFreeAsync on the stream it was allocated on, held by a WEAK
+    reference, or on the stream current at the free once that stream object is gone."""
 
-    def __init__(self, heap, nbytes, misalign=0):
+    def __init__(self, heap, nbytes, misalign=0, cp=None):
         self.ptr = heap.alloc(nbytes, misalign)
         if heap.dev is not None and nbytes:
             heap.dev.register(self.ptr, nbytes)
             weakref.finalize(self, heap.dev.unregister, self.ptr)
+        if cp is not None and cp.async_pool:
+            weakref.finalize(self, cp.free_async, self.ptr, weakref.ref(FAKE_STATE["current"]))
 
 
 class FakeArray:
@@ -108,8 +128,8 @@ class FakeArray:
         """A writable NumPy view of the array's bytes in the heap."""
         return self.cp.heap.view(self.data.ptr, self.size, self.dtype).reshape(self.shape)
 
-    def set(self, arr, stream=None):
-        self.cp.uploads.append(stream)
+    def set(self, arr, stream=None):   # CuPy keeps no reference to `stream`: only its pointer
+        self.cp.uploads.append(None if stream is None else stream.ptr)
         self.host()[...] = arr
 
     # the little array arithmetic the benchmark script uses (1-D, computed on the host)
@@ -179,7 +199,7 @@ class FakeStream:
         self.waited.append(event)
 
     def synchronize(self):
-        return None
+        FAKE_STATE["synced"][self.ptr] = FAKE_STATE["seq"]
 
     @classmethod
     def from_external(cls, obj):
@@ -190,7 +210,13 @@ class FakeStream:
         return s
 
 
-FAKE_STATE = {"current": FakeStream(null=True)}
+FAKE_STATE = {"current": FakeStream(null=True), "device": 0, "seq": 0, "synced": {}}
+
+
+def _tick():
+    """The fake GPU's clock: launches and event records in the order they were queued."""
+    FAKE_STATE["seq"] += 1
+    return FAKE_STATE["seq"]
 
 
 class FakeEvent:
@@ -200,7 +226,7 @@ class FakeEvent:
     registry: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()   # ptr -> event
 
     def __init__(self, block=False, disable_timing=False, interprocess=False):
-        self.recorded_on = None
+        self.recorded_on, self.recorded_at = None, 0
         self.status = 600
         FakeEvent._next += 16
         self.ptr = FakeEvent._next
@@ -214,8 +240,10 @@ class FakeEvent:
     def done(self, value):
         self.status = 0 if value else 600
 
-    def record(self, stream=None):
-        self.recorded_on = stream
+    def record(self, stream=None):   # CuPy: None records on the current stream
+        self.recorded_on, self.recorded_at = stream, _tick()
+        self.on_ptr = (stream or FAKE_STATE["current"]).ptr
+        self.status = 600
 
     def synchronize(self):
         self.status = 0
@@ -232,17 +260,23 @@ class FakeCUDARuntimeError(RuntimeError):
 
 class FakeDeviceCtx:
     def __init__(self, device_id=None):
-        self.id = 0 if device_id is None else device_id
+        self.id = FAKE_STATE["device"] if device_id is None else device_id
         self.attributes = {"MultiProcessorCount": FAKE_STATE.get("sms", 132)}
+        self._prev = []
 
     def synchronize(self):
         return None
 
+    def use(self):
+        FAKE_STATE["device"] = self.id
+
     def __enter__(self):
+        self._prev.append(FAKE_STATE["device"])
+        FAKE_STATE["device"] = self.id
         return self
 
     def __exit__(self, *exc):
-        return None
+        FAKE_STATE["device"] = self._prev.pop()
 
 
 def cupy_arg(a):
@@ -288,6 +322,11 @@ class FakeFunction:
         assert len(grid) == 1 and len(block) == 1
         on = (stream or FAKE_STATE["current"]).ptr
         self.cp.launches.append((self.name, grid[0], on))
+        seq = _tick()
+        for a in args:   # what this launch reads, for the async pool's free check
+            if isinstance(a, FakeArray):
+                self.cp.reads.setdefault(a.owner.ptr if a.owner else a.data.ptr, []).append(
+                    (on, seq, self.name))
         if self.cpu is not None:
             self.cpu.launch(self.cp.heap.dev, self.cpu_name, int(grid[0]), int(block[0]),
                             [cupy_arg(a) for a in args])
@@ -358,7 +397,10 @@ class FakeCNumpyArray:
 
 class FakeRawModule:
     """cupy.RawModule: with a CPU build, compiles `code` (with the -ftz CuPy's option list
-    implies) for the CPU once, at the first compile() or get_function()."""
+    implies) for the CPU once per instance. Modules are memoized like CuPy 14.2's
+    `_get_raw_module` (cupy/_core/raw.pyx, `@memoize(for_each_device=True)`): per device on
+    every argument, `log_stream` included, so `compile(log_stream=x)` and `get_function` (which
+    reads `self.module`, log_stream=None) load the module twice; `cp.module_loads` counts loads."""
 
     def __init__(self, cp, code, options, name_expressions):
         assert "nd_pack" in code and "-std=c++17" in options
@@ -375,14 +417,24 @@ class FakeRawModule:
             self.module = runtime.load(self.code, names, runtime.effective_ftz(
                 cupy_nvrtc_options(self.options)))
 
+    def _module(self, log_stream=None):
+        key = (FAKE_STATE["device"], self.code, self.options, self.names, log_stream)
+        if key not in self.cp.modules:
+            if log_stream is not None:   # only a compile writes the log; a disk-cache hit none
+                log_stream.write(nvrtc_log(cupy_nvrtc_options(self.options)))
+            self._build()
+            self.cp.module_loads += 1
+            self.cp.modules[key] = self
+        return self.cp.modules[key]
+
     def compile(self, log_stream=None):
         self.cp.compiles += 1
-        self._build()
+        self._module(log_stream)
 
     def get_function(self, name):
         assert name in self.names, name
         self.cp.get_function_calls += 1
-        self._build()
+        self._module()
         return FakeFunction(self.cp, name, self.module, self.prefix)
 
 
@@ -392,17 +444,22 @@ class FakeCupy:
     uint8, uint16, int32, float32 = np.uint8, np.uint16, np.int32, np.float32
     __version__ = "0.0-fake"
 
-    def __init__(self, devices=1, cpu=True, sms=132):
+    def __init__(self, devices=1, cpu=True, sms=132, async_pool=False):
         """cpu: run the real kernels compiled for the CPU (when a compiler exists), else the
-        references; sms: the multiprocessor count the fake GPU reports."""
+        references; sms: the multiprocessor count the fake GPU reports; async_pool: allocate
+        like cupy.cuda.MemoryAsyncPool and record in `hazards` every free that may overtake a
+        launch still reading the memory (queued on another stream, not known to have run)."""
         self.cpu = cpu_kernels() if cpu else None
         self.heap = Heap(cpu=self.cpu)
         self.launches, self.uploads, self.memsets = [], [], []
-        self.compiles = self.get_function_calls = 0
+        self.async_pool, self.reads, self.frees, self.hazards = async_pool, {}, [], []
+        self.compiles = self.get_function_calls = self.module_loads = 0
+        self.modules = {}          # CuPy's memo of _get_raw_module
         self.kernel_names = None   # build only these instantiations (tests of planted bugs)
         self.cpu_override = None   # (Module, namespace): run that build's kernels instead
         FAKE_STATE["current"] = FakeStream(null=True)
-        FAKE_STATE["sms"] = sms
+        FAKE_STATE["sms"], FAKE_STATE["device"] = sms, 0
+        FAKE_STATE["synced"] = {}
         runtime = types.SimpleNamespace(
             getDeviceCount=lambda: devices,
             memsetAsync=lambda ptr, value, size, stream: self._memset(ptr, value, size, stream),
@@ -427,6 +484,24 @@ class FakeCupy:
         self.RawModule = lambda code, options, name_expressions: FakeRawModule(
             self, code, options, name_expressions)
 
+    def free_async(self, ptr, stream_ref):
+        """MemoryAsync.__dealloc__: cudaFreeAsync on the allocation stream if its object is alive,
+        else on the current stream. A launch reading the memory on another stream that no
+        completed event or synchronize has passed may run after the memory is reused."""
+        stream = stream_ref() or FAKE_STATE["current"]
+        self.frees.append((ptr, stream.ptr))
+        for on, seq, name in self.reads.pop(ptr, []):
+            if on != stream.ptr and not self.passed(on, seq):
+                self.hazards.append(f"{ptr:#x} freed on stream {stream.ptr:#x} while {name} on "
+                                    f"stream {on:#x} may still read it")
+
+    def passed(self, stream_ptr, seq):
+        """Whether stream `stream_ptr` is known to have run everything queued up to `seq`."""
+        if FAKE_STATE["synced"].get(stream_ptr, 0) >= seq:
+            return True
+        return any(getattr(ev, "on_ptr", None) == stream_ptr and ev.recorded_at >= seq
+                   and ev.status == 0 for ev in list(FakeEvent.registry.values()))
+
     def _memset(self, ptr, value, size, stream):
         self.memsets.append((ptr, size, stream))
         self.heap.view(ptr, size, np.uint8)[...] = value
@@ -434,7 +509,7 @@ class FakeCupy:
     def empty(self, n, dtype, misalign=0, device_id=0):
         shape = n if isinstance(n, tuple) else (n,)
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        a = Allocation(self.heap, nbytes, misalign)
+        a = Allocation(self.heap, nbytes, misalign, cp=self)
         return FakeArray(self, a.ptr, shape, dtype, device_id, owner=a)
 
     zeros = empty   # the heap starts zeroed and is never reused

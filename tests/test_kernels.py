@@ -37,9 +37,9 @@ def _nvrtc_compile(src, arch, names=(), extra=()):
     for n in names:
         nvrtc.addNameExpression(prog, n)
     version = tuple(nvrtc.getVersion())
-    # --pch (NVRTC >= 12.8) only caches headers (and writes bucket.pch into the cwd): left out
-    options = [o for o in cupy_nvrtc_options((*ck.COMPILE_OPTIONS, *extra), arch, version)
-               if o != "--pch"]
+    # --pch is opt-in (CUPY_NVRTC_USE_PCH=1): CuPy's default line has none
+    options = list(cupy_nvrtc_options((*ck.COMPILE_OPTIONS, *extra), arch, version,
+                                      use_pch=False))
     try:
         nvrtc.compileProgram(prog, list(options))
     except Exception as e:

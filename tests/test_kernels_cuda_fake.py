@@ -113,7 +113,7 @@ def test_table_cache_reused_for_same_pointers_rebuilt_when_they_change(cp):
     # another stream: a table is never shared across streams (pool reuse is stream-ordered)
     with FakeStream(non_blocking=True) as s:
         K.pack(devs, bucket, offs)
-        assert cp.uploads[-1] is s and cp.launches[-1][2] == s.ptr
+        assert cp.uploads[-1] == s.ptr and cp.launches[-1][2] == s.ptr
     assert kb.stats["table_builds"] == 4
     np.testing.assert_array_equal(bucket.host(), np.concatenate(hosts))
 
@@ -416,3 +416,81 @@ def test_bfloat16_cuda_tensors_go_to_the_kernels(frameworks, cp, monkeypatch):
     out = cp.asarray(np.zeros(5, np.float32))
     K.unpack([out], native, [0], scale=2.0)
     np.testing.assert_array_equal(out.host(), 2 * np.arange(5, dtype=np.float32))
+
+
+def test_module_loaded_once_per_device(cp):
+    """CuPy memoizes RawModule's module on every argument, log_stream included, and get_function
+    reads it with log_stream=None: compiling with a log stream loaded bucket.cu twice."""
+    bucket = cp.empty(64, np.float32)
+    K.pack([cp.asarray(np.ones(8, np.float32))], bucket, [0])
+    K.scale_(bucket, 0.5)
+    assert cp.compiles == 1 and cp.module_loads == 1
+
+
+def test_fake_nvrtc_options_follow_cupy_14_2(monkeypatch):
+    """--pch is opt-in in CuPy 14.2 (CUPY_NVRTC_USE_PCH=1, NVRTC >= 12.8), and with it NVRTC
+    writes a line to the program log."""
+    from _fake_cupy import cupy_nvrtc_options, nvrtc_log
+    monkeypatch.delenv("CUPY_NVRTC_USE_PCH", raising=False)
+    base = cupy_nvrtc_options(("-std=c++17",))
+    assert base == ("-std=c++17", "-ftz=true", "-arch=sm_90",
+                    "--device-as-default-execution-space") and nvrtc_log(base) == ""
+    monkeypatch.setenv("CUPY_NVRTC_USE_PCH", "1")
+    assert cupy_nvrtc_options(("-std=c++17",))[-1] == "--pch"
+    assert "--pch" not in cupy_nvrtc_options(("-std=c++17",), nvrtc=(12, 6))
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+        nvrtc.getVersion()
+    except Exception as e:
+        pytest.skip(f"NVRTC not usable ({e})")
+    for opts in (base, base + ("--pch",)):   # the real NVRTC's log for the same options
+        prog = nvrtc.createProgram('extern "C" __global__ void k(float* x) { x[0] = 1.f; }',
+                                   "k.cu", [], [])
+        nvrtc.compileProgram(prog, list(opts))
+        assert nvrtc.getProgramLog(prog).replace("\x00", "") == nvrtc_log(opts, "k.cu")
+
+
+@pytest.mark.parametrize("evict", [False, True])
+def test_device_table_outlives_its_launch_under_the_async_pool(monkeypatch, evict):
+    """Defect 2 of issue 23: under MemoryAsyncPool a table buffer allocated under a short-lived
+    Stream.from_external (the torch adapter's) is freed on whatever stream is current once that
+    object is gone: leaving the cache (cleared or evicted) before the launch reading it had run,
+    it could be reused under the launch. It is now held until an event after the launch is
+    reached."""
+    import gc
+
+    from _fake_cupy import FakeEvent
+    fake = FakeCupy(cpu=False, async_pool=True)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    kb = ck.CudaKernels(fake)
+    monkeypatch.setattr(ck, "_BACKEND", kb)
+    monkeypatch.setattr(ck, "TABLE_CACHE_SIZE", 1)
+
+    class TorchStream:
+        def __cuda_stream__(self):
+            return (0, 0xABC0)
+
+    srcs = [fake.asarray(np.full(4, i, np.float32)) for i in range(ck.SMALL_MAX + 8)]
+    bucket = fake.empty(4 * len(srcs), np.float32)
+    with fake.cuda.Stream.from_external(TorchStream()):
+        K.pack(srcs, bucket, [4 * i for i in range(len(srcs))])
+    assert fake.uploads and fake.launches[-1][2] == 0xABC0
+    table_ptr = next(iter(kb._tables.values()))[0].device_buf.data.ptr
+    side = fake.cuda.Stream(non_blocking=True)
+
+    def drop(k):
+        with side:
+            if evict:   # another table (other pointers, on the side stream) pushes it out
+                K.pack(srcs[k:] + srcs[:k], bucket, [4 * i for i in range(len(srcs))])
+            else:
+                kb.clear_cache()
+        gc.collect()
+
+    drop(1)
+    assert fake.hazards == []
+    assert table_ptr not in [p for p, _ in fake.frees]   # still held: its launch may be queued
+    for ev in list(FakeEvent.registry.values()):          # the GPU ran the launch stream's work
+        if getattr(ev, "on_ptr", None) == 0xABC0:
+            ev.done = True
+    drop(2)
+    assert table_ptr in [p for p, _ in fake.frees] and fake.hazards == []

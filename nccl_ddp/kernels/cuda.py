@@ -8,13 +8,15 @@ warps the GPU holds at once (one wave: no tail of late blocks) whenever there ar
 resident warps. Up to SMALL_MAX arrays the table travels by value as a kernel parameter (nothing
 to upload); above, the pre-chunked items are uploaded once to device memory and cached by (device,
 stream, op, dtypes, pointers, sizes, offsets): rebuilt only when a pointer changes. The upload is
-stream-ordered on the launch stream and a table is only ever freed back to that stream's memory
-pool, so no launch can read a table that is being overwritten.
+stream-ordered on the launch stream. A table leaving the cache is dropped (freed) only once an event
+recorded after its last launch is reached: under CuPy's MemoryAsyncPool the buffer is freed with
+cudaFreeAsync on the stream it was allocated on only while that stream's Python object lives (a
+weak reference), else on whatever stream is current then, and the adapters' streams are
+short-lived `Stream.from_external` objects.
 """
 from __future__ import annotations
 
 import collections
-import io
 import logging
 import os
 from dataclasses import dataclass
@@ -131,6 +133,7 @@ class Table:
     small: Optional[np.ndarray] = None   # SMALL_DTYPE, shape (1,): passed by value
     items: Optional[np.ndarray] = None   # SEG_DTYPE, one per work item (pre-chunked)
     device_buf: Any = None               # `items` in device memory
+    used: Any = None                     # cupy Event recorded after each launch reading it
 
     @property
     def grid(self) -> int:
@@ -182,6 +185,7 @@ class CudaKernels:
         # should passing the table by value ever fail on some CuPy/driver).
         self.small_max = min(SMALL_MAX, env_int("NCCL_DDP_SMALL_TABLE_MAX", SMALL_MAX))
         self._tables: collections.OrderedDict = collections.OrderedDict()
+        self._retired: list = []     # tables out of the cache whose last launch may be queued
         # launches, memsets, table_builds, table_uploads
         self.stats: collections.Counter[str] = collections.Counter()
 
@@ -199,10 +203,10 @@ class CudaKernels:
             try:
                 mod = self.cp.RawModule(code=path.read_text(), options=COMPILE_OPTIONS,
                                         name_expressions=tuple(name_expressions()))
-                out = io.StringIO()
-                mod.compile(log_stream=out)
-                if out.getvalue().strip():
-                    log.warning("compiling %s: %s", path, out.getvalue().strip())
+                # No log_stream: CuPy memoizes the module on every argument, log_stream too, and
+                # get_function reads it with None: a log stream would load it twice per device.
+                # The NVRTC log is checked empty by tests/test_kernels.py instead.
+                mod.compile()
             except Exception as e:
                 raise KernelError(f"compiling {path} for device {device_id} failed: {e}; check "
                                   "that the CUDA runtime/NVRTC match the driver") from e
@@ -253,6 +257,7 @@ class CudaKernels:
         if hit is not None:
             self._tables.move_to_end(key)
             return hit
+        self._retire(())
         for i, a in enumerate(arrays):
             if a.size and a.device.id != dev:
                 raise KernelError(f"{op}: array {i} is on device {a.device.id} but the bucket "
@@ -269,14 +274,23 @@ class CudaKernels:
             buf = self.cp.empty(host.size, dtype=self.cp.uint8)
             buf.set(host, stream=stream)   # ordered before the launch on the same stream
             tab.device_buf = buf
+            tab.used = self.cp.cuda.Event(block=False, disable_timing=True)
             self.stats["table_uploads"] += 1
         hit = (tab, chunk)
         self._tables[key] = hit
         while len(self._tables) > TABLE_CACHE_SIZE:
-            self._tables.popitem(last=False)
+            self._retire([self._tables.popitem(last=False)[1][0]])
         return hit
 
+    def _retire(self, tables: Sequence[Table]) -> None:
+        """Keep the device tables that left the cache until their last launch has run (module
+        doc), and drop the ones whose last launch has."""
+        self._retired += [t for t in tables if t.device_buf is not None]
+        self._retired = [t for t in self._retired if not t.used.done]
+
     def clear_cache(self) -> None:
+        """Forget every table; device tables are freed once their last launch has run."""
+        self._retire([hit[0] for hit in self._tables.values()])
         self._tables.clear()
 
     # -- operations ---------------------------------------------------------------------------
@@ -302,6 +316,8 @@ class CudaKernels:
             name = kernel_name(op, pair, variant, tab.small is not None)
             args = self.launch_args(tab, bucket, chunk, scale) + tail
             self._launch(dev, name, tab.grid, args)
+            if tab.used is not None:
+                tab.used.record()   # on the current stream, after the launch that reads it
 
     def launch_args(self, tab: Table, bucket: Any, chunk: int, scale: float) -> tuple:
         """The kernel arguments up to `scale` (pack appends the flag pointer). The SmallTable
