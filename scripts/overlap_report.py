@@ -1,7 +1,16 @@
 #!/usr/bin/env python3
-"""How much NCCL time hides behind compute, from Nsight Systems SQLite exports (one per rank).
+"""How much NCCL time hides behind compute, from Nsight Systems SQLite exports (one per rank) or
+torch.profiler Chrome traces (CUPTI kernel records; where nsys is missing).
 
     python scripts/overlap_report.py prof/profile_rank0.sqlite prof/profile_rank1.sqlite [--csv out.csv]
+    python scripts/overlap_report.py TRACE.json [--csv streams.csv] [--json summary.json]
+
+A `.json` file is read as the trace `torch.profiler.profile(...).export_chrome_trace` writes:
+{"traceEvents": [...]}, kernels are the events with "cat": "kernel" ("ts"/"dur" in microseconds,
+`args.device`, `args.stream`). Per GPU and stream: kernel count and busy time, NCCL kernels
+(name contains "nccl") and our pack/unpack launches (`nd_pack*`/`nd_unpack*`). The comm streams
+are those that ran an NCCL kernel; the hidden share is the part of their kernel time (NCCL and
+pack/unpack alike) that overlaps kernels running on the other streams of the same GPU, in %.
 
 Per process and GPU: total NCCL kernel time (union of kernels whose name contains "nccl"), the part
 of it that overlaps non-NCCL kernels (union of those, intersected), the ratio, and the host-side
@@ -24,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import re
 import sqlite3
@@ -101,12 +111,114 @@ def report(path: str) -> list:
     return rows
 
 
+STREAM_COLUMNS = ["trace", "device", "stream", "comm", "kernels", "busy_ms", "nccl_kernels",
+                  "nccl_ms", "pack", "unpack"]
+SUMMARY_COLUMNS = ["trace", "device", "comm_streams", "comm_ms", "other_ms", "hidden_ms",
+                   "hidden_pct", "nccl_kernels", "pack_launches", "unpack_launches"]
+PACK = re.compile(r"nd_pack")
+UNPACK = re.compile(r"nd_unpack")
+
+
+def read_trace(path: str) -> list:
+    """(device, stream, name, start_us, end_us) of every kernel event of a Chrome trace."""
+    if not os.path.isfile(path):
+        raise SystemExit(f"overlap_report: no such file: {path}")
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"overlap_report: {path} is not a JSON trace: {e}") from e
+    events = data.get("traceEvents", []) if isinstance(data, dict) else data
+    out = []
+    for ev in events:
+        if not isinstance(ev, dict) or ev.get("cat") != "kernel" or ev.get("ph", "X") != "X":
+            continue
+        args = ev.get("args") or {}
+        device = args.get("device", ev.get("pid"))
+        stream = args.get("stream", ev.get("tid"))
+        start = float(ev["ts"])
+        out.append((device, stream, str(ev.get("name", "")), start, start + float(ev["dur"])))
+    return out
+
+
+def _order(x) -> tuple:
+    """Sort key: numbers numerically, before anything else as text."""
+    return (0, x, "") if isinstance(x, (int, float)) else (1, 0, str(x))
+
+
+def trace_report(path: str) -> tuple:
+    """(per-stream rows, per-GPU summary rows) of one Chrome trace; times in ms."""
+    kernels = read_trace(path)
+    name = os.path.basename(path)
+    per: dict = defaultdict(list)
+    for device, stream, kname, start, end in kernels:
+        per[(device, stream)].append((kname, start, end))
+    comm = {key for key, ks in per.items() if any("nccl" in k.lower() for k, _, _ in ks)}
+    streams, summary = [], []
+    for device in sorted({d for d, _ in per}, key=_order):
+        mine = sorted((k for k in per if k[0] == device), key=lambda k: _order(k[1]))
+        comm_iv, other_iv = [], []
+        for key in mine:
+            ks = per[key]
+            nccl = [(s, e) for k, s, e in ks if "nccl" in k.lower()]
+            (comm_iv if key in comm else other_iv).extend((s, e) for _, s, e in ks)
+            streams.append({
+                "trace": name, "device": device, "stream": key[1], "comm": key in comm,
+                "kernels": len(ks), "busy_ms": union_length((s, e) for _, s, e in ks) / 1e3,
+                "nccl_kernels": len(nccl), "nccl_ms": union_length(nccl) / 1e3,
+                "pack": sum(bool(PACK.search(k)) for k, _, _ in ks),
+                "unpack": sum(bool(UNPACK.search(k)) for k, _, _ in ks)})
+        comm_us, hidden_us = union_length(comm_iv), overlap_length(comm_iv, other_iv)
+        rows = [r for r in streams if r["trace"] == name and r["device"] == device]
+        summary.append({
+            "trace": name, "device": device,
+            "comm_streams": " ".join(str(k[1]) for k in mine if k in comm) or "-",
+            "comm_ms": comm_us / 1e3, "other_ms": union_length(other_iv) / 1e3,
+            "hidden_ms": hidden_us / 1e3,
+            "hidden_pct": 100.0 * hidden_us / comm_us if comm_us else 0.0,
+            "nccl_kernels": sum(r["nccl_kernels"] for r in rows),
+            "pack_launches": sum(r["pack"] for r in rows),
+            "unpack_launches": sum(r["unpack"] for r in rows)})
+    return streams, summary
+
+
+def trace_main(args: argparse.Namespace) -> int:
+    streams, summary = [], []
+    for path in args.reports:
+        a, b = trace_report(path)
+        streams += a
+        summary += b
+    if not streams:
+        print("no kernel events in the trace(s): was torch.profiler run with "
+              "ProfilerActivity.CUDA?", file=sys.stderr)
+        return 1
+    fmt = {c: ".3f" for c in STREAM_COLUMNS + SUMMARY_COLUMNS if c.endswith("_ms")}
+    fmt["hidden_pct"] = ".1f"
+    print(format_table(streams, STREAM_COLUMNS, fmt))
+    print()
+    print(format_table(summary, SUMMARY_COLUMNS, fmt))
+    if args.csv:
+        write_csv(streams, args.csv)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"streams": streams, "summary": summary}, f, indent=1)
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("sqlite", nargs="+", help="nsys SQLite exports, one per rank")
-    ap.add_argument("--csv", help="also write the rows to this CSV file")
+    ap.add_argument("reports", nargs="+", metavar="REPORT",
+                    help="nsys SQLite exports (one per rank) or torch.profiler Chrome traces "
+                         "(.json)")
+    ap.add_argument("--csv", help="also write the rows (traces: the per-stream rows) as CSV")
+    ap.add_argument("--json", help="traces: also write per-stream and summary rows as JSON")
     args = ap.parse_args(argv)
-    rows = [r for path in args.sqlite for r in report(path)]
+    traces = [p.endswith(".json") for p in args.reports]
+    if any(traces):
+        if not all(traces):
+            ap.error("give either SQLite exports or .json traces, not both")
+        return trace_main(args)
+    rows = [r for path in args.reports for r in report(path)]
     if not rows:
         print("no CUDA kernels found in the report(s): was nsys run with -t cuda?", file=sys.stderr)
         return 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import importlib.util
+import json
 import os
 import sqlite3
 import subprocess
@@ -196,3 +197,82 @@ def test_profile_script_end_to_end_with_fake_nsys(tmp_path):
     rows = list(csv.DictReader((out / "overlap.csv").open()))
     assert [r["rank"] for r in rows] == ["0", "1"]
     assert all(float(r["nccl_ms"]) == 4.0 and float(r["overlap_pct"]) == 25.0 for r in rows)
+
+
+# ---------------------------------------------------------------------------------- Chrome traces
+
+def _kernel(name, start, end, stream, device=0):
+    return {"ph": "X", "cat": "kernel", "name": name, "pid": device, "tid": stream,
+            "ts": float(start), "dur": float(end - start),
+            "args": {"device": device, "stream": stream, "correlation": 1}}
+
+
+@pytest.fixture
+def trace(tmp_path):
+    """A torch.profiler export_chrome_trace file with known intervals (us)."""
+    nccl = "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)"
+    events = [
+        _kernel("void at::native::conv2d_fprop(float*)", 0, 100, 7),
+        _kernel("void at::native::elementwise(float*)", 150, 250, 7),
+        # comm stream 13: pack, NCCL, unpack twice -> [80,140] + [240,305] = 125 us,
+        # of which [80,100] and [240,250] run beside stream 7's kernels: 30 us hidden
+        _kernel("void nd_pack<float, float, false>(Seg const*, int, float*, int, double, int*)",
+                80, 90, 13),
+        _kernel(nccl, 90, 130, 13),
+        _kernel("void nd_unpack<float, float, false>(Seg const*, int, float*, int, double)",
+                130, 140, 13),
+        _kernel("_Z13nd_pack_smallIffLb1EEv10SmallTablePfid", 240, 245, 13),
+        _kernel(nccl, 245, 300, 13),
+        _kernel("_Z15nd_unpack_smallIffLb0EEv10SmallTablePKfid", 300, 305, 13),
+        _kernel("void at::native::reduce(float*)", 0, 10, 7, device=1),
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD", "pid": 0, "tid": 7,
+         "ts": 100.0, "dur": 200.0, "args": {"device": 0, "stream": 7}},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::add_", "pid": 1234, "tid": 1,
+         "ts": 0.0, "dur": 1000.0, "args": {}},
+        {"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "GPU 0"}},
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"schemaVersion": 1, "traceEvents": events}))
+    return path
+
+
+def test_trace_streams_and_hidden_share_exact(orep, trace):
+    streams, summary = orep.trace_report(str(trace))
+    s7, s13, d1 = streams
+    assert (s7["device"], s7["stream"], s7["comm"], s7["kernels"], s7["busy_ms"]) == \
+        (0, 7, False, 2, 0.2)
+    assert (s13["stream"], s13["comm"], s13["kernels"], s13["nccl_kernels"], s13["pack"],
+            s13["unpack"]) == (13, True, 6, 2, 2, 2)
+    assert s13["busy_ms"] == pytest.approx(0.125) and s13["nccl_ms"] == pytest.approx(0.095)
+    assert (d1["device"], d1["comm"], d1["kernels"]) == (1, False, 1)
+    g0, g1 = summary
+    assert g0["comm_streams"] == "13" and g0["comm_ms"] == pytest.approx(0.125)
+    assert g0["hidden_ms"] == pytest.approx(0.030)
+    assert g0["hidden_pct"] == pytest.approx(24.0)
+    assert (g0["nccl_kernels"], g0["pack_launches"], g0["unpack_launches"]) == (2, 2, 2)
+    assert (g1["comm_ms"], g1["hidden_pct"], g1["comm_streams"]) == (0.0, 0.0, "-")
+
+
+def test_trace_main_prints_tables_and_writes_csv_json(orep, trace, tmp_path, capsys):
+    out_csv, out_json = tmp_path / "streams.csv", tmp_path / "overlap.json"
+    assert orep.main([str(trace), "--csv", str(out_csv), "--json", str(out_json)]) == 0
+    text = capsys.readouterr().out
+    assert text.splitlines()[0].split() == orep.STREAM_COLUMNS
+    assert " 24.0 " in text
+    assert [r["stream"] for r in csv.DictReader(out_csv.open())] == ["7", "13", "7"]
+    summary = json.loads(out_json.read_text())["summary"]
+    assert summary[0]["hidden_pct"] == pytest.approx(24.0)
+
+
+def test_trace_without_kernels_and_mixed_inputs(orep, tmp_path, reports, capsys):
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "x",
+                                                  "ts": 0, "dur": 1}]}))
+    assert orep.main([str(empty)]) == 1
+    assert "no kernel events" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        orep.main([str(empty), str(reports[0])])
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(SystemExit, match="not a JSON trace"):
+        orep.main([str(bad)])
