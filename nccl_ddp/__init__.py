@@ -22,6 +22,7 @@ from nccl_ddp.comm.group import ProcessGroup, ReduceOp, Work
 from nccl_ddp.ddp.data_parallel import DistributedDataParallel
 from nccl_ddp.ddp.grad_reducer import DistributedGradReducer
 from nccl_ddp.ddp.join import Join
+from nccl_ddp.ddp.shard_optim import ShardAdamW, ShardSGD
 from nccl_ddp.errors import NcclDdpError
 
 __version__ = "0.1.0"
@@ -36,7 +37,8 @@ def __getattr__(name: str):
 
 
 __all__ = ["DistributedDataParallel", "DistributedGradReducer", "Join", "NcclDdpError", "ProcessGroup",
-           "ReduceOp", "Work", "ZeroRedundancyOptimizer", "__version__", "all_gather", "all_reduce",
+           "ReduceOp", "ShardAdamW", "ShardSGD", "Work", "ZeroRedundancyOptimizer", "__version__",
+           "all_gather", "all_reduce",
            "barrier", "broadcast",
            "destroy_process_group", "errors", "hooks", "get_local_rank", "get_rank", "get_world_group",
            "get_world_size", "init_process_group", "is_initialized", "new_group", "reduce_scatter"]

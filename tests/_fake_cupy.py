@@ -29,20 +29,20 @@ def _c_dtype(name):
 
 
 def cpu_kernels():
-    """The CPU build of the real kernels/bucket.cu (cached), or None (see CPU_KERNELS_MISSING)."""
+    """The CPU build of the real kernels/*.cu (ck.module_source(), cached), or None (see
+    CPU_KERNELS_MISSING)."""
     global CPU_KERNELS_MISSING
     if CPU_KERNELS_MISSING is not None:
         return None
     try:
         from cuda_cpu import runtime
         if runtime.compiler() is None:
-            CPU_KERNELS_MISSING = "no C++ compiler (g++ or clang++) to build kernels/bucket.cu"
+            CPU_KERNELS_MISSING = "no C++ compiler (g++ or clang++) to build kernels/*.cu"
             return None
-        src = (ck.kernel_source_dir() / "bucket.cu").read_text()
-        return runtime.load(src, ck.name_expressions(),
+        return runtime.load(ck.module_source(), ck.name_expressions(),
                             runtime.effective_ftz(cupy_nvrtc_options(ck.COMPILE_OPTIONS)))
     except Exception as e:   # a build failure is a test failure: report it, do not fall back
-        raise RuntimeError(f"building kernels/bucket.cu for the CPU failed: {e}") from e
+        raise RuntimeError(f"building kernels/*.cu for the CPU failed: {e}") from e
 
 
 CPU_KERNELS_MISSING = None
@@ -332,6 +332,10 @@ class FakeFunction:
                             [cupy_arg(a) for a in args])
             return
         assert block == (ck.THREADS,) and grid[0] >= 1
+        m = re.fullmatch(r"nd_(sgd|adamw)<(\w+), (\w+)>", self.name)
+        if m:
+            self._optim_ref(m.group(1), _c_dtype(m.group(2)), _c_dtype(m.group(3)), args)
+            return
         m = re.fullmatch(r"nd_scale<(\w+)>", self.name)
         if m:
             ptr, n, factor = args
@@ -385,6 +389,30 @@ class FakeFunction:
                 src = heap.view(bucket + (off + start) * ts.itemsize, length, ts)
                 dst = heap.view(ptr + start * td.itemsize, length, td)
                 K.unpack_ref([dst], src, [0], scale=float(scale), accumulate=variant == "true")
+
+
+def _optim_arrays(fn, args, dtypes):
+    """The arrays of an nd_sgd/nd_adamw launch as heap views (None for a NULL pointer)."""
+    n = int(args[len(dtypes)])
+    return [None if a is None else fn.cp.heap.view(a.data.ptr, n, dt)
+            for a, dt in zip(args, dtypes)]
+
+
+def _fake_optim_ref(fn, op, tg, tp, args):
+    """Without a C++ compiler: an nd_sgd/nd_adamw launch executed by its reference."""
+    from nccl_ddp.kernels import optim_spec as S
+    f32 = np.dtype(np.float32)
+    if op == "sgd":
+        g, m, buf, out = _optim_arrays(fn, args, (tg, f32, f32, tp))
+        sc = S.SgdScalars(*args[5:10], int(args[10]))
+        S.sgd_ref(m, g, buf, out, sc)
+    else:
+        g, m, a, v, vmax, out = _optim_arrays(fn, args, (tg, f32, f32, f32, f32, tp))
+        sc = S.AdamWScalars(*args[7:15], int(args[15]))
+        S.adamw_ref(m, g, a, v, vmax, out, sc)
+
+
+FakeFunction._optim_ref = lambda self, op, tg, tp, args: _fake_optim_ref(self, op, tg, tp, args)
 
 
 class FakeCNumpyArray:

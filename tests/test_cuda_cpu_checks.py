@@ -98,8 +98,8 @@ def test_software_ptx_matches_numpy(module):
 @pytest.mark.parametrize("snippet, message", [
     ("#include <cuda_fp16.h>\n", "preprocessor directive '#include <cuda_fp16.h>'"),
     ("#define X 1\n", "preprocessor directive"),
-    (('__device__ float f(float a) { float r; asm("sqrt.rn.f32 %0, %1;" : "=f"(r) : "f"(a)); '
-      "return r; }\n"), "inline PTX 'sqrt.rn.f32 %0, %1;' is not modelled"),
+    (('__device__ float f(float a) { float r; asm("rcp.rn.f32 %0, %1;" : "=f"(r) : "f"(a)); '
+      "return r; }\n"), "inline PTX 'rcp.rn.f32 %0, %1;' is not modelled"),
     (('__device__ float f(float a) { float r; asm("mul.rn.f32 %0, %1, %2;" : "=r"(r) : '
       '"f"(a), "f"(a)); return r; }\n'), 'needs one "=f" output'),
     ("__device__ int f(int a) { return __shfl_sync(0xffffffffu, a, 0); }\n",

@@ -19,6 +19,8 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 DT = {"float16": np.dtype(np.float16), "bfloat16": BF16, "float32": np.dtype(np.float32),
       "float64": np.dtype(np.float64)}
 SOURCE = (K.kernel_source_dir() / "bucket.cu").read_text()
+MODULE = ck.module_source()                   # bucket.cu + optim.cu: what NVRTC compiles
+KERNELS = 52 + 18                             # bucket + fused optimizer instantiations
 
 
 def _nvrtc():
@@ -55,13 +57,13 @@ def _nvrtc_compile(src, arch, names=(), extra=()):
 @pytest.mark.slow
 def test_nvrtc_compiles_every_kernel_without_warnings(arch):
     names = ck.name_expressions()
-    nvrtc, prog = _nvrtc_compile(SOURCE, arch, names, ["-Xptxas=-v"])
+    nvrtc, prog = _nvrtc_compile(MODULE, arch, names, ["-Xptxas=-v"])
     log = nvrtc.getProgramLog(prog).replace("\x00", "")
     lines = [ln for ln in log.splitlines() if ln.strip()]
     noise = re.compile(r"^ptxas(\s+info\s*:|\s+\.)")
     assert [ln for ln in lines if not noise.match(ln)] == [], log
     entries = re.findall(r"Compiling entry function '(\w+)'", log)
-    assert len(entries) == len(names) == 52
+    assert len(entries) == len(names) == KERNELS
     assert "bytes stack frame" in log
     usage = re.findall(r"Function properties for (\w+)\s*\nptxas\s+\.\s+(\d+) bytes stack "
                        r"frame, (\d+) bytes spill stores", log)
@@ -111,11 +113,11 @@ def test_aligned_spans_use_16_byte_vectors():
 def test_no_flush_to_zero_instruction_under_cupys_options():
     """CuPy appends -ftz=true: the float32 arithmetic and conversions must still keep
     subnormals (inline PTX without .ftz), in every instantiation."""
-    nvrtc, prog = _nvrtc_compile(SOURCE, "compute_90", ck.name_expressions())
+    nvrtc, prog = _nvrtc_compile(MODULE, "compute_90", ck.name_expressions())
     ptx = nvrtc.getPTX(prog)
     ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
     assert "-ftz=true" in cupy_nvrtc_options(ck.COMPILE_OPTIONS)
-    assert ptx.count(".entry ") == 52
+    assert ptx.count(".entry ") == KERNELS
     assert re.findall(r"^\s*\S*\.ftz\S*", ptx, re.MULTILINE) == []
     assert re.search(r"\bmul\.rn\.f32\b", ptx) and re.search(r"\badd\.rn\.f32\b", ptx)
 
@@ -125,7 +127,7 @@ def test_no_flush_to_zero_instruction_under_cupys_options():
 def test_nvcc_compiles_with_all_warnings_as_errors(tmp_path):
     inst = tmp_path / "inst.cu"
     refs = ",\n".join(f"  reinterpret_cast<const void*>(&{n})" for n in ck.name_expressions())
-    inst.write_text(SOURCE + _layout_asserts() +
+    inst.write_text(MODULE + _layout_asserts() +
                     f"\nextern const void* const kAll[];\nconst void* const kAll[] = {{\n{refs}\n}};\n")
     cmd = ["nvcc", "-std=c++17", "-arch=sm_90", "-Werror", "all-warnings", "-Xptxas", "-v",
            "-c", str(inst), "-o", str(tmp_path / "inst.o")]
@@ -133,7 +135,7 @@ def test_nvcc_compiles_with_all_warnings_as_errors(tmp_path):
     out = res.stdout + res.stderr
     assert res.returncode == 0, out
     usage = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores", out)
-    assert len(usage) == 52 and set(usage) == {("0", "0")}, out
+    assert len(usage) == KERNELS and set(usage) == {("0", "0")}, out
     regs = [int(r) for r in re.findall(r"Used (\d+) registers", out)]
     assert max(regs) <= 128   # 256-thread blocks keep >= 2 blocks per SM
 
@@ -404,4 +406,5 @@ def test_kernel_names():
         "nd_pack<float, bf16_t, true>"
     assert ck.kernel_name("unpack", ("float16", "float32"), False, True) == \
         "nd_unpack_small<f16_t, float, false>"
-    assert len(set(ck.name_expressions())) == 52
+    assert len(set(ck.name_expressions())) == KERNELS
+    assert ck.optim_kernel_name("adamw", "bfloat16", "float16") == "nd_adamw<bf16_t, f16_t>"

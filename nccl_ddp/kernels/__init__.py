@@ -12,6 +12,9 @@ launch per call whatever the tensor count, bit-identical to the references.
         dst_i = cast(src[off_i : off_i + n_i] * scale), or dst_i += ... with accumulate=True.
     scale_(buf, factor)   buf *= factor, in place
     zero_(buf)            buf[...] = 0
+    sgd_step(master, grad, momentum_buf, params_out, *, lr, ...)     fused SGD on one flat shard
+    adamw_step(master, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, params_out, *, step, lr, ...)
+        fused AdamW on one flat shard (kernels/optim.cu; references in optim_spec)
 
 Offsets are in elements of the bucket dtype. Arithmetic is in float32 (float64 for float64 data):
 cast(x * scale) rounds once to nearest-even; accumulate computes cast(dst + x * scale) without a
@@ -19,11 +22,12 @@ fused multiply-add.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
 from nccl_ddp.kernels.cuda import kernel_source_dir
+from nccl_ddp.kernels.optim_spec import adamw_ref, adamw_scalars, sgd_ref, sgd_scalars
 from nccl_ddp.kernels.spec import (
     PACK_PAIRS,
     SCALE_DTYPES,
@@ -77,6 +81,37 @@ def zero_(buf: Any) -> None:
         _cuda().zero_(buf)
 
 
+def sgd_step(master: Any, grad: Any, momentum_buf: Optional[Any], params_out: Optional[Any], *,
+             lr: float, momentum: float = 0.0, dampening: float = 0.0,
+             weight_decay: float = 0.0, nesterov: bool = False, fresh_buffer: bool = False,
+             grad_scale: float = 1.0) -> None:
+    """torch.optim.SGD's step on one flat float32 shard, in place: grad (float32/bfloat16/float16)
+    times grad_scale, master and momentum_buf (float32; None without momentum) updated,
+    params_out (float32/bfloat16/float16, or None) := the new master cast. `fresh_buffer`: the
+    momentum buffer has no value yet (torch's first step: buf = grad)."""
+    sc = sgd_scalars(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                     nesterov=nesterov, fresh_buffer=fresh_buffer, grad_scale=grad_scale)
+    if _is_host(master):
+        sgd_ref(master, grad, momentum_buf, params_out, sc)
+    else:
+        _cuda_optim().sgd(master, grad, momentum_buf, params_out, sc)
+
+
+def adamw_step(master: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any,
+               max_exp_avg_sq: Optional[Any], params_out: Optional[Any], *, step: int, lr: float,
+               beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
+               weight_decay: float = 1e-2, amsgrad: bool = False,
+               grad_scale: float = 1.0) -> None:
+    """torch.optim.AdamW's step on one flat float32 shard, in place (see sgd_step); `step` is
+    this step's number (1 first); max_exp_avg_sq only with amsgrad."""
+    sc = adamw_scalars(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                       weight_decay=weight_decay, amsgrad=amsgrad, grad_scale=grad_scale)
+    if _is_host(master):
+        adamw_ref(master, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, params_out, sc)
+    else:
+        _cuda_optim().adamw(master, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, params_out, sc)
+
+
 def _is_host(x: Any) -> bool:
     return isinstance(x, np.ndarray)
 
@@ -86,6 +121,12 @@ def _cuda():
     return cuda.backend()
 
 
-__all__ = ["pack", "unpack", "scale_", "zero_", "kernel_source_dir", "PACK_PAIRS", "UNPACK_PAIRS",
+def _cuda_optim():
+    from nccl_ddp.kernels import cuda_optim
+    return cuda_optim
+
+
+__all__ = ["pack", "unpack", "scale_", "zero_", "sgd_step", "adamw_step", "sgd_ref", "adamw_ref",
+           "kernel_source_dir", "PACK_PAIRS", "UNPACK_PAIRS",
            "SCALE_DTYPES", "acc_dtype", "check_flag", "check_flat", "check_segments", "dtype_name",
            "pack_ref", "unpack_ref", "scale_ref", "zero_ref"]

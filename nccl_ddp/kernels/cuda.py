@@ -1,6 +1,7 @@
-"""CUDA path of `nccl_ddp.kernels`: compiles kernels/bucket.cu with cupy.RawModule (NVRTC, one
-module per device), builds the launch table of a pack/unpack call, caches it, and launches ONE
-kernel on CuPy's current stream.
+"""CUDA path of `nccl_ddp.kernels`: compiles kernels/bucket.cu + kernels/optim.cu (one translation
+unit, `module_source`) with cupy.RawModule (NVRTC, one module per device), builds the launch table
+of a pack/unpack call, caches it, and launches ONE kernel on CuPy's current stream (the fused
+optimizer launches are in `nccl_ddp.kernels.cuda_optim`).
 
 Table (see the comment at the top of bucket.cu): every non-empty array is cut into chunks of
 `chunk` elements, one warp per chunk. `choose_chunk` sizes the chunks so that all items fit in the
@@ -27,6 +28,7 @@ import numpy as np
 
 from nccl_ddp.env import env_int
 from nccl_ddp.errors import KernelError
+from nccl_ddp.kernels.optim_spec import GRAD_DTYPES, PARAM_DTYPES
 from nccl_ddp.kernels.spec import (
     PACK_PAIRS,
     SCALE_DTYPES,
@@ -47,6 +49,7 @@ MANY_TENSORS_CHUNK_BYTES = 8192     # chunk when there are more tensors than res
 MIN_CHUNK = 256                     # elements
 TABLE_CACHE_SIZE = 256        # cached device tables (LRU)
 COMPILE_OPTIONS = ("-std=c++17",)
+SOURCES = ("bucket.cu", "optim.cu")   # one module, in this order (optim.cu uses bucket.cu's helpers)
 
 C_TYPE = {"float16": "f16_t", "bfloat16": "bf16_t", "float32": "float", "float64": "double"}
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
@@ -73,6 +76,24 @@ def kernel_source_dir() -> Path:
         "nccl_ddp or set NCCL_DDP_KERNEL_DIR to the folder holding kernels/bucket.cu")
 
 
+def module_source() -> str:
+    """The text NVRTC compiles: every file of SOURCES, each after a #line naming it."""
+    d = kernel_source_dir()
+    parts = []
+    for name in SOURCES:
+        try:
+            parts.append(f'#line 1 "{name}"\n' + (d / name).read_text())
+        except OSError as e:
+            raise KernelError(f"kernel source {d / name} unreadable ({e}); reinstall nccl_ddp or "
+                              "set NCCL_DDP_KERNEL_DIR to the folder holding kernels/*.cu") from e
+    return "\n".join(parts)
+
+
+def optim_kernel_name(op: str, grad_dtype: str, param_dtype: str) -> str:
+    """The name expression of a fused optimizer step: op sgd | adamw."""
+    return f"nd_{op}<{C_TYPE[grad_dtype]}, {C_TYPE[param_dtype]}>"
+
+
 def kernel_name(op: str, pair: tuple, flag: bool, small: bool) -> str:
     """The name expression of one instantiation. op: pack | unpack | scale; pair: (source dtype,
     destination dtype) as the kernel sees them; flag: pack's non-finite check or unpack's
@@ -93,6 +114,8 @@ def name_expressions() -> list:
                 for small in (False, True):
                     names.append(kernel_name(op, pair, flag, small))
     names += [kernel_name("scale", (t, t), False, False) for t in sorted(SCALE_DTYPES)]
+    names += [optim_kernel_name(op, g, p) for op in ("sgd", "adamw") for g in sorted(GRAD_DTYPES)
+              for p in sorted(PARAM_DTYPES)]
     return names
 
 
@@ -199,9 +222,9 @@ class CudaKernels:
             return fn
         mod = self._modules.get(device_id)
         if mod is None:
-            path = kernel_source_dir() / "bucket.cu"
+            path = kernel_source_dir() / " + ".join(SOURCES)
             try:
-                mod = self.cp.RawModule(code=path.read_text(), options=COMPILE_OPTIONS,
+                mod = self.cp.RawModule(code=module_source(), options=COMPILE_OPTIONS,
                                         name_expressions=tuple(name_expressions()))
                 # No log_stream: CuPy memoizes the module on every argument, log_stream too, and
                 # get_function reads it with None: a log stream would load it twice per device.
@@ -214,7 +237,7 @@ class CudaKernels:
         try:
             fn = mod.get_function(name)
         except Exception as e:
-            raise KernelError(f"kernel {name} not found in bucket.cu: {e}") from e
+            raise KernelError(f"kernel {name} not found in {' + '.join(SOURCES)}: {e}") from e
         self._functions[(device_id, name)] = fn
         return fn
 

@@ -17,6 +17,7 @@
 //   them out, and the __launch_bounds__ of each kernel.
 #pragma once
 
+#include <cmath>
 #include <csetjmp>
 #include <csignal>
 #include <cstdint>
@@ -77,6 +78,12 @@ inline float flush(float x) {
 // arithmetic with MXCSR's FTZ/DAZ cleared for the launch).
 inline float ptx_mul_rn_f32(float a, float b) { return canon(a * b); }
 inline float ptx_add_rn_f32(float a, float b) { return canon(a + b); }
+// sub/div/sqrt.rn.f32 (IEEE, correctly rounded; sqrtss/divss) and fma.rn.f32 (one rounding:
+// glibc's fmaf is exact), subnormals kept.
+inline float ptx_sub_rn_f32(float a, float b) { return canon(a - b); }
+inline float ptx_div_rn_f32(float a, float b) { return canon(a / b); }
+inline float ptx_sqrt_rn_f32(float a) { return canon(std::sqrt(a)); }
+inline float ptx_fma_rn_f32(float a, float b, float c) { return canon(std::fma(a, b, c)); }
 // mul.rn.ftz.f32 / add.rn.ftz.f32: subnormal inputs and results flushed to sign-preserving zero.
 inline float ptx_mul_rn_ftz_f32(float a, float b) { return flush(canon(flush(a) * flush(b))); }
 inline float ptx_add_rn_ftz_f32(float a, float b) { return flush(canon(flush(a) + flush(b))); }

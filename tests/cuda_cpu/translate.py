@@ -18,6 +18,10 @@ PTX = {
     "cvt.rn.f32.f64": ("ptx_cvt_rn_f32_f64", "f", ("d",)),
     "mul.rn.f32": ("ptx_mul_rn_f32", "f", ("f", "f")),
     "add.rn.f32": ("ptx_add_rn_f32", "f", ("f", "f")),
+    "sub.rn.f32": ("ptx_sub_rn_f32", "f", ("f", "f")),
+    "div.rn.f32": ("ptx_div_rn_f32", "f", ("f", "f")),
+    "sqrt.rn.f32": ("ptx_sqrt_rn_f32", "f", ("f",)),
+    "fma.rn.f32": ("ptx_fma_rn_f32", "f", ("f", "f", "f")),
     "mul.rn.ftz.f32": ("ptx_mul_rn_ftz_f32", "f", ("f", "f")),
     "add.rn.ftz.f32": ("ptx_add_rn_ftz_f32", "f", ("f", "f")),
 }
@@ -108,7 +112,7 @@ def _asm(stmt: str, line: int, path: str) -> str:
         raise TranslateError(f"{where}: asm statement the CPU build does not model (it takes "
                              f"exactly `\"template\" : output : inputs`, no clobbers): {stmt!r}")
     template = "".join(re.findall(r'"((?:[^"\\]|\\.)*)"', parts[0]))
-    m = re.fullmatch(r"\s*([\w.]+)\s+%0\s*,\s*%1\s*(?:,\s*%2\s*)?;?\s*", template)
+    m = re.fullmatch(r"\s*([\w.]+)\s+%0\s*,\s*%1\s*(?:,\s*%2\s*(?:,\s*%3\s*)?)?;?\s*", template)
     if not m or m.group(1) not in PTX:
         raise TranslateError(
             f"{where}: inline PTX {template.strip()!r} is not modelled by the CPU build; add its "
@@ -131,11 +135,13 @@ def _asm(stmt: str, line: int, path: str) -> str:
 def translate(src: str, path: str = "bucket.cu") -> tuple:
     """(C++ text of the kernels, {kernel: launch-bounds expression}). Raises TranslateError."""
     code, bare = _strip(src)
-    # preprocessor: only `#pragma unroll` (dropped: g++ would warn)
+    # preprocessor: only `#pragma unroll` (dropped: g++ would warn) and `#line N "file"` (kept)
     for m in re.finditer(r"^[ \t]*#[^\n]*", bare, re.MULTILINE):
         directive = m.group(0).strip()
         if re.fullmatch(r"#\s*pragma\s+unroll(\s+\d+)?", directive):
             code = code[:m.start()] + " " * (m.end() - m.start()) + code[m.end():]
+            continue
+        if re.fullmatch(r'#\s*line\s+\d+\s+"[^"\n]*"', directive):   # module_source's file marks
             continue
         raise TranslateError(
             f"{path}:{_line(bare, m.start())}: preprocessor directive {directive!r} is not "
