@@ -1,11 +1,15 @@
 #!/usr/bin/env python3
-"""Bandwidth of the bucket kernels (pack / unpack) against a plain device-to-device copy of the
-same bytes and a naive per-tensor CuPy loop, on one GPU.
+"""Bandwidth of the bucket kernels (pack / unpack) and the fused optimizer steps (sgd / adamw on
+one flat shard) against a plain device-to-device copy of the same bytes and a naive per-tensor
+CuPy loop (bucket kernels), on one GPU.
 
 GB/s counts bytes read + bytes written. "kernel" times back-to-back launches of the prepared
 kernel between CUDA events (cached table, no Python validation); "call" is the host time of one
 `nccl_ddp.kernels.pack/unpack` call with a warm cache (what the reducer pays on the CPU). Buffers
-rotate among several sets so that repeated runs do not measure the L2 cache.
+rotate among several sets so that repeated runs do not measure the L2 cache. For sgd (momentum)
+and adamw, MiB is the float32 master shard's size and the pair names the grad/parameter dtype
+(f32: float32 grads and parameters; f32-bf16: bfloat16 grads and parameters, float32 master);
+they run once per size (the tensor count and chunk settings do not apply).
 
     python scripts/bench_kernels.py --csv out/bench_kernels.csv
     python scripts/bench_kernels.py --sizes 25 --counts 1,10000 --chunk-bytes 4096,8192,16384
@@ -27,6 +31,8 @@ from benchlib import format_table, plot_series, write_csv  # noqa: E402
 
 MIB = 1 << 20
 PAIRS = {"f32": ("float32", "float32"), "f32-bf16": ("float32", "bfloat16")}
+OPTIM_DTYPES = {"f32": ("float32", "float32"), "f32-bf16": ("bfloat16", "bfloat16")}  # grad, param
+OPTIM_OPS = ("sgd", "adamw")
 COLUMNS = ["op", "pair", "MiB", "tensors", "fixed_B", "chunk", "kernel_us", "kernel_GBps", "copy_GBps",
            "ratio", "naive_GBps", "call_us"]
 
@@ -37,7 +43,7 @@ def parse_args(argv):
                    "(1,4,25,100)")
     p.add_argument("--counts", default="1,100,10000", help="tensors per bucket (1,100,10000)")
     p.add_argument("--pairs", default="f32,f32-bf16", help=f"of {sorted(PAIRS)}")
-    p.add_argument("--ops", default="pack,unpack")
+    p.add_argument("--ops", default="pack,unpack,sgd,adamw")
     p.add_argument("--chunk-bytes", default="", help="sweep fixed chunk sizes in bytes, "
                    "0 = adaptive (comma-separated; default: adaptive only)")
     p.add_argument("--reps", type=int, default=30, help="timed batches per measurement (30)")
@@ -154,6 +160,65 @@ class Bench:
                 "ratio": (moved / t_kernel) / (2 * src_b / t_copy),
                 "naive_GBps": moved / naive / 1e9 if naive else None, "call_us": t_call * 1e6}
 
+    def measure_optim(self, op, pair_key, mib):
+        """One fused optimizer step over a `mib` MiB float32 shard, launched directly."""
+        from nccl_ddp.kernels import cuda_optim
+        from nccl_ddp.kernels import optim_spec as S
+        cp, args, dev = self.cp, self.args, self.cp.cuda.Device().id
+        gdt, pdt = (self.dt[t] for t in OPTIM_DTYPES[pair_key])
+        n = mib * MIB // 4
+        nstate = 2 if op == "adamw" else 1
+        moved = n * (4 * 2 * (1 + nstate) + gdt.itemsize + pdt.itemsize)
+        nsets = int(max(2, min(8, -(-args.rotate_mib * MIB // moved))))
+        if op == "adamw":
+            sc = S.adamw_scalars(step=10, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                                 weight_decay=1e-2, amsgrad=False, grad_scale=args.scale)
+            scalars = cuda_optim.adamw_args(sc)
+        else:
+            sc = S.sgd_scalars(lr=0.1, momentum=0.9, dampening=0.0, weight_decay=1e-4,
+                               nesterov=False, fresh_buffer=False, grad_scale=args.scale)
+            scalars = cuda_optim.sgd_args(sc)
+        sets, prepared = [], []
+        for _ in range(nsets):   # random data, never zeros
+            rnd = [cp.random.standard_normal(n, dtype=cp.float32) for _ in range(2 + nstate)]
+            master, grad, states = rnd[0], rnd[1].astype(gdt), rnd[2:]
+            if op == "adamw":
+                states[1] = cp.abs(states[1])
+                states.append(None)
+            out = cp.empty(n, dtype=pdt)
+            sets.append((master, grad, states, out))
+            name, grid, kargs = cuda_optim.prepare(op, master, grad, states, out, scalars)
+            prepared.append((self.kb.function(dev, name), grid, kargs))
+        cp.cuda.Device().synchronize()
+
+        def launch(i):
+            fn, grid, kargs = prepared[i]
+            fn((grid,), (self.ck.THREADS,), kargs, stream=self.stream)
+        t_kernel = self.time_batches(launch, nsets, args.reps, args.batch)
+        half = moved // 2
+        copies = [(cp.empty(half, cp.uint8), cp.empty(half, cp.uint8)) for _ in range(nsets)]
+
+        def copy(i):
+            dst, src = copies[i]
+            dst.data.copy_from_device_async(src.data, half, self.stream)
+        t_copy = self.time_batches(copy, nsets, args.reps, args.batch)
+        step = self.K.adamw_step if op == "adamw" else self.K.sgd_step
+        kw = (dict(step=10, lr=1e-3) if op == "adamw" else dict(lr=0.1, momentum=0.9))
+        with self.stream:
+            master, grad, states, out = sets[0]
+            step(master, grad, *states, out, **kw)
+            self.stream.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(8):
+                step(master, grad, *states, out, **kw)
+            t_call = (time.perf_counter() - t0) / 8
+            self.stream.synchronize()
+        return {"op": op, "pair": pair_key, "MiB": mib, "tensors": 1, "fixed_B": "n/a",
+                "chunk": None, "kernel_us": t_kernel * 1e6,
+                "kernel_GBps": moved / t_kernel / 1e9, "copy_GBps": 2 * half / t_copy / 1e9,
+                "ratio": (moved / t_kernel) / (2 * half / t_copy), "naive_GBps": None,
+                "call_us": t_call * 1e6}
+
     def naive(self, op, sets, offs, pair):
         """One CuPy op per tensor (scale fused into a multiply with out=, or astype + assign)."""
         cp, scale = self.cp, self.args.scale
@@ -201,18 +266,23 @@ class Bench:
 def sweep(bench, args, cp, ck):
     """Every (chunk, op, pair, size, count) measurement; one that fails is reported and skipped."""
     rows, failures = [], 0
-    configs = [(op, pair, mib, count) for op in args.ops.split(",")
+    ops = args.ops.split(",")
+    configs = [(op, pair, mib, count) for op in ops if op not in OPTIM_OPS
                for pair in args.pairs.split(",") for mib in ints(args.sizes)
                for count in ints(args.counts)]
+    optim = [(op, pair, mib, 1) for op in ops if op in OPTIM_OPS
+             for pair in args.pairs.split(",") for mib in ints(args.sizes)]
     default_chunk = ck.CHUNK_BYTES
     try:
-        for chunk in [c or None for c in ints(args.chunk_bytes)] or [ck.CHUNK_BYTES]:
+        for k, chunk in enumerate([c or None for c in ints(args.chunk_bytes)]
+                                   or [ck.CHUNK_BYTES]):
             ck.CHUNK_BYTES = chunk
             bench.kb.clear_cache()
-            for op, pair_key, mib, count in configs:
+            for op, pair_key, mib, count in configs + (optim if k == 0 else []):
                 what = f"{op} {pair_key} {mib} MiB x{count}"
                 try:
-                    row = bench.measure(op, pair_key, mib, count)
+                    row = (bench.measure_optim(op, pair_key, mib) if op in OPTIM_OPS
+                           else bench.measure(op, pair_key, mib, count))
                 except Exception as e:   # keep the other measurements
                     failures += 1
                     print(f"  {what}: FAILED {type(e).__name__}: {e}", file=sys.stderr,
@@ -232,7 +302,7 @@ def plot(rows, path, gpu_name) -> bool:
     """GB/s against bucket size: one line per (op, dtype pair, tensor count) at the first chunk
     setting measured, and the device-to-device copy of the same bytes (the ceiling)."""
     first = rows[0]["fixed_B"]
-    shown = [r for r in rows if r["fixed_B"] == first]
+    shown = [r for r in rows if r["fixed_B"] in (first, "n/a")]
     points = [dict(MiB=r["MiB"], GBps=r["kernel_GBps"],
                    series=f"{r['op']} {r['pair']} x{r['tensors']}") for r in shown]
     copy = {}
@@ -242,7 +312,8 @@ def plot(rows, path, gpu_name) -> bool:
                for m, v in copy.items()]
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     return plot_series(points, "MiB", "GBps", "series", path,
-                       title=f"pack/unpack bandwidth, {gpu_name}", xlabel="bucket size (MiB)",
+                       title=f"kernel bandwidth, {gpu_name}",
+                       xlabel="bucket (pack/unpack) or shard (sgd/adamw) size (MiB)",
                        ylabel="GB/s (bytes read + written)")
 
 

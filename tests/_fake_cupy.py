@@ -542,6 +542,9 @@ class FakeCupy:
 
     zeros = empty   # the heap starts zeroed and is never reused
 
+    def abs(self, a):
+        return self.asarray(np.abs(a.host()))
+
     def multiply(self, a, b, out):
         out.host()[...] = a.host() * b
 

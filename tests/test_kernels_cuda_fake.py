@@ -262,7 +262,7 @@ def test_bench_kernels_runs_and_writes_csv(cp_ref, monkeypatch, tmp_path, capsys
     out = tmp_path / "k.csv"
     rc = bench.main(["--sizes", "1", "--counts", "1,40", "--chunk-bytes", "4096,0",
                      "--reps", "2", "--batch", "2", "--naive-reps", "1", "--rotate-mib", "1",
-                     "--csv", str(out), "--png", str(tmp_path / "k.png")])
+                     "--csv", str(out), "--png", str(tmp_path / "k.png"), "--ops", "pack,unpack"])
     assert rc == 0
     pytest.importorskip("matplotlib")
     assert (tmp_path / "k.png").stat().st_size > 1000
@@ -276,6 +276,27 @@ def test_bench_kernels_runs_and_writes_csv(cp_ref, monkeypatch, tmp_path, capsys
     assert "Fake GPU" in printed and "kernel_GBps" in printed
     names = {n.split("<")[0] for n, _, _ in cp.launches}
     assert names == {"nd_pack_small", "nd_pack", "nd_unpack_small", "nd_unpack"}
+
+
+@pytest.mark.slow
+def test_bench_kernels_fused_optimizer_rows(cp_ref, monkeypatch, tmp_path):
+    """sgd/adamw: one row per (op, pair, size) whatever the chunk sweep and tensor counts, each
+    pair's grad/parameter dtypes launched."""
+    import csv
+    bench = _bench_module(monkeypatch)
+    out = tmp_path / "k.csv"
+    rc = bench.main(["--sizes", "1", "--counts", "1,40", "--chunk-bytes", "4096,0", "--reps",
+                     "2", "--batch", "2", "--rotate-mib", "1", "--csv", str(out), "--png",
+                     str(tmp_path / "k.png"), "--ops", "sgd,adamw"])
+    assert rc == 0
+    rows = list(csv.DictReader(out.open()))
+    assert [(r["op"], r["pair"]) for r in rows] == [("sgd", "f32"), ("sgd", "f32-bf16"),
+                                                    ("adamw", "f32"), ("adamw", "f32-bf16")]
+    for r in rows:
+        assert float(r["ratio"]) > 0 and float(r["kernel_GBps"]) > 0 and float(r["call_us"]) > 0
+    assert {n for n, _, _ in cp_ref.launches} == {
+        "nd_sgd<float, float>", "nd_sgd<bf16_t, bf16_t>", "nd_adamw<float, float>",
+        "nd_adamw<bf16_t, bf16_t>"}
 
 
 def test_small_table_can_be_switched_off(cp, monkeypatch):
@@ -302,7 +323,8 @@ def test_bench_kernels_keeps_going_after_a_failed_measurement(cp_ref, monkeypatc
     monkeypatch.setattr(bench.Bench, "measure", measure)
     out = tmp_path / "k.csv"
     rc = bench.main(["--sizes", "1", "--counts", "3", "--reps", "1", "--batch", "1",
-                     "--naive-reps", "1", "--rotate-mib", "1", "--csv", str(out), "--png", ""])
+                     "--naive-reps", "1", "--rotate-mib", "1", "--csv", str(out), "--png", "",
+                     "--ops", "pack,unpack"])
     assert rc == 1
     assert [r["pair"] for r in csv.DictReader(out.open())] == ["f32", "f32"]
     assert "pack f32-bf16 1 MiB x3: FAILED TypeError: no bfloat16 here" in capsys.readouterr().err

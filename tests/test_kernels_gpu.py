@@ -246,3 +246,66 @@ def test_torch_bfloat16_cuda_tensors_pack_and_unpack():
     K.unpack_ref([ref], want, [2], scale=2.0, accumulate=True)
     eq(t.view(torch.int16).cpu().numpy().view(BF16), ref)
     assert torch_adapter.from_native(native).dtype == torch.bfloat16
+
+
+# ---------------------------------------------------------------------------------------------
+# fused optimizer steps (kernels/optim.cu)
+
+
+def _optim_case(rng, op, gt, pt, n, offset):
+    """Host arrays (full-range values, subnormals, -0.0, NaN/Inf grads) and device views that
+    start `offset` elements past a 256-byte boundary (a shard cut anywhere in a bucket)."""
+    from test_kernels_cpu_exec import values
+    host = {"master": values(rng, n, "float32"), "grad": values(rng, n, gt, nonfinite=True)}
+    for name in (("a",) if op == "sgd" else ("a", "b", "c")):
+        x = values(rng, n, "float32")
+        x[~np.isfinite(x)] = 1.0
+        host[name] = x if name == "a" else np.abs(x)
+    host["out"] = np.full(n, np.nan, DT[pt])
+    dev = {}
+    for k, h in host.items():
+        base = cp.empty(n + offset + 8, dtype=h.dtype)
+        view = base[offset:offset + n]
+        view.set(h)
+        dev[k] = view
+    poison(dev["out"])
+    return host, dev
+
+
+@pytest.mark.parametrize("op", ["sgd", "adamw"])
+@pytest.mark.parametrize("gt", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("pt", ["float32", "bfloat16", "float16"])
+def test_fused_optimizer_step_matches_reference(op, gt, pt):
+    rng = np.random.default_rng()
+    for n, offset in ((1, 0), (4099, 1), (4099, 0), ((1 << 20) + 3, 3), (5_000_000, 2)):
+        host, dev = _optim_case(rng, op, gt, pt, n, offset)
+        for a in (dev, host):
+            if op == "sgd":
+                K.sgd_step(a["master"], a["grad"], a["a"], a["out"], lr=0.1, momentum=0.9,
+                           nesterov=True, weight_decay=1e-2, grad_scale=0.5)
+            else:
+                K.adamw_step(a["master"], a["grad"], a["a"], a["b"], a["c"], a["out"], step=5,
+                             lr=1e-3, weight_decay=0.1, amsgrad=True, grad_scale=1 / 3)
+        cp.cuda.Device().synchronize()
+        for k, h in host.items():
+            eq(to_host(dev[k]), h)
+
+
+def test_shard_adamw_on_cupy_equals_numpy_over_steps():
+    import nccl_ddp as nd
+    rng = np.random.default_rng()
+    n = 3_000_001
+    m_h = rng.standard_normal(n).astype(np.float32)
+    m_d = cp.asarray(m_h)
+    out_d = cp.empty(n, dtype=BF16)
+    out_h = np.empty(n, BF16)
+    opt = nd.ShardAdamW(lr=1e-3, weight_decay=0.1)
+    s_h, s_d = opt.init_state(m_h), opt.init_state(m_d)
+    for _ in range(3):
+        g = rng.standard_normal(n).astype(BF16)
+        opt.step(m_d, cp.asarray(g), s_d, params_out=out_d, grad_scale=0.5)
+        opt.step(m_h, g, s_h, params_out=out_h, grad_scale=0.5)
+    eq(to_host(m_d), m_h)
+    eq(to_host(out_d), out_h)
+    for name, b in s_h.buffers.items():
+        eq(to_host(s_d.buffers[name]), b)
