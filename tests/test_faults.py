@@ -355,7 +355,7 @@ def test_rendezvous_caps_handshakes_evicting_silent_strangers(store_server, monk
 
 # -- the launcher: nothing of a job outlives it, and the right rank is blamed ---------------------
 
-from test_launch import _run, _script, _wait_gone  # noqa: E402
+from test_launch import _alive, _run, _script, _wait_gone  # noqa: E402
 
 
 def _shm_names():
@@ -386,6 +386,8 @@ HOLDS_SHM = """
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     rank = os.environ["RANK"]
     open(os.path.join(sys.argv[1], "shm" + rank), "w").write(seg.name)
+    open(os.path.join(sys.argv[1], "records" + rank), "w").write(
+        os.path.dirname(os.environ["NCCL_DDP_ERROR_FILE"]))
     open(os.path.join(sys.argv[1], "pids" + rank), "w").write(f"{os.getpid()} {child.pid}")
     time.sleep(120)
 """
@@ -394,7 +396,7 @@ HOLDS_SHM = """
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
 def test_launcher_killed_leaves_no_worker_and_no_segment(tmp_path, how):
     # before: SIGTERM left each worker's segment in /dev/shm; SIGKILL also left the workers
-    # running (still alive 40 s later)
+    # running (still alive 40 s later), and the /tmp/nccl-ddp-run-* record directory
     import signal
     proc = _start_launcher(tmp_path, _script(tmp_path, HOLDS_SHM))
     try:
@@ -402,6 +404,8 @@ def test_launcher_killed_leaves_no_worker_and_no_segment(tmp_path, how):
         _wait_files(proc, files)
         pids = [int(p) for f in files for p in f.read_text().split()]
         segments = {(tmp_path / f"shm{r}").read_text() for r in (0, 1)}
+        (records,) = {(tmp_path / f"records{r}").read_text() for r in (0, 1)}
+        assert os.path.basename(records).startswith("nccl-ddp-run-") and os.path.isdir(records)
         assert segments <= _shm_names() and len(segments) == 2
         proc.send_signal(getattr(signal, how))
         _, err = proc.communicate(timeout=20)
@@ -414,6 +418,7 @@ def test_launcher_killed_leaves_no_worker_and_no_segment(tmp_path, how):
     while segments & _shm_names() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert segments & _shm_names() == set()
+    assert not os.path.exists(records)
     if how == "SIGKILL":
         assert "the launcher (pid" in err and "killed their 2 process group(s)" in err, err
 
@@ -957,3 +962,307 @@ def test_chaos_sample(tmp_path, world, transport, point, sig, seed):
 def test_chaos_matrix(tmp_path, world, transport, point, sig):
     seed = int(time.time() * 1000) % 100000      # a fresh random point each run, shown on failure
     _chaos(tmp_path, world, transport, point, sig, seed)
+
+
+# -- the launcher under stress (issue 22, items 3, 4, 7, 8, 10, 11, 12) and c10d node ranks --------
+
+def _nodes(tmp_path, script, per_node, *extra, port=None, env=None, timeout=120):
+    """Two launchers as two nodes on 127.0.0.2; per_node: each one's flags; returns (procs,
+    outputs, seconds)."""
+    import subprocess
+    import sys
+    full = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR")}
+    full.update(NCCL_DDP_HOST_TRANSPORT="tcp", NCCL_DDP_SECRET="multi-node-test", **(env or {}))
+    port = str(port or _free_pair())
+    t0 = time.monotonic()
+    procs = []
+    for flags in per_node:
+        procs.append(subprocess.Popen([sys.executable, "-m", "nccl_ddp.launch", "--nnodes", "2",
+                                       "--master-addr", "127.0.0.2", "--master-port", port,
+                                       *flags, *extra, script],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      env=full))
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(5)
+    return procs, outs, time.monotonic() - t0
+
+
+NODE_RANKS = """
+    import os
+    print("node", os.environ["GROUP_RANK"], "rank", os.environ["RANK"], "of",
+          os.environ["WORLD_SIZE"], os.environ["GROUP_WORLD_SIZE"])
+"""
+
+
+@pytest.mark.slow
+def test_c10d_rendezvous_assigns_node_ranks(tmp_path):
+    # before: without --node-rank both launchers took node 0: the second failed, the first hung
+    procs, outs, _ = _nodes(tmp_path, _script(tmp_path, NODE_RANKS), [[], []], "--rdzv-backend",
+                            "c10d", "--nproc-per-node", "1")
+    assert [p.returncode for p in procs] == [0, 0], [e for _, e in outs]
+    lines = sorted(ln.split("] ", 1)[1] for out, _ in outs for ln in out.splitlines())
+    assert lines == ["node 0 rank 0 of 2 2", "node 1 rank 1 of 2 2"], lines
+
+
+@pytest.mark.slow
+def test_nproc_per_node_differing_between_nodes_fails_at_once(tmp_path):
+    # before: 30 s later "ranks [2] did not join"
+    procs, outs, took = _nodes(tmp_path, _script(tmp_path, NODE_RANKS),
+                               [["--node-rank", "0", "--nproc-per-node", "2"],
+                                ["--node-rank", "1", "--nproc-per-node", "1"]])
+    assert [p.returncode for p in procs] == [2, 2], [e for _, e in outs]
+    for _, err in outs:
+        assert "--nproc-per-node differs between nodes: node " in err, err
+        assert "runs 2 worker(s)" in err or "(this one) 2" in err, err
+        assert "runs 1 worker(s)" in err or "(this one) 1" in err, err
+    assert took < 20
+    assert "[rank" not in outs[0][0] + outs[1][0]          # no worker started anywhere
+
+
+def test_node_0_keeps_the_store_until_every_node_read_the_worker_counts():
+    """Seen under load: node 0 raised the mismatch and closed its store before node 1 read the
+    counts, so node 1 said 'lost the connection' instead of naming both values."""
+    import threading
+
+    from nccl_ddp.errors import ConfigError
+    from nccl_ddp.launch.rendezvous import NodeRendezvous
+    from nccl_ddp.store.client import TCPStore
+    from nccl_ddp.store.server import StoreServer
+
+    class Slow(TCPStore):
+        def get(self, key, timeout=None):
+            time.sleep(0.5)                    # node 1 reads late
+            return super().get(key, timeout)
+
+    server = StoreServer("127.0.0.1", 0, "s")
+    errors = {}
+
+    def node(rank, nproc, cls, hosting):
+        store = cls("127.0.0.1", server.port, "s", timeout=10)
+        try:
+            NodeRendezvous(store, 2, 0).join(rank, nproc, 10, lambda: False, hosting=hosting)
+        except Exception as e:
+            errors[rank] = e
+        finally:
+            store.close()
+            if hosting:
+                server.close()
+
+    threads = [threading.Thread(target=node, args=(0, 2, TCPStore, True)),
+               threading.Thread(target=node, args=(1, 1, Slow, False))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(errors) == [0, 1], errors
+    for e in errors.values():
+        assert isinstance(e, ConfigError) and "--nproc-per-node differs" in str(e), errors
+
+
+RESTART_ACROSS_NODES = """
+    import os, sys, time
+    import numpy as np
+    import nccl_ddp as nd
+    attempt, rank = os.environ["TORCHELASTIC_RESTART_COUNT"], int(os.environ["RANK"])
+    if attempt == "0":
+        if rank == 1:
+            sys.exit(5)                  # node 1 fails at once and restarts first
+        time.sleep(100)                  # node 0's worker would never notice on its own
+    nd.init_process_group("host", timeout=30)
+    x = nd.all_reduce(np.full(2, rank + 1.0, np.float32))
+    print(f"attempt {attempt} sum {x[0]}")
+    nd.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_multi_node_restart_agrees_on_the_attempt(tmp_path):
+    # before: node 1's restarted workers met node 0's previous store (AuthError "wrong secret"),
+    # burned its restarts in seconds, and node 0's worker slept on: the job failed
+    procs, outs, took = _nodes(tmp_path, _script(tmp_path, RESTART_ACROSS_NODES),
+                               [["--node-rank", "0"], ["--node-rank", "1"]], "--nproc-per-node",
+                               "1", "--max-restarts", "2", "--grace-period", "2", timeout=90)
+    assert [p.returncode for p in procs] == [0, 0], [e for _, e in outs]
+    assert "[rank 0] attempt 1 sum 3.0" in outs[0][0] and "[rank 1] attempt 1 sum 3.0" in outs[1][0]
+    assert "node 1: rank 1 (local rank 0): exit code 5; stopping this node" in outs[0][1], outs[0][1]
+    assert took < 60
+
+
+def test_rendezvous_says_attempt_mismatch_or_wrong_secret():
+    from nccl_ddp.errors import AuthError, StoreTimeout
+    from nccl_ddp.launch.rendezvous import attempt_secret, connect
+    from nccl_ddp.store.server import StoreServer
+    with StoreServer("127.0.0.1", 0, attempt_secret("s", 0)) as server:   # node 0 at attempt 0
+        with pytest.raises(StoreTimeout, match="attempt mismatch: node 0's store .* still "
+                                               "serves attempt 0 .* starts attempt 1"):
+            connect("127.0.0.1", server.port, "s", 1, 3, 1.5, lambda: False)
+        with pytest.raises(AuthError, match="NCCL_DDP_SECRET differs between the nodes"):
+            connect("127.0.0.1", server.port, "other", 1, 3, 5.0, lambda: False)
+        store, attempt = connect("127.0.0.1", server.port, "s", 0, 3, 5.0, lambda: False)
+        store.close()
+        assert attempt == 0
+    with StoreServer("127.0.0.1", 0, attempt_secret("s", 2)) as server:   # node 0 is ahead
+        store, attempt = connect("127.0.0.1", server.port, "s", 1, 3, 5.0, lambda: False)
+        store.close()
+        assert attempt == 2
+
+
+@pytest.mark.slow
+def test_taken_store_port_names_the_flag(tmp_path):
+    # before: "choose another MASTER_PORT" although --store-port was the port taken
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = _run(["--nproc-per-node", "1", "--store-port", str(port),
+                  _script(tmp_path, "print('ran')")])
+    assert r.returncode == 2, r.stderr
+    assert f"--store-port {port} (NCCL_DDP_STORE_PORT) is taken" in r.stderr
+    assert "MASTER_PORT" not in r.stderr.replace("MASTER_PORT 0", "") and "ran" not in r.stdout
+
+
+def _in_process_launcher(patch, argv):
+    """python -c: patch the launcher's modules (the code in `patch`), then run its main(argv)."""
+    import sys
+    return [sys.executable, "-c", patch + "\nfrom nccl_ddp.launch.cli import main\n"
+            f"main({list(argv)!r})\n"]
+
+
+SIGINT_AT_SECOND_STORE = """
+import os, signal
+import nccl_ddp.launch.launcher as L
+real, made = L.StoreServer, []
+def store(*a, **k):
+    made.append(1)
+    if len(made) == 2:                # restart 1's store: Ctrl-C right between two attempts
+        os.kill(os.getpid(), signal.SIGINT)
+    return real(*a, **k)
+L.StoreServer = store
+"""
+
+
+@pytest.mark.slow
+def test_sigint_between_two_attempts_stops_cleanly_with_130(tmp_path):
+    # before: a KeyboardInterrupt traceback from the store's constructor, exit -2
+    import subprocess
+    script = _script(tmp_path, "import os, sys; print('attempt', "
+                               "os.environ['TORCHELASTIC_RESTART_COUNT']); sys.exit(3)")
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "NCCL_DDP_SECRET")}
+    r = subprocess.run(_in_process_launcher(SIGINT_AT_SECOND_STORE, [
+        "--nproc-per-node", "1", "--max-restarts", "3", script]), capture_output=True, text=True,
+        timeout=60, env=env)
+    assert r.returncode == 130, r.stderr
+    assert "Traceback" not in r.stderr and "received SIGINT; stopping" in r.stderr, r.stderr
+    assert r.stdout == "[rank 0] attempt 0\n"                  # attempt 1 never started
+
+
+FULL_LOG_DIR = """
+import builtins
+real = builtins.open
+def full(path, *a, **k):              # every log under the log dir is on a full disk
+    if str(path).endswith(".log"):
+        return real("/dev/full", *a, **k)
+    return real(path, *a, **k)
+builtins.open = full
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("redirect", [[], ["-r", "3"]])
+def test_full_log_dir_keeps_draining_to_the_console(tmp_path, redirect):
+    # before: the output threads died at the first write, nobody drained the workers' pipes
+    # and the job hung forever (the worker blocked on a full pipe)
+    import subprocess
+    script = _script(tmp_path, """
+        import sys
+        for i in range(20000):
+            print(f"line {i:06d} " + "x" * 60)
+        print("done", file=sys.stderr)
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "NCCL_DDP_SECRET")}
+    r = subprocess.run(_in_process_launcher(FULL_LOG_DIR, [
+        "--nproc-per-node", "1", "--log-dir", str(tmp_path / "logs"), *redirect, script]),
+        capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.splitlines()                       # teed, or redirected to a failed log
+    assert len(lines) == 20000 and lines[-1].startswith("[rank 0] line 019999 "), lines[-3:]
+    assert "[rank 0] done" in r.stderr
+    assert r.stderr.count("cannot write the log") == 1, r.stderr
+    assert "No space left on device" in r.stderr
+
+
+def test_log_close_failure_does_not_skip_cleanup():
+    """A log whose close raises (a buffered write-back failing) is reported, not raised."""
+    import errno
+
+    from nccl_ddp.launch.logs import FullNotice, LogFile
+
+    class Failing:
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def close(self):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    notice = FullNotice()
+    f = LogFile(os.devnull, notice)
+    f._f = Failing()
+    assert f.write(b"x\n") is False and notice.said          # said once, file dropped
+    f._f = Failing()
+    f.close()                                                # does not raise
+    assert f._f is None and f.write(b"y\n") is False
+
+
+STARTS_SLOWLY = """
+    import time
+    time.sleep(60)
+"""
+
+
+@pytest.mark.slow
+def test_launcher_killed_while_starting_workers_orphans_none(tmp_path):
+    # before: SIGKILL during the start of 8 workers left one running in 18 of 20 tries (the gap
+    # between starting a worker and telling the reaper)
+    import signal
+    import subprocess
+    import sys
+    script = _script(tmp_path, STARTS_SLOWLY)
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "NCCL_DDP_SECRET")}
+
+    def ours():
+        found = []
+        for pid in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if script.encode() in f.read():
+                        found.append(int(pid))
+            except (FileNotFoundError, ProcessLookupError, NotADirectoryError, PermissionError):
+                continue
+        return [p for p in found if _alive(p)]
+
+    for attempt in range(3):
+        proc = subprocess.Popen([sys.executable, "-m", "nccl_ddp.launch", "--nproc-per-node", "8",
+                                 script], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                env=env)
+        try:
+            deadline = time.monotonic() + 30
+            while not [p for p in ours() if p != proc.pid]:
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.002)
+            proc.send_signal(signal.SIGKILL)         # while the other workers are starting
+            proc.wait(10)
+            deadline = time.monotonic() + 15
+            while ours() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            left = ours()
+        finally:
+            for pid in ours():
+                os.kill(pid, signal.SIGKILL)
+        assert left == [], f"try {attempt}: orphaned worker(s) {left}"
+

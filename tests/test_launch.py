@@ -57,14 +57,18 @@ TORCHRUN_STYLE = """
 
 
 def test_two_ranks_prefixed_output_and_logs(tmp_path):
+    # torchrun's layout: LOG_DIR/<run id>_<random>/attempt_0/<local rank>/{stdout,stderr}.log
     script = _script(tmp_path, TORCHRUN_STYLE)
-    r = _run(["--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"), script])
+    r = _run(["--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"), "--rdzv-id", "job",
+              script])
     assert r.returncode == 0, r.stderr
+    (run_dir,) = (tmp_path / "logs").glob("job_*")
     for rank in (0, 1):
         assert f"[rank {rank}] hello {rank}/2 local {rank} port " in r.stdout
         assert f"[rank {rank}] err line {rank}" in r.stderr
-        log = (tmp_path / "logs" / f"rank_{rank}.log").read_text()
-        assert f"hello {rank}/2" in log and f"err line {rank}" in log
+        logs = run_dir / "attempt_0" / str(rank)
+        assert f"hello {rank}/2" in (logs / "stdout.log").read_text()
+        assert (logs / "stderr.log").read_text() == f"err line {rank}\n"
     assert all(line.startswith("[rank ") for line in r.stdout.splitlines())
 
 
@@ -322,3 +326,159 @@ def test_max_restarts_restarts_every_worker_after_a_failure(tmp_path, restarts):
     for rank in (0, 1):
         assert f"[rank {rank}] attempt 1 sum 3.0" in r.stdout, r.stdout
     assert "[rank 1] attempt 0" not in r.stdout
+
+
+# -- every torchrun flag and variable (issue 21) -------------------------------------------------
+
+ALL_TORCHRUN_FLAGS = [
+    "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+    "localhost:0", "--rdzv-id", "j1", "--rdzv-conf", "join_timeout=900,last_call_timeout=5",
+    "--max-restarts", "1", "--monitor-interval", "0.5", "--start-method", "fork",
+    "--event-log-handler", "null", "--role", "trainer", "--log-dir", "/tmp/l", "-r", "0:1",
+    "-t", "1:2", "--local-ranks-filter", "0,1", "--duplicate-stdout-filters", "a,b",
+    "--duplicate-stderr-filters", "c", "--node-rank", "0", "--master-addr", "127.0.0.1",
+    "--master-port", "29511", "--local-addr", "10.0.0.1", "--logs-specs", "mine",
+    "--numa-binding", "node", "--signals-to-handle", "SIGTERM,SIGUSR1", "--shutdown-timeout",
+    "7", "--virtual-local-rank", "--no-python", "train.sh", "--lr", "1"]
+
+
+def test_every_torchrun_flag_is_accepted(caplog):
+    # before: "unrecognized arguments" (exit 2) for --tee, --redirects, --role, --rdzv-conf, ...
+    caplog.set_level("WARNING", logger="nccl_ddp.launch")
+    cfg = parse_args(ALL_TORCHRUN_FLAGS)
+    assert (cfg.role, cfg.monitor_interval, cfg.run_id, cfg.join_timeout) == ("trainer", 0.5,
+                                                                              "j1", 900.0)
+    assert (cfg.redirects, cfg.tee, cfg.local_ranks_filter) == ({0: 1}, {1: 2}, {0, 1})
+    assert (cfg.grace_period, cfg.no_python, cfg.virtual_local_rank) == (7.0, True, True)
+    assert [s.name for s in cfg.signals] == ["SIGTERM", "SIGUSR1"]
+    assert (cfg.entrypoint, cfg.args, cfg.master_port) == ("train.sh", ("--lr", "1"), 0)
+    notices = " | ".join(r.getMessage() for r in caplog.records)
+    for flag in ("last_call_timeout", "--logs-specs", "--numa-binding", "--local-addr",
+                 "--duplicate-stdout"):
+        assert flag in notices, notices
+    assert len(caplog.records) == 5, notices                  # one line each
+
+
+def test_torchrun_flag_values_are_checked_and_pet_variables_read(monkeypatch):
+    for bad, match in ((["--tee", "4"], "--tee='4'"), (["--redirects", "0:x"], "--redirects"),
+                       (["--local-ranks-filter", "a"], "local-ranks-filter"),
+                       (["--rdzv-conf", "join_timeout"], "key=value"),
+                       (["--signals-to-handle", "SIGKILL"], "SIGKILL"),
+                       (["--monitor-interval", "0"], "monitor-interval"),
+                       (["--run-path", "rel.py"], "absolute path")):
+        with pytest.raises(ConfigError, match=match):
+            parse_args(bad + ["rel.py"] if bad[0] != "--run-path" else bad)
+    monkeypatch.setenv("PET_NPROC_PER_NODE", "3")
+    monkeypatch.setenv("PET_STANDALONE", "1")
+    cfg = parse_args(["t.py"])
+    assert cfg.nproc_per_node == 3 and cfg.standalone and cfg.run_id not in ("", "none")
+    monkeypatch.delenv("PET_STANDALONE")
+    monkeypatch.setenv("NCCL_DDP_SECRET", "s")
+    assert parse_args(["--log-dir", "d", "t.py"]).tee == 3      # --log-dir alone: tee both
+    assert parse_args(["--log-dir", "d", "-r", "3", "t.py"]).tee == 0
+    assert parse_args(["--nnodes", "2", "--rdzv-backend", "c10d", "--master-addr", "n0",
+                       "--master-port", "5", "t.py"]).node_rank is None
+
+
+def test_redirects_tee_and_filter_route_each_stream(tmp_path):
+    from nccl_ddp.launch.logs import RunLogs
+    logs = RunLogs(str(tmp_path), "r", {0: 3, 1: 1}, {1: 2}, frozenset({0, 1}))
+    w0, w1, w2 = logs.attempt(0, 3)
+    assert w0.console == (False, False) and all(f is not None for f in w0.files)  # redirected
+    assert w1.console == (False, True) and all(f is not None for f in w1.files)   # 1 out, tee err
+    assert w2.console == (False, False) and w2.files == (None, None)              # filtered out
+    assert w2.error_file.endswith(os.path.join("attempt_0", "2", "error.json"))
+    for w in (w0, w1, w2):
+        w.close()
+
+
+TORCHTITAN = """
+    import os, sys
+    names = ("RANK", "LOCAL_RANK", "ROLE_NAME", "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_RANK",
+             "GROUP_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "OMP_NUM_THREADS")
+    print(" ".join(f"{n}={os.environ[n]}" for n in names), sys.argv[1:])
+    print("error file", os.environ["TORCHELASTIC_ERROR_FILE"], file=sys.stderr)
+"""
+
+
+@pytest.mark.slow
+def test_torchtitan_run_train_line_runs(tmp_path):
+    """torchtitan's run_train.sh (NGPU=2, LOG_RANK=0), with torchrun replaced by us."""
+    pkg = tmp_path / "torchtitan"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    _script(pkg, TORCHTITAN, "train.py")
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+           "TMPDIR": str(tmp_path), "PYTORCH_ALLOC_CONF": "expandable_segments:True"}
+    env.pop("OMP_NUM_THREADS", None)
+    full = dict(os.environ, **env)
+    full.pop("OMP_NUM_THREADS", None)
+    r = subprocess.run(
+        [sys.executable, "-m", "nccl_ddp.launch", "--nproc_per_node=2", "--rdzv_backend", "c10d",
+         "--rdzv_endpoint=localhost:0", "--local-ranks-filter", "0", "--role", "rank", "--tee",
+         "3", "-m", "torchtitan.train", "--module", "llama3", "--config", "llama3_debugmodel"],
+        capture_output=True, text=True, timeout=60, env=full, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    (line,) = r.stdout.splitlines()                     # rank 1 is filtered off the console
+    assert line.startswith("[rank 0] RANK=0 LOCAL_RANK=0 ROLE_NAME=rank ROLE_RANK=0 "
+                           "ROLE_WORLD_SIZE=2 GROUP_RANK=0 GROUP_WORLD_SIZE=1 "
+                           "TORCHELASTIC_RUN_ID=none OMP_NUM_THREADS=1 "), line
+    assert line.endswith("['--module', 'llama3', '--config', 'llama3_debugmodel']")
+    assert "Setting OMP_NUM_THREADS environment variable for each process to be 1" in r.stderr
+    (run_dir,) = tmp_path.glob("nccl-ddp-logs-*/none_*")        # --tee without --log-dir
+    out1 = (run_dir / "attempt_0" / "1" / "stdout.log").read_text()
+    assert out1.startswith("RANK=1 LOCAL_RANK=1 ROLE_NAME=rank ROLE_RANK=1 ")
+    err0 = (run_dir / "attempt_0" / "0" / "stderr.log").read_text()
+    assert err0 == f"error file {run_dir / 'attempt_0' / '0' / 'error.json'}\n"
+
+
+@pytest.mark.slow
+def test_standalone_run_id_and_omp_left_alone_when_set(tmp_path):
+    script = _script(tmp_path, "import os; print(os.environ['TORCHELASTIC_RUN_ID'], "
+                               "os.environ['OMP_NUM_THREADS'])")
+    r = _run(["--standalone", "--nproc-per-node", "2", script], env={"OMP_NUM_THREADS": "3"})
+    assert r.returncode == 0, r.stderr
+    ids = {line.split()[2] for line in r.stdout.splitlines()}
+    assert len(ids) == 1 and len(ids.pop()) == 36                         # one uuid4 per job
+    assert {line.split()[3] for line in r.stdout.splitlines()} == {"3"}
+    assert "OMP_NUM_THREADS" not in r.stderr
+
+
+TORCH_RECORD = """
+    import os
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    @record
+    def main():
+        if os.environ["RANK"] == "1":
+            raise ValueError("bad batch 17 (lost peer rank 0 earlier)")
+
+    main()
+"""
+
+
+@pytest.mark.slow
+def test_summary_reads_torch_record_error_file(tmp_path):
+    # before: TORCHELASTIC_ERROR_FILE unset: torch's record only logged; the summary said
+    # "rank 1 (local rank 1): exit code 1" with no reason
+    pytest.importorskip("torch")
+    r = _run(["--nproc-per-node", "2", _script(tmp_path, TORCH_RECORD)], timeout=120)
+    assert r.returncode == 1, r.stderr
+    assert ("root cause: rank 1 (local rank 1): exit code 1: ValueError: bad batch 17 (lost "
+            "peer rank 0 earlier) [blames rank 0]") in r.stderr, r.stderr
+
+
+@pytest.mark.slow
+def test_run_path_no_python_and_virtual_local_rank(tmp_path):
+    script = _script(tmp_path, "import os, sys; print(__name__, sys.argv, os.environ['LOCAL_RANK'],"
+                               " os.environ['CUDA_VISIBLE_DEVICES'])")
+    r = _run(["--nproc-per-node", "2", "--run-path", "--virtual-local-rank", script, "x"],
+             env={"CUDA_VISIBLE_DEVICES": "3,5"})
+    assert r.returncode == 0, r.stderr
+    assert f"[rank 1] __main__ ['{script}', 'x'] 0 5" in r.stdout, r.stdout
+    prog = tmp_path / "prog.sh"
+    prog.write_text("#!/bin/sh\necho shell $RANK $1\n")
+    prog.chmod(0o755)
+    r = _run(["--nproc-per-node", "2", "--no-python", str(prog), "y"])
+    assert r.returncode == 0, r.stderr
+    assert "[rank 1] shell 1 y" in r.stdout

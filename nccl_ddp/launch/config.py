@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from nccl_ddp.env import LOOPBACK
 from nccl_ddp.errors import ConfigError
@@ -23,7 +24,7 @@ class LaunchConfig:
     module: bool = False                   # run `python -m entrypoint`
     nproc_per_node: int | str = "auto"   # an int, or "auto": one per GPU (2 without a GPU)
     nnodes: int = 1
-    node_rank: int = 0
+    node_rank: Optional[int] = 0           # None: assigned at the rendezvous (c10d), first come
     master_addr: str = LOOPBACK            # node 0's address; its launcher hosts the store there
     master_port: int = 0                   # MASTER_PORT for the script; 0: a free one (single node)
     store_port: int = 0                    # our store on node 0; 0: free (one node), else master+1
@@ -31,8 +32,20 @@ class LaunchConfig:
     log_dir: Optional[str] = None          # also write rank_<R>.log files here
     grace_period: float = 5.0              # seconds between SIGTERM and SIGKILL when stopping
     max_restarts: int = 0                  # restart every worker after a failure, this many times
-    run_id: Optional[str] = None           # names the job (--rdzv-id); None: random
+    run_id: str = "none"                   # names the job (--rdzv-id): TORCHELASTIC_RUN_ID
     secret: Optional[str] = field(default=None, repr=False)   # None: generated (single node)
+    rdzv_backend: str = "static"           # c10d: node ranks may come from the rendezvous
+    join_timeout: float = 600.0            # seconds the nodes wait for each other (--rdzv-conf)
+    is_host: Optional[bool] = None         # c10d: host the store here (None: endpoint is local)
+    role: str = "default"                  # ROLE_NAME
+    monitor_interval: float = 0.1          # seconds between looks at the workers
+    no_python: bool = False                # run the entrypoint itself, not `python entrypoint`
+    run_path: bool = False                 # runpy.run_path(entrypoint) in each worker
+    redirects: Any = 0                     # torchrun's Std: 0-3, or {local_rank: 0-3}
+    tee: Any = 0
+    local_ranks_filter: Optional[frozenset] = None   # console shows only these local ranks
+    signals: tuple = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+    virtual_local_rank: bool = False       # LOCAL_RANK=0, CUDA_VISIBLE_DEVICES one GPU each
 
     def __post_init__(self):
         if not self.entrypoint:
@@ -44,7 +57,10 @@ class LaunchConfig:
                               f"or 'auto' (or set NCCL_DDP_NPROC_PER_NODE)")
         if self.nnodes < 1:
             raise ConfigError(f"--nnodes={self.nnodes}: use a positive integer (1 for one node)")
-        if not 0 <= self.node_rank < self.nnodes:
+        if self.node_rank is None and self.rdzv_backend != "c10d":
+            raise ConfigError("no node rank: pass --node-rank, or --rdzv-backend c10d to have "
+                              "the rendezvous assign node ranks")
+        if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes:
             raise ConfigError(f"--node-rank={self.node_rank} with --nnodes={self.nnodes}: the node "
                               f"rank must be in [0, nnodes)")
         if not 0 <= self.master_port <= 65535:
@@ -55,6 +71,16 @@ class LaunchConfig:
             raise ConfigError(f"--grace-period={self.grace_period} must be >= 0")
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts={self.max_restarts} must be >= 0 (0: no restart)")
+        if not self.monitor_interval > 0:
+            raise ConfigError(f"--monitor-interval={self.monitor_interval} must be > 0 seconds")
+        if not self.join_timeout > 0:
+            raise ConfigError(f"--rdzv-conf join_timeout={self.join_timeout} must be > 0 seconds")
+        if self.module and (self.no_python or self.run_path):
+            raise ConfigError("-m/--module runs a module with python: drop it, or drop "
+                              "--no-python/--run-path")
+        if self.run_path and not os.path.isabs(self.entrypoint):
+            raise ConfigError(f"--run-path needs the script's absolute path (as torchrun), got "
+                              f"{self.entrypoint!r}")
         if self.nnodes > 1:
             if self.standalone:
                 raise ConfigError("--standalone runs a single node; drop it or --nnodes")

@@ -17,7 +17,6 @@ the others (SIGTERM, then SIGKILL after a grace period); the launcher then names
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import secrets
@@ -27,14 +26,22 @@ import socket
 import sys
 import tempfile
 import threading
-from typing import IO, Optional
+from typing import Optional
 
-from nccl_ddp.errors import ConfigError
+from nccl_ddp.errors import ConfigError, StoreError
 from nccl_ddp.launch.cli import main, parse_args
 from nccl_ddp.launch.config import LaunchConfig, local_device_count, resolve_nproc
+from nccl_ddp.launch.logs import RunLogs
 from nccl_ddp.launch.reaper import Reaper, remove_segments
+from nccl_ddp.launch.rendezvous import (
+    CLIENT_TIMEOUT,
+    NodeRendezvous,
+    Stopped,
+    attempt_secret,
+    connect,
+)
 from nccl_ddp.launch.supervisor import Outcome, Signals, Worker, report, supervise
-from nccl_ddp.store.client import StoreServer
+from nccl_ddp.store.client import StoreServer, TCPStore
 
 __all__ = ["LaunchConfig", "launch", "main", "parse_args", "local_device_count", "resolve_nproc",
            "worker_env"]
@@ -42,22 +49,32 @@ __all__ = ["LaunchConfig", "launch", "main", "parse_args", "local_device_count",
 log = logging.getLogger("nccl_ddp.launch")
 
 
-def worker_env(config: LaunchConfig, nproc: int, local_rank: int, port: int, secret: str,
-               store_port: int, restart: int = 0, job_id: str = "",
-               error_file: Optional[str] = None) -> dict:
-    """The launcher's environment plus the torchrun variables and the store's address and secret.
+OMP_NOTICE = ("\n*****************************************\nSetting OMP_NUM_THREADS environment "
+              "variable for each process to be 1 in default, to avoid your system being "
+              "overloaded, please further tune the variable for optimal performance in your "
+              "application as needed. \n*****************************************")
+RUN_PATH = ("import runpy, sys; sys.argv = sys.argv[1:]; "
+            "runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
+def worker_env(config: LaunchConfig, nproc: int, node_rank: int, local_rank: int, port: int,
+               secret: str, store_port: int, restart: int = 0, job_id: str = "",
+               error_file: Optional[str] = None, torch_error_file: Optional[str] = None) -> dict:
+    """The launcher's environment plus torchrun's variables and the store's address and secret.
     MASTER_PORT is not ours: the script may bind it (torch.distributed's env:// store does)."""
     env = dict(os.environ)
+    rank, world = node_rank * nproc + local_rank, config.nnodes * nproc
     env.update({
-        "RANK": str(config.node_rank * nproc + local_rank),
-        "WORLD_SIZE": str(config.nnodes * nproc),
-        "LOCAL_RANK": str(local_rank),
-        "LOCAL_WORLD_SIZE": str(nproc),
-        "GROUP_RANK": str(config.node_rank),
-        "MASTER_ADDR": config.master_addr,
-        "MASTER_PORT": str(port),
+        "RANK": str(rank), "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(nproc),
+        "GROUP_RANK": str(node_rank), "GROUP_WORLD_SIZE": str(config.nnodes),
+        "ROLE_NAME": config.role, "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world),
+        "MASTER_ADDR": config.master_addr, "MASTER_PORT": str(port),
         "TORCHELASTIC_RESTART_COUNT": str(restart),
         "TORCHELASTIC_MAX_RESTARTS": str(config.max_restarts),
+        "TORCHELASTIC_RUN_ID": config.run_id,
+        "TORCHELASTIC_USE_AGENT_STORE": "False",     # rank 0's torch store binds MASTER_PORT
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
         "NCCL_DDP_RESTART_COUNT": str(restart),
         "NCCL_DDP_SECRET": secret,
         "NCCL_DDP_STORE_HOSTED": "1",
@@ -65,11 +82,37 @@ def worker_env(config: LaunchConfig, nproc: int, local_rank: int, port: int, sec
         "NCCL_DDP_JOB_ID": job_id,
         "PYTHONUNBUFFERED": "1",
     })
-    if config.run_id:
-        env["TORCHELASTIC_RUN_ID"] = config.run_id
+    if "OMP_NUM_THREADS" not in os.environ and nproc > 1:
+        env["OMP_NUM_THREADS"] = "1"
+    if config.virtual_local_rank:
+        env["LOCAL_RANK"] = "0"
+        env["CUDA_VISIBLE_DEVICES"] = _own_gpu(local_rank)
     if error_file:
         env["NCCL_DDP_ERROR_FILE"] = error_file
+    env["TORCHELASTIC_ERROR_FILE"] = torch_error_file or ""
     return env
+
+
+def _own_gpu(local_rank: int) -> str:
+    """--virtual-local-rank: the worker's one GPU, through the launcher's CUDA_VISIBLE_DEVICES."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return str(local_rank)
+    gpus = [g.strip() for g in visible.split(",")]
+    if local_rank >= len(gpus):
+        raise ConfigError(f"--virtual-local-rank: local rank {local_rank} has no GPU in "
+                          f"CUDA_VISIBLE_DEVICES={visible}; lower --nproc-per-node")
+    return gpus[local_rank]
+
+
+def worker_command(config: LaunchConfig) -> list:
+    """What each worker runs: python -u script, -m module, runpy.run_path, or the program."""
+    if config.no_python and not config.run_path:
+        return [config.entrypoint, *config.args]
+    python = [os.environ.get("PYTHON_EXEC", sys.executable), "-u"]
+    if config.run_path:
+        return python + ["-c", RUN_PATH, config.entrypoint, *config.args]
+    return python + (["-m"] if config.module else []) + [config.entrypoint, *config.args]
 
 
 def free_port(addr: str) -> int:
@@ -79,97 +122,198 @@ def free_port(addr: str) -> int:
         return s.getsockname()[1]
 
 
-def attempt_secret(secret: str, restart: int) -> str:
-    """The store secret of one attempt: a worker left over from an earlier attempt (on any node)
-    cannot join the new store generation."""
-    if restart == 0:
-        return secret
-    return hashlib.sha256(f"{secret}/restart/{restart}".encode()).hexdigest()
+def _check_entrypoint(config: LaunchConfig) -> None:
+    if config.module:
+        return
+    if config.no_python and not config.run_path:
+        if shutil.which(config.entrypoint) is None:
+            raise ConfigError(f"--no-python: program {config.entrypoint!r} not found or not "
+                              f"executable; pass its path")
+    elif not os.path.exists(config.entrypoint):
+        raise ConfigError(f"script {config.entrypoint!r} not found (working directory "
+                          f"{os.getcwd()}); pass the path of the training script, or -m module")
 
 
 def launch(config: LaunchConfig) -> int:
     """Run the job described by `config` on this node; returns the exit code for the launcher."""
-    if not config.module and not os.path.exists(config.entrypoint):
-        raise ConfigError(f"script {config.entrypoint!r} not found (working directory "
-                          f"{os.getcwd()}); pass the path of the training script, or -m module")
+    _check_entrypoint(config)
     nproc = resolve_nproc(config.nproc_per_node)
-    secret = config.secret or secrets.token_hex(32)
-    port = config.master_port or free_port(config.master_addr)
-    job_id = secrets.token_hex(6)          # this launcher's /dev/shm names: nccl_ddp-<job>-*
-    shm_prefix = f"nccl_ddp-{job_id}-"
-    records = tempfile.mkdtemp(prefix="nccl-ddp-run-")
-    reaper = Reaper(os.getpid())
-    reaper.watch_shm(shm_prefix)
-    logs: list[Optional[IO[bytes]]] = [None] * nproc
-    try:
-        if config.log_dir:
-            try:
-                os.makedirs(config.log_dir, exist_ok=True)
-                logs = [open(os.path.join(config.log_dir, f"rank_{config.node_rank * nproc + i}"
-                                          f".log"), "wb") for i in range(nproc)]
-            except OSError as e:
-                raise ConfigError(f"--log-dir={config.log_dir}: cannot write the rank logs there "
-                                  f"({e}); pass a writable directory") from e
+    if "OMP_NUM_THREADS" not in os.environ and nproc > 1:
+        log.warning("%s", OMP_NOTICE)
+    with Signals(config.signals) as sigs:
+        job = _Job(config, nproc, sigs)
+        try:
+            return job.run()
+        finally:
+            job.cleanup()
+
+
+class _Job:
+    """This node's part of the job: its attempts, what they share, and its cleanup."""
+
+    def __init__(self, config: LaunchConfig, nproc: int, sigs: Signals):
+        self.config, self.nproc, self.sigs = config, nproc, sigs
+        self.secret = config.secret or secrets.token_hex(32)
+        self.port = config.master_port or free_port(config.master_addr)
+        self.store_port = config.store_port or (self.port + 1 if config.nnodes > 1 else 0)
+        self.node_rank = config.node_rank
+        self.job_id = secrets.token_hex(6)      # this launcher's /dev/shm names: nccl_ddp-<job>-*
+        self.shm_prefix = f"nccl_ddp-{self.job_id}-"
+        self.reaper = Reaper(os.getpid())
+        self.reaper.watch_shm(self.shm_prefix)
+        self.records = tempfile.mkdtemp(prefix="nccl-ddp-run-")
+        self.reaper.watch_dir(self.records)
+        self.logs: Optional[RunLogs] = None
+
+    def stopped(self) -> bool:
+        return self.sigs.received is not None
+
+    def _signalled(self) -> int:
+        sig = int(self.sigs.received or signal.SIGTERM)
+        log.warning("received %s; stopping", signal.Signals(sig).name)
+        return 128 + sig
+
+    def run(self) -> int:
+        c = self.config
+        self.logs = RunLogs(c.log_dir, c.run_id, c.redirects, c.tee, c.local_ranks_filter)
         restart = 0
         while True:
-            outcome = _attempt(config, nproc, port, attempt_secret(secret, restart), restart,
-                               job_id, records, logs, reaper)
-            remove_segments(shm_prefix)
+            if self.stopped():                 # e.g. Ctrl-C between two attempts
+                return self._signalled()
+            try:
+                outcome, restart, finished_elsewhere = self._attempt(restart)
+            except Stopped:
+                return self._signalled()
+            remove_segments(self.shm_prefix)
             report(outcome)
             if outcome.code == 0:
-                log.info("all %d worker(s) finished", nproc)
+                log.info("all %d worker(s) finished", self.nproc)
                 return 0
-            if outcome.signal is not None or restart >= config.max_restarts:
+            if outcome.signal is not None or self.stopped():
+                return outcome.code if outcome.signal is not None else self._signalled()
+            if restart >= c.max_restarts:
+                return outcome.code
+            if finished_elsewhere:
+                log.error("cannot restart: another node already finished its workers")
                 return outcome.code
             restart += 1
-            why = outcome.root.describe() if outcome.root else f"exit code {outcome.code}"
+            why = (outcome.root.describe() if outcome.root
+                   else outcome.elsewhere or f"exit code {outcome.code}")
             log.warning("restart %d of %d: %s; restarting all %d worker(s)", restart,
-                        config.max_restarts, why, nproc)
-    finally:
-        for f in logs:
-            if f is not None:
-                f.close()
-        remove_segments(shm_prefix)
-        shutil.rmtree(records, ignore_errors=True)
-        reaper.close()
+                        c.max_restarts, why, self.nproc)
 
+    def cleanup(self) -> None:
+        """Runs whatever failed before: remove the segments and records, stop the reaper."""
+        remove_segments(self.shm_prefix)
+        shutil.rmtree(self.records, ignore_errors=True)
+        self.reaper.close()
 
-def _attempt(config: LaunchConfig, nproc: int, port: int, secret: str, restart: int, job_id: str,
-             records: str, logs: list, reaper: Reaper) -> Outcome:
-    """One generation of workers with a fresh store (node 0): start, supervise, clean up."""
-    server = None
-    store_port = config.store_port or (port + 1 if config.nnodes > 1 else 0)
-    if config.node_rank == 0:
-        server = StoreServer(config.master_addr, store_port, secret)
-        store_port = server.port
-    cmd = [sys.executable, "-u"] + (["-m"] if config.module else []) + [config.entrypoint]
-    cmd += list(config.args)
-    log.info("starting %d worker(s) on node %d/%d, store at %s:%d, MASTER_PORT %d%s: %s", nproc,
-             config.node_rank, config.nnodes, config.master_addr, store_port, port,
-             f", restart {restart}" if restart else "", " ".join(cmd[2:]))
-    workers = []
-    for i in range(nproc):
-        rank = config.node_rank * nproc + i
-        error_file = os.path.join(records, f"attempt{restart}_rank{rank}.json")
-        workers.append(Worker(rank, i, error_file))
-    out_lock = threading.Lock()
-    try:
-        with Signals() as sigs:
+    def _host(self, secret: str, node_rank_known: bool) -> Optional[StoreServer]:
+        """Node 0's store for one attempt; None if another launcher hosts it (c10d, unranked)."""
+        c = self.config
+        try:
+            return StoreServer(c.master_addr, self.store_port, secret)
+        except StoreError as e:
+            if not node_rank_known and not c.is_host:
+                return None            # another launcher on the endpoint's host, or not ours
+            cause = e.__cause__ or e
+            if c.store_port:
+                what = f"--store-port {self.store_port} (NCCL_DDP_STORE_PORT)"
+            elif c.nnodes > 1:
+                what = (f"port {self.store_port} (--master-port {self.port} + 1, where node 0 "
+                        f"hosts the store)")
+            else:
+                what = f"port {self.store_port}"
+            raise ConfigError(f"cannot host the job's store on {c.master_addr}:{self.store_port}"
+                              f": {what} is taken or {c.master_addr} is not an address of this "
+                              f"host ({cause}); pass a free --store-port") from e
+
+    def _meet(self, restart: int) -> tuple:
+        """Node 0's store for this attempt (hosted here or joined), and the rendezvous of the
+        nodes: returns (server or None, rendezvous or None, attempt)."""
+        c = self.config
+        secret = attempt_secret(self.secret, restart)
+        server = None
+        if self.node_rank == 0 or (self.node_rank is None and c.is_host is not False):
+            server = self._host(secret, self.node_rank is not None)
+            if server is not None:
+                self.node_rank, self.store_port = 0, server.port
+        if c.nnodes == 1:
+            return server, None, restart
+        try:
+            if server is not None:
+                store = TCPStore(c.master_addr, self.store_port, secret, timeout=CLIENT_TIMEOUT)
+            else:
+                store, restart = connect(c.master_addr, self.store_port, self.secret, restart,
+                                         c.max_restarts, c.join_timeout, self.stopped)
+            rdzv = NodeRendezvous(store, c.nnodes, restart)
             try:
-                for w, f in zip(workers, logs):
-                    w.start(cmd, worker_env(config, nproc, w.local_rank, port, secret, store_port,
-                                            restart, job_id, w.error_file), f, out_lock)
-                    if w.proc is not None:
-                        reaper.watch_group(w.proc.pid)
-            except OSError as e:
-                for w in workers:
-                    if w.proc is not None:
-                        w.signal(signal.SIGKILL)
-                raise ConfigError(f"cannot start {cmd[2:]}: {e}") from e
-            outcome = supervise(workers, sigs, config.grace_period)
+                self.node_rank = rdzv.join(self.node_rank, self.nproc, c.join_timeout,
+                                           self.stopped, hosting=server is not None)
+            except BaseException:
+                rdzv.close()
+                raise
+        except BaseException:
+            if server is not None:
+                server.close()
+            raise
+        return server, rdzv, restart
+
+    def _attempt(self, restart: int) -> tuple:
+        """One generation of workers with a fresh store: meet, start, supervise, clean up.
+        Returns (outcome, attempt number, whether another node already finished)."""
+        server, rdzv, restart = self._meet(restart)
+        try:
+            outcome = self._run_workers(restart, rdzv)
+            finished_elsewhere = False
+            if rdzv is not None:
+                if outcome.code == 0:
+                    rdzv.finish(server is not None, self.stopped)
+                elif outcome.elsewhere is None:
+                    why = outcome.root.describe() if outcome.root else f"exit {outcome.code}"
+                    rdzv.fail(f"node {self.node_rank}: {why}")
+                    finished_elsewhere = rdzv.others_finished()
+            return outcome, restart, finished_elsewhere
+        finally:
+            if rdzv is not None:
+                rdzv.close()
+            if server is not None:
+                server.close()
+
+    def _run_workers(self, restart: int, rdzv: Optional[NodeRendezvous]) -> Outcome:
+        c, nproc = self.config, self.nproc
+        assert self.node_rank is not None and self.logs is not None
+        cmd = worker_command(c)
+        log.info("starting %d worker(s) on node %d/%d, store at %s:%d, MASTER_PORT %d%s: %s",
+                 nproc, self.node_rank, c.nnodes, c.master_addr, self.store_port, self.port,
+                 f", restart {restart}" if restart else "", " ".join(cmd[2:] if cmd[1:2] == ["-u"]
+                                                                     else cmd))
+        if self.stopped():
+            raise Stopped
+        secret = attempt_secret(self.secret, restart)
+        logs = self.logs.attempt(restart, nproc)
+        workers = []
+        for lr, wl in zip(range(nproc), logs):
+            rank = self.node_rank * nproc + lr
+            record = os.path.join(self.records, f"attempt{restart}_rank{rank}")
+            workers.append(Worker(rank, lr, record + ".json",
+                                  wl.error_file or record + "_torch.json"))
+        out_lock = threading.Lock()
+        try:
+            for w, wl in zip(workers, logs):
+                env = worker_env(c, nproc, self.node_rank, w.local_rank, self.port, secret,
+                                 self.store_port, restart, self.job_id, w.error_file,
+                                 w.torch_error_file)
+                w.start(cmd, env, wl, out_lock, self.reaper.watch_group)
+        except OSError as e:
+            for w in workers:
+                if w.proc is not None:
+                    w.signal(signal.SIGKILL)
+            for wl in logs:
+                wl.close()
+            raise ConfigError(f"cannot start {cmd}: {e}") from e
+        outcome = supervise(workers, self.sigs, c.grace_period, c.monitor_interval,
+                            rdzv.failed_elsewhere if rdzv is not None else lambda: None)
         for w in workers:
             w.finish()
         return outcome
-    finally:
-        if server is not None:
-            server.close()

@@ -1,14 +1,16 @@
 """A watchdog process that cleans up after a launcher that died (SIGKILL, OOM killer).
 
 The launcher starts it with a pipe on its stdin and writes one line per event: `pgid N` for each
-worker process group it starts, `shm PREFIX` for its /dev/shm names, `done` when it exits
-normally. End of input without `done` means the launcher is gone: the reaper kills every worker
-group (the workers and their children), removes the job's /dev/shm segments and says so on
-stderr (the launcher's terminal: the workers' own output died with the launcher's pumps).
+worker process group it starts (before the worker may run any code: see gate.py), `shm PREFIX`
+for its /dev/shm names, `dir PATH` for its record directory, `done` when it exits normally. End
+of input without `done` means the launcher is gone: the reaper kills every worker group (the
+workers and their children), removes the job's /dev/shm segments and record directory, and says
+so on stderr (the launcher's terminal: the workers' own output died with the launcher's pumps).
 """
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -59,6 +61,9 @@ class Reaper:
     def watch_shm(self, prefix: str) -> None:
         self._say(f"shm {prefix}")
 
+    def watch_dir(self, path: str) -> None:
+        self._say(f"dir {path}")
+
     def close(self) -> None:
         """The launcher cleaned up itself: the reaper exits without touching anything."""
         if self._proc is None:
@@ -78,7 +83,7 @@ class Reaper:
 
 
 def watch(stream: IO[bytes], launcher_pid: int) -> int:
-    groups, prefixes = [], []
+    groups, prefixes, dirs = [], [], []
     for raw in iter(stream.readline, b""):
         word, _, arg = raw.decode(errors="replace").strip().partition(" ")
         if word == "done":
@@ -87,12 +92,16 @@ def watch(stream: IO[bytes], launcher_pid: int) -> int:
             groups.append(int(arg))
         elif word == "shm":
             prefixes.append(arg)
+        elif word == "dir":
+            dirs.append(arg)
     for pgid in groups:
         try:
             os.killpg(pgid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
     removed = [n for p in prefixes for n in remove_segments(p)]
+    for path in dirs:
+        shutil.rmtree(path, ignore_errors=True)
     sys.stderr.write(f"nccl-ddp-run: the launcher (pid {launcher_pid}) died without stopping its "
                      f"workers; killed their {len(groups)} process group(s) and removed "
                      f"{len(removed)} /dev/shm segment(s)\n")

@@ -13,13 +13,18 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import IO, Any, Optional
+from typing import IO, Any, Callable, Optional
+
+from nccl_ddp.env import blamed_rank
+from nccl_ddp.errors import ConfigError
+from nccl_ddp.launch.logs import LogFile, WorkerLogs
 
 log = logging.getLogger("nccl_ddp.launch")
 
 POLL_INTERVAL = 0.05
 LINE_CAP = 64 << 10          # bytes of one output line; longer ones are split with a marker
 SPLIT_MARKER = b" [nccl-ddp-run: line split at 64 KiB]\n"
+GATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gate.py")
 
 
 class WorkerState(str, enum.Enum):
@@ -55,23 +60,40 @@ def describe_exit(code: Optional[int]) -> str:
 class Worker:
     """One worker process in its own process group, with its output pumped through a prefix."""
 
-    def __init__(self, rank: int, local_rank: int, error_file: Optional[str] = None):
+    def __init__(self, rank: int, local_rank: int, error_file: Optional[str] = None,
+                 torch_error_file: Optional[str] = None):
         self.rank, self.local_rank = rank, local_rank
         self.error_file = error_file      # where the worker records why it failed
+        self.torch_error_file = torch_error_file     # TORCHELASTIC_ERROR_FILE (torch's record)
         self.state = WorkerState.INIT
         self.returncode: Optional[int] = None
         self.exit_time: Optional[float] = None
         self.proc: Optional[subprocess.Popen] = None
         self._pumps: list[threading.Thread] = []
+        self.logs: Optional[WorkerLogs] = None
 
-    def start(self, cmd: list[str], env: dict, log_file: Optional[IO[bytes]],
-              out_lock: threading.Lock) -> None:
-        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     start_new_session=True)   # own group: grandchildren too
+    def start(self, cmd: list[str], env: dict, logs: WorkerLogs, out_lock: threading.Lock,
+              announce: Callable[[int], None]) -> None:
+        """Start the worker held at a gate (gate.py), `announce` its process group (to the
+        reaper), then release it: no user code runs before the reaper knows the process."""
+        read_end, write_end = os.pipe()
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", GATE, str(read_end)] + cmd, env=env,
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                pass_fds=(read_end,), start_new_session=True)   # own group: grandchildren too
+        finally:
+            os.close(read_end)
+        try:
+            announce(self.proc.pid)
+            os.write(write_end, b"g")
+        finally:
+            os.close(write_end)
+        self.logs = logs
         prefix = f"[rank {self.rank}] ".encode()
-        for pipe, sink in ((self.proc.stdout, sys.stdout), (self.proc.stderr, sys.stderr)):
-            t = threading.Thread(target=_pump, args=(pipe, sink, prefix, log_file, out_lock),
+        for pipe, sink, shown, file in zip((self.proc.stdout, self.proc.stderr),
+                                           (sys.stdout, sys.stderr), logs.console, logs.files):
+            t = threading.Thread(target=_pump, args=(pipe, sink, shown, prefix, file, out_lock),
                                  daemon=True, name=f"nccl-ddp-run-pump-{self.rank}")
             t.start()
             self._pumps.append(t)
@@ -103,19 +125,19 @@ class Worker:
             pass                   # the group is already gone
 
     def finish(self, timeout: float = 2.0) -> None:
+        """Wait for the output pumps, then close the logs (never raises)."""
         for t in self._pumps:
             t.join(timeout)
+        if self.logs is not None:
+            self.logs.close()
 
     def record(self) -> Optional[dict]:
-        """The failure record the worker wrote (nccl_ddp.env.record_failure), if any."""
-        if not self.error_file:
-            return None
-        try:
-            with open(self.error_file) as f:
-                rec = json.load(f)
-        except (OSError, ValueError):
-            return None
-        return rec if isinstance(rec, dict) else None
+        """Why the worker failed: its nccl_ddp record (nccl_ddp.env.record_failure), else the one
+        torch's `record` decorator wrote to TORCHELASTIC_ERROR_FILE, if any."""
+        rec = _read_json(self.error_file)
+        if rec is not None:
+            return rec
+        return _from_torch_record(_read_json(self.torch_error_file))
 
     def describe(self) -> str:
         text = f"rank {self.rank} (local rank {self.local_rank}): {describe_exit(self.returncode)}"
@@ -127,40 +149,90 @@ class Worker:
         return text
 
 
-def _pump(pipe: IO[bytes], sink: IO, prefix: bytes, log_file: Optional[IO[bytes]],
+def _pump(pipe: IO[bytes], sink: IO, shown: bool, prefix: bytes, log_file: Optional[LogFile],
           lock: threading.Lock) -> None:
+    """Copy one worker stream line by line to the console (when `shown`, or once its log file
+    failed) and to its log; never stop draining the pipe, whatever the sinks do."""
     out = getattr(sink, "buffer", None)
     sink_ok = True
     for line in iter(lambda: pipe.readline(LINE_CAP), b""):
         if not line.endswith(b"\n"):      # a line over the cap (or the last one, unterminated)
             line += SPLIT_MARKER if len(line) == LINE_CAP else b"\n"
+        logged = log_file is not None and log_file.write(line)
+        if not (shown or (log_file is not None and not logged)) or not sink_ok:
+            continue
         with lock:
-            if sink_ok:
-                try:
-                    if out is not None:
-                        out.write(prefix + line)
-                    else:
-                        sink.write((prefix + line).decode(errors="replace"))
-                    sink.flush()
-                except (OSError, ValueError):   # our stdout went away: keep draining the worker
-                    sink_ok = False
-            if log_file is not None:
-                log_file.write(line)
-                log_file.flush()
+            try:
+                if out is not None:
+                    out.write(prefix + line)
+                else:
+                    sink.write((prefix + line).decode(errors="replace"))
+                sink.flush()
+            except (OSError, ValueError):   # our stdout went away: keep draining the worker
+                sink_ok = False
     pipe.close()
 
 
-class Signals:
-    """Records SIGINT/SIGTERM for the monitor loop while installed (main thread only)."""
+def _read_json(path: Optional[str]) -> Optional[dict]:
+    if not path:
+        return None
+    try:
+        with open(path) as f:
+            rec = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return rec if isinstance(rec, dict) else None
 
-    def __init__(self):
+
+def _from_torch_record(rec: Optional[dict]) -> Optional[dict]:
+    """torch's error file ({"message": {"message": "Type: text", "extraInfo": {"timestamp"}}})
+    as our record."""
+    body = rec.get("message") if rec else None
+    if not isinstance(body, dict) or not isinstance(body.get("message"), str):
+        return None
+    kind, sep, text = body["message"].partition(": ")
+    if not sep:
+        kind, text = "error", body["message"]
+    extra = body.get("extraInfo")
+    try:
+        when: Optional[float] = float(extra["timestamp"])    # type: ignore[index]
+    except (TypeError, ValueError, KeyError):
+        when = None
+    out = {"type": kind, "message": text, "blames": blamed_rank(RuntimeError(text))}
+    if when is not None:
+        out["time"] = when
+    return out
+
+
+DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"     # torchrun's --signals-to-handle
+
+
+def parse_signals(names: str) -> tuple:
+    """`--signals-to-handle`: comma-separated names (SIGUSR1 or USR1)."""
+    out = []
+    for name in filter(None, (n.strip().upper() for n in names.split(","))):
+        full = name if name.startswith("SIG") else f"SIG{name}"
+        sig = getattr(signal, full, None)
+        if not isinstance(sig, signal.Signals) or sig in (signal.SIGKILL, signal.SIGSTOP):
+            raise ConfigError(f"--signals-to-handle: {name!r} is not a signal the launcher can "
+                              f"catch; use names such as {DEFAULT_SIGNALS}")
+        out.append(sig)
+    return tuple(out)
+
+
+class Signals:
+    """Records the handled signals (torchrun's --signals-to-handle) for the launcher while
+    installed (main thread only): the whole run, so one between two attempts stops it cleanly."""
+
+    def __init__(self, handled: tuple = (signal.SIGTERM, signal.SIGINT)):
+        self.handled = handled
         self.received: Optional[int] = None      # the first signal
         self.count = 0                           # a second one skips the grace period
         self._old: dict[int, Any] = {}
 
     def __enter__(self) -> Signals:
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in self.handled:
                 self._old[sig] = signal.signal(sig, self._on_signal)
         return self
 
@@ -181,6 +253,7 @@ class Outcome:
     code: int
     failures: list = field(default_factory=list)    # FAILED workers, root cause first
     signal: Optional[int] = None                    # the signal the launcher got, if any
+    elsewhere: Optional[str] = None                 # why another node ended the attempt
 
     @property
     def root(self) -> Optional[Worker]:
@@ -205,21 +278,30 @@ def order_failures(failed: list) -> list:
     return sorted(failed, key=key)
 
 
-def supervise(workers: list, signals: Signals, grace: float) -> Outcome:
-    """Wait for the workers; stop them all on the first failure or signal.
+def supervise(workers: list, signals: Signals, grace: float, interval: float = POLL_INTERVAL,
+              elsewhere: Callable[[], Optional[str]] = lambda: None) -> Outcome:
+    """Wait for the workers, looking every `interval` seconds; stop them all on the first
+    failure, signal, or when `elsewhere()` says another node ended the attempt (its reason).
 
     Stopping: SIGTERM (or the signal the launcher got) to every worker's process group, SIGKILL
     after `grace` seconds or at once when a second signal arrives."""
     first: Optional[Worker] = None
     stop_deadline: Optional[float] = None
     killed = False
+    remote: Optional[str] = None
     while True:
         for w in workers:
             if w.poll() and w.state is WorkerState.FAILED and first is None:
                 first = w
-        if stop_deadline is None and (first is not None or signals.received is not None):
+        if stop_deadline is None and first is None and signals.received is None:
+            remote = elsewhere()
+        if stop_deadline is None and (first is not None or signals.received is not None
+                                      or remote is not None):
             sig: int
-            if first is not None:
+            if remote is not None and first is None and signals.received is None:
+                log.error("%s; stopping this node's workers", remote)
+                sig = signal.SIGTERM
+            elif first is not None:
                 log.error("rank %d (local rank %d) exited (%s); stopping the other workers",
                           first.rank, first.local_rank, describe_exit(first.returncode))
                 sig = signal.SIGTERM
@@ -238,7 +320,7 @@ def supervise(workers: list, signals: Signals, grace: float) -> Outcome:
                 if w.state is WorkerState.STOPPING:
                     w.signal(signal.SIGKILL)
             killed = True
-        time.sleep(POLL_INTERVAL)
+        time.sleep(interval)
     if stop_deadline is not None:
         for w in workers:                      # grandchildren left in a stopped worker's group
             w.signal(signal.SIGKILL, stopping=False)
@@ -253,6 +335,8 @@ def supervise(workers: list, signals: Signals, grace: float) -> Outcome:
         return Outcome(code if code > 0 else 128 - code, failures, signals.received)
     if signals.received is not None:
         return Outcome(128 + signals.received, failures, signals.received)
+    if remote is not None:
+        return Outcome(1, failures, elsewhere=remote)
     return Outcome(0)
 
 
