@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip insta
 from mp import run_ranks  # noqa: E402
 from zero_oracle import OPTIMIZERS, make_model, params_of, train, train_masters  # noqa: E402
 
-ZERO2 = False
+ZERO2 = True
 SMALL_BUCKETS_MB = 400 / (1 << 20)    # ~100 floats: several buckets, shards cut parameters
 
 

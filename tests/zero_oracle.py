@@ -49,7 +49,11 @@ OPTIMIZERS = {
 
 
 def train(model, opt, wrapped, rank: int, world: int, *, clip=None, steps=None, start=0,
-          dtype=None) -> dict:
+          dtype=None, accumulate: int = 1) -> dict:
+    """`accumulate` > 1: the local batch in that many micro-batches, all but the last under
+    `no_sync()`."""
+    import contextlib
+
     import torch
     data = global_batches()
     for step in range(start, STEPS if steps is None else start + steps):
@@ -57,8 +61,11 @@ def train(model, opt, wrapped, rank: int, world: int, *, clip=None, steps=None, 
         if dtype is not None:
             x = x.to(dtype)
         opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(wrapped(x).float(), y)
-        loss.backward()
+        for k, (xm, ym) in enumerate(zip(x.chunk(accumulate), y.chunk(accumulate))):
+            last = k == accumulate - 1
+            with contextlib.nullcontext() if last else wrapped.no_sync():
+                loss = torch.nn.functional.mse_loss(wrapped(xm).float(), ym) / accumulate
+                loss.backward()
         if clip is not None:
             if hasattr(opt, "clip_grad_norm_"):
                 opt.clip_grad_norm_(clip)

@@ -121,7 +121,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self.zs = ZeroShards(shards, [to_native(p) for p in self._order], self.group,
                              self.device, install=install,
                              comm=None if reducer is None else reducer.comm,
-                             shard_grads=None if reducer is None else reducer.shard_grads)
+                             shard_grads=None if reducer is None else reducer.sharding.outputs)
         self._reducer = reducer
         group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
         self._pieces = self.zs.pieces

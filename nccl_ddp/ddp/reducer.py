@@ -30,8 +30,10 @@ from nccl_ddp.ddp.bucket_submit import BucketSubmitter, Mode, all_reduce_here
 from nccl_ddp.ddp.buckets import BucketLayout, ParamSpec, assign_buckets
 from nccl_ddp.ddp.config import DDPConfig
 from nccl_ddp.ddp.finite_check import FiniteCheck, require_check
+from nccl_ddp.ddp.shard_grads import ReduceScatter, refuse_unshardable
+from nccl_ddp.ddp.shard_layout import ShardLayout, shard_layout
 from nccl_ddp.ddp.step_failure import StepFailure
-from nccl_ddp.errors import ReducerError
+from nccl_ddp.errors import ConfigError, ReducerError
 from nccl_ddp.profiling import Timeline
 
 log = logging.getLogger(__name__)
@@ -90,6 +92,7 @@ class Reducer:
         self._used_globally = np.zeros(len(self.params), dtype=bool)   # by the last bitmap
         self._finite = (FiniteCheck(config.check_finite, device, group.rank, self._settle,
                                     self._label) if config.check_finite else None)
+        self.sharding: Optional[ReduceScatter] = None   # ZeRO-2 (enable_sharding)
         self._set_layout(assign_buckets(self.specs, config.cap_bytes, config.first_cap_bytes))
 
     # ------------------------------------------------------------------ layout and memory
@@ -117,7 +120,28 @@ class Reducer:
     def set_comm_hook(self, state: Any, hook: comm_hooks.CommHook) -> None:
         """Reduce every bucket through `hook(state, bucket)` from the next step on (the wrapper
         checks that it is registered once, before the first step)."""
+        if self.sharding is not None:
+            refuse_unshardable(self.group.rank, "", False, (state, hook))
         self.submitter.hook = (state, hook)
+
+    def enable_sharding(self) -> ShardLayout:
+        """ZeRO-2: from the next step each bucket is reduce-scattered (averaged in the
+        collective; the local grads stay as they are) into this rank's shard of it
+        (`sharding.outputs`); the layout is padded for the group and no longer rebuilt."""
+        if self.sharding is not None:
+            return self.sharding.shards
+        refuse_unshardable(self.group.rank, self.config.reducer_mode, self.config.static_graph,
+                           self.submitter.hook)
+        if self._open and self._count:
+            raise ReducerError(f"rank {self.group.rank}: sharding enabled in the middle of a "
+                               "step; build the sharded optimizer before the first backward")
+        shards = shard_layout(self.layout, self.group.size, self.device.align_bytes)
+        self._set_layout(shards.layout)
+        assert self.memory is not None     # CppReducer (refused above otherwise)
+        self.sharding = ReduceScatter(self.group, self.device, shards, self.memory)
+        self.submitter.collective = self.sharding
+        self.submitter.average_in_collective = True
+        return shards
 
     def _set_layout(self, layout: BucketLayout) -> None:
         """Allocate buffers for `layout`; in CppReducer mode move the grads into bucket views."""
@@ -394,7 +418,8 @@ class Reducer:
         self.steps += 1
         if first and self.config.static_graph:
             self.excluded = frozenset(unused_everywhere)
-        if first and (self.config.static_graph or not self.config.find_unused_parameters):
+        if first and (self.config.static_graph or not self.config.find_unused_parameters) \
+                and self.sharding is None:
             self._rebuild()
 
     def shadow_step(self, divisor: Optional[int] = None) -> None:
@@ -402,6 +427,11 @@ class Reducer:
         the same collectives in the same order, on zeros; its own grads stay as they are.
         `divisor`: what the training ranks divide by (None: the group size)."""
         self._failure.check()
+        if self.sharding is not None:
+            raise ConfigError(
+                f"rank {self.group.rank}: Join with a sharded optimizer (ZeRO-2): a joined rank "
+                "cannot stand in for the reduce-scatter and the parameter all-gather of the "
+                "others; give every rank the same number of batches (or use ZeRO-1)")
         if self._open and self._count:
             raise ReducerError(f"rank {self.group.rank}: a step is half done ({self._count} "
                                "grads ready) while this rank has joined; "

@@ -1,0 +1,190 @@
+#!/usr/bin/env python
+"""Memory and step time of the sharded optimizer (ZeRO-2) against DDP + unsharded AdamW, and
+against torch DDP + torch's ZeroRedundancyOptimizer on gloo, on an MLP of about 50M parameters.
+
+    python scripts/bench_zero.py                         # worlds 2 and 4, host backend, CPU
+    python scripts/bench_zero.py --worlds 2 --steps 5 --hidden 1024
+
+One job per (world, mode) through nccl-ddp-run, so each peak RSS is that mode's alone. Modes:
+`ddp_adamw` (our DDP + torch.optim.AdamW), `zero2` (our DDP + nd.ZeroRedundancyOptimizer(AdamW)),
+`torch_zero` (torch DDP + torch ZeroRedundancyOptimizer(AdamW), gloo). Per rank: optimizer state
+bytes, fp32 master bytes, kept grad bytes (ours: the bucket memory, the reduce-scattered shard and
+the fp32 grad shard; torch: the .grad tensors), their sum (`opt_MiB`), peak RSS. Step time is the
+slowest rank's mean over `--steps` after `--warmup`; `ratio` = mode / ddp_adamw in the same world.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import tempfile
+import time
+from datetime import date
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from benchlib import format_table, run_ranks, write_csv  # noqa: E402
+
+MODES = ("ddp_adamw", "zero2", "torch_zero")
+COLUMNS = ("world", "mode", "params_M", "state_MiB", "master_MiB", "grads_MiB", "opt_MiB",
+           "opt_vs_ddp", "peak_rss_MiB", "step_ms", "ratio")
+FORMATS = {"params_M": ".1f", "state_MiB": ".1f", "master_MiB": ".1f", "grads_MiB": ".1f",
+           "opt_MiB": ".1f", "opt_vs_ddp": ".3f", "peak_rss_MiB": ".0f", "step_ms": ".0f",
+           "ratio": ".2f"}
+MiB = float(1 << 20)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--worlds", default="2,4", help="world sizes, comma-separated")
+    p.add_argument("--modes", default=",".join(MODES), help=f"of {MODES}")
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=12, help="hidden x hidden layers (~50M params)")
+    p.add_argument("--batch", type=int, default=8, help="per rank")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--csv", default="out/bench_zero.csv", help="CSV path ('' for none)")
+    p.add_argument("--timeout", type=float, default=1200)
+    p.add_argument("--mode", help=argparse.SUPPRESS)      # one job's mode (set by the parent)
+    p.add_argument("--out", help=argparse.SUPPRESS)       # where rank 0 writes the job's row
+    return p.parse_args(argv)
+
+
+def model(args):
+    import torch
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(args.layers):
+        layers += [torch.nn.Linear(args.hidden, args.hidden), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers)
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def state_bytes(optimizer) -> int:
+    import torch
+    return sum(v.numel() * v.element_size() for s in optimizer.state.values()
+               for v in s.values() if torch.is_tensor(v))
+
+
+def worker(args) -> None:
+    import torch
+
+    import nccl_ddp as nd
+    torch.set_num_threads(1)
+    nd.init_process_group("host")
+    rank, world = nd.get_rank(), nd.get_world_size()
+    m = model(args)
+    x = torch.randn(args.batch, args.hidden, generator=torch.Generator().manual_seed(rank))
+    if args.mode == "torch_zero":
+        import torch.distributed as dist
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        store = os.path.join(os.path.dirname(args.out), "gloo")
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                                world_size=world)
+        wrapped = torch.nn.parallel.DistributedDataParallel(m)
+        opt = ZeroRedundancyOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-4)
+    else:
+        wrapped = nd.DistributedDataParallel(m)
+        opt = (nd.ZeroRedundancyOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-4)
+               if args.mode == "zero2" else torch.optim.AdamW(m.parameters(), lr=1e-4))
+
+    def step() -> None:
+        opt.zero_grad()
+        wrapped(x).square().mean().backward()
+        opt.step()
+
+    for _ in range(args.warmup):
+        step()
+    nd.barrier()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    nd.barrier()
+    ms = (time.perf_counter() - t0) / args.steps * 1e3
+    row = dict(world=world, mode=args.mode,
+               params_M=sum(p.numel() for p in m.parameters()) / 1e6, step_ms=ms)
+    if args.mode == "zero2":
+        zs = opt.zs
+        reducer = wrapped.reducer
+        kept = reducer.memory.nbytes + sum(
+            o.nbytes for o, g in zip(reducer.sharding.outputs, zs.grads) if o is not g)
+        row.update(state=state_bytes(opt._inner), master=zs.nbytes["master"],
+                   grads=kept + zs.nbytes["grad_shards"])
+    elif args.mode == "torch_zero":
+        row.update(state=state_bytes(opt.optim), master=0,
+                   grads=tensor_bytes(p.grad for p in m.parameters() if p.grad is not None))
+    else:
+        row.update(state=state_bytes(opt), master=0, grads=wrapped.reducer.memory.nbytes)
+    row["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    gathered = _gather_rows(nd, row)
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(gathered, f)
+    if args.mode == "torch_zero":
+        import torch.distributed as dist
+        dist.destroy_process_group()
+    nd.destroy_process_group()
+
+
+def _gather_rows(nd, row: dict) -> list:
+    """Every rank's numbers on rank 0: the slowest step time, the largest byte counts."""
+    import numpy as np
+    keys = ("step_ms", "state", "master", "grads", "peak_rss")
+    mine = np.array([row[k] for k in keys], np.float64)
+    nd.all_reduce(mine, op="max")
+    return [dict(row, **{k: float(v) for k, v in zip(keys, mine)})]
+
+
+def table_rows(raw: list) -> list:
+    base = {r["world"]: r for r in raw if r["mode"] == "ddp_adamw"}
+    out = []
+    for r in raw:
+        opt = r["state"] + r["master"] + r["grads"]
+        b = base.get(r["world"])
+        b_opt = None if b is None else b["state"] + b["master"] + b["grads"]
+        out.append(dict(world=r["world"], mode=r["mode"], params_M=r["params_M"],
+                        state_MiB=r["state"] / MiB, master_MiB=r["master"] / MiB,
+                        grads_MiB=r["grads"] / MiB, opt_MiB=opt / MiB,
+                        opt_vs_ddp="" if b_opt is None else opt / b_opt,
+                        peak_rss_MiB=r["peak_rss"] / MiB, step_ms=r["step_ms"],
+                        ratio="" if b is None else r["step_ms"] / b["step_ms"]))
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.mode:
+        worker(args)
+        return 0
+    argv = list(sys.argv[1:] if argv is None else argv)
+    raw = []
+    with tempfile.TemporaryDirectory(prefix="bench-zero-") as tmp:
+        for world in [int(w) for w in args.worlds.split(",")]:
+            for mode in args.modes.split(","):
+                out = os.path.join(tmp, f"{world}-{mode}", "row.json")
+                os.makedirs(os.path.dirname(out))
+                rc = run_ranks(__file__, world, argv + ["--mode", mode, "--out", out],
+                               args.timeout)
+                if rc != 0:
+                    print(f"# world {world} {mode}: the job failed (exit {rc})", file=sys.stderr)
+                    return rc
+                with open(out) as f:
+                    raw += json.load(f)
+    rows = table_rows(raw)
+    print(f"# bench_zero {date.today()}: {rows[0]['params_M']:.1f}M fp32 params, AdamW, "
+          f"batch {args.batch}/rank, {args.steps} steps after {args.warmup}; bytes per rank")
+    print(format_table(rows, COLUMNS, FORMATS))
+    if args.csv:
+        os.makedirs(os.path.dirname(os.path.abspath(args.csv)), exist_ok=True)
+        write_csv(rows, args.csv)
+        print(f"# wrote {args.csv}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""ZeRO-2 beside the wrapper's other features (2 ranks, host backend, gloo for torch's side):
+no_sync() accumulation and overlap_param_gather train exactly as torch DDP + unsharded AdamW;
+a comm hook, static_graph, PythonReducer and Join are refused with a ConfigError naming them."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch==2.13.0)")
+
+from mp import run_ranks  # noqa: E402
+from zero_oracle import OPTIMIZERS, make_model, train  # noqa: E402
+
+WORLD = 2
+SMALL = 400 / (1 << 20)
+
+
+def _features(rank: int, world: int, store_dir: str) -> dict:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    import nccl_ddp as nd
+    from nccl_ddp.errors import ConfigError
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(store_dir, 'gloo')}",
+                            rank=rank, world_size=world)
+    nd.init_process_group("host")
+    cls, kw = OPTIMIZERS["adamw"]
+    adamw = getattr(torch.optim, cls)
+    out: dict = {}
+    try:
+        m = make_model()
+        ref_acc = train(m, adamw(m.parameters(), **kw), TorchDDP(m), rank, world, accumulate=2)
+        m = make_model()
+        ddp = nd.DistributedDataParallel(m, bucket_cap_mb=SMALL)
+        z = nd.ZeroRedundancyOptimizer(m.parameters(), adamw, **kw)
+        out["no_sync"] = (ref_acc, train(m, z, ddp, rank, world, accumulate=2))
+        ddp.close()
+
+        m = make_model()
+        ref = train(m, adamw(m.parameters(), **kw), TorchDDP(m), rank, world)
+        m = make_model()
+        ddp = nd.DistributedDataParallel(m, bucket_cap_mb=SMALL)
+        z = nd.ZeroRedundancyOptimizer(m.parameters(), adamw, overlap_param_gather=True, **kw)
+        ours = train(m, z, ddp, rank, world)
+        out["overlap_pending_after_step"] = z.zs.gather_pending
+        z.zs.wait_all()
+        out["overlap"] = (ref, {n: p.detach().numpy().copy() for n, p in m.named_parameters()})
+        ddp.close()
+        assert set(ours) == set(ref)
+
+        refusals = {}
+        for name, kwargs in (("static_graph", dict(static_graph=True)),
+                             ("PythonReducer", dict(reducer_mode="PythonReducer"))):
+            m = make_model()
+            ddp = nd.DistributedDataParallel(m, **kwargs)
+            try:
+                nd.ZeroRedundancyOptimizer(m.parameters(), adamw, **kw)
+            except ConfigError as e:
+                refusals[name] = str(e)
+            ddp.close()
+        m = make_model()
+        ddp = nd.DistributedDataParallel(m)
+        ddp.register_comm_hook(None, nd.hooks.bf16_compress_hook)
+        try:
+            nd.ZeroRedundancyOptimizer(m.parameters(), adamw, **kw)
+        except ConfigError as e:
+            refusals["hook_before"] = str(e)
+        ddp.close()
+        m = make_model()
+        ddp = nd.DistributedDataParallel(m)
+        nd.ZeroRedundancyOptimizer(m.parameters(), adamw, **kw)
+        try:
+            ddp.register_comm_hook(None, nd.hooks.bf16_compress_hook)
+        except ConfigError as e:
+            refusals["hook_after"] = str(e)
+        try:
+            ddp.reducer.shadow_step()
+        except ConfigError as e:
+            refusals["join"] = str(e)
+        ddp.close()
+        out["refusals"] = refusals
+    finally:
+        nd.destroy_process_group()
+        dist.destroy_process_group()
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run_ranks(_features, WORLD, str(tmp_path_factory.mktemp("gloo")), timeout=170)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["no_sync", "overlap"])
+def test_matches_torch_ddp_with_unsharded_adamw(results, case):
+    for rank, res in enumerate(results):
+        reference, ours = res[case]
+        for key in reference:
+            np.testing.assert_allclose(ours[key], reference[key], rtol=1e-6, atol=1e-6,
+                                       err_msg=f"rank {rank} {case}: {key}")
+
+
+@pytest.mark.slow
+def test_overlap_leaves_the_gather_to_the_next_forward(results):
+    assert all(res["overlap_pending_after_step"] for res in results)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, match", [
+    ("static_graph", "static_graph=True drops parameters"),
+    ("PythonReducer", "reducer_mode='PythonReducer'"),
+    ("hook_before", "comm hook 'bf16_compress_hook'"),
+    ("hook_after", "comm hook 'bf16_compress_hook'"),
+    ("join", "Join with a sharded optimizer"),
+])
+def test_conflicts_are_refused_naming_them(results, name, match):
+    for rank, res in enumerate(results):
+        assert name in res["refusals"], f"rank {rank}: {name} was not refused"
+        assert match in res["refusals"][name]
+        assert f"rank {rank}" in res["refusals"][name]
