@@ -180,7 +180,6 @@ def main(argv=None) -> int:
           f"batch {args.batch}/rank, {args.steps} steps after {args.warmup}; bytes per rank")
     print(format_table(rows, COLUMNS, FORMATS))
     if args.csv:
-        os.makedirs(os.path.dirname(os.path.abspath(args.csv)), exist_ok=True)
         write_csv(rows, args.csv)
         print(f"# wrote {args.csv}")
     return 0

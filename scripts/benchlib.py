@@ -101,7 +101,9 @@ def format_table(rows: Sequence[dict], columns: Sequence[str], formats: Optional
 
 
 def write_csv(rows: Sequence[dict], path: str) -> None:
-    """All keys that appear in any row become columns, in first-seen order."""
+    """All keys that appear in any row become columns, in first-seen order (the folder is made
+    when missing)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     columns: list = []
     for r in rows:
         columns += [k for k in r if k not in columns]
