@@ -120,8 +120,8 @@ class RunLogs:
                 os.makedirs(log_dir, exist_ok=True)
                 self.run_dir = tempfile.mkdtemp(prefix=f"{run_id}_", dir=log_dir)
             except OSError as e:
-                raise ConfigError(f"--log-dir={log_dir}: cannot create the job's log directory "
-                                  f"there ({e}); pass a writable directory") from e
+                raise ConfigError(f"--log-dir={log_dir}: cannot write the rank logs there "
+                                  f"({e}); pass a writable directory") from e
             log.info("log directory: %s", self.run_dir)
 
     def attempt(self, attempt: int, nproc: int) -> list:
