@@ -1093,6 +1093,41 @@ def test_multi_node_restart_agrees_on_the_attempt(tmp_path):
     assert took < 60
 
 
+@pytest.mark.slow
+def test_ctrl_c_on_one_node_stops_the_other_nodes_workers(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    script = _script(tmp_path, """
+        import os, sys, time
+        open(os.path.join(sys.argv[1], "up" + os.environ["RANK"]), "w").write("1")
+        time.sleep(100)
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR")}
+    env["NCCL_DDP_SECRET"] = "multi-node-test"
+    port = str(_free_pair())
+    procs = [subprocess.Popen([sys.executable, "-m", "nccl_ddp.launch", "--nnodes", "2",
+                               "--node-rank", str(n), "--nproc-per-node", "1", "--master-addr",
+                               "127.0.0.2", "--master-port", port, script, str(tmp_path)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for n in (0, 1)]
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"up{r}").exists() for r in (0, 1)):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+            time.sleep(0.05)
+        procs[1].send_signal(signal.SIGINT)
+        outs = [p.communicate(timeout=30) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(5)
+    assert procs[1].returncode == 130, outs[1][1]
+    assert procs[0].returncode == 1, outs[0][1]
+    assert "node 1: its launcher received SIGINT; stopping this node's workers" in outs[0][1]
+
+
 def test_rendezvous_says_attempt_mismatch_or_wrong_secret():
     from nccl_ddp.errors import AuthError, StoreTimeout
     from nccl_ddp.launch.rendezvous import attempt_secret, connect

@@ -264,13 +264,22 @@ class _Job:
         Returns (outcome, attempt number, whether another node already finished)."""
         server, rdzv, restart = self._meet(restart)
         try:
-            outcome = self._run_workers(restart, rdzv)
+            try:
+                outcome = self._run_workers(restart, rdzv)
+            except BaseException:
+                if rdzv is not None:
+                    rdzv.fail(f"node {self.node_rank}: its launcher stopped")
+                raise
             finished_elsewhere = False
             if rdzv is not None:
                 if outcome.code == 0:
                     rdzv.finish(server is not None, self.stopped)
                 elif outcome.elsewhere is None:
-                    why = outcome.root.describe() if outcome.root else f"exit {outcome.code}"
+                    if outcome.signal is not None:
+                        why = f"its launcher received {signal.Signals(outcome.signal).name}"
+                    else:
+                        why = (outcome.root.describe() if outcome.root
+                               else f"exit code {outcome.code}")
                     rdzv.fail(f"node {self.node_rank}: {why}")
                     finished_elsewhere = rdzv.others_finished()
             return outcome, restart, finished_elsewhere
