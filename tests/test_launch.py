@@ -353,10 +353,10 @@ def test_every_torchrun_flag_is_accepted(caplog):
     assert [s.name for s in cfg.signals] == ["SIGTERM", "SIGUSR1"]
     assert (cfg.entrypoint, cfg.args, cfg.master_port) == ("train.sh", ("--lr", "1"), 0)
     notices = " | ".join(r.getMessage() for r in caplog.records)
-    for flag in ("last_call_timeout", "--logs-specs", "--numa-binding", "--local-addr",
-                 "--duplicate-stdout"):
+    for flag in ("last_call_timeout", "--logs-specs", "--numa-binding", "--local-addr"):
         assert flag in notices, notices
-    assert len(caplog.records) == 5, notices                  # one line each
+    assert len(caplog.records) == 4, notices                  # one line each
+    assert cfg.duplicate_filters == (("a", "b"), ("c",))
 
 
 def test_torchrun_flag_values_are_checked_and_pet_variables_read(monkeypatch):
@@ -442,6 +442,24 @@ def test_standalone_run_id_and_omp_left_alone_when_set(tmp_path):
     assert len(ids) == 1 and len(ids.pop()) == 36                         # one uuid4 per job
     assert {line.split()[3] for line in r.stdout.splitlines()} == {"3"}
     assert "OMP_NUM_THREADS" not in r.stderr
+
+
+@pytest.mark.slow
+def test_duplicate_filters_copy_matching_lines(tmp_path):
+    script = _script(tmp_path, """
+        import sys
+        print("step 1 loss 3.5"); print("noise"); print("a,b")
+        print("step 1 on stderr", file=sys.stderr)
+    """)
+    r = _run(["--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"),
+              "--duplicate-stdout-filters", "step,a,,b", "--duplicate-stderr-filters", "stderr",
+              script])
+    assert r.returncode == 0, r.stderr
+    (attempt,) = (tmp_path / "logs").glob("*/attempt_0")
+    out = sorted((attempt / "filtered_stdout.log").read_text().splitlines())
+    assert out == [f"[rank {r}] {t}" for r in (0, 1) for t in ("a,b", "step 1 loss 3.5")], out
+    err = sorted((attempt / "filtered_stderr.log").read_text().splitlines())
+    assert err == ["[rank 0] step 1 on stderr", "[rank 1] step 1 on stderr"], err
 
 
 TORCH_RECORD = """

@@ -3,8 +3,8 @@
 Every flag is accepted with dashes and with underscores (`--nproc-per-node`, `--nproc_per_node`)
 and falls back to the environment variable shown in its help, then to torchrun's `PET_<FLAG>`.
 `--rdzv-endpoint host:port` sets the master address and port. torchrun flags that have no meaning
-here (`--logs-specs`, `--numa-binding`, `--event-log-handler`, `--local-addr`, the duplicate
-filters) are accepted with a one-line notice.
+here (`--logs-specs`, `--numa-binding`, `--event-log-handler`, `--local-addr`) are accepted with a
+one-line notice.
 """
 from __future__ import annotations
 
@@ -53,6 +53,12 @@ def _nnodes(value: str) -> int:
         raise argparse.ArgumentTypeError(f"{value!r}: elastic node ranges are not supported; "
                                          f"pass a fixed count, e.g. --nnodes {m}")
     return n
+
+
+def _filters(value: str) -> tuple:
+    """torchrun's comma-separated list, ',,' standing for a comma."""
+    return tuple(item.replace("\0", ",") for item in value.replace(",,", "\0").split(",")
+                 if item)
 
 
 def _env(*names: str, default=None):
@@ -150,9 +156,12 @@ def _parser() -> argparse.ArgumentParser:
     _flag(p, "shutdown-timeout", type=float, help="torchrun's name for --grace-period")
     _flag(p, "virtual-local-rank", action="store_true",
           help="LOCAL_RANK=0 for every worker, CUDA_VISIBLE_DEVICES its own GPU only")
+    for stream in ("stdout", "stderr"):
+        _flag(p, f"duplicate-{stream}-filters", type=_filters, default="",
+              help=f"also copy {stream} lines containing any of these (comma-separated, ',,' "
+                   f"for a comma) to attempt_<N>/filtered_{stream}.log in the log directory")
     for name, kw in (("logs-specs", {}), ("numa-binding", {"choices": NUMA_MODES}),
-                     ("event-log-handler", {"default": "null"}), ("local-addr", {}),
-                     ("duplicate-stdout-filters", {}), ("duplicate-stderr-filters", {})):
+                     ("event-log-handler", {"default": "null"}), ("local-addr", {})):
         _flag(p, name, help="accepted for torchrun command lines; has no effect here", **kw)
     p.add_argument("entrypoint", help="the training script (or module with -m)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -187,8 +196,6 @@ def _notices(a: argparse.Namespace) -> None:
                     a.event_log_handler)
     if a.local_addr:
         log.warning("--local-addr=%s ignored: nodes reach node 0 at --master-addr", a.local_addr)
-    if a.duplicate_stdout_filters or a.duplicate_stderr_filters:
-        log.warning("--duplicate-stdout/stderr-filters ignored: use --tee and grep the logs")
     if a.start_method != "spawn" and a.run_path:
         log.warning("--start-method=%s: each worker is a fresh interpreter (spawn) here",
                     a.start_method)
@@ -239,7 +246,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> LaunchConfig:
         is_host=None if is_host is None else is_host.lower() in ("1", "true", "yes", "y"),
         role=a.role, monitor_interval=a.monitor_interval, no_python=a.no_python,
         run_path=a.run_path, redirects=redirects, tee=tee, local_ranks_filter=ranks,
-        signals=parse_signals(a.signals_to_handle), virtual_local_rank=a.virtual_local_rank)
+        signals=parse_signals(a.signals_to_handle), virtual_local_rank=a.virtual_local_rank,
+        duplicate_filters=(a.duplicate_stdout_filters, a.duplicate_stderr_filters))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

@@ -46,6 +46,7 @@ class LaunchConfig:
     local_ranks_filter: Optional[frozenset] = None   # console shows only these local ranks
     signals: tuple = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
     virtual_local_rank: bool = False       # LOCAL_RANK=0, CUDA_VISIBLE_DEVICES one GPU each
+    duplicate_filters: tuple = ((), ())    # stdout, stderr lines with these go to filtered_*.log
 
     def __post_init__(self):
         if not self.entrypoint:

@@ -175,7 +175,8 @@ class _Job:
 
     def run(self) -> int:
         c = self.config
-        self.logs = RunLogs(c.log_dir, c.run_id, c.redirects, c.tee, c.local_ranks_filter)
+        self.logs = RunLogs(c.log_dir, c.run_id, c.redirects, c.tee, c.local_ranks_filter,
+                            c.duplicate_filters)
         restart = 0
         while True:
             if self.stopped():                 # e.g. Ctrl-C between two attempts
@@ -320,9 +321,11 @@ class _Job:
                     w.signal(signal.SIGKILL)
             for wl in logs:
                 wl.close()
+            self.logs.end_attempt()
             raise ConfigError(f"cannot start {cmd}: {e}") from e
         outcome = supervise(workers, self.sigs, c.grace_period, c.monitor_interval,
                             rdzv.failed_elsewhere if rdzv is not None else lambda: None)
         for w in workers:
             w.finish()
+        self.logs.end_attempt()
         return outcome

@@ -1,6 +1,7 @@
 """Where each worker's stdout and stderr go: the console (prefixed, maybe filtered) and torchrun's
 log layout, `LOG_DIR/<run_id>_<random>/attempt_<N>/<local_rank>/{stdout,stderr}.log` beside the
-`error.json` that torch's `record` decorator writes (TORCHELASTIC_ERROR_FILE).
+`error.json` that torch's `record` decorator writes (TORCHELASTIC_ERROR_FILE), and the lines that
+match `--duplicate-stdout/stderr-filters` in `attempt_<N>/filtered_{stdout,stderr}.log`.
 
 A log file that cannot be written (disk full) is dropped: the launcher says so once, its lines go to
 the console, and the workers' pipes keep draining, so a full disk never stalls a job.
@@ -98,6 +99,7 @@ class WorkerLogs:
     console: tuple          # (stdout?, stderr?): forward to the launcher's console
     files: tuple            # (LogFile | None, LogFile | None)
     error_file: Optional[str]
+    duplicates: tuple = (None, None)   # per stream: (filters, the attempt's shared LogFile)
 
     def close(self) -> None:
         for f in self.files:
@@ -109,11 +111,13 @@ class RunLogs:
     """The job's log directory (created at the first attempt) and each attempt's files."""
 
     def __init__(self, log_dir: Optional[str], run_id: str, redirects: StdSpec, tee: StdSpec,
-                 ranks_filter: Optional[frozenset]):
+                 ranks_filter: Optional[frozenset], duplicate_filters: tuple = ((), ())):
         self.redirects, self.tee, self.filter = redirects, tee, ranks_filter
+        self.duplicate_filters = duplicate_filters      # (stdout filters, stderr filters)
         self.notice = FullNotice()
         self.run_dir: Optional[str] = None
-        if log_dir is None and (redirects or tee):    # torchrun also makes a temporary one
+        self._shared: list = []
+        if log_dir is None and (redirects or tee or any(duplicate_filters)):   # as torchrun
             log_dir = tempfile.mkdtemp(prefix="nccl-ddp-logs-")
         if log_dir is not None:
             try:
@@ -128,15 +132,32 @@ class RunLogs:
         """Open the logs of one attempt's workers (attempt_<N>/<local_rank>/...)."""
         opened: list = []
         try:
+            dups: list = [None, None]
+            for i, (filters, name) in enumerate(zip(self.duplicate_filters,
+                                                    ("filtered_stdout.log", "filtered_stderr.log"))):
+                if filters and self.run_dir is not None:
+                    os.makedirs(os.path.join(self.run_dir, f"attempt_{attempt}"), exist_ok=True)
+                    shared = LogFile(os.path.join(self.run_dir, f"attempt_{attempt}", name),
+                                     self.notice)
+                    self._shared.append(shared)
+                    dups[i] = (tuple(filters), shared)
             for lr in range(nproc):
                 opened.append(self._worker(attempt, lr))
+                opened[-1].duplicates = tuple(dups)
         except OSError as e:
             for w in opened:
                 w.close()
+            self.end_attempt()
             raise ConfigError(f"--log-dir: cannot write the logs of attempt {attempt} in "
                               f"{self.run_dir} ({e}); pass a writable directory with free "
                               f"space") from e
         return opened
+
+    def end_attempt(self) -> None:
+        """Close the attempt's shared files (after every worker's output is drained)."""
+        for f in self._shared:
+            f.close()
+        self._shared = []
 
     def _worker(self, attempt: int, lr: int) -> WorkerLogs:
         shown = self.filter is None or lr in self.filter

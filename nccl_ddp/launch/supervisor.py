@@ -91,9 +91,11 @@ class Worker:
             os.close(write_end)
         self.logs = logs
         prefix = f"[rank {self.rank}] ".encode()
-        for pipe, sink, shown, file in zip((self.proc.stdout, self.proc.stderr),
-                                           (sys.stdout, sys.stderr), logs.console, logs.files):
-            t = threading.Thread(target=_pump, args=(pipe, sink, shown, prefix, file, out_lock),
+        for pipe, sink, shown, file, dup in zip((self.proc.stdout, self.proc.stderr),
+                                                (sys.stdout, sys.stderr), logs.console,
+                                                logs.files, logs.duplicates):
+            t = threading.Thread(target=_pump, args=(pipe, sink, shown, prefix, file, out_lock,
+                                                     dup),
                                  daemon=True, name=f"nccl-ddp-run-pump-{self.rank}")
             t.start()
             self._pumps.append(t)
@@ -150,15 +152,20 @@ class Worker:
 
 
 def _pump(pipe: IO[bytes], sink: IO, shown: bool, prefix: bytes, log_file: Optional[LogFile],
-          lock: threading.Lock) -> None:
+          lock: threading.Lock, duplicate: Optional[tuple] = None) -> None:
     """Copy one worker stream line by line to the console (when `shown`, or once its log file
-    failed) and to its log; never stop draining the pipe, whatever the sinks do."""
+    failed), to its log, and to the attempt's `duplicate` file when a filter matches (filters,
+    LogFile); never stop draining the pipe, whatever the sinks do."""
     out = getattr(sink, "buffer", None)
     sink_ok = True
+    wanted = [f.encode() for f in duplicate[0]] if duplicate else []
     for line in iter(lambda: pipe.readline(LINE_CAP), b""):
         if not line.endswith(b"\n"):      # a line over the cap (or the last one, unterminated)
             line += SPLIT_MARKER if len(line) == LINE_CAP else b"\n"
         logged = log_file is not None and log_file.write(line)
+        if duplicate and any(w in line for w in wanted):
+            with lock:
+                duplicate[1].write(prefix + line)
         if not (shown or (log_file is not None and not logged)) or not sink_ok:
             continue
         with lock:
