@@ -500,3 +500,18 @@ def test_run_path_no_python_and_virtual_local_rank(tmp_path):
     r = _run(["--nproc-per-node", "2", "--no-python", str(prog), "y"])
     assert r.returncode == 0, r.stderr
     assert "[rank 1] shell 1 y" in r.stdout
+
+
+def test_signals_ignored_at_start_stay_ignored():
+    """Under nohup SIGHUP is ignored: the launcher must not start handling it (and stop the job)."""
+    from nccl_ddp.launch.supervisor import Signals
+    old = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with Signals((signal.SIGHUP, signal.SIGUSR1)) as sigs:
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(0.05)
+            assert sigs.received == signal.SIGUSR1
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, old)

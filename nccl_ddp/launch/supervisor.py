@@ -240,6 +240,8 @@ class Signals:
     def __enter__(self) -> Signals:
         if threading.current_thread() is threading.main_thread():
             for sig in self.handled:
+                if signal.getsignal(sig) is signal.SIG_IGN:   # nohup's SIGHUP stays ignored
+                    continue
                 self._old[sig] = signal.signal(sig, self._on_signal)
         return self
 
