@@ -29,15 +29,20 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    """`ZeroRedundancyOptimizer` (torch) loads torch only when first used."""
+    """`ZeroRedundancyOptimizer` (torch) and `ZeroOptimizer` (JAX + optax) load their framework
+    only when first used."""
     if name == "ZeroRedundancyOptimizer":
         from nccl_ddp.adapters.torch_zero import ZeroRedundancyOptimizer
         return ZeroRedundancyOptimizer
+    if name == "ZeroOptimizer":
+        from nccl_ddp.adapters.jax_zero import ZeroOptimizer
+        return ZeroOptimizer
     raise AttributeError(f"module 'nccl_ddp' has no attribute {name!r}")
 
 
 __all__ = ["DistributedDataParallel", "DistributedGradReducer", "Join", "NcclDdpError", "ProcessGroup",
-           "ReduceOp", "ShardAdamW", "ShardSGD", "Work", "ZeroRedundancyOptimizer", "__version__",
+           "ReduceOp", "ShardAdamW", "ShardSGD", "Work", "ZeroOptimizer", "ZeroRedundancyOptimizer",
+           "__version__",
            "all_gather", "all_reduce",
            "barrier", "broadcast",
            "destroy_process_group", "errors", "hooks", "get_local_rank", "get_rank", "get_world_group",

@@ -1,0 +1,153 @@
+"""JAX + optax on sharded optimizer state (ZeRO-1), functional:
+
+    zopt = nd.ZeroOptimizer(params, optax.adamw(1e-3))   # cuts the shards; a collective
+    state = zopt.init(params)
+    params, state = zopt.step(params, grads, state)      # grads: this rank's, unreduced
+
+Rank r keeps the float32 master weights and the optax state of its slice of every flat bucket
+(ddp/shard_layout.py) and nothing else; a step all-reduces the grads (mean, bucketed), runs the
+optax transformation on the rank's flat shards, and all-gathers the parameters
+(ddp/zero_shards.py). Sharding is exact only for elementwise transformations (adam, adamw, sgd,
+schedules, ...): the constructor probes the transformation and refuses one whose update of a
+shard differs from its update of the whole (global-norm clipping, LAMB, adafactor, masks that
+depend on a leaf's shape).
+"""
+from __future__ import annotations
+
+from typing import Any, List, Optional, Tuple
+
+import numpy as np
+
+from nccl_ddp.adapters.jax import from_native, to_native
+from nccl_ddp.comm.api import broadcast, device_of, get_world_group
+from nccl_ddp.comm.group import ProcessGroup
+from nccl_ddp.ddp.buckets import DEFAULT_CAP_BYTES, FIRST_CAP_BYTES, ParamSpec, assign_buckets
+from nccl_ddp.ddp.grad_reducer import DistributedGradReducer
+from nccl_ddp.ddp.shard_layout import shard_layout
+from nccl_ddp.ddp.zero_shards import ZeroShards
+from nccl_ddp.errors import ConfigError, ConfigTypeError
+
+
+def check_elementwise(tx: Any, steps: int = 3) -> None:
+    """ConfigError unless `tx` updates a parameter vector cut into shards (each with its own
+    state, as ranks hold them) exactly as it updates the whole pytree. The probe: a (3, 5) matrix
+    and a (7,) vector, cut through the matrix, 3 steps of grads large enough to trigger clipping
+    and trust ratios."""
+    import jax.numpy as jnp
+    rng = np.random.default_rng(12345)
+    tree = {"b": rng.standard_normal(7).astype(np.float32),
+            "w": rng.standard_normal((3, 5)).astype(np.float32)}
+    flat = np.concatenate([tree["b"], tree["w"].ravel()])
+    cuts = [(0, 9), (9, flat.size)]
+    whole = {k: jnp.asarray(v) for k, v in tree.items()}
+    pieces = [jnp.asarray(flat[lo:hi]) for lo, hi in cuts]
+    try:
+        s_whole = tx.init(whole)
+        s_pieces = [tx.init([p]) for p in pieces]
+        for t in range(steps):
+            g = (rng.standard_normal(flat.size) * 10.0 ** (t + 1)).astype(np.float32)
+            g_tree = {"b": jnp.asarray(g[:7]), "w": jnp.asarray(g[7:].reshape(3, 5))}
+            u_whole, s_whole = tx.update(g_tree, s_whole, whole)
+            want = np.concatenate([np.asarray(u_whole["b"]), np.asarray(u_whole["w"]).ravel()])
+            got = []
+            for i, (lo, hi) in enumerate(cuts):
+                (u,), s_pieces[i] = tx.update([jnp.asarray(g[lo:hi])], s_pieces[i], [pieces[i]])
+                got.append(np.asarray(u))
+            diff = np.abs(np.concatenate(got) - want)
+            if not np.all(diff <= 1e-6 * np.abs(want) + 1e-30):
+                raise ConfigError(
+                    f"optax transformation {_name(tx)} is not elementwise: its update of a shard "
+                    f"differs from its update of the whole parameters (max difference "
+                    f"{float(np.nanmax(diff))} at step {t + 1}); ZeroOptimizer shards the "
+                    "optimizer state across ranks, which is exact only for elementwise "
+                    "transformations (optax.adam/adamw/sgd/..., schedules). Use DDP "
+                    "(DistributedGradReducer) with the unsharded transformation instead")
+    except ConfigError:
+        raise
+    except Exception as e:
+        raise ConfigError(f"optax transformation {_name(tx)} failed on flat float32 shards "
+                          f"({type(e).__name__}: {e}); ZeroOptimizer needs an elementwise "
+                          "transformation of a list of 1-D arrays") from e
+
+
+def _name(tx: Any) -> str:
+    return getattr(getattr(tx, "update", None), "__qualname__", type(tx).__name__)
+
+
+class ZeroOptimizer:
+    """An optax transformation over this rank's flat float32 shards (see the module doc).
+    `params`: the pytree of jax.Arrays the transformation optimizes, equal on every rank after
+    construction (rank 0's values are broadcast). Low-precision parameters get float32 masters."""
+
+    def __init__(self, params: Any, tx: Any, *, group: Optional[ProcessGroup] = None,
+                 bucket_cap_mb: Optional[float] = None) -> None:
+        import jax
+        if not (hasattr(tx, "init") and hasattr(tx, "update")):
+            raise ConfigTypeError(f"ZeroOptimizer needs an optax GradientTransformation, got "
+                                  f"{type(tx).__name__}")
+        check_elementwise(tx)
+        self.tx = tx
+        self.group = group if group is not None else get_world_group()
+        self.device = device_of(self.group)
+        leaves, self.treedef = jax.tree_util.tree_flatten(params)
+        if not leaves:
+            raise ConfigError("ZeroOptimizer: params has no leaves")
+        self._jax_devices = [next(iter(x.devices())) for x in leaves]
+        xp = self.device.xp
+        natives = [xp.array(to_native(x)) for x in leaves]     # writable copies, ours
+        for x in natives:
+            broadcast(x, 0, self.group)
+        cap = DEFAULT_CAP_BYTES if bucket_cap_mb is None else int(bucket_cap_mb * 2 ** 20)
+        specs = [ParamSpec(tuple(x.shape), x.dtype) for x in natives]
+        base = assign_buckets(specs, cap, min(FIRST_CAP_BYTES, cap),
+                              align_bytes=self.device.align_bytes)
+        self.zs = ZeroShards(shard_layout(base, self.group.size, self.device.align_bytes),
+                             natives, self.group, self.device)
+        self._reducer = DistributedGradReducer(params, mean=True, group=self.group)
+
+    def init(self, params: Any) -> Any:
+        """The optax state of this rank's shards (a list of flat float32 arrays, one per
+        bucket)."""
+        self._check_tree(params, "params")
+        return self.tx.init(self._master_jax())
+
+    def step(self, params: Any, grads: Any, state: Any) -> Tuple[Any, Any]:
+        """(new params, new state): the mean of every rank's `grads` applied by the optax
+        transformation to this rank's shards, the parameters all-gathered. `params` are the
+        ones returned by the previous step (or given to the constructor)."""
+        import jax
+        import optax
+        self._check_tree(params, "params")
+        self._check_tree(grads, "grads")
+        reduced = jax.tree_util.tree_leaves(self._reducer(grads))
+        self.zs.collect_full([to_native(g) for g in reduced])
+        master = self._master_jax()
+        shard_grads = [from_native(self.device.xp.array(g), self._jax_devices[0])
+                       for g in self.zs.grads]
+        updates, state = self.tx.update(shard_grads, state, master)
+        new = optax.apply_updates(master, updates)
+        for m, x in zip(self.zs.master, new):
+            m[...] = to_native(x)
+        self.zs.gather(wait=True)
+        out = [from_native(self.device.xp.array(p), d)
+               for p, d in zip(self.zs.params, self._jax_devices)]
+        return jax.tree_util.tree_unflatten(self.treedef, out), state
+
+    def close(self) -> None:
+        self._reducer.close()
+        self.zs.close()
+
+    def _master_jax(self) -> List[Any]:
+        return [from_native(self.device.xp.array(m), self._jax_devices[0])
+                for m in self.zs.master]
+
+    def _check_tree(self, tree: Any, what: str) -> None:
+        import jax
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        if treedef != self.treedef:
+            raise ConfigError(f"ZeroOptimizer.step: {what} has structure {treedef}, the optimizer "
+                              f"was built for {self.treedef}; pass the same pytree structure")
+        for i, (x, p) in enumerate(zip(leaves, self.zs.params)):
+            if tuple(x.shape) != tuple(p.shape):
+                raise ConfigError(f"ZeroOptimizer.step: {what} leaf {i} has shape "
+                                  f"{tuple(x.shape)}, the parameter has {tuple(p.shape)}")
