@@ -1084,13 +1084,12 @@ RESTART_ACROSS_NODES = """
 def test_multi_node_restart_agrees_on_the_attempt(tmp_path):
     # before: node 1's restarted workers met node 0's previous store (AuthError "wrong secret"),
     # burned its restarts in seconds, and node 0's worker slept on: the job failed
-    procs, outs, took = _nodes(tmp_path, _script(tmp_path, RESTART_ACROSS_NODES),
+    procs, outs, _ = _nodes(tmp_path, _script(tmp_path, RESTART_ACROSS_NODES),
                                [["--node-rank", "0"], ["--node-rank", "1"]], "--nproc-per-node",
                                "1", "--max-restarts", "2", "--grace-period", "2", timeout=90)
     assert [p.returncode for p in procs] == [0, 0], [e for _, e in outs]
     assert "[rank 0] attempt 1 sum 3.0" in outs[0][0] and "[rank 1] attempt 1 sum 3.0" in outs[1][0]
     assert "node 1: rank 1 (local rank 0): exit code 5; stopping this node" in outs[0][1], outs[0][1]
-    assert took < 60
 
 
 @pytest.mark.slow

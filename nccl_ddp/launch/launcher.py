@@ -156,6 +156,7 @@ class _Job:
         self.secret = config.secret or secrets.token_hex(32)
         self.port = config.master_port or free_port(config.master_addr)
         self.store_port = config.store_port or (self.port + 1 if config.nnodes > 1 else 0)
+        self.serving_port = self.store_port     # this attempt's (0 above: a free one each time)
         self.node_rank = config.node_rank
         self.job_id = secrets.token_hex(6)      # this launcher's /dev/shm names: nccl_ddp-<job>-*
         self.shm_prefix = f"nccl_ddp-{self.job_id}-"
@@ -238,12 +239,13 @@ class _Job:
         if self.node_rank == 0 or (self.node_rank is None and c.is_host is not False):
             server = self._host(secret, self.node_rank is not None)
             if server is not None:
-                self.node_rank, self.store_port = 0, server.port
+                self.node_rank = 0
+        self.serving_port = server.port if server is not None else self.store_port
         if c.nnodes == 1:
             return server, None, restart
         try:
             if server is not None:
-                store = TCPStore(c.master_addr, self.store_port, secret, timeout=CLIENT_TIMEOUT)
+                store = TCPStore(c.master_addr, server.port, secret, timeout=CLIENT_TIMEOUT)
             else:
                 store, restart = connect(c.master_addr, self.store_port, self.secret, restart,
                                          c.max_restarts, c.join_timeout, self.stopped)
@@ -295,7 +297,7 @@ class _Job:
         assert self.node_rank is not None and self.logs is not None
         cmd = worker_command(c)
         log.info("starting %d worker(s) on node %d/%d, store at %s:%d, MASTER_PORT %d%s: %s",
-                 nproc, self.node_rank, c.nnodes, c.master_addr, self.store_port, self.port,
+                 nproc, self.node_rank, c.nnodes, c.master_addr, self.serving_port, self.port,
                  f", restart {restart}" if restart else "", " ".join(cmd[2:] if cmd[1:2] == ["-u"]
                                                                      else cmd))
         if self.stopped():
@@ -312,7 +314,7 @@ class _Job:
         try:
             for w, wl in zip(workers, logs):
                 env = worker_env(c, nproc, self.node_rank, w.local_rank, self.port, secret,
-                                 self.store_port, restart, self.job_id, w.error_file,
+                                 self.serving_port, restart, self.job_id, w.error_file,
                                  w.torch_error_file)
                 w.start(cmd, env, wl, out_lock, self.reaper.watch_group)
         except OSError as e:
