@@ -1,22 +1,73 @@
 #!/usr/bin/env bash
-# One-command GPU check for one GPU (under 7 minutes whatever happens): an environment probe that
-# compiles and runs one tiny RawKernel (missing CUDA headers, an unwritable kernel cache or a
-# broken driver are named in the summary instead of failing every test), the GPU tests of the
-# whole suite (`pytest -m gpu`, 180 s; the kernels bit for bit, torch on CUDA streams and bfloat16
-# first: scripts/pytest_gpu_first.py), the kernel benchmark and a chunk-size sweep, then the NCCL
-# all-reduce benchmark with one rank and the DDP benchmark. Each step is bounded by `timeout`.
-# Runs from the working tree (PYTHONPATH=., nothing installed); needs one CUDA GPU, CuPy, NCCL.
+# One short run on one GPU that proves the GPU path (docs/gpu-results.md says what it proves):
+#   env        compile and launch one tiny RawKernel; versions, GPU, kernel cache
+#   kernels    every kernel instantiation on seeded random cases (the CPU tests' generator),
+#              bit for bit as raw bytes, subnormals included (scripts/gpu_kernel_cases.py)
+#   san_*      compute-sanitizer memcheck, racecheck, synccheck over a driver launching every
+#              instantiation once ("sanitizer unavailable: <message>" when refused)
+#   oracle     torch DDP (nccl) vs ours (nccl backend) at world 1: BatchNorm CNN, bf16 autocast,
+#              a frozen layer, 20 steps, parameters+buffers bit for bit; DDP overhead vs no DDP
+#   trace      torch.profiler CUPTI trace of DDP steps with several buckets (trace.json)
+#   overlap    scripts/overlap_report.py on it: per stream, hidden share of comm, pack/unpack
+#   bench      pack/unpack GB/s vs a D2D copy: 1, 25, 100 MiB x 10, 100, 1000 tensors
+#   pytest     the suite's gpu-marked tests
+# Each step runs under `timeout` and its failure is reported without stopping the others; the
+# worst case, graces included, stays under GPU_CHECK_BUDGET (400 s) or the run does not start.
 #
-#   bash scripts/gpu_check.sh            # results under $OUT if set, else out/gpu_check/
-#
-# Files (flat, at most 8): log.txt (every step's output), pytest.txt, kernels.csv, chunks.csv,
-# allreduce.csv, ddp.csv, kernels.png, summary.txt. The summary table is printed LAST.
-# Exit status: 0 all steps passed, 1 a step failed or timed out, 2 no GPU (benchmarks skipped).
-# Timeouts (seconds) can be changed with GPU_CHECK_{PROBE,PYTEST,KERNELS,CHUNKS,ALLREDUCE,DDP}_TIMEOUT
-# (defaults 45+180+65+30+35+35 = 390 s).
+# Usage: bash scripts/gpu_check.sh [--help | --budget]
+#   --help     print this and exit
+#   --budget   print each step's limit + kill grace and the worst-case total, and exit
+# Results under $OUT if set, else out/gpu_check/ (flat, at most 8 files): summary.txt (the table,
+# also printed last), results.json (every figure), log.txt (every step's output), bench.csv,
+# oracle.csv, trace.json, overlap.json, pytest.txt.
+# Limits (seconds): GPU_CHECK_<STEP>_TIMEOUT for ENV KERNELS SANITIZER (per tool) ORACLE TRACE
+# OVERLAP BENCH PYTEST SUMMARY; GPU_CHECK_GRACE (kill grace per step); GPU_CHECK_BUDGET.
+# Exit status: 0 all steps passed, 1 a step failed or timed out, 2 no GPU or over budget,
+# 64 bad usage. Runs from the working tree (PYTHONPATH=., nothing installed).
 set -u -o pipefail
 
 cd "$(dirname "$0")/.." || exit 1
+
+usage() { sed -n '2,/^# 64 bad usage/p' "$0" | sed 's/^# \{0,1\}//'; }
+
+MODE=run
+case "${1:-}" in
+    -h|--help) usage; exit 0 ;;
+    --budget) MODE=budget ;;
+    "") ;;
+    *) echo "gpu_check.sh: unknown argument '$1'" >&2; usage >&2; exit 64 ;;
+esac
+
+GRACE=${GPU_CHECK_GRACE:-3}
+BUDGET=${GPU_CHECK_BUDGET:-400}
+declare -A LIMIT=(
+    [env]=${GPU_CHECK_ENV_TIMEOUT:-25}
+    [kernels]=${GPU_CHECK_KERNELS_TIMEOUT:-50}
+    [san_memcheck]=${GPU_CHECK_SANITIZER_TIMEOUT:-25}
+    [san_racecheck]=${GPU_CHECK_SANITIZER_TIMEOUT:-25}
+    [san_synccheck]=${GPU_CHECK_SANITIZER_TIMEOUT:-25}
+    [oracle]=${GPU_CHECK_ORACLE_TIMEOUT:-55}
+    [trace]=${GPU_CHECK_TRACE_TIMEOUT:-35}
+    [overlap]=${GPU_CHECK_OVERLAP_TIMEOUT:-10}
+    [bench]=${GPU_CHECK_BENCH_TIMEOUT:-40}
+    [pytest]=${GPU_CHECK_PYTEST_TIMEOUT:-55}
+    [summary]=${GPU_CHECK_SUMMARY_TIMEOUT:-10}
+)
+ORDER=(env kernels san_memcheck san_racecheck san_synccheck oracle trace overlap bench pytest
+       summary)
+TOTAL=0
+for s in "${ORDER[@]}"; do TOTAL=$((TOTAL + ${LIMIT[$s]} + GRACE)); done
+if [ "$MODE" = budget ]; then
+    for s in "${ORDER[@]}"; do printf '%-14s %4d s + %d s grace\n' "$s" "${LIMIT[$s]}" "$GRACE"; done
+    printf 'worst case     %4d s (budget %d s)\n' "$TOTAL" "$BUDGET"
+    [ "$TOTAL" -lt "$BUDGET" ] && exit 0 || exit 2
+fi
+if [ "$TOTAL" -ge "$BUDGET" ]; then
+    echo "gpu_check.sh: the step limits add up to ${TOTAL}s worst case (graces included), over" \
+         "the ${BUDGET}s budget; lower a GPU_CHECK_*_TIMEOUT (--budget lists them)" >&2
+    exit 2
+fi
+
 PY=${PYTHON:-python3}
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 NCCL_DDP_NO_PROGRESS=1 PYTHONDONTWRITEBYTECODE=1
@@ -28,15 +79,16 @@ LOG="$RES/log.txt"
 : > "$LOG"
 : > "$WORK/steps"
 
-# step NAME TIMEOUT CMD...: run CMD bounded, its output to the console, log.txt and
-# $WORK/NAME.out; record "NAME rc seconds" for the summary.
+# step NAME CMD...: CMD under timeout (LIMIT[NAME] + GRACE at worst), its output to the console,
+# log.txt and $WORK/NAME.out; "NAME rc seconds" recorded for the summary. Never fails the script.
 step() {
-    local name=$1 limit=$2
-    shift 2
+    local name=$1 limit=${LIMIT[$1]}
+    shift
     echo "=== $name (timeout ${limit}s): $*" | tee -a "$LOG"
     local t0=$SECONDS
-    timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$WORK/$name.out" | tee -a "$LOG"
-    local rc=${PIPESTATUS[0]}
+    timeout --kill-after="$GRACE" "$limit" "$@" > "$WORK/$name.out" 2>&1
+    local rc=$?
+    tee -a "$LOG" < "$WORK/$name.out" | tail -n 40
     echo "$name $rc $((SECONDS - t0))" >> "$WORK/steps"
     echo "=== $name: exit $rc after $((SECONDS - t0))s" | tee -a "$LOG"
     return 0
@@ -48,7 +100,7 @@ skip() {
 }
 
 # -- environment ------------------------------------------------------------------------------
-timeout --kill-after=5 "${GPU_CHECK_PROBE_TIMEOUT:-45}" "$PY" - > "$WORK/env" 2>&1 <<'EOF'
+step env "$PY" - <<'EOF'
 import os
 import platform
 print(f"python={platform.python_version()}")
@@ -89,139 +141,68 @@ try:
     except Exception as e:
         print(f"nccl=unavailable ({type(e).__name__})")
 except Exception as e:
-    print(f"gpus=0")
+    print("gpus=0")
     print(f"cupy=unusable ({type(e).__name__}: {str(e)[:100]})")
-for mod in ("torch", "jax", "numpy"):
+for mod in ("torch", "numpy"):
     try:
         m = __import__(mod)
         print(f"{mod}={m.__version__}")
-    except Exception as e:
+    except Exception:
         print(f"{mod}=missing")
 EOF
-tee -a "$LOG" < "$WORK/env"
+cp "$WORK/env.out" "$WORK/env"
 GPUS=$(sed -n 's/^gpus=//p' "$WORK/env" | head -n1)
 GPUS=${GPUS:-0}
 if [ "$GPUS" = "0" ]; then
-    echo "NO GPU: CuPy sees no CUDA device; the gpu tests will be skipped and the benchmarks" \
-         "are not run." | tee -a "$LOG"
+    echo "NO GPU: CuPy sees no CUDA device; the GPU steps are skipped." | tee -a "$LOG"
 fi
 
-# -- tests ------------------------------------------------------------------------------------
-# -v names each test as it starts (a step killed by its timeout still shows which test hung);
-# a per-test limit well under the step's (pytest-timeout dumps the stacks of a hung test and the
-# run goes on; -o, not --timeout, so a missing plugin is a warning, not a usage error).
+# -- GPU steps --------------------------------------------------------------------------------
+RUN=("$PY" -m nccl_ddp.launch --nproc-per-node 1)
+if [ "$GPUS" = "0" ]; then
+    for s in kernels san_memcheck san_racecheck san_synccheck oracle trace overlap bench; do
+        skip "$s" "no GPU"
+    done
+else
+    step kernels "$PY" scripts/gpu_kernel_cases.py --json "$WORK/kernels.json"
+    SAN=$(command -v compute-sanitizer || true)
+    for d in /usr/local/cuda/bin /usr/local/cuda/compute-sanitizer; do
+        [ -z "$SAN" ] && [ -x "$d/compute-sanitizer" ] && SAN="$d/compute-sanitizer"
+    done
+    if [ -z "$SAN" ]; then
+        echo "compute-sanitizer not found on PATH or in /usr/local/cuda" > "$WORK/sanitizer_missing"
+        for t in memcheck racecheck synccheck; do skip "san_$t" "no compute-sanitizer"; done
+    else
+        for t in memcheck racecheck synccheck; do
+            step "san_$t" "$SAN" --tool "$t" --error-exitcode 86 --print-limit 20 \
+                "$PY" scripts/gpu_kernel_cases.py --once
+        done
+    fi
+    step oracle "${RUN[@]}" scripts/gpu_torch_oracle.py --json "$WORK/oracle.json" \
+        --csv "$RES/oracle.csv"
+    step trace "${RUN[@]}" scripts/gpu_trace.py --out "$RES/trace.json"
+    if [ -f "$RES/trace.json" ]; then
+        step overlap "$PY" scripts/overlap_report.py "$RES/trace.json" --json "$RES/overlap.json"
+    else
+        skip overlap "no trace.json"
+    fi
+    step bench "$PY" scripts/bench_kernels.py --sizes 1,25,100 --counts 10,100,1000 \
+        --pairs f32,f32-bf16 --reps 10 --csv "$RES/bench.csv" --png ""
+fi
+
+# -- the suite's gpu tests (they skip themselves without a GPU) -------------------------------
 FIRST=()
 if [ -f scripts/pytest_gpu_first.py ]; then
     FIRST=(-p pytest_gpu_first)
     export PYTHONPATH="scripts:$PYTHONPATH"
 fi
-step pytest "${GPU_CHECK_PYTEST_TIMEOUT:-180}" \
-    "$PY" -m pytest -m gpu -v -p no:cacheprovider ${FIRST[@]+"${FIRST[@]}"} -o timeout=75 --durations=12 tests
+step pytest "$PY" -m pytest -m gpu -q -rfE -p no:cacheprovider ${FIRST[@]+"${FIRST[@]}"} \
+    -o timeout=40 tests
 cp "$WORK/pytest.out" "$RES/pytest.txt"
 
-# -- benchmarks -------------------------------------------------------------------------------
-if [ "$GPUS" = "0" ]; then
-    for s in kernels chunks allreduce ddp; do skip "$s" "no GPU"; done
-else
-    step kernels "${GPU_CHECK_KERNELS_TIMEOUT:-65}" \
-        "$PY" scripts/bench_kernels.py --sizes 1,25,100 --counts 1,100,10000 --reps 20 \
-        --csv "$RES/kernels.csv" --png "$RES/kernels.png"
-    step chunks "${GPU_CHECK_CHUNKS_TIMEOUT:-30}" \
-        "$PY" scripts/bench_kernels.py --sizes 25 --counts 1,100 --pairs f32 \
-        --chunk-bytes 0,2048,4096,8192,16384,32768 --reps 20 --csv "$RES/chunks.csv" --png ""
-    if [ -f scripts/bench_allreduce.py ]; then
-        step allreduce "${GPU_CHECK_ALLREDUCE_TIMEOUT:-35}" \
-            "$PY" scripts/bench_allreduce.py --backend nccl --nranks 1 --no-gloo --max 256M \
-            --iters 10 --timeout 35 --png "" --csv "$WORK/allreduce.csv"
-        [ -f "$WORK/allreduce.csv" ] && cp "$WORK/allreduce.csv" "$RES/allreduce.csv"
-    else
-        skip allreduce "scripts/bench_allreduce.py not found"
-    fi
-    if [ -f scripts/bench_ddp.py ]; then
-        step ddp "${GPU_CHECK_DDP_TIMEOUT:-35}" \
-            "$PY" scripts/bench_ddp.py --nranks 1 --caps 1,25 --steps 10 --timeout 45 --png "" \
-            --csv "$WORK/ddp.csv"
-        [ -f "$WORK/ddp.csv" ] && cp "$WORK/ddp.csv" "$RES/ddp.csv"
-    else
-        skip ddp "scripts/bench_ddp.py not found"
-    fi
-fi
-
 # -- summary (printed last) -------------------------------------------------------------------
-"$PY" - "$WORK" "$RES" <<'EOF' | tee "$RES/summary.txt"
-import csv, os, re, sys
-work, res = sys.argv[1], sys.argv[2]
-env = dict(l.split("=", 1) for l in open(os.path.join(work, "env")).read().splitlines() if "=" in l)
-steps = [l.split() for l in open(os.path.join(work, "steps")).read().splitlines() if l.strip()]
-
-def rows(name):
-    path = os.path.join(res, name)
-    return list(csv.DictReader(open(path))) if os.path.exists(path) else []
-
-def fnum(v, spec):
-    try:
-        return format(float(v), spec)
-    except (TypeError, ValueError):
-        return "-"
-
-print("=" * 78)
-print("GPU CHECK SUMMARY")
-if env.get("gpus", "0") == "0":
-    print("GPU      NONE: CuPy sees no CUDA device (gpu tests skipped, benchmarks not run)")
-else:
-    print(f"GPU      {env.get('gpu')}  ({env.get('memory_gib')} GiB, sm_{env.get('sm')}, "
-          f"{env.get('sms')} SMs)")
-print(f"versions cuda driver/runtime {env.get('driver', '?')}/{env.get('runtime', '?')}  "
-      f"cupy {env.get('cupy', '?')}  nccl {env.get('nccl', '?')}  torch {env.get('torch', '?')}  "
-      f"jax {env.get('jax', '?')}  python {env.get('python', '?')}")
-probe = env.get("probe", "not run (no GPU, or the environment step failed: see log.txt)")
-print(f"probe    RawKernel compile+launch: {probe}; kernel cache {env.get('kernel_cache', '?')}")
-print("steps    " + "  ".join(
-    f"{n}={'ok' if rc == '0' else 'skipped' if rc == 'skipped' else 'TIMEOUT' if rc in ('124', '137') else 'FAILED(rc ' + rc + ')'}"
-    f"{'' if rc == 'skipped' else ' ' + sec + 's'}" for n, rc, sec in steps))
-tail = ""
-p = os.path.join(res, "pytest.txt")
-if os.path.exists(p):
-    lines = [l for l in open(p).read().splitlines()
-             if re.search(r"\d+ (passed|failed|skipped|error|errors|deselected)|no tests ran", l)]
-    tail = lines[-1].strip("= ") if lines else "no result line (crashed or timed out)"
-print(f"tests    pytest -m gpu: {tail}")
-failed = [l.split(" ", 1)[1] for l in open(p).read().splitlines()
-          if l.startswith(("FAILED ", "ERROR "))] if os.path.exists(p) else []
-for f in failed[:8]:
-    print(f"  FAILED {f[:110]}")
-k = rows("kernels.csv")
-if k:
-    print("kernels  GB/s (bytes read+written) and ratio to a same-size D2D copy, 25 MiB buckets:")
-    for op in ("pack", "unpack"):
-        for pair in ("f32", "f32-bf16"):
-            sel = [r for r in k if r["op"] == op and r["pair"] == pair and r["MiB"] == "25"]
-            if sel:
-                cells = "  ".join(f"x{r['tensors']}: {fnum(r['kernel_GBps'], '.0f')} "
-                                  f"({fnum(r['ratio'], '.2f')})" for r in sel)
-                print(f"  {op:6s} {pair:8s} {cells}  copy {fnum(sel[0]['copy_GBps'], '.0f')}  "
-                      f"naive x{sel[-1]['tensors']} {fnum(sel[-1]['naive_GBps'], '.1f')}  "
-                      f"host/call {fnum(sel[-1]['call_us'], '.0f')} us")
-    big = [r for r in k if r["MiB"] == "100" and r["op"] == "pack" and r["pair"] == "f32"]
-    if big:
-        print("  pack f32 100 MiB: " + "  ".join(
-            f"x{r['tensors']}: {fnum(r['kernel_GBps'], '.0f')} ({fnum(r['ratio'], '.2f')})" for r in big))
-c = [r for r in rows("chunks.csv") if r["pair"] == "f32" and r["MiB"] == "25"]
-if c:
-    for op in ("pack", "unpack"):
-        for n in sorted({r["tensors"] for r in c}, key=int):
-            cells = "  ".join(f"{r['fixed_B']}: {fnum(r['ratio'], '.2f')}"
-                              for r in c if r["op"] == op and r["tensors"] == n)
-            print(f"chunks   {op} f32 25 MiB x{n}, ratio by chunk bytes: {cells}")
-for name in ("allreduce.csv", "ddp.csv"):
-    r = rows(name)
-    if r:
-        cols = list(r[0])[:10]
-        print(f"{name[:-4]:8s} {len(r)} rows; last: " +
-              ", ".join(f"{c}={r[-1][c]}" for c in cols))
-print(f"files    {res}: {', '.join(sorted(os.listdir(res)))}")
-print("=" * 78)
-EOF
+timeout --kill-after="$GRACE" "${LIMIT[summary]}" "$PY" scripts/gpu_check_summary.py "$WORK" "$RES" \
+    || echo "gpu_check.sh: the summary failed (exit $?); see $LOG and $WORK"
 
 if [ "$GPUS" = "0" ]; then
     exit 2

@@ -14,10 +14,11 @@ from nccl_ddp.kernels import cuda as ck
 from nccl_ddp.kernels.spec import PACK_PAIRS, SCALE_DTYPES, UNPACK_PAIRS
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
-BF16 = np.dtype(ml_dtypes.bfloat16)
-DT = {"float16": np.dtype(np.float16), "bfloat16": BF16, "float32": np.dtype(np.float32),
-      "float64": np.dtype(np.float64)}
-UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+# the generator the GPU check uses too (scripts/gpu_kernel_cases.py): a GPU failure replays here
+from kernel_cases import DT, SCALES, UINT, values  # noqa: E402
+from kernel_cases import sizes as _sizes  # noqa: E402
+
+BF16 = DT["bfloat16"]
 
 
 def _cpu_or_skip():
@@ -51,44 +52,6 @@ def assert_bits_equal(got, want, what=""):
         pytest.fail(f"{what}: {bad.size} of {got.size} elements differ, first at {i.tolist()}: "
                     f"got {got[i].tolist()} ({[hex(int(x)) for x in gb[i]]}) want "
                     f"{want[i].tolist()} ({[hex(int(x)) for x in wb[i]]})")
-
-
-def values(rng, n, dtype, special=True, nonfinite=False):
-    """Random values of `dtype` over its whole range: normals of every exponent, subnormals, -0.0,
-    +-0.0, near-overflow values; inf/NaN when `nonfinite`."""
-    dt = DT[dtype]
-    if dtype == "float64":
-        x = rng.standard_normal(n) * 2.0 ** rng.integers(-60, 60, n)
-    else:
-        x = rng.standard_normal(n).astype(np.float32) * np.float32(2.0) ** rng.integers(
-            -20, 20, n).astype(np.float32)
-    x = x.astype(dt)
-    if special and n:
-        k = max(1, n // 8)
-        idx = rng.integers(0, n, (6, k))
-        tiny = {"float16": 2.0 ** -24, "bfloat16": 2.0 ** -133, "float32": 2.0 ** -149,
-                "float64": 2.0 ** -1074}[dtype]
-        x[idx[0]] = (rng.integers(1, 1000, k) * tiny * rng.choice([-1, 1], k)).astype(dt)
-        x[idx[1]] = dt.type(-0.0)
-        x[idx[2]] = dt.type(0.0)
-        big = {"float16": 60000.0, "bfloat16": 3e38, "float32": 3e38, "float64": 1e300}[dtype]
-        x[idx[3]] = (big * rng.uniform(0.5, 1, k)).astype(dt)
-        x[idx[4]] = (1e-38 * rng.uniform(0.01, 2, k)).astype(dt) if dtype != "float16" else x[idx[4]]
-        if nonfinite:
-            x[idx[5][: max(1, k // 4)]] = rng.choice([np.inf, -np.inf, np.nan], max(1, k // 4))
-    return x
-
-
-SCALES = [1.0, 0.5, 1 / 3, 0.125, 3.0, 1e-3, 2.0 ** -20]
-
-
-def _sizes(rng, count):
-    if count > 100:
-        s = rng.integers(0, 24, count)
-    else:
-        s = rng.integers(0, 3000, count)
-        s[rng.integers(0, count, max(1, count // 4))] = rng.integers(1, 17, max(1, count // 4))
-    return s
 
 
 def _pack_case(cp, rng, pair, flag, count, misalign):
