@@ -280,6 +280,9 @@ KERNEL_BUGS = {
     "tail index off by one": ("const int t = nvec * kVec + lane;",
                               "const int t = nvec * kVec + lane + 1;"),
     "flush-to-zero multiply": ('asm("mul.rn.f32 %0, %1, %2;"', 'asm("mul.rn.ftz.f32 %0, %1, %2;"'),
+    # plain C++ arithmetic compiles to .ftz under CuPy's -ftz=true: caught by its flushes
+    "multiply without its PTX": ('asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));',
+                                 "r = a * b;"),
     "half the warp skips the vote": ("if (__any_sync(0xffffffffu, bad) && lane == 0)",
                                      "if (lane < 16 && __any_sync(0xffffffffu, bad) && lane == 0)"),
     "no vote (lane 0's own flag)": ("if (__any_sync(0xffffffffu, bad) && lane == 0)",

@@ -11,7 +11,12 @@
 // - Arithmetic: the inline PTX of the kernel is mapped by translate.py to the ptx_* functions
 //   below (round to nearest even, subnormals kept, the GPU's canonical NaN); the CUDA intrinsics
 //   __fmul_rn/__fadd_rn flush subnormals when the build models NVRTC's -ftz=true
-//   (CUDA_CPU_FTZ=1), as CuPy's compile does.
+//   (CUDA_CPU_FTZ=1), as CuPy's compile does. So does every other float operation of the kernel
+//   written in plain C++ (a * b, a + b, static_cast<float>(d)): with CUDA_CPU_FTZ=1 a launch runs
+//   with the x86 MXCSR's FTZ and DAZ bits set (subnormal inputs and results of f32 arithmetic
+//   flushed, as -ftz=true makes NVRTC compile them), and only the functions below that model
+//   non-.ftz PTX and f64 arithmetic (which -ftz leaves alone) run with them cleared (`ieee`). A
+//   kernel edit that drops its round-to-nearest PTX for plain arithmetic is caught by behaviour.
 // - Launch parameters: the glue (translate.py) exports every kernel's C++ parameter types (size,
 //   alignment, kind) so the Python side can check the arguments the way cuLaunchKernel lays
 //   them out, and the __launch_bounds__ of each kernel.
@@ -74,16 +79,49 @@ inline float flush(float x) {
   return is_subnormal(x) ? bits_as<float>(bits_as<uint32_t>(x) & 0x80000000u) : x;
 }
 
-// mul.rn.f32 / add.rn.f32: IEEE round to nearest even, subnormals kept (the host's SSE
-// arithmetic with MXCSR's FTZ/DAZ cleared for the launch).
-inline float ptx_mul_rn_f32(float a, float b) { return canon(a * b); }
-inline float ptx_add_rn_f32(float a, float b) { return canon(a + b); }
+// f(a...) with MXCSR's FTZ and DAZ cleared, whatever the launch set (the empty asm statements pin
+// the arithmetic between the two MXCSR writes).
+constexpr unsigned kFtzDaz = 0x8040u;
+template <typename T> inline void pin(T& v) {
+#if defined(__x86_64__)
+  asm volatile("" : "+x"(v));
+#endif
+}
+template <typename F, typename... A> inline auto ieee(F f, A... a) {
+#if defined(__x86_64__)
+  const unsigned saved = _mm_getcsr();
+  _mm_setcsr(saved & ~kFtzDaz);
+  (pin(a), ...);
+  auto r = f(a...);
+  pin(r);
+  _mm_setcsr(saved);
+  return r;
+#else
+  return f(a...);
+#endif
+}
+
+// mul.rn.f32 / add.rn.f32: IEEE round to nearest even, subnormals kept.
+inline float ptx_mul_rn_f32(float a, float b) {
+  return canon(ieee([](float x, float y) { return x * y; }, a, b));
+}
+inline float ptx_add_rn_f32(float a, float b) {
+  return canon(ieee([](float x, float y) { return x + y; }, a, b));
+}
 // sub/div/sqrt.rn.f32 (IEEE, correctly rounded; sqrtss/divss) and fma.rn.f32 (one rounding:
 // glibc's fmaf is exact), subnormals kept.
-inline float ptx_sub_rn_f32(float a, float b) { return canon(a - b); }
-inline float ptx_div_rn_f32(float a, float b) { return canon(a / b); }
-inline float ptx_sqrt_rn_f32(float a) { return canon(std::sqrt(a)); }
-inline float ptx_fma_rn_f32(float a, float b, float c) { return canon(std::fma(a, b, c)); }
+inline float ptx_sub_rn_f32(float a, float b) {
+  return canon(ieee([](float x, float y) { return x - y; }, a, b));
+}
+inline float ptx_div_rn_f32(float a, float b) {
+  return canon(ieee([](float x, float y) { return x / y; }, a, b));
+}
+inline float ptx_sqrt_rn_f32(float a) {
+  return canon(ieee([](float x) { return std::sqrt(x); }, a));
+}
+inline float ptx_fma_rn_f32(float a, float b, float c) {
+  return canon(ieee([](float x, float y, float z) { return std::fma(x, y, z); }, a, b, c));
+}
 // mul.rn.ftz.f32 / add.rn.ftz.f32: subnormal inputs and results flushed to sign-preserving zero.
 inline float ptx_mul_rn_ftz_f32(float a, float b) { return flush(canon(flush(a) * flush(b))); }
 inline float ptx_add_rn_ftz_f32(float a, float b) { return flush(canon(flush(a) + flush(b))); }
@@ -119,7 +157,9 @@ inline uint16_t ptx_cvt_rn_f16_f32(float f) {
 }
 
 // cvt.rn.f32.f64: round to nearest even, subnormals kept (the host's conversion).
-inline float ptx_cvt_rn_f32_f64(double d) { return canon(static_cast<float>(d)); }
+inline float ptx_cvt_rn_f32_f64(double d) {
+  return canon(ieee([](double x) { return static_cast<float>(x); }, d));
+}
 
 // cvt.f32.f16: exact.
 inline float ptx_cvt_f32_f16(uint16_t h) {
@@ -376,7 +416,8 @@ inline void on_fault(int, siginfo_t* info, void*) {
   siglongjmp(g_fault_jmp, 1);
 }
 
-// Every block, warp by warp, with FTZ/DAZ off and faults caught.
+// Every block, warp by warp, faults caught; FTZ/DAZ on when the build models -ftz=true (the
+// fibers' contexts are made inside, so they inherit it), else off.
 inline void run_grid(Heap& heap, unsigned grid, unsigned block, std::function<void()> body) {
   g.heap = &heap;
   g.grid.x = grid;
@@ -389,7 +430,7 @@ inline void run_grid(Heap& heap, unsigned grid, unsigned block, std::function<vo
   std::vector<char> stacks(kStack * 32);
 #if defined(__x86_64__)
   const unsigned csr = _mm_getcsr();
-  _mm_setcsr(csr & ~(0x8040u | 0x6000u));   // FTZ, DAZ off; round to nearest
+  _mm_setcsr((csr & ~(kFtzDaz | 0x6000u)) | (CUDA_CPU_FTZ ? kFtzDaz : 0u));   // round to nearest
 #endif
   struct sigaction sa{}, old_segv{}, old_bus{};
   sa.sa_sigaction = on_fault;
@@ -484,8 +525,12 @@ inline float __fmul_rn(float a, float b) { return cuda_cpu::ptx_mul_rn_f32(a, b)
 inline float __fadd_rn(float a, float b) { return cuda_cpu::ptx_add_rn_f32(a, b); }
 #endif
 // f64 is never flushed; NaN results keep the host's payload (tests compare NaN as NaN).
-inline double __dmul_rn(double a, double b) { return a * b; }
-inline double __dadd_rn(double a, double b) { return a + b; }
+inline double __dmul_rn(double a, double b) {
+  return cuda_cpu::ieee([](double x, double y) { return x * y; }, a, b);
+}
+inline double __dadd_rn(double a, double b) {
+  return cuda_cpu::ieee([](double x, double y) { return x + y; }, a, b);
+}
 
 template <typename T> inline T __ldg(const T* p) {
   return cuda_cpu::load(p, cuda_cpu::kLoadNC, "read (__ldg)");
