@@ -31,9 +31,12 @@ import numpy as np  # noqa: E402
 
 
 def generators() -> dict:
-    """kernels/*.cu file name -> (plan(), run_case) for the sources this script covers."""
-    import kernel_cases
-    return {"bucket.cu": (kernel_cases.plan, kernel_cases.run_case)}
+    """kernels/*.cu file name -> (its cases, run_case) for the sources this script covers."""
+    import kernel_cases as kc
+    out: dict = {}
+    for case in kc.plan():
+        out.setdefault(kc.source_of(case), []).append(case)
+    return {src: (lambda cases=cases: cases, kc.run_case) for src, cases in out.items()}
 
 
 def sources() -> list:

@@ -16,7 +16,10 @@ import numpy as np
 
 from nccl_ddp import kernels as K
 from nccl_ddp.kernels import cuda as ck
+from nccl_ddp.kernels.optim_spec import GRAD_DTYPES, PARAM_DTYPES
 from nccl_ddp.kernels.spec import PACK_PAIRS, SCALE_DTYPES, UNPACK_PAIRS
+
+OPTIM_OPS = ("sgd", "adamw")   # kernels/optim.cu; the other ops are bucket.cu's
 
 
 def _bf16() -> np.dtype:
@@ -87,9 +90,14 @@ def compare_bytes(got, want) -> dict:
     return {"mismatches": int(bad.size), "canonical_nans": int(canon.sum()), "first": first}
 
 
+def source_of(case: tuple) -> str:
+    return "optim.cu" if case[1] in OPTIM_OPS else "bucket.cu"
+
+
 def plan() -> list:
-    """(name, op, pair, variant, count) covering every instantiation of bucket.cu: each pack and
-    unpack variant with a by-value table (5 tensors) and a device table (40), and each scale."""
+    """(name, op, pair, variant, count) covering every instantiation of the module: bucket.cu's
+    pack and unpack variants with a by-value table (5 tensors) and a device table (40), each
+    scale; optim.cu's sgd/adamw for every (grad, param) dtype pair."""
     cases = []
     for op, pairs in (("pack", PACK_PAIRS), ("unpack", UNPACK_PAIRS)):
         for pair in sorted(pairs):
@@ -99,7 +107,43 @@ def plan() -> list:
                     cases.append((name, op, pair, variant, count))
     for t in sorted(SCALE_DTYPES):
         cases.append((ck.kernel_name("scale", (t, t), False, False), "scale", (t, t), False, 0))
+    for op in OPTIM_OPS:
+        for g in sorted(GRAD_DTYPES):
+            for p in sorted(PARAM_DTYPES):
+                cases.append((ck.optim_kernel_name(op, g, p), op, (g, p), False, 0))
     return cases
+
+
+def _optim_case(put, get, rng, op: str, pair: tuple, add: Callable[[dict], None]) -> None:
+    """One sgd/adamw step on a vector-path shard and a misaligned odd one, against the NumPy
+    step (the same call on host arrays); every array it writes compared."""
+    gt, pt = pair
+    for n, mis in ((3001, 0), (37, 1)):
+        if op == "sgd":
+            kw = dict(lr=float(rng.choice([0.1, 1e-3])), momentum=0.9, dampening=0.0,
+                      weight_decay=float(rng.choice([0.0, 1e-2])), nesterov=bool(rng.integers(2)),
+                      fresh_buffer=False, grad_scale=float(rng.choice(SCALES)))
+            names = ["buf"]
+        else:
+            kw = dict(step=int(rng.choice([1, 7, 1000])), lr=1e-3, beta1=0.9, beta2=0.999,
+                      eps=float(rng.choice([1e-8, 1e-40])), weight_decay=0.1,
+                      amsgrad=bool(rng.integers(2)), grad_scale=float(rng.choice(SCALES)))
+            names = ["exp_avg", "exp_avg_sq"] + (["vmax"] if kw["amsgrad"] else [])
+        host = {"master": values(rng, n, "float32"), "grad": values(rng, n, gt, nonfinite=True)}
+        for name in names:
+            x = values(rng, n, "float32")
+            x[~np.isfinite(x.astype(np.float64))] = 1.0
+            host[name] = x if name == "exp_avg" else np.abs(x)
+        host["out"] = np.full(n, np.nan, DT[pt])
+        dev = {k: put(h, mis * h.dtype.itemsize) for k, h in host.items()}
+        for a in (dev, host):   # the device step, then the reference on the host arrays
+            if op == "sgd":
+                K.sgd_step(a["master"], a["grad"], a["buf"], a["out"], **kw)
+            else:
+                K.adamw_step(a["master"], a["grad"], a["exp_avg"], a["exp_avg_sq"], a.get("vmax"),
+                             a["out"], **kw)
+        for k in ["master", "out"] + names:
+            add(compare_bytes(get(dev[k]), host[k]))
 
 
 def seed_of(name: str, seed: int) -> list:
@@ -123,6 +167,9 @@ def run_case(put: Callable[[np.ndarray, int], Any], get: Callable[[Any], np.ndar
         res["canonical_nans"] += r["canonical_nans"]
         res["first"] = res["first"] or r["first"]
 
+    if op in OPTIM_OPS:
+        _optim_case(put, get, rng, op, pair, add)
+        return res
     if op == "scale":
         t = pair[0]
         for n, mis in ((1, 0), (13, 1), (40_001, 0), (5003, 3)):
