@@ -187,7 +187,7 @@ else
         skip overlap "no trace.json"
     fi
     step bench "$PY" scripts/bench_kernels.py --sizes 1,25,100 --counts 10,100,1000 \
-        --pairs f32,f32-bf16 --reps 10 --csv "$RES/bench.csv" --png ""
+        --pairs f32,f32-bf16 --ops pack,unpack --reps 10 --csv "$RES/bench.csv" --png ""
 fi
 
 # -- the suite's gpu tests (they skip themselves without a GPU) -------------------------------
