@@ -48,6 +48,11 @@ def sanitizer(text: Optional[str], rc: str, missing: Optional[str]) -> tuple:
     if rc in ("124", "137"):
         return "TIMEOUT", "killed at its time limit"
     text = text or ""
+    refused = re.search(r"^[= ]*(.*(?:Device not supported|not supported on this|Unable to "
+                        r"find|Target application terminated before first).*)$", text,
+                        re.MULTILINE)
+    if refused:   # the runtime refused the tool (gVisor): before any error count it printed
+        return "unavailable", f"sanitizer unavailable: {refused.group(1).strip()[:160]}"
     race = re.search(r"RACECHECK SUMMARY: (\d+) hazards displayed \((\d+) errors?, (\d+) warn", text)
     if race:
         n = int(race.group(2))
@@ -176,7 +181,11 @@ def render(out: dict, res: str) -> str:
     return "\n".join(lines)
 
 
+OK_STATUSES = ("ok", "skipped", "unavailable")
+
+
 def main(argv: list) -> int:
+    """Exit 0 when every step is ok, skipped or had its sanitizer refused by the runtime; else 1."""
     if len(argv) != 2 or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv[:1] in (["-h"], ["--help"]) else 2
@@ -188,7 +197,7 @@ def main(argv: list) -> int:
     with open(os.path.join(res, "summary.txt"), "w") as f:
         f.write(text + "\n")
     print(text)
-    return 0
+    return 0 if all(r["status"] in OK_STATUSES for r in out["table"]) else 1
 
 
 if __name__ == "__main__":

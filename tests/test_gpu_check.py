@@ -236,12 +236,35 @@ def test_without_a_gpu_it_says_so(scratch):
     ("========= Error: Device not supported. Please refer to the documentation\n", "1", None,
      ("unavailable", "sanitizer unavailable: Error: Device not supported. Please refer to the "
                      "documentation")),
+    ("========= Error: Device not supported\n========= Program hit cudaErrorUnknown (error 999)"
+     "\n========= ERROR SUMMARY: 1 error\n", "86", None,
+     ("unavailable", "sanitizer unavailable: Error: Device not supported")),
     ("", "", "compute-sanitizer not found on PATH", ("unavailable", "sanitizer unavailable: "
                                                      "compute-sanitizer not found on PATH")),
     ("partial", "124", None, ("TIMEOUT", "killed at its time limit")),
 ])
 def test_sanitizer_outputs(text, rc, missing, want):
     assert summary.sanitizer(text, rc, missing) == want
+
+
+def test_verdict_a_refused_sanitizer_is_not_a_failure(tmp_path, capsys):
+    work, res = tmp_path / "work", tmp_path / "res"
+    work.mkdir()
+    res.mkdir()
+    (work / "env").write_text("gpus=1\ngpu=NVIDIA H200\n")
+    names = ["kernels", "san_memcheck", "san_racecheck", "san_synccheck", "oracle", "trace",
+             "overlap", "bench", "pytest"]
+    (work / "steps").write_text("".join(f"{n} {86 if n.startswith('san') else 0} 1\n"
+                                        for n in names))
+    for t in ("memcheck", "racecheck", "synccheck"):
+        (work / f"san_{t}.out").write_text("========= Error: Device not supported\n"
+                                           "========= ERROR SUMMARY: 1 error\n")
+    assert summary.main([str(work), str(res)]) == 0
+    assert "sanitizer unavailable: Error: Device not supported" in capsys.readouterr().out
+    (work / "steps").write_text((work / "steps").read_text().replace("oracle 0", "oracle 1"))
+    assert summary.main([str(work), str(res)]) == 1
+    assert json.loads((res / "results.json").read_text())["steps"]["oracle"]["status"] == \
+        "FAILED(rc 1)"
 
 
 # ---------------------------------------------------------------------------------- kernel cases
