@@ -15,7 +15,8 @@ from mindspore import nn
 import nccl_ddp as nd
 from nccl_ddp import DistributedDataParallel  # was: mindspore.parallel.distributed
 
-ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU")
+ms.set_device("CPU")
+ms.set_context(mode=ms.PYNATIVE_MODE)
 
 
 class LeNet5(nn.Cell):

@@ -79,7 +79,8 @@ def main():
     args = parser.parse_args()
 
     mode = ms.GRAPH_MODE if args.mode == "graph" else ms.PYNATIVE_MODE
-    ms.set_context(mode=mode, device_target="CPU")
+    ms.set_device("CPU")
+    ms.set_context(mode=mode)
     nd.init_process_group()                                      # docs: init()
     ms.reset_auto_parallel_context()
     ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL)

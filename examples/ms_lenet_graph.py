@@ -31,7 +31,8 @@ def main():
     args = parser.parse_args()
 
     mode = ms.GRAPH_MODE if args.mode == "graph" else ms.PYNATIVE_MODE
-    ms.set_context(mode=mode, device_target="CPU")
+    ms.set_device("CPU")
+    ms.set_context(mode=mode)
     nd.init_process_group()
     ms.set_seed(0)                     # the same initial parameters on every rank
     net = LeNet5()

@@ -1,9 +1,12 @@
 """Who am I: rank, world size, local rank and rendezvous address of this process.
 
-Sources, first match wins: explicit arguments, then the first launcher whose rank variable is set:
-nccl-ddp-run / torchrun (RANK ...), Slurm (SLURM_PROCID ...), Open MPI (OMPI_COMM_WORLD_RANK ...).
-MASTER_ADDR / MASTER_PORT apply whichever launcher set the rank. A process with none of these is a
-job of one (rank 0, loopback, port chosen when the store binds).
+Sources, first match wins: explicit arguments, then the first launcher whose variables are set:
+nccl-ddp-run / torchrun (RANK ...), Lightning's launcher (WORLD_SIZE, NODE_RANK, LOCAL_RANK, no
+RANK), msrun (MS_ROLE, RANK_ID, MS_WORKER_NUM ...), Slurm (SLURM_PROCID ...), Open MPI
+(OMPI_COMM_WORLD_RANK ...), MPICH / Intel MPI (PMI_RANK ...). MASTER_ADDR / MASTER_PORT apply
+whichever launcher set the rank. A process with none of these is a job of one (rank 0, loopback,
+port chosen when the store binds); a process that some launcher says is one of several but that
+would still resolve to a job of one is refused (`_check_not_alone`): it would train alone, silently.
 """
 from __future__ import annotations
 
@@ -22,6 +25,21 @@ _TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 _SLURM = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", None)
 _OMPI = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
          "OMPI_COMM_WORLD_LOCAL_SIZE")
+_PMI = ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")   # MPICH hydra, Intel MPI
+# msrun: RANK_ID (= MS_NODE_ID; unset on a node started without --node_rank until MindSpore's
+# init() assigns it), MS_WORKER_NUM (= RANK_SIZE, all nodes), DEVICE_ID (the index on this node)
+_MSRUN = ("RANK_ID", "MS_WORKER_NUM", "DEVICE_ID", "LOCAL_WORLD_SIZE")
+# every variable by which a launcher or scheduler says how many processes the job has
+_WORLD_VARS = ("WORLD_SIZE", "MS_WORKER_NUM", "RANK_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+_NAMES = {"torchrun": "torchrun / nccl-ddp-run", "lightning": "Lightning's launcher",
+          "msrun": "msrun", "slurm": "Slurm", "openmpi": "Open MPI", "pmi": "MPICH / Intel MPI",
+          "arguments": "the arguments", "none": "no launcher"}
+_MS_SCHEDULER = "MS_SCHED"   # MS_ROLE of the process msrun starts as MindSpore's scheduler
+_MSRUN_RANK_HINT = ("msrun exports RANK_ID on one node, and on several only with --node_rank "
+                    "(else MindSpore assigns ranks inside mindspore.communication.init()): pass "
+                    "--node_rank to msrun on every node, or pass "
+                    "rank=mindspore.communication.get_rank() to init_process_group after "
+                    "mindspore.communication.init()")
 
 
 @dataclass(frozen=True)
@@ -30,7 +48,11 @@ class DistEnv:
 
     `store_port` is where our store listens: NCCL_DDP_STORE_PORT when set (nccl-ddp-run sets it,
     leaving MASTER_PORT free for the script's own use, e.g. torch.distributed's env:// store);
-    under torchrun, whose agent holds MASTER_PORT, MASTER_PORT + 1; else MASTER_PORT."""
+    next to the port another store holds: MASTER_PORT + 1 under torchrun (its agent's store) and
+    under Lightning's launcher (rank 0's torch TCPStore), MS_SCHED_PORT - 1 under msrun (its
+    scheduler holds MS_SCHED_PORT, and MindSpore's workers take ports counting up from 8118,
+    msrun's default scheduler port); else MASTER_PORT. `source` names the launcher it came from
+    ("none": a plain `python train.py`); `ms_scheduler`: this is msrun's scheduler process."""
 
     rank: int
     world_size: int
@@ -41,6 +63,8 @@ class DistEnv:
     secret: str = field(default="", repr=False)   # never logged
     store_hosted_externally: bool = False         # the launcher hosts the store; rank 0 is a client
     store_port: int = -1                          # -1: the same as master_port
+    source: str = "none"
+    ms_scheduler: bool = False
 
     def __post_init__(self) -> None:
         if self.store_port == -1:
@@ -102,18 +126,97 @@ def _slurm_master_addr(environ: Mapping[str, str]) -> Optional[str]:
     return host or environ.get("SLURM_LAUNCH_NODE_IPADDR") or None
 
 
-def _identity(environ: Mapping[str, str]) -> tuple[str, list[Optional[int]], Optional[str]]:
-    """(source name, [rank, world, local rank, local world], master addr hint) of the first launcher."""
-    for name, names in (("torchrun", _TORCHRUN), ("slurm", _SLURM), ("openmpi", _OMPI)):
-        if environ.get(names[0], "").strip() == "":
+@dataclass(frozen=True)
+class _Found:
+    """What the first launcher found says: its name and variable names, the values (None: unset),
+    a rendezvous host / store port to use when MASTER_ADDR / NCCL_DDP_STORE_PORT are not set."""
+
+    source: str
+    names: tuple
+    values: tuple
+    addr: Optional[str] = None
+    store_port: Optional[int] = None
+    store_after_master: bool = False    # a torch store holds MASTER_PORT: ours takes the next
+    ms_scheduler: bool = False
+
+
+def _set(environ: Mapping[str, str], name: str) -> bool:
+    return environ.get(name, "").strip() != ""
+
+
+def _lightning(environ: Mapping[str, str]) -> _Found:
+    """Lightning's launcher: no RANK; rank = NODE_RANK * processes per node + LOCAL_RANK. It does
+    not export the processes per node: LOCAL_WORLD_SIZE, or on node 0 none is needed."""
+    node, local = _int(environ, "NODE_RANK") or 0, _int(environ, "LOCAL_RANK")
+    local_world = _int(environ, "LOCAL_WORLD_SIZE")
+    if node > 0 and local_world is None:
+        raise ConfigError(f"Lightning's launcher (WORLD_SIZE={environ['WORLD_SIZE']}, "
+                          f"NODE_RANK={node}, LOCAL_RANK={local}, no RANK): the rank on node "
+                          f"{node} needs the processes per node; set LOCAL_WORLD_SIZE to "
+                          f"Trainer(devices=...) on every node, or set RANK")
+    rank = local if node == 0 else node * local_world + local   # type: ignore[operator]
+    return _Found("lightning", ("NODE_RANK*LOCAL_WORLD_SIZE+LOCAL_RANK",) + _TORCHRUN[1:],
+                  (rank, _int(environ, "WORLD_SIZE"), local, local_world),
+                  store_after_master=True)
+
+
+def _msrun(environ: Mapping[str, str]) -> _Found:
+    world_var = "MS_WORKER_NUM" if _set(environ, "MS_WORKER_NUM") else "RANK_SIZE"
+    names = (_MSRUN[0], world_var) + _MSRUN[2:]
+    sched_port = _int(environ, "MS_SCHED_PORT")
+    return _Found("msrun", names, tuple(_int(environ, n) for n in names),
+                  addr=environ.get("MS_SCHED_HOST", "").strip() or None,
+                  store_port=sched_port - 1 if sched_port else None,
+                  ms_scheduler=environ.get("MS_ROLE", "").strip() == _MS_SCHEDULER)
+
+
+def _identity(environ: Mapping[str, str]) -> _Found:
+    """What the first launcher whose variables are set says about this process."""
+    if _set(environ, "RANK"):
+        agent = environ.get("TORCHELASTIC_USE_AGENT_STORE", "").strip().lower() == "true"
+        return _Found("torchrun", _TORCHRUN, tuple(_int(environ, n) for n in _TORCHRUN),
+                      store_after_master=agent)
+    if _set(environ, "WORLD_SIZE") and _set(environ, "LOCAL_RANK"):
+        return _lightning(environ)
+    if _set(environ, "MS_ROLE") or _set(environ, "RANK_ID"):
+        return _msrun(environ)
+    for name, names in (("slurm", _SLURM), ("openmpi", _OMPI), ("pmi", _PMI)):
+        if not _set(environ, names[0]):
             continue
         values = [_int(environ, n) for n in names]
         addr = None
         if name == "slurm":
             values[3] = _slurm_local_world_size(environ)
             addr = _slurm_master_addr(environ)
-        return name, values, addr
-    return "none", [None] * 4, None
+        return _Found(name, names, tuple(values), addr=addr)
+    return _Found("none", _TORCHRUN, (None,) * 4)
+
+
+def _claims(environ: Mapping[str, str], source: str) -> dict:
+    """The variables that say the job has more than one process. Slurm's count describes the
+    allocation, which may hold a launcher of its own: it counts only when no launcher was found."""
+    names = _WORLD_VARS + (("SLURM_NTASKS",) if source in ("none", "arguments") else ())
+    return {n: environ[n].strip() for n in names
+            if environ.get(n, "").strip().isdigit() and int(environ[n]) > 1}
+
+
+def _check_not_alone(environ: Mapping[str, str], source: str, world_size: int) -> None:
+    """Refuse a job of one that a launcher says is one of several: it would train alone."""
+    claims = _claims(environ, source) if world_size == 1 else {}
+    if not claims:
+        return
+    seen = ", ".join(f"{k}={v}" for k, v in claims.items())
+    if source == "arguments":
+        fix = ("pass the world_size and rank that launcher set (or leave them out to read them "
+               "from the environment), or unset those variables to run alone")
+    elif "MS_WORKER_NUM" in claims or "RANK_SIZE" in claims:
+        fix = _MSRUN_RANK_HINT
+    else:
+        fix = ("set RANK (or the launcher's rank variable) on every process, or unset those "
+               "variables to run alone")
+    raise ConfigError(f"the environment says this job has more than one process ({seen}) but "
+                      f"nccl_ddp resolved a job of one (from {_NAMES[source]}): each process would "
+                      f"train alone; {fix}")
 
 
 def resolve_env(rank: Optional[int] = None, world_size: Optional[int] = None,
@@ -128,35 +231,43 @@ def resolve_env(rank: Optional[int] = None, world_size: Optional[int] = None,
             raise ConfigTypeError(f"{name} must be an int or None (read from the environment), got "
                             f"{type(value).__name__} {value!r}")
     environ = os.environ if environ is None else environ
-    source, (e_rank, e_world, e_local, e_local_world), addr_hint = _identity(environ)
+    found = _identity(environ)
+    source = found.source
+    rank_var, world_var, local_var, local_world_var = found.names
+    e_rank, e_world, e_local, e_local_world = found.values
+    if world_size is not None:
+        source = "arguments"
     rank = e_rank if rank is None else rank
     world_size = e_world if world_size is None else world_size
     if rank is None and world_size is None:
         rank, world_size = 0, 1
     elif world_size is None:
-        raise ConfigError(f"rank {rank} is set ({source}) but the world size is not; "
-                          f"set WORLD_SIZE (or pass world_size=)")
+        raise ConfigError(f"rank {rank} is set ({_NAMES[source]}) but the world size is not; "
+                          f"set {world_var or 'WORLD_SIZE'} (or pass world_size=)")
     elif rank is None:
-        raise ConfigError(f"world size {world_size} is set ({source}) but the rank is not; "
-                          f"set RANK (or pass rank=)")
+        hint = (_MSRUN_RANK_HINT if found.source == "msrun"
+                else f"set {rank_var} (or pass rank=)")
+        raise ConfigError(f"world size {world_size} is set ({_NAMES[source]}) but the rank is not; "
+                          f"{hint}")
     if world_size < 1:
-        raise ConfigError(f"world size is {world_size}; set WORLD_SIZE to a positive integer")
+        raise ConfigError(f"world size is {world_size}; set {world_var} to a positive integer")
     if not 0 <= rank < world_size:
-        raise ConfigError(f"rank {rank} is outside [0, {world_size}) (from {source}); set RANK "
-                          f"to a value below WORLD_SIZE")
+        raise ConfigError(f"rank {rank} is outside [0, {world_size}) (from {_NAMES[source]}); set "
+                          f"{rank_var} to a value below {world_var}")
+    _check_not_alone(environ, source, world_size)
 
     local_world = e_local_world if e_local_world is not None else world_size
     if local_world < 1:
-        raise ConfigError(f"rank {rank}: local world size is {local_world}; set LOCAL_WORLD_SIZE "
+        raise ConfigError(f"rank {rank}: local world size is {local_world}; set {local_world_var} "
                           f"to the number of ranks on this node")
     local_rank = e_local if local_rank is None else local_rank
     if local_rank is None:
         local_rank = rank % local_world
     if not 0 <= local_rank < local_world:
         raise ConfigError(f"rank {rank}: local rank {local_rank} is outside [0, {local_world}); "
-                          f"set LOCAL_RANK below LOCAL_WORLD_SIZE")
+                          f"set {local_var} below {local_world_var}")
 
-    addr = master_addr or environ.get("MASTER_ADDR", "").strip() or addr_hint
+    addr = master_addr or environ.get("MASTER_ADDR", "").strip() or found.addr
     if not addr:
         if local_world < world_size:
             raise ConfigError(f"rank {rank}: the job spans several nodes ({world_size} ranks, "
@@ -165,6 +276,8 @@ def resolve_env(rank: Optional[int] = None, world_size: Optional[int] = None,
         addr = LOOPBACK
     if master_port is None:
         master_port = _int(environ, "MASTER_PORT")
+    if master_port is None and found.store_port is not None:
+        master_port = found.store_port    # msrun: no MASTER_PORT; the store's port is the rendezvous
     if master_port is None:
         if world_size > 1:
             raise ConfigError(f"rank {rank}: world size {world_size} needs a rendezvous port but "
@@ -177,8 +290,8 @@ def resolve_env(rank: Optional[int] = None, world_size: Optional[int] = None,
     hosted = environ.get("NCCL_DDP_STORE_HOSTED", "").strip().lower() in ("1", "true", "yes")
     store_port = _int(environ, "NCCL_DDP_STORE_PORT")
     if store_port is None:
-        torchrun_agent = environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-        store_port = master_port + 1 if torchrun_agent and master_port else master_port
+        store_port = (master_port + 1 if found.store_after_master and master_port
+                      else found.store_port if found.store_port is not None else master_port)
     if not 0 <= store_port <= 65535 or (store_port == 0 and world_size > 1):
         raise ConfigError(f"rank {rank}: NCCL_DDP_STORE_PORT={store_port} is not a usable port; "
                           f"set it to a free port in 1..65535, the same on every rank (or unset "
@@ -186,7 +299,8 @@ def resolve_env(rank: Optional[int] = None, world_size: Optional[int] = None,
     return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank,
                    local_world_size=local_world, master_addr=addr, master_port=master_port,
                    secret=environ.get("NCCL_DDP_SECRET", ""), store_hosted_externally=hosted,
-                   store_port=store_port)
+                   store_port=store_port, source=found.source if source != "arguments" else source,
+                   ms_scheduler=found.ms_scheduler)
 
 
 # -- failure records for the launcher (like torchrun's error files) -----------------------------

@@ -133,7 +133,7 @@ def worker(args) -> None:
     import ms_ddp_lenet  # noqa: F401  (it sets PyNative mode when imported: before measuring)
 
     import nccl_ddp as nd
-    ms.set_context(device_target="CPU")
+    ms.set_device("CPU")
     nd.init_process_group()
     configs = [Config(nd, model, kind, mode_name) for model in args.models.split(",")
                for kind in ("none", "per-bucket", "one-op")

@@ -18,7 +18,8 @@ class Tiny(nn.Cell):
 
 
 def main():
-    ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU")
+    ms.set_device("CPU")
+    ms.set_context(mode=ms.PYNATIVE_MODE)
     nd.init_process_group("host", timeout=60)
     rank = nd.get_rank()
     try:

@@ -71,7 +71,8 @@ def main():
     parser.add_argument("--scale-by-rank", action="store_true")
     parser.add_argument("--mean", action="store_true")
     args = parser.parse_args()
-    ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU")
+    ms.set_device("CPU")
+    ms.set_context(mode=ms.PYNATIVE_MODE)
     if args.which == "all":
         os.makedirs(args.out, exist_ok=True)
         np.savez(os.path.join(args.out, "ddp.npz"), **ddp_reference(args.steps, args.world))

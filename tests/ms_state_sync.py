@@ -34,7 +34,8 @@ def values(net) -> dict:
 
 
 def main():
-    ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU")
+    ms.set_device("CPU")
+    ms.set_context(mode=ms.PYNATIVE_MODE)
     nd.init_process_group("host")
     rank = nd.get_rank()
     try:

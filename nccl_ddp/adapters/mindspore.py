@@ -30,7 +30,7 @@ import numpy as np
 
 from nccl_ddp.ddp.buckets import ParamSpec
 from nccl_ddp.ddp.interfaces import GradModule, GradsAdapter
-from nccl_ddp.dlpack import KDL_CPU, CapsuleHolder, native_from_dlpack
+from nccl_ddp.dlpack import KDL_CPU, CapsuleHolder, bfloat16_dtype, native_from_dlpack
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 
 
@@ -63,8 +63,11 @@ def _require_pynative(what: str) -> None:
 
 
 def to_native(t: Any) -> np.ndarray:
-    """A read-only NumPy view of a MindSpore tensor's memory, through DLPack."""
+    """A read-only NumPy view of a MindSpore tensor's memory, through DLPack; bfloat16, which
+    NumPy's DLPack does not know ("Unsupported dtype in DLTensor"), as a NumPy copy."""
     import mindspore
+    if t.dtype == mindspore.bfloat16:
+        return t.asnumpy()
     return native_from_dlpack(CapsuleHolder(mindspore.to_dlpack(t)), KDL_CPU)
 
 
@@ -74,9 +77,21 @@ def from_native(a: np.ndarray) -> Any:
     return Tensor.from_numpy(a)
 
 
+# MindSpore's dtypes by NumPy name (mindspore.dtype_to_nptype, deprecated since 2.7, warns at
+# every call and has no public replacement)
+_NUMPY_NAMES = ("float32", "float16", "float64", "int8", "int16", "int32", "int64", "uint8",
+                "uint16", "uint32", "uint64", "bool_", "complex64", "complex128")
+
+
 def np_dtype(ms_dtype: Any) -> np.dtype:
+    """NumPy's dtype for a MindSpore dtype (bfloat16: ml_dtypes')."""
     import mindspore
-    return np.dtype(mindspore.dtype_to_nptype(ms_dtype))
+    if ms_dtype == mindspore.bfloat16:
+        return bfloat16_dtype()
+    for name in _NUMPY_NAMES:
+        if ms_dtype == getattr(mindspore, name):
+            return np.dtype(name.rstrip("_"))
+    raise ConfigTypeError(f"MindSpore dtype {ms_dtype} has no NumPy counterpart")
 
 
 def synchronize() -> None:
@@ -208,8 +223,15 @@ class MindSporeGrads(GradsAdapter):
                           comm_fusion=f) for p, f in zip(parameters, fusion)]
 
     def to_native(self, grads: Any) -> List[Any]:
+        from mindspore import Tensor
         if not isinstance(grads, (list, tuple)):
             raise ConfigTypeError(f"grads must be a tuple or list of tensors, got {type(grads).__name__}")
+        for i, g in enumerate(grads):
+            if not isinstance(g, Tensor):
+                raise ConfigTypeError(
+                    f"grads[{i}] is a {type(g).__module__}.{type(g).__name__}, but this reducer "
+                    f"was built on MindSpore parameters: pass MindSpore tensors, or build the "
+                    f"reducer on parameters of that framework; nccl_ddp never mixes frameworks")
         return [to_native(g) for g in grads]
 
     def from_native(self, grads: Any, reduced: List[Any]) -> Any:

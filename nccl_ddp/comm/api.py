@@ -96,6 +96,8 @@ def init_process_group(backend: Optional[str] = None, *, timeout: float = 300.0,
                         f"TCPStore) or None (connect to MASTER_ADDR:MASTER_PORT), got "
                         f"{type(store).__name__}")
     env = resolve_env(rank=rank, world_size=world_size)
+    _leave_if_ms_scheduler(env)
+    _notice_job_of_one(env)
     install_failure_hook()
     name = _pick_backend(backend)
     owns = store is None
@@ -113,6 +115,29 @@ def init_process_group(backend: Optional[str] = None, *, timeout: float = 300.0,
     _world = _World(env, store, group, owns, PrefixStore(keys, "api"))
     log.debug("rank %d/%d: %s world group ready", env.rank, env.world_size, name)
     return group
+
+
+def _leave_if_ms_scheduler(env: DistEnv) -> None:
+    """msrun runs the script a third time as MindSpore's scheduler (MS_ROLE=MS_SCHED): that
+    process is no training rank. Exit it, as MindSpore's own init() does for that role."""
+    if env.ms_scheduler:
+        log.info("nccl_ddp: this is msrun's scheduler process (MS_ROLE=MS_SCHED), not a training "
+                 "rank: exiting, as mindspore.communication.init() does in this role")
+        raise SystemExit(0)
+
+
+_noticed_alone = False
+
+
+def _notice_job_of_one(env: DistEnv) -> None:
+    """A plain `python train.py`: say once per process that it is a job of one, and why."""
+    global _noticed_alone
+    if env.source != "none" or _noticed_alone:
+        return
+    _noticed_alone = True
+    log.warning("nccl_ddp: no launcher or scheduler variables found (RANK/WORLD_SIZE, RANK_ID/"
+                "MS_WORKER_NUM, SLURM_PROCID, OMPI_COMM_WORLD_RANK, PMI_RANK): this job has one "
+                "rank; start N with `nccl-ddp-run --nproc-per-node=N script.py`")
 
 
 def _check_timeout(timeout: Any, where: str) -> None:
