@@ -53,10 +53,15 @@ def first_leaf(obj: Any) -> Any:
     return obj
 
 
+def framework_of_leaves(obj: Any) -> Optional[str]:
+    """The framework of an array or of a structure's first leaf; None for NumPy / CuPy."""
+    return framework_of(obj) or framework_of(first_leaf(obj))
+
+
 def grads_adapter(obj: Any) -> Any:
     """The `GradsAdapter` for a framework's parameters or grads (or a structure of them); None
     for NumPy / CuPy arrays."""
-    name = framework_of(obj) or framework_of(first_leaf(obj))
+    name = framework_of_leaves(obj)
     return None if name is None else adapter(name).grads_adapter()
 
 

@@ -165,3 +165,14 @@ def plot_panels(panels: Sequence[dict], path: str) -> bool:
 def plot_series(rows: Sequence[dict], x: str, y: str, series: str, path: str, **kw) -> bool:
     """One line per distinct value of `series` (title, xlabel, ylabel, logx, logy, hlines)."""
     return plot_panels([dict(rows=rows, x=x, y=y, series=series, **kw)], path)
+
+
+def launch_or_work(script: str, args: Any, argv: Optional[Sequence[str]],
+                   worker: Callable[[Any], None], env: Optional[dict] = None) -> int:
+    """A benchmark's main: under a launcher (RANK set) run `worker(args)`, else start
+    `args.nranks` ranks of `script` through nccl-ddp-run with the same arguments."""
+    if "RANK" not in os.environ:
+        return run_ranks(script, args.nranks, sys.argv[1:] if argv is None else list(argv),
+                         args.timeout, env)
+    worker(args)
+    return 0

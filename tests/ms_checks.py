@@ -192,13 +192,37 @@ def grad_reducer_returns_tensors():
     reducer.close()
 
 
+def grad_reducer_names_the_parameter():
+    """bf16 grads for float32 parameters (before: RuntimeError: Unsupported dtype in DLTensor.),
+    a wrong shape, and grads of another framework: the message names the parameter."""
+    net = Tiny()
+    reducer = nd.DistributedGradReducer(net.trainable_params(), mean=True)
+    good = Tensor(np.ones((2, 3), np.float32))
+    for grads, error, text in (
+            ((good, Tensor(np.ones(3, np.float32)).astype(ms.bfloat16)), ConfigError,
+             "grad 'b' (grads[1]): dtype differs: the grad is bfloat16, its parameter float32"),
+            ((good, Tensor(np.ones(4, np.float32))), ConfigError,
+             "grad 'b' (grads[1]): shape differs: the grad has (4,), its parameter (3,)"),
+            ((good, np.ones(3, np.float32)), TypeError,
+             "grads[1] is a numpy.ndarray, but this reducer was built on MindSpore parameters")):
+        try:
+            reducer(grads)
+        except error as e:
+            assert text in str(e), str(e)
+        else:
+            raise AssertionError(f"no {error.__name__} for {text}")
+    reducer.close()
+
+
 def main():
-    ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU")
+    ms.set_device("CPU")
+    ms.set_context(mode=ms.PYNATIVE_MODE)
     nd.init_process_group("host")
     try:
         graph_mode_is_refused()
         ddp_accumulates_until_zero_grad()
         grad_reducer_returns_tensors()
+        grad_reducer_names_the_parameter()
         graph_mode_reducer_cell()
         comm_fusion_ids_as_in_mindspore()
         jit_step_uses_the_bucket_ops()

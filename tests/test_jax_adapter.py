@@ -205,32 +205,104 @@ def test_reduced_leaves_alias_fresh_buckets_and_never_change():
 
 
 def _reduce_inside_jit(rank: int, world: int) -> tuple:
+    import jax.numpy as jnp
+
     import nccl_ddp as nd
-    from nccl_ddp.errors import ConfigError
 
     nd.init_process_group("host")
     try:
-        reducer = nd.DistributedGradReducer(_tree(0))
-        try:
-            jax.jit(reducer)(_tree(rank))
-            error = None
-        except ConfigError as e:
-            error = str(e)
-        # outside jit the same reducer still works (the refused call left nothing half done)
-        mean = float(np.array(reducer(_tree(rank))["big"])[0, 0])
+        reducer = nd.DistributedGradReducer(_tree(0), mean=True)
+
+        @jax.jit
+        def step(grads):       # a whole jitted step: scale, reduce, use the result
+            return jax.tree_util.tree_map(lambda g: g * 2, reducer(grads))
+
+        inside = [jax.block_until_ready(step(_tree(rank))) for _ in range(2)]
+        outside = reducer(_tree(rank))
+        # the grads of the same jitted step, as numbers: 2 * mean over the ranks
+        inside = [jax.tree_util.tree_map(lambda a: np.array(a.astype(jnp.float32)), t)
+                  for t in inside]
+        outside = jax.tree_util.tree_map(lambda a: np.array(a.astype(jnp.float32)) * 2, outside)
         reducer.close()
     finally:
         nd.destroy_process_group()
-    return error, mean
+    return inside, outside
 
 
-def test_grad_reducer_inside_jit_says_what_to_do():
-    """Inside jax.jit the grads are tracers: a ConfigError that says to reduce the grads the
-    jitted function returns (before: AttributeError: DynamicJaxprTracer has no attribute
-    __dlpack_device__)."""
+@pytest.mark.slow
+def test_grad_reducer_inside_jit_matches_outside():
+    """Inside jax.jit the reducer is an ordered io_callback: each call of the jitted step
+    all-reduces (twice here, same results) and gives the reduction outside jit, on every rank,
+    dtypes included (before: ConfigError, reduce outside jit)."""
     results = run_ranks(_reduce_inside_jit, 2, timeout=90)
-    want = (float(np.array(_tree(0)["big"])[0, 0]) + float(np.array(_tree(1)["big"])[0, 0])) / 2
-    for error, mean in results:
-        assert error is not None and "inside jax.jit" in error
-        assert "Reduce the grads the jitted function returns" in error
-        assert abs(mean - want) < 1e-6
+    tol = {"dense": 1e-6, "big": 1e-6, "half": 2e-3, "bf16": 2e-2}
+    want = jax.tree_util.tree_map(
+        lambda a, b: np.array(a.astype(np.float32)) + np.array(b.astype(np.float32)),
+        _tree(0), _tree(1))
+    for inside, outside in results:
+        for tree in inside:
+            for key in tol:
+                for got, ref, ref2 in zip(jax.tree_util.tree_leaves(tree[key]),
+                                          jax.tree_util.tree_leaves(outside[key]),
+                                          jax.tree_util.tree_leaves(want[key])):
+                    np.testing.assert_array_equal(got, ref, err_msg=key)
+                    np.testing.assert_allclose(got, ref2, rtol=tol[key], atol=tol[key])
+
+
+def _structure_and_leaves(rank: int, world: int) -> list:
+    import jax.numpy as jnp
+    import torch
+
+    import nccl_ddp as nd
+
+    nd.init_process_group("host")
+    errors = []
+    try:
+        params = _tree(0)
+        reducer = nd.DistributedGradReducer(params)
+        renamed = _tree(rank)
+        renamed["big2"] = renamed.pop("big")
+        for bad in ({"params": _tree(rank)},                             # flax's wrapper
+                    renamed,                                             # a renamed key
+                    jax.tree_util.tree_leaves(_tree(rank)),              # a flat list
+                    dict(_tree(rank), bf16=_tree(rank)["bf16"].astype(jnp.float32)),  # dtype
+                    dict(_tree(rank), dense=[np.asarray(x) for x in _tree(rank)["dense"]]),
+                    dict(_tree(rank), dense=[_tree(rank)["dense"][0]])):  # a missing leaf
+            try:
+                reducer(bad)
+                errors.append(None)
+            except Exception as e:
+                errors.append(f"{type(e).__name__}: {e}")
+        for built_on, grads in (([np.zeros(3, np.float32)], [jnp.ones(3)]),
+                                ([torch.zeros(3)], [jnp.ones(3)])):
+            try:
+                nd.DistributedGradReducer(built_on)(grads)
+                errors.append(None)
+            except Exception as e:
+                errors.append(f"{type(e).__name__}: {e}")
+        reducer.close()
+    finally:
+        nd.destroy_process_group()
+    return errors
+
+
+@pytest.mark.slow
+def test_grads_of_another_structure_or_framework_are_refused_naming_the_leaf():
+    """Before: the flax wrapper, a renamed key and a flat list were accepted and the output
+    took the grads' structure; NumPy leaves said "grads must be a list or tuple, got dict";
+    JAX grads came back from a NumPy or torch reducer as JAX arrays without a word."""
+    pytest.importorskip("torch")
+    (errors,) = run_ranks(_structure_and_leaves, 1, timeout=60)
+    wrapper, renamed, flat, dtype, numpy_leaf, missing, jax_to_numpy, jax_to_torch = errors
+    assert "grads have key ['params']['bf16'] where the parameters have ['bf16']" in wrapper
+    assert "pass grads['params']" in wrapper
+    assert "grads have key ['big2'] where the parameters have ['big']" in renamed
+    assert "grads have key [0] where the parameters have ['bf16']" in flat
+    assert dtype.startswith("ConfigError: grad ['bf16']: dtype differs: the grad is float32, "
+                            "its parameter bfloat16")
+    assert numpy_leaf.startswith("ConfigTypeError: grad ['dense'][0] is a numpy.ndarray, but "
+                                 "this reducer was built on JAX parameters")
+    assert "the grads lack the parameters' key ['dense'][1]" in missing
+    assert "grads[0] is a jaxlib" in jax_to_numpy and "(JAX)" in jax_to_numpy
+    assert "built on NumPy parameters" in jax_to_numpy
+    assert "grads[0] is a jaxlib" in jax_to_torch and "built on torch parameters" in jax_to_torch

@@ -13,10 +13,18 @@ aligned NumPy memory as well; on the GPU CuPy 14's DLPack reads it as ml_dtypes.
 
 JAX has no per-parameter grad hooks and `jax.grad` returns all grads at once, so there is no
 JAX `DistributedDataParallel`: reduce the grads pytree after `jax.grad` instead.
+
+Inside `jax.jit` (the grads are tracers) the reducer becomes one ordered `io_callback`: at run time
+XLA hands the grads to the host, the reducer all-reduces them there and XLA copies the results
+back into the graph. Ordered, so every rank issues its collectives in program order and XLA never
+drops or reorders the call; the cost (a host round trip and a copy each way) is measured in
+docs/benchmarks.md. The grads must have the parameters' pytree structure (refused otherwise,
+naming the first key path that differs) and be JAX arrays: NumPy or torch leaves are refused,
+never mixed in silently.
 """
 from __future__ import annotations
 
-from typing import Any, List
+from typing import Any, Callable, List
 
 import numpy as np
 
@@ -87,20 +95,88 @@ def from_native(a: Any, device: Any) -> Any:
 
 class JaxGrads(GradsAdapter):
     """Parameters and grads: pytrees of `jax.Array` (any JAX pytree: dicts, lists, flax
-    structures); leaves are matched in `jax.tree_util` flattening order."""
+    structures) of the same structure; leaves are matched in `jax.tree_util` flattening order."""
+
+    def __init__(self) -> None:
+        self._treedef: Any = None
+        self._paths: List[str] = []
+        self.native_module: Any = np      # the reducer's arrays (CuPy on the GPU), set by it
 
     def param_infos(self, parameters: Any) -> List[ParamSpec]:
         import jax
-        leaves = jax.tree_util.tree_flatten_with_path(parameters)[0]
-        return [ParamSpec(tuple(x.shape), np.dtype(x.dtype), jax.tree_util.keystr(path))
-                for path, x in leaves]
+        leaves, self._treedef = jax.tree_util.tree_flatten_with_path(parameters)
+        self._paths = [jax.tree_util.keystr(path) for path, _ in leaves]
+        return [ParamSpec(tuple(x.shape), np.dtype(x.dtype), keystr)
+                for keystr, (_, x) in zip(self._paths, leaves)]
+
+    def leaves(self, grads: Any) -> List[Any]:
+        """The grads' leaves, once their structure is the parameters' and each is a JAX array."""
+        import jax
+        flat, treedef = jax.tree_util.tree_flatten_with_path(grads)
+        paths = [jax.tree_util.keystr(path) for path, _ in flat]
+        if self._treedef is not None and treedef != self._treedef:
+            raise ConfigError(structure_difference(self._paths, paths, self._treedef, treedef))
+        for path, (_, x) in zip(paths, flat):
+            if not isinstance(x, (jax.Array, jax.core.Tracer)):
+                raise ConfigTypeError(
+                    f"grad {path} is a {type(x).__module__}.{type(x).__name__}, but this reducer "
+                    f"was built on JAX parameters: pass JAX arrays (jnp.asarray), or build the "
+                    f"reducer on parameters of that framework; nccl_ddp never mixes frameworks")
+        return [x for _, x in flat]
 
     def to_native(self, grads: Any) -> List[Any]:
-        import jax
-        return [to_native(x) for x in jax.tree_util.tree_leaves(grads)]
+        return [to_native(x) for x in self.leaves(grads)]
 
     def from_native(self, grads: Any, reduced: List[Any]) -> Any:
         import jax
         leaves, treedef = jax.tree_util.tree_flatten(grads)
         return jax.tree_util.tree_unflatten(
             treedef, [from_native(a, next(iter(x.devices()))) for a, x in zip(reduced, leaves)])
+
+    def reduce(self, reduce_native: Callable[[List[Any]], List[Any]], grads: Any) -> Any:
+        import jax
+        leaves = self.leaves(grads)
+        if any(isinstance(x, jax.core.Tracer) for x in leaves):
+            return self._reduce_in_jit(reduce_native, grads, leaves)
+        return self.from_native(grads, reduce_native([to_native(x) for x in leaves]))
+
+    def _reduce_in_jit(self, reduce_native: Callable[[List[Any]], List[Any]], grads: Any,
+                       leaves: List[Any]) -> Any:
+        """The reduction as one ordered io_callback in the traced graph (see the module doc)."""
+        import jax
+        from jax.experimental import io_callback
+        xp = self.native_module
+
+        def on_host(*arrays: Any) -> tuple:
+            native = [np.asarray(a) if xp is np else xp.asarray(np.asarray(a)) for a in arrays]
+            return tuple(np.asarray(r) if xp is np else xp.asnumpy(r)
+                         for r in reduce_native(native))
+
+        shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves)
+        out = io_callback(on_host, shapes, *leaves, ordered=True)
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(grads), list(out))
+
+
+def structure_difference(want: List[str], got: List[str], want_def: Any, got_def: Any) -> str:
+    """Why the grads' pytree is not the parameters': the first key path that differs."""
+    for i in range(max(len(want), len(got))):
+        w = want[i] if i < len(want) else None
+        g = got[i] if i < len(got) else None
+        if w == g:
+            continue
+        if g is None or (w is not None and w not in got and g in want):
+            what = f"the grads lack the parameters' key {w}"
+        elif w is None or (g not in want and w in got):
+            what = f"the grads have key {g}, which the parameters lack"
+        elif g not in want:
+            what = f"the grads have key {g} where the parameters have {w}"
+        else:
+            what = f"key {g} comes where the parameters have {w} (a different order)"
+        hint = ""
+        if len(got) == len(want) and all(p == "['params']" + q for p, q in zip(got, want)):
+            hint = "; the grads carry flax's {'params': ...} wrapper: pass grads['params']"
+        return (f"the grads' pytree structure differs from the parameters' ({len(got)} leaves "
+                f"for {len(want)}): {what}{hint}")
+    return (f"the grads' pytree has the parameters' key paths but other containers: "
+            f"{str(got_def)[:200]} for the parameters' {str(want_def)[:200]}; pass grads of the "
+            f"parameters' structure (jax.grad of a function of those parameters gives them)")

@@ -374,7 +374,14 @@ class TorchGrads(GradsAdapter):
     def _check(grads: Any) -> None:
         if not isinstance(grads, (list, tuple)):
             raise ConfigTypeError(f"grads must be a list or tuple of tensors, got {type(grads).__name__}")
+        import torch
         for i, g in enumerate(grads):
             if g is None:
                 raise ConfigError(f"grads[{i}] is None (that parameter got no grad); pass "
                                  "torch.zeros_like(param) for it so every rank reduces the same list")
+            if not isinstance(g, torch.Tensor):
+                raise ConfigTypeError(
+                    f"grads[{i}] is a {type(g).__module__}.{type(g).__name__}, but this reducer "
+                    f"was built on torch parameters: pass torch tensors (torch.from_dlpack), or "
+                    f"build the reducer on parameters of that framework; nccl_ddp never mixes "
+                    f"frameworks")

@@ -22,6 +22,7 @@ the same id (and dtype) share buckets, different ids never do, id 0 is never fus
 """
 from __future__ import annotations
 
+import collections
 import functools
 from typing import Any, Optional, Sequence
 
@@ -76,7 +77,9 @@ class DistributedGradReducer(Joinable):
                                   check_finite=check_finite)
         mean, fusion_type = self.config.mean, self.config.fusion_type
         parameters = _materialize(parameters)
-        adapter = frameworks.grads_adapter(parameters)
+        # the parameters' framework: grads of another are refused, never mixed in silently
+        self._framework = frameworks.framework_of_leaves(parameters)
+        adapter = self._adapter = frameworks.grads_adapter(parameters)
         if adapter is not None:   # torch / JAX / MindSpore parameters, described natively
             parameters = adapter.param_infos(parameters)
         if not isinstance(parameters, (list, tuple)) or not parameters:
@@ -88,6 +91,8 @@ class DistributedGradReducer(Joinable):
         self._calls = 0                     # calls (steps) opened so far, shadowed ones too
         self.group = resolve_group(group, "group")
         self.device = device_of(self.group)
+        if hasattr(self._adapter, "native_module"):    # JAX inside jit: arrays it converts to
+            self._adapter.native_module = self.device.xp
         self.mean = mean
         self.degree = self.group.size if self.config.degree is None else self.config.degree
         self.fusion_type = fusion_type
@@ -119,13 +124,13 @@ class DistributedGradReducer(Joinable):
 
     def __call__(self, grads: Sequence[Any]) -> Sequence[Any]:
         self._failure.check()
-        adapter = frameworks.grads_adapter(grads)
-        if adapter is not None:   # framework grads: in and out through DLPack
-            return adapter.reduce(self._reduce_native, grads)
+        if self._adapter is not None:   # framework grads: in and out through DLPack
+            return self._adapter.reduce(self._reduce_native, grads)
         return self._reduce_native(grads)
 
     def _reduce_native(self, grads: Sequence[Any]) -> Sequence[Any]:
         """Check and reduce a list/tuple of native (NumPy / CuPy) grads."""
+        self._failure.check()     # again: inside jax.jit this runs at every step, __call__ once
         if not isinstance(grads, (list, tuple)):
             raise ConfigTypeError(f"grads must be a list or tuple, got {type(grads).__name__}")
         if len(grads) != len(self.specs):
@@ -250,15 +255,32 @@ class DistributedGradReducer(Joinable):
                                       tag="the non-finite flags")
             self.comm.synchronize(self.group.timeout)
 
+    def _leaf(self, i: int) -> str:
+        """How a message names grad i: its pytree key path (JAX), its parameter's name (MindSpore,
+        torch), else its index."""
+        name = self.specs[i].name
+        if name is None:
+            return f"grads[{i}]"
+        return f"grad {name}" if name.startswith("[") else f"grad {name!r} (grads[{i}])"
+
     def _native(self, i: int, g: Any) -> Any:
-        if type(g).__module__.split(".")[0] != self.device.xp.__name__:
-            raise ConfigTypeError(f"grads[{i}] is a {type(g).__module__}.{type(g).__name__}; the "
-                            f"{self.group.backend} group reduces {self.device.xp.__name__} arrays "
-                            "(or the tensors of a framework with an adapter)")
+        xp = self.device.xp.__name__
+        if type(g).__module__.split(".")[0] != xp:
+            theirs = _SHOWN.get(frameworks.framework_of(g) or type(g).__module__.split(".")[0])
+            built_on = _SHOWN.get(self._framework or xp)
+            raise ConfigTypeError(
+                f"{self._leaf(i)} is a {type(g).__module__}.{type(g).__name__} ({theirs}), but "
+                f"this reducer was built on {built_on} parameters and the {self.group.backend} "
+                f"group reduces {xp} arrays: pass grads of the parameters' framework (or build "
+                f"the reducer on {theirs} parameters); nccl_ddp never mixes frameworks")
         spec = self.specs[i]
-        if tuple(g.shape) != spec.shape or np.dtype(g.dtype) != spec.dtype:
-            raise ConfigError(f"grads[{i}] has shape {tuple(g.shape)} {g.dtype}; "
-                             f"parameter {i} has {spec.describe()}")
+        if tuple(g.shape) != spec.shape:
+            raise ConfigError(f"{self._leaf(i)}: shape differs: the grad has {tuple(g.shape)}, "
+                              f"its parameter {spec.shape}")
+        if np.dtype(g.dtype) != spec.dtype:
+            raise ConfigError(f"{self._leaf(i)}: dtype differs: the grad is {np.dtype(g.dtype)}, "
+                              f"its parameter {spec.dtype}; cast the grads to the parameters' "
+                              f"dtypes before reducing")
         return g
 
     def close(self) -> None:
@@ -269,6 +291,10 @@ class DistributedGradReducer(Joinable):
         close = getattr(self.comm, "close", None)
         if close is not None:
             close()
+
+
+_SHOWN = collections.defaultdict(lambda: "another framework's", {
+    "jax": "JAX", "torch": "torch", "mindspore": "MindSpore", "numpy": "NumPy", "cupy": "CuPy"})
 
 
 def _param_dtype(p: Any, i: int) -> np.dtype:
