@@ -1,19 +1,18 @@
 """nccl-ddp-run: start one worker process per GPU (or per host slot) and watch them fail fast.
 
-    nccl-ddp-run [--nproc-per-node N|auto] [--nnodes N --node-rank R --master-addr A
+    nccl-ddp-run [--nproc-per-node N|auto] [--nnodes N [--node-rank R] --master-addr A
                  --master-port P [--store-port S]] [--standalone] [--max-restarts N]
-                 [--log-dir DIR] [-m] script.py ...
+                 [--log-dir DIR] [-m] script.py ...     (and every torchrun flag: cli.py)
 
-torchrun's spellings work too (`--nproc_per_node`, `--rdzv-endpoint host:port`, ...; see cli.py).
-Workers get the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
-MASTER_PORT, TORCHELASTIC_RESTART_COUNT) plus NCCL_DDP_SECRET, NCCL_DDP_STORE_PORT and
+Workers get torchrun's environment plus NCCL_DDP_SECRET, NCCL_DDP_STORE_PORT and
 NCCL_DDP_STORE_HOSTED=1: node 0's launcher hosts the job's store on the store port, so every
 worker is a store client, and MASTER_PORT stays free for the script's own use (torch.distributed's
-env:// store binds it). Output lines are prefixed with `[rank R] `. The first worker to fail stops
+env:// store binds it). Several nodes meet in that store before each attempt (rendezvous.py).
+Output lines are prefixed with `[rank R] ` (logs.py routes them). The first worker to fail stops
 the others (SIGTERM, then SIGKILL after a grace period); the launcher then names the root cause
 (from the workers' failure records) and exits with its code, or restarts every worker
 (--max-restarts). Whatever happens, the job's /dev/shm segments are removed, and a watchdog
-(reaper.py) kills the workers if the launcher itself is killed.
+(reaper.py) kills the workers if the launcher itself is killed. docs/launch.md has the details.
 """
 from __future__ import annotations
 
