@@ -489,3 +489,22 @@ def test_grad_reducer_takes_a_frozen_config(world1):
     with pytest.raises(ConfigTypeError, match="degree must be an int, got bool"):
         GradReducerConfig(degree=True)
     _ok(world1)
+
+
+@pytest.mark.slow
+def test_torch_grad_reducer_names_the_parameter(world1):
+    """Built on model.named_parameters(), messages name the parameter (before: grads[i] only,
+    and a dtype-only mismatch said 'has shape')."""
+    torch = pytest.importorskip("torch")
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    reducer = nd.DistributedGradReducer(model.named_parameters())
+    grads = [torch.zeros(2, 3), torch.zeros(2, dtype=torch.float64)]
+    with pytest.raises(ConfigError, match=r"grad '0.bias' \(grads\[1\]\): dtype differs: the grad "
+                                          r"is float64, its parameter float32"):
+        reducer(grads)
+    with pytest.raises(TypeError, match=r"grads\[0\] is a numpy.ndarray, but this reducer was "
+                                        r"built on torch parameters"):
+        reducer([np.zeros((2, 3), np.float32), torch.zeros(2)])
+    out = reducer([torch.ones(2, 3), torch.ones(2)])
+    assert all(isinstance(g, torch.Tensor) for g in out)
+    reducer.close()

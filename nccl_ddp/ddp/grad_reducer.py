@@ -76,7 +76,7 @@ class DistributedGradReducer(Joinable):
                                   fusion_type=fusion_type, compress=compress,
                                   check_finite=check_finite)
         mean, fusion_type = self.config.mean, self.config.fusion_type
-        parameters = _materialize(parameters)
+        parameters, names = _split_names(_materialize(parameters))
         # the parameters' framework: grads of another are refused, never mixed in silently
         self._framework = frameworks.framework_of_leaves(parameters)
         adapter = self._adapter = frameworks.grads_adapter(parameters)
@@ -107,7 +107,8 @@ class DistributedGradReducer(Joinable):
             key = ("alone", i) if fid == 0 else fid
             dtype = _param_dtype(p, i)
             check_float_dtype(f"parameters[{i}]", dtype)
-            specs.append(ParamSpec(tuple(p.shape), dtype, getattr(p, "name", None), key))
+            name = names[i] if names is not None else getattr(p, "name", None)
+            specs.append(ParamSpec(tuple(p.shape), dtype, name, key))
         self.specs = specs
         # every rank constructs the reducer: one collective now instead of wrong numbers later
         check_same_params(specs, self.group, self.device, {
@@ -303,6 +304,16 @@ def _param_dtype(p: Any, i: int) -> np.dtype:
     except TypeError as e:
         raise ConfigTypeError(f"parameters[{i}] has dtype {p.dtype!r}, not a NumPy/CuPy dtype; pass "
                         "NumPy/CuPy arrays or the parameters of a framework with an adapter") from e
+
+
+def _split_names(parameters: Any) -> tuple:
+    """(parameters, names) from `(name, parameter)` pairs (torch's `model.named_parameters()`),
+    so messages name the parameter; (parameters, None) otherwise."""
+    if (isinstance(parameters, (list, tuple)) and parameters
+            and all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str)
+                    for p in parameters)):
+        return [p for _, p in parameters], [n for n, _ in parameters]
+    return parameters, None
 
 
 def _materialize(parameters: Any) -> Any:
