@@ -1,5 +1,6 @@
-"""JAX + optax on sharded optimizer state (nd.ZeroOptimizer, ZeRO-1): 2 ranks with their own grads
-end where unsharded optax ends on the mean grads; non-elementwise transformations are refused."""
+"""JAX + optax on sharded optimizer state and grads (nd.ZeroOptimizer, ZeRO-2): 2 ranks with
+their own grads end where unsharded optax ends on the mean grads; non-elementwise transformations
+are refused."""
 from __future__ import annotations
 
 import numpy as np
@@ -51,6 +52,7 @@ def _rank(rank, world, kind, cap_mb):
             params, state = zopt.step(params, _grads(rank, step), state)
         nbuckets = len(zopt.zs.master)
         shard = sum(m.size for m in zopt.zs.master)
+        assert sum(g.size for g in zopt.zs.grads) == shard    # only the owned grad slices kept
         zopt.close()
         return jax.tree_util.tree_map(np.asarray, params), nbuckets, shard
     finally:

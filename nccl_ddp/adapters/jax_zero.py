@@ -1,16 +1,16 @@
-"""JAX + optax on sharded optimizer state (ZeRO-1), functional:
+"""JAX + optax on sharded optimizer state and gradients (ZeRO-2), functional:
 
     zopt = nd.ZeroOptimizer(params, optax.adamw(1e-3))   # cuts the shards; a collective
     state = zopt.init(params)
     params, state = zopt.step(params, grads, state)      # grads: this rank's, unreduced
 
-Rank r keeps the float32 master weights and the optax state of its slice of every flat bucket
-(ddp/shard_layout.py) and nothing else; a step all-reduces the grads (mean, bucketed), runs the
-optax transformation on the rank's flat shards, and all-gathers the parameters
-(ddp/zero_shards.py). Sharding is exact only for elementwise transformations (adam, adamw, sgd,
-schedules, ...): the constructor probes the transformation and refuses one whose update of a
-shard differs from its update of the whole (global-norm clipping, LAMB, adafactor, masks that
-depend on a leaf's shape).
+Rank r keeps the float32 master weights, the optax state and the reduced grads of its slice of
+every flat bucket (ddp/shard_layout.py) and nothing else; a step packs the grads into the flat
+buckets and reduce-scatters each (mean, ddp/shard_grads.py), runs the optax transformation on the
+rank's flat shards, and all-gathers the parameters (ddp/zero_shards.py). Sharding is exact only
+for elementwise transformations (adam, adamw, sgd, schedules, ...): the constructor probes the
+transformation and refuses one whose update of a shard differs from its update of the whole
+(global-norm clipping, LAMB, adafactor, masks that depend on a leaf's shape).
 """
 from __future__ import annotations
 
@@ -18,11 +18,13 @@ from typing import Any, List, Optional, Tuple
 
 import numpy as np
 
+from nccl_ddp import kernels
 from nccl_ddp.adapters.jax import from_native, to_native
 from nccl_ddp.comm.api import broadcast, device_of, get_world_group
-from nccl_ddp.comm.group import ProcessGroup
+from nccl_ddp.comm.group import ProcessGroup, ReduceOp
+from nccl_ddp.ddp.bucket_memory import BucketBuffers
 from nccl_ddp.ddp.buckets import DEFAULT_CAP_BYTES, FIRST_CAP_BYTES, ParamSpec, assign_buckets
-from nccl_ddp.ddp.grad_reducer import DistributedGradReducer
+from nccl_ddp.ddp.shard_grads import ReduceScatter
 from nccl_ddp.ddp.shard_layout import shard_layout
 from nccl_ddp.ddp.zero_shards import ZeroShards
 from nccl_ddp.errors import ConfigError, ConfigTypeError
@@ -101,9 +103,11 @@ class ZeroOptimizer:
         specs = [ParamSpec(tuple(x.shape), x.dtype) for x in natives]
         base = assign_buckets(specs, cap, min(FIRST_CAP_BYTES, cap),
                               align_bytes=self.device.align_bytes)
-        self.zs = ZeroShards(shard_layout(base, self.group.size, self.device.align_bytes),
-                             natives, self.group, self.device)
-        self._reducer = DistributedGradReducer(params, mean=True, group=self.group)
+        shards = shard_layout(base, self.group.size, self.device.align_bytes)
+        self._grad_buckets = BucketBuffers(shards.layout, self.device)   # padding stays zero
+        self._reduce = ReduceScatter(self.group, self.device, shards, self._grad_buckets)
+        self.zs = ZeroShards(shards, natives, self.group, self.device,
+                             shard_grads=self._reduce.outputs)
 
     def init(self, params: Any) -> Any:
         """The optax state of this rank's shards (a list of flat float32 arrays, one per
@@ -119,8 +123,13 @@ class ZeroOptimizer:
         import optax
         self._check_tree(params, "params")
         self._check_tree(grads, "grads")
-        reduced = jax.tree_util.tree_leaves(self._reducer(grads))
-        self.zs.collect_full([to_native(g) for g in reduced])
+        natives = [to_native(g) for g in jax.tree_util.tree_leaves(grads)]
+        for b, (bucket, buf) in enumerate(zip(self.zs.layout.buckets,
+                                              self._grad_buckets.buffers)):
+            kernels.pack([natives[i] for i in bucket.params], buf, list(bucket.offsets))
+            self._reduce(buf, ReduceOp.AVG, f"grad bucket {b}")
+        self.zs.collect_reduced()
+        self.device.current_stream().synchronize()
         master = self._master_jax()
         shard_grads = [from_native(self.device.xp.array(g), self._jax_devices[0])
                        for g in self.zs.grads]
@@ -134,7 +143,6 @@ class ZeroOptimizer:
         return jax.tree_util.tree_unflatten(self.treedef, out), state
 
     def close(self) -> None:
-        self._reducer.close()
         self.zs.close()
 
     def _master_jax(self) -> List[Any]:
