@@ -86,7 +86,8 @@ def test_lightning_launcher_environment_joins_beside_torchs_store():
     """Before: each process was a job of one (no RANK) and both tried to host the store on
     MASTER_PORT, which torch's TCPStore holds ("Address already in use")."""
     pytest.importorskip("torch")
-    results = run_ranks(_lightning_rank, 2, 0, timeout=120)
+    results = run_ranks(_lightning_rank, 2, 0, timeout=120,
+                        env={"MASTER_PORT": str(free_port_beside(1))})
     assert results == [(0, 2, [3.0] * 3), (1, 2, [3.0] * 3)]
 
 
@@ -109,28 +110,28 @@ def _msrun_rank(rank: int, world: int, sched_port: int) -> tuple:
         nd.destroy_process_group()
 
 
-def scheduler_socket():
-    """A listening socket standing for msrun's scheduler on port P, with P - 1 (our store's
-    port under msrun) free when it was checked."""
+def free_port_beside(offset: int) -> int:
+    """A free port P with P + offset free too when it was checked (our store's port beside
+    another store's: + 1 beside torch's, - 1 below msrun's scheduler)."""
     import socket
     for _ in range(50):
-        sched = socket.socket()
-        sched.bind(("127.0.0.1", 0))
-        port = sched.getsockname()[1]
-        try:
-            with socket.socket() as below:
-                below.bind(("127.0.0.1", port - 1))
-        except OSError:
-            sched.close()
-            continue
-        sched.listen()
-        return sched
-    raise RuntimeError("no free pair of ports P - 1, P")
+        with socket.socket() as s, socket.socket() as beside:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+            try:
+                beside.bind(("127.0.0.1", port + offset))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free pair of ports P, P + {offset}")
 
 
 @pytest.mark.slow
 def test_msrun_environment_by_hand_joins_one_job():
     """Before: each worker reported rank 0 of 1 and an all-reduce of ones returned ones."""
-    with scheduler_socket() as sched:          # msrun's scheduler holds MS_SCHED_PORT
+    import socket
+    with socket.socket() as sched:             # msrun's scheduler holds MS_SCHED_PORT
+        sched.bind(("127.0.0.1", free_port_beside(-1)))
+        sched.listen()
         results = run_ranks(_msrun_rank, 2, sched.getsockname()[1], timeout=60)
     assert results == [(0, 2, 0, [3.0, 3.0]), (1, 2, 1, [3.0, 3.0])]

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 
 import numpy as np
 import pytest
+from test_launcher_envs import free_port_beside
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VENV = os.environ.get("NCCL_DDP_MS_VENV", os.path.join(ROOT, ".venv-ms"))
@@ -25,20 +25,6 @@ TIMEOUT = 200
 pytestmark = [pytest.mark.skipif(not os.path.exists(MSRUN),
                                  reason=f"no msrun in {VENV}: run scripts/setup_ms_venv.sh"),
               pytest.mark.slow, pytest.mark.timeout(3 * TIMEOUT + 60)]
-
-
-def _free_port_pair() -> int:
-    """A port P for msrun's scheduler with P - 1 (our store's port under msrun) free too."""
-    for _ in range(50):
-        with socket.socket() as s, socket.socket() as below:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-            try:
-                below.bind(("127.0.0.1", port - 1))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free pair of ports P - 1, P")
 
 
 def _env() -> dict:
@@ -74,7 +60,7 @@ def test_msrun_two_workers_train_as_one_job(tmp_path, reference, after_ms_init):
         else [example]
     logs = tmp_path / "logs"
     out = _run([MSRUN, "--worker_num=2", "--local_worker_num=2", "--master_addr=127.0.0.1",
-                f"--master_port={_free_port_pair()}", "--join=True", f"--log_dir={logs}",
+                f"--master_port={free_port_beside(-1)}", "--join=True", f"--log_dir={logs}",
                 *script, "--steps", "4", "--save", str(tmp_path / "ours.npz")], tmp_path)
     workers = [(logs / f"worker_{r}.log").read_text() for r in (0, 1)]
     for log in workers:
