@@ -146,3 +146,24 @@ def test_clip_reports_the_global_norm(world1):
     np.testing.assert_allclose(float(norm), float(expected), rtol=1e-6)
     with pytest.raises(ConfigError, match="norm_type=2 only"):
         opt.clip_grad_norm_(1.0, norm_type=1)
+
+
+def test_add_param_group_after_steps_keeps_state(world1):
+    """ZeRO-1: a group added after two steps re-cuts the shards and keeps every state; the
+    next steps equal torch's AdamW given the same group at the same time."""
+    ours, ref = make_model(), make_model()
+    opts = []
+    for m, cls in ((ours, nd.ZeroRedundancyOptimizer), (ref, None)):
+        first = [m.a.weight, m.a.bias]
+        rest = [p for p in m.parameters() if all(p is not q for q in first)]
+        opt = (cls(first, torch.optim.AdamW, lr=0.01) if cls
+               else torch.optim.AdamW(first, lr=0.01))
+        for step in range(4):
+            if step == 2:
+                opt.add_param_group({"params": rest, "lr": 0.03})
+            _step(m, opt)
+        opts.append(opt)
+    for (n, a), b in zip(ours.named_parameters(), ref.parameters()):
+        np.testing.assert_allclose(a.detach().numpy(), b.detach().numpy(), rtol=1e-6, atol=1e-7,
+                                   err_msg=n)
+    assert opts[0].param_groups[1]["lr"] == 0.03
