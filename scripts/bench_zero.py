@@ -7,10 +7,14 @@ against torch DDP + torch's ZeroRedundancyOptimizer on gloo, on an MLP of about 
 
 One job per (world, mode) through nccl-ddp-run, so each peak RSS is that mode's alone. Modes:
 `ddp_adamw` (our DDP + torch.optim.AdamW), `zero2` (our DDP + nd.ZeroRedundancyOptimizer(AdamW)),
-`torch_zero` (torch DDP + torch ZeroRedundancyOptimizer(AdamW), gloo). Per rank: optimizer state
-bytes, fp32 master bytes, kept grad bytes (ours: the bucket memory, the reduce-scattered shard and
-the fp32 grad shard; torch: the .grad tensors), their sum (`opt_MiB`), peak RSS. Step time is the
-slowest rank's mean over `--steps` after `--warmup`; `ratio` = mode / ddp_adamw in the same world.
+`zero2_overlap` (the same with overlap_param_gather=True), `torch_zero` (torch DDP + torch
+ZeroRedundancyOptimizer(AdamW), gloo). Bytes per rank (the largest over the ranks): optimizer
+state, fp32 masters, reduced grads kept for the optimizer (DDP and torch: the whole grads;
+ZeRO-2: the reduce-scattered shard and its fp32 copy), `kept` = their sum; `grad_buf` = the
+full-size grad memory backward accumulates into (DDP: the same buckets as its reduced grads;
+ZeRO-2: the buckets, holding local grads; torch: the .grad tensors, its DDP's own bucket copies
+not counted); `total` = state + master + every grad byte. Step time is the slowest rank's mean
+over `--steps` after `--warmup`; `ratio` = mode / ddp_adamw in the same world.
 """
 from __future__ import annotations
 
@@ -27,12 +31,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from benchlib import format_table, run_ranks, write_csv  # noqa: E402
 
-MODES = ("ddp_adamw", "zero2", "torch_zero")
-COLUMNS = ("world", "mode", "params_M", "state_MiB", "master_MiB", "grads_MiB", "opt_MiB",
-           "opt_vs_ddp", "peak_rss_MiB", "step_ms", "ratio")
-FORMATS = {"params_M": ".1f", "state_MiB": ".1f", "master_MiB": ".1f", "grads_MiB": ".1f",
-           "opt_MiB": ".1f", "opt_vs_ddp": ".3f", "peak_rss_MiB": ".0f", "step_ms": ".0f",
-           "ratio": ".2f"}
+MODES = ("ddp_adamw", "zero2", "zero2_overlap", "torch_zero")
+COLUMNS = ("world", "mode", "params_M", "state_MiB", "master_MiB", "reduced_MiB", "kept_MiB",
+           "kept_vs_ddp", "grad_buf_MiB", "total_MiB", "total_vs_ddp", "peak_rss_MiB", "step_ms",
+           "ratio")
+FORMATS = {"params_M": ".1f", "state_MiB": ".1f", "master_MiB": ".1f", "reduced_MiB": ".1f",
+           "kept_MiB": ".1f", "kept_vs_ddp": ".3f", "grad_buf_MiB": ".1f", "total_MiB": ".1f",
+           "total_vs_ddp": ".3f", "peak_rss_MiB": ".0f", "step_ms": ".0f", "ratio": ".2f"}
 MiB = float(1 << 20)
 
 
@@ -90,8 +95,9 @@ def worker(args) -> None:
         opt = ZeroRedundancyOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-4)
     else:
         wrapped = nd.DistributedDataParallel(m)
-        opt = (nd.ZeroRedundancyOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-4)
-               if args.mode == "zero2" else torch.optim.AdamW(m.parameters(), lr=1e-4))
+        opt = (nd.ZeroRedundancyOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-4,
+                                          overlap_param_gather=args.mode == "zero2_overlap")
+               if args.mode.startswith("zero2") else torch.optim.AdamW(m.parameters(), lr=1e-4))
 
     def step() -> None:
         opt.zero_grad()
@@ -108,18 +114,18 @@ def worker(args) -> None:
     ms = (time.perf_counter() - t0) / args.steps * 1e3
     row = dict(world=world, mode=args.mode,
                params_M=sum(p.numel() for p in m.parameters()) / 1e6, step_ms=ms)
-    if args.mode == "zero2":
+    if args.mode.startswith("zero2"):
         zs = opt.zs
         reducer = wrapped.reducer
-        kept = reducer.memory.nbytes + sum(
+        reduced = zs.nbytes["grad_shards"] + sum(
             o.nbytes for o, g in zip(reducer.sharding.outputs, zs.grads) if o is not g)
-        row.update(state=state_bytes(opt._inner), master=zs.nbytes["master"],
-                   grads=kept + zs.nbytes["grad_shards"])
-    elif args.mode == "torch_zero":
-        row.update(state=state_bytes(opt.optim), master=0,
-                   grads=tensor_bytes(p.grad for p in m.parameters() if p.grad is not None))
+        row.update(state=state_bytes(opt._inner), master=zs.nbytes["master"], reduced=reduced,
+                   grad_buf=reducer.memory.nbytes, total_grads=reduced + reducer.memory.nbytes)
     else:
-        row.update(state=state_bytes(opt), master=0, grads=wrapped.reducer.memory.nbytes)
+        grads = (tensor_bytes(p.grad for p in m.parameters() if p.grad is not None)
+                 if args.mode == "torch_zero" else wrapped.reducer.memory.nbytes)
+        row.update(state=state_bytes(opt.optim if args.mode == "torch_zero" else opt), master=0,
+                   reduced=grads, grad_buf=grads, total_grads=grads)
     row["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     gathered = _gather_rows(nd, row)
     if rank == 0:
@@ -134,7 +140,7 @@ def worker(args) -> None:
 def _gather_rows(nd, row: dict) -> list:
     """Every rank's numbers on rank 0: the slowest step time, the largest byte counts."""
     import numpy as np
-    keys = ("step_ms", "state", "master", "grads", "peak_rss")
+    keys = ("step_ms", "state", "master", "reduced", "grad_buf", "total_grads", "peak_rss")
     mine = np.array([row[k] for k in keys], np.float64)
     nd.all_reduce(mine, op="max")
     return [dict(row, **{k: float(v) for k, v in zip(keys, mine)})]
@@ -143,14 +149,20 @@ def _gather_rows(nd, row: dict) -> list:
 def table_rows(raw: list) -> list:
     base = {r["world"]: r for r in raw if r["mode"] == "ddp_adamw"}
     out = []
+    def kept(r: dict) -> float:
+        return r["state"] + r["master"] + r["reduced"]
+
+    def total(r: dict) -> float:
+        return r["state"] + r["master"] + r["total_grads"]
+
     for r in raw:
-        opt = r["state"] + r["master"] + r["grads"]
         b = base.get(r["world"])
-        b_opt = None if b is None else b["state"] + b["master"] + b["grads"]
         out.append(dict(world=r["world"], mode=r["mode"], params_M=r["params_M"],
                         state_MiB=r["state"] / MiB, master_MiB=r["master"] / MiB,
-                        grads_MiB=r["grads"] / MiB, opt_MiB=opt / MiB,
-                        opt_vs_ddp="" if b_opt is None else opt / b_opt,
+                        reduced_MiB=r["reduced"] / MiB, kept_MiB=kept(r) / MiB,
+                        kept_vs_ddp="" if b is None else kept(r) / kept(b),
+                        grad_buf_MiB=r["grad_buf"] / MiB, total_MiB=total(r) / MiB,
+                        total_vs_ddp="" if b is None else total(r) / total(b),
                         peak_rss_MiB=r["peak_rss"] / MiB, step_ms=r["step_ms"],
                         ratio="" if b is None else r["step_ms"] / b["step_ms"]))
     return out

@@ -1,5 +1,6 @@
-"""nd.ZeroRedundancyOptimizer refuses what it cannot shard with a ConfigError naming it, and a
-refused call changes nothing (one rank, in this process)."""
+"""nd.ZeroRedundancyOptimizer on one rank, in this process: what it cannot shard is refused with a
+ConfigError naming it and a refused call changes nothing; add_param_group keeps the state; a bf16
+model's fp32 masters travel in the checkpoint."""
 from __future__ import annotations
 
 import numpy as np
@@ -167,3 +168,35 @@ def test_add_param_group_after_steps_keeps_state(world1):
         np.testing.assert_allclose(a.detach().numpy(), b.detach().numpy(), rtol=1e-6, atol=1e-7,
                                    err_msg=n)
     assert opts[0].param_groups[1]["lr"] == 0.03
+
+
+def test_bf16_masters_round_trip_through_the_checkpoint(world1):
+    m = make_model(torch.bfloat16)
+    ddp = nd.DistributedDataParallel(m)
+    opt = nd.ZeroRedundancyOptimizer(m.parameters(), torch.optim.AdamW, lr=0.01)
+    for _ in range(2):
+        opt.zero_grad()
+        ddp(torch.ones(2, 7, dtype=torch.bfloat16)).float().square().sum().backward()
+        opt.step()
+    opt.consolidate_state_dict(0)
+    sd = opt.state_dict()
+    masters = sd["fp32_master"]
+    for i, p in enumerate(m.parameters()):
+        assert masters[i].dtype == torch.float32 and masters[i].shape == p.shape
+        assert torch.equal(masters[i].to(torch.bfloat16), p.detach())    # p = rounded master
+    # the masters hold what bf16 cannot: a fresh optimizer loads them, not the rounded params
+    assert any(not torch.equal(masters[i], p.detach().float())
+               for i, p in enumerate(m.parameters()))
+    ddp.close()
+    m2 = make_model(torch.bfloat16)
+    m2.load_state_dict(m.state_dict())
+    ddp2 = nd.DistributedDataParallel(m2)
+    opt2 = nd.ZeroRedundancyOptimizer(m2.parameters(), torch.optim.AdamW, lr=0.01)
+    opt2.load_state_dict(sd)
+    opt2.consolidate_state_dict(0)
+    again = opt2.state_dict()
+    for i in masters:
+        assert torch.equal(again["fp32_master"][i], masters[i])
+        for key, v in sd["state"][i].items():
+            assert torch.equal(again["state"][i][key], v), key
+    ddp2.close()
