@@ -45,7 +45,8 @@ PHASES = {  # phase -> NVTX colour (ARGB)
     "backward": 0xFF4C72B0, "pack": 0xFFDD8452, "allreduce": 0xFF55A868,
     "unpack": 0xFFC44E52, "finalize": 0xFF8172B3,
 }
-COMM_PHASES = frozenset({"pack", "allreduce", "unpack", "hook"})
+COMM_PHASES = frozenset({"pack", "allreduce", "reducescatter", "unpack", "hook"})
+REDUCE_PHASES = frozenset({"allreduce", "reducescatter"})   # one per bucket (ZeRO-2: the latter)
 OTHER_COLOUR = 0xFF999999
 MAX_SPANS = 200_000          # spans kept for the Chrome trace (the oldest are dropped)
 MAX_STEPS = 10_000           # step summaries kept in `Timeline.steps`
@@ -174,7 +175,7 @@ def summarize(rank: int, step: int, spans: Sequence[Span]) -> StepSummary:
     backward = [(s.start, s.end) for s in spans if s.phase == "backward"]
     comm_s = union_length(comm)
     overlap = overlap_length(comm, backward)
-    ar = [s for s in spans if s.phase == "allreduce"]
+    ar = [s for s in spans if s.phase in REDUCE_PHASES]
     return StepSummary(
         rank=rank, step=step, comm_s=comm_s, overlap_s=overlap,
         overlap_ratio=overlap / comm_s if comm_s > 0 else 0.0, backward_s=union_length(backward),
