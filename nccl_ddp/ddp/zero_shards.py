@@ -144,10 +144,14 @@ class ZeroShards:
                 compute.submit(_cast_into, own, self.master[b])
         # compute: ── optimizer step ─●record ─ next forward: wait(gathered b) before bucket b's
         # comm:    ───────────────────wait─[all-gather 0]─●─[all-gather 1]─●─ ...   modules
+        # The all-gathers join the group's queue now, in program order (stream=comm orders them
+        # after the comm stream's work): a collective the caller issues before the next forward
+        # comes after them on every rank, however far each rank's comm stream has got.
         self.comm.wait(compute.record())
         self._events = []
         for b in range(len(self.master)):
-            self.comm.submit(self._all_gather_here, b)
+            self.group.all_gather(self.param_buffers.buffers[b], self.owned_params(b),
+                                  stream=self.comm, tag=f"parameter bucket {b}")
             if self._copy_back:
                 self.comm.submit(self._copy_back_bucket, b)
             self._events.append(self.comm.record())
@@ -167,11 +171,6 @@ class ZeroShards:
     @property
     def gather_pending(self) -> bool:
         return any(e is not None for e in self._events)
-
-    def _all_gather_here(self, b: int) -> None:
-        buf = self.param_buffers.buffers[b]
-        self.group.all_gather(buf, self.owned_params(b), stream=self.device.current_stream(),
-                              tag=f"parameter bucket {b}").wait(self.group.timeout)
 
     def _copy_back_bucket(self, b: int) -> None:
         bucket = self.layout.buckets[b]
