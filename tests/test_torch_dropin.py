@@ -313,3 +313,34 @@ def test_torch_compile_matches_eager():
         for key, value in r["eager"].items():
             np.testing.assert_allclose(r["compiled"][key], value, rtol=1e-6, atol=1e-6,
                                        err_msg=f"rank {rank} {key}")
+
+
+def _built_config(group):
+    import nccl_ddp as nd
+
+    ddp = nd.DistributedDataParallel(torch.nn.Linear(2, 2), True, group, 1.0, True, True, False,
+                                     "PythonReducer", broadcast_buffers=False,
+                                     check_finite="raise", dim=0)
+    return type(ddp).__name__, ddp.config
+
+
+def test_core_options_pass_through_the_torch_wrapper():
+    """The torch wrapper takes the core's options as the core does (positional or keyword) and
+    names none of them itself: an option added to the core reaches torch users unchanged."""
+    import inspect
+
+    from fakegroup import run_threads
+
+    from nccl_ddp.adapters.torch_ddp import TorchDistributedDataParallel
+    from nccl_ddp.ddp.config import DDPConfig
+    from nccl_ddp.ddp.data_parallel import DistributedDataParallel
+
+    (cls, config), = run_threads(_built_config, 1)
+    assert cls == "TorchDistributedDataParallel"
+    assert config == DDPConfig(init_sync=True, bucket_cap_mb=1.0, find_unused_parameters=True,
+                               average_in_collective=True, static_graph=False,
+                               reducer_mode="PythonReducer", broadcast_buffers=False,
+                               check_finite="raise")
+    core = set(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self", "module"}
+    torch_own = set(inspect.signature(TorchDistributedDataParallel.__init__).parameters)
+    assert core & torch_own == set()

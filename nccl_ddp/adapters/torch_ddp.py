@@ -14,13 +14,13 @@ code.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, cast
+import inspect
+from typing import Any, cast
 
 import torch
 
 from nccl_ddp.adapters.torch import TorchModule
 from nccl_ddp.comm.api import resolve_group
-from nccl_ddp.ddp.config import DDPConfig, ReducerMode
 from nccl_ddp.ddp.data_parallel import DistributedDataParallel
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 from nccl_ddp.validate import check_bool
@@ -38,18 +38,22 @@ _UNSUPPORTED = {
 }
 
 
-class TorchDistributedDataParallel(torch.nn.Module, DistributedDataParallel):
-    """What `nccl_ddp.DistributedDataParallel(torch_module, ...)` builds."""
+_CORE = inspect.signature(DistributedDataParallel.__init__)
+"""The core's options: they pass through as given, so a new one is added in one place."""
 
-    def __init__(self, module: Any, init_sync: bool = True, process_group: Any = None,
-                 bucket_cap_mb: Optional[float] = None, find_unused_parameters: bool = False,
-                 average_in_collective: bool = False, static_graph: bool = False,
-                 reducer_mode: ReducerMode = "CppReducer", *, device_ids: Any = None,
-                 output_device: Any = None, dim: int = 0, broadcast_buffers: bool = True,
-                 gradient_as_bucket_view: bool = False, check_reduction: bool = False,
-                 check_finite: Any = False, config: Optional[DDPConfig] = None,
-                 **torch_options: Any) -> None:
+
+class TorchDistributedDataParallel(torch.nn.Module, DistributedDataParallel):
+    """What `nccl_ddp.DistributedDataParallel(torch_module, ...)` builds: the core's arguments
+    (positional and keyword, as `DistributedDataParallel` takes them) plus torch's own."""
+
+    def __init__(self, module: Any, *args: Any, device_ids: Any = None,
+                 output_device: Any = None, dim: int = 0, gradient_as_bucket_view: bool = False,
+                 check_reduction: bool = False, **kwargs: Any) -> None:
         torch.nn.Module.__init__(self)
+        core = {k: v for k, v in kwargs.items() if k in _CORE.parameters}
+        torch_options = {k: v for k, v in kwargs.items() if k not in core}
+        given = _CORE.bind_partial(self, module, *args, **core).arguments
+        init_sync, process_group = given.get("init_sync", True), given.get("process_group")
         if isinstance(init_sync, (list, tuple)):
             raise ConfigTypeError(
                 f"init_sync must be a bool, got {init_sync!r}: the second positional argument is "
@@ -63,10 +67,7 @@ class TorchDistributedDataParallel(torch.nn.Module, DistributedDataParallel):
                                                           process_group)
         self.dim = dim
         self.gradient_as_bucket_view = gradient_as_bucket_view
-        DistributedDataParallel.__init__(
-            self, module, init_sync, process_group, bucket_cap_mb, find_unused_parameters,
-            average_in_collective, static_graph, reducer_mode,
-            broadcast_buffers=broadcast_buffers, check_finite=check_finite, config=config)
+        DistributedDataParallel.__init__(self, module, *args, **core)
 
     @torch._disable_dynamo(recursive=False)    # (lazy torch.compiler.disable; torch DDP's way)
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
