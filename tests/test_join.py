@@ -295,3 +295,57 @@ def test_join_bad_arguments():
         nd.Join([])
     with pytest.raises(ConfigTypeError, match=r"joinables\[0\] is a int"):
         nd.Join([3])
+
+
+class _Counting:
+    """A joinable of its own (no base class: `Joinable` is a protocol): counts its steps and the
+    steps it shadowed after joining."""
+
+    def __init__(self, group):
+        from nccl_ddp.ddp.join import JoinState
+        self.group, self.join_state = group, JoinState()
+        self.steps, self.shadowed, self.finished, self.divide = 0, 0, None, None
+
+    @property
+    def join_process_group(self):
+        return self.group
+
+    def join_hook(self, **kwargs):
+        from nccl_ddp.ddp.join import ShadowJoinHook
+        hook = ShadowJoinHook(self, "_Counting", kwargs)
+        self.divide = self.join_state.divide_by_initial
+        return hook
+
+    def step(self):
+        from nccl_ddp import Join
+        self.steps += 1
+        return Join.notify_join_context(self)
+
+    def join_shadow_step(self):
+        self.shadowed += 1
+
+    def join_finished(self, is_last_joiner):
+        self.finished = is_last_joiner
+
+
+def _own_joinable(group):
+    import nccl_ddp as nd
+
+    j = _Counting(group)
+    active = []
+    with nd.Join([j], divide_by_initial_world_size=False):
+        for _ in range(group.rank + 1):
+            active.append(j.step())
+    return active, j.shadowed, j.finished, j.divide, j.join_state.config.enable
+
+
+def test_a_joinable_of_ones_own_is_driven_by_the_shadow_hook():
+    """Join drives any object with the protocol's public state (join_state) and methods; rank r
+    steps r + 1 times, so a rank shadows the steps of the ranks with more."""
+    from fakegroup import run_threads
+
+    out = run_threads(_own_joinable, 3)
+    assert [o[0] for o in out] == [[3], [3, 2], [3, 2, 1]]
+    assert [o[1] for o in out] == [2, 1, 0]
+    assert [o[2] for o in out] == [False, False, True]
+    assert all(o[3] is False and o[4] is False for o in out)   # config reset on exit

@@ -8,7 +8,6 @@ hand-written backprop (adapters/arrays.py); the last one finalizes the step.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 from typing import Any, Callable, Iterator, List, Optional
 
@@ -16,20 +15,12 @@ import numpy as np
 
 from nccl_ddp import frameworks
 from nccl_ddp.comm.api import device_of, resolve_group
-from nccl_ddp.comm.group import ProcessGroup
+from nccl_ddp.comm.group import ProcessGroup, ReduceOp
 from nccl_ddp.ddp import comm_hooks
 from nccl_ddp.ddp.buckets import ParamSpec
 from nccl_ddp.ddp.config import CheckFinite, DDPConfig, ReducerMode, config_from
 from nccl_ddp.ddp.interfaces import GradModule
-from nccl_ddp.ddp.join import (
-    Join,
-    Joinable,
-    JoinHook,
-    ReducerJoinHook,
-    buffer_source,
-    hook_kwargs,
-    on_step_open,
-)
+from nccl_ddp.ddp.join import Join, JoinHook, JoinState, ShadowJoinHook, exchange
 from nccl_ddp.ddp.param_sync import broadcast_coalesced, check_same_params
 from nccl_ddp.ddp.reducer import Reducer
 from nccl_ddp.errors import ConfigError, ConfigTypeError, ReducerError
@@ -38,12 +29,12 @@ from nccl_ddp.validate import check_float_dtype
 log = logging.getLogger(__name__)
 
 
-class DistributedDataParallel(Joinable):
+class DistributedDataParallel:
     """Wraps `module`; calling the wrapper runs the module's forward and opens a step.
 
     For a framework whose models are objects of its own (torch.nn.Module), the wrapper is one
     too: `DistributedDataParallel(torch_model)` is an instance of the adapter's subclass
-    (adapters/torch_ddp.py), which is also a torch.nn.Module.
+    (adapters/torch_ddp.py), which is also a torch.nn.Module. Joinable (`nccl_ddp.Join`).
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> DistributedDataParallel:
@@ -87,8 +78,8 @@ class DistributedDataParallel(Joinable):
                                names=self._adapter.names, install=install,
                                stream_scope=self._adapter.on_compute_stream)
         self._sync_buffers_next = True      # torch: the first forward syncs buffers
-        self._join_divide_by_initial = True     # set by join_hook(divide_by_initial_world_size)
-        self.reducer.on_open = functools.partial(on_step_open, self)
+        self.join_state = JoinState()
+        self.reducer.on_open = self._on_step_open
         if self.config.init_sync:
             self._init_sync(params)
         self._adapter.attach(self)
@@ -136,7 +127,7 @@ class DistributedDataParallel(Joinable):
         buffers = [a for _, a in self._adapter.named_buffers()]
         if not buffers:
             return
-        src = buffer_source(self, joined)
+        src = self._buffer_source(joined)
         with self._adapter.on_compute_stream():
             broadcast_coalesced(buffers, self.process_group, self.device,
                                 self.config.broadcast_chunk_bytes, src=src)
@@ -248,15 +239,54 @@ class DistributedDataParallel(Joinable):
                          divide_by_initial_world_size=divide_by_initial_world_size)
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
-        return ReducerJoinHook(self, **hook_kwargs("DistributedDataParallel", kwargs))
+        return ShadowJoinHook(self, "DistributedDataParallel", kwargs)
 
     @property
     def join_process_group(self) -> ProcessGroup:
         return self.process_group
 
-    def _sync_from(self, src: int) -> None:
-        """Every rank takes rank `src`'s parameters, frozen ones and (with broadcast_buffers)
-        buffers included (Join's end: the last rank to join; torch's _sync_final_model)."""
+    def _on_step_open(self, syncs: bool) -> None:
+        """The reducer opened a step: inside an enabled Join, say so (the count) and whether this
+        step all-reduces (the sync flag), and set the step's divisor."""
+        if not self.join_state.config.enable:
+            self.reducer.step_divisor = None
+            return
+        active = Join.notify_join_context(self)
+        self.reducer.step_divisor = (None if self.join_state.divide_by_initial or active is None
+                                     else active)
+        exchange(self.process_group, [1 if syncs else 0], "Join's sync flag")
+
+    def _buffer_source(self, joined: bool) -> int:
+        """The rank whose buffers DDP broadcasts: 0, or inside an enabled Join the highest rank
+        still training (a joined rank's buffers are stale)."""
+        if not self.join_state.config.enable:
+            return 0
+        group = self.process_group
+        src, = exchange(group, [-1 if joined else group.rank], "Join's buffer source",
+                        ReduceOp.MAX)
+        return src
+
+    def join_shadow_step(self) -> None:
+        """A joined rank's stand-in for one step of the ranks still training: their buffer
+        broadcast when due, then (if their step all-reduces: the sync flag) zeros through the
+        reducer's buckets (torch's `_DDPJoinHook`)."""
+        group = self.process_group
+        syncs, = exchange(group, [0], "Join's sync flag")
+        if self._sync_buffers_next and self.config.broadcast_buffers:
+            self._broadcast_buffers(joined=True)
+        self._sync_buffers_next = bool(syncs)
+        if not syncs:
+            return
+        # the ranks still training divide by the group or by themselves (fewer than the group)
+        divisor = None if self.join_state.divide_by_initial else max(1, group.size - 1)
+        self.reducer.shadow_step(divisor)
+
+    def join_finished(self, is_last_joiner: bool) -> None:
+        """Every rank takes the parameters, frozen ones and (with broadcast_buffers) buffers
+        included, of the last rank to join (torch's _sync_final_model)."""
+        group = self.process_group
+        src, = exchange(group, [group.rank if is_last_joiner else -1], "Join's last joiner",
+                        ReduceOp.MAX)
         state = [a for _, a in self._adapter.named_frozen()]
         if self.config.broadcast_buffers:
             state += [a for _, a in self._adapter.named_buffers()]

@@ -41,14 +41,14 @@ from nccl_ddp.ddp.buckets import (
 )
 from nccl_ddp.ddp.config import COMPRESS, CheckFinite, GradReducerConfig, config_from
 from nccl_ddp.ddp.finite_check import FiniteCheck, require_check
-from nccl_ddp.ddp.join import GradReducerJoinHook, Join, Joinable, JoinHook, hook_kwargs
+from nccl_ddp.ddp.join import Join, JoinHook, JoinState, ShadowJoinHook
 from nccl_ddp.ddp.param_sync import check_same_params
 from nccl_ddp.ddp.step_failure import StepFailure
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 from nccl_ddp.validate import check_float_dtype, check_positive_int
 
 
-class DistributedGradReducer(Joinable):
+class DistributedGradReducer:
     """Callable on a list/tuple of grads (one per parameter, same shapes); returns them reduced.
 
     `compress="bf16"|"fp16"`: float32 buckets travel in that dtype (packed with the mean's scale
@@ -86,7 +86,7 @@ class DistributedGradReducer(Joinable):
             raise ConfigTypeError("parameters must be a non-empty list or tuple of parameters, got "
                             f"{type(parameters).__name__}")
         self.compress, self.check_finite = self.config.compress, self.config.check_finite
-        self._join_divide_by_initial = True
+        self.join_state = JoinState()
         self._divisor = 1
         self._calls = 0                     # calls (steps) opened so far, shadowed ones too
         self.group = resolve_group(group, "group")
@@ -160,8 +160,8 @@ class DistributedGradReducer(Joinable):
         """The native grads of `buckets` (all by default) reduced: views of fresh bucket
         buffers, packing and all-reducing pipelined across the compute and comm streams."""
         if buckets is None or buckets[0] == 0:    # a call (or its first bucket) opens a step
-            active = Join.notify_join_context(self) if self._join_config.enable else None
-            self._divisor = (self.degree if self._join_divide_by_initial or active is None
+            active = Join.notify_join_context(self) if self.join_state.config.enable else None
+            self._divisor = (self.degree if self.join_state.divide_by_initial or active is None
                              else active)
         scale = 1.0 / self._divisor if self.mean else 1.0
         compute = self.device.current_stream()
@@ -234,13 +234,13 @@ class DistributedGradReducer(Joinable):
     # ------------------------------------------------------------------ Join
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
-        return GradReducerJoinHook(self, **hook_kwargs("DistributedGradReducer", kwargs))
+        return ShadowJoinHook(self, "DistributedGradReducer", kwargs)
 
     @property
     def join_process_group(self) -> ProcessGroup:
         return self.group
 
-    def shadow_call(self) -> None:
+    def join_shadow_step(self) -> None:
         """A joined rank's stand-in for one call of the ranks still reducing: the same
         all-reduces, on zeros."""
         self._failure.check()
@@ -255,6 +255,9 @@ class DistributedGradReducer(Joinable):
                 self.group.all_reduce(flags, ReduceOp.SUM, stream=self.comm,
                                       tag="the non-finite flags")
             self.comm.synchronize(self.group.timeout)
+
+    def join_finished(self, is_last_joiner: bool) -> None:
+        """Nothing to do: a grad reducer keeps no model state to hand over."""
 
     def _leaf(self, i: int) -> str:
         """How a message names grad i: its pytree key path (JAX), its parameter's name (MindSpore,

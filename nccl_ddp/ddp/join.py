@@ -23,7 +23,7 @@ import itertools
 import logging
 import re
 from types import TracebackType
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -35,8 +35,8 @@ from nccl_ddp.validate import check_bool
 log = logging.getLogger(__name__)
 
 PEER_ERROR_WAIT_S = 3.0
-_REPORT = re.compile(r"rank \d+ raised \w+ inside nccl_ddp\.Join: [^\n]*")
 """How long a rank whose collective failed inside a Join looks for a peer's error report."""
+_REPORT = re.compile(r"rank \d+ raised \w+ inside nccl_ddp\.Join: [^\n]*")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,21 +59,40 @@ class JoinHook:
         """Called on every rank once all have joined."""
 
 
-class Joinable:
-    """An object whose per-step collectives a joined rank can shadow (DDP, DistributedGradReducer).
-    A plain base class (no ABCMeta), so that framework wrappers may also subclass their
-    framework's module class."""
+@dataclasses.dataclass
+class JoinState:
+    """A joinable's side of Join: `config` is set by `Join` on entry and reset on exit;
+    `divide_by_initial` by its hook (`divide_by_initial_world_size`)."""
 
-    _join_config: JoinConfig = JoinConfig()
+    config: JoinConfig = JoinConfig()
+    divide_by_initial: bool = True
+
+
+@runtime_checkable
+class Joinable(Protocol):
+    """An object whose per-step collectives a joined rank can shadow (DDP, DistributedGradReducer;
+    torch's `Joinable`). A protocol, not a base class, so that framework wrappers subclass only
+    their framework's module class."""
+
+    join_state: JoinState
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """The hook a joined rank runs; `kwargs` are those given to `Join`."""
-        raise NotImplementedError
 
     @property
     def join_process_group(self) -> ProcessGroup:
         """The group the joinable's collectives run on."""
-        raise NotImplementedError
+
+
+class Shadowing(Joinable, Protocol):
+    """A joinable that `ShadowJoinHook` drives."""
+
+    def join_shadow_step(self) -> None:
+        """A joined rank's stand-in for one step of the ranks still training: the same
+        collectives, in the same order, on zeros."""
+
+    def join_finished(self, is_last_joiner: bool) -> None:
+        """Every rank has joined (called on every rank)."""
 
 
 class Join:
@@ -108,7 +127,7 @@ class Join:
 
     def __enter__(self) -> Join:
         for i, j in enumerate(self._joinables):
-            j._join_config = JoinConfig(self._enable, self._throw, i == 0)
+            j.join_state.config = JoinConfig(self._enable, self._throw, i == 0)
         if self._enable:
             self._key = f"nccl_ddp/join/{self._group.name}/{next(_count(self._group.name))}"
         return self
@@ -129,7 +148,7 @@ class Join:
             return None
         finally:
             for j in self._joinables:
-                j._join_config = JoinConfig()
+                j.join_state.config = JoinConfig()
 
     def _join(self) -> None:
         is_last_joiner = True
@@ -201,7 +220,7 @@ class Join:
         """Called by a joinable at the start of each step while it trains: returns how many ranks
         are still training (None unless the joinable is the first of an enabled Join). With
         throw_on_early_termination, raises `JoinError` once any rank has run out of inputs."""
-        cfg = joinable._join_config
+        cfg = joinable.join_state.config
         if not (cfg.enable and cfg.is_first_joinable):
             return None
         group = joinable.join_process_group
@@ -238,81 +257,24 @@ def _store() -> Any:
         return None
 
 
-# ---------------------------------------------------------------------------------------------
-# the joinables' hooks
+class ShadowJoinHook(JoinHook):
+    """The hook of DDP and DistributedGradReducer: a joined rank shadows each step of the ranks
+    still training (`join_shadow_step`), then `join_finished` runs on every rank. Takes Join's
+    `divide_by_initial_world_size` (True: the ranks still training divide by the group's size,
+    as torch does; False: by their own number)."""
 
-
-class ReducerJoinHook(JoinHook):
-    """DistributedDataParallel's: a joined rank all-reduces zeros through the reducer's buckets
-    (after the step's sync flag says the others reduce at all), and at the end every rank takes
-    the parameters of the last rank to join (torch's `_DDPJoinHook`)."""
-
-    def __init__(self, ddp: Any, divide_by_initial_world_size: bool = True) -> None:
-        check_bool("divide_by_initial_world_size", divide_by_initial_world_size)
-        self.ddp = ddp
-        ddp._join_divide_by_initial = divide_by_initial_world_size
+    def __init__(self, joinable: Shadowing, owner: str, kwargs: Dict[str, Any]) -> None:
+        unknown = set(kwargs) - {"divide_by_initial_world_size"}
+        if unknown:
+            raise ConfigError(f"Join: unknown keyword arguments {sorted(unknown)} for {owner} (it "
+                              "takes divide_by_initial_world_size)")
+        divide = kwargs.get("divide_by_initial_world_size", True)
+        check_bool("divide_by_initial_world_size", divide)
+        self.joinable = joinable
+        joinable.join_state.divide_by_initial = divide
 
     def main_hook(self) -> None:
-        ddp = self.ddp
-        group = ddp.process_group
-        syncs, = exchange(group, [0], "Join's sync flag")
-        if ddp._sync_buffers_next and ddp.config.broadcast_buffers:
-            ddp._broadcast_buffers(joined=True)
-        ddp._sync_buffers_next = bool(syncs)
-        if not syncs:
-            return
-        # the ranks still training divide by the group or by themselves (fewer than the group)
-        divisor = None if ddp._join_divide_by_initial else max(1, group.size - 1)
-        ddp.reducer.shadow_step(divisor)
+        self.joinable.join_shadow_step()
 
     def post_hook(self, is_last_joiner: bool) -> None:
-        group = self.ddp.process_group
-        src, = exchange(group, [group.rank if is_last_joiner else -1], "Join's last joiner",
-                        ReduceOp.MAX)
-        self.ddp._sync_from(src)
-
-
-def on_step_open(ddp: Any, syncs: bool) -> None:
-    """DDP's reducer opened a step: inside an enabled Join, say so (the count) and whether this
-    step all-reduces (the sync flag), and set the step's divisor."""
-    reducer = ddp.reducer
-    if not ddp._join_config.enable:
-        reducer.step_divisor = None
-        return
-    active = Join.notify_join_context(ddp)
-    divide_initial = ddp._join_divide_by_initial
-    reducer.step_divisor = None if divide_initial or active is None else active
-    exchange(ddp.process_group, [1 if syncs else 0], "Join's sync flag")
-
-
-def hook_kwargs(owner: str, kwargs: dict) -> dict:
-    """The keyword arguments of `Join` a joinable's hook takes (divide_by_initial_world_size)."""
-    unknown = set(kwargs) - {"divide_by_initial_world_size"}
-    if unknown:
-        raise ConfigError(f"Join: unknown keyword arguments {sorted(unknown)} for {owner} (it "
-                          "takes divide_by_initial_world_size)")
-    return kwargs
-
-
-def buffer_source(ddp: Any, joined: bool) -> int:
-    """The rank whose buffers DDP broadcasts: 0, or inside an enabled Join the highest rank
-    still training (a joined rank's buffers are stale)."""
-    if not ddp._join_config.enable:
-        return 0
-    group = ddp.process_group
-    src, = exchange(group, [-1 if joined else group.rank], "Join's buffer source",
-                    ReduceOp.MAX)
-    return src
-
-
-class GradReducerJoinHook(JoinHook):
-    """DistributedGradReducer's: a joined rank all-reduces zeros through the reducer's buckets
-    for each call of the ranks still training."""
-
-    def __init__(self, reducer: Any, divide_by_initial_world_size: bool = True) -> None:
-        check_bool("divide_by_initial_world_size", divide_by_initial_world_size)
-        self.reducer = reducer
-        reducer._join_divide_by_initial = divide_by_initial_world_size
-
-    def main_hook(self) -> None:
-        self.reducer.shadow_call()
+        self.joinable.join_finished(is_last_joiner)
