@@ -17,6 +17,12 @@ from nccl_ddp.errors import ConfigTypeError
 _ADAPTERS = {"torch": "torch", "mindspore": "mindspore", "jax": "jax", "jaxlib": "jax",
              "flax": "jax"}
 
+# framework -> (adapter module, class) of the DDP wrapper for its models, which is also one of
+# the framework's own module classes (torch.nn.Module, nn.Cell); frameworks not listed use the
+# core class
+_WRAPPERS = {"torch": ("torch_ddp", "TorchDistributedDataParallel"),
+             "mindspore": ("mindspore_ddp", "MindSporeDistributedDataParallel")}
+
 
 def framework_of(obj: Any) -> Optional[str]:
     """"torch", "mindspore" or "jax" for an object of that framework; None for anything else
@@ -40,6 +46,12 @@ def adapter(name: str) -> ModuleType:
     except ImportError as e:
         raise ConfigTypeError(f"the nccl_ddp adapter for {name} could not be loaded ({e}); install "
                               f"{name}, or pass NumPy / CuPy arrays instead") from e
+
+
+def wrapper_class(name: str) -> Any:
+    """The DDP wrapper class for models of framework `name` (None: the core class itself)."""
+    entry = _WRAPPERS.get(name)
+    return None if entry is None else getattr(adapter(entry[0]), entry[1])
 
 
 def first_leaf(obj: Any) -> Any:

@@ -32,8 +32,10 @@ import train_mlp as mlp  # noqa: E402
 from benchlib import (  # noqa: E402
     Progress,
     format_table,
+    our_hook,
     plot_panels,
     run_ranks,
+    sent_mib,
     slowest,
     synchronize,
     timed_steps,
@@ -76,33 +78,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def _timed(nd, xp, step: Callable[[], None], args) -> float:
     return timed_steps(nd, step, args.warmup, args.steps, lambda: synchronize(xp))
-
-
-def our_hook(nd, ddp, hook: str):
-    """Register our built-in `hook` on `ddp`; returns the PowerSGD state (else None)."""
-    from nccl_ddp import hooks
-    if hook == "allreduce":
-        return None
-    if hook == "powersgd":
-        state = hooks.PowerSGDState(None, matrix_approximation_rank=POWERSGD_RANK,
-                                    start_powerSGD_iter=2)
-        ddp.register_comm_hook(state, hooks.powersgd)
-        return state
-    ddp.register_comm_hook(None, getattr(hooks, f"{hook}_compress"))
-    return None
-
-
-POWERSGD_RANK = 4
-
-
-def sent_mib(buckets, hook: str, state, before: int, steps: int) -> float:
-    """MiB each rank hands to all-reduces per step: the buckets (float32 ones in half precision
-    with fp16/bf16), or PowerSGD's factors and uncompressed grads (its element count)."""
-    if hook == "powersgd":
-        return (state.total_numel_after_compression - before) * 4 / max(1, steps) / 2**20
-    half = hook in ("bf16", "fp16")
-    return sum(b.nbytes // (2 if half and np.dtype(b.dtype) == np.float32 else 1)
-               for b in buckets) / 2**20
 
 
 def run_arrays(nd, xp, args, cap_mb: float, hook: str = "allreduce") -> dict:

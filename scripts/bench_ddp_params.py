@@ -76,11 +76,10 @@ def measure(nd, args) -> dict:
     """One row: the three variants interleaved, medians over every timed step (slowest rank)."""
     import torch
     import torch.distributed as dist
-    from bench_ddp_torch import _init_torch_pg
-    from benchlib import slowest
+    from benchlib import init_torch_pg, slowest
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
     torch.set_num_threads(1)
-    _init_torch_pg(nd, torch, "gloo")
+    init_torch_pg(nd, torch, "gloo")
     g = torch.Generator().manual_seed(nd.get_rank())
     x = torch.randn(args.params_batch, args.width, generator=g)
     y = torch.randn(args.params_batch, args.width, generator=g)

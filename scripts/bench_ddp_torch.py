@@ -10,31 +10,9 @@ process group, so it never competes with nccl-ddp-run's store.
 """
 from __future__ import annotations
 
-import socket
 from typing import Callable
 
-import numpy as np
-from benchlib import array_module, slowest, timed_steps
-
-_TORCH_PG = {}
-
-
-def _init_torch_pg(nd, torch, backend: str) -> None:
-    """One torch.distributed group per process (all caps share it)."""
-    if _TORCH_PG:
-        return
-    import torch.distributed as dist
-    port = array_module(nd).zeros(1, dtype=np.int64)   # cupy on the nccl backend
-    if nd.get_rank() == 0:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port[0] = s.getsockname()[1]
-    nd.broadcast(port, 0)
-    import os
-    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    dist.init_process_group(backend, init_method=f"tcp://{addr}:{int(port[0])}",
-                            rank=nd.get_rank(), world_size=nd.get_world_size())
-    _TORCH_PG["backend"] = backend
+from benchlib import POWERSGD_RANK, init_torch_pg, our_hook, sent_mib, slowest, timed_steps
 
 
 def _mlp(torch, dims, device):
@@ -84,14 +62,13 @@ def torch_bf16_compress_hook(process_group, bucket):
 
 def run_torch(nd, xp, args, cap_mb: float, hook: str = "allreduce") -> dict:
     import torch
-    from bench_ddp import POWERSGD_RANK, our_hook, sent_mib
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     from nccl_ddp.profiling import Timeline
     ours_backend = nd.get_world_group().backend
     cuda = ours_backend == "nccl"
     device = torch.device("cuda", nd.get_local_rank()) if cuda else torch.device("cpu")
-    _init_torch_pg(nd, torch, "nccl" if cuda else "gloo")
+    torch_backend = init_torch_pg(nd, torch, "nccl" if cuda else "gloo")
     dims = [args.features] + [args.hidden] * args.layers + [1]
     g = torch.Generator().manual_seed(nd.get_rank())
     x = torch.randn(args.batch, args.features, generator=g).to(device)
@@ -138,7 +115,7 @@ def run_torch(nd, xp, args, cap_mb: float, hook: str = "allreduce") -> dict:
                sent_MiB=sent_mib(buckets, hook, state, before, args.profile_steps),
                torch_sent_MiB=sent_mib(buckets, hook, torch_state, torch_before,
                                        args.profile_steps),
-               backend=f"{ours_backend}/{_TORCH_PG['backend']}", params_MiB=nbytes / 2**20,
+               backend=f"{ours_backend}/{torch_backend}", params_MiB=nbytes / 2**20,
                cap_MiB=cap_mb, buckets=len(ddp.reducer.layout.buckets), local_ms=t_local * 1e3,
                ddp_ms=t_ddp * 1e3, overhead_ms=(t_ddp - t_local) * 1e3,
                comm_ms=comm * 1e3, hidden_pct=100.0 * hidden,

@@ -1,4 +1,5 @@
-"""Shared by the benchmark scripts: a progress line, CSV output and PNG plots.
+"""Shared by the benchmark scripts: a progress line, CSV output and PNG plots, and the DDP benchmarks'
+comm hooks and torch.distributed group.
 
 Benchmarks keep their results as a list of dicts (one per measurement); these helpers turn that
 into a table on stdout, a CSV file and a picture. matplotlib is optional (the `plot` extra).
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -176,3 +178,54 @@ def launch_or_work(script: str, args: Any, argv: Optional[Sequence[str]],
                          args.timeout, env)
     worker(args)
     return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# the DDP benchmarks (bench_ddp.py and its torch / many-params modes)
+
+POWERSGD_RANK = 4
+
+
+def our_hook(nd, ddp, hook: str):
+    """Register our built-in `hook` on `ddp`; returns the PowerSGD state (else None)."""
+    from nccl_ddp import hooks
+    if hook == "allreduce":
+        return None
+    if hook == "powersgd":
+        state = hooks.PowerSGDState(None, matrix_approximation_rank=POWERSGD_RANK,
+                                    start_powerSGD_iter=2)
+        ddp.register_comm_hook(state, hooks.powersgd)
+        return state
+    ddp.register_comm_hook(None, getattr(hooks, f"{hook}_compress"))
+    return None
+
+
+def sent_mib(buckets, hook: str, state, before: int, steps: int) -> float:
+    """MiB each rank hands to all-reduces per step: the buckets (float32 ones in half precision
+    with fp16/bf16), or PowerSGD's factors and uncompressed grads (its element count)."""
+    if hook == "powersgd":
+        return (state.total_numel_after_compression - before) * 4 / max(1, steps) / 2**20
+    half = hook in ("bf16", "fp16")
+    return sum(b.nbytes // (2 if half and np.dtype(b.dtype) == np.float32 else 1)
+               for b in buckets) / 2**20
+
+
+_TORCH_PG: dict = {}
+
+
+def init_torch_pg(nd, torch, backend: str) -> str:
+    """One torch.distributed group per process (all caps share it); returns its backend."""
+    if _TORCH_PG:
+        return _TORCH_PG["backend"]
+    import torch.distributed as dist
+    port = array_module(nd).zeros(1, dtype=np.int64)   # cupy on the nccl backend
+    if nd.get_rank() == 0:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port[0] = s.getsockname()[1]
+    nd.broadcast(port, 0)
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group(backend, init_method=f"tcp://{addr}:{int(port[0])}",
+                            rank=nd.get_rank(), world_size=nd.get_world_size())
+    _TORCH_PG["backend"] = backend
+    return backend

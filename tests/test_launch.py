@@ -8,7 +8,8 @@ import time
 import pytest
 
 from nccl_ddp.errors import ConfigError
-from nccl_ddp.launch.launcher import LaunchConfig, local_device_count, parse_args, resolve_nproc
+from nccl_ddp.launch.cli import parse_args
+from nccl_ddp.launch.launcher import LaunchConfig, local_device_count, resolve_nproc
 
 
 def _script(tmp_path, body, name="worker.py"):

@@ -1,12 +1,16 @@
 """The import graph follows the layers in the README: a module imports only its own layer or
-lower ones, and a framework (torch, JAX, MindSpore) only inside nccl_ddp/adapters/. Every import
-statement counts, those inside functions too; `nccl_ddp.frameworks` loads adapters by name."""
+lower ones, and a framework (torch, JAX, MindSpore) only inside nccl_ddp/adapters/. Inside a layer
+(and among the scripts) no modules import each other in a circle. Every import statement counts,
+those inside functions too; `nccl_ddp.frameworks` loads adapters by name."""
 import ast
+import functools
 import pathlib
+from typing import Dict, Iterator, List, Set
 
 import pytest
 
 PKG = pathlib.Path(__file__).resolve().parent.parent / "nccl_ddp"
+SCRIPTS = PKG.parent / "scripts"
 
 # lowest first; a module may import from its own layer and the layers before it
 LAYERS = [
@@ -40,20 +44,39 @@ def module_name(path: pathlib.Path) -> str:
     return ".".join(parts)
 
 
+def _from_base(node: ast.ImportFrom, package: str) -> str:
+    """The module a `from ... import` names, relative ones resolved against `package`."""
+    base = node.module or ""
+    if node.level:
+        anchor = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+        base = ".".join(anchor + ([base] if base else []))
+    return base
+
+
+@functools.cache
+def _tree(path: pathlib.Path, text: str) -> ast.AST:
+    return ast.parse(text, str(path))
+
+
+def parse(path: pathlib.Path) -> ast.AST:
+    """The file's syntax tree (parsed once per content: every check reads every file)."""
+    return _tree(path, path.read_text())
+
+
+def _package(path: pathlib.Path, me: str) -> str:
+    return me if path.name == "__init__.py" else me.rpartition(".")[0]
+
+
 def imports(path: pathlib.Path):
     """(line, imported module) for every import statement, resolving relative ones."""
-    tree = ast.parse(path.read_text(), str(path))
-    me = module_name(path)
-    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    tree = parse(path)
+    package = _package(path, module_name(path))
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 yield node.lineno, alias.name
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[:len(package.split(".")) - (node.level - 1)]
-                base = ".".join(anchor + ([base] if base else []))
+            base = _from_base(node, package)
             if base == "nccl_ddp":   # `from nccl_ddp import kernels`: the names are modules
                 for alias in node.names:
                     yield node.lineno, f"{base}.{alias.name}"
@@ -61,7 +84,70 @@ def imports(path: pathlib.Path):
                 yield node.lineno, base
 
 
+def imported_modules(path: pathlib.Path, me: str, known: Set[str]) -> Iterator[str]:
+    """The modules of `known` that `path` (module `me`) imports; `from a.b import c` counts as
+    a.b.c when that is a module, else as a.b."""
+    package = _package(path, me)
+    for node in ast.walk(parse(path)):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names if alias.name in known)
+        elif isinstance(node, ast.ImportFrom):
+            base = _from_base(node, package)
+            for alias in node.names:
+                sub = f"{base}.{alias.name}" if base else alias.name
+                if sub in known:
+                    yield sub
+                elif base in known:
+                    yield base
+
+
+def circles(graph: Dict[str, Set[str]]) -> List[List[str]]:
+    """The import circles of `graph` (module -> modules it imports): its strongly connected
+    components of more than one module (Tarjan)."""
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    on_stack: Set[str] = set()
+    found: List[List[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def import_graph(sources: List[pathlib.Path], scripts: List[pathlib.Path]) -> Dict[str, Set[str]]:
+    """module -> the package modules (or, for a script, the scripts) it imports, itself left out
+    (a package's __init__ naming its own submodules)."""
+    named = {module_name(p): p for p in sources}
+    named.update({p.stem: p for p in scripts})       # scripts import each other by bare name
+    known = set(named)
+    return {me: set(imported_modules(path, me, known)) - {me} for me, path in named.items()}
+
+
 SOURCES = sorted(PKG.rglob("*.py"))
+SCRIPT_SOURCES = sorted(SCRIPTS.glob("*.py"))
 
 
 def test_every_module_has_a_layer():
@@ -112,3 +198,38 @@ def test_the_checks_catch_a_planted_violation(tmp_path, monkeypatch, source, exp
              else test_frameworks_are_imported_only_in_adapters)
     with pytest.raises(AssertionError, match="imports"):
         check()
+
+
+def test_no_import_circles():
+    """No modules import each other in a loop, inside a folder either (the layer check sees
+    only imports across layers), nor do the scripts."""
+    found = circles(import_graph(SOURCES, SCRIPT_SOURCES))
+    assert not found, "import circles:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+@pytest.mark.parametrize("files, circle", [
+    ({"nccl_ddp/launch/cli.py": "def main():\n    from nccl_ddp.launch.launcher import launch\n",
+      "nccl_ddp/launch/launcher.py": "from nccl_ddp.launch.cli import main\n"},
+     "nccl_ddp.launch.cli <-> nccl_ddp.launch.launcher"),
+    ({"nccl_ddp/ddp/a.py": "from nccl_ddp.ddp import b\n",
+      "nccl_ddp/ddp/b.py": "from . import c\n", "nccl_ddp/ddp/c.py": "import nccl_ddp.ddp.a\n"},
+     "nccl_ddp.ddp.a <-> nccl_ddp.ddp.b <-> nccl_ddp.ddp.c"),
+    ({"scripts/bench_a.py": "import bench_b\n", "scripts/bench_b.py": "from bench_a import x\n"},
+     "bench_a <-> bench_b"),
+])
+def test_the_circle_check_catches_a_planted_circle(tmp_path, monkeypatch, files, circle):
+    """Plant a circle (a function-level import, package-relative imports, scripts) in a copy."""
+    fake = tmp_path / "nccl_ddp"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("")
+    (tmp_path / "scripts").mkdir()
+    for rel, text in files.items():
+        path = tmp_path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    me = __import__(__name__)
+    monkeypatch.setattr(me, "PKG", fake)
+    monkeypatch.setattr(me, "SOURCES", sorted(fake.rglob("*.py")))
+    monkeypatch.setattr(me, "SCRIPT_SOURCES", sorted((tmp_path / "scripts").glob("*.py")))
+    with pytest.raises(AssertionError, match=circle):
+        test_no_import_circles()

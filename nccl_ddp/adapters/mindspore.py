@@ -44,12 +44,6 @@ def adapt(cell: Any) -> MindSporeModule:
     return MindSporeModule(cell)
 
 
-def wrapper_class() -> type:
-    """The DDP wrapper class for Cells: an nn.Cell itself (adapters/mindspore_ddp.py)."""
-    from nccl_ddp.adapters.mindspore_ddp import MindSporeDistributedDataParallel
-    return MindSporeDistributedDataParallel
-
-
 def grads_adapter() -> MindSporeGrads:
     return MindSporeGrads()
 

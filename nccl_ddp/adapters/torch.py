@@ -31,12 +31,6 @@ def adapt(module: Any) -> TorchModule:
     return TorchModule(module)
 
 
-def wrapper_class() -> type:
-    """The DDP wrapper class for torch modules: a torch.nn.Module itself (adapters/torch_ddp.py)."""
-    from nccl_ddp.adapters.torch_ddp import TorchDistributedDataParallel
-    return TorchDistributedDataParallel
-
-
 def grads_adapter() -> TorchGrads:
     return TorchGrads()
 

@@ -42,11 +42,9 @@ class DistributedDataParallel:
         if cls is DistributedDataParallel and module is not None \
                 and not isinstance(module, (GradModule, list, tuple, dict)):
             name = frameworks.framework_of(module)
-            wrapper = None if name is None else getattr(frameworks.adapter(name),
-                                                        "wrapper_class", None)
-            if wrapper is not None:
-                cls = wrapper()
-                return cls.__new__(cls)     # the framework base's own __new__ (MindSpore's Cell_)
+            wrapper = None if name is None else frameworks.wrapper_class(name)
+            if wrapper is not None:      # the framework base's own __new__ (MindSpore's Cell_)
+                return wrapper.__new__(wrapper)
         return super().__new__(cls)
 
     def __init__(self, module: Any, init_sync: bool = True,

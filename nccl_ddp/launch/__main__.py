@@ -1,3 +1,3 @@
-from nccl_ddp.launch.launcher import main
+from nccl_ddp.launch.cli import main
 
 main()

@@ -28,7 +28,6 @@ import threading
 from typing import Optional
 
 from nccl_ddp.errors import ConfigError, StoreError
-from nccl_ddp.launch.cli import main, parse_args
 from nccl_ddp.launch.config import LaunchConfig, local_device_count, resolve_nproc
 from nccl_ddp.launch.logs import RunLogs
 from nccl_ddp.launch.reaper import Reaper, remove_segments
@@ -42,8 +41,7 @@ from nccl_ddp.launch.rendezvous import (
 from nccl_ddp.launch.supervisor import Outcome, Signals, Worker, report, supervise
 from nccl_ddp.store.client import StoreServer, TCPStore
 
-__all__ = ["LaunchConfig", "launch", "main", "parse_args", "local_device_count", "resolve_nproc",
-           "worker_env"]
+__all__ = ["LaunchConfig", "launch", "local_device_count", "resolve_nproc", "worker_env"]
 
 log = logging.getLogger("nccl_ddp.launch")
 
