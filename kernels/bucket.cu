@@ -332,13 +332,14 @@ __device__ __forceinline__ void run_items(const Table& tab, u64 bucket, int chun
                                        reinterpret_cast<TD*>(bucket) + off + start, len, s, lane,
                                        bad);
     } else {
-      copy_span<TS, TD, kAccum, false>(reinterpret_cast<const TS*>(bucket) + off + start,
-                                       reinterpret_cast<TD*>(ptr) + start, len, s, lane, bad);
+      copy_span<TS, TD, kAccum, kCheck>(reinterpret_cast<const TS*>(bucket) + off + start,
+                                        reinterpret_cast<TD*>(ptr) + start, len, s, lane, bad);
     }
   }
   if constexpr (kCheck) {
-    // Every lane of the warp reaches this point (the item loop is warp-uniform).
-    if (__any_sync(0xffffffffu, bad) && lane == 0) atomicExch(flag, 1);
+    // Every lane of the warp reaches this point (the item loop is warp-uniform), and `flag` is
+    // the same for all of them (unpack's may be null: no check asked).
+    if (flag != nullptr && __any_sync(0xffffffffu, bad) && lane == 0) atomicExch(flag, 1);
   }
 }
 
@@ -358,18 +359,22 @@ nd_pack_small(const __grid_constant__ SmallTable tab, u64 bucket, int chunk, dou
   run_items<TS, TD, true, false, kCheck>(tab, bucket, chunk, scale, flag);
 }
 
-// unpack: dst_i[k] = cast(bucket[off_i + k] * scale), or dst_i[k] += ... when kAccum.
+// unpack: dst_i[k] = cast(bucket[off_i + k] * scale), or dst_i[k] += ... when kAccum; unless
+// `flag` is null, flag := 1 if any written value is not finite: the check sees what the reduction
+// (and the widening cast) handed back, in the pass that writes it anyway. The check is a run-time
+// choice (a bit test per element, free in a memory-bound copy), not another instantiation.
 template <typename TS, typename TD, bool kAccum>
 __global__ void __launch_bounds__(kThreads)
-nd_unpack(const Seg* items, int nitems, u64 bucket, int chunk, double scale) {
+nd_unpack(const Seg* items, int nitems, u64 bucket, int chunk, double scale, int* flag) {
   const TableRef tab{items, nitems};
-  run_items<TS, TD, false, kAccum, false>(tab, bucket, chunk, scale, nullptr);
+  run_items<TS, TD, false, kAccum, true>(tab, bucket, chunk, scale, flag);
 }
 
 template <typename TS, typename TD, bool kAccum>
 __global__ void __launch_bounds__(kThreads)
-nd_unpack_small(const __grid_constant__ SmallTable tab, u64 bucket, int chunk, double scale) {
-  run_items<TS, TD, false, kAccum, false>(tab, bucket, chunk, scale, nullptr);
+nd_unpack_small(const __grid_constant__ SmallTable tab, u64 bucket, int chunk, double scale,
+                int* flag) {
+  run_items<TS, TD, false, kAccum, true>(tab, bucket, chunk, scale, flag);
 }
 
 // In place buf[k] = buf[k] * factor over a flat buffer; grid-stride, 16-byte vectors when aligned.

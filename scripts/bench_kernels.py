@@ -125,9 +125,7 @@ class Bench:
                 tab, chunk = kb.table(op, kpair, tensors, bucket, sizes,
                                       np.array(offs, np.int64))
                 name = ck.kernel_name(op, kpair, False, tab.small is not None)
-                args = kb.launch_args(tab, bucket, chunk, self.args.scale)
-                if op == "pack":
-                    args += (None,)
+                args = kb.launch_args(tab, bucket, chunk, self.args.scale) + (None,)   # no flag
                 prepared.append((kb.function(dev, name), tab.grid, args, chunk))
         self.last_chunk = prepared[0][3]
 

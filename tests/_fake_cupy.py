@@ -371,10 +371,10 @@ class FakeFunction:
         assert isinstance(chunk, np.int32) and isinstance(scale, np.float64)
         assert grid[0] * ck.WARPS_PER_BLOCK >= int(nitems)
         flag = None
-        if op == "pack":
-            assert len(rest) == 4 and (rest[3] is not None) == (variant == "true")
-            if rest[3] is not None:
-                flag = rest[3].host().reshape(-1)[:1]
+        assert len(rest) == 4     # pack: a flag exactly when checked; unpack: a flag or None
+        assert op == "unpack" or (rest[3] is not None) == (variant == "true")
+        if rest[3] is not None:
+            flag = rest[3].host().reshape(-1)[:1]
         heap, chunk = self.cp.heap, int(chunk)
         for item in range(int(nitems)):
             (ptr, off, n), j = find(item)
@@ -388,7 +388,8 @@ class FakeFunction:
             else:
                 src = heap.view(bucket + (off + start) * ts.itemsize, length, ts)
                 dst = heap.view(ptr + start * td.itemsize, length, td)
-                K.unpack_ref([dst], src, [0], scale=float(scale), accumulate=variant == "true")
+                K.unpack_ref([dst], src, [0], scale=float(scale), accumulate=variant == "true",
+                             nonfinite_flag=flag)
 
 
 def _optim_arrays(fn, args, dtypes):

@@ -195,7 +195,7 @@ def test_racecheck_overlapping_unpack_destinations_and_ldg_hazard(cp):
     tab, args = _small_table_args(cp, [(dst.data.ptr, 0, 600), (dst.data.ptr + 400, 600, 500)],
                                   bucket)
     with pytest.raises(runtime.KernelFault, match=r"Race \((write-write|read-write|write-read)"):
-        fn((tab.grid,), (ck.THREADS,), args)
+        fn((tab.grid,), (ck.THREADS,), args + (None,))
     pk = ck.backend().function(0, "nd_pack_small<float, float, false>")
     tab, args = _small_table_args(cp, [(bucket.data.ptr, 100, 300)], bucket)
     with pytest.raises(runtime.KernelFault, match="__ldg hazard"):

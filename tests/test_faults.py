@@ -1300,3 +1300,162 @@ def test_launcher_killed_while_starting_workers_orphans_none(tmp_path):
                 os.kill(pid, signal.SIGKILL)
         assert left == [], f"try {attempt}: orphaned worker(s) {left}"
 
+
+# -- check_finite sees what the step hands back (issue 22 item 1) ---------------------------------
+
+# (name, param dtype, grad value on every rank, hook, state, mode, average_in_collective)
+OVERFLOWS = [
+    ("fp16 hook fused, view", "float32", 1e5, "fp16", None, "view", False),    # cast overflows
+    ("fp16 hook fused, pack", "float32", 1e5, "fp16", None, "pack", False),
+    ("fp16 hook in Python, view", "float32", 1e5, "fp16", "group", "view", False),
+    ("fp16 hook in Python, pack", "float32", 1e5, "fp16", "group", "pack", False),
+    ("fp16 AVG, view", "float16", 6e4, None, None, "view", True),              # wire sum
+    ("fp16 AVG, pack", "float16", 6e4, None, None, "pack", True),
+    ("float32 AVG, view", "float32", 3e38, None, None, "view", True),          # the AVG sum
+    ("float32 AVG, pack", "float32", 3e38, None, None, "pack", True),
+    ("float32 AVG, python", "float32", 3e38, None, None, "python", True),
+    ("float32 AVG, user hook, view", "float32", 3e38, "avg", "group", "view", False),
+    ("float32 AVG, user hook, pack", "float32", 3e38, "avg", "group", "pack", False),
+]
+
+
+def _avg_hook(group, bucket):
+    """A user comm hook: the bucket averaged by the collective (its sum overflows)."""
+    from nccl_ddp.comm.group import ReduceOp
+    return group.all_reduce(bucket.buffer(), ReduceOp.AVG)
+# (name, grad value, compress, mean): the grad reducer's sum without a mean overflows float32
+REDUCER_OVERFLOWS = [("grad reducer sum", 3e38, None, False),
+                     ("grad reducer fp16", 1e5, "fp16", True)]
+
+
+def _overflowing_steps(rank, world, transport, check):
+    from test_comm_hooks import _PackOnly
+
+    from nccl_ddp import hooks
+    from nccl_ddp.adapters.arrays import ArrayModule
+    from nccl_ddp.errors import NonFiniteGradError
+    os.environ["NCCL_DDP_HOST_TRANSPORT"] = transport
+    nd.init_process_group("host", timeout=30)
+    out = {}
+    try:
+        for name, dtype, value, hook, state, mode, avg in OVERFLOWS:
+            params = {"w": np.zeros(8, dtype), "b": np.zeros(3, dtype)}
+            module = _PackOnly(params) if mode == "pack" else ArrayModule(params)
+            ddp = nd.DistributedDataParallel(
+                module, check_finite=check, average_in_collective=avg,
+                reducer_mode="PythonReducer" if mode == "python" else "CppReducer")
+            if hook:
+                ddp.register_comm_hook(nd.new_group(list(range(world))) if state else None,
+                                       _avg_hook if hook == "avg"
+                                       else getattr(hooks, f"{hook}_compress"))
+            finite, error = _one_step(ddp, lambda: [ddp.mark_ready(n, np.full(p.shape, value,
+                                                                                dtype))
+                                                    for n, p in reversed(params.items())],
+                                      NonFiniteGradError)
+            out[name] = (finite, error, _all_finite(ddp.grads))
+        for name, value, compress, mean in REDUCER_OVERFLOWS:
+            red = nd.DistributedGradReducer([np.zeros(8, np.float32), np.zeros(3, np.float32)],
+                                            mean=mean, compress=compress, check_finite=check)
+            got: list = []
+            finite, error = _one_step(red, lambda: got.extend(red(
+                [np.full(8, value, np.float32), np.full(3, value, np.float32)])),
+                NonFiniteGradError)
+            out[name] = (finite, error, _all_finite(got) if got else None)
+        return out
+    finally:
+        nd.destroy_process_group()
+
+
+def _one_step(owner, step, error_type):
+    try:
+        step()
+        error = None
+    except error_type as e:
+        error = str(e)
+    return owner.last_step_finite, error
+
+
+def _all_finite(arrays):
+    return all(bool(np.isfinite(np.asarray(a, np.float64)).all()) for a in arrays)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_check_finite_sees_overflow_in_cast_reduction_and_unpack(transport):
+    # before: each of these handed back inf with last_step_finite=True (the flag only looked
+    # at each rank's grads as they were packed)
+    results = run_ranks(_overflowing_steps, 2, transport, True, timeout=120)
+    for rank, res in enumerate(results):
+        for name, (finite, error, grads_finite) in res.items():
+            # the flag says exactly whether what came back is finite (an fp16 AVG sum overflows
+            # on the TCP ring, whose partial sums are fp16, not in shm's float32 accumulator)
+            assert finite is grads_finite and error is None, (rank, name, finite, grads_finite)
+            if "fp16 AVG" not in name:
+                assert grads_finite is False, (rank, name, "the case must overflow")
+    assert results[0] == results[1]          # every rank agrees
+
+
+@pytest.mark.slow
+def test_check_finite_raise_on_an_overflowing_reduction():
+    results = run_ranks(_overflowing_steps, 2, "shm", "raise", timeout=120)
+    for rank, res in enumerate(results):
+        for name, (finite, error, _) in res.items():
+            if "fp16 AVG" in name:       # finite on shm (see above)
+                continue
+            assert finite is False, (rank, name)
+            assert error and error.startswith(f"rank {rank}: step 0 produced non-finite grads"), \
+                (rank, name, error)
+
+
+@pytest.mark.parametrize("views", [True, False])
+def test_check_finite_on_the_cuda_path_sees_an_overflowing_reduction(monkeypatch, views):
+    """The CUDA device on the fake CuPy (kernels run on the CPU simulator), with a group whose
+    all-reduce sums two equal ranks without dividing (an AVG that overflows). View mode: the
+    checked unpack in place over the bucket; pack mode: the unpack that writes the grads."""
+    import collections
+    import sys
+
+    import _fake_cupy
+    from _fake_cupy import FakeCupy
+    from test_reducer_hot_path import CountingGroup, _Done
+
+    from nccl_ddp import device as D
+    from nccl_ddp.ddp.config import DDPConfig
+    from nccl_ddp.ddp.reducer import Reducer
+    from nccl_ddp.kernels import cuda as ck
+
+    if _fake_cupy.cpu_kernels() is None:
+        pytest.skip(_fake_cupy.CPU_KERNELS_MISSING)
+
+    class Doubling(CountingGroup):
+        def all_reduce(self, buf, op=None, stream=None, *, tag=None):
+            if np.dtype(buf.dtype).kind == "f":
+                h = buf.host()
+                h[...] = h + h
+            return _Done()
+
+    cp = FakeCupy()
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    monkeypatch.setattr(ck, "_BACKEND", ck.CudaKernels(cp))
+    record = _fake_cupy.FakeEvent.record
+
+    def record_done(ev, stream=None):
+        out = record(ev, stream)
+        ev.done = True
+        return out
+    monkeypatch.setattr(_fake_cupy.FakeEvent, "record", record_done)
+    sizes = [12, 5]
+    params = [cp.asarray(np.ones(n, np.float32)) for n in sizes]
+    grads = [cp.zeros(n, dtype=np.float32) for n in sizes]
+    r = Reducer(params, grads, Doubling(collections.Counter()), D.CudaDevice(0),
+                DDPConfig(check_finite=True, average_in_collective=True),
+                install=(lambda i, view: None) if views else None)
+    assert r.mode == ("view" if views else "pack")
+    for step, value in enumerate((1e38, 3e38)):      # 2e38 fits float32, 6e38 does not
+        for i in reversed(range(2)):
+            r.grads[i].host()[...] = np.float32(value)
+            r.mark_ready(i)
+        back = np.concatenate([g.get().reshape(-1) for g in r.grads])
+        assert bool(np.isfinite(back).all()) is (step == 0)
+        assert r.last_step_finite is (step == 0)     # before: True at step 1, inf handed back
+        r.zero_grad()

@@ -113,6 +113,52 @@ def test_unpack_random_bit_exact(cp, pair, accumulate, count):
                                                 count <= ck.SMALL_MAX)
 
 
+@pytest.mark.parametrize("pair", sorted(UNPACK_PAIRS))
+@pytest.mark.parametrize("accumulate", [False, True])
+@pytest.mark.parametrize("count", [5, 40])
+def test_unpack_nonfinite_flag_random_bit_exact(cp, pair, accumulate, count):
+    """The checked unpack (issue 22 item 1): same bits as the reference, and the flag raised
+    exactly when a written value is NaN/Inf (a non-finite reduced value, or one the scale or
+    the accumulation overflows), never when all are finite."""
+    bkt_t, dst_t = pair
+    rng = np.random.default_rng([count, accumulate, 7, *map(len, pair)])
+    for nonfinite in (False, True):
+        sizes = _sizes(rng, count)
+        offs = (np.cumsum(sizes + rng.integers(0, 3, count)) - sizes).tolist()
+        bucket_h = values(rng, int(offs[-1] + sizes[-1] + 3), bkt_t, special=False,
+                          nonfinite=nonfinite)
+        if not nonfinite:        # only finite values written (the +3 tail is never read)
+            bucket_h[:] = np.nan_to_num(bucket_h.astype(np.float64), posinf=1.0,
+                                        neginf=-1.0).astype(DT[bkt_t])
+        bucket = cp.asarray(bucket_h)
+        inits = [values(rng, int(n), dst_t, special=False) for n in sizes]
+        outs = [cp.asarray(h, misalign=DT[dst_t].itemsize * (i % 3)) for i, h in enumerate(inits)]
+        want = [h.copy() for h in inits]
+        f_dev, f_ref = cp.asarray(np.zeros(1, np.int32)), np.zeros(1, np.int32)
+        K.unpack_ref(want, bucket_h, offs, scale=0.5, accumulate=accumulate, nonfinite_flag=f_ref)
+        K.unpack(outs, bucket, offs, scale=0.5, accumulate=accumulate, nonfinite_flag=f_dev)
+        for i, (o, w) in enumerate(zip(outs, want)):
+            assert_bits_equal(o.host(), w, f"checked unpack {pair} tensor {i}")
+        written_bad = any(not np.isfinite(w.astype(np.float64)).all() for w in want)
+        assert int(f_dev.host()[0]) == int(f_ref[0]) == int(written_bad), (nonfinite, f_ref)
+        assert cp.launches[-1][0] == ck.kernel_name("unpack", pair, accumulate,
+                                                    count <= ck.SMALL_MAX)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_unpack_flags_finite_values_it_overflows(cp, dtype):
+    # 3e38 (f32) or 6e4 (f16) in the bucket, scale 4: the written value is inf, the read one not
+    big = {"float32": 3e38, "float16": 6e4}[dtype]
+    bucket_h = np.array([1.0, big, 2.0], DT[dtype])
+    out = cp.asarray(np.zeros(3, DT[dtype]))
+    flag = cp.asarray(np.zeros(1, np.int32))
+    K.unpack([out], cp.asarray(bucket_h), [0], scale=4.0, nonfinite_flag=flag)
+    assert np.isinf(out.host()[1]) and int(flag.host()[0]) == 1
+    ok = cp.asarray(np.zeros(1, np.int32))
+    K.unpack([out], cp.asarray(bucket_h), [0], scale=0.25, nonfinite_flag=ok)
+    assert int(ok.host()[0]) == 0 and int(flag.host()[0]) == 1   # set only, never cleared
+
+
 def test_thousands_of_tensors_both_table_kinds_and_cached_tables(cp):
     rng = np.random.default_rng(7)
     for count in (3000, 31):

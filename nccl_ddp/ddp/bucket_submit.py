@@ -130,6 +130,10 @@ class BucketSubmitter:
                     submit(comm, "pack", b, g.nbytes, _scale_checked, g, scale, flag)
                 submit(comm, collective.phase, b, g.nbytes, collective, g, op,
                        f"grad {self.label(p)} of {tag}")
+                if flag is not None:   # what the reduction handed back (an overflowing sum)
+                    flat = g.reshape(-1)
+                    submit(comm, "unpack", b, g.nbytes, kernels.flag_nonfinite, [flat], flat, [0],
+                           flag)
             return
         wire, wire_name = self.wire(bucket)
         if wire is Wire.HOOK and self.hook is not None:
@@ -146,7 +150,8 @@ class BucketSubmitter:
                 nonfinite_flag=flag), srcs, wbuf, offs)
             submit(comm, collective.phase, b, wbuf.nbytes, collective, wbuf, ReduceOp.SUM, tag,
                    dtype=wire_name)
-            submit(comm, "unpack", b, bucket.nbytes, kernels.unpack, srcs, wbuf, offs)
+            submit(comm, "unpack", b, bucket.nbytes, functools.partial(
+                kernels.unpack, nonfinite_flag=flag), srcs, wbuf, offs)
             return
         if mode == "view":
             if flag is not None:
@@ -157,8 +162,12 @@ class BucketSubmitter:
             submit(comm, "pack", b, bucket.nbytes, functools.partial(
                 kernels.pack, scale=scale, nonfinite_flag=flag), grads, buf, offsets)
         submit(comm, collective.phase, b, bucket.nbytes, collective, buf, op, tag)
-        if mode == "pack":
-            submit(comm, "unpack", b, bucket.nbytes, kernels.unpack, grads, buf, offsets)
+        if mode == "pack":   # the unpack writes every reduced value: it raises the flag too
+            submit(comm, "unpack", b, bucket.nbytes, functools.partial(
+                kernels.unpack, nonfinite_flag=flag), grads, buf, offsets)
+        elif flag is not None:   # the grads are views of the bucket: nothing writes them again
+            submit(comm, "unpack", b, bucket.nbytes, kernels.flag_nonfinite,
+                   _views(bucket, buf), buf, offsets, flag)
 
     def _wire_buffer(self, layout: BucketLayout, b: int, wire: str) -> Any:
         """Bucket b's buffer in the wire dtype (allocated once per layout)."""
@@ -193,7 +202,14 @@ class BucketSubmitter:
                     "return the reduced bucket buffer (same shape and dtype)")
             copy_into(buf, out)
         if mode == "pack":
-            kernels.unpack(grads, buf, offsets)
+            kernels.unpack(grads, buf, offsets, nonfinite_flag=flag)
+        elif flag is not None:
+            kernels.flag_nonfinite(_views(bucket, buf), buf, offsets, flag)
+
+
+def _views(bucket: Bucket, buf: Any) -> List[Any]:
+    """The bucket's parameter ranges of `buf` (not its padding), for the non-finite check."""
+    return [buf[o:o + n] for o, n in zip(bucket.offsets, bucket.numels)]
 
 
 def _scale_checked(g: Any, f: float, flag: Any) -> None:

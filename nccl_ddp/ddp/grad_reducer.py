@@ -185,7 +185,10 @@ class DistributedGradReducer:
             self.group.all_reduce(wbuf, ReduceOp.SUM, stream=self.comm,
                                   tag=bucket_tag(b, bucket.nbytes))
             if wire is not None:   # widen into the fresh float32 buffer the grads view
-                self.comm.submit(kernels.unpack, views, wbuf, offsets)
+                self.comm.submit(functools.partial(kernels.unpack, nonfinite_flag=flag), views,
+                                 wbuf, offsets)
+            elif flag is not None:   # check_finite: what the reduction handed back
+                self.comm.submit(kernels.flag_nonfinite, views, wbuf, offsets, flag)
             done.append(self.comm.record())
             for p, v in zip(bucket.params, views):
                 out[p] = v.reshape(self.specs[p].shape)

@@ -8,8 +8,14 @@ launch per call whatever the tensor count, bit-identical to the references.
     pack(srcs, dst, offsets, *, scale=1.0, nonfinite_flag=None)
         dst[off_i : off_i + n_i] = cast(src_i.ravel() * scale); nonfinite_flag[0] = 1 if any value
         written is NaN/Inf (the flag is only ever set, never cleared: zero it with zero_()).
-    unpack(dsts, src, offsets, *, scale=1.0, accumulate=False)
-        dst_i = cast(src[off_i : off_i + n_i] * scale), or dst_i += ... with accumulate=True.
+    unpack(dsts, src, offsets, *, scale=1.0, accumulate=False, nonfinite_flag=None)
+        dst_i = cast(src[off_i : off_i + n_i] * scale), or dst_i += ... with accumulate=True;
+        nonfinite_flag[0] = 1 if any value written is NaN/Inf (as pack's).
+    flag_nonfinite(views, bucket, offsets, flag)
+        flag[0] = 1 if a view holds a NaN/Inf; `views` are the bucket's own elements at
+        `offsets`. For reduced values no unpack writes (grads that are views of their bucket).
+        On the GPU this is the checked unpack into a scratch copy (one launch; the kernels'
+        sources and destinations must not alias): it reads the views once and writes the copy.
     scale_(buf, factor)   buf *= factor, in place
     zero_(buf)            buf[...] = 0
     sgd_step(master, grad, momentum_buf, params_out, *, lr, ...)     fused SGD on one flat shard
@@ -37,6 +43,7 @@ from nccl_ddp.kernels.spec import (
     check_flat,
     check_segments,
     dtype_name,
+    flag_nonfinite_ref,
     pack_ref,
     scale_ref,
     unpack_ref,
@@ -57,12 +64,24 @@ def pack(srcs: Sequence[Any], dst: Any, offsets: Sequence[int], *, scale: float 
 
 
 def unpack(dsts: Sequence[Any], src: Any, offsets: Sequence[int], *, scale: float = 1.0,
-           accumulate: bool = False) -> None:
+           accumulate: bool = False, nonfinite_flag: Any = None) -> None:
     """Scatter the flat bucket `src` back into `dsts`, scaled and cast (see module doc)."""
     if _is_host(src):
-        unpack_ref(dsts, src, offsets, scale=scale, accumulate=accumulate)
+        unpack_ref(dsts, src, offsets, scale=scale, accumulate=accumulate,
+                   nonfinite_flag=nonfinite_flag)
     else:
-        _cuda().unpack(dsts, src, offsets, scale, accumulate)
+        _cuda().unpack(dsts, src, offsets, scale, accumulate, nonfinite_flag)
+
+
+def flag_nonfinite(views: Sequence[Any], bucket: Any, offsets: Sequence[int], flag: Any) -> None:
+    """flag[0] = 1 if one of `bucket`'s views holds a NaN/Inf (see module doc)."""
+    if _is_host(bucket):
+        flag_nonfinite_ref(views, bucket, offsets, flag)
+        return
+    cuda = _cuda()
+    scratch = cuda.cp.empty(bucket.size, bucket.dtype)
+    copies = [scratch[o:o + v.size] for v, o in zip(views, offsets)]
+    cuda.unpack(copies, bucket, offsets, 1.0, False, flag)
 
 
 def scale_(buf: Any, factor: float) -> None:
@@ -126,7 +145,8 @@ def _cuda_optim():
     return cuda_optim
 
 
-__all__ = ["pack", "unpack", "scale_", "zero_", "sgd_step", "adamw_step", "sgd_ref", "adamw_ref",
+__all__ = ["pack", "unpack", "flag_nonfinite", "scale_", "zero_", "sgd_step", "adamw_step",
+           "sgd_ref", "adamw_ref",
            "kernel_source_dir", "PACK_PAIRS", "UNPACK_PAIRS",
            "SCALE_DTYPES", "acc_dtype", "check_flag", "check_flat", "check_segments", "dtype_name",
-           "pack_ref", "unpack_ref", "scale_ref", "zero_ref"]
+           "flag_nonfinite_ref", "pack_ref", "unpack_ref", "scale_ref", "zero_ref"]

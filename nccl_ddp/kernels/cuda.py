@@ -97,7 +97,7 @@ def optim_kernel_name(op: str, grad_dtype: str, param_dtype: str) -> str:
 def kernel_name(op: str, pair: tuple, flag: bool, small: bool) -> str:
     """The name expression of one instantiation. op: pack | unpack | scale; pair: (source dtype,
     destination dtype) as the kernel sees them; flag: pack's non-finite check or unpack's
-    accumulate."""
+    accumulate (unpack's check is a run-time null or flag pointer)."""
     if op == "scale":
         return f"nd_scale<{C_TYPE[pair[0]]}>"
     suffix = "_small" if small else ""
@@ -321,15 +321,18 @@ class CudaKernels:
     def pack(self, srcs: Sequence[Any], dst: Any, offsets: Sequence[int], scale: float,
              flag: Any) -> None:
         check_flag("pack", flag, dst)
-        self._segments("pack", srcs, dst, offsets, PACK_PAIRS, scale, flag is not None, (flag,))
+        self._segments("pack", srcs, dst, offsets, PACK_PAIRS, scale, flag is not None, flag)
 
     def unpack(self, dsts: Sequence[Any], src: Any, offsets: Sequence[int], scale: float,
-               accumulate: bool) -> None:
-        self._segments("unpack", dsts, src, offsets, UNPACK_PAIRS, scale, bool(accumulate), ())
+               accumulate: bool, flag: Any = None) -> None:
+        check_flag("unpack", flag, src)
+        self._segments("unpack", dsts, src, offsets, UNPACK_PAIRS, scale, bool(accumulate),
+                       flag)
 
     def _segments(self, op: str, arrays: Sequence[Any], bucket: Any, offsets: Sequence[int],
-                  pairs: frozenset, scale: float, variant: bool, tail: tuple) -> None:
-        """One pack/unpack launch: validate, find or build the table, launch."""
+                  pairs: frozenset, scale: float, variant: bool, flag: Any) -> None:
+        """One pack/unpack launch: validate, find or build the table, launch. `flag`: the
+        non-finite flag (None: the unchecked instantiation, passed a null pointer)."""
         sizes, offs, pair = check_segments(op, arrays, bucket, offsets, pairs, op == "pack")
         dev = bucket.device.id
         with self.cp.cuda.Device(dev):
@@ -337,13 +340,13 @@ class CudaKernels:
             if tab.nitems == 0:
                 return
             name = kernel_name(op, pair, variant, tab.small is not None)
-            args = self.launch_args(tab, bucket, chunk, scale) + tail
+            args = self.launch_args(tab, bucket, chunk, scale) + (flag,)
             self._launch(dev, name, tab.grid, args)
             if tab.used is not None:
                 tab.used.record()   # on the current stream, after the launch that reads it
 
     def launch_args(self, tab: Table, bucket: Any, chunk: int, scale: float) -> tuple:
-        """The kernel arguments up to `scale` (pack appends the flag pointer). The SmallTable
+        """The kernel arguments up to `scale` (the flag pointer follows). The SmallTable
         goes by value: CuPy's CNumpyArray hands the launch a pointer to its 904 bytes."""
         head: tuple
         if tab.small is not None:

@@ -183,13 +183,17 @@ def pack_ref(srcs: Sequence[np.ndarray], dst: np.ndarray, offsets: Sequence[int]
 
 
 def unpack_ref(dsts: Sequence[np.ndarray], src: np.ndarray, offsets: Sequence[int], *,
-               scale: float = 1.0, accumulate: bool = False) -> None:
-    """Reference of `unpack` (NumPy arrays)."""
+               scale: float = 1.0, accumulate: bool = False,
+               nonfinite_flag: Optional[np.ndarray] = None) -> None:
+    """Reference of `unpack` (NumPy arrays). `nonfinite_flag`: set to 1 if a value written is
+    NaN/Inf (what a reduction handed back, seen where it is written anyway)."""
     sizes, offs, pair = check_segments("unpack", dsts, src, offsets, UNPACK_PAIRS,
                                        to_bucket=False)
+    check_flag("unpack", nonfinite_flag, src)
     acc = acc_dtype(pair)
     s = acc(scale)
     flat = src.reshape(-1)
+    bad = False
     with np.errstate(over="ignore", invalid="ignore"):
         for d, o, n in zip(dsts, offs, sizes):
             if n == 0:
@@ -199,6 +203,21 @@ def unpack_ref(dsts: Sequence[np.ndarray], src: np.ndarray, offsets: Sequence[in
             if accumulate:
                 v = out.astype(acc) + v
             out[...] = v.astype(d.dtype)
+            if nonfinite_flag is not None and not bad:
+                bad = not bool(np.isfinite(out.astype(acc)).all())
+    if bad and nonfinite_flag is not None:
+        nonfinite_flag.reshape(-1)[0] = 1
+
+
+def flag_nonfinite_ref(views: Sequence[np.ndarray], bucket: np.ndarray, offsets: Sequence[int],
+                       flag: np.ndarray) -> None:
+    """Reference of `flag_nonfinite`: flag[0] = 1 if a view holds a NaN/Inf (never cleared).
+    `views` are `bucket`'s own elements at `offsets` (padding between them is not looked at)."""
+    check_segments("flag_nonfinite", views, bucket, offsets, UNPACK_PAIRS, to_bucket=False)
+    check_flag("flag_nonfinite", flag, bucket)
+    acc = acc_dtype((dtype_name(bucket),))
+    if not all(bool(np.isfinite(v.astype(acc)).all()) for v in views):
+        flag.reshape(-1)[0] = 1
 
 
 def scale_ref(buf: np.ndarray, factor: float) -> None:
