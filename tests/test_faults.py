@@ -1407,6 +1407,7 @@ def test_check_finite_raise_on_an_overflowing_reduction():
                 (rank, name, error)
 
 
+@pytest.mark.slow       # the CPU build of the kernels, when it is the first test to need it
 @pytest.mark.parametrize("views", [True, False])
 def test_check_finite_on_the_cuda_path_sees_an_overflowing_reduction(monkeypatch, views):
     """The CUDA device on the fake CuPy (kernels run on the CPU simulator), with a group whose
