@@ -108,6 +108,32 @@ def test_unpack_matches_reference(pair, accumulate, count):
         eq(to_host(d), h)
 
 
+@pytest.mark.parametrize("count", [1, 100])
+@pytest.mark.parametrize("pair", sorted(K.UNPACK_PAIRS))
+def test_checked_unpack_and_flag_nonfinite_match_reference(pair, count):
+    """check_finite's GPU half (issue 22 item 1): the unpack's flag and flag_nonfinite against
+    the references, on clean buckets and on buckets holding one inf."""
+    rng = np.random.default_rng()
+    for bad in (False, True):
+        hosts, devs, offs, total = make_sources(rng, count, pair[1], misalign=count != 1)
+        bucket_h = rng.uniform(-3, 3, total).astype(DT[pair[0]])
+        if bad:
+            bucket_h[offs[-1]] = np.inf
+        bucket = to_dev(bucket_h)
+        flag, want = cp.zeros(1, np.int32), np.zeros(1, np.int32)
+        K.unpack(devs, bucket, offs, scale=0.75, nonfinite_flag=flag)
+        K.unpack_ref(hosts, bucket_h, offs, scale=0.75, nonfinite_flag=want)
+        for d, h in zip(devs, hosts):
+            eq(to_host(d), h)
+        assert int(to_host(flag)[0]) == int(want[0]) == int(bad)
+        if pair[0] == pair[1]:
+            views = [bucket[o:o + h.size] for o, h in zip(offs, hosts)]
+            flag2 = cp.zeros(1, np.int32)
+            K.flag_nonfinite(views, bucket, offs, flag2)
+            assert int(to_host(flag2)[0]) == int(bad)
+            eq(to_host(bucket), bucket_h)          # the check does not write the bucket
+
+
 @pytest.mark.parametrize("dtype", sorted(K.SCALE_DTYPES))
 @pytest.mark.parametrize("start", [0, 1])
 def test_scale_and_zero(dtype, start):
