@@ -337,9 +337,10 @@ __device__ __forceinline__ void run_items(const Table& tab, u64 bucket, int chun
     }
   }
   if constexpr (kCheck) {
-    // Every lane of the warp reaches this point (the item loop is warp-uniform), and `flag` is
-    // the same for all of them (unpack's may be null: no check asked).
-    if (flag != nullptr && __any_sync(0xffffffffu, bad) && lane == 0) atomicExch(flag, 1);
+    // Every lane of the warp reaches this point (the item loop is warp-uniform); `flag` is the
+    // same for all of them, so all or none return here (unpack's is null when no check is asked).
+    if (flag == nullptr) return;
+    if (__any_sync(0xffffffffu, bad) && lane == 0) atomicExch(flag, 1);
   }
 }
 
