@@ -14,7 +14,9 @@ ZeRO-2: the reduce-scattered shard and its fp32 copy), `kept` = their sum; `grad
 full-size grad memory backward accumulates into (DDP: the same buckets as its reduced grads;
 ZeRO-2: the buckets, holding local grads; torch: the .grad tensors, its DDP's own bucket copies
 not counted); `total` = state + master + every grad byte. Step time is the slowest rank's mean
-over `--steps` after `--warmup`; `ratio` = mode / ddp_adamw in the same world.
+over `--steps` after `--warmup`; `ratio` = mode / ddp_adamw in the same world. Our modes then
+run `--profile-steps` with the reducer's timeline on: `hidden_pct` is the share of the bucket
+communication (all-reduce or reduce-scatter) that ran before backward ended.
 """
 from __future__ import annotations
 
@@ -34,10 +36,11 @@ from benchlib import format_table, run_ranks, write_csv  # noqa: E402
 MODES = ("ddp_adamw", "zero2", "zero2_overlap", "torch_zero")
 COLUMNS = ("world", "mode", "params_M", "state_MiB", "master_MiB", "reduced_MiB", "kept_MiB",
            "kept_vs_ddp", "grad_buf_MiB", "total_MiB", "total_vs_ddp", "peak_rss_MiB", "step_ms",
-           "ratio")
+           "ratio", "hidden_pct")
 FORMATS = {"params_M": ".1f", "state_MiB": ".1f", "master_MiB": ".1f", "reduced_MiB": ".1f",
            "kept_MiB": ".1f", "kept_vs_ddp": ".3f", "grad_buf_MiB": ".1f", "total_MiB": ".1f",
-           "total_vs_ddp": ".3f", "peak_rss_MiB": ".0f", "step_ms": ".0f", "ratio": ".2f"}
+           "total_vs_ddp": ".3f", "peak_rss_MiB": ".0f", "step_ms": ".0f", "ratio": ".2f",
+           "hidden_pct": ".0f"}
 MiB = float(1 << 20)
 
 
@@ -50,6 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8, help="per rank")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--profile-steps", type=int, default=2, help="steps with the timeline on")
     p.add_argument("--csv", default="out/bench_zero.csv", help="CSV path ('' for none)")
     p.add_argument("--timeout", type=float, default=1200)
     p.add_argument("--mode", help=argparse.SUPPRESS)      # one job's mode (set by the parent)
@@ -112,8 +116,17 @@ def worker(args) -> None:
         step()
     nd.barrier()
     ms = (time.perf_counter() - t0) / args.steps * 1e3
+    hidden = -1.0
+    if args.mode != "torch_zero" and args.profile_steps:
+        from nccl_ddp.profiling import Timeline
+        wrapped.reducer.prof = Timeline(rank, timeline=True)
+        for _ in range(args.profile_steps):
+            step()
+        steps = list(wrapped.reducer.prof.steps)
+        hidden = 100.0 * sum(s.overlap_s for s in steps) / max(1e-12, sum(s.comm_s for s in steps))
     row = dict(world=world, mode=args.mode,
-               params_M=sum(p.numel() for p in m.parameters()) / 1e6, step_ms=ms)
+               params_M=sum(p.numel() for p in m.parameters()) / 1e6, step_ms=ms,
+               hidden_pct=hidden)
     if args.mode.startswith("zero2"):
         zs = opt.zs
         reducer = wrapped.reducer
@@ -140,7 +153,8 @@ def worker(args) -> None:
 def _gather_rows(nd, row: dict) -> list:
     """Every rank's numbers on rank 0: the slowest step time, the largest byte counts."""
     import numpy as np
-    keys = ("step_ms", "state", "master", "reduced", "grad_buf", "total_grads", "peak_rss")
+    keys = ("step_ms", "state", "master", "reduced", "grad_buf", "total_grads", "peak_rss",
+            "hidden_pct")
     mine = np.array([row[k] for k in keys], np.float64)
     nd.all_reduce(mine, op="max")
     return [dict(row, **{k: float(v) for k, v in zip(keys, mine)})]
@@ -164,7 +178,8 @@ def table_rows(raw: list) -> list:
                         grad_buf_MiB=r["grad_buf"] / MiB, total_MiB=total(r) / MiB,
                         total_vs_ddp="" if b is None else total(r) / total(b),
                         peak_rss_MiB=r["peak_rss"] / MiB, step_ms=r["step_ms"],
-                        ratio="" if b is None else r["step_ms"] / b["step_ms"]))
+                        ratio="" if b is None else r["step_ms"] / b["step_ms"],
+                        hidden_pct="" if r["hidden_pct"] < 0 else r["hidden_pct"]))
     return out
 
 
