@@ -90,8 +90,7 @@ def _bfloat16_view(src: Any) -> Optional[np.ndarray]:
     int16 = getattr(framework, "int16", None)
     if "bfloat16" not in str(getattr(src, "dtype", "")) or int16 is None:
         return None
-    import ml_dtypes
-    return np.from_dlpack(src.view(int16)).view(ml_dtypes.bfloat16)
+    return np.from_dlpack(src.view(int16)).view(bfloat16_dtype())
 
 
 def _to_cupy(x: Any, where: str) -> Any:
@@ -141,8 +140,19 @@ def native_from_dlpack(x: Any, device_type: int) -> Any:
 
 
 def bfloat16_dtype() -> np.dtype:
-    import ml_dtypes
+    """NumPy's bfloat16 (ml_dtypes'), imported only here: only bfloat16 data needs it."""
+    try:
+        import ml_dtypes
+    except ImportError as e:
+        raise ConfigError("bfloat16 arrays on the host need the ml_dtypes package (NumPy has no "
+                          "bfloat16): pip install ml_dtypes") from e
     return np.dtype(ml_dtypes.bfloat16)
+
+
+def is_bfloat16(dtype: Any) -> bool:
+    """Whether `dtype` is ml_dtypes' bfloat16, without importing ml_dtypes (no array can be
+    bfloat16 unless it is loaded)."""
+    return np.dtype(dtype).name == "bfloat16"
 
 
 class CapsuleHolder:

@@ -30,7 +30,7 @@ import numpy as np
 
 from nccl_ddp.ddp.buckets import ParamSpec
 from nccl_ddp.ddp.interfaces import GradsAdapter
-from nccl_ddp.dlpack import KDL_CPU, KDL_CUDA, bfloat16_dtype, native_from_dlpack
+from nccl_ddp.dlpack import KDL_CPU, KDL_CUDA, is_bfloat16, native_from_dlpack
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 
 
@@ -62,7 +62,7 @@ def array_from_native(native: Any) -> Any:
 
 
 def _is_bf16(x: Any) -> bool:
-    return np.dtype(x.dtype) == bfloat16_dtype()
+    return is_bfloat16(x.dtype)
 
 
 def to_native(x: Any) -> Any:
@@ -88,7 +88,7 @@ def from_native(a: Any, device: Any) -> Any:
     """A JAX array on `device` over the native array `a`: zero-copy where JAX's alignment allows,
     a copy otherwise."""
     import jax
-    if isinstance(a, np.ndarray) and a.dtype == bfloat16_dtype():
+    if isinstance(a, np.ndarray) and is_bfloat16(a.dtype):
         return jax.device_put(a, device)
     return jax.dlpack.from_dlpack(a, device=device)
 

@@ -18,7 +18,7 @@ from typing import Any, Iterator, List, Optional, Tuple
 from nccl_ddp.adapters.torch_watch import ModuleWatch
 from nccl_ddp.ddp.buckets import ParamSpec
 from nccl_ddp.ddp.interfaces import GradModule, GradsAdapter
-from nccl_ddp.dlpack import KDL_CPU, KDL_CUDA, bfloat16_dtype, native_from_dlpack
+from nccl_ddp.dlpack import KDL_CPU, KDL_CUDA, bfloat16_dtype, is_bfloat16, native_from_dlpack
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 
 
@@ -55,7 +55,7 @@ def from_native(a: Any) -> Any:
     """A tensor sharing memory with the native array `a`."""
     import numpy as np
     import torch
-    if isinstance(a, np.ndarray) and a.dtype == bfloat16_dtype():
+    if isinstance(a, np.ndarray) and is_bfloat16(a.dtype):
         return torch.from_dlpack(a.view(np.int16)).view(torch.bfloat16)
     return torch.from_dlpack(a)
 
