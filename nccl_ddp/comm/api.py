@@ -69,7 +69,7 @@ def _pick_backend(backend: Optional[str]) -> str:
     return choice
 
 
-def _create_group(backend: str, store, env: DistEnv, timeout: float) -> ProcessGroup:
+def _create_group(backend: str, store: Any, env: DistEnv, timeout: float) -> ProcessGroup:
     ranks = list(range(env.world_size))
     if backend == "nccl":
         from nccl_ddp.comm.nccl.backend import NcclProcessGroup
@@ -83,7 +83,7 @@ def _create_group(backend: str, store, env: DistEnv, timeout: float) -> ProcessG
 
 def init_process_group(backend: Optional[str] = None, *, timeout: float = 300.0,
                        rank: Optional[int] = None, world_size: Optional[int] = None,
-                       store=None) -> ProcessGroup:
+                       store: Any=None) -> ProcessGroup:
     """Join the job: resolve who this process is, connect the store (unless given) and build the
     world group. Collective over all ranks. Returns the world group."""
     global _world

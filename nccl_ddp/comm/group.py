@@ -1,8 +1,8 @@
 """The backend interface: `ProcessGroup` (one per group of ranks), `Work` handles and `ReduceOp`.
 
-Backends (`host.py`, `nccl.py`) implement `ProcessGroup`; everything above `comm/` talks to this
-interface only. Buffers are the backend's native arrays: NumPy for "host", CuPy for "nccl";
-conversion from other frameworks happens in `comm/api.py` through DLPack.
+Backends (`host/backend.py`, `nccl/backend.py`) implement `ProcessGroup`; everything above
+`comm/` talks to this interface only. Buffers are the backend's native arrays: NumPy for "host",
+CuPy for "nccl"; conversion from other frameworks happens in `comm/api.py` through DLPack.
 """
 from __future__ import annotations
 
@@ -69,25 +69,25 @@ class ProcessGroup(abc.ABC):
     name: str             # for error messages: "world", "group[0,2]", ...
 
     @abc.abstractmethod
-    def all_reduce(self, buf, op: ReduceOp = ReduceOp.SUM, stream=None, *,
+    def all_reduce(self, buf: Any, op: ReduceOp = ReduceOp.SUM, stream: Any=None, *,
                    tag: Optional[str] = None) -> Work:
         """Reduce `buf` across the group, in place."""
 
     @abc.abstractmethod
-    def broadcast(self, buf, root: int = 0, stream=None, *, tag: Optional[str] = None) -> Work:
+    def broadcast(self, buf: Any, root: int = 0, stream: Any=None, *, tag: Optional[str] = None) -> Work:
         """Copy `buf` of group rank `root` into `buf` on every rank, in place."""
 
     @abc.abstractmethod
-    def all_gather(self, out, inp, stream=None, *, tag: Optional[str] = None) -> Work:
+    def all_gather(self, out: Any, inp: Any, stream: Any=None, *, tag: Optional[str] = None) -> Work:
         """`out` (flat, size * inp.size elements) receives every rank's `inp`, in rank order."""
 
     @abc.abstractmethod
-    def reduce_scatter(self, out, inp, op: ReduceOp = ReduceOp.SUM, stream=None, *,
+    def reduce_scatter(self, out: Any, inp: Any, op: ReduceOp = ReduceOp.SUM, stream: Any=None, *,
                        tag: Optional[str] = None) -> Work:
         """`inp` (flat, size * out.size) is reduced; rank r gets chunk r in `out`."""
 
     @abc.abstractmethod
-    def barrier(self, stream=None, *, tag: Optional[str] = None) -> Work:
+    def barrier(self, stream: Any=None, *, tag: Optional[str] = None) -> Work:
         """Completes once every rank of the group has reached it."""
 
     @abc.abstractmethod
@@ -118,7 +118,7 @@ class ProcessGroup(abc.ABC):
         return f"<{type(self).__name__} {self.name} rank {self.rank}/{self.size}>"
 
 
-def check_gather_buffers(where: str, size: int, big, small, big_name: str,
+def check_gather_buffers(where: str, size: int, big: Any, small: Any, big_name: str,
                          small_name: str) -> None:
     """all_gather / reduce_scatter: the `big` buffer holds `size` x the `small` one, same dtype."""
     if big.dtype != small.dtype:

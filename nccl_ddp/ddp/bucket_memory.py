@@ -8,13 +8,14 @@ from __future__ import annotations
 from typing import Any, Callable, List, Sequence
 
 from nccl_ddp.ddp.buckets import BucketLayout
+from nccl_ddp.device.base import Device, Stream
 from nccl_ddp.errors import ReducerError
 
 
 class BucketBuffers:
     """`buffers[b]` has `layout.buckets[b].padded` elements of the bucket's dtype."""
 
-    def __init__(self, layout: BucketLayout, device) -> None:
+    def __init__(self, layout: BucketLayout, device: Device) -> None:
         self.layout = layout
         self.buffers: List[Any] = [device.zeros(b.padded, b.dtype) for b in layout.buckets]
 
@@ -29,7 +30,7 @@ class BucketBuffers:
         return self.buffers[b][start:start + bucket.numels[slot]].reshape(tuple(shape))
 
     def adopt_grads(self, grads: List[Any], shapes: Sequence[tuple],
-                    install: Callable[[int, Any], None], stream) -> None:
+                    install: Callable[[int, Any], None], stream: Stream) -> None:
         """The views: copy each bucketed grad into its slice (in `stream` order), then make
         `grads[i]` and, through `install(i, view)`, the framework's grad that slice."""
         views = {}

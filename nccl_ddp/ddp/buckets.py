@@ -14,7 +14,7 @@ bucket_submit.py).
 from __future__ import annotations
 
 import dataclasses
-from typing import Hashable, Optional, Sequence
+from typing import Any, Hashable, Optional, Sequence
 
 import numpy as np
 
@@ -97,7 +97,7 @@ def bucket_tag(b: int, nbytes: int) -> str:
     return f"bucket {b} ({nbytes} B)"
 
 
-def aligned(n: int, dtype, align_bytes: int = ALIGN_BYTES) -> int:
+def aligned(n: int, dtype: Any, align_bytes: int = ALIGN_BYTES) -> int:
     """`n` rounded up to a whole number of `align_bytes` units of `dtype` elements."""
     unit = max(1, align_bytes // np.dtype(dtype).itemsize)
     return -(-n // unit) * unit
@@ -127,7 +127,7 @@ def assign_buckets(specs: Sequence[ParamSpec], cap_bytes: int = DEFAULT_CAP_BYTE
     caps_used: dict = {}
     closed: list = []
 
-    def close(group):
+    def close(group: Hashable) -> None:
         closed.append(open_.pop(group))
 
     for i in visit:

@@ -23,6 +23,7 @@ from nccl_ddp.ddp.interfaces import GradModule
 from nccl_ddp.ddp.join import Join, JoinHook, JoinState, ShadowJoinHook, exchange
 from nccl_ddp.ddp.param_sync import broadcast_coalesced, check_same_params
 from nccl_ddp.ddp.reducer import Reducer
+from nccl_ddp.device.base import Device
 from nccl_ddp.errors import ConfigError, ConfigTypeError, ReducerError
 from nccl_ddp.validate import check_float_dtype
 
@@ -331,7 +332,7 @@ class DistributedDataParallel:
                            f"(0..{n - 1}), a parameter name or one of the wrapped parameter objects")
 
 
-def _check_native(arrays: List[Any], device, what: str, names: List[Optional[str]], *,
+def _check_native(arrays: List[Any], device: Device, what: str, names: List[Optional[str]], *,
                   floats_only: bool = True, contiguous: bool = True) -> None:
     want = device.xp.__name__
     for i, a in enumerate(arrays):

@@ -17,10 +17,11 @@ import numpy as np
 from nccl_ddp.comm.group import ProcessGroup
 from nccl_ddp.ddp.bucket_memory import to_host
 from nccl_ddp.ddp.buckets import ParamSpec
+from nccl_ddp.device.base import Device
 from nccl_ddp.errors import RankMismatchError
 
 
-def check_same_params(specs: Sequence[ParamSpec], group: ProcessGroup, device,
+def check_same_params(specs: Sequence[ParamSpec], group: ProcessGroup, device: Device,
                       settings: Optional[dict] = None, *,
                       owner: str = "DistributedDataParallel") -> None:
     """`RankMismatchError` on every rank unless all ranks have the same shapes and dtypes and the
@@ -79,7 +80,7 @@ def _describe(entry: Optional[list], count: int, named: bool = False) -> str:
     return (f"{entry[2]!r} of " if named else "") + f"shape {tuple(entry[0])} {entry[1]}"
 
 
-def _all_gather_bytes(data: bytes, group: ProcessGroup, device) -> list:
+def _all_gather_bytes(data: bytes, group: ProcessGroup, device: Device) -> list:
     inp = device.xp.asarray(np.frombuffer(data, dtype=np.uint8))
     out = device.xp.empty(len(data) * group.size, dtype=np.uint8)
     group.all_gather(out, inp).wait(group.timeout)
@@ -87,7 +88,7 @@ def _all_gather_bytes(data: bytes, group: ProcessGroup, device) -> list:
     return [host[r * len(data):(r + 1) * len(data)].tobytes() for r in range(group.size)]
 
 
-def broadcast_coalesced(arrays: Sequence[Any], group: ProcessGroup, device,
+def broadcast_coalesced(arrays: Sequence[Any], group: ProcessGroup, device: Device,
                         chunk_bytes: int, src: int = 0) -> None:
     """Overwrite every rank's `arrays` (any dtypes and strides, writable) with rank `src`'s: their
     bytes packed into one buffer per chunk of up to `chunk_bytes` (an array larger than that

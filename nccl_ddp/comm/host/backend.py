@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 from collections import deque
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 
@@ -91,7 +91,7 @@ class HostProcessGroup(ProcessGroup):
 
     backend = "host"
 
-    def __init__(self, store, rank: int, size: int, ranks: Optional[Sequence[int]] = None,
+    def __init__(self, store: Any, rank: int, size: int, ranks: Optional[Sequence[int]] = None,
                  timeout: float = DEFAULT_TIMEOUT, name: str = "world", *,
                  transport: Optional[str] = None, chunk_bytes: Optional[int] = None) -> None:
         self.rank, self.size, self.timeout, self.name = rank, size, float(timeout), name
@@ -117,13 +117,14 @@ class HostProcessGroup(ProcessGroup):
         self._worker.start()
 
     @classmethod
-    def create(cls, store, rank: int, size: int, ranks: Sequence[int], timeout: float,
+    def create(cls, store: Any, rank: int, size: int, ranks: Sequence[int], timeout: float,
                name: str) -> HostProcessGroup:
         return cls(store, rank, size, ranks, timeout, name)
 
     # -- setup ---------------------------------------------------------------------------------
 
-    def _connect(self, transport: str, chunk_bytes: int):
+    def _connect(self, transport: str,
+                 chunk_bytes: int) -> Union[SelfTransport, ShmTransport, RingTransport]:
         if transport not in ("auto", "shm", "tcp"):
             raise ConfigError(f"{self._where}: NCCL_DDP_HOST_TRANSPORT={transport!r}; use auto, "
                               f"shm or tcp")
@@ -187,7 +188,7 @@ class HostProcessGroup(ProcessGroup):
     # -- the worker ----------------------------------------------------------------------------
 
     def _submit(self, opname: str, tag: Optional[str], fn: Callable[[], None], result: Any,
-                stream) -> HostWork:
+                stream: Any) -> HostWork:
         """Queue `fn` on the worker; with a stream, order it after the stream's submitted work
         and make the stream's later work wait for it:
 
@@ -219,7 +220,7 @@ class HostProcessGroup(ProcessGroup):
             stream.wait(work.event)
         return work
 
-    def _take(self):
+    def _take(self) -> Optional[tuple]:
         """Under the lock: the next item, marked running, or None while one runs or none is
         queued; () for the stop marker."""
         if self._running or not self._items:
@@ -272,7 +273,7 @@ class HostProcessGroup(ProcessGroup):
               root: int = 0) -> tuple:
         return (op, dtype_code(a.dtype, what), _REDOPS.index(redop) if redop else 0, root, a.size)
 
-    def _reduction(self, what: str, a: np.ndarray, op) -> Reduction:
+    def _reduction(self, what: str, a: np.ndarray, op: Any) -> Reduction:
         op = ReduceOp.parse(op)
         key = (a.dtype, op)     # (a DDP step reduces a few dtypes with one op, bucket by bucket)
         red = self._reductions.get(key)
@@ -280,7 +281,7 @@ class HostProcessGroup(ProcessGroup):
             red = self._reductions[key] = Reduction(a.dtype, op, self.size, what)
         return red
 
-    def all_reduce(self, buf, op: ReduceOp = ReduceOp.SUM, stream=None, *,
+    def all_reduce(self, buf: Any, op: ReduceOp = ReduceOp.SUM, stream: Any=None, *,
                    tag: Optional[str] = None) -> HostWork:
         what = self._on("all_reduce", tag)
         flat = _flat(buf, what, True)
@@ -289,7 +290,7 @@ class HostProcessGroup(ProcessGroup):
         return self._submit("all_reduce", tag,
                             lambda: self._transport.all_reduce(flat, red, desc), buf, stream)
 
-    def broadcast(self, buf, root: int = 0, stream=None, *,
+    def broadcast(self, buf: Any, root: int = 0, stream: Any=None, *,
                   tag: Optional[str] = None) -> HostWork:
         what = self._on("broadcast", tag)
         flat = _flat(buf, what, True)
@@ -299,7 +300,7 @@ class HostProcessGroup(ProcessGroup):
         return self._submit("broadcast", tag,
                             lambda: self._transport.broadcast(flat, root, desc), buf, stream)
 
-    def all_gather(self, out, inp, stream=None, *, tag: Optional[str] = None) -> HostWork:
+    def all_gather(self, out: Any, inp: Any, stream: Any=None, *, tag: Optional[str] = None) -> HostWork:
         what = self._on("all_gather", tag)
         o, i = _flat(out, what, True), _flat(inp, what, False)
         check_gather_buffers(what, self.size, o, i, "out", "input")
@@ -307,7 +308,7 @@ class HostProcessGroup(ProcessGroup):
         return self._submit("all_gather", tag,
                             lambda: self._transport.all_gather(o, i, desc), out, stream)
 
-    def reduce_scatter(self, out, inp, op: ReduceOp = ReduceOp.SUM, stream=None, *,
+    def reduce_scatter(self, out: Any, inp: Any, op: ReduceOp = ReduceOp.SUM, stream: Any=None, *,
                        tag: Optional[str] = None) -> HostWork:
         what = self._on("reduce_scatter", tag)
         o, i = _flat(out, what, True), _flat(inp, what, False)
@@ -317,7 +318,7 @@ class HostProcessGroup(ProcessGroup):
         return self._submit("reduce_scatter", tag,
                             lambda: self._transport.reduce_scatter(o, i, red, desc), out, stream)
 
-    def barrier(self, stream=None, *, tag: Optional[str] = None) -> HostWork:
+    def barrier(self, stream: Any=None, *, tag: Optional[str] = None) -> HostWork:
         desc = (BARRIER, 0, 0, 0, 0)
         return self._submit("barrier", tag, lambda: self._transport.barrier(desc), None, stream)
 

@@ -34,7 +34,7 @@ _UFUNC = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.PROD: np.multiply
 _BOOL_UFUNC = {ReduceOp.MAX: np.logical_or, ReduceOp.MIN: np.logical_and}
 
 
-def dtype_code(dtype, where: str) -> int:
+def dtype_code(dtype: Any, where: str) -> int:
     """The wire code of `dtype`; `ConfigTypeError` naming `where` (rank, op) if unsupported."""
     dt = np.dtype(dtype)
     try:
@@ -47,7 +47,7 @@ def dtype_code(dtype, where: str) -> int:
 class Reduction:
     """Combines arrays of one dtype with one op; `world` is the divisor of AVG."""
 
-    def __init__(self, dtype, op: ReduceOp, world: int, where: str) -> None:
+    def __init__(self, dtype: Any, op: ReduceOp, world: int, where: str) -> None:
         self.dtype = np.dtype(dtype)
         self.op = op
         self.world = world

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 
@@ -92,7 +92,7 @@ class RingTransport:
         self.send_seq = self.recv_seq = 0
         self.sender = _Sender(f"nccl_ddp-ring-send-{rank}")
 
-    def _pieces(self, a: np.ndarray):
+    def _pieces(self, a: np.ndarray) -> Iterator[Any]:
         pe = max(1, self.chunk // a.itemsize)
         for lo in range(0, max(a.size, 1), pe):
             yield a[lo:lo + pe]
@@ -184,19 +184,19 @@ class RingTransport:
 class SelfTransport:
     """A group of one rank: nothing to exchange."""
 
-    def all_reduce(self, buf, red, desc) -> None:
+    def all_reduce(self, buf: Any, red: Reduction, desc: tuple) -> None:
         red.finish(buf)
 
-    def broadcast(self, buf, root, desc) -> None:
+    def broadcast(self, buf: Any, root: Any, desc: tuple) -> None:
         pass
 
-    def all_gather(self, out, inp, desc) -> None:
+    def all_gather(self, out: Any, inp: Any, desc: tuple) -> None:
         np.copyto(out, inp)
 
-    def reduce_scatter(self, out, inp, red, desc) -> None:
+    def reduce_scatter(self, out: Any, inp: Any, red: Reduction, desc: tuple) -> None:
         np.copyto(out, inp)
 
-    def barrier(self, desc) -> None:
+    def barrier(self, desc: tuple) -> None:
         pass
 
     def close(self) -> None:

@@ -10,10 +10,11 @@ import errno
 import mmap
 import os
 import secrets
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
+from nccl_ddp.comm.host.reduce import Reduction
 from nccl_ddp.comm.host.wire import SETUP, Header
 from nccl_ddp.errors import CommError
 
@@ -169,11 +170,11 @@ class ShmTransport:
         for link in self.links:
             link.expect(hdr)
 
-    def _slot(self, j: int, s: int, a: int, b: int, dtype) -> np.ndarray:
+    def _slot(self, j: int, s: int, a: int, b: int, dtype: Any) -> np.ndarray:
         it = dtype.itemsize
         return self.slots[j][s][a * it:b * it].view(dtype)
 
-    def all_reduce(self, buf: np.ndarray, red, desc: tuple) -> None:
+    def all_reduce(self, buf: np.ndarray, red: Reduction, desc: tuple) -> None:
         n, dt, r, size = buf.size, buf.dtype, self.rank, self.size
         if buf.nbytes <= min(_SMALL, self.chunk):
             # one signal instead of two: every rank reduces all of it, in the same rank order
@@ -233,7 +234,7 @@ class ShmTransport:
             for j in range(self.size):
                 np.copyto(out[j * n + lo:j * n + hi], self._slot(j, s, 0, hi - lo, dt))
 
-    def reduce_scatter(self, out: np.ndarray, inp: np.ndarray, red, desc: tuple) -> None:
+    def reduce_scatter(self, out: np.ndarray, inp: np.ndarray, red: Reduction, desc: tuple) -> None:
         n, dt, r, size = out.size, out.dtype, self.rank, self.size
         parts = inp.reshape(size, n)
         ce = max(1, self.chunk // (dt.itemsize * size))

@@ -212,7 +212,7 @@ class Rendezvous:
     """Publishes this rank's listening address in the store, reads the others', and connects the
     links a transport asks for (the higher group rank dials, the lower one accepts)."""
 
-    def __init__(self, store, rank: int, ranks: List[int], timeout: float, where: str,
+    def __init__(self, store: Any, rank: int, ranks: List[int], timeout: float, where: str,
                  extra: dict) -> None:
         self.store, self.rank, self.ranks, self.timeout, self.where = (
             store, rank, ranks, timeout, where)

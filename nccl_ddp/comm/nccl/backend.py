@@ -179,14 +179,14 @@ class NcclProcessGroup(ProcessGroup):
 
     # ------------------------------------------------------------------ collectives
 
-    def all_reduce(self, buf, op: ReduceOp = ReduceOp.SUM, stream=None, *,
+    def all_reduce(self, buf: Any, op: ReduceOp = ReduceOp.SUM, stream: Any=None, *,
                    tag: Optional[str] = None) -> NcclWork:
         dt, code, p = self._dtype(buf), nccl_op(op, self._rt.lib), self._rt.ptr(buf)
         self._debug_check("all_reduce", buf, redop=ReduceOp.parse(op))
         return self._launch("all_reduce", tag, stream, buf, (buf,),
                             lambda c, s: c.allReduce(p, p, buf.size, dt, code, s))
 
-    def broadcast(self, buf, root: int = 0, stream=None, *, tag: Optional[str] = None) -> NcclWork:
+    def broadcast(self, buf: Any, root: int = 0, stream: Any=None, *, tag: Optional[str] = None) -> NcclWork:
         if not 0 <= root < self.size:
             raise ConfigError(f"broadcast root {root} is not a rank of group {self.name!r} "
                              f"(size {self.size}); pass a group rank")
@@ -195,14 +195,14 @@ class NcclProcessGroup(ProcessGroup):
         return self._launch("broadcast", tag, stream, buf, (buf,),
                             lambda c, s: c.broadcast(p, p, buf.size, dt, root, s))
 
-    def all_gather(self, out, inp, stream=None, *, tag: Optional[str] = None) -> NcclWork:
+    def all_gather(self, out: Any, inp: Any, stream: Any=None, *, tag: Optional[str] = None) -> NcclWork:
         self._check_sizes("all_gather", tag, out, inp, "out", "input")
         dt, pi, po = self._dtype(inp), self._rt.ptr(inp), self._rt.ptr(out)
         self._debug_check("all_gather", inp)
         return self._launch("all_gather", tag, stream, out, (out, inp),
                             lambda c, s: c.allGather(pi, po, inp.size, dt, s))
 
-    def reduce_scatter(self, out, inp, op: ReduceOp = ReduceOp.SUM, stream=None, *,
+    def reduce_scatter(self, out: Any, inp: Any, op: ReduceOp = ReduceOp.SUM, stream: Any=None, *,
                        tag: Optional[str] = None) -> NcclWork:
         self._check_sizes("reduce_scatter", tag, inp, out, "input", "out")
         dt, code = self._dtype(inp), nccl_op(op, self._rt.lib)
@@ -211,7 +211,7 @@ class NcclProcessGroup(ProcessGroup):
         return self._launch("reduce_scatter", tag, stream, out, (out, inp),
                             lambda c, s: c.reduceScatter(pi, po, out.size, dt, code, s))
 
-    def barrier(self, stream=None, *, tag: Optional[str] = None) -> NcclWork:
+    def barrier(self, stream: Any=None, *, tag: Optional[str] = None) -> NcclWork:
         """A 1-element all-reduce; returns once every rank reached it (the host blocks, bounded
         by the group's timeout: CommTimeout)."""
         if self._scratch is None:
@@ -224,21 +224,21 @@ class NcclProcessGroup(ProcessGroup):
         work.synchronize()
         return work
 
-    def _debug_check(self, op: str, buf, root: int = 0, redop=None) -> None:
+    def _debug_check(self, op: str, buf: Any, root: int = 0, redop: Any=None) -> None:
         """NCCL_DDP_DEBUG=DETAIL: compare this collective with every member's (comm/desync.py)."""
         if self._desync is not None:
             self._raise_if_failed(self._describe(op, None))
             self._desync.check(op, None if buf is None else buf.dtype,
                                0 if buf is None else buf.size, root, redop)
 
-    def _dtype(self, buf) -> int:
+    def _dtype(self, buf: Any) -> int:
         """NCCL type of `buf`, which must be contiguous (NCCL sees a pointer and a count)."""
         if not buf.flags.c_contiguous:
             raise ConfigError(f"NCCL buffers must be contiguous; got a strided {buf.dtype} array of "
                              f"shape {buf.shape} on group {self.name!r} (pass a contiguous copy)")
         return nccl_dtype(buf.dtype, self._rt.lib)
 
-    def _check_sizes(self, op: str, tag: Optional[str], big, small, big_name: str,
+    def _check_sizes(self, op: str, tag: Optional[str], big: Any, small: Any, big_name: str,
                      small_name: str) -> None:
         self._dtype(big)
         check_gather_buffers(self._describe(op, tag), self.size, big, small, big_name, small_name)
@@ -248,7 +248,7 @@ class NcclProcessGroup(ProcessGroup):
         return (f"{label} on group {self.name!r}, rank {self.rank} of {self.size} "
                 f"(global rank {self.ranks[self.rank]})")
 
-    def _launch(self, op: str, tag: Optional[str], stream, output, keep: tuple,
+    def _launch(self, op: str, tag: Optional[str], stream: Any, output: Any, keep: tuple,
                 call: Callable[[Any, int], None]) -> NcclWork:
         what = self._describe(op, tag)
         self._raise_if_failed(what)

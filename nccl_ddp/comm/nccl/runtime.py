@@ -82,7 +82,7 @@ class CupyRuntime:
         self.cupy, self.lib, self.device_id = cupy, nccl, device_id
         self.errors: tuple = (nccl.NcclError, cupy.cuda.runtime.CUDARuntimeError)
 
-    def _device(self):
+    def _device(self) -> Any:
         return self.cupy.cuda.Device(self.device_id)
 
     def unique_id(self) -> bytes:
