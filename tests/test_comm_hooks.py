@@ -85,7 +85,7 @@ def _our_grads(rank: int, hook_name: str, steps: int, mode: str, state=None,
     module = ArrayModule([np.zeros(s, np.float32) for s in SHAPES]) if mode == "view" \
         else _PackOnly([np.zeros(s, np.float32) for s in SHAPES])
     ddp = nd.DistributedDataParallel(module)
-    ddp.register_comm_hook(state() if state else None, getattr(hooks, f"{hook_name}_hook")
+    ddp.register_comm_hook(state() if state else None, hooks.allreduce
                            if hook_name == "allreduce" else getattr(hooks, f"{hook_name}_compress"))
     out = []
     for step in range(steps):
@@ -534,3 +534,13 @@ def test_cuda_path_compression_and_check_finite(monkeypatch, hook):
         assert r.last_step_finite is (step == 0)
         r.zero_grad()
     assert counts["all_reduce"] == 4     # one bucket + the flags, per step
+
+
+def test_hooks_module_names_each_object_once():
+    """`nccl_ddp.hooks` exports one name per object (no torch-style `*_hook` aliases beside the
+    short names) and every public name it holds is exported."""
+    from nccl_ddp import hooks
+
+    public = {n for n in vars(hooks) if not n.startswith("_")}
+    assert public == set(hooks.__all__)
+    assert len({id(getattr(hooks, n)) for n in hooks.__all__}) == len(hooks.__all__) == 8

@@ -85,7 +85,7 @@ def _features(rank: int, world: int, store_dir: str) -> dict:
             ddp.close()
         m = make_model()
         ddp = nd.DistributedDataParallel(m)
-        ddp.register_comm_hook(None, nd.hooks.bf16_compress_hook)
+        ddp.register_comm_hook(None, nd.hooks.bf16_compress)
         try:
             nd.ZeroRedundancyOptimizer(m.parameters(), adamw, **kw)
         except ConfigError as e:
@@ -95,7 +95,7 @@ def _features(rank: int, world: int, store_dir: str) -> dict:
         ddp = nd.DistributedDataParallel(m)
         nd.ZeroRedundancyOptimizer(m.parameters(), adamw, **kw)
         try:
-            ddp.register_comm_hook(None, nd.hooks.bf16_compress_hook)
+            ddp.register_comm_hook(None, nd.hooks.bf16_compress)
         except ConfigError as e:
             refusals["hook_after"] = str(e)
         try:

@@ -275,7 +275,7 @@ def _grad_reducer_cell_class() -> type:
 
         def __call__(self, grads: Any, *args: Any, **kwargs: Any) -> Any:
             if mindspore.get_context("mode") == mindspore.PYNATIVE_MODE and not (args or kwargs):
-                return self.reducer(grads)     # zero-copy, no graph: as before
+                return self.reducer(grads)     # PyNative: the reducer itself, zero-copy
             return super().__call__(grads, *args, **kwargs)
 
         def construct(self, grads):

@@ -7,10 +7,11 @@ bucket if it is another array, then on into the grads. Hooks run in comm-stream 
 comm thread; on CUDA with the comm stream current), so collectives they issue through
 `all_reduce_fut` are ordered with the bucket's other work.
 
-The built-ins (`nccl_ddp.hooks`) compute what torch's `default_hooks` compute. The reducer also
-recognises them (`fused_wire_dtype`) and runs them in its fused kernels: `allreduce_hook` is its
-default path; `fp16_compress_hook` / `bf16_compress_hook` pack a float32 bucket straight into the
-wire dtype with the 1/world scale (one launch), all-reduce that, and unpack it widened back.
+The built-ins (`nccl_ddp.hooks`) compute what torch's `default_hooks` compute. The reducer's
+bucket submission (`bucket_submit.py`) also recognises them (`fused_wire_dtype`) and runs them in
+its fused kernels: `allreduce_hook` is its default path; `fp16_compress_hook` /
+`bf16_compress_hook` pack a float32 bucket straight into the wire dtype with the 1/world scale
+(one launch), all-reduce that, and unpack it widened back.
 """
 from __future__ import annotations
 

@@ -290,7 +290,7 @@ class Reducer:
         bucket, mode = self.layout.buckets[b], self.mode
         # one rank, view mode, no hook or flags: the bucket's only work is the bookkeeping of an
         # identity all-reduce, nothing worth overlapping: an idle host comm stream runs it on
-        # this thread instead of waking its worker (a CUDA stream queues it as always)
+        # this thread instead of waking its worker (a CUDA stream queues it)
         alone = (self.group.size == 1 and mode == "view" and self.submitter.hook is None
                  and self._finite is None)
         with self.comm.awaited() if alone else contextlib.nullcontext():

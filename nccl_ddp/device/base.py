@@ -46,7 +46,7 @@ class Stream(abc.ABC):
     def awaited(self) -> ContextManager[Any]:
         """Around work the caller submits and then waits for at once (nothing is left to overlap
         with): a host stream that is idle runs it on the calling thread, without two thread
-        hand-offs. A CUDA stream queues it as always."""
+        hand-offs. A CUDA stream queues it."""
         return contextlib.nullcontext()
 
 
