@@ -1,6 +1,6 @@
 """ZeRO-2 beside the wrapper's other features (2 ranks, host backend, gloo for torch's side):
 no_sync() accumulation and overlap_param_gather (also with a collective of the caller's before
-the next forward) train exactly as torch DDP + unsharded AdamW;
+the next forward) and find_unused_parameters train exactly as torch DDP + unsharded AdamW;
 a comm hook, static_graph, PythonReducer and Join are refused with a ConfigError naming them."""
 from __future__ import annotations
 
@@ -73,6 +73,32 @@ def _features(rank: int, world: int, store_dir: str) -> dict:
                                            for n, p in m.named_parameters()})
         ddp.close()
 
+        # find_unused_parameters: gain is unused on odd steps on every rank (its grad stays None,
+        # AdamW skips it, weight decay included), on rank 1 also on even steps
+        def use_gain(step):
+            return step % 2 == 0 and not (rank == 1 and step % 4 == 0)
+
+        results = []
+        for ours_side in (False, True):
+            m = make_model()
+            if ours_side:
+                wrapped = nd.DistributedDataParallel(m, bucket_cap_mb=SMALL,
+                                                     find_unused_parameters=True)
+                opt = nd.ZeroRedundancyOptimizer(m.parameters(), adamw, **kw)
+            else:
+                wrapped = TorchDDP(m, find_unused_parameters=True)
+                opt = adamw(m.parameters(), **kw)
+            for step in range(STEPS):
+                x, y = local(data[step], rank, world)
+                opt.zero_grad()
+                h = wrapped(x, use_gain=use_gain(step))
+                torch.nn.functional.mse_loss(h, y).backward()
+                opt.step()
+            results.append({n: p.detach().numpy().copy() for n, p in m.named_parameters()})
+            if ours_side:
+                wrapped.close()
+        out["find_unused"] = tuple(results)
+
         refusals = {}
         for name, kwargs in (("static_graph", dict(static_graph=True)),
                              ("PythonReducer", dict(reducer_mode="PythonReducer"))):
@@ -116,7 +142,7 @@ def results(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["no_sync", "overlap", "overlap_collective"])
+@pytest.mark.parametrize("case", ["no_sync", "overlap", "overlap_collective", "find_unused"])
 def test_matches_torch_ddp_with_unsharded_adamw(results, case):
     for rank, res in enumerate(results):
         reference, ours = res[case]

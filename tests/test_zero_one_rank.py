@@ -218,3 +218,20 @@ def test_reduce_scatter_is_on_the_step_timeline(world1):
     assert last.comm_s > 0
     assert last.buckets == len(ddp.reducer.layout.buckets) > 1
     ddp.close()
+
+
+def test_check_finite_flags_reach_through_the_reduce_scatter(world1):
+    """ZeRO-2 keeps the wrapper's check_finite: the pack kernel raises the bucket's flag on the
+    way into the reduce-scatter, and the optimizer skips the step."""
+    m = make_model()
+    ddp = nd.DistributedDataParallel(m, check_finite=True)
+    opt = nd.ZeroRedundancyOptimizer(m.parameters(), torch.optim.AdamW, lr=0.01)
+    for scale, finite in ((1.0, True), (float("inf"), False), (1.0, True)):
+        before = m.a.weight.detach().clone()
+        opt.zero_grad()
+        (ddp(torch.ones(2, 7)).square().sum() * scale).backward()
+        opt.step()
+        assert ddp.last_step_finite is finite
+        assert opt.last_step_skipped is not finite
+        assert torch.equal(before, m.a.weight) is not finite
+    ddp.close()
