@@ -7,6 +7,13 @@ and `zero_grad()` are torch's. torch's keyword arguments are accepted beside Min
 signature (`device_ids`, `output_device`, `dim`, `broadcast_buffers`, `gradient_as_bucket_view`,
 ...); one we cannot honour is a `ConfigError` saying why.
 
+What torch's own code and the libraries built on torch DDP read from it is here too
+(Lightning's DDPStrategy, Accelerate): `static_graph`, `find_unused_parameters`,
+`require_backward_grad_sync` / `require_forward_param_sync` (no_sync's switches),
+`_get_ddp_logging_data()`, and the reducer's `prepare_for_backward` / `_rebuild_buckets` /
+`_delay_all_reduce`. The wrapper is a torch `Joinable` (torch's `Join([model])` works, as does
+`nccl_ddp.Join`), and `register_comm_hook` takes torch's hooks (adapters/torch_hooks.py).
+
 torch.compile: `forward` runs in a frame that dynamo skips (torch DDP does the same) and the step's
 bookkeeping is marked to be skipped too, so compiling the wrapper compiles the wrapped module's
 forward and nothing of ours. Backward's grad hooks run in the autograd engine, outside compiled
@@ -15,13 +22,17 @@ code.
 from __future__ import annotations
 
 import inspect
-from typing import Any, cast
+from typing import Any, Optional, cast
 
 import torch
+from torch.distributed.algorithms.join import Joinable as _TorchJoinable
 
+from nccl_ddp.adapters import torch_hooks
 from nccl_ddp.adapters.torch import TorchModule
 from nccl_ddp.comm.api import resolve_group
 from nccl_ddp.ddp.data_parallel import DistributedDataParallel
+from nccl_ddp.ddp.join import JoinConfig
+from nccl_ddp.ddp.reducer import Reducer
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 from nccl_ddp.validate import check_bool
 
@@ -42,9 +53,41 @@ _CORE = inspect.signature(DistributedDataParallel.__init__)
 """The core's options: they pass through as given, so a new one is added in one place."""
 
 
-class TorchDistributedDataParallel(torch.nn.Module, DistributedDataParallel):
+class TorchReducer(Reducer):
+    """The reducer with the part of torch's `Reducer` API that code written for torch DDP calls
+    (Lightning's manual optimization, Accelerate's trigger_sync_in_backward)."""
+
+    wrapper: Any = None      # the TorchDistributedDataParallel, set once it is built
+
+    def prepare_for_backward(self, outputs: Any = None) -> None:
+        """The coming backward all-reduces iff sync is enabled now (torch decides it here). Our
+        forward opened the step already: one opened under no_sync() that has no grad yet
+        switches to syncing, and the reverse. Unused parameters are found when the step ends,
+        so `outputs` is not searched."""
+        if not self._open or self._count or self._step_syncs == self.sync_enabled:
+            return
+        if self.wrapper is not None and self.wrapper._join_config.enable:
+            raise ConfigError(f"rank {self.group.rank}: inside Join, decide no_sync() before the "
+                              "forward; prepare_for_backward cannot change this step's sync")
+        self._open_step()
+        if self.wrapper is not None:
+            self.wrapper._torch_module._syncing = self._step_syncs
+
+    def _rebuild_buckets(self) -> bool:
+        """torch rebuilds its buckets here after the first step; ours are rebuilt when the
+        first step closes. Nothing to do: False, as torch answers when it rebuilt none."""
+        return False
+
+    def _delay_all_reduce(self) -> None:
+        """torch's static-graph first step all-reduces here; ours did when backward ended."""
+
+
+class TorchDistributedDataParallel(torch.nn.Module, DistributedDataParallel, _TorchJoinable):
     """What `nccl_ddp.DistributedDataParallel(torch_module, ...)` builds: the core's arguments
     (positional and keyword, as `DistributedDataParallel` takes them) plus torch's own."""
+
+    _reducer_class = TorchReducer
+    _torch_join_config: Any = None     # the config torch's Join set last (see _join_config)
 
     def __init__(self, module: Any, *args: Any, device_ids: Any = None,
                  output_device: Any = None, dim: int = 0, gradient_as_bucket_view: bool = False,
@@ -68,11 +111,127 @@ class TorchDistributedDataParallel(torch.nn.Module, DistributedDataParallel):
         self.dim = dim
         self.gradient_as_bucket_view = gradient_as_bucket_view
         DistributedDataParallel.__init__(self, module, *args, **core)
+        cast(TorchReducer, self.reducer).wrapper = self
+
+    # ---- what code written for torch DDP reads (Lightning, Accelerate)
+    @property
+    def static_graph(self) -> bool:
+        return self.config.static_graph
+
+    @property
+    def find_unused_parameters(self) -> bool:
+        return self.config.find_unused_parameters
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """Whether the next step all-reduces (torch's flag; no_sync() clears it)."""
+        return self.reducer.sync_enabled
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self.reducer.sync_enabled = bool(value)
+
+    @property
+    def require_forward_param_sync(self) -> bool:
+        """Whether the next forward broadcasts rank 0's buffers first (with broadcast_buffers)."""
+        return self._sync_buffers_next
+
+    @require_forward_param_sync.setter
+    def require_forward_param_sync(self, value: bool) -> None:
+        self._sync_buffers_next = bool(value)
+
+    def _get_ddp_logging_data(self) -> dict:
+        """torch's DDP logging data, the keys we know (Lightning reads can_set_static_graph: we
+        do not analyse the graph, so it is False)."""
+        g = self.process_group
+        hook = self.reducer.comm_hook
+        return {"world_size": g.size, "rank": g.rank, "backend_name": f"nccl_ddp-{g.backend}",
+                "module_name": type(self.module).__name__,
+                "bucket_cap_bytes": self.config.cap_bytes,
+                "find_unused_parameters": self.find_unused_parameters,
+                "static_graph": self.static_graph, "broadcast_buffers": self.broadcast_buffers,
+                "gradient_as_bucket_view": self.gradient_as_bucket_view,
+                "comm_hook": "" if hook is None else getattr(hook[1], "__qualname__", ""),
+                "iteration": self.reducer.steps, "can_set_static_graph": False}
+
+    @property
+    def broadcast_buffers(self) -> bool:
+        return self.config.broadcast_buffers
+
+    # ---- torch's comm hooks and Join
+    def register_comm_hook(self, state: Any, hook: Any) -> None:
+        """torch's contract: nccl_ddp.hooks as they are; torch's default hooks (state None) as
+        their fused equivalents; any other hook on torch tensors (adapters/torch_hooks.py)."""
+        ours = torch_hooks.ours_for(hook, state)
+        if ours is not None:
+            hook = ours
+        elif callable(hook) and not torch_hooks.is_ours(hook):
+            torch_hooks.check_torch_world(hook, state, self.process_group)
+            params = {id(n): p for n, p in zip(self.reducer.params, self._torch_module.params)}
+            hook = torch_hooks.TorchHook(hook, params, self._torch_module.on_cuda)
+        super().register_comm_hook(state, hook)
+
+    @property
+    def join_device(self) -> Any:
+        """torch's Join: where its count tensors live (the parameters' device)."""
+        return self._torch_module.params[0].device
+
+    @property
+    def join_process_group(self) -> Any:
+        """torch's Join counts ranks with torch.distributed on this group: torch's default group
+        when torch.distributed is initialised with our ranks, else ours (never raises: typing's
+        Protocol check in nccl_ddp.Join reads it; torch's Join then fails in torch.distributed,
+        which it needs initialised on our ranks)."""
+        import torch.distributed as dist
+        g = self.process_group
+        if dist.is_available() and dist.is_initialized() \
+                and (dist.get_world_size(), dist.get_rank()) == (g.size, g.rank):
+            return dist.group.WORLD
+        return g
+
+    @property
+    def nccl_ddp_join_group(self) -> Any:
+        """Our group, the one nccl_ddp.Join counts on (join_process_group is torch's)."""
+        return self.process_group
+
+    @property
+    def _join_config(self) -> Any:
+        """torch's Join keeps its config here: it becomes ours (the same three fields), so the
+        step's Join protocol runs; `_join_count` then answers torch's Join."""
+        return self.join_state.config
+
+    @_join_config.setter
+    def _join_config(self, cfg: Any) -> None:
+        ours = JoinConfig(bool(cfg.enable), bool(cfg.throw_on_early_termination),
+                          bool(cfg.is_first_joinable))
+        self.join_state.config = self._torch_join_config = ours
+
+    def _join_count(self) -> Optional[int]:
+        """Inside torch's Join (the config is the one it set): torch's notification, an
+        all-reduce of 1 on torch's group that the joined ranks' count matches; the ranks still
+        training. Inside nccl_ddp.Join: ours."""
+        if self.join_state.config is not self._torch_join_config:
+            return super()._join_count()
+        from torch.distributed.algorithms.join import Join as TorchJoin
+        work = TorchJoin.notify_join_context(self)
+        if work is None:
+            return None
+        work.wait()
+        return int(work.result()[0].item())
 
     @torch._disable_dynamo(recursive=False)    # (lazy torch.compiler.disable; torch DDP's way)
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         inputs, kwargs = self._before_forward(inputs, kwargs)
-        return self.module(*inputs, **kwargs)
+        out = self.module(*inputs, **kwargs)
+        self._after_forward()
+        return out
+
+    @torch._disable_dynamo
+    def _after_forward(self) -> None:
+        """torch's _post_forward: whether the next forward broadcasts the buffers is decided
+        now, from the flags as the forward leaves them (Lightning's manual optimization turns
+        require_backward_grad_sync off inside the forward: then torch skips the next sync)."""
+        self._sync_buffers_next = torch.is_grad_enabled() and self.reducer.sync_enabled
 
     @torch._disable_dynamo
     def _before_forward(self, inputs: tuple, kwargs: dict) -> tuple:

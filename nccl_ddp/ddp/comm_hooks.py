@@ -55,6 +55,20 @@ class GradBucket:
         """The bucket's parameters (native arrays), in bucket order."""
         return list(self._parameters)
 
+    def offsets(self) -> List[int]:
+        """Where each parameter's grad starts in the buffer (elements)."""
+        return list(self._offsets)
+
+    def shapes(self) -> List[tuple]:
+        return list(self._shapes)
+
+    def numels(self) -> List[int]:
+        return [int(np.prod(s, dtype=np.int64)) for s in self._shapes]
+
+    def numel(self) -> int:
+        """The buffer's elements up to the end of the last grad (without the end padding)."""
+        return max((o + n for o, n in zip(self._offsets, self.numels())), default=0)
+
     def is_last(self) -> bool:
         """Whether this is the last bucket of the step."""
         return self._is_last

@@ -38,6 +38,8 @@ class DistributedDataParallel:
     (adapters/torch_ddp.py), which is also a torch.nn.Module. Joinable (`nccl_ddp.Join`).
     """
 
+    _reducer_class = Reducer     # a framework's wrapper may add its framework's reducer API
+
     def __new__(cls, *args: Any, **kwargs: Any) -> DistributedDataParallel:
         module = args[0] if args else kwargs.get("module")
         if cls is DistributedDataParallel and module is not None \
@@ -73,9 +75,10 @@ class DistributedDataParallel:
         grads = self._adapter.native_grads()
         _check_native(grads, self.device, "grad", self._adapter.names)
         install = self._adapter.install_grad if self._adapter.can_install_grads else None
-        self.reducer = Reducer(params, grads, self.process_group, self.device, self.config,
-                               names=self._adapter.names, install=install,
-                               stream_scope=self._adapter.on_compute_stream)
+        self.reducer = self._reducer_class(params, grads, self.process_group, self.device,
+                                           self.config, names=self._adapter.names,
+                                           install=install,
+                                           stream_scope=self._adapter.on_compute_stream)
         self._sync_buffers_next = True      # torch: the first forward syncs buffers
         self.join_state = JoinState()
         self.reducer.on_open = self._on_step_open
@@ -250,10 +253,15 @@ class DistributedDataParallel:
         if not self.join_state.config.enable:
             self.reducer.step_divisor = None
             return
-        active = Join.notify_join_context(self)
+        active = self._join_count()
         self.reducer.step_divisor = (None if self.join_state.divide_by_initial or active is None
                                      else active)
         exchange(self.process_group, [1 if syncs else 0], "Join's sync flag")
+
+    def _join_count(self) -> Optional[int]:
+        """A step opens inside an enabled Join: `Join.notify_join_context` (the torch wrapper
+        answers torch's Join with torch's)."""
+        return Join.notify_join_context(self)
 
     def _buffer_source(self, joined: bool) -> int:
         """The rank whose buffers DDP broadcasts: 0, or inside an enabled Join the highest rank

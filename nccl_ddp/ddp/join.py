@@ -95,6 +95,14 @@ class Shadowing(Joinable, Protocol):
         """Every rank has joined (called on every rank)."""
 
 
+def our_group(joinable: Joinable) -> ProcessGroup:
+    """The nccl_ddp group a joinable's collectives run on: `join_process_group`, unless it
+    names ours in `nccl_ddp_join_group` (the torch wrapper answers `join_process_group` with
+    torch's group, for torch's Join)."""
+    own = getattr(joinable, "nccl_ddp_join_group", None)
+    return own if own is not None else joinable.join_process_group
+
+
 class Join:
     """Context manager for training with uneven inputs across ranks (see the module doc).
 
@@ -114,7 +122,7 @@ class Join:
                                       "Joinable (DistributedDataParallel, DistributedGradReducer)")
         check_bool("enable", enable)
         check_bool("throw_on_early_termination", throw_on_early_termination)
-        groups = {id(j.join_process_group) for j in joinables}
+        groups = {id(our_group(j)) for j in joinables}
         if len(groups) > 1:
             raise ConfigError("Join: the joinables use different process groups; one Join "
                               "handles the collectives of one group")
@@ -122,7 +130,7 @@ class Join:
         self._enable = enable
         self._throw = throw_on_early_termination
         self._hooks = [j.join_hook(**kwargs) for j in self._joinables]
-        self._group = self._joinables[0].join_process_group
+        self._group = our_group(self._joinables[0])
         self._key = ""
 
     def __enter__(self) -> Join:
@@ -223,7 +231,7 @@ class Join:
         cfg = joinable.join_state.config
         if not (cfg.enable and cfg.is_first_joinable):
             return None
-        group = joinable.join_process_group
+        group = our_group(joinable)
         active, stop = exchange(group, [1, 0], "Join's count")
         if stop:
             raise JoinError(f"rank {group.rank}: detected at least one rank that exhausted its "

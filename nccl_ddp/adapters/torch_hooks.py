@@ -1,0 +1,135 @@
+"""torch's communication hooks on our torch DDP wrapper.
+
+torch's `default_hooks.allreduce_hook` / `fp16_compress_hook` / `bf16_compress_hook` with
+`state=None` become ours (`nccl_ddp.hooks`, fused into the bucket kernels; the same results).
+Any other hook that is not ours (torch's `powerSGD_hook`, a user's hook written for torch) gets a
+`TorchGradBucket`, which behaves as torch's `dist.GradBucket` with torch tensors that are
+zero-copy DLPack views of our bucket, and returns a `torch.futures.Future` that we wait for. Such
+hooks run torch.distributed collectives on `state`'s torch group or torch's default (WORLD) group:
+torch.distributed must be initialised (gloo on the CPU) on the same ranks.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional
+
+from nccl_ddp.adapters.torch import from_native, to_native
+from nccl_ddp.ddp import comm_hooks
+from nccl_ddp.errors import ConfigError, ReducerError
+
+
+def ours_for(hook: Any, state: Any) -> Optional[Callable]:
+    """Our fused hook for one of torch's default hooks with `state=None` (None otherwise)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as d
+    if state is not None:
+        return None
+    return {d.allreduce_hook: comm_hooks.allreduce_hook,
+            d.fp16_compress_hook: comm_hooks.fp16_compress_hook,
+            d.bf16_compress_hook: comm_hooks.bf16_compress_hook}.get(hook)
+
+
+def is_ours(hook: Any) -> bool:
+    """A hook of nccl_ddp.hooks (it takes native buckets)."""
+    return (getattr(hook, "__module__", "") or "").startswith("nccl_ddp.")
+
+
+def check_torch_world(hook: Any, state: Any, group: Any) -> None:
+    """torch's own hooks call torch.distributed collectives (on `state.process_group` or WORLD):
+    refuse them at registration when torch.distributed cannot run them on our ranks."""
+    import torch.distributed as dist
+    if not (getattr(hook, "__module__", "") or "").startswith("torch."):
+        return       # a user's hook: its collectives are its own business
+    name = getattr(hook, "__qualname__", repr(hook))
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ConfigError(
+            f"rank {group.rank}: register_comm_hook({name}) : torch's hook all-reduces with "
+            "torch.distributed, which is not initialised. Initialise it on the same ranks first "
+            "(torch.distributed.init_process_group('gloo') on the CPU, as Lightning and Accelerate "
+            "do), or use nccl_ddp.hooks (allreduce, fp16_compress, bf16_compress, powersgd)")
+    torch_group = getattr(state, "process_group", None) if state is not None else None
+    if isinstance(state, dist.ProcessGroup):
+        torch_group = state
+    size, rank = dist.get_world_size(torch_group), dist.get_rank(torch_group)
+    if (size, rank) != (group.size, group.rank):
+        raise ConfigError(
+            f"rank {group.rank}: register_comm_hook({name}): torch's hook reduces over a "
+            f"torch.distributed group of {size} ranks where this is rank {rank}, but this DDP's "
+            f"group has {group.size} ranks where it is rank {group.rank}: the hook must reduce "
+            "over the same ranks (pass a matching torch group in its state)")
+
+
+class TorchGradBucket:
+    """torch's `dist.GradBucket` over one of our buckets: `buffer()` is a torch tensor viewing
+    the bucket's grads (its alignment padding left out), `gradients()` views of it shaped like
+    the parameters, `parameters()` the torch parameters."""
+
+    def __init__(self, bucket: comm_hooks.GradBucket, params: List[Any]) -> None:
+        self._bucket, self._params = bucket, params
+        self._numel = bucket.numel()
+        self._buffer = from_native(bucket.buffer()[:self._numel])
+
+    def index(self) -> int:
+        return self._bucket.index()
+
+    def is_last(self) -> bool:
+        return self._bucket.is_last()
+
+    def buffer(self) -> Any:
+        return self._buffer
+
+    def set_buffer(self, buffer: Any) -> None:
+        """Replace the bucket's contents with `buffer`'s (copied into our bucket memory, which
+        the grads view)."""
+        self._buffer.copy_(buffer.reshape(-1))
+
+    def gradients(self) -> List[Any]:
+        return [self._buffer[o:o + n].view(s)
+                for o, n, s in zip(self._bucket.offsets(), self._bucket.numels(),
+                                   self._bucket.shapes())]
+
+    def parameters(self) -> List[Any]:
+        return list(self._params)
+
+
+class TorchHook:
+    """A hook written for torch, run by our reducer: gets a `TorchGradBucket`, returns a torch
+    future whose tensor becomes the bucket's reduced value."""
+
+    def __init__(self, hook: Callable, torch_params: dict, on_cuda: bool) -> None:
+        self.hook, self._params, self._on_cuda = hook, torch_params, on_cuda
+        self.__name__ = getattr(hook, "__name__", type(hook).__name__)
+
+    def __call__(self, state: Any, bucket: comm_hooks.GradBucket) -> comm_hooks.Future:
+        tb = TorchGradBucket(bucket, [self._params[id(p)] for p in bucket.parameters()])
+        with _torch_on_current_stream(self._on_cuda):
+            fut = self.hook(state, tb)
+        if not (hasattr(fut, "wait") and hasattr(fut, "value")):
+            raise ReducerError(f"comm hook {self.__name__} returned {type(fut).__name__}; a "
+                               "torch hook must return a torch.futures.Future of the reduced "
+                               "bucket tensor")
+        return comm_hooks.Future(lambda: self._result(fut, tb, bucket))
+
+    def _result(self, fut: Any, tb: TorchGradBucket, bucket: comm_hooks.GradBucket) -> Any:
+        with _torch_on_current_stream(self._on_cuda):
+            value = fut.wait()
+        if isinstance(value, (list, tuple)) and len(value) == 1:
+            value = value[0]      # a collective's future holds a list of one tensor
+        buf = bucket.buffer()
+        if value.data_ptr() != tb.buffer().data_ptr():
+            if value.numel() != tb.buffer().numel() or value.dtype != tb.buffer().dtype:
+                raise ReducerError(
+                    f"comm hook {self.__name__} returned a {tuple(value.shape)} {value.dtype} "
+                    f"tensor for bucket {bucket.index()}, which holds {tb.buffer().numel()} "
+                    f"{tb.buffer().dtype} elements; return the reduced bucket buffer")
+            buf[:tb.buffer().numel()] = to_native(value.reshape(-1))
+        return buf
+
+
+def _torch_on_current_stream(on_cuda: bool) -> Any:
+    """On CUDA, torch's current stream becomes CuPy's current one (the reducer's comm stream),
+    so the hook's torch work is ordered with the bucket's."""
+    import contextlib
+    if not on_cuda:
+        return contextlib.nullcontext()
+    import cupy
+    import torch
+    return torch.cuda.stream(torch.cuda.ExternalStream(cupy.cuda.get_current_stream().ptr))
