@@ -21,9 +21,10 @@ LAYERS = [
     ["comm", "profiling"],
     ["ddp"],
     ["adapters"],
-    ["", "launch", "hooks"],          # "" is the package itself (nccl_ddp/__init__.py)
+    ["", "launch", "hooks", "lightning", "accelerate"],   # "" is the package (__init__.py)
 ]
-FRAMEWORKS = {"torch", "jax", "jaxlib", "flax", "mindspore"}
+FRAMEWORKS = {"torch", "jax", "jaxlib", "flax", "mindspore", "lightning", "pytorch_lightning",
+              "accelerate"}
 
 
 def layer_of(module: str) -> int:

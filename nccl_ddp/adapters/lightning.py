@@ -1,0 +1,121 @@
+"""PyTorch Lightning: `NcclDDPStrategy`, Lightning's `DDPStrategy` with our DDP wrapper where it
+builds torch's, so a Lightning script changes one line:
+
+    trainer = Trainer(strategy=NcclDDPStrategy(), accelerator="cpu", devices=2)
+
+Lightning still starts the processes and initialises torch.distributed (its barriers, broadcasts
+and metric syncs stay torch's); the strategy then joins our process group with the ranks Lightning
+assigned (rank 0 picks a free port for our store and a job secret and broadcasts them through
+torch.distributed, so no port torch holds is bound twice), wraps the LightningModule in our
+`DistributedDataParallel`, and tears it down with the fit. Every place where Lightning asks
+"is the model torch's DDP?" (no_sync for gradient accumulation, manual optimization's
+prepare_for_backward, teardown) asks about ours here. Imported only by `nccl_ddp.lightning`.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Optional
+
+from lightning.pytorch.overrides.distributed import prepare_for_backward
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.ddp import _DDPForwardRedirection
+
+from nccl_ddp.adapters.torch_ddp import TorchDistributedDataParallel
+from nccl_ddp.adapters.torch_dist import init_beside_torch
+from nccl_ddp.comm import api
+from nccl_ddp.errors import ConfigError
+
+
+class _Redirection(_DDPForwardRedirection):
+    """Manual optimization: the model's own backward sync is off between the inner and the outer
+    forward, as Lightning does with torch's DDP."""
+
+    def on_after_inner_forward(self, wrapper_module: Any, original_module: Any) -> None:
+        if isinstance(wrapper_module, TorchDistributedDataParallel) \
+                and not original_module.automatic_optimization:
+            wrapper_module.require_backward_grad_sync = False
+        else:
+            super().on_after_inner_forward(wrapper_module, original_module)
+
+    def on_after_outer_forward(self, wrapper_module: Any, original_module: Any) -> None:
+        if isinstance(wrapper_module, TorchDistributedDataParallel) \
+                and not original_module.automatic_optimization:
+            wrapper_module.require_backward_grad_sync = True
+        else:
+            super().on_after_outer_forward(wrapper_module, original_module)
+
+
+class NcclDDPStrategy(DDPStrategy):
+    """Lightning's DDPStrategy reducing gradients with nccl_ddp. Takes DDPStrategy's arguments;
+    keyword arguments it does not know go to our `DistributedDataParallel` (torch's names:
+    find_unused_parameters, static_graph, bucket_cap_mb, ...). `nccl_backend`: our backend
+    ("host" on the CPU, "nccl" on GPUs by default)."""
+
+    strategy_name = "nccl_ddp"
+
+    def __init__(self, *args: Any, nccl_backend: Optional[str] = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._forward_redirection = _Redirection()
+        self._nccl_backend = nccl_backend
+        self._owns_group = False
+
+    # ---- our process group, beside torch's
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        backend = self._nccl_backend or ("nccl" if self.root_device.type == "cuda" else "host")
+        timeout = self._timeout.total_seconds() if self._timeout else 300.0
+        self._owns_group = init_beside_torch(backend, self.global_rank, self.world_size,
+                                             timeout, "Lightning")
+
+    def _setup_model(self, model: Any) -> TorchDistributedDataParallel:
+        return TorchDistributedDataParallel(model, device_ids=self.determine_ddp_device_ids(),
+                                            **self._ddp_kwargs)
+
+    def _register_ddp_hooks(self) -> None:
+        """Lightning's ddp_comm_state / ddp_comm_hook / ddp_comm_wrapper, on every device
+        (torch's hooks work on our buckets; see adapters/torch_hooks.py)."""
+        if self._ddp_comm_hook is None:
+            return
+        hook = self._ddp_comm_hook
+        if self._ddp_comm_wrapper is not None:
+            hook = self._ddp_comm_wrapper(hook)
+        self._ours().register_comm_hook(self._ddp_comm_state, hook)
+
+    def _ours(self) -> TorchDistributedDataParallel:
+        if not isinstance(self.model, TorchDistributedDataParallel):
+            raise ConfigError(f"NcclDDPStrategy: the model is a {type(self.model).__name__}, "
+                              "not nccl_ddp's DistributedDataParallel")
+        return self.model
+
+    # ---- where Lightning asks whether the model is torch's DDP
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        if isinstance(self.model, TorchDistributedDataParallel):
+            with self.model.no_sync():
+                yield None
+        else:
+            with super().block_backward_sync():
+                yield None
+
+    def pre_backward(self, closure_loss: Any) -> None:
+        if not isinstance(self.model, TorchDistributedDataParallel):
+            return super().pre_backward(closure_loss)
+        module = self.lightning_module
+        if module is not None and not module.automatic_optimization:
+            prepare_for_backward(self.model, closure_loss)    # Lightning's, on our reducer
+        return None
+
+    def post_backward(self, closure_loss: Any) -> None:
+        """torch's static-graph first step needs a flush after manual backward; ours all-reduced
+        when backward ended."""
+        if not isinstance(self.model, TorchDistributedDataParallel):
+            super().post_backward(closure_loss)
+
+    def teardown(self) -> None:
+        if isinstance(self.model, TorchDistributedDataParallel):
+            self.model.close()
+            self.model = self.lightning_module
+        super().teardown()
+        if self._owns_group:
+            self._owns_group = False
+            api.destroy_process_group()
