@@ -1,0 +1,100 @@
+"""Hugging Face Accelerate: `Accelerator`, accelerate's with our DDP wrapper where `prepare` builds
+torch's, so a script changes one line:
+
+    from nccl_ddp.accelerate import Accelerator      # was: from accelerate import Accelerator
+
+Accelerate still starts torch.distributed (gloo on the CPU) and does everything else; when
+`prepare` wraps a model for DDP, this Accelerator first joins our process group with Accelerate's
+ranks (adapters/torch_dist.py), then lets accelerate build our `DistributedDataParallel` in place
+of torch's (torch's name is ours only inside that call). `accumulate`/`no_sync`,
+`DistributedDataParallelKwargs` (its comm_hook: torch's hooks, adapters/torch_hooks.py),
+`save_state`/`load_state`, `unwrap_model`, `trigger_sync_in_backward` and `join_uneven_inputs`
+work on it. `end_training()` (or process exit) destroys our group.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import threading
+from typing import Any, Iterator, cast
+
+import accelerate
+import torch
+
+from nccl_ddp.adapters.torch_ddp import TorchDistributedDataParallel, TorchReducer
+from nccl_ddp.adapters.torch_dist import init_beside_torch
+from nccl_ddp.comm import api
+
+_PATCH = threading.Lock()
+
+
+class Accelerator(accelerate.Accelerator):
+    """accelerate.Accelerator whose `prepare` wraps models in nccl_ddp's DistributedDataParallel.
+    `nccl_backend`: ours ("host" on the CPU, "nccl" on GPUs by default)."""
+
+    def __init__(self, *args: Any, nccl_backend: str = "", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._nccl_backend = nccl_backend
+        self._owns_group = False
+        self._wrapped: list = []       # our wrappers that prepare built (_models holds their modules)
+
+    def prepare_model(self, model: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.num_processes > 1 and torch.distributed.is_initialized():
+            self._join_group()
+        with _ours_as_torch_ddp():
+            prepared = super().prepare_model(model, *args, **kwargs)
+        if isinstance(prepared, TorchDistributedDataParallel):
+            self._wrapped.append(prepared)
+        return prepared
+
+    def _join_group(self) -> None:
+        backend = self._nccl_backend or ("nccl" if self.device.type == "cuda" else "host")
+        if init_beside_torch(backend, self.process_index, self.num_processes, 300.0,
+                             "Accelerate"):
+            self._owns_group = True
+            atexit.register(self._destroy_group)
+
+    def unwrap_model(self, model: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(model, TorchDistributedDataParallel):
+            model = model.module
+        return super().unwrap_model(model, *args, **kwargs)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def trigger_sync_in_backward(model: Any) -> Iterator[None]:
+        if not isinstance(model, TorchDistributedDataParallel):
+            with accelerate.Accelerator.trigger_sync_in_backward(model):
+                yield
+            return
+        before = (model.require_backward_grad_sync, model.require_forward_param_sync)
+        model.require_backward_grad_sync = model.require_forward_param_sync = True
+        cast(TorchReducer, model.reducer).prepare_for_backward([])
+        try:
+            yield
+        finally:
+            model.require_backward_grad_sync, model.require_forward_param_sync = before
+
+    def end_training(self) -> None:
+        self._destroy_group()
+        super().end_training()
+
+    def _destroy_group(self) -> None:
+        if self._owns_group:
+            self._owns_group = False
+            for m in self._wrapped:
+                m.close()
+            self._wrapped = []
+            api.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _ours_as_torch_ddp() -> Iterator[None]:
+    """`torch.nn.parallel.DistributedDataParallel` is our wrapper for the block: accelerate looks
+    the name up when it wraps a model."""
+    with _PATCH:
+        theirs = torch.nn.parallel.DistributedDataParallel
+        torch.nn.parallel.DistributedDataParallel = TorchDistributedDataParallel
+        try:
+            yield
+        finally:
+            torch.nn.parallel.DistributedDataParallel = theirs
