@@ -197,3 +197,34 @@ def test_what_lightning_and_accelerate_read():
     assert r0["logging"]["world_size"] == 2
     # prepare_for_backward turned the no_sync step into a synchronised one: grads agree
     np.testing.assert_array_equal(r0["grad"], r1["grad"])
+
+
+@pytest.mark.slow
+def test_torch_future_of_a_new_tensor_from_an_unhashable_hook():
+    """A hook object (not hashable) written for torch that returns a completed torch Future of a
+    new tensor: the value lands in the bucket and the grads (world of one: the local grads)."""
+    import nccl_ddp as nd
+
+    class Doubler:
+        __hash__ = None     # type: ignore[assignment]
+
+        def __call__(self, state, bucket):
+            fut = torch.futures.Future()
+            fut.set_result([bucket.buffer() * 2])      # a collective's future: a list of one
+            return fut
+
+    nd.init_process_group("host", rank=0, world_size=1)
+    try:
+        model = _model(0)
+        ddp = nd.DistributedDataParallel(model)
+        ddp.register_comm_hook(None, Doubler())
+        x, y = _batches(0, 1)[0]
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        ours = [p.grad.clone() for p in model.parameters()]
+        ref = _model(0)
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        for o, p in zip(ours, ref.parameters()):
+            torch.testing.assert_close(o, 2 * p.grad, rtol=0, atol=0)
+        ddp.close()
+    finally:
+        nd.destroy_process_group()

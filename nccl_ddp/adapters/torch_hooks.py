@@ -22,9 +22,12 @@ def ours_for(hook: Any, state: Any) -> Optional[Callable]:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as d
     if state is not None:
         return None
-    return {d.allreduce_hook: comm_hooks.allreduce_hook,
-            d.fp16_compress_hook: comm_hooks.fp16_compress_hook,
-            d.bf16_compress_hook: comm_hooks.bf16_compress_hook}.get(hook)
+    for theirs, ours in ((d.allreduce_hook, comm_hooks.allreduce_hook),
+                         (d.fp16_compress_hook, comm_hooks.fp16_compress_hook),
+                         (d.bf16_compress_hook, comm_hooks.bf16_compress_hook)):
+        if hook is theirs:      # by identity: a hook object need not be hashable
+            return ours
+    return None
 
 
 def is_ours(hook: Any) -> bool:
