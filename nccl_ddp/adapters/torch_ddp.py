@@ -66,7 +66,7 @@ class TorchReducer(Reducer):
         so `outputs` is not searched."""
         if not self._open or self._count or self._step_syncs == self.sync_enabled:
             return
-        if self.wrapper is not None and self.wrapper._join_config.enable:
+        if self.wrapper is not None and self.wrapper.join_state.config.enable:
             raise ConfigError(f"rank {self.group.rank}: inside Join, decide no_sync() before the "
                               "forward; prepare_for_backward cannot change this step's sync")
         self._open_step()
