@@ -228,3 +228,43 @@ def test_torch_future_of_a_new_tensor_from_an_unhashable_hook():
         ddp.close()
     finally:
         nd.destroy_process_group()
+
+
+def _cuda_hooks(rank: int, world: int) -> list:
+    import nccl_ddp as nd
+
+    def doubled_new_tensor(state, bucket):
+        """torch work on the bucket's CUDA tensor (on torch's current stream, which the reducer
+        makes its comm stream), a completed future of a new tensor."""
+        fut = torch.futures.Future()
+        fut.set_result(bucket.buffer() * 2)
+        return fut
+
+    nd.init_process_group("nccl", timeout=60.0)
+    try:
+        dev = torch.device("cuda", torch.cuda.current_device())
+        out = []
+        for step in range(3):
+            model, ref = _model(0).to(dev), _model(0).to(dev)
+            ddp = nd.DistributedDataParallel(model, device_ids=[dev.index])
+            ddp.register_comm_hook(None, doubled_new_tensor)
+            x, y = (t.to(dev) for t in _batches(step, 1)[0])
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+            torch.nn.functional.mse_loss(ref(x), y).backward()
+            torch.cuda.synchronize()
+            out.append(max(float((p.grad - 2 * q.grad).abs().max())
+                           for p, q in zip(model.parameters(), ref.parameters())))
+            ddp.close()
+        return out
+    finally:
+        nd.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_torch_hook_on_cuda_buckets():
+    """GPU only (not yet run on a GPU): a torch hook on CUDA bucket tensors, world of one: the
+    grads are twice the local ones."""
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA here (the CPU wheel)")
+    diffs = run_ranks(_cuda_hooks, 1, timeout=300)[0]
+    assert max(diffs) <= 1e-6, diffs
