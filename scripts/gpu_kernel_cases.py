@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "support"))
 
 import numpy as np  # noqa: E402
 

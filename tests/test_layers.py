@@ -8,8 +8,9 @@ import pathlib
 from typing import Dict, Iterator, List, Set
 
 import pytest
+from paths import ROOT
 
-PKG = pathlib.Path(__file__).resolve().parent.parent / "nccl_ddp"
+PKG = ROOT / "nccl_ddp"
 SCRIPTS = PKG.parent / "scripts"
 
 # lowest first; a module may import from its own layer and the layers before it

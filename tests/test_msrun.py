@@ -15,9 +15,11 @@ import subprocess
 
 import numpy as np
 import pytest
+from paths import ROOT as REPO
+from paths import SUPPORT
 from test_launcher_envs import free_port_beside
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO)
 VENV = os.environ.get("NCCL_DDP_MS_VENV", os.path.join(ROOT, ".venv-ms"))
 PY, MSRUN = os.path.join(VENV, "bin", "python"), os.path.join(VENV, "bin", "msrun")
 TIMEOUT = 200
@@ -48,7 +50,7 @@ def _run(args: list, cwd) -> str:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("msrun_reference")
-    _run([PY, os.path.join(ROOT, "tests", "ms_reference.py"), "ddp", str(out / "ddp.npz"),
+    _run([PY, os.path.join(SUPPORT, "ms_reference.py"), "ddp", str(out / "ddp.npz"),
           "--steps", "4", "--world", "2"], out)
     return np.load(out / "ddp.npz")
 
@@ -56,7 +58,7 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize("after_ms_init", [False, True], ids=["alone", "after-ms-init"])
 def test_msrun_two_workers_train_as_one_job(tmp_path, reference, after_ms_init):
     example = os.path.join(ROOT, "examples", "ms_ddp_lenet.py")
-    script = [os.path.join(ROOT, "tests", "ms_after_init.py"), example] if after_ms_init \
+    script = [os.path.join(SUPPORT, "ms_after_init.py"), example] if after_ms_init \
         else [example]
     logs = tmp_path / "logs"
     out = _run([MSRUN, "--worker_num=2", "--local_worker_num=2", "--master_addr=127.0.0.1",

@@ -3,7 +3,9 @@ import os
 import subprocess
 import sys
 
-EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "train_mlp.py")
+from paths import ROOT
+
+EXAMPLE = os.path.join(ROOT, "examples", "train_mlp.py")
 
 
 def _launch(*args, timeout=120):

@@ -15,6 +15,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch==2.13.0)")
 
 from mp import run_ranks  # noqa: E402
+from paths import ROOT  # noqa: E402
 from torch_oracle import OracleConfig, batches, gloo_group, make_model, run_torch_ddp, train  # noqa: E402
 
 WORLD = 2
@@ -161,7 +162,7 @@ def test_bench_ddp_torch_mode(tmp_path):
     import subprocess
     import sys
 
-    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench_ddp.py")
+    script = os.path.join(ROOT, "scripts", "bench_ddp.py")
     out = tmp_path / "bench.csv"
     r = subprocess.run([sys.executable, script, "--modes", "", "--torch", "--caps", "0.01",
                         "--hidden", "32", "--layers", "2", "--features", "8", "--steps", "2",

@@ -18,8 +18,9 @@ import pytest
 jax = pytest.importorskip("jax", reason="JAX is not installed (pip install jax jaxlib)")
 
 from mp import run_ranks  # noqa: E402
+from paths import ROOT as REPO  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO)
 
 
 def _example():

@@ -2,11 +2,10 @@
 reviewer) following "mirrored in X" must land on the file that really mirrors the layout."""
 import importlib
 import re
-from pathlib import Path
 
 import pytest
+from paths import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 SOURCES = sorted((ROOT / "kernels").glob("*.cu"))
 PATH = re.compile(r"\bnccl_ddp(?:/\w+)*\.py\b|\b_?\w+\.py\b")
 DOTTED = re.compile(r"\bnccl_ddp(?:\.\w+)+")

@@ -11,9 +11,10 @@ import subprocess
 import sys
 
 import pytest
+from paths import ROOT
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SCRIPT = os.path.join(HERE, "..", "scripts", "overlap_report.py")
+SCRIPT = os.path.join(ROOT, "scripts", "overlap_report.py")
 MS = 1_000_000  # ns
 
 
@@ -139,7 +140,7 @@ def test_report_without_kernels(orep, tmp_path, capsys):
 
 # ---------------------------------------------------------------------------------- profile_nsys.sh
 
-PROFILE_SH = os.path.join(HERE, "..", "scripts", "profile_nsys.sh")
+PROFILE_SH = os.path.join(ROOT, "scripts", "profile_nsys.sh")
 
 FAKE_NSYS = r'''#!PYTHON
 """Stands in for nsys: `profile` writes a tiny report for this process and runs the command;

@@ -19,8 +19,9 @@ import os
 import mindspore as ms
 import numpy as np
 from mindspore import nn
+from paths import ROOT as REPO
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO)
 
 
 def load_example(name):

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from paths import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 sys.path.insert(0, str(ROOT / "scripts"))
 import gpu_check_summary as summary  # noqa: E402

@@ -14,8 +14,10 @@ import subprocess
 
 import numpy as np
 import pytest
+from paths import ROOT as REPO
+from paths import SUPPORT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO)
 VENV = os.environ.get("NCCL_DDP_MS_VENV", os.path.join(ROOT, ".venv-ms"))
 PY = os.path.join(VENV, "bin", "python")
 TIMEOUT = 150
@@ -61,7 +63,7 @@ def _launch(example: str, *args: str, cwd: str) -> str:
 def reference(tmp_path_factory):
     """name -> the reference parameters (ddp, grad-reducer-{sum,mean}-{docs,scaled})."""
     out = tmp_path_factory.mktemp("ms_reference")
-    _run([PY, os.path.join(ROOT, "tests", "ms_reference.py"), "all", str(out),
+    _run([PY, os.path.join(SUPPORT, "ms_reference.py"), "all", str(out),
           "--steps", "4", "--world", "2"], str(out))
     return lambda name: np.load(out / f"{name}.npz")
 
@@ -134,7 +136,7 @@ def test_ms_checks_in_venv(tmp_path):
     accumulation until zero_grad; the reducer Cell in a compiled construct (buckets per dtype and
     fusion id, mean/degree) against PyNative, a PyNative `@ms.jit` step, our ReducerError out of a
     compiled step."""
-    out = _run([PY, os.path.join(ROOT, "tests", "ms_checks.py")], str(tmp_path))
+    out = _run([PY, os.path.join(SUPPORT, "ms_checks.py")], str(tmp_path))
     assert "ms_checks: all passed" in out, out
 
 
@@ -145,7 +147,7 @@ def test_ddp_syncs_frozen_params_and_buffers(tmp_path):
     rank 0's on both ranks; after a step moved the statistics locally, the next forward takes
     rank 0's again."""
     out = _run([PY, "-m", "nccl_ddp.launch", "--nproc-per-node", "2",
-                os.path.join(ROOT, "tests", "ms_state_sync.py")], str(tmp_path))
+                os.path.join(SUPPORT, "ms_state_sync.py")], str(tmp_path))
     import json
     seen = {int(m.group(1)): json.loads(m.group(2))
             for m in re.finditer(r"\[rank (\d)\] ms_state_sync (.*)", out)}

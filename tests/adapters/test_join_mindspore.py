@@ -5,7 +5,8 @@ MindSpore's parameters: rank 0 kept its own)."""
 import os
 
 import pytest
-from test_mindspore_adapter import PY, ROOT, _problem, _run
+from paths import SUPPORT
+from test_mindspore_adapter import PY, _problem, _run
 
 pytestmark = [pytest.mark.skipif(bool(_problem), reason=_problem), pytest.mark.timeout(300),
               pytest.mark.slow]
@@ -13,6 +14,6 @@ pytestmark = [pytest.mark.skipif(bool(_problem), reason=_problem), pytest.mark.t
 
 def test_mindspore_ddp_join_with_bf16_hook(tmp_path):
     out = _run([PY, "-m", "nccl_ddp.launch", "--nproc-per-node", "2",
-                os.path.join(ROOT, "tests", "ms_join.py")], str(tmp_path))
+                os.path.join(SUPPORT, "ms_join.py")], str(tmp_path))
     for rank in (0, 1):
         assert f"ms_join: rank {rank} passed" in out, out

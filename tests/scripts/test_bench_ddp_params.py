@@ -6,8 +6,9 @@ import subprocess
 import sys
 
 import pytest
+from paths import ROOT
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench_ddp.py")
+SCRIPT = os.path.join(ROOT, "scripts", "bench_ddp.py")
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ import os
 import numpy as np
 import pytest
 from mp import run_ranks
+from paths import ROOT
 
 SHAPES = [(3, 4), (5,), (2, 3)]
 
@@ -56,7 +57,7 @@ def torch_bf16_compress_hook():
     """torch's bf16_compress_hook without its check for NCCL >= 2.10 (it refuses gloo; gloo
     reduces bfloat16 all the same), as scripts/bench_ddp_torch.py has it."""
     import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
     from bench_ddp_torch import torch_bf16_compress_hook as hook
     return hook
 

@@ -7,6 +7,7 @@ import sys
 import numpy as np
 import pytest
 from mp import run_ranks
+from paths import ROOT
 from test_reducer import FLAGS, SHAPES, local_grads, make_params
 
 pytestmark = pytest.mark.gpu
@@ -58,7 +59,7 @@ def test_ddp_flag_matrix_on_gpu():
 
 
 def test_train_mlp_on_gpu():
-    example = os.path.join(os.path.dirname(__file__), "..", "examples", "train_mlp.py")
+    example = os.path.join(ROOT, "examples", "train_mlp.py")
     r = subprocess.run([sys.executable, "-m", "nccl_ddp.launch", "--nproc-per-node", "1", example,
                         "--steps", "20"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -6,6 +6,7 @@ import textwrap
 import time
 
 import pytest
+from paths import ROOT
 
 from nccl_ddp.errors import ConfigError
 from nccl_ddp.launch.cli import parse_args
@@ -240,7 +241,7 @@ def test_auto_nproc_counts_gpus_with_nvml(monkeypatch):
 
 
 def test_allreduce_demo_through_the_launcher():
-    demo = os.path.join(os.path.dirname(__file__), "..", "examples", "allreduce_demo.py")
+    demo = os.path.join(ROOT, "examples", "allreduce_demo.py")
     r = _run(["--nproc-per-node", "2", demo])
     assert r.returncode == 0, r.stdout + r.stderr
     assert "[rank 1] rank 1/2" in r.stdout and "expected 3.0" in r.stdout

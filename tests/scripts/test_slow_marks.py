@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from paths import ROOT
 
 SAMPLE = """
 import time, pytest
@@ -19,7 +20,7 @@ INI = "[pytest]\nmarkers =\n    slow: slow\n    gpu: gpu\n"
 
 
 def _run(tmp_path: Path, strict: bool) -> subprocess.CompletedProcess:
-    shutil.copy(Path(__file__).with_name("conftest.py"), tmp_path / "conftest.py")
+    shutil.copy(ROOT / "tests" / "conftest.py", tmp_path / "conftest.py")
     (tmp_path / "test_sample.py").write_text(SAMPLE)
     (tmp_path / "pytest.ini").write_text(INI)
     env = dict(os.environ, NCCL_DDP_SLOW_LIMIT_S="0.2", NCCL_DDP_STRICT_SLOW="1" if strict else "0")

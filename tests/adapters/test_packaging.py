@@ -12,8 +12,9 @@ import textwrap
 import venv
 
 import pytest
+from paths import ROOT as REPO
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO)
 
 # One step of DDP on a CPU model, world of one, with ml_dtypes made unimportable when asked.
 TORCH_STEP = """

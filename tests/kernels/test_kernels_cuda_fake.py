@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from _fake_cupy import FakeCupy, FakeStream
+from paths import ROOT
 
 from nccl_ddp import device as D
 from nccl_ddp import kernels as K
@@ -245,8 +246,7 @@ def test_nccl_world_group_runs_on_the_gpu_ddp_uses(cp, monkeypatch):
 
 def _bench_module(monkeypatch):
     import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parent.parent / "scripts" / "bench_kernels.py"
+    path = ROOT / "scripts" / "bench_kernels.py"
     spec = importlib.util.spec_from_file_location("bench_kernels", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
