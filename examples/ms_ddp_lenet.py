@@ -6,6 +6,7 @@ docs), run on CPU with nccl_ddp: only the imports and the process-group start ar
 MindSpore itself needs numpy<2 (scripts/setup_ms_venv.sh makes the .venv-ms it runs in). The data
 set is synthetic (the docs use MNIST): different images on every rank, the same in every run.
 """
+
 import argparse
 
 import mindspore as ms
@@ -45,8 +46,13 @@ class LeNet5(nn.Cell):
 def create_dataset(rank, steps, batch=16):
     """A small synthetic MNIST stand-in: `steps` batches of (image, label) tensors for `rank`."""
     g = np.random.default_rng(2024 + rank)
-    return [(ms.Tensor(g.standard_normal((batch, 1, 32, 32)).astype(np.float32)),
-             ms.Tensor(g.integers(0, 10, batch).astype(np.int32))) for _ in range(steps)]
+    return [
+        (
+            ms.Tensor(g.standard_normal((batch, 1, 32, 32)).astype(np.float32)),
+            ms.Tensor(g.integers(0, 10, batch).astype(np.int32)),
+        )
+        for _ in range(steps)
+    ]
 
 
 def main():
@@ -55,13 +61,12 @@ def main():
     parser.add_argument("--save", help="write the trained parameters of rank 0 to this .npz")
     args = parser.parse_args()
 
-    nd.init_process_group()            # was: mindspore.mint.distributed.init_process_group()
-    ms.set_seed(0)                     # the docs' net starts alike on every rank; DDP syncs anyway
+    nd.init_process_group()  # was: mindspore.mint.distributed.init_process_group()
+    ms.set_seed(0)  # the docs' net starts alike on every rank; DDP syncs anyway
     net = LeNet5()
-    net = DistributedDataParallel(module=net,
-                                  bucket_cap_mb=None,
-                                  average_in_collective=True,
-                                  static_graph=True)
+    net = DistributedDataParallel(
+        module=net, bucket_cap_mb=None, average_in_collective=True, static_graph=True
+    )
     # The docs use mindspore.mint.optim.AdamW; on CPU MindSpore 2.10 has no AdamW kernel ("The
     # kernel AdamW unregistered"), so this runs nn.AdamWeightDecay, the CPU equivalent.
     optimizer = nn.AdamWeightDecay(net.trainable_params(), 1e-4)

@@ -9,6 +9,7 @@ summed over the ranks. Options for the tests: --mean sets gradients_mean=True an
 the world size (the step then uses the mean grad); --scale-by-rank multiplies rank r's inputs by
 r+1; --save PATH writes the weight after the step ("{rank}" in PATH: each rank its own file).
 """
+
 import argparse
 
 import mindspore as ms
@@ -53,8 +54,9 @@ class TrainingWrapper(nn.Cell):
 class Net(nn.Cell):
     def __init__(self, in_features, out_features):
         super().__init__()
-        self.weight = Parameter(Tensor(np.ones([in_features, out_features]).astype(np.float32)),
-                                name='weight')
+        self.weight = Parameter(
+            Tensor(np.ones([in_features, out_features]).astype(np.float32)), name="weight"
+        )
         self.matmul = ops.MatMul()
 
     def construct(self, x):
@@ -81,7 +83,7 @@ def main():
     mode = ms.GRAPH_MODE if args.mode == "graph" else ms.PYNATIVE_MODE
     ms.set_device("CPU")
     ms.set_context(mode=mode)
-    nd.init_process_group()                                      # docs: init()
+    nd.init_process_group()  # docs: init()
     ms.reset_auto_parallel_context()
     ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL)
     if args.mean:
@@ -93,8 +95,7 @@ def main():
     net_with_loss = nn.WithLossCell(network, loss)
     optimizer = nn.Momentum(net_with_loss.trainable_params(), learning_rate=0.1, momentum=0.9)
     train_cell = TrainingWrapper(net_with_loss, optimizer)
-    inputs, label = rank_inputs(nd.get_rank(), size, in_features, out_features,
-                                args.scale_by_rank)
+    inputs, label = rank_inputs(nd.get_rank(), size, in_features, out_features, args.scale_by_rank)
     grads = train_cell(inputs, label)
     print(grads)
     if args.save:

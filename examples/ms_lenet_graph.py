@@ -9,6 +9,7 @@ Same LeNet5, synthetic data, AdamWeightDecay and seed as the DDP example; the re
 same parameters. --mode pynative runs the same cell eagerly; --save PATH writes the parameters
 ("{rank}" in PATH: each rank its own file).
 """
+
 import argparse
 import os
 import sys
@@ -34,7 +35,7 @@ def main():
     ms.set_device("CPU")
     ms.set_context(mode=mode)
     nd.init_process_group()
-    ms.set_seed(0)                     # the same initial parameters on every rank
+    ms.set_seed(0)  # the same initial parameters on every rank
     net = LeNet5()
     optimizer = nn.AdamWeightDecay(net.trainable_params(), 1e-4)
     train_step = nn.TrainOneStepCell(nn.WithLossCell(net, nn.CrossEntropyLoss()), optimizer)

@@ -10,6 +10,7 @@ while the earlier layers are still being differentiated. Plain SGD. Rank 0 print
 mean over all ranks) per step; at the end every rank compares parameter checksums and the job
 exits non-zero unless all ranks hold identical parameters and the loss went down.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4, help="hidden layers")
     p.add_argument("--lr", type=float, default=0.02)
-    p.add_argument("--bucket-cap-mb", type=float, default=0.25,
-                   help="small buckets so several all-reduces overlap backward")
+    p.add_argument(
+        "--bucket-cap-mb",
+        type=float,
+        default=0.25,
+        help="small buckets so several all-reduces overlap backward",
+    )
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -40,8 +45,9 @@ def init_params(xp, dims, seed):
     rng = np.random.default_rng(seed)
     params = {}
     for i, (n_in, n_out) in enumerate(zip(dims[:-1], dims[1:])):
-        params[f"W{i}"] = xp.asarray(rng.standard_normal((n_in, n_out)) * np.sqrt(1.0 / n_in),
-                                     dtype=xp.float32)
+        params[f"W{i}"] = xp.asarray(
+            rng.standard_normal((n_in, n_out)) * np.sqrt(1.0 / n_in), dtype=xp.float32
+        )
         params[f"b{i}"] = xp.zeros(n_out, dtype=xp.float32)
     return params
 
@@ -82,7 +88,8 @@ def main(argv=None) -> int:
     rank, world = nd.get_rank(), nd.get_world_size()
     if group.backend == "nccl":
         import cupy as xp
-        xp.cuda.Device(group.device_id).use()   # the GPU the NCCL group runs on
+
+        xp.cuda.Device(group.device_id).use()  # the GPU the NCCL group runs on
     else:
         xp = np
     dims = [args.features] + [args.hidden] * args.layers + [1]
@@ -93,12 +100,12 @@ def main(argv=None) -> int:
     per_step = args.batch * world
     losses = []
     for step in range(args.steps):
-        start = (step * per_step) % x_all.shape[0] + rank * args.batch     # this rank's shard
-        x, y = x_all[start:start + args.batch], y_all[start:start + args.batch]
+        start = (step * per_step) % x_all.shape[0] + rank * args.batch  # this rank's shard
+        x, y = x_all[start : start + args.batch], y_all[start : start + args.batch]
         acts = ddp(x)
         err = acts[-1] - y
-        backward(model.params, acts, 2.0 * err / err.size, hooks)   # d(mean squared error)
-        for k in model.keys:                                        # grads are averaged now
+        backward(model.params, acts, 2.0 * err / err.size, hooks)  # d(mean squared error)
+        for k in model.keys:  # grads are averaged now
             model.params[k] -= args.lr * model.grads[k]
         ddp.zero_grad()
         loss = xp.asarray([float((err * err).mean())], dtype=xp.float64)
@@ -107,12 +114,14 @@ def main(argv=None) -> int:
         if rank == 0:
             print(f"step {step:3d}  loss {losses[-1]:.6f}", flush=True)
     ok = check_identical(xp, model, rank, world)
-    k = max(1, len(losses) // 5)                   # mean of the first vs the last fifth of the steps
+    k = max(1, len(losses) // 5)  # mean of the first vs the last fifth of the steps
     first, last = float(np.mean(losses[:k])), float(np.mean(losses[-k:]))
     went_down = last < first
     if rank == 0:
-        print(f"loss {first:.6f} -> {last:.6f} (first/last {k} steps: "
-              f"{'down' if went_down else 'NOT down'})", flush=True)
+        print(
+            f"loss {first:.6f} -> {last:.6f} (first/last {k} steps: {'down' if went_down else 'NOT down'})",
+            flush=True,
+        )
     ddp.close()
     nd.destroy_process_group()
     return 0 if ok and went_down else 1
@@ -120,16 +129,23 @@ def main(argv=None) -> int:
 
 def check_identical(xp, model, rank, world) -> bool:
     """All-gather one float64 checksum per parameter; every rank must see identical rows."""
-    sums = xp.asarray([float(xp.abs(model.params[k]).astype(xp.float64).sum()) +
-                       float((model.params[k].astype(xp.float64) ** 2).sum()) for k in model.keys])
+    sums = xp.asarray(
+        [
+            float(xp.abs(model.params[k]).astype(xp.float64).sum())
+            + float((model.params[k].astype(xp.float64) ** 2).sum())
+            for k in model.keys
+        ]
+    )
     gathered = xp.empty(world * sums.size, dtype=xp.float64)
     nd.get_world_group().all_gather(gathered, sums).wait()
     rows = np.asarray(gathered.get() if hasattr(gathered, "get") else gathered).reshape(world, -1)
     same = bool((rows == rows[0]).all())
     if rank == 0:
-        print(f"{'all' if same else 'NOT all'} {world} ranks hold identical parameters "
-              f"({'identical' if same else 'different'} checksums of {sums.size} arrays)",
-              flush=True)
+        print(
+            f"{'all' if same else 'NOT all'} {world} ranks hold identical parameters "
+            f"({'identical' if same else 'different'} checksums of {sums.size} arrays)",
+            flush=True,
+        )
     return same
 
 

@@ -2,21 +2,22 @@
 
 `import nccl_ddp` needs only NumPy; CuPy, NCCL and the frameworks load when first used.
 """
+
 from nccl_ddp import errors, hooks
 from nccl_ddp.comm.api import (
-                               all_gather,
-                               all_reduce,
-                               barrier,
-                               broadcast,
-                               destroy_process_group,
-                               get_local_rank,
-                               get_rank,
-                               get_world_group,
-                               get_world_size,
-                               init_process_group,
-                               is_initialized,
-                               new_group,
-                               reduce_scatter,
+    all_gather,
+    all_reduce,
+    barrier,
+    broadcast,
+    destroy_process_group,
+    get_local_rank,
+    get_rank,
+    get_world_group,
+    get_world_size,
+    init_process_group,
+    is_initialized,
+    new_group,
+    reduce_scatter,
 )
 from nccl_ddp.comm.group import ProcessGroup, ReduceOp, Work
 from nccl_ddp.ddp.data_parallel import DistributedDataParallel
@@ -33,17 +34,41 @@ def __getattr__(name: str):
     only when first used."""
     if name == "ZeroRedundancyOptimizer":
         from nccl_ddp.adapters.torch_zero import ZeroRedundancyOptimizer
+
         return ZeroRedundancyOptimizer
     if name == "ZeroOptimizer":
         from nccl_ddp.adapters.jax_zero import ZeroOptimizer
+
         return ZeroOptimizer
     raise AttributeError(f"module 'nccl_ddp' has no attribute {name!r}")
 
 
-__all__ = ["DistributedDataParallel", "DistributedGradReducer", "Join", "NcclDdpError", "ProcessGroup",
-           "ReduceOp", "ShardAdamW", "ShardSGD", "Work", "ZeroOptimizer", "ZeroRedundancyOptimizer",
-           "__version__",
-           "all_gather", "all_reduce",
-           "barrier", "broadcast",
-           "destroy_process_group", "errors", "hooks", "get_local_rank", "get_rank", "get_world_group",
-           "get_world_size", "init_process_group", "is_initialized", "new_group", "reduce_scatter"]
+__all__ = [
+    "DistributedDataParallel",
+    "DistributedGradReducer",
+    "Join",
+    "NcclDdpError",
+    "ProcessGroup",
+    "ReduceOp",
+    "ShardAdamW",
+    "ShardSGD",
+    "Work",
+    "ZeroOptimizer",
+    "ZeroRedundancyOptimizer",
+    "__version__",
+    "all_gather",
+    "all_reduce",
+    "barrier",
+    "broadcast",
+    "destroy_process_group",
+    "errors",
+    "hooks",
+    "get_local_rank",
+    "get_rank",
+    "get_world_group",
+    "get_world_size",
+    "init_process_group",
+    "is_initialized",
+    "new_group",
+    "reduce_scatter",
+]

@@ -5,6 +5,7 @@ Writable inputs become zero-copy views, so a collective writes into the caller's
 Read-only or immutable inputs (JAX) are copied, and `from_native` hands back a new array of the
 caller's framework. Frameworks are imported only when such an array shows up.
 """
+
 from __future__ import annotations
 
 import sys
@@ -17,16 +18,26 @@ from nccl_ddp.errors import ConfigError, ConfigTypeError
 from nccl_ddp.frameworks import is_immutable
 
 KDL_CPU, KDL_CUDA, KDL_CUDA_HOST = 1, 2, 3
-_DEVICE_NAMES = {1: "cpu", 2: "cuda", 3: "cuda-host", 4: "opencl", 7: "vulkan", 8: "metal",
-                 10: "rocm", 13: "cuda-managed"}
+_DEVICE_NAMES = {
+    1: "cpu",
+    2: "cuda",
+    3: "cuda-host",
+    4: "opencl",
+    7: "vulkan",
+    8: "metal",
+    10: "rocm",
+    13: "cuda-managed",
+}
 
 
 def _dlpack_source(x: Any, where: str) -> Any:
     if not hasattr(x, "__dlpack__"):
-        raise ConfigTypeError(f"{where}: expected an array that supports DLPack (NumPy, CuPy, torch, "
-                          f"JAX), got {type(x).__module__}.{type(x).__name__}")
+        raise ConfigTypeError(
+            f"{where}: expected an array that supports DLPack (NumPy, CuPy, torch, "
+            f"JAX), got {type(x).__module__}.{type(x).__name__}"
+        )
     if getattr(x, "requires_grad", False) and hasattr(x, "detach"):
-        return x.detach()          # torch: same storage, no autograd tracking
+        return x.detach()  # torch: same storage, no autograd tracking
     return x
 
 
@@ -35,9 +46,10 @@ def _device_type(x: Any) -> int:
         return int(x.__dlpack_device__()[0])
     except (AttributeError, TypeError):
         return KDL_CPU
-    except ValueError as e:   # torch's meta / sparse tensors have no DLPack device
-        raise ConfigError(f"cannot exchange a {type(x).__name__} through DLPack ({e}); pass a "
-                          f"dense CPU or GPU array") from e
+    except ValueError as e:  # torch's meta / sparse tensors have no DLPack device
+        raise ConfigError(
+            f"cannot exchange a {type(x).__name__} through DLPack ({e}); pass a dense CPU or GPU array"
+        ) from e
 
 
 def to_native(x: Any, device_kind: str, where: str = "collective") -> Any:
@@ -66,9 +78,11 @@ def _numpy_view(x: Any, where: str) -> np.ndarray:
     src = _dlpack_source(x, where)
     dev = _device_type(src)
     if dev not in (KDL_CPU, KDL_CUDA_HOST):
-        raise ConfigError(f"{where}: the array lives on device {_DEVICE_NAMES.get(dev, dev)}, "
-                          f"but the host backend needs CPU arrays; use backend='nccl' for GPU "
-                          f"arrays, or move it to the CPU")
+        raise ConfigError(
+            f"{where}: the array lives on device {_DEVICE_NAMES.get(dev, dev)}, "
+            f"but the host backend needs CPU arrays; use backend='nccl' for GPU "
+            f"arrays, or move it to the CPU"
+        )
     try:
         return np.from_dlpack(src)
     except (BufferError, TypeError, RuntimeError) as e:
@@ -76,8 +90,7 @@ def _numpy_view(x: Any, where: str) -> np.ndarray:
         if arr is None and is_immutable(x):
             arr = np.asarray(x)
         if arr is None:
-            raise ConfigError(f"{where}: cannot view {type(x).__name__} through DLPack "
-                              f"({e})") from e
+            raise ConfigError(f"{where}: cannot view {type(x).__name__} through DLPack ({e})") from e
         return arr
 
 
@@ -95,17 +108,22 @@ def _bfloat16_view(src: Any) -> Optional[np.ndarray]:
 
 def _to_cupy(x: Any, where: str) -> Any:
     import cupy
+
     if isinstance(x, cupy.ndarray):
         return x
     if isinstance(x, np.ndarray):
-        raise ConfigError(f"{where}: got a NumPy (CPU) array but the nccl backend needs GPU "
-                          f"arrays; move it to the GPU (cupy.asarray) or use backend='host'")
+        raise ConfigError(
+            f"{where}: got a NumPy (CPU) array but the nccl backend needs GPU "
+            f"arrays; move it to the GPU (cupy.asarray) or use backend='host'"
+        )
     src = _dlpack_source(x, where)
     try:
         arr = cupy.from_dlpack(src)
     except (BufferError, TypeError, RuntimeError, ValueError) as e:
-        raise ConfigError(f"{where}: cannot view {type(x).__name__} on the GPU through DLPack "
-                          f"({e}); the nccl backend needs GPU arrays") from e
+        raise ConfigError(
+            f"{where}: cannot view {type(x).__name__} on the GPU through DLPack "
+            f"({e}); the nccl backend needs GPU arrays"
+        ) from e
     return arr.copy() if is_immutable(x) else arr
 
 
@@ -117,14 +135,15 @@ def from_native(native: Any, like: Any) -> Any:
     if is_immutable(like):
         return frameworks.adapter("jax").array_from_native(native)
     if type(like).__module__.split(".")[0] in ("numpy", "cupy") or not _shares(native, like):
-        return native          # a read-only input got a new array
-    return like                # a DLPack view of a writable framework array: written in place
+        return native  # a read-only input got a new array
+    return like  # a DLPack view of a writable framework array: written in place
 
 
 def _shares(native: Any, like: Any) -> bool:
     if isinstance(native, np.ndarray):
         return np.may_share_memory(native, _numpy_view(like, ""))
     import cupy
+
     return cupy.may_share_memory(native, cupy.from_dlpack(_dlpack_source(like, "")))
 
 
@@ -135,6 +154,7 @@ def native_from_dlpack(x: Any, device_type: int) -> Any:
         return np.from_dlpack(x)
     if device_type == KDL_CUDA:
         import cupy
+
         return cupy.from_dlpack(x)
     raise ConfigTypeError(f"arrays on DLPack device type {device_type} are not supported (CPU or CUDA only)")
 
@@ -144,8 +164,10 @@ def bfloat16_dtype() -> np.dtype:
     try:
         import ml_dtypes
     except ImportError as e:
-        raise ConfigError("bfloat16 arrays on the host need the ml_dtypes package (NumPy has no "
-                          "bfloat16): pip install ml_dtypes") from e
+        raise ConfigError(
+            "bfloat16 arrays on the host need the ml_dtypes package (NumPy has no "
+            "bfloat16): pip install ml_dtypes"
+        ) from e
     return np.dtype(ml_dtypes.bfloat16)
 
 

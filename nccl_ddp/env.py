@@ -8,6 +8,7 @@ whichever launcher set the rank. A process with none of these is a job of one (r
 port chosen when the store binds); a process that some launcher says is one of several but that
 would still resolve to a job of one is refused (`_check_not_alone`): it would train alone, silently.
 """
+
 from __future__ import annotations
 
 import numbers
@@ -23,23 +24,36 @@ LOOPBACK = "127.0.0.1"
 # Launcher -> (rank, world size, local rank, local world size) variable names.
 _TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 _SLURM = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", None)
-_OMPI = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-         "OMPI_COMM_WORLD_LOCAL_SIZE")
-_PMI = ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")   # MPICH hydra, Intel MPI
+_OMPI = (
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "OMPI_COMM_WORLD_LOCAL_SIZE",
+)
+_PMI = ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")  # MPICH hydra, Intel MPI
 # msrun: RANK_ID (= MS_NODE_ID; unset on a node started without --node_rank until MindSpore's
 # init() assigns it), MS_WORKER_NUM (= RANK_SIZE, all nodes), DEVICE_ID (the index on this node)
 _MSRUN = ("RANK_ID", "MS_WORKER_NUM", "DEVICE_ID", "LOCAL_WORLD_SIZE")
 # every variable by which a launcher or scheduler says how many processes the job has
 _WORLD_VARS = ("WORLD_SIZE", "MS_WORKER_NUM", "RANK_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
-_NAMES = {"torchrun": "torchrun / nccl-ddp-run", "lightning": "Lightning's launcher",
-          "msrun": "msrun", "slurm": "Slurm", "openmpi": "Open MPI", "pmi": "MPICH / Intel MPI",
-          "arguments": "the arguments", "none": "no launcher"}
-_MS_SCHEDULER = "MS_SCHED"   # MS_ROLE of the process msrun starts as MindSpore's scheduler
-_MSRUN_RANK_HINT = ("msrun exports RANK_ID on one node, and on several only with --node_rank "
-                    "(else MindSpore assigns ranks inside mindspore.communication.init()): pass "
-                    "--node_rank to msrun on every node, or pass "
-                    "rank=mindspore.communication.get_rank() to init_process_group after "
-                    "mindspore.communication.init()")
+_NAMES = {
+    "torchrun": "torchrun / nccl-ddp-run",
+    "lightning": "Lightning's launcher",
+    "msrun": "msrun",
+    "slurm": "Slurm",
+    "openmpi": "Open MPI",
+    "pmi": "MPICH / Intel MPI",
+    "arguments": "the arguments",
+    "none": "no launcher",
+}
+_MS_SCHEDULER = "MS_SCHED"  # MS_ROLE of the process msrun starts as MindSpore's scheduler
+_MSRUN_RANK_HINT = (
+    "msrun exports RANK_ID on one node, and on several only with --node_rank "
+    "(else MindSpore assigns ranks inside mindspore.communication.init()): pass "
+    "--node_rank to msrun on every node, or pass "
+    "rank=mindspore.communication.get_rank() to init_process_group after "
+    "mindspore.communication.init()"
+)
 
 
 @dataclass(frozen=True)
@@ -60,9 +74,9 @@ class DistEnv:
     local_world_size: int
     master_addr: str
     master_port: int
-    secret: str = field(default="", repr=False)   # never logged
-    store_hosted_externally: bool = False         # the launcher hosts the store; rank 0 is a client
-    store_port: int = -1                          # -1: the same as master_port
+    secret: str = field(default="", repr=False)  # never logged
+    store_hosted_externally: bool = False  # the launcher hosts the store; rank 0 is a client
+    store_port: int = -1  # -1: the same as master_port
     source: str = "none"
     ms_scheduler: bool = False
 
@@ -78,8 +92,9 @@ def _int(environ: Mapping[str, str], name: Optional[str]) -> Optional[int]:
     try:
         return int(raw)
     except ValueError:
-        raise ConfigError(f"environment variable {name}={raw!r} is not an integer; "
-                          f"set it to a whole number or unset it") from None
+        raise ConfigError(
+            f"environment variable {name}={raw!r} is not an integer; set it to a whole number or unset it"
+        ) from None
 
 
 def env_int(name: str, default: int) -> int:
@@ -94,12 +109,15 @@ def slurm_tasks_on_node(tasks_per_node: str, node_id: int) -> int:
     for part in tasks_per_node.split(","):
         m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
         if not m:
-            raise ConfigError(f"cannot parse SLURM_TASKS_PER_NODE={tasks_per_node!r}; "
-                              f"set LOCAL_WORLD_SIZE explicitly")
+            raise ConfigError(
+                f"cannot parse SLURM_TASKS_PER_NODE={tasks_per_node!r}; set LOCAL_WORLD_SIZE explicitly"
+            )
         counts += [int(m.group(1))] * int(m.group(2) or 1)
     if not 0 <= node_id < len(counts):
-        raise ConfigError(f"SLURM_NODEID={node_id} is outside SLURM_TASKS_PER_NODE="
-                          f"{tasks_per_node!r}; set LOCAL_WORLD_SIZE explicitly")
+        raise ConfigError(
+            f"SLURM_NODEID={node_id} is outside SLURM_TASKS_PER_NODE="
+            f"{tasks_per_node!r}; set LOCAL_WORLD_SIZE explicitly"
+        )
     return counts[node_id]
 
 
@@ -136,7 +154,7 @@ class _Found:
     values: tuple
     addr: Optional[str] = None
     store_port: Optional[int] = None
-    store_after_master: bool = False    # a torch store holds MASTER_PORT: ours takes the next
+    store_after_master: bool = False  # a torch store holds MASTER_PORT: ours takes the next
     ms_scheduler: bool = False
 
 
@@ -150,32 +168,42 @@ def _lightning(environ: Mapping[str, str]) -> _Found:
     node, local = _int(environ, "NODE_RANK") or 0, _int(environ, "LOCAL_RANK")
     local_world = _int(environ, "LOCAL_WORLD_SIZE")
     if node > 0 and local_world is None:
-        raise ConfigError(f"Lightning's launcher (WORLD_SIZE={environ['WORLD_SIZE']}, "
-                          f"NODE_RANK={node}, LOCAL_RANK={local}, no RANK): the rank on node "
-                          f"{node} needs the processes per node; set LOCAL_WORLD_SIZE to "
-                          f"Trainer(devices=...) on every node, or set RANK")
-    rank = local if node == 0 else node * local_world + local   # type: ignore[operator]
-    return _Found("lightning", ("NODE_RANK*LOCAL_WORLD_SIZE+LOCAL_RANK",) + _TORCHRUN[1:],
-                  (rank, _int(environ, "WORLD_SIZE"), local, local_world),
-                  store_after_master=True)
+        raise ConfigError(
+            f"Lightning's launcher (WORLD_SIZE={environ['WORLD_SIZE']}, "
+            f"NODE_RANK={node}, LOCAL_RANK={local}, no RANK): the rank on node "
+            f"{node} needs the processes per node; set LOCAL_WORLD_SIZE to "
+            f"Trainer(devices=...) on every node, or set RANK"
+        )
+    rank = local if node == 0 else node * local_world + local  # type: ignore[operator]
+    return _Found(
+        "lightning",
+        ("NODE_RANK*LOCAL_WORLD_SIZE+LOCAL_RANK",) + _TORCHRUN[1:],
+        (rank, _int(environ, "WORLD_SIZE"), local, local_world),
+        store_after_master=True,
+    )
 
 
 def _msrun(environ: Mapping[str, str]) -> _Found:
     world_var = "MS_WORKER_NUM" if _set(environ, "MS_WORKER_NUM") else "RANK_SIZE"
     names = (_MSRUN[0], world_var) + _MSRUN[2:]
     sched_port = _int(environ, "MS_SCHED_PORT")
-    return _Found("msrun", names, tuple(_int(environ, n) for n in names),
-                  addr=environ.get("MS_SCHED_HOST", "").strip() or None,
-                  store_port=sched_port - 1 if sched_port else None,
-                  ms_scheduler=environ.get("MS_ROLE", "").strip() == _MS_SCHEDULER)
+    return _Found(
+        "msrun",
+        names,
+        tuple(_int(environ, n) for n in names),
+        addr=environ.get("MS_SCHED_HOST", "").strip() or None,
+        store_port=sched_port - 1 if sched_port else None,
+        ms_scheduler=environ.get("MS_ROLE", "").strip() == _MS_SCHEDULER,
+    )
 
 
 def _identity(environ: Mapping[str, str]) -> _Found:
     """What the first launcher whose variables are set says about this process."""
     if _set(environ, "RANK"):
         agent = environ.get("TORCHELASTIC_USE_AGENT_STORE", "").strip().lower() == "true"
-        return _Found("torchrun", _TORCHRUN, tuple(_int(environ, n) for n in _TORCHRUN),
-                      store_after_master=agent)
+        return _Found(
+            "torchrun", _TORCHRUN, tuple(_int(environ, n) for n in _TORCHRUN), store_after_master=agent
+        )
     if _set(environ, "WORLD_SIZE") and _set(environ, "LOCAL_RANK"):
         return _lightning(environ)
     if _set(environ, "MS_ROLE") or _set(environ, "RANK_ID"):
@@ -196,8 +224,9 @@ def _claims(environ: Mapping[str, str], source: str) -> dict:
     """The variables that say the job has more than one process. Slurm's count describes the
     allocation, which may hold a launcher of its own: it counts only when no launcher was found."""
     names = _WORLD_VARS + (("SLURM_NTASKS",) if source in ("none", "arguments") else ())
-    return {n: environ[n].strip() for n in names
-            if environ.get(n, "").strip().isdigit() and int(environ[n]) > 1}
+    return {
+        n: environ[n].strip() for n in names if environ.get(n, "").strip().isdigit() and int(environ[n]) > 1
+    }
 
 
 def _check_not_alone(environ: Mapping[str, str], source: str, world_size: int) -> None:
@@ -207,29 +236,44 @@ def _check_not_alone(environ: Mapping[str, str], source: str, world_size: int) -
         return
     seen = ", ".join(f"{k}={v}" for k, v in claims.items())
     if source == "arguments":
-        fix = ("pass the world_size and rank that launcher set (or leave them out to read them "
-               "from the environment), or unset those variables to run alone")
+        fix = (
+            "pass the world_size and rank that launcher set (or leave them out to read them "
+            "from the environment), or unset those variables to run alone"
+        )
     elif "MS_WORKER_NUM" in claims or "RANK_SIZE" in claims:
         fix = _MSRUN_RANK_HINT
     else:
-        fix = ("set RANK (or the launcher's rank variable) on every process, or unset those "
-               "variables to run alone")
-    raise ConfigError(f"the environment says this job has more than one process ({seen}) but "
-                      f"nccl_ddp resolved a job of one (from {_NAMES[source]}): each process would "
-                      f"train alone; {fix}")
+        fix = (
+            "set RANK (or the launcher's rank variable) on every process, or unset those "
+            "variables to run alone"
+        )
+    raise ConfigError(
+        f"the environment says this job has more than one process ({seen}) but "
+        f"nccl_ddp resolved a job of one (from {_NAMES[source]}): each process would "
+        f"train alone; {fix}"
+    )
 
 
-def resolve_env(rank: Optional[int] = None, world_size: Optional[int] = None,
-                local_rank: Optional[int] = None, master_addr: Optional[str] = None,
-                master_port: Optional[int] = None,
-                environ: Optional[Mapping[str, str]] = None) -> DistEnv:
+def resolve_env(
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+    local_rank: Optional[int] = None,
+    master_addr: Optional[str] = None,
+    master_port: Optional[int] = None,
+    environ: Optional[Mapping[str, str]] = None,
+) -> DistEnv:
     """Work out this process's DistEnv; raises ConfigError naming the variable to fix."""
-    for name, value in (("rank", rank), ("world_size", world_size), ("local_rank", local_rank),
-                        ("master_port", master_port)):
-        if value is not None and (isinstance(value, bool)
-                                  or not isinstance(value, numbers.Integral)):
-            raise ConfigTypeError(f"{name} must be an int or None (read from the environment), got "
-                            f"{type(value).__name__} {value!r}")
+    for name, value in (
+        ("rank", rank),
+        ("world_size", world_size),
+        ("local_rank", local_rank),
+        ("master_port", master_port),
+    ):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+            raise ConfigTypeError(
+                f"{name} must be an int or None (read from the environment), got "
+                f"{type(value).__name__} {value!r}"
+            )
     environ = os.environ if environ is None else environ
     found = _identity(environ)
     source = found.source
@@ -242,70 +286,97 @@ def resolve_env(rank: Optional[int] = None, world_size: Optional[int] = None,
     if rank is None and world_size is None:
         rank, world_size = 0, 1
     elif world_size is None:
-        raise ConfigError(f"rank {rank} is set ({_NAMES[source]}) but the world size is not; "
-                          f"set {world_var or 'WORLD_SIZE'} (or pass world_size=)")
+        raise ConfigError(
+            f"rank {rank} is set ({_NAMES[source]}) but the world size is not; "
+            f"set {world_var or 'WORLD_SIZE'} (or pass world_size=)"
+        )
     elif rank is None:
-        hint = (_MSRUN_RANK_HINT if found.source == "msrun"
-                else f"set {rank_var} (or pass rank=)")
-        raise ConfigError(f"world size {world_size} is set ({_NAMES[source]}) but the rank is not; "
-                          f"{hint}")
+        hint = _MSRUN_RANK_HINT if found.source == "msrun" else f"set {rank_var} (or pass rank=)"
+        raise ConfigError(f"world size {world_size} is set ({_NAMES[source]}) but the rank is not; {hint}")
     if world_size < 1:
         raise ConfigError(f"world size is {world_size}; set {world_var} to a positive integer")
     if not 0 <= rank < world_size:
-        raise ConfigError(f"rank {rank} is outside [0, {world_size}) (from {_NAMES[source]}); set "
-                          f"{rank_var} to a value below {world_var}")
+        raise ConfigError(
+            f"rank {rank} is outside [0, {world_size}) (from {_NAMES[source]}); set "
+            f"{rank_var} to a value below {world_var}"
+        )
     _check_not_alone(environ, source, world_size)
 
     local_world = e_local_world if e_local_world is not None else world_size
     if local_world < 1:
-        raise ConfigError(f"rank {rank}: local world size is {local_world}; set {local_world_var} "
-                          f"to the number of ranks on this node")
+        raise ConfigError(
+            f"rank {rank}: local world size is {local_world}; set {local_world_var} "
+            f"to the number of ranks on this node"
+        )
     local_rank = e_local if local_rank is None else local_rank
     if local_rank is None:
         local_rank = rank % local_world
     if not 0 <= local_rank < local_world:
-        raise ConfigError(f"rank {rank}: local rank {local_rank} is outside [0, {local_world}); "
-                          f"set {local_var} below {local_world_var}")
+        raise ConfigError(
+            f"rank {rank}: local rank {local_rank} is outside [0, {local_world}); "
+            f"set {local_var} below {local_world_var}"
+        )
 
     addr = master_addr or environ.get("MASTER_ADDR", "").strip() or found.addr
     if not addr:
         if local_world < world_size:
-            raise ConfigError(f"rank {rank}: the job spans several nodes ({world_size} ranks, "
-                              f"{local_world} here) but MASTER_ADDR is not set; set it to the "
-                              f"address of the node running rank 0")
+            raise ConfigError(
+                f"rank {rank}: the job spans several nodes ({world_size} ranks, "
+                f"{local_world} here) but MASTER_ADDR is not set; set it to the "
+                f"address of the node running rank 0"
+            )
         addr = LOOPBACK
     if master_port is None:
         master_port = _int(environ, "MASTER_PORT")
     if master_port is None and found.store_port is not None:
-        master_port = found.store_port    # msrun: no MASTER_PORT; the store's port is the rendezvous
+        master_port = found.store_port  # msrun: no MASTER_PORT; the store's port is the rendezvous
     if master_port is None:
         if world_size > 1:
-            raise ConfigError(f"rank {rank}: world size {world_size} needs a rendezvous port but "
-                              f"MASTER_PORT is not set; set it to the same free port on every rank")
+            raise ConfigError(
+                f"rank {rank}: world size {world_size} needs a rendezvous port but "
+                f"MASTER_PORT is not set; set it to the same free port on every rank"
+            )
         master_port = 0
     if not 0 <= master_port <= 65535 or (master_port == 0 and world_size > 1):
-        raise ConfigError(f"rank {rank}: MASTER_PORT={master_port} is not a usable port; set it "
-                          f"to a free port in 1..65535, the same on every rank")
+        raise ConfigError(
+            f"rank {rank}: MASTER_PORT={master_port} is not a usable port; set it "
+            f"to a free port in 1..65535, the same on every rank"
+        )
 
     hosted = environ.get("NCCL_DDP_STORE_HOSTED", "").strip().lower() in ("1", "true", "yes")
     store_port = _int(environ, "NCCL_DDP_STORE_PORT")
     if store_port is None:
-        store_port = (master_port + 1 if found.store_after_master and master_port
-                      else found.store_port if found.store_port is not None else master_port)
+        store_port = (
+            master_port + 1
+            if found.store_after_master and master_port
+            else found.store_port
+            if found.store_port is not None
+            else master_port
+        )
     if not 0 <= store_port <= 65535 or (store_port == 0 and world_size > 1):
-        raise ConfigError(f"rank {rank}: NCCL_DDP_STORE_PORT={store_port} is not a usable port; "
-                          f"set it to a free port in 1..65535, the same on every rank (or unset "
-                          f"it to use MASTER_PORT)")
-    return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank,
-                   local_world_size=local_world, master_addr=addr, master_port=master_port,
-                   secret=environ.get("NCCL_DDP_SECRET", ""), store_hosted_externally=hosted,
-                   store_port=store_port, source=found.source if source != "arguments" else source,
-                   ms_scheduler=found.ms_scheduler)
+        raise ConfigError(
+            f"rank {rank}: NCCL_DDP_STORE_PORT={store_port} is not a usable port; "
+            f"set it to a free port in 1..65535, the same on every rank (or unset "
+            f"it to use MASTER_PORT)"
+        )
+    return DistEnv(
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        local_world_size=local_world,
+        master_addr=addr,
+        master_port=master_port,
+        secret=environ.get("NCCL_DDP_SECRET", ""),
+        store_hosted_externally=hosted,
+        store_port=store_port,
+        source=found.source if source != "arguments" else source,
+        ms_scheduler=found.ms_scheduler,
+    )
 
 
 # -- failure records for the launcher (like torchrun's error files) -----------------------------
 
-ERROR_FILE_VAR = "NCCL_DDP_ERROR_FILE"    # nccl-ddp-run sets it: where this worker's record goes
+ERROR_FILE_VAR = "NCCL_DDP_ERROR_FILE"  # nccl-ddp-run sets it: where this worker's record goes
 _BLAME = re.compile(r"peer rank (\d+)")
 _hook_installed = False
 
@@ -332,16 +403,23 @@ def record_failure(exc: BaseException, environ: Optional[Mapping[str, str]] = No
         return
     import json
     import time
+
     rank = _int(environ, "RANK")
-    record = {"rank": rank, "time": time.time(), "type": type(exc).__name__,
-              "message": str(exc)[:4000], "blames": blamed_rank(exc), "pid": os.getpid()}
+    record = {
+        "rank": rank,
+        "time": time.time(),
+        "type": type(exc).__name__,
+        "message": str(exc)[:4000],
+        "blames": blamed_rank(exc),
+        "pid": os.getpid(),
+    }
     try:
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
             json.dump(record, f)
         os.replace(tmp, path)
     except OSError:
-        pass          # a record is a courtesy to the launcher; never mask the real error
+        pass  # a record is a courtesy to the launcher; never mask the real error
 
 
 def install_failure_hook() -> None:
@@ -350,6 +428,7 @@ def install_failure_hook() -> None:
     if _hook_installed or not os.environ.get(ERROR_FILE_VAR):
         return
     import sys
+
     previous = sys.excepthook
 
     def hook(tp, value, tb):
@@ -369,6 +448,8 @@ def debug_level(environ: Optional[Mapping[str, str]] = None) -> str:
     environ = os.environ if environ is None else environ
     value = environ.get("NCCL_DDP_DEBUG", "").strip().upper() or "OFF"
     if value not in DEBUG_LEVELS:
-        raise ConfigError(f"NCCL_DDP_DEBUG={environ.get('NCCL_DDP_DEBUG')!r}: use one of "
-                          f"{', '.join(DEBUG_LEVELS)} (or unset it)")
+        raise ConfigError(
+            f"NCCL_DDP_DEBUG={environ.get('NCCL_DDP_DEBUG')!r}: use one of "
+            f"{', '.join(DEBUG_LEVELS)} (or unset it)"
+        )
     return value

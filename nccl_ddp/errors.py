@@ -2,6 +2,7 @@
 
 Messages name the rank, the parameter / bucket / op involved and what to do about it.
 """
+
 from __future__ import annotations
 
 

@@ -3,6 +3,7 @@
 Nothing here imports a framework: the decision is made from the classes' modules, and the adapter
 (nccl_ddp/adapters/<name>.py, which does import its framework) is loaded only when needed.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -14,18 +15,19 @@ from nccl_ddp.errors import ConfigTypeError
 
 # top-level module of a class in an object's MRO -> adapter module under nccl_ddp.adapters
 # (a user's model subclasses the framework's own class, and MindSpore's Parameter lives in "abc")
-_ADAPTERS = {"torch": "torch", "mindspore": "mindspore", "jax": "jax", "jaxlib": "jax",
-             "flax": "jax"}
+_ADAPTERS = {"torch": "torch", "mindspore": "mindspore", "jax": "jax", "jaxlib": "jax", "flax": "jax"}
 
 # framework -> (adapter module, class) of the DDP wrapper for its models, which is also one of
 # the framework's own module classes (torch.nn.Module, nn.Cell); frameworks not listed use the
 # core class
-_WRAPPERS = {"torch": ("torch_ddp", "TorchDistributedDataParallel"),
-             "mindspore": ("mindspore_ddp", "MindSporeDistributedDataParallel")}
+_WRAPPERS = {
+    "torch": ("torch_ddp", "TorchDistributedDataParallel"),
+    "mindspore": ("mindspore_ddp", "MindSporeDistributedDataParallel"),
+}
 
 
 def framework_of(obj: Any) -> Optional[str]:
-    """"torch", "mindspore" or "jax" for an object of that framework; None for anything else
+    """ "torch", "mindspore" or "jax" for an object of that framework; None for anything else
     (NumPy and CuPy arrays need no adapter)."""
     for cls in type(obj).__mro__:
         name = _ADAPTERS.get(cls.__module__.split(".")[0])
@@ -44,8 +46,10 @@ def adapter(name: str) -> ModuleType:
     try:
         return importlib.import_module(f"nccl_ddp.adapters.{name}")
     except ImportError as e:
-        raise ConfigTypeError(f"the nccl_ddp adapter for {name} could not be loaded ({e}); install "
-                              f"{name}, or pass NumPy / CuPy arrays instead") from e
+        raise ConfigTypeError(
+            f"the nccl_ddp adapter for {name} could not be loaded ({e}); install "
+            f"{name}, or pass NumPy / CuPy arrays instead"
+        ) from e
 
 
 def wrapper_class(name: str) -> Any:
@@ -87,5 +91,6 @@ def module_adapter(module: Any) -> Any:
         raise ConfigTypeError(
             f"module must be a model of a supported framework (torch.nn.Module, MindSpore nn.Cell), "
             f"an nccl_ddp ArrayModule or a list/dict of NumPy/CuPy arrays, got "
-            f"{type(module).__module__}.{type(module).__name__}")
+            f"{type(module).__module__}.{type(module).__name__}"
+        )
     return adapter(name).adapt(module)

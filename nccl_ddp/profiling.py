@@ -24,6 +24,7 @@ Per step: comm time = length of the union of pack/allreduce/unpack intervals; ov
 it inside the backward interval(s); ratio = overlap / comm. Phases and NVTX colours: see PHASES.
 NVTX comes from the `nvtx` package if installed, else `cupy.cuda.nvtx`; neither is imported if off.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -42,15 +43,18 @@ from nccl_ddp.errors import ConfigError, NcclDdpError
 log = logging.getLogger(__name__)
 
 PHASES = {  # phase -> NVTX colour (ARGB)
-    "backward": 0xFF4C72B0, "pack": 0xFFDD8452, "allreduce": 0xFF55A868,
-    "unpack": 0xFFC44E52, "finalize": 0xFF8172B3,
+    "backward": 0xFF4C72B0,
+    "pack": 0xFFDD8452,
+    "allreduce": 0xFF55A868,
+    "unpack": 0xFFC44E52,
+    "finalize": 0xFF8172B3,
 }
 COMM_PHASES = frozenset({"pack", "allreduce", "reducescatter", "unpack", "hook"})
-REDUCE_PHASES = frozenset({"allreduce", "reducescatter"})   # one per bucket (ZeRO-2: the latter)
+REDUCE_PHASES = frozenset({"allreduce", "reducescatter"})  # one per bucket (ZeRO-2: the latter)
 OTHER_COLOUR = 0xFF999999
-MAX_SPANS = 200_000          # spans kept for the Chrome trace (the oldest are dropped)
-MAX_STEPS = 10_000           # step summaries kept in `Timeline.steps`
-SYNC_TIMEOUT = 300.0         # seconds end_step waits for a step's work to finish
+MAX_SPANS = 200_000  # spans kept for the Chrome trace (the oldest are dropped)
+MAX_STEPS = 10_000  # step summaries kept in `Timeline.steps`
+SYNC_TIMEOUT = 300.0  # seconds end_step waits for a step's work to finish
 
 
 def _env_on(name: str) -> bool:
@@ -112,10 +116,12 @@ class _Nvtx:
     def __init__(self) -> None:
         try:
             import nvtx
+
             self.push: Callable[[str, int], Any] = lambda msg, c: nvtx.push_range(msg, color=c)
             self.pop: Callable[[], Any] = nvtx.pop_range
         except ImportError:
             from cupy.cuda import nvtx as cnvtx  # RangePushC(message, ARGB colour)
+
             self.push, self.pop = cnvtx.RangePushC, cnvtx.RangePop
 
     @contextlib.contextmanager
@@ -139,6 +145,7 @@ def _label(phase: str, bucket: Optional[int], nbytes: int, dtype: str = "") -> s
 @dataclass(frozen=True)
 class Span:
     """One resolved interval, in seconds on the host clock."""
+
     step: int
     track: str
     phase: str
@@ -146,27 +153,30 @@ class Span:
     nbytes: int
     start: float
     end: float
-    dtype: str = ""         # the wire dtype when a hook compressed the bucket ("bfloat16")
+    dtype: str = ""  # the wire dtype when a hook compressed the bucket ("bfloat16")
 
 
 @dataclass(frozen=True)
 class StepSummary:
     """What one step's timeline says about overlap (seconds)."""
+
     rank: int
     step: int
-    comm_s: float           # union of pack/allreduce/unpack intervals
-    overlap_s: float        # the part of comm_s inside backward
-    overlap_ratio: float    # overlap_s / comm_s (0 when there was no comm)
+    comm_s: float  # union of pack/allreduce/unpack intervals
+    overlap_s: float  # the part of comm_s inside backward
+    overlap_ratio: float  # overlap_s / comm_s (0 when there was no comm)
     backward_s: float
-    step_s: float           # first to last recorded instant of the step
+    step_s: float  # first to last recorded instant of the step
     buckets: int
     nbytes: int
 
     def line(self) -> str:
-        return (f"rank {self.rank} step {self.step}: comm {self.comm_s * 1e3:.3f} ms, overlapped "
-                f"with backward {self.overlap_s * 1e3:.3f} ms ({self.overlap_ratio:.0%}), "
-                f"backward {self.backward_s * 1e3:.3f} ms, step {self.step_s * 1e3:.3f} ms, "
-                f"{self.buckets} buckets {self.nbytes / 2**20:.2f} MiB")
+        return (
+            f"rank {self.rank} step {self.step}: comm {self.comm_s * 1e3:.3f} ms, overlapped "
+            f"with backward {self.overlap_s * 1e3:.3f} ms ({self.overlap_ratio:.0%}), "
+            f"backward {self.backward_s * 1e3:.3f} ms, step {self.step_s * 1e3:.3f} ms, "
+            f"{self.buckets} buckets {self.nbytes / 2**20:.2f} MiB"
+        )
 
 
 def summarize(rank: int, step: int, spans: Sequence[Span]) -> StepSummary:
@@ -177,14 +187,21 @@ def summarize(rank: int, step: int, spans: Sequence[Span]) -> StepSummary:
     overlap = overlap_length(comm, backward)
     ar = [s for s in spans if s.phase in REDUCE_PHASES]
     return StepSummary(
-        rank=rank, step=step, comm_s=comm_s, overlap_s=overlap,
-        overlap_ratio=overlap / comm_s if comm_s > 0 else 0.0, backward_s=union_length(backward),
+        rank=rank,
+        step=step,
+        comm_s=comm_s,
+        overlap_s=overlap,
+        overlap_ratio=overlap / comm_s if comm_s > 0 else 0.0,
+        backward_s=union_length(backward),
         step_s=(max(s.end for s in spans) - min(s.start for s in spans)) if spans else 0.0,
-        buckets=len({s.bucket for s in ar}), nbytes=sum(s.nbytes for s in ar))
+        buckets=len({s.bucket for s in ar}),
+        nbytes=sum(s.nbytes for s in ar),
+    )
 
 
 class _Stamp:
     """A host time filled in later, by whichever thread runs the work."""
+
     __slots__ = ("t",)
 
     def __init__(self) -> None:
@@ -199,6 +216,7 @@ class _CudaClock:
 
     def __init__(self) -> None:
         import cupy
+
         self._cp = cupy
         self._ref: Any = None
         self._ref_host = 0.0
@@ -222,13 +240,20 @@ def _is_host(stream: Any) -> bool:
 class Timeline:
     """NVTX ranges and/or per-step timing of the reducer's stream work. See the module docstring."""
 
-    def __init__(self, rank: int = 0, *, timeline: Optional[bool] = None,
-                 nvtx: Optional[bool] = None, trace_dir: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        rank: int = 0,
+        *,
+        timeline: Optional[bool] = None,
+        nvtx: Optional[bool] = None,
+        trace_dir: Optional[str] = None,
+    ) -> None:
         self.rank = rank
         from_env = timeline is None
         self.trace_dir = os.environ.get("NCCL_DDP_TRACE_DIR") or None if from_env else trace_dir
-        self.timeline = (_env_on("NCCL_DDP_TIMELINE") or self.trace_dir is not None
-                         if from_env else bool(timeline))
+        self.timeline = (
+            _env_on("NCCL_DDP_TIMELINE") or self.trace_dir is not None if from_env else bool(timeline)
+        )
         if from_env and self.timeline:
             _show_summaries()
         use_nvtx = _env_on("NCCL_DDP_NVTX") if nvtx is None else bool(nvtx)
@@ -237,14 +262,17 @@ class Timeline:
             try:
                 self._nvtx = _Nvtx()
             except ImportError as e:
-                log.warning("NVTX ranges requested but neither the nvtx package nor CuPy is "
-                            "importable (%s); pip install nvtx", e)
+                log.warning(
+                    "NVTX ranges requested but neither the nvtx package nor CuPy is "
+                    "importable (%s); pip install nvtx",
+                    e,
+                )
         self._on = self.timeline or self._nvtx is not None
         self._clock: Optional[_CudaClock] = None
-        self._tracks: dict = {}              # id(stream) -> (stream, track name)
-        self._pending: list = []   # (track, phase, bucket, nbytes, start, end, dtype) this step
-        self._open: dict = {}                # phase -> start point of an open mark
-        self._host_streams: dict = {}        # id -> host stream used this step
+        self._tracks: dict = {}  # id(stream) -> (stream, track name)
+        self._pending: list = []  # (track, phase, bucket, nbytes, start, end, dtype) this step
+        self._open: dict = {}  # phase -> start point of an open mark
+        self._host_streams: dict = {}  # id -> host stream used this step
         self._spans: collections.deque = collections.deque(maxlen=MAX_SPANS)
         self.steps: collections.deque = collections.deque(maxlen=MAX_STEPS)  # StepSummary
         self._step = 0
@@ -273,8 +301,16 @@ class Timeline:
             return contextlib.nullcontext()
         return self._nvtx.range(_label(phase, bucket, nbytes), phase)
 
-    def submit(self, stream: Any, phase: str, bucket: Optional[int], nbytes: int,
-               fn: Callable[..., Any], *args: Any, dtype: str = "") -> None:
+    def submit(
+        self,
+        stream: Any,
+        phase: str,
+        bucket: Optional[int],
+        nbytes: int,
+        fn: Callable[..., Any],
+        *args: Any,
+        dtype: str = "",
+    ) -> None:
         """`stream.submit(fn, *args)`, wrapped in an NVTX range and timed when those are on.
         `dtype`: the wire dtype when it differs from the bucket's (compression hooks)."""
         if not self._on:
@@ -294,9 +330,16 @@ class Timeline:
         if self.timeline:
             self._pending.append((self._track(stream), phase, bucket, nbytes, start, end, dtype))
 
-    def _host_task(self, label: str, phase: str, start: Optional[_Stamp], end: Optional[_Stamp],
-                   fn: Callable[..., Any], args: tuple) -> None:
-        with (self._nvtx.range(label, phase) if self._nvtx else contextlib.nullcontext()):
+    def _host_task(
+        self,
+        label: str,
+        phase: str,
+        start: Optional[_Stamp],
+        end: Optional[_Stamp],
+        fn: Callable[..., Any],
+        args: tuple,
+    ) -> None:
+        with self._nvtx.range(label, phase) if self._nvtx else contextlib.nullcontext():
             if start is not None:
                 start.set()
             try:
@@ -359,8 +402,9 @@ class Timeline:
             try:
                 stream.record().synchronize(SYNC_TIMEOUT)
             except NcclDdpError as e:
-                log.warning("profiling: step %d: a stream task failed (%s); its spans are dropped",
-                            self._step, e)
+                log.warning(
+                    "profiling: step %d: a stream task failed (%s); its spans are dropped", self._step, e
+                )
         spans = []
         for track, phase, bucket, nbytes, start, end, dtype in self._pending:
             t0, t1 = self._time(start), self._time(end)
@@ -395,19 +439,41 @@ class Timeline:
         tids = {"compute": 0}
         for s in spans:
             tids.setdefault(s.track, len(tids))
-        events: list = [{"ph": "M", "name": "process_name", "pid": self.rank, "tid": 0,
-                         "args": {"name": f"rank {self.rank}"}}]
-        events += [{"ph": "M", "name": "thread_name", "pid": self.rank, "tid": tid,
-                    "args": {"name": track}} for track, tid in tids.items()]
+        events: list = [
+            {
+                "ph": "M",
+                "name": "process_name",
+                "pid": self.rank,
+                "tid": 0,
+                "args": {"name": f"rank {self.rank}"},
+            }
+        ]
+        events += [
+            {"ph": "M", "name": "thread_name", "pid": self.rank, "tid": tid, "args": {"name": track}}
+            for track, tid in tids.items()
+        ]
         for s in spans:
             args = {"step": s.step, "bucket": s.bucket, "bytes": s.nbytes}
             if s.dtype:
                 args["wire_dtype"] = s.dtype
-            events.append({"ph": "X", "name": _label(s.phase, s.bucket, s.nbytes, s.dtype),
-                           "cat": s.phase,
-                           "pid": self.rank, "tid": tids[s.track], "ts": (s.start - origin) * 1e6,
-                           "dur": (s.end - s.start) * 1e6, "args": args})
+            events.append(
+                {
+                    "ph": "X",
+                    "name": _label(s.phase, s.bucket, s.nbytes, s.dtype),
+                    "cat": s.phase,
+                    "pid": self.rank,
+                    "tid": tids[s.track],
+                    "ts": (s.start - origin) * 1e6,
+                    "dur": (s.end - s.start) * 1e6,
+                    "args": args,
+                }
+            )
         with open(path, "w") as f:
-            json.dump({"traceEvents": events, "displayTimeUnit": "ms",
-                       "otherData": {"rank": self.rank,
-                                     "steps": [asdict(st) for st in self.steps]}}, f)
+            json.dump(
+                {
+                    "traceEvents": events,
+                    "displayTimeUnit": "ms",
+                    "otherData": {"rank": self.rank, "steps": [asdict(st) for st in self.steps]},
+                },
+                f,
+            )

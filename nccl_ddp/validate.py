@@ -1,5 +1,6 @@
 """Argument checks shared by every layer: each failure is a `ConfigTypeError` (a TypeError) or a
 `ConfigError` (a ValueError) that names the argument and the value it got."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -26,6 +27,8 @@ def check_float_dtype(label: str, dtype) -> None:
     name = getattr(dtype, "name", str(dtype))
     floating = isinstance(dtype, np.dtype) and np.issubdtype(dtype, np.floating)
     if name != "bfloat16" and not floating:
-        raise ConfigTypeError(f"{label} has dtype {name}; only floating point parameters (float16, "
-                        "float32, float64, bfloat16) can be reduced: leave integer, complex and "
-                        "other buffers out")
+        raise ConfigTypeError(
+            f"{label} has dtype {name}; only floating point parameters (float16, "
+            "float32, float64, bfloat16) can be reduced: leave integer, complex and "
+            "other buffers out"
+        )

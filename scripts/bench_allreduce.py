@@ -9,6 +9,7 @@ installed (same processes, same sizes, same moment).
 busbw = algbw * 2(n-1)/n (the bytes each rank's link must carry in a ring). Times are the
 slowest rank's mean over the iterations. Rank 0 prints the table and writes the CSV.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,11 +25,26 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchlib import Progress, array_module, format_table, plot_series, slowest, synchronize, write_csv  # noqa: E402
 
-BYTES_PER_SIZE = 1 << 30     # aim to move about this much per size and backend (caps iterations)
-COLUMNS = ("size", "count", "dtype", "time_us", "algbw_GBps", "busbw_GBps", "gloo_time_us",
-           "gloo_busbw_GBps", "vs_gloo")
-FORMATS = {"time_us": ".1f", "algbw_GBps": ".3f", "busbw_GBps": ".3f", "gloo_time_us": ".1f",
-           "gloo_busbw_GBps": ".3f", "vs_gloo": ".2f"}
+BYTES_PER_SIZE = 1 << 30  # aim to move about this much per size and backend (caps iterations)
+COLUMNS = (
+    "size",
+    "count",
+    "dtype",
+    "time_us",
+    "algbw_GBps",
+    "busbw_GBps",
+    "gloo_time_us",
+    "gloo_busbw_GBps",
+    "vs_gloo",
+)
+FORMATS = {
+    "time_us": ".1f",
+    "algbw_GBps": ".3f",
+    "busbw_GBps": ".3f",
+    "gloo_time_us": ".1f",
+    "gloo_busbw_GBps": ".3f",
+    "vs_gloo": ".2f",
+}
 
 
 def _bytes(text: str) -> int:
@@ -56,8 +72,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--nranks", type=int, default=2, help="ranks to spawn without a launcher (2)")
     p.add_argument("--no-gloo", action="store_true", help="skip the torch gloo comparison")
     p.add_argument("--csv", default="out/bench_allreduce.csv", help="CSV path ('' for none)")
-    p.add_argument("--png", default="out/bench_allreduce.png",
-                   help="plot of busbw against size, ours beside gloo ('' for none)")
+    p.add_argument(
+        "--png",
+        default="out/bench_allreduce.png",
+        help="plot of busbw against size, ours beside gloo ('' for none)",
+    )
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before giving up")
     return p.parse_args(argv)
 
@@ -105,25 +124,33 @@ def _gloo_setup(nd, args):
             port[0] = s.getsockname()[1]
     nd.broadcast(port, src=0)
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{int(port[0])}",
-                            rank=nd.get_rank(), world_size=nd.get_world_size())
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://{addr}:{int(port[0])}", rank=nd.get_rank(), world_size=nd.get_world_size()
+    )
     torch.set_num_threads(1)
     return torch, dist
 
 
 def _time_gloo(nd, gloo, args, x, iters: int):
     torch, dist = gloo
-    x = x if isinstance(x, np.ndarray) else x.get()   # gloo on the host copy
-    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
-           "prod": dist.ReduceOp.PRODUCT}
+    x = x if isinstance(x, np.ndarray) else x.get()  # gloo on the host copy
+    ops = {
+        "sum": dist.ReduceOp.SUM,
+        "max": dist.ReduceOp.MAX,
+        "min": dist.ReduceOp.MIN,
+        "prod": dist.ReduceOp.PRODUCT,
+    }
     if args.op not in ops:
         return None
     try:
-        t = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16) if x.dtype.name == \
-            "bfloat16" else torch.from_numpy(x)
+        t = (
+            torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
+            if x.dtype.name == "bfloat16"
+            else torch.from_numpy(x)
+        )
         for _ in range(args.warmup):
             dist.all_reduce(t, op=ops[args.op])
-    except RuntimeError:   # a dtype gloo does not reduce
+    except RuntimeError:  # a dtype gloo does not reduce
         return None
     dist.barrier()
     t0 = time.perf_counter()
@@ -135,8 +162,10 @@ def _time_gloo(nd, gloo, args, x, iters: int):
 def worker(args) -> list:
     """Runs on every rank; returns the rows (rank 0 also prints and writes them)."""
     import nccl_ddp as nd
+
     if args.dtype == "bfloat16":
         import ml_dtypes
+
         dtype = np.dtype(ml_dtypes.bfloat16)
     else:
         dtype = np.dtype(args.dtype)
@@ -152,15 +181,24 @@ def worker(args) -> list:
         iters = _iters(args, size)
         t = _time_ours(nd, args, x, iters)
         algbw = size / t / 1e9
-        row = dict(size=size, size_h=_human(size), count=count, dtype=dtype.name, ranks=n,
-                   backend=nd.get_world_group().backend, iters=iters, time_us=t * 1e6,
-                   algbw_GBps=algbw, busbw_GBps=algbw * 2 * (n - 1) / n)
+        row = dict(
+            size=size,
+            size_h=_human(size),
+            count=count,
+            dtype=dtype.name,
+            ranks=n,
+            backend=nd.get_world_group().backend,
+            iters=iters,
+            time_us=t * 1e6,
+            algbw_GBps=algbw,
+            busbw_GBps=algbw * 2 * (n - 1) / n,
+        )
         if gloo is not None:
             tg = _time_gloo(nd, gloo, args, x, iters)
             if tg is not None:
-                row.update(gloo_time_us=tg * 1e6,
-                           gloo_busbw_GBps=size / tg / 1e9 * 2 * (n - 1) / n,
-                           vs_gloo=tg / t)
+                row.update(
+                    gloo_time_us=tg * 1e6, gloo_busbw_GBps=size / tg / 1e9 * 2 * (n - 1) / n, vs_gloo=tg / t
+                )
         rows.append(row)
         if prog:
             prog.step(_human(size))
@@ -176,8 +214,10 @@ def worker(args) -> list:
 
 def _report(args, rows: list, n: int) -> None:
     shown = [dict(r, size=r["size_h"]) for r in rows]
-    print(f"# all_reduce ({args.op}), {n} ranks, backend {rows[0]['backend'] if rows else '?'}; "
-          f"busbw = algbw * 2(n-1)/n; vs_gloo = gloo time / our time")
+    print(
+        f"# all_reduce ({args.op}), {n} ranks, backend {rows[0]['backend'] if rows else '?'}; "
+        f"busbw = algbw * 2(n-1)/n; vs_gloo = gloo time / our time"
+    )
     print(format_table(shown, [c for c in COLUMNS if any(c in r for r in rows)], FORMATS))
     if args.csv:
         os.makedirs(os.path.dirname(os.path.abspath(args.csv)), exist_ok=True)
@@ -187,11 +227,21 @@ def _report(args, rows: list, n: int) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(args.png)), exist_ok=True)
         ours = f"nccl_ddp {rows[0]['backend']}"
         points = [dict(size=r["size"], busbw=r["busbw_GBps"], series=ours) for r in rows]
-        points += [dict(size=r["size"], busbw=r["gloo_busbw_GBps"], series="torch gloo")
-                   for r in rows if "gloo_busbw_GBps" in r]
-        if plot_series(points, "size", "busbw", "series", args.png,
-                       title=f"all_reduce {rows[0]['dtype']}, {n} ranks",
-                       xlabel="message size (bytes)", ylabel="busbw (GB/s)"):
+        points += [
+            dict(size=r["size"], busbw=r["gloo_busbw_GBps"], series="torch gloo")
+            for r in rows
+            if "gloo_busbw_GBps" in r
+        ]
+        if plot_series(
+            points,
+            "size",
+            "busbw",
+            "series",
+            args.png,
+            title=f"all_reduce {rows[0]['dtype']}, {n} ranks",
+            xlabel="message size (bytes)",
+            ylabel="busbw (GB/s)",
+        ):
             print(f"# wrote {args.png}")
 
 
@@ -205,12 +255,15 @@ def spawn(args) -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {"WORLD_SIZE": str(args.nranks), "LOCAL_WORLD_SIZE": str(args.nranks),
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-           "NCCL_DDP_SECRET": secrets.token_hex(16)}
+    env = {
+        "WORLD_SIZE": str(args.nranks),
+        "LOCAL_WORLD_SIZE": str(args.nranks),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "NCCL_DDP_SECRET": secrets.token_hex(16),
+    }
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_spawned, args=(r, args.nranks, env, args))
-             for r in range(args.nranks)]
+    procs = [ctx.Process(target=_spawned, args=(r, args.nranks, env, args)) for r in range(args.nranks)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + args.timeout
@@ -233,7 +286,7 @@ def spawn(args) -> int:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:   # under nccl-ddp-run / torchrun
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under nccl-ddp-run / torchrun
         worker(args)
         return 0
     return spawn(args)

@@ -14,6 +14,7 @@ of it that ran before backward ended. Times are the slowest rank's mean. Rank 0 
 and writes the CSV. Modes are entries of RUNNERS (each returns one dict per cap): add one for
 another framework without touching the rest.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,12 +43,36 @@ from benchlib import (  # noqa: E402
     write_csv,
 )
 
-COLUMNS = ("mode", "hook", "ranks", "backend", "params_MiB", "cap_MiB", "buckets", "local_ms",
-           "ddp_ms", "overhead_ms", "comm_ms", "hidden_pct", "sent_MiB", "torch_ddp_ms",
-           "torch_sent_MiB", "ratio")
-FORMATS = {"params_MiB": ".2f", "local_ms": ".2f", "ddp_ms": ".2f", "overhead_ms": ".2f",
-           "comm_ms": ".2f", "hidden_pct": ".0f", "sent_MiB": ".3f", "torch_ddp_ms": ".2f",
-           "torch_sent_MiB": ".3f", "ratio": ".2f"}
+COLUMNS = (
+    "mode",
+    "hook",
+    "ranks",
+    "backend",
+    "params_MiB",
+    "cap_MiB",
+    "buckets",
+    "local_ms",
+    "ddp_ms",
+    "overhead_ms",
+    "comm_ms",
+    "hidden_pct",
+    "sent_MiB",
+    "torch_ddp_ms",
+    "torch_sent_MiB",
+    "ratio",
+)
+FORMATS = {
+    "params_MiB": ".2f",
+    "local_ms": ".2f",
+    "ddp_ms": ".2f",
+    "overhead_ms": ".2f",
+    "comm_ms": ".2f",
+    "hidden_pct": ".0f",
+    "sent_MiB": ".3f",
+    "torch_ddp_ms": ".2f",
+    "torch_sent_MiB": ".3f",
+    "ratio": ".2f",
+}
 HOOKS = ("allreduce", "bf16", "fp16", "powersgd")
 
 
@@ -55,11 +80,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--caps", default="0.25,1,4,25", help="bucket caps in MiB, comma-separated")
     p.add_argument("--modes", default="arrays", help=f"comma-separated, of {sorted(RUNNERS)}")
-    p.add_argument("--torch", action="store_true",
-                   help="add mode torch: our DDP vs torch DDP on the same model (ratio = ours/torch)")
-    p.add_argument("--hook", default="allreduce",
-                   help=f"comm hooks, comma-separated, of {HOOKS} (torch mode: torch DDP gets the "
-                        "matching torch hook)")
+    p.add_argument(
+        "--torch",
+        action="store_true",
+        help="add mode torch: our DDP vs torch DDP on the same model (ratio = ours/torch)",
+    )
+    p.add_argument(
+        "--hook",
+        default="allreduce",
+        help=f"comm hooks, comma-separated, of {HOOKS} (torch mode: torch DDP gets the matching torch hook)",
+    )
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--features", type=int, default=256)
     p.add_argument("--hidden", type=int, default=1024)
@@ -69,8 +99,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile-steps", type=int, default=3, help="steps with the timeline on")
     p.add_argument("--nranks", type=int, default=2, help="ranks to start without a launcher")
     p.add_argument("--csv", default="out/bench_ddp.csv", help="CSV path ('' for none)")
-    p.add_argument("--png", default="out/bench_ddp.png",
-                   help="step time and hidden share against bucket cap ('' for none)")
+    p.add_argument(
+        "--png",
+        default="out/bench_ddp.png",
+        help="step time and hidden share against bucket cap ('' for none)",
+    )
     p.add_argument("--timeout", type=float, default=900.0)
     bench_ddp_params.add_args(p)
     return p.parse_args(argv)
@@ -84,6 +117,7 @@ def run_arrays(nd, xp, args, cap_mb: float, hook: str = "allreduce") -> dict:
     """The raw-array MLP (hand-written backprop, a DDP hook per parameter, plain SGD)."""
     from nccl_ddp.adapters.arrays import ArrayModule
     from nccl_ddp.profiling import Timeline
+
     rank = nd.get_rank()
     dims = [args.features] + [args.hidden] * args.layers + [1]
     rng = np.random.default_rng(rank)
@@ -102,9 +136,14 @@ def run_arrays(nd, xp, args, cap_mb: float, hook: str = "allreduce") -> dict:
     local = mlp.init_params(xp, dims, 0)
     local_grads: dict = {}
     local_hooks = {k: functools.partial(local_grads.__setitem__, k) for k in local}
-    t_local = _timed(nd, xp, lambda: train_step(
-        local, local_grads.__getitem__, local_hooks, lambda v: mlp.forward(local, v),
-        lambda: None), args)
+    t_local = _timed(
+        nd,
+        xp,
+        lambda: train_step(
+            local, local_grads.__getitem__, local_hooks, lambda v: mlp.forward(local, v), lambda: None
+        ),
+        args,
+    )
 
     model = ArrayModule(mlp.init_params(xp, dims, 0), forward=mlp.forward)
     ddp = nd.DistributedDataParallel(model, bucket_cap_mb=cap_mb)
@@ -123,13 +162,21 @@ def run_arrays(nd, xp, args, cap_mb: float, hook: str = "allreduce") -> dict:
     comm = sum(s.comm_s for s in steps) / max(1, len(steps))
     hidden = sum(s.overlap_s for s in steps) / max(1e-12, sum(s.comm_s for s in steps))
     nbytes = sum(b.nbytes for b in ddp.reducer.layout.buckets)
-    row = dict(mode="arrays", hook=hook, ranks=nd.get_world_size(),
-               backend=nd.get_world_group().backend,
-               sent_MiB=sent_mib(ddp.reducer.layout.buckets, hook, state, before,
-                                 args.profile_steps),
-               params_MiB=nbytes / 2**20, cap_MiB=cap_mb, buckets=len(ddp.reducer.layout.buckets),
-               local_ms=t_local * 1e3, ddp_ms=t_ddp * 1e3, overhead_ms=(t_ddp - t_local) * 1e3,
-               comm_ms=slowest(nd, comm) * 1e3, hidden_pct=100.0 * hidden)
+    row = dict(
+        mode="arrays",
+        hook=hook,
+        ranks=nd.get_world_size(),
+        backend=nd.get_world_group().backend,
+        sent_MiB=sent_mib(ddp.reducer.layout.buckets, hook, state, before, args.profile_steps),
+        params_MiB=nbytes / 2**20,
+        cap_MiB=cap_mb,
+        buckets=len(ddp.reducer.layout.buckets),
+        local_ms=t_local * 1e3,
+        ddp_ms=t_ddp * 1e3,
+        overhead_ms=(t_ddp - t_local) * 1e3,
+        comm_ms=slowest(nd, comm) * 1e3,
+        hidden_pct=100.0 * hidden,
+    )
     ddp.close()
     return row
 
@@ -137,6 +184,7 @@ def run_arrays(nd, xp, args, cap_mb: float, hook: str = "allreduce") -> dict:
 def run_torch(nd, xp, args, cap_mb: float, hook: str = "allreduce") -> dict:
     """PyTorch MLP: ours vs torch.nn.parallel.DistributedDataParallel (scripts/bench_ddp_torch.py)."""
     from bench_ddp_torch import run_torch as run
+
     return run(nd, xp, args, cap_mb, hook)
 
 
@@ -145,10 +193,12 @@ RUNNERS: Dict[str, Callable] = {"arrays": run_arrays, "torch": run_torch}
 
 def worker(args) -> list:
     import nccl_ddp as nd
+
     group = nd.init_process_group()
     if group.backend == "nccl":
         import cupy as xp
-        xp.cuda.Device(group.device_id).use()   # the GPU the NCCL group runs on
+
+        xp.cuda.Device(group.device_id).use()  # the GPU the NCCL group runs on
     else:
         xp = np
     rank = nd.get_rank()
@@ -171,8 +221,10 @@ def worker(args) -> list:
     if prog:
         prog.close()
     if rank == 0:
-        print(f"# MLP {args.features}-{'x'.join([str(args.hidden)] * args.layers)}-1, batch "
-              f"{args.batch} per rank; slowest rank's mean over {args.steps} steps")
+        print(
+            f"# MLP {args.features}-{'x'.join([str(args.hidden)] * args.layers)}-1, batch "
+            f"{args.batch} per rank; slowest rank's mean over {args.steps} steps"
+        )
         print(format_table(rows, COLUMNS, FORMATS))
         if args.csv:
             os.makedirs(os.path.dirname(os.path.abspath(args.csv)), exist_ok=True)
@@ -196,23 +248,40 @@ def _plot(rows: list, path: str) -> bool:
             times.append(dict(cap=cap, ms=r["torch_ddp_ms"], series=f"{mode}: torch DDP"))
         hidden.append(dict(cap=cap, pct=r["hidden_pct"], series=mode))
     title = f"{rows[0]['ranks']} ranks, {rows[0]['backend']} backend"
-    return plot_panels([
-        dict(rows=times, x="cap", y="ms", series="series", title=f"step time, {title}",
-             xlabel="bucket cap (MiB)", ylabel="ms per step"),
-        dict(rows=hidden, x="cap", y="pct", series="series", title="communication hidden behind backward",
-             xlabel="bucket cap (MiB)", ylabel="% of comm time")], path)
+    return plot_panels(
+        [
+            dict(
+                rows=times,
+                x="cap",
+                y="ms",
+                series="series",
+                title=f"step time, {title}",
+                xlabel="bucket cap (MiB)",
+                ylabel="ms per step",
+            ),
+            dict(
+                rows=hidden,
+                x="cap",
+                y="pct",
+                series="series",
+                title="communication hidden behind backward",
+                xlabel="bucket cap (MiB)",
+                ylabel="% of comm time",
+            ),
+        ],
+        path,
+    )
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.many_params:
-        if "RANK" not in os.environ:    # one job per world size, each through nccl-ddp-run
+        if "RANK" not in os.environ:  # one job per world size, each through nccl-ddp-run
             return bench_ddp_params.main(args, sys.argv[1:] if argv is None else list(argv))
         bench_ddp_params.worker(args)
         return 0
-    if "RANK" not in os.environ:     # not under a launcher: start the ranks through nccl-ddp-run
-        return run_ranks(__file__, args.nranks, sys.argv[1:] if argv is None else argv,
-                         args.timeout)
+    if "RANK" not in os.environ:  # not under a launcher: start the ranks through nccl-ddp-run
+        return run_ranks(__file__, args.nranks, sys.argv[1:] if argv is None else argv, args.timeout)
     worker(args)
     return 0
 

@@ -8,6 +8,7 @@ both with the same bucket cap and grads as bucket views. ratio = ddp_ms / torch_
 torch.distributed gets its own rendezvous on a port rank 0 picks and broadcasts through our
 process group, so it never competes with nccl-ddp-run's store.
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -34,6 +35,7 @@ def torch_hook(ddp, hook: str, rank_r: int):
     """Register torch's hook matching ours on torch's DDP; returns PowerSGD's state (else None)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
     if hook == "fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif hook == "bf16":
@@ -50,6 +52,7 @@ def torch_bf16_compress_hook(process_group, bucket):
     cast, division and all-reduce."""
     import torch
     import torch.distributed as dist
+
     group = process_group if process_group is not None else dist.group.WORLD
     buffer = bucket.buffer()
     compressed = buffer.to(torch.bfloat16).div_(group.size())
@@ -57,6 +60,7 @@ def torch_bf16_compress_hook(process_group, bucket):
     def decompress(fut):
         buffer.copy_(fut.value()[0])
         return buffer
+
     return dist.all_reduce(compressed, group=group, async_op=True).get_future().then(decompress)
 
 
@@ -65,6 +69,7 @@ def run_torch(nd, xp, args, cap_mb: float, hook: str = "allreduce") -> dict:
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     from nccl_ddp.profiling import Timeline
+
     ours_backend = nd.get_world_group().backend
     cuda = ours_backend == "nccl"
     device = torch.device("cuda", nd.get_local_rank()) if cuda else torch.device("cpu")
@@ -82,6 +87,7 @@ def run_torch(nd, xp, args, cap_mb: float, hook: str = "allreduce") -> dict:
             loss.backward()
             opt.step()
             opt.zero_grad()
+
         return step
 
     local = _mlp(torch, dims, device)
@@ -111,14 +117,23 @@ def run_torch(nd, xp, args, cap_mb: float, hook: str = "allreduce") -> dict:
     comm = slowest(nd, comm)
     nbytes = sum(b.nbytes for b in ddp.reducer.layout.buckets)
     buckets = ddp.reducer.layout.buckets
-    row = dict(mode="torch", hook=hook, ranks=nd.get_world_size(),
-               sent_MiB=sent_mib(buckets, hook, state, before, args.profile_steps),
-               torch_sent_MiB=sent_mib(buckets, hook, torch_state, torch_before,
-                                       args.profile_steps),
-               backend=f"{ours_backend}/{torch_backend}", params_MiB=nbytes / 2**20,
-               cap_MiB=cap_mb, buckets=len(ddp.reducer.layout.buckets), local_ms=t_local * 1e3,
-               ddp_ms=t_ddp * 1e3, overhead_ms=(t_ddp - t_local) * 1e3,
-               comm_ms=comm * 1e3, hidden_pct=100.0 * hidden,
-               torch_ddp_ms=t_torch * 1e3, ratio=t_ddp / t_torch)
+    row = dict(
+        mode="torch",
+        hook=hook,
+        ranks=nd.get_world_size(),
+        sent_MiB=sent_mib(buckets, hook, state, before, args.profile_steps),
+        torch_sent_MiB=sent_mib(buckets, hook, torch_state, torch_before, args.profile_steps),
+        backend=f"{ours_backend}/{torch_backend}",
+        params_MiB=nbytes / 2**20,
+        cap_MiB=cap_mb,
+        buckets=len(ddp.reducer.layout.buckets),
+        local_ms=t_local * 1e3,
+        ddp_ms=t_ddp * 1e3,
+        overhead_ms=(t_ddp - t_local) * 1e3,
+        comm_ms=comm * 1e3,
+        hidden_pct=100.0 * hidden,
+        torch_ddp_ms=t_torch * 1e3,
+        ratio=t_ddp / t_torch,
+    )
     ddp.close()
     return row

@@ -7,6 +7,7 @@ against a real store (rank 0 hosts it, as without the launcher) and reports the 
 collective; no GPU is involved, so this is the overhead on top of whatever NCCL takes.
 Writes out/bench_desync.csv.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,6 +29,7 @@ def _rank(rank: int, world: int, calls: int, env: dict, out) -> None:
     from nccl_ddp.comm.desync import DesyncChecker
     from nccl_ddp.env import resolve_env
     from nccl_ddp.store.client import connect_store
+
     store = connect_store(resolve_env(), timeout=60)
     try:
         check = DesyncChecker(store, rank, range(world), "world", 60.0)
@@ -57,9 +59,13 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     rows = []
     for world in a.worlds:
-        env = {"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-               "NCCL_DDP_SECRET": secrets.token_hex(8)}
+        env = {
+            "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(_free_port()),
+            "NCCL_DDP_SECRET": secrets.token_hex(8),
+        }
         out = ctx.Queue()
         procs = [ctx.Process(target=_rank, args=(r, world, a.calls, env, out)) for r in range(world)]
         for proc in procs:
@@ -67,10 +73,21 @@ def main() -> None:
         per_call = [out.get(timeout=300)[1] for _ in procs]
         for proc in procs:
             proc.join(30)
-        rows.append({"world": world, "calls": a.calls, "us_per_collective_mean": 1e6 * sum(per_call)
-                     / world, "us_per_collective_max": 1e6 * max(per_call)})
-    print(format_table(rows, ["world", "calls", "us_per_collective_mean", "us_per_collective_max"],
-                       {"us_per_collective_mean": ".0f", "us_per_collective_max": ".0f"}))
+        rows.append(
+            {
+                "world": world,
+                "calls": a.calls,
+                "us_per_collective_mean": 1e6 * sum(per_call) / world,
+                "us_per_collective_max": 1e6 * max(per_call),
+            }
+        )
+    print(
+        format_table(
+            rows,
+            ["world", "calls", "us_per_collective_mean", "us_per_collective_max"],
+            {"us_per_collective_mean": ".0f", "us_per_collective_max": ".0f"},
+        )
+    )
     os.makedirs("out", exist_ok=True)
     write_csv(rows, "out/bench_desync.csv")
 

@@ -8,6 +8,7 @@ Runs small 2-rank jobs through nccl-ddp-run and measures, for each transport:
   orphan_kill_s  the launcher SIGKILLed -> its workers are gone (the reaper)
 Writes out/bench_faults.csv.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,9 +51,22 @@ SLEEPER = textwrap.dedent("""
 
 
 def _launch(script: str, out: str, env: dict) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "nccl_ddp.launch", "--nproc-per-node", "2",
-                             "--grace-period", "5", script, out], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "nccl_ddp.launch",
+            "--nproc-per-node",
+            "2",
+            "--grace-period",
+            "5",
+            script,
+            out,
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def _alive(pid: int) -> bool:
@@ -83,8 +97,13 @@ def main() -> None:
                 killed = float(open(os.path.join(out, "killed")).read())
                 detect.append(float(open(os.path.join(out, "detected")).read()) - killed)
                 exits.append(end - killed)
-            rows.append({"transport": transport, "peer_detect_s": statistics.median(detect),
-                         "job_exit_s": statistics.median(exits)})
+            rows.append(
+                {
+                    "transport": transport,
+                    "peer_detect_s": statistics.median(detect),
+                    "job_exit_s": statistics.median(exits),
+                }
+            )
         orphans = []
         for _ in range(a.repeats):
             out = tempfile.mkdtemp(dir=tmp)
@@ -100,8 +119,13 @@ def main() -> None:
                 time.sleep(0.005)
             orphans.append(time.time() - t0)
         rows.append({"transport": "-", "orphan_kill_s": statistics.median(orphans)})
-    print(format_table(rows, ["transport", "peer_detect_s", "job_exit_s", "orphan_kill_s"],
-                       {"peer_detect_s": ".3f", "job_exit_s": ".2f", "orphan_kill_s": ".3f"}))
+    print(
+        format_table(
+            rows,
+            ["transport", "peer_detect_s", "job_exit_s", "orphan_kill_s"],
+            {"peer_detect_s": ".3f", "job_exit_s": ".2f", "orphan_kill_s": ".3f"},
+        )
+    )
     os.makedirs("out", exist_ok=True)
     write_csv(rows, "out/bench_faults.csv")
 

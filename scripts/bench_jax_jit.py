@@ -14,6 +14,7 @@ model; inside_vs_outside = inside step / outside step. Every form is timed in ea
 interleaved rounds; step_ms is the median round (slowest rank), spread_ms max - min. Rank 0 prints
 the table and writes the CSV.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,10 +27,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from benchlib import format_table, launch_or_work, timed_steps, write_csv  # noqa: E402
 
-COLUMNS = ("model", "grads_MiB", "form", "step_ms", "spread_ms", "reducer_ms",
-           "inside_vs_outside")
-FORMATS = {"grads_MiB": ".2f", "step_ms": ".2f", "spread_ms": ".2f", "reducer_ms": ".2f",
-           "inside_vs_outside": ".2f"}
+COLUMNS = ("model", "grads_MiB", "form", "step_ms", "spread_ms", "reducer_ms", "inside_vs_outside")
+FORMATS = {
+    "grads_MiB": ".2f",
+    "step_ms": ".2f",
+    "spread_ms": ".2f",
+    "reducer_ms": ".2f",
+    "inside_vs_outside": ".2f",
+}
 MODELS = {"small": (784, 256, 10), "large": (1024, 2048, 2048, 10)}
 BATCH, LR = 64, 0.01
 FORMS = ("none", "outside", "inside")
@@ -53,11 +58,17 @@ class Config:
     def __init__(self, nd, model: str, form: str) -> None:
         import jax
         import jax.numpy as jnp
+
         self.model, self.form = model, form
         sizes = MODELS[model]
         g = np.random.default_rng(0)
-        self.params = [{"w": jnp.asarray(g.standard_normal((a, b), dtype=np.float32) / np.sqrt(a)),
-                        "b": jnp.zeros(b, jnp.float32)} for a, b in zip(sizes, sizes[1:])]
+        self.params = [
+            {
+                "w": jnp.asarray(g.standard_normal((a, b), dtype=np.float32) / np.sqrt(a)),
+                "b": jnp.zeros(b, jnp.float32),
+            }
+            for a, b in zip(sizes, sizes[1:])
+        ]
         g = np.random.default_rng(1 + nd.get_rank())
         self.x = jnp.asarray(g.standard_normal((BATCH, sizes[0]), dtype=np.float32))
         self.y = jnp.asarray(g.standard_normal((BATCH, sizes[-1]), dtype=np.float32))
@@ -84,6 +95,7 @@ class Config:
 
     def run_step(self) -> None:
         import jax
+
         self.params = jax.block_until_ready(self.step(self.params, self.x, self.y))
 
     def time(self, nd, warmup: int, steps: int) -> float:
@@ -91,26 +103,31 @@ class Config:
 
     def row(self, seconds: list) -> dict:
         nbytes = sum(p["w"].nbytes + p["b"].nbytes for p in self.params)
-        return {"model": self.model, "grads_MiB": nbytes / 2**20, "form": self.form,
-                "step_ms": float(np.median(seconds)) * 1e3,
-                "spread_ms": (max(seconds) - min(seconds)) * 1e3}
+        return {
+            "model": self.model,
+            "grads_MiB": nbytes / 2**20,
+            "form": self.form,
+            "step_ms": float(np.median(seconds)) * 1e3,
+            "spread_ms": (max(seconds) - min(seconds)) * 1e3,
+        }
 
 
 def worker(args) -> None:
     import nccl_ddp as nd
+
     nd.init_process_group()
     configs = [Config(nd, model, form) for model in args.models.split(",") for form in FORMS]
     times: list = [[] for _ in configs]
-    for r in range(args.rounds):      # interleaved: every form sees the same load
+    for r in range(args.rounds):  # interleaved: every form sees the same load
         for c, t in zip(configs, times):
             t.append(c.time(nd, args.warmup if r == 0 else 1, args.steps))
     rows = [c.row(t) for c, t in zip(configs, times)]
     by = {(r["model"], r["form"]): r for r in rows}
     for r in rows:
-        r["reducer_ms"] = r["step_ms"] - by[(r["model"], "none")]["step_ms"] \
-            if r["form"] != "none" else None
-        r["inside_vs_outside"] = r["step_ms"] / by[(r["model"], "outside")]["step_ms"] \
-            if r["form"] == "inside" else None
+        r["reducer_ms"] = r["step_ms"] - by[(r["model"], "none")]["step_ms"] if r["form"] != "none" else None
+        r["inside_vs_outside"] = (
+            r["step_ms"] / by[(r["model"], "outside")]["step_ms"] if r["form"] == "inside" else None
+        )
     for c in configs:
         if c.reducer is not None:
             c.reducer.close()

@@ -15,6 +15,7 @@ reducer_ms = step - the `none` step of the same mode. Every configuration is tim
 --rounds rounds, interleaved, so all see the same load; step_ms is the median over the rounds and
 spread_ms the max - min. Rank 0 prints the table and writes the CSV.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,10 +29,24 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 from benchlib import format_table, run_ranks, timed_steps, write_csv  # noqa: E402
 
-COLUMNS = ("model", "params_MiB", "buckets", "reducer", "mode", "step_ms", "spread_ms",
-           "reducer_ms", "graph_vs_pynative")
-FORMATS = {"params_MiB": ".2f", "step_ms": ".1f", "spread_ms": ".1f", "reducer_ms": ".1f",
-           "graph_vs_pynative": ".2f"}
+COLUMNS = (
+    "model",
+    "params_MiB",
+    "buckets",
+    "reducer",
+    "mode",
+    "step_ms",
+    "spread_ms",
+    "reducer_ms",
+    "graph_vs_pynative",
+)
+FORMATS = {
+    "params_MiB": ".2f",
+    "step_ms": ".1f",
+    "spread_ms": ".1f",
+    "reducer_ms": ".1f",
+    "graph_vs_pynative": ".2f",
+}
 
 
 def parse_args(argv=None):
@@ -50,16 +65,23 @@ def make_model(name: str, rank: int):
     """(network, one batch for `rank`) of a model."""
     import mindspore as ms
     from mindspore import nn
+
     g = np.random.default_rng(7 + rank)
     ms.set_seed(0)
     if name == "lenet":
         from ms_ddp_lenet import LeNet5
-        return LeNet5(), (ms.Tensor(g.standard_normal((16, 1, 32, 32)).astype(np.float32)),
-                          ms.Tensor(g.integers(0, 10, 16).astype(np.int32)))
-    net = nn.SequentialCell(nn.Dense(1024, 2048), nn.ReLU(), nn.Dense(2048, 2048), nn.ReLU(),
-                            nn.Dense(2048, 10))
-    return net, (ms.Tensor(g.standard_normal((64, 1024)).astype(np.float32)),
-                 ms.Tensor(g.integers(0, 10, 64).astype(np.int32)))
+
+        return LeNet5(), (
+            ms.Tensor(g.standard_normal((16, 1, 32, 32)).astype(np.float32)),
+            ms.Tensor(g.integers(0, 10, 16).astype(np.int32)),
+        )
+    net = nn.SequentialCell(
+        nn.Dense(1024, 2048), nn.ReLU(), nn.Dense(2048, 2048), nn.ReLU(), nn.Dense(2048, 10)
+    )
+    return net, (
+        ms.Tensor(g.standard_normal((64, 1024)).astype(np.float32)),
+        ms.Tensor(g.integers(0, 10, 64).astype(np.int32)),
+    )
 
 
 def one_op_reducer(parameters):
@@ -68,6 +90,7 @@ def one_op_reducer(parameters):
     from mindspore import ops
 
     import nccl_ddp as nd
+
     cell = nd.DistributedGradReducer(parameters, mean=True)
     reducer = cell.reducer
     shapes = [spec.shape for spec in reducer.specs]
@@ -82,8 +105,9 @@ def one_op_reducer(parameters):
     class OneOp(type(cell)):
         def __init__(self):
             super().__init__(reducer)
-            self.op = ops.Custom(reduce_all, out_shape=[[n] for n in sizes],
-                                 out_dtype=[dtype] * len(sizes), func_type="pyfunc")
+            self.op = ops.Custom(
+                reduce_all, out_shape=[[n] for n in sizes], out_dtype=[dtype] * len(sizes), func_type="pyfunc"
+            )
 
         def construct(self, grads):
             out = self.op(self.concat([self.reshape(g, (-1,)) for g in grads]))
@@ -98,6 +122,7 @@ class Config:
     def __init__(self, nd, model: str, kind: str, mode_name: str) -> None:
         import mindspore as ms
         from mindspore import nn
+
         self.model, self.kind, self.mode_name = model, kind, mode_name
         self.mode = ms.GRAPH_MODE if mode_name == "graph" else ms.PYNATIVE_MODE
         self.net, (self.x, self.y) = make_model(model, nd.get_rank())
@@ -115,17 +140,21 @@ class Config:
 
     def time(self, nd, warmup: int, steps: int) -> float:
         import mindspore as ms
+
         ms.set_context(mode=self.mode)
-        return timed_steps(nd, lambda: self.step_cell(self.x, self.y).asnumpy(), warmup, steps,
-                           lambda: None)
+        return timed_steps(nd, lambda: self.step_cell(self.x, self.y).asnumpy(), warmup, steps, lambda: None)
 
     def row(self, seconds: list) -> dict:
         params = self.net.trainable_params()
-        return {"model": self.model, "params_MiB": sum(p.size * 4 for p in params) / 2**20,
-                "buckets": len(self.reducer.bucket_ops) if self.reducer is not None else 0,
-                "reducer": self.kind, "mode": self.mode_name,
-                "step_ms": float(np.median(seconds)) * 1e3,
-                "spread_ms": (max(seconds) - min(seconds)) * 1e3}
+        return {
+            "model": self.model,
+            "params_MiB": sum(p.size * 4 for p in params) / 2**20,
+            "buckets": len(self.reducer.bucket_ops) if self.reducer is not None else 0,
+            "reducer": self.kind,
+            "mode": self.mode_name,
+            "step_ms": float(np.median(seconds)) * 1e3,
+            "spread_ms": (max(seconds) - min(seconds)) * 1e3,
+        }
 
 
 def worker(args) -> None:
@@ -133,13 +162,17 @@ def worker(args) -> None:
     import ms_ddp_lenet  # noqa: F401  (it sets PyNative mode when imported: before measuring)
 
     import nccl_ddp as nd
+
     ms.set_device("CPU")
     nd.init_process_group()
-    configs = [Config(nd, model, kind, mode_name) for model in args.models.split(",")
-               for kind in ("none", "per-bucket", "one-op")
-               for mode_name in (("graph", "pynative") if kind != "one-op" else ("graph",))]
+    configs = [
+        Config(nd, model, kind, mode_name)
+        for model in args.models.split(",")
+        for kind in ("none", "per-bucket", "one-op")
+        for mode_name in (("graph", "pynative") if kind != "one-op" else ("graph",))
+    ]
     seconds: dict = {c: [] for c in configs}
-    for r in range(args.rounds):      # interleaved: every configuration sees the same load
+    for r in range(args.rounds):  # interleaved: every configuration sees the same load
         for c in configs:
             seconds[c].append(c.time(nd, args.warmup if r == 0 else 1, args.steps))
     rows = [c.row(seconds[c]) for c in configs]
@@ -164,9 +197,14 @@ def worker(args) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if "RANK" not in os.environ:     # not under a launcher: start the ranks through nccl-ddp-run
-        return run_ranks(__file__, args.nranks, sys.argv[1:] if argv is None else argv,
-                         args.timeout, dict(os.environ, GLOG_v=os.environ.get("GLOG_v", "3")))
+    if "RANK" not in os.environ:  # not under a launcher: start the ranks through nccl-ddp-run
+        return run_ranks(
+            __file__,
+            args.nranks,
+            sys.argv[1:] if argv is None else argv,
+            args.timeout,
+            dict(os.environ, GLOG_v=os.environ.get("GLOG_v", "3")),
+        )
     worker(args)
     return 0
 

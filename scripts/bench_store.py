@@ -6,6 +6,7 @@ The server runs in a child process (so its threads and RSS are its own); this pr
 authenticated clients, then times set/get round trips while all of them are connected.
 Writes out/bench_store.csv.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,9 +21,10 @@ from benchlib import format_table, write_csv  # noqa: E402
 
 def _serve(conn) -> None:
     from nccl_ddp.store.server import StoreServer
+
     with StoreServer("127.0.0.1", 0, "bench") as s:
         conn.send(s.port)
-        conn.recv()                  # until the parent is done
+        conn.recv()  # until the parent is done
 
 
 def _proc_status(pid: int) -> dict:
@@ -45,6 +47,7 @@ def main() -> None:
     p.add_argument("--round-trips", type=int, default=2000)
     a = p.parse_args()
     from nccl_ddp.store.client import TCPStore
+
     parent, child = mp.Pipe()
     proc = mp.get_context("spawn").Process(target=_serve, args=(child,), daemon=True)
     proc.start()
@@ -53,21 +56,38 @@ def main() -> None:
     try:
         first = TCPStore("127.0.0.1", port, "bench", timeout=30)
         clients.append(first)
-        rows.append(dict(connections=1, connect_s=0.0, us_per_set_get=_round_trips(first, a.round_trips),
-                         **_proc_status(proc.pid)))
+        rows.append(
+            dict(
+                connections=1,
+                connect_s=0.0,
+                us_per_set_get=_round_trips(first, a.round_trips),
+                **_proc_status(proc.pid),
+            )
+        )
         t0 = time.perf_counter()
         while len(clients) < a.connections:
             clients.append(TCPStore("127.0.0.1", port, "bench", timeout=30))
         connect = time.perf_counter() - t0
-        rows.append(dict(connections=len(clients), connect_s=connect,
-                         us_per_set_get=_round_trips(first, a.round_trips), **_proc_status(proc.pid)))
+        rows.append(
+            dict(
+                connections=len(clients),
+                connect_s=connect,
+                us_per_set_get=_round_trips(first, a.round_trips),
+                **_proc_status(proc.pid),
+            )
+        )
     finally:
         for c in clients:
             c.close()
         parent.send("done")
         proc.join(10)
-    print(format_table(rows, ["connections", "connect_s", "us_per_set_get", "threads", "rss_mib"],
-                       {"connect_s": ".2f", "us_per_set_get": ".0f", "rss_mib": ".1f"}))
+    print(
+        format_table(
+            rows,
+            ["connections", "connect_s", "us_per_set_get", "threads", "rss_mib"],
+            {"connect_s": ".2f", "us_per_set_get": ".0f", "rss_mib": ".1f"},
+        )
+    )
     os.makedirs("out", exist_ok=True)
     write_csv(rows, "out/bench_store.csv")
 

@@ -18,6 +18,7 @@ over `--steps` after `--warmup`; `ratio` = mode / ddp_adamw in the same world. O
 run `--profile-steps` with the reducer's timeline on: `hidden_pct` is the share of the bucket
 communication (all-reduce or reduce-scatter) that ran before backward ended.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,13 +35,38 @@ sys.path.insert(0, HERE)
 from benchlib import format_table, run_ranks, write_csv  # noqa: E402
 
 MODES = ("ddp_adamw", "zero2", "zero2_overlap", "torch_zero")
-COLUMNS = ("world", "mode", "params_M", "state_MiB", "master_MiB", "reduced_MiB", "kept_MiB",
-           "kept_vs_ddp", "grad_buf_MiB", "total_MiB", "total_vs_ddp", "peak_rss_MiB", "step_ms",
-           "ratio", "hidden_pct")
-FORMATS = {"params_M": ".1f", "state_MiB": ".1f", "master_MiB": ".1f", "reduced_MiB": ".1f",
-           "kept_MiB": ".1f", "kept_vs_ddp": ".3f", "grad_buf_MiB": ".1f", "total_MiB": ".1f",
-           "total_vs_ddp": ".3f", "peak_rss_MiB": ".0f", "step_ms": ".0f", "ratio": ".2f",
-           "hidden_pct": ".0f"}
+COLUMNS = (
+    "world",
+    "mode",
+    "params_M",
+    "state_MiB",
+    "master_MiB",
+    "reduced_MiB",
+    "kept_MiB",
+    "kept_vs_ddp",
+    "grad_buf_MiB",
+    "total_MiB",
+    "total_vs_ddp",
+    "peak_rss_MiB",
+    "step_ms",
+    "ratio",
+    "hidden_pct",
+)
+FORMATS = {
+    "params_M": ".1f",
+    "state_MiB": ".1f",
+    "master_MiB": ".1f",
+    "reduced_MiB": ".1f",
+    "kept_MiB": ".1f",
+    "kept_vs_ddp": ".3f",
+    "grad_buf_MiB": ".1f",
+    "total_MiB": ".1f",
+    "total_vs_ddp": ".3f",
+    "peak_rss_MiB": ".0f",
+    "step_ms": ".0f",
+    "ratio": ".2f",
+    "hidden_pct": ".0f",
+}
 MiB = float(1 << 20)
 
 
@@ -56,13 +82,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile-steps", type=int, default=2, help="steps with the timeline on")
     p.add_argument("--csv", default="out/bench_zero.csv", help="CSV path ('' for none)")
     p.add_argument("--timeout", type=float, default=1200)
-    p.add_argument("--mode", help=argparse.SUPPRESS)      # one job's mode (set by the parent)
-    p.add_argument("--out", help=argparse.SUPPRESS)       # where rank 0 writes the job's row
+    p.add_argument("--mode", help=argparse.SUPPRESS)  # one job's mode (set by the parent)
+    p.add_argument("--out", help=argparse.SUPPRESS)  # where rank 0 writes the job's row
     return p.parse_args(argv)
 
 
 def model(args):
     import torch
+
     torch.manual_seed(0)
     layers = []
     for _ in range(args.layers):
@@ -76,14 +103,20 @@ def tensor_bytes(tensors) -> int:
 
 def state_bytes(optimizer) -> int:
     import torch
-    return sum(v.numel() * v.element_size() for s in optimizer.state.values()
-               for v in s.values() if torch.is_tensor(v))
+
+    return sum(
+        v.numel() * v.element_size()
+        for s in optimizer.state.values()
+        for v in s.values()
+        if torch.is_tensor(v)
+    )
 
 
 def worker(args) -> None:
     import torch
 
     import nccl_ddp as nd
+
     torch.set_num_threads(1)
     nd.init_process_group("host")
     rank, world = nd.get_rank(), nd.get_world_size()
@@ -92,16 +125,20 @@ def worker(args) -> None:
     if args.mode == "torch_zero":
         import torch.distributed as dist
         from torch.distributed.optim import ZeroRedundancyOptimizer
+
         store = os.path.join(os.path.dirname(args.out), "gloo")
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
-                                world_size=world)
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
         wrapped = torch.nn.parallel.DistributedDataParallel(m)
         opt = ZeroRedundancyOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-4)
     else:
         wrapped = nd.DistributedDataParallel(m)
-        opt = (nd.ZeroRedundancyOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-4,
-                                          overlap_param_gather=args.mode == "zero2_overlap")
-               if args.mode.startswith("zero2") else torch.optim.AdamW(m.parameters(), lr=1e-4))
+        opt = (
+            nd.ZeroRedundancyOptimizer(
+                m.parameters(), torch.optim.AdamW, lr=1e-4, overlap_param_gather=args.mode == "zero2_overlap"
+            )
+            if args.mode.startswith("zero2")
+            else torch.optim.AdamW(m.parameters(), lr=1e-4)
+        )
 
     def step() -> None:
         opt.zero_grad()
@@ -119,26 +156,45 @@ def worker(args) -> None:
     hidden = -1.0
     if args.mode != "torch_zero" and args.profile_steps:
         from nccl_ddp.profiling import Timeline
+
         wrapped.reducer.prof = Timeline(rank, timeline=True)
         for _ in range(args.profile_steps):
             step()
         steps = list(wrapped.reducer.prof.steps)
         hidden = 100.0 * sum(s.overlap_s for s in steps) / max(1e-12, sum(s.comm_s for s in steps))
-    row = dict(world=world, mode=args.mode,
-               params_M=sum(p.numel() for p in m.parameters()) / 1e6, step_ms=ms,
-               hidden_pct=hidden)
+    row = dict(
+        world=world,
+        mode=args.mode,
+        params_M=sum(p.numel() for p in m.parameters()) / 1e6,
+        step_ms=ms,
+        hidden_pct=hidden,
+    )
     if args.mode.startswith("zero2"):
         zs = opt.zs
         reducer = wrapped.reducer
         reduced = zs.nbytes["grad_shards"] + sum(
-            o.nbytes for o, g in zip(reducer.sharding.outputs, zs.grads) if o is not g)
-        row.update(state=state_bytes(opt._inner), master=zs.nbytes["master"], reduced=reduced,
-                   grad_buf=reducer.memory.nbytes, total_grads=reduced + reducer.memory.nbytes)
+            o.nbytes for o, g in zip(reducer.sharding.outputs, zs.grads) if o is not g
+        )
+        row.update(
+            state=state_bytes(opt._inner),
+            master=zs.nbytes["master"],
+            reduced=reduced,
+            grad_buf=reducer.memory.nbytes,
+            total_grads=reduced + reducer.memory.nbytes,
+        )
     else:
-        grads = (tensor_bytes(p.grad for p in m.parameters() if p.grad is not None)
-                 if args.mode == "torch_zero" else wrapped.reducer.memory.nbytes)
-        row.update(state=state_bytes(opt.optim if args.mode == "torch_zero" else opt), master=0,
-                   reduced=grads, grad_buf=grads, total_grads=grads)
+        grads = (
+            tensor_bytes(p.grad for p in m.parameters() if p.grad is not None)
+            if args.mode == "torch_zero"
+            else wrapped.reducer.memory.nbytes
+        )
+        row.update(
+            state=state_bytes(opt.optim if args.mode == "torch_zero" else opt),
+            master=0,
+            reduced=grads,
+            grad_buf=grads,
+            total_grads=grads,
+        )
     row["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     gathered = _gather_rows(nd, row)
     if rank == 0:
@@ -146,6 +202,7 @@ def worker(args) -> None:
             json.dump(gathered, f)
     if args.mode == "torch_zero":
         import torch.distributed as dist
+
         dist.destroy_process_group()
     nd.destroy_process_group()
 
@@ -153,8 +210,8 @@ def worker(args) -> None:
 def _gather_rows(nd, row: dict) -> list:
     """Every rank's numbers on rank 0: the slowest step time, the largest byte counts."""
     import numpy as np
-    keys = ("step_ms", "state", "master", "reduced", "grad_buf", "total_grads", "peak_rss",
-            "hidden_pct")
+
+    keys = ("step_ms", "state", "master", "reduced", "grad_buf", "total_grads", "peak_rss", "hidden_pct")
     mine = np.array([row[k] for k in keys], np.float64)
     nd.all_reduce(mine, op="max")
     return [dict(row, **{k: float(v) for k, v in zip(keys, mine)})]
@@ -163,6 +220,7 @@ def _gather_rows(nd, row: dict) -> list:
 def table_rows(raw: list) -> list:
     base = {r["world"]: r for r in raw if r["mode"] == "ddp_adamw"}
     out = []
+
     def kept(r: dict) -> float:
         return r["state"] + r["master"] + r["reduced"]
 
@@ -171,15 +229,25 @@ def table_rows(raw: list) -> list:
 
     for r in raw:
         b = base.get(r["world"])
-        out.append(dict(world=r["world"], mode=r["mode"], params_M=r["params_M"],
-                        state_MiB=r["state"] / MiB, master_MiB=r["master"] / MiB,
-                        reduced_MiB=r["reduced"] / MiB, kept_MiB=kept(r) / MiB,
-                        kept_vs_ddp="" if b is None else kept(r) / kept(b),
-                        grad_buf_MiB=r["grad_buf"] / MiB, total_MiB=total(r) / MiB,
-                        total_vs_ddp="" if b is None else total(r) / total(b),
-                        peak_rss_MiB=r["peak_rss"] / MiB, step_ms=r["step_ms"],
-                        ratio="" if b is None else r["step_ms"] / b["step_ms"],
-                        hidden_pct="" if r["hidden_pct"] < 0 else r["hidden_pct"]))
+        out.append(
+            dict(
+                world=r["world"],
+                mode=r["mode"],
+                params_M=r["params_M"],
+                state_MiB=r["state"] / MiB,
+                master_MiB=r["master"] / MiB,
+                reduced_MiB=r["reduced"] / MiB,
+                kept_MiB=kept(r) / MiB,
+                kept_vs_ddp="" if b is None else kept(r) / kept(b),
+                grad_buf_MiB=r["grad_buf"] / MiB,
+                total_MiB=total(r) / MiB,
+                total_vs_ddp="" if b is None else total(r) / total(b),
+                peak_rss_MiB=r["peak_rss"] / MiB,
+                step_ms=r["step_ms"],
+                ratio="" if b is None else r["step_ms"] / b["step_ms"],
+                hidden_pct="" if r["hidden_pct"] < 0 else r["hidden_pct"],
+            )
+        )
     return out
 
 
@@ -195,16 +263,17 @@ def main(argv=None) -> int:
             for mode in args.modes.split(","):
                 out = os.path.join(tmp, f"{world}-{mode}", "row.json")
                 os.makedirs(os.path.dirname(out))
-                rc = run_ranks(__file__, world, argv + ["--mode", mode, "--out", out],
-                               args.timeout)
+                rc = run_ranks(__file__, world, argv + ["--mode", mode, "--out", out], args.timeout)
                 if rc != 0:
                     print(f"# world {world} {mode}: the job failed (exit {rc})", file=sys.stderr)
                     return rc
                 with open(out) as f:
                     raw += json.load(f)
     rows = table_rows(raw)
-    print(f"# bench_zero {date.today()}: {rows[0]['params_M']:.1f}M fp32 params, AdamW, "
-          f"batch {args.batch}/rank, {args.steps} steps after {args.warmup}; bytes per rank")
+    print(
+        f"# bench_zero {date.today()}: {rows[0]['params_M']:.1f}M fp32 params, AdamW, "
+        f"batch {args.batch}/rank, {args.steps} steps after {args.warmup}; bytes per rank"
+    )
     print(format_table(rows, COLUMNS, FORMATS))
     if args.csv:
         write_csv(rows, args.csv)

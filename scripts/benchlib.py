@@ -4,6 +4,7 @@ comm hooks and torch.distributed group.
 Benchmarks keep their results as a list of dicts (one per measurement); these helpers turn that
 into a table on stdout, a CSV file and a picture. matplotlib is optional (the `plot` extra).
 """
+
 from __future__ import annotations
 
 import csv
@@ -22,16 +23,25 @@ def array_module(nd: Any) -> Any:
     nccl backend refuses NumPy arrays."""
     if nd.get_world_group().backend == "nccl":
         import cupy
+
         return cupy
     return np
 
 
-def run_ranks(script: str, nranks: int, argv: Sequence[str], timeout: float,
-              env: Optional[dict] = None) -> int:
+def run_ranks(
+    script: str, nranks: int, argv: Sequence[str], timeout: float, env: Optional[dict] = None
+) -> int:
     """Run `script argv` on `nranks` ranks through nccl-ddp-run (this Python), one BLAS thread
     per rank unless set: the ranks share the cores. Returns the launcher's exit status."""
-    cmd = [sys.executable, "-m", "nccl_ddp.launch", "--nproc-per-node", str(nranks),
-           os.path.abspath(script), *argv]
+    cmd = [
+        sys.executable,
+        "-m",
+        "nccl_ddp.launch",
+        "--nproc-per-node",
+        str(nranks),
+        os.path.abspath(script),
+        *argv,
+    ]
     env = dict(os.environ if env is None else env)
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         env.setdefault(var, "1")
@@ -51,8 +61,9 @@ def slowest(nd: Any, value: float) -> float:
     return float(t[0])
 
 
-def timed_steps(nd: Any, step: Callable[[], None], warmup: int, steps: int,
-                sync: Callable[[], None]) -> float:
+def timed_steps(
+    nd: Any, step: Callable[[], None], warmup: int, steps: int, sync: Callable[[], None]
+) -> float:
     """Mean seconds per `step()` on the slowest rank, device work included (`sync` waits for it)."""
     for _ in range(warmup):
         step()
@@ -118,6 +129,7 @@ def write_csv(rows: Sequence[dict], path: str) -> None:
 def _pyplot():
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -125,17 +137,29 @@ def _pyplot():
     return plt
 
 
-def _draw(ax, rows: Sequence[dict], x: str, y: str, series: str, *, title: str = "",
-          xlabel: str = "", ylabel: str = "", logx: bool = True, logy: bool = False,
-          hlines: Iterable = ()) -> None:
+def _draw(
+    ax,
+    rows: Sequence[dict],
+    x: str,
+    y: str,
+    series: str,
+    *,
+    title: str = "",
+    xlabel: str = "",
+    ylabel: str = "",
+    logx: bool = True,
+    logy: bool = False,
+    hlines: Iterable = (),
+) -> None:
     for name in dict.fromkeys(r[series] for r in rows):
         pts = sorted((r[x], r[y]) for r in rows if r[series] == name and r.get(y) not in (None, ""))
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=str(name))
     for value, label in hlines:
         ax.axhline(value, ls="--", lw=1, color="gray")
-        ax.annotate(label, (0.01, value), xycoords=("axes fraction", "data"), fontsize=8,
-                    va="bottom", color="gray")
+        ax.annotate(
+            label, (0.01, value), xycoords=("axes fraction", "data"), fontsize=8, va="bottom", color="gray"
+        )
     if logx:
         ax.set_xscale("log", base=2)
     if logy:
@@ -152,8 +176,10 @@ def plot_panels(panels: Sequence[dict], path: str) -> bool:
     Returns False (and says why) without matplotlib."""
     plt = _pyplot()
     if plt is None:
-        print(f"matplotlib is not installed: no plot written to {path} "
-              "(pip install 'nccl_ddp[plot]')", file=sys.stderr)
+        print(
+            f"matplotlib is not installed: no plot written to {path} (pip install 'nccl_ddp[plot]')",
+            file=sys.stderr,
+        )
         return False
     fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.2), squeeze=False)
     for ax, panel in zip(axes[0], panels):
@@ -169,13 +195,17 @@ def plot_series(rows: Sequence[dict], x: str, y: str, series: str, path: str, **
     return plot_panels([dict(rows=rows, x=x, y=y, series=series, **kw)], path)
 
 
-def launch_or_work(script: str, args: Any, argv: Optional[Sequence[str]],
-                   worker: Callable[[Any], None], env: Optional[dict] = None) -> int:
+def launch_or_work(
+    script: str,
+    args: Any,
+    argv: Optional[Sequence[str]],
+    worker: Callable[[Any], None],
+    env: Optional[dict] = None,
+) -> int:
     """A benchmark's main: under a launcher (RANK set) run `worker(args)`, else start
     `args.nranks` ranks of `script` through nccl-ddp-run with the same arguments."""
     if "RANK" not in os.environ:
-        return run_ranks(script, args.nranks, sys.argv[1:] if argv is None else list(argv),
-                         args.timeout, env)
+        return run_ranks(script, args.nranks, sys.argv[1:] if argv is None else list(argv), args.timeout, env)
     worker(args)
     return 0
 
@@ -189,11 +219,11 @@ POWERSGD_RANK = 4
 def our_hook(nd, ddp, hook: str):
     """Register our built-in `hook` on `ddp`; returns the PowerSGD state (else None)."""
     from nccl_ddp import hooks
+
     if hook == "allreduce":
         return None
     if hook == "powersgd":
-        state = hooks.PowerSGDState(None, matrix_approximation_rank=POWERSGD_RANK,
-                                    start_powerSGD_iter=2)
+        state = hooks.PowerSGDState(None, matrix_approximation_rank=POWERSGD_RANK, start_powerSGD_iter=2)
         ddp.register_comm_hook(state, hooks.powersgd)
         return state
     ddp.register_comm_hook(None, getattr(hooks, f"{hook}_compress"))
@@ -206,8 +236,7 @@ def sent_mib(buckets, hook: str, state, before: int, steps: int) -> float:
     if hook == "powersgd":
         return (state.total_numel_after_compression - before) * 4 / max(1, steps) / 2**20
     half = hook in ("bf16", "fp16")
-    return sum(b.nbytes // (2 if half and np.dtype(b.dtype) == np.float32 else 1)
-               for b in buckets) / 2**20
+    return sum(b.nbytes // (2 if half and np.dtype(b.dtype) == np.float32 else 1) for b in buckets) / 2**20
 
 
 _TORCH_PG: dict = {}
@@ -218,14 +247,19 @@ def init_torch_pg(nd, torch, backend: str) -> str:
     if _TORCH_PG:
         return _TORCH_PG["backend"]
     import torch.distributed as dist
-    port = array_module(nd).zeros(1, dtype=np.int64)   # cupy on the nccl backend
+
+    port = array_module(nd).zeros(1, dtype=np.int64)  # cupy on the nccl backend
     if nd.get_rank() == 0:
         with socket.socket() as s:
             s.bind(("", 0))
             port[0] = s.getsockname()[1]
     nd.broadcast(port, 0)
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    dist.init_process_group(backend, init_method=f"tcp://{addr}:{int(port[0])}",
-                            rank=nd.get_rank(), world_size=nd.get_world_size())
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{addr}:{int(port[0])}",
+        rank=nd.get_rank(),
+        world_size=nd.get_world_size(),
+    )
     _TORCH_PG["backend"] = backend
     return backend

@@ -12,6 +12,7 @@ The Chrome trace holds the kernels with their streams ("cat": "kernel", args.str
 report measures how much of the comm stream's time hides behind the backward's kernels.
 `--cpu` runs the same on the CPU (host backend; a trace without kernels) to test the script.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,6 +35,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     import nccl_ddp as nd
     from nccl_ddp import hooks
+
     if args.cpu:
         device = torch.device("cpu")
         nd.init_process_group("host", timeout=60.0)
@@ -69,8 +71,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             sync()
         prof.export_chrome_trace(args.out)
         params = sum(p.numel() for p in model.parameters())
-        print(f"trace: {args.steps} steps, {params * 4 / 2**20:.1f} MiB of parameters, bucket cap "
-              f"{args.bucket_mb:g} MiB, written to {args.out}")
+        print(
+            f"trace: {args.steps} steps, {params * 4 / 2**20:.1f} MiB of parameters, bucket cap "
+            f"{args.bucket_mb:g} MiB, written to {args.out}"
+        )
     finally:
         nd.destroy_process_group()
     return 0

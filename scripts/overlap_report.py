@@ -29,6 +29,7 @@ lazily, so a report without kernels or NVTX lacks the table):
       registered (then `textId` names it).
   globalPid / globalTid are serialized ids: the OS pid is (id >> 24) & 0xFFFFFF.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,8 +48,17 @@ from benchlib import format_table, write_csv  # noqa: E402
 from nccl_ddp.profiling import PHASES, overlap_length, union_length  # noqa: E402
 
 NVTX_RANGE_TYPES = (59, 60)
-COLUMNS = (["report", "rank", "pid", "device", "nccl_kernels", "nccl_ms", "compute_ms",
-            "overlap_ms", "overlap_pct"] + [f"{p}_ms" for p in PHASES])
+COLUMNS = [
+    "report",
+    "rank",
+    "pid",
+    "device",
+    "nccl_kernels",
+    "nccl_ms",
+    "compute_ms",
+    "overlap_ms",
+    "overlap_pct",
+] + [f"{p}_ms" for p in PHASES]
 
 
 def _pid(global_id: Optional[int]) -> int:
@@ -68,7 +78,8 @@ def read_kernels(conn: sqlite3.Connection) -> dict:
         "SELECT k.start, k.end, k.deviceId, k.globalPid, COALESCE(d.value, s.value, '') "
         "FROM CUPTI_ACTIVITY_KIND_KERNEL AS k "
         "LEFT JOIN StringIds AS d ON d.id = k.demangledName "
-        "LEFT JOIN StringIds AS s ON s.id = k.shortName")
+        "LEFT JOIN StringIds AS s ON s.id = k.shortName"
+    )
     for start, end, device, gpid, name in rows:
         nccl, other = out[(_pid(gpid), device)]
         (nccl if "nccl" in name.lower() else other).append((start, end))
@@ -83,7 +94,8 @@ def read_nvtx(conn: sqlite3.Connection) -> dict:
     rows = conn.execute(
         "SELECT n.start, n.end, COALESCE(n.text, s.value, ''), n.globalTid FROM NVTX_EVENTS AS n "
         "LEFT JOIN StringIds AS s ON s.id = n.textId "
-        f"WHERE n.eventType IN {NVTX_RANGE_TYPES} AND n.end IS NOT NULL AND n.end > n.start")
+        f"WHERE n.eventType IN {NVTX_RANGE_TYPES} AND n.end IS NOT NULL AND n.end > n.start"
+    )
     for start, end, text, gtid in rows:
         phase = text.split(" ", 1)[0].lower()
         if phase in PHASES:
@@ -102,19 +114,46 @@ def report(path: str) -> list:
     for (pid, device), (nccl, other) in sorted(kernels.items()):
         nccl_ns = union_length(nccl)
         overlap_ns = overlap_length(nccl, other)
-        row = {"report": os.path.basename(path), "rank": int(m.group(1)) if m else None,
-               "pid": pid, "device": device, "nccl_kernels": len(nccl), "nccl_ms": nccl_ns / 1e6,
-               "compute_ms": union_length(other) / 1e6, "overlap_ms": overlap_ns / 1e6,
-               "overlap_pct": 100.0 * overlap_ns / nccl_ns if nccl_ns else 0.0}
+        row = {
+            "report": os.path.basename(path),
+            "rank": int(m.group(1)) if m else None,
+            "pid": pid,
+            "device": device,
+            "nccl_kernels": len(nccl),
+            "nccl_ms": nccl_ns / 1e6,
+            "compute_ms": union_length(other) / 1e6,
+            "overlap_ms": overlap_ns / 1e6,
+            "overlap_pct": 100.0 * overlap_ns / nccl_ns if nccl_ns else 0.0,
+        }
         row.update({f"{p}_ms": ns / 1e6 for p, ns in nvtx[pid].items()})
         rows.append(row)
     return rows
 
 
-STREAM_COLUMNS = ["trace", "device", "stream", "comm", "kernels", "busy_ms", "nccl_kernels",
-                  "nccl_ms", "pack", "unpack"]
-SUMMARY_COLUMNS = ["trace", "device", "comm_streams", "comm_ms", "other_ms", "hidden_ms",
-                   "hidden_pct", "nccl_kernels", "pack_launches", "unpack_launches"]
+STREAM_COLUMNS = [
+    "trace",
+    "device",
+    "stream",
+    "comm",
+    "kernels",
+    "busy_ms",
+    "nccl_kernels",
+    "nccl_ms",
+    "pack",
+    "unpack",
+]
+SUMMARY_COLUMNS = [
+    "trace",
+    "device",
+    "comm_streams",
+    "comm_ms",
+    "other_ms",
+    "hidden_ms",
+    "hidden_pct",
+    "nccl_kernels",
+    "pack_launches",
+    "unpack_launches",
+]
 PACK = re.compile(r"nd_pack")
 UNPACK = re.compile(r"nd_unpack")
 
@@ -162,23 +201,36 @@ def trace_report(path: str) -> tuple:
             ks = per[key]
             nccl = [(s, e) for k, s, e in ks if "nccl" in k.lower()]
             (comm_iv if key in comm else other_iv).extend((s, e) for _, s, e in ks)
-            streams.append({
-                "trace": name, "device": device, "stream": key[1], "comm": key in comm,
-                "kernels": len(ks), "busy_ms": union_length((s, e) for _, s, e in ks) / 1e3,
-                "nccl_kernels": len(nccl), "nccl_ms": union_length(nccl) / 1e3,
-                "pack": sum(bool(PACK.search(k)) for k, _, _ in ks),
-                "unpack": sum(bool(UNPACK.search(k)) for k, _, _ in ks)})
+            streams.append(
+                {
+                    "trace": name,
+                    "device": device,
+                    "stream": key[1],
+                    "comm": key in comm,
+                    "kernels": len(ks),
+                    "busy_ms": union_length((s, e) for _, s, e in ks) / 1e3,
+                    "nccl_kernels": len(nccl),
+                    "nccl_ms": union_length(nccl) / 1e3,
+                    "pack": sum(bool(PACK.search(k)) for k, _, _ in ks),
+                    "unpack": sum(bool(UNPACK.search(k)) for k, _, _ in ks),
+                }
+            )
         comm_us, hidden_us = union_length(comm_iv), overlap_length(comm_iv, other_iv)
         rows = [r for r in streams if r["trace"] == name and r["device"] == device]
-        summary.append({
-            "trace": name, "device": device,
-            "comm_streams": " ".join(str(k[1]) for k in mine if k in comm) or "-",
-            "comm_ms": comm_us / 1e3, "other_ms": union_length(other_iv) / 1e3,
-            "hidden_ms": hidden_us / 1e3,
-            "hidden_pct": 100.0 * hidden_us / comm_us if comm_us else 0.0,
-            "nccl_kernels": sum(r["nccl_kernels"] for r in rows),
-            "pack_launches": sum(r["pack"] for r in rows),
-            "unpack_launches": sum(r["unpack"] for r in rows)})
+        summary.append(
+            {
+                "trace": name,
+                "device": device,
+                "comm_streams": " ".join(str(k[1]) for k in mine if k in comm) or "-",
+                "comm_ms": comm_us / 1e3,
+                "other_ms": union_length(other_iv) / 1e3,
+                "hidden_ms": hidden_us / 1e3,
+                "hidden_pct": 100.0 * hidden_us / comm_us if comm_us else 0.0,
+                "nccl_kernels": sum(r["nccl_kernels"] for r in rows),
+                "pack_launches": sum(r["pack"] for r in rows),
+                "unpack_launches": sum(r["unpack"] for r in rows),
+            }
+        )
     return streams, summary
 
 
@@ -189,8 +241,10 @@ def trace_main(args: argparse.Namespace) -> int:
         streams += a
         summary += b
     if not streams:
-        print("no kernel events in the trace(s): was torch.profiler run with "
-              "ProfilerActivity.CUDA?", file=sys.stderr)
+        print(
+            "no kernel events in the trace(s): was torch.profiler run with ProfilerActivity.CUDA?",
+            file=sys.stderr,
+        )
         return 1
     fmt = {c: ".3f" for c in STREAM_COLUMNS + SUMMARY_COLUMNS if c.endswith("_ms")}
     fmt["hidden_pct"] = ".1f"
@@ -207,9 +261,12 @@ def trace_main(args: argparse.Namespace) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("reports", nargs="+", metavar="REPORT",
-                    help="nsys SQLite exports (one per rank) or torch.profiler Chrome traces "
-                         "(.json)")
+    ap.add_argument(
+        "reports",
+        nargs="+",
+        metavar="REPORT",
+        help="nsys SQLite exports (one per rank) or torch.profiler Chrome traces (.json)",
+    )
     ap.add_argument("--csv", help="also write the rows (traces: the per-stream rows) as CSV")
     ap.add_argument("--json", help="traces: also write per-stream and summary rows as JSON")
     args = ap.parse_args(argv)

@@ -2,8 +2,7 @@
 for bit, torch on CUDA streams, DDP on the GPU, NCCL; bfloat16 cases first within each file), so a
 short GPU session sees their results even if the step runs out of time."""
 
-FIRST = ("test_kernels_gpu.py", "test_torch_adapter.py", "test_ddp_gpu.py",
-         "test_nccl_backend.py")
+FIRST = ("test_kernels_gpu.py", "test_torch_adapter.py", "test_ddp_gpu.py", "test_nccl_backend.py")
 
 
 def _rank(item):
@@ -13,4 +12,4 @@ def _rank(item):
 
 
 def pytest_collection_modifyitems(session, config, items):
-    items.sort(key=_rank)   # stable: the files' own order otherwise
+    items.sort(key=_rank)  # stable: the files' own order otherwise

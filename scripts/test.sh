@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Set up a virtual environment with the test extras and every framework we test, then check.
 #   bash scripts/test.sh [--fast] [pytest args...]
-# Stages: lint (ruff) and types (mypy), then pytest. --fast runs only the tests not marked `slow`
-# (each under 2 s, setup included; pytest lists unmarked ones that take longer); without it, the whole suite. Environments (created once, reused): .venv (NumPy 2,
+# Stages: lint and format check (ruff), types (mypy), then pytest. --fast runs only the tests not marked `slow`
+# (each under 2 s, setup included; pytest lists unmarked ones that take longer); without it, the
+# whole suite. Environments (created once, reused): .venv (NumPy 2,
 # torch CPU, JAX CPU, CuPy + NVRTC + NCCL wheels for the kernel compile checks) and .venv-ms
 # (MindSpore 2.10, which needs numpy<2; the MindSpore tests run their examples in it).
 # NCCL_DDP_SKIP_FRAMEWORKS=1 skips the framework installs (their tests then skip, saying why).
@@ -22,8 +23,9 @@ if [[ ${NCCL_DDP_SKIP_FRAMEWORKS:-0} != 1 ]]; then
     bash scripts/setup_ms_venv.sh
   fi
 fi
-echo "== lint (ruff)"
+echo "== lint and format (ruff)"
 "$VENV/bin/ruff" check nccl_ddp tests scripts examples
+"$VENV/bin/ruff" format --check nccl_ddp tests scripts examples
 echo "== types (mypy)"
 "$VENV/bin/mypy"
 echo "== tests"

@@ -6,6 +6,7 @@ import pytest
 def _has_gpu() -> bool:
     try:
         import cupy
+
         return cupy.cuda.is_available() and cupy.cuda.runtime.getDeviceCount() > 0
     except Exception:
         return False
@@ -34,17 +35,20 @@ def pytest_runtest_logreport(report):
 
 
 def _unmarked_over_limit(config) -> list:
-    marked = {item.nodeid for item in getattr(config, "_nccl_ddp_items", [])
-              if "slow" in item.keywords}
-    return sorted(((d, n) for n, d in _durations.items()
-                   if d > SLOW_LIMIT_S and n not in marked), reverse=True)
+    marked = {item.nodeid for item in getattr(config, "_nccl_ddp_items", []) if "slow" in item.keywords}
+    return sorted(
+        ((d, n) for n, d in _durations.items() if d > SLOW_LIMIT_S and n not in marked), reverse=True
+    )
 
 
 def pytest_sessionfinish(session, exitstatus):
     """NCCL_DDP_STRICT_SLOW=1 (scripts/test.sh --fast in CI): an unmarked test over the limit fails
     the run."""
-    if (os.environ.get("NCCL_DDP_STRICT_SLOW") == "1" and exitstatus == 0
-            and _unmarked_over_limit(session.config)):
+    if (
+        os.environ.get("NCCL_DDP_STRICT_SLOW") == "1"
+        and exitstatus == 0
+        and _unmarked_over_limit(session.config)
+    ):
         session.exitstatus = 1
 
 
@@ -53,7 +57,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     over = _unmarked_over_limit(config)
     if not over:
         return
-    terminalreporter.section(f"unmarked tests over {SLOW_LIMIT_S:.0f} s, setup included "
-                             "(mark them slow)")
+    terminalreporter.section(f"unmarked tests over {SLOW_LIMIT_S:.0f} s, setup included (mark them slow)")
     for d, n in over:
         terminalreporter.write_line(f"{d:6.2f} s  {n}")

@@ -3,8 +3,15 @@ import pytest
 from nccl_ddp.env import DistEnv, resolve_env, slurm_first_host, slurm_tasks_on_node
 from nccl_ddp.errors import ConfigError
 
-TORCHRUN = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
-            "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "NCCL_DDP_SECRET": "s3"}
+TORCHRUN = {
+    "RANK": "1",
+    "WORLD_SIZE": "4",
+    "LOCAL_RANK": "1",
+    "LOCAL_WORLD_SIZE": "2",
+    "MASTER_ADDR": "10.0.0.1",
+    "MASTER_PORT": "29500",
+    "NCCL_DDP_SECRET": "s3",
+}
 
 
 def test_single_process_defaults():
@@ -26,15 +33,22 @@ def test_explicit_args_beat_environment():
 
 
 def test_torchrun_beats_slurm_and_ompi():
-    environ = dict(TORCHRUN, SLURM_PROCID="0", SLURM_NTASKS="8", OMPI_COMM_WORLD_RANK="2",
-                   OMPI_COMM_WORLD_SIZE="3")
+    environ = dict(
+        TORCHRUN, SLURM_PROCID="0", SLURM_NTASKS="8", OMPI_COMM_WORLD_RANK="2", OMPI_COMM_WORLD_SIZE="3"
+    )
     assert resolve_env(environ=environ).world_size == 4
 
 
 def test_slurm():
-    environ = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
-               "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_NODEID": "1",
-               "SLURM_NODELIST": "gpu[03-04]", "MASTER_PORT": "2000"}
+    environ = {
+        "SLURM_PROCID": "5",
+        "SLURM_NTASKS": "8",
+        "SLURM_LOCALID": "1",
+        "SLURM_TASKS_PER_NODE": "4(x2)",
+        "SLURM_NODEID": "1",
+        "SLURM_NODELIST": "gpu[03-04]",
+        "MASTER_PORT": "2000",
+    }
     env = resolve_env(environ=environ)
     assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (5, 8, 1, 4)
     assert env.master_addr == "gpu03"
@@ -43,9 +57,14 @@ def test_slurm():
 
 
 def test_slurm_master_falls_back_to_launch_node():
-    environ = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "1",
-               "SLURM_NODELIST": "rack[1-2]-n[01-04]", "SLURM_LAUNCH_NODE_IPADDR": "10.2.0.9",
-               "MASTER_PORT": "2000"}
+    environ = {
+        "SLURM_PROCID": "0",
+        "SLURM_NTASKS": "2",
+        "SLURM_NTASKS_PER_NODE": "1",
+        "SLURM_NODELIST": "rack[1-2]-n[01-04]",
+        "SLURM_LAUNCH_NODE_IPADDR": "10.2.0.9",
+        "MASTER_PORT": "2000",
+    }
     assert slurm_first_host(environ["SLURM_NODELIST"]) is None
     assert resolve_env(environ=environ).master_addr == "10.2.0.9"
 
@@ -59,25 +78,32 @@ def test_slurm_parsers():
 
 
 def test_openmpi():
-    environ = {"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "3",
-               "OMPI_COMM_WORLD_LOCAL_RANK": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "3",
-               "MASTER_PORT": "2000"}
+    environ = {
+        "OMPI_COMM_WORLD_RANK": "2",
+        "OMPI_COMM_WORLD_SIZE": "3",
+        "OMPI_COMM_WORLD_LOCAL_RANK": "2",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "3",
+        "MASTER_PORT": "2000",
+    }
     env = resolve_env(environ=environ)
     assert (env.rank, env.world_size, env.local_rank, env.master_addr) == (2, 3, 2, "127.0.0.1")
 
 
-@pytest.mark.parametrize("environ, match", [
-    (dict(TORCHRUN, RANK="4"), "RANK"),
-    (dict(TORCHRUN, RANK="-1"), "RANK"),
-    (dict(TORCHRUN, WORLD_SIZE="two"), "WORLD_SIZE"),
-    (dict(TORCHRUN, WORLD_SIZE="0"), "WORLD_SIZE"),
-    ({k: v for k, v in TORCHRUN.items() if k != "MASTER_PORT"}, "MASTER_PORT"),
-    (dict(TORCHRUN, MASTER_PORT="70000"), "MASTER_PORT"),
-    ({k: v for k, v in TORCHRUN.items() if k != "MASTER_ADDR"}, "MASTER_ADDR"),
-    ({k: v for k, v in TORCHRUN.items() if k != "WORLD_SIZE"}, "WORLD_SIZE"),
-    (dict(TORCHRUN, LOCAL_RANK="2"), "LOCAL_RANK"),
-    (dict(TORCHRUN, LOCAL_WORLD_SIZE="0"), "LOCAL_WORLD_SIZE"),
-])
+@pytest.mark.parametrize(
+    "environ, match",
+    [
+        (dict(TORCHRUN, RANK="4"), "RANK"),
+        (dict(TORCHRUN, RANK="-1"), "RANK"),
+        (dict(TORCHRUN, WORLD_SIZE="two"), "WORLD_SIZE"),
+        (dict(TORCHRUN, WORLD_SIZE="0"), "WORLD_SIZE"),
+        ({k: v for k, v in TORCHRUN.items() if k != "MASTER_PORT"}, "MASTER_PORT"),
+        (dict(TORCHRUN, MASTER_PORT="70000"), "MASTER_PORT"),
+        ({k: v for k, v in TORCHRUN.items() if k != "MASTER_ADDR"}, "MASTER_ADDR"),
+        ({k: v for k, v in TORCHRUN.items() if k != "WORLD_SIZE"}, "WORLD_SIZE"),
+        (dict(TORCHRUN, LOCAL_RANK="2"), "LOCAL_RANK"),
+        (dict(TORCHRUN, LOCAL_WORLD_SIZE="0"), "LOCAL_WORLD_SIZE"),
+    ],
+)
 def test_inconsistent_values_raise(environ, match):
     with pytest.raises(ConfigError, match=match):
         resolve_env(environ=environ)
@@ -100,9 +126,17 @@ def test_store_port_defaults_to_master_port_and_follows_the_launcher():
 
 
 # msrun 2.10's variables (mindspore/parallel/cluster/process_entity/_api.py), worker 1 of 2
-MSRUN = {"MS_ROLE": "MS_WORKER", "RANK_ID": "1", "MS_NODE_ID": "1", "MS_WORKER_NUM": "2",
-         "RANK_SIZE": "2", "DEVICE_ID": "1", "MS_SCHED_HOST": "10.0.0.7", "MS_SCHED_PORT": "8118",
-         "MS_TOPO_TIMEOUT": "600"}
+MSRUN = {
+    "MS_ROLE": "MS_WORKER",
+    "RANK_ID": "1",
+    "MS_NODE_ID": "1",
+    "MS_WORKER_NUM": "2",
+    "RANK_SIZE": "2",
+    "DEVICE_ID": "1",
+    "MS_SCHED_HOST": "10.0.0.7",
+    "MS_SCHED_PORT": "8118",
+    "MS_TOPO_TIMEOUT": "600",
+}
 
 
 def test_msrun_worker():
@@ -127,11 +161,16 @@ def test_msrun_without_rank_id_names_node_rank():
 
 
 def test_lightning_launcher_has_no_rank():
-    environ = {"WORLD_SIZE": "4", "NODE_RANK": "0", "LOCAL_RANK": "1", "MASTER_ADDR": "h0",
-               "MASTER_PORT": "29500"}
+    environ = {
+        "WORLD_SIZE": "4",
+        "NODE_RANK": "0",
+        "LOCAL_RANK": "1",
+        "MASTER_ADDR": "h0",
+        "MASTER_PORT": "29500",
+    }
     env = resolve_env(environ=environ)
     assert (env.rank, env.world_size, env.local_rank, env.source) == (1, 4, 1, "lightning")
-    assert env.store_port == 29501      # rank 0's torch TCPStore holds MASTER_PORT
+    assert env.store_port == 29501  # rank 0's torch TCPStore holds MASTER_PORT
     env = resolve_env(environ=dict(environ, NODE_RANK="1", LOCAL_WORLD_SIZE="2"))
     assert (env.rank, env.local_world_size) == (3, 2)
     with pytest.raises(ConfigError, match="NODE_RANK=1.*LOCAL_WORLD_SIZE"):
@@ -139,18 +178,26 @@ def test_lightning_launcher_has_no_rank():
 
 
 def test_mpich_intel_pmi():
-    environ = {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2",
-               "MASTER_PORT": "2000"}
+    environ = {
+        "PMI_RANK": "1",
+        "PMI_SIZE": "2",
+        "MPI_LOCALRANKID": "1",
+        "MPI_LOCALNRANKS": "2",
+        "MASTER_PORT": "2000",
+    }
     env = resolve_env(environ=environ)
     assert (env.rank, env.world_size, env.local_rank, env.source) == (1, 2, 1, "pmi")
 
 
-@pytest.mark.parametrize("environ, seen", [
-    ({"RANK_SIZE": "8"}, "RANK_SIZE=8"),                       # MindSpore rank table, no RANK_ID
-    ({"PMI_SIZE": "2"}, "PMI_SIZE=2"),
-    ({"SLURM_NTASKS": "4"}, "SLURM_NTASKS=4"),
-    (dict(TORCHRUN, RANK="0", WORLD_SIZE="1", MS_WORKER_NUM="2"), "MS_WORKER_NUM=2"),
-])
+@pytest.mark.parametrize(
+    "environ, seen",
+    [
+        ({"RANK_SIZE": "8"}, "RANK_SIZE=8"),  # MindSpore rank table, no RANK_ID
+        ({"PMI_SIZE": "2"}, "PMI_SIZE=2"),
+        ({"SLURM_NTASKS": "4"}, "SLURM_NTASKS=4"),
+        (dict(TORCHRUN, RANK="0", WORLD_SIZE="1", MS_WORKER_NUM="2"), "MS_WORKER_NUM=2"),
+    ],
+)
 def test_a_launcher_saying_several_never_resolves_to_one(environ, seen):
     with pytest.raises(ConfigError, match=f"more than one process \\({seen}.*train alone"):
         resolve_env(environ=environ)

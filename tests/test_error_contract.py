@@ -1,6 +1,7 @@
 """One error contract: the same misuse raises the same class on the host and NCCL backends (NCCL
 on the fake runtime), the class is an `NcclDdpError` and the builtin users catch, and the message
 names the argument."""
+
 import numpy as np
 import pytest
 from test_nccl_backend import make_group
@@ -19,15 +20,21 @@ def nccl_group():
 
 MISUSES = [
     ("broadcast root", lambda g: g.broadcast(np.ones(4, np.float32), root=3), ConfigError, "root 3"),
-    ("strided buffer", lambda g: g.all_reduce(np.ones(8, np.float32)[::2]), ConfigError,
-     "contiguous"),
-    ("complex dtype", lambda g: g.all_reduce(np.ones(4, np.complex64)), ConfigTypeError,
-     "complex64"),
+    ("strided buffer", lambda g: g.all_reduce(np.ones(8, np.float32)[::2]), ConfigError, "contiguous"),
+    ("complex dtype", lambda g: g.all_reduce(np.ones(4, np.complex64)), ConfigTypeError, "complex64"),
     ("subgroup ranks", lambda g: g.new_subgroup([0, 7]), ConfigError, "7"),
-    ("all_gather sizes", lambda g: g.all_gather(np.ones(3, np.float32), np.ones(2, np.float32)),
-     ConfigError, "out"),
-    ("all_gather dtypes", lambda g: g.all_gather(np.ones(2, np.float64), np.ones(2, np.float32)),
-     ConfigError, "float64"),
+    (
+        "all_gather sizes",
+        lambda g: g.all_gather(np.ones(3, np.float32), np.ones(2, np.float32)),
+        ConfigError,
+        "out",
+    ),
+    (
+        "all_gather dtypes",
+        lambda g: g.all_gather(np.ones(2, np.float64), np.ones(2, np.float32)),
+        ConfigError,
+        "float64",
+    ),
 ]
 
 

@@ -3,6 +3,7 @@
 Multi-process cases run on loopback with a hard bound (tests/mp.py); the slow variants are
 marked `slow`.
 """
+
 import os
 import threading
 import time
@@ -30,6 +31,7 @@ def _outcome(fn):
 
 def _disagree_on_members(rank, world, transport):
     import os
+
     os.environ["NCCL_DDP_HOST_TRANSPORT"] = transport
     nd.init_process_group("host", timeout=10)
     try:
@@ -37,7 +39,7 @@ def _disagree_on_members(rank, world, transport):
         g = _outcome(lambda: nd.new_group(members))
         if g[0] != "ok":
             return g
-        x = np.full(2, 10.0 ** rank, f32)         # 1, 10, 100
+        x = np.full(2, 10.0**rank, f32)  # 1, 10, 100
         return _outcome(lambda: nd.all_reduce(x, group=g[1]).tolist())
     finally:
         nd.destroy_process_group()
@@ -49,11 +51,12 @@ def test_new_group_with_different_members_raises_instead_of_wrong_sums(transport
     r0, r1, r2 = run_ranks(_disagree_on_members, 3, transport, timeout=60)
     assert r0[0] == "RankMismatchError", r0
     assert "[0, 1]" in r0[1] and "[1, 2]" in r0[1] and r0[1].startswith("rank 0:"), r0
-    assert r1 == r2 == ("ok", [110.0, 110.0]), (r1, r2)   # their group is consistent
+    assert r1 == r2 == ("ok", [110.0, 110.0]), (r1, r2)  # their group is consistent
 
 
 def _broadcast_src_mismatch(rank, world, transport):
     import os
+
     os.environ["NCCL_DDP_HOST_TRANSPORT"] = transport
     nd.init_process_group("host", timeout=10)
     try:
@@ -66,8 +69,7 @@ def _broadcast_src_mismatch(rank, world, transport):
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_broadcast_src_mismatch_fails_at_once_on_every_rank(transport):
     # before (tcp): every rank returned without error; the next collective failed under its name
-    for rank, (kind, msg) in enumerate(run_ranks(_broadcast_src_mismatch, 3, transport,
-                                                 timeout=60)):
+    for rank, (kind, msg) in enumerate(run_ranks(_broadcast_src_mismatch, 3, transport, timeout=60)):
         assert kind in ("RankMismatchError", "CommError"), (rank, kind, msg)
         assert "broadcast" in msg, (rank, msg)
         assert "RankMismatch" in msg or kind == "RankMismatchError" or "gave up" in msg, msg
@@ -75,6 +77,7 @@ def test_broadcast_src_mismatch_fails_at_once_on_every_rank(transport):
 
 def _params_in_another_order(rank, world):
     from nccl_ddp.adapters.arrays import ArrayModule
+
     nd.init_process_group("host", timeout=10)
     try:
         a, b = np.full(2, 1.0 + rank, f32), np.full(2, 100.0 + rank, f32)
@@ -88,8 +91,9 @@ def test_ddp_same_shapes_in_another_order_names_both_parameters():
     # before: init_sync passed and rank 0's 'a' was averaged with rank 1's 'b'
     for rank, (kind, msg) in enumerate(run_ranks(_params_in_another_order, 2, timeout=60)):
         assert kind == "RankMismatchError", (rank, kind, msg)
-        assert "parameter 0: rank 0 has 'a' of shape (2,) float32, rank 1 has 'b' of shape " \
-               "(2,) float32" in msg, msg
+        assert (
+            "parameter 0: rank 0 has 'a' of shape (2,) float32, rank 1 has 'b' of shape (2,) float32" in msg
+        ), msg
 
 
 # -- bad arguments -------------------------------------------------------------------------------
@@ -109,6 +113,7 @@ def test_init_process_group_timeout_out_of_range_is_a_config_error(timeout):
 @pytest.fixture
 def store_server():
     from nccl_ddp.store.client import StoreServer
+
     s = StoreServer("127.0.0.1", 0, "secret")
     yield s
     s.close()
@@ -117,6 +122,7 @@ def store_server():
 def _store_serves(port, key="alive"):
     """A fresh authenticated client can connect and use the store (the leak check's last item)."""
     from nccl_ddp.store.client import TCPStore
+
     with TCPStore("127.0.0.1", port, "secret", timeout=10) as c:
         c.set(key, b"1")
         return c.get(key, timeout=5) == b"1"
@@ -126,8 +132,9 @@ def _greeted(port):
     import socket
 
     from nccl_ddp.store.wire import _recv_frame
+
     s = socket.create_connection(("127.0.0.1", port), timeout=5)
-    _recv_frame(s)                   # the server's greeting: it has accepted us
+    _recv_frame(s)  # the server's greeting: it has accepted us
     return s
 
 
@@ -135,16 +142,17 @@ def test_store_keeps_accepting_after_running_out_of_descriptors(store_server):
     # before: one EMFILE in accept() ended the accept loop for good; no rank could join after
     import resource
     import socket
+
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     idle = []
     resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 60, hard))
     try:
-        for _ in range(200):         # each costs 2 descriptors here: the server runs out
+        for _ in range(200):  # each costs 2 descriptors here: the server runs out
             try:
                 idle.append(socket.create_connection(("127.0.0.1", store_server.port), timeout=2))
             except OSError:
                 break
-        time.sleep(0.5)              # the server hits EMFILE, drops the oldest strangers, retries
+        time.sleep(0.5)  # the server hits EMFILE, drops the oldest strangers, retries
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     try:
@@ -157,28 +165,30 @@ def test_store_keeps_accepting_after_running_out_of_descriptors(store_server):
 def test_store_closes_an_oversized_frame_before_authentication(store_server):
     # before: a stranger announcing a 64 MiB frame made the server buffer up to 64 MiB for it
     import struct
+
     s = _greeted(store_server.port)
     s.sendall(struct.pack(">I", 64 << 20) + b"x" * 1000)
     s.settimeout(5)
-    assert s.recv(16) == b""         # closed at once, not after the handshake deadline
+    assert s.recv(16) == b""  # closed at once, not after the handshake deadline
     s.close()
     assert _store_serves(store_server.port)
 
 
 def test_store_caps_and_times_out_unauthenticated_connections(monkeypatch):
     from nccl_ddp.store import server as srv
+
     monkeypatch.setattr(srv, "MAX_UNAUTHENTICATED", 20)
     monkeypatch.setattr(srv, "HANDSHAKE_DEADLINE", 1.0)
     with srv.StoreServer("127.0.0.1", 0, "secret") as server:
         socks = [_greeted(server.port) for _ in range(30)]
         time.sleep(0.2)
-        assert server.connections == 20            # the oldest 10 were dropped
+        assert server.connections == 20  # the oldest 10 were dropped
         for s in socks[:10]:
             s.settimeout(2)
             assert s.recv(16) == b""
         t0 = time.monotonic()
         socks[-1].settimeout(5)
-        assert socks[-1].recv(16) == b""           # the handshake deadline closes the rest
+        assert socks[-1].recv(16) == b""  # the handshake deadline closes the rest
         assert time.monotonic() - t0 < 4
         assert _store_serves(server.port)
         for s in socks:
@@ -191,14 +201,16 @@ def test_store_client_retries_a_handshake_the_server_closed():
     import socket
 
     from nccl_ddp.store.client import StoreServer, TCPStore
+
     fake = socket.create_server(("127.0.0.1", 0))
     port = fake.getsockname()[1]
     fake.settimeout(10)
     got: list = []
-    client = threading.Thread(target=lambda: got.append(
-        _outcome(lambda: TCPStore("127.0.0.1", port, "secret", timeout=20).close())))
+    client = threading.Thread(
+        target=lambda: got.append(_outcome(lambda: TCPStore("127.0.0.1", port, "secret", timeout=20).close()))
+    )
     client.start()
-    for _ in range(2):               # two handshakes closed before a greeting, as an eviction does
+    for _ in range(2):  # two handshakes closed before a greeting, as an eviction does
         conn, _ = fake.accept()
         conn.close()
     fake.close()
@@ -209,17 +221,18 @@ def test_store_client_retries_a_handshake_the_server_closed():
 
 def test_store_evicts_silent_connections_before_one_mid_handshake(monkeypatch):
     from nccl_ddp.store import server as srv
+
     monkeypatch.setattr(srv, "MAX_UNAUTHENTICATED", 3)
     with srv.StoreServer("127.0.0.1", 0, "secret") as server:
         talking = _greeted(server.port)
-        talking.sendall(b"\x00\x00")             # the start of a frame: mid-handshake
+        talking.sendall(b"\x00\x00")  # the start of a frame: mid-handshake
         time.sleep(0.1)
-        silent = [_greeted(server.port) for _ in range(3)]   # the third makes room
+        silent = [_greeted(server.port) for _ in range(3)]  # the third makes room
         time.sleep(0.2)
         silent[0].settimeout(2)
-        assert silent[0].recv(16) == b""          # the oldest silent one went
+        assert silent[0].recv(16) == b""  # the oldest silent one went
         talking.settimeout(0.3)
-        with pytest.raises(TimeoutError):         # before: the oldest (this one) was evicted
+        with pytest.raises(TimeoutError):  # before: the oldest (this one) was evicted
             talking.recv(16)
         for s in [talking] + silent:
             s.close()
@@ -232,6 +245,7 @@ def test_store_clients_connect_through_a_flood_of_strangers(monkeypatch):
 
     from nccl_ddp.store import server as srv
     from nccl_ddp.store.client import TCPStore
+
     monkeypatch.setattr(srv, "MAX_UNAUTHENTICATED", 8)
     with srv.StoreServer("127.0.0.1", 0, "secret") as server:
         stop, strangers = threading.Event(), []
@@ -244,8 +258,7 @@ def test_store_clients_connect_through_a_flood_of_strangers(monkeypatch):
                     time.sleep(0.01)
 
         def client(out):
-            out.append(_outcome(lambda: TCPStore("127.0.0.1", server.port, "secret",
-                                                 timeout=20).close()))
+            out.append(_outcome(lambda: TCPStore("127.0.0.1", server.port, "secret", timeout=20).close()))
 
         flooders = [threading.Thread(target=flood) for _ in range(3)]
         outs: list = []
@@ -267,6 +280,7 @@ def test_store_clients_connect_through_a_flood_of_strangers(monkeypatch):
 def test_store_serves_many_idle_connections_from_one_thread(store_server):
     # before: one thread per connection (3,000 idle sockets made 3,009 threads)
     from nccl_ddp.store.client import TCPStore
+
     before = threading.active_count()
     clients = [TCPStore("127.0.0.1", store_server.port, "secret", timeout=10) for _ in range(200)]
     try:
@@ -285,6 +299,7 @@ def _two_rank_group_with_strangers(store_server, strangers, timeout=20.0):
 
     from nccl_ddp.comm.host.backend import HostProcessGroup
     from nccl_ddp.store.client import PrefixStore, TCPStore
+
     took: dict = {}
 
     def rank(r, clients):
@@ -314,6 +329,7 @@ def _two_rank_group_with_strangers(store_server, strangers, timeout=20.0):
 
 def _silent(port, n=1):
     import socket
+
     return [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(n)]
 
 
@@ -330,12 +346,13 @@ def test_silent_connection_to_the_rendezvous_does_not_stall_group_creation(store
 
 def test_rendezvous_caps_handshakes_evicting_silent_strangers(store_server, monkeypatch, caplog):
     from nccl_ddp.comm.host import wire
+
     monkeypatch.setattr(wire, "MAX_UNAUTHENTICATED", 3)
-    monkeypatch.setattr(wire, "HANDSHAKE_DEADLINE", 60.0)   # only eviction can drop them
+    monkeypatch.setattr(wire, "HANDSHAKE_DEADLINE", 60.0)  # only eviction can drop them
 
     def strangers(port):
         talkative = _silent(port)
-        talkative[0].sendall(b"x" * 10)       # started a handshake: evicted last
+        talkative[0].sendall(b"x" * 10)  # started a handshake: evicted last
         time.sleep(0.2)
         return talkative + _silent(port, 4)
 
@@ -346,8 +363,10 @@ def test_rendezvous_caps_handshakes_evicting_silent_strangers(store_server, monk
         ports = [s.getsockname()[1] for s in socks]
         # 5 strangers, then rank 1, with room for 3: the three oldest silent ones were evicted,
         # the one that had started a handshake was not
-        assert [p for p in ports if any(f":{p}: evicted" in m for m in evicted)] == ports[1:4], \
-            (ports, evicted)
+        assert [p for p in ports if any(f":{p}: evicted" in m for m in evicted)] == ports[1:4], (
+            ports,
+            evicted,
+        )
     finally:
         for s in socks:
             s.close()
@@ -365,10 +384,26 @@ def _shm_names():
 def _start_launcher(tmp_path, script, *args, nproc=2):
     import subprocess
     import sys
+
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "NCCL_DDP_SECRET")}
-    return subprocess.Popen([sys.executable, "-m", "nccl_ddp.launch", "--nproc-per-node",
-                             str(nproc), "--grace-period", "2", script, str(tmp_path), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "nccl_ddp.launch",
+            "--nproc-per-node",
+            str(nproc),
+            "--grace-period",
+            "2",
+            script,
+            str(tmp_path),
+            *args,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
 
 
 def _wait_files(proc, files, timeout=30):
@@ -398,6 +433,7 @@ def test_launcher_killed_leaves_no_worker_and_no_segment(tmp_path, how):
     # before: SIGTERM left each worker's segment in /dev/shm; SIGKILL also left the workers
     # running (still alive 40 s later), and the /tmp/nccl-ddp-run-* record directory
     import signal
+
     proc = _start_launcher(tmp_path, _script(tmp_path, HOLDS_SHM))
     try:
         files = [tmp_path / "pids0", tmp_path / "pids1"]
@@ -440,9 +476,11 @@ KILLED_MID_ALL_REDUCE = """
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_launcher_names_the_killed_rank_not_the_survivor(tmp_path, transport):
     # before: 6 of 16 runs said rank 0 (which raised CommError naming rank 1) "failed first"
-    r = _run(["--nproc-per-node", "2", "--grace-period", "2",
-              _script(tmp_path, KILLED_MID_ALL_REDUCE)],
-             env={"NCCL_DDP_HOST_TRANSPORT": transport}, timeout=90)
+    r = _run(
+        ["--nproc-per-node", "2", "--grace-period", "2", _script(tmp_path, KILLED_MID_ALL_REDUCE)],
+        env={"NCCL_DDP_HOST_TRANSPORT": transport},
+        timeout=90,
+    )
     assert r.returncode == 128 + 9, r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("nccl-ddp-run:")]
     root = next(ln for ln in lines if "root cause" in ln)
@@ -460,7 +498,7 @@ def test_refused_connection_at_setup_blames_the_peer():
     from nccl_ddp.comm.host.wire import Rendezvous
     from nccl_ddp.env import blamed_rank
 
-    with socket.socket() as s:          # a port that was just free: connecting is refused
+    with socket.socket() as s:  # a port that was just free: connecting is refused
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     rdv = Rendezvous.__new__(Rendezvous)
@@ -479,6 +517,7 @@ def test_dialing_peer_retries_a_handshake_the_acceptor_dropped():
     import socket
 
     from nccl_ddp.comm.host.wire import _HANDSHAKE, Rendezvous
+
     srv = socket.create_server(("127.0.0.1", 0))
     srv.settimeout(10)
     rdv = Rendezvous.__new__(Rendezvous)
@@ -514,12 +553,15 @@ def test_dialing_peer_retries_a_handshake_the_acceptor_dropped():
 
 def test_launcher_splits_an_endless_line(tmp_path):
     # before: a line without a newline was buffered whole (two 300 MiB lines: 1.46 GiB)
-    script = _script(tmp_path, """
+    script = _script(
+        tmp_path,
+        """
         import sys
         sys.stdout.write("x" * (200 << 10))
         sys.stdout.flush()
         print("end")
-    """)
+    """,
+    )
     r = _run(["--nproc-per-node", "1", script])
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
@@ -536,10 +578,16 @@ def test_launcher_splits_an_endless_line(tmp_path):
 def small_tmpfs(tmp_path):
     """A 1 MiB tmpfs (needs root and mount permission; else the test is skipped)."""
     import subprocess
+
     d = tmp_path / "shm"
     d.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs",
-                                            str(d)], capture_output=True).returncode != 0:
+    if (
+        os.geteuid() != 0
+        or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(d)], capture_output=True
+        ).returncode
+        != 0
+    ):
         pytest.skip("cannot mount a tmpfs here (needs root)")
     try:
         yield d
@@ -550,23 +598,27 @@ def small_tmpfs(tmp_path):
 def test_segment_that_does_not_fit_in_shm_is_a_comm_error_at_creation(small_tmpfs, monkeypatch):
     # before: created sparse, and the first write past the free space killed with SIGBUS
     from nccl_ddp.comm.host import shm
+
     monkeypatch.setattr(shm, "SHM_DIR", str(small_tmpfs))
     with pytest.raises(CommError) as e:
         shm.Segment.create(4 << 20, "t")
     msg = str(e.value)
     assert "4.0 MiB (4194304 bytes) does not fit" in msg and "need 4.0 MiB" in msg, msg
     assert "has 1.0 MiB (1048576 bytes) free" in msg and "NCCL_DDP_HOST_TRANSPORT=tcp" in msg, msg
-    assert os.listdir(small_tmpfs) == []                  # nothing left behind
-    seg = shm.Segment.create(256 << 10, "t")              # what fits still works
+    assert os.listdir(small_tmpfs) == []  # nothing left behind
+    seg = shm.Segment.create(256 << 10, "t")  # what fits still works
     seg.array[:] = 1
     seg.close()
 
 
 def _shm_full_on_rank0(rank, world):
     import errno
-    if rank == 0:                # /dev/shm fills up as rank 0 allocates (rank 1 got its room)
+
+    if rank == 0:  # /dev/shm fills up as rank 0 allocates (rank 1 got its room)
+
         def full(fd, offset, length):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
         os.posix_fallocate = full
     os.environ["NCCL_DDP_HOST_TRANSPORT"] = "shm"
     got = _outcome(lambda: nd.init_process_group("host", timeout=10) and None)
@@ -577,9 +629,8 @@ def _shm_full_on_rank0(rank, world):
 
 @pytest.mark.slow
 def test_shm_too_small_fails_setup_on_every_rank_naming_the_fix():
-    job = f"t{os.getpid()}full"          # our segments' names, apart from other jobs'
-    (k0, m0), (k1, m1) = run_ranks(_shm_full_on_rank0, 2, timeout=60,
-                                   env={"NCCL_DDP_JOB_ID": job})
+    job = f"t{os.getpid()}full"  # our segments' names, apart from other jobs'
+    (k0, m0), (k1, m1) = run_ranks(_shm_full_on_rank0, 2, timeout=60, env={"NCCL_DDP_JOB_ID": job})
     assert k0 == "CommError" and "is too small for the shm transport" in m0, (k0, m0)
     assert "2 rank(s) on this host need" in m0 and "NCCL_DDP_HOST_TRANSPORT=tcp" in m0, m0
     # rank 1 fails too, with rank 0's reason rather than "peer rank 0 closed the connection"
@@ -592,7 +643,7 @@ def _exit_without_destroy(rank, world):
     nd.init_process_group("host", timeout=20)
     nd.all_reduce(np.ones(4, f32))
     if rank == 1:
-        return None                          # exits without destroy_process_group
+        return None  # exits without destroy_process_group
     time.sleep(0.5)
     t0 = time.monotonic()
     nd.destroy_process_group()
@@ -611,6 +662,7 @@ def test_lost_peer_check_does_not_block_on_a_live_quiet_peer():
     import socket
 
     from nccl_ddp.comm.host.wire import PeerLink
+
     with socket.create_server(("127.0.0.1", 0)) as srv:
         b = socket.create_connection(srv.getsockname(), timeout=5)
         a, _ = srv.accept()
@@ -618,12 +670,12 @@ def test_lost_peer_check_does_not_block_on_a_live_quiet_peer():
     try:
         t0 = time.monotonic()
         assert link.closed_by_peer() is False
-        assert time.monotonic() - t0 < 2.5           # half the timeout: it did not wait for one
+        assert time.monotonic() - t0 < 2.5  # half the timeout: it did not wait for one
         b.sendall(b"x")
-        assert link.closed_by_peer() is False         # data pending: alive
+        assert link.closed_by_peer() is False  # data pending: alive
         b.close()
         link.recv_into(memoryview(bytearray(1)))
-        assert link.closed_by_peer() is True          # hung up
+        assert link.closed_by_peer() is True  # hung up
     finally:
         link.close()
         b.close()
@@ -632,7 +684,7 @@ def test_lost_peer_check_does_not_block_on_a_live_quiet_peer():
 def _staggered_destroy(rank, world, gap):
     nd.init_process_group("host", timeout=12)
     nd.all_reduce(np.ones(4, f32))
-    time.sleep(gap * rank)                   # rank r reaches destroy r * gap seconds late
+    time.sleep(gap * rank)  # rank r reaches destroy r * gap seconds late
     t0 = time.monotonic()
     nd.destroy_process_group()
     return time.monotonic() - t0
@@ -659,12 +711,14 @@ def _nccl_group(rank, world, rt, timeout=10.0):
     from nccl_ddp.comm.nccl import backend as nb
     from nccl_ddp.env import resolve_env
     from nccl_ddp.store.client import PrefixStore, connect_store
+
     store = connect_store(resolve_env(), timeout=30)
     try:
-        return store, nb.NcclProcessGroup.create(PrefixStore(store, "t"), rank, world,
-                                                 range(world), timeout, "world", 0, runtime=rt)
+        return store, nb.NcclProcessGroup.create(
+            PrefixStore(store, "t"), rank, world, range(world), timeout, "world", 0, runtime=rt
+        )
     except Exception:
-        store.barrier("failed", world, timeout=30)    # rank 0 hosts the store: leave together
+        store.barrier("failed", world, timeout=30)  # rank 0 hosts the store: leave together
         store.close()
         raise
 
@@ -676,6 +730,7 @@ def _launched(rt):
 def _desync(rank, world, cases, debug):
     """{case: (what the mismatched call did, what the next matching call did, NCCL calls made)}."""
     from test_nccl_backend import FakeRuntime
+
     if debug:
         os.environ["NCCL_DDP_DEBUG"] = "DETAIL"
     rt = FakeRuntime()
@@ -684,7 +739,7 @@ def _desync(rank, world, cases, debug):
     try:
         for case in cases:
             buf = np.ones(4, f32)
-            g.all_reduce(buf)                               # the same everywhere: passes
+            g.all_reduce(buf)  # the same everywhere: passes
             before = len(_launched(rt))
             if case == "op":
                 got = _outcome(lambda b=buf: (g.all_reduce if rank == 0 else g.broadcast)(b))
@@ -695,12 +750,15 @@ def _desync(rank, world, cases, debug):
             elif case == "dtype":
                 dt = f32 if rank else np.float64
                 got = _outcome(lambda d=dt: g.all_gather(np.ones(world * 2, d), np.ones(2, d)))
-            else:                                           # "missing": rank 1 skips one
+            else:  # "missing": rank 1 skips one
                 got = ("skipped", "") if rank == 1 else _outcome(lambda: g.barrier())
             launched = len(_launched(rt)) - before
-            after = ("ok", None) if case == "missing" else \
-                _outcome(lambda: g.all_reduce(np.ones(2, f32)) and None)
-            got = (got[0], got[1] if isinstance(got[1], str) else None)   # a Work does not pickle
+            after = (
+                ("ok", None)
+                if case == "missing"
+                else _outcome(lambda: g.all_reduce(np.ones(2, f32)) and None)
+            )
+            got = (got[0], got[1] if isinstance(got[1], str) else None)  # a Work does not pickle
             results[case] = got, after, launched
         return results
     finally:
@@ -719,10 +777,10 @@ def test_nccl_debug_detail_catches_a_desync_on_every_rank():
         for seq, case in enumerate(DESYNCS):
             (kind, msg), after, launched = results[case]
             assert kind == "RankMismatchError", (rank, case, kind, msg)
-            n = 3 * seq + 2          # each case: a matching call, the mismatch, a matching call
+            n = 3 * seq + 2  # each case: a matching call, the mismatch, a matching call
             assert f"rank {rank}: collective #{n} of group 'world' differs across ranks" in msg, msg
-            assert after == ("ok", None), after             # the group is still usable
-            assert launched == 0, (case, launched)          # the mismatch never reached NCCL
+            assert after == ("ok", None), after  # the group is still usable
+            assert launched == 0, (case, launched)  # the mismatch never reached NCCL
 
 
 def test_nccl_debug_off_by_default_runs_mismatches_unchecked():
@@ -741,6 +799,7 @@ def test_nccl_debug_detail_names_a_rank_that_skipped_a_collective():
 
 def _shared_gpu(rank, world):
     from test_nccl_backend import FakeRuntime
+
     rt = FakeRuntime()
     rt.device_uuid = lambda: "gpu-b" if rank in (0, 2) else f"gpu-{rank}"
     try:
@@ -795,6 +854,7 @@ TRAIN = """
 def _free_pair():
     """A port P with P+1 free too (the store of a multi-node job listens on MASTER_PORT + 1)."""
     import socket
+
     for _ in range(50):
         with socket.socket() as a, socket.socket() as b:
             try:
@@ -814,18 +874,44 @@ def _finals(out):
 def test_two_launchers_as_two_nodes_train_like_one_node(tmp_path):
     import subprocess
     import sys
+
     script = _script(tmp_path, TRAIN)
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR")}
     env.update(NCCL_DDP_HOST_TRANSPORT="tcp", NCCL_DDP_SECRET="multi-node-test")
-    single = subprocess.run([sys.executable, "-m", "nccl_ddp.launch", "--nproc-per-node", "2",
-                             script], capture_output=True, text=True, env=env, timeout=120)
+    single = subprocess.run(
+        [sys.executable, "-m", "nccl_ddp.launch", "--nproc-per-node", "2", script],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert single.returncode == 0, single.stderr
     port = str(_free_pair())
-    nodes = [subprocess.Popen([sys.executable, "-m", "nccl_ddp.launch", "--nnodes", "2",
-                               "--node-rank", str(n), "--nproc-per-node", "1", "--master-addr",
-                               "127.0.0.2", "--master-port", port, script],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for n in (0, 1)]
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "nccl_ddp.launch",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(n),
+                "--nproc-per-node",
+                "1",
+                "--master-addr",
+                "127.0.0.2",
+                "--master-port",
+                port,
+                script,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for n in (0, 1)
+    ]
     try:
         outs = [p.communicate(timeout=120) for p in nodes]
     finally:
@@ -836,8 +922,8 @@ def test_two_launchers_as_two_nodes_train_like_one_node(tmp_path):
     assert [p.returncode for p in nodes] == [0, 0], [e for _, e in outs]
     assert "node 1/2" in outs[1][1] and "[rank 1] final" in outs[1][0]
     multi = _finals(outs[0][0] + outs[1][0])
-    assert len(multi) == 2 and multi[0] == multi[1], multi            # the ranks agree
-    assert multi == _finals(single.stdout), (multi, single.stdout)   # and match one node's run
+    assert len(multi) == 2 and multi[0] == multi[1], multi  # the ranks agree
+    assert multi == _finals(single.stdout), (multi, single.stdout)  # and match one node's run
 
 
 # -- chaos: a rank SIGKILLed or SIGSTOPped at a random point, then the leak check ------------------
@@ -906,17 +992,35 @@ def _chaos(tmp_path, world, transport, point, sig, seed):
     import signal
     import subprocess
     import sys
+
     victim = random.Random(seed).randrange(world)
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "NCCL_DDP_SECRET")}
     env["NCCL_DDP_HOST_TRANSPORT"] = transport
-    proc = subprocess.Popen([sys.executable, "-m", "nccl_ddp.launch", "--nproc-per-node",
-                             str(world), "--grace-period", "8", _script(tmp_path, CHAOS),
-                             str(tmp_path), point, sig, str(victim), str(seed)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "nccl_ddp.launch",
+            "--nproc-per-node",
+            str(world),
+            "--grace-period",
+            "8",
+            _script(tmp_path, CHAOS),
+            str(tmp_path),
+            point,
+            sig,
+            str(victim),
+            str(seed),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     survivors = [r for r in range(world) if r != victim]
     deadline = time.monotonic() + 60
     try:
-        if sig == "STOP":      # a hung rank: once the others reported, an operator kills it
+        if sig == "STOP":  # a hung rank: once the others reported, an operator kills it
             while not all((tmp_path / f"report{r}.json").exists() for r in survivors):
                 assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()
                 time.sleep(0.05)
@@ -929,23 +1033,29 @@ def _chaos(tmp_path, world, transport, point, sig, seed):
     where = f"world {world} {transport} {sig} rank {victim} at {point} (seed {seed}):\n{err[-3000:]}"
     assert proc.returncode != 0, where
     if sig == "KILL":
-        assert f"root cause: rank {victim} (local rank {victim}): killed by signal SIGKILL" in err, \
-            where
+        assert f"root cause: rank {victim} (local rank {victim}): killed by signal SIGKILL" in err, where
     for r in survivors:
         rep = json.loads((tmp_path / f"report{r}.json").read_text())
         assert rep["threads"] == [] and rep["store"], (rep, where)
         assert rep["error"] is None or rep["error"].split(":")[0] in (
-            "CommError", "CommTimeout", "StoreError", "StoreTimeout", "RankMismatchError"), \
-            (rep, where)
-    pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(world)
-            if (tmp_path / f"pid{r}").exists()]
+            "CommError",
+            "CommTimeout",
+            "StoreError",
+            "StoreTimeout",
+            "RankMismatchError",
+        ), (rep, where)
+    pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(world) if (tmp_path / f"pid{r}").exists()]
     assert _wait_gone(pids, timeout=10) == [], where
-    job = (tmp_path / "job").read_text()      # other jobs on this machine may hold segments
+    job = (tmp_path / "job").read_text()  # other jobs on this machine may hold segments
     assert {n for n in _shm_names() if n.startswith(f"nccl_ddp-{job}-")} == set(), where
 
 
-CHAOS_FAST = [(2, "shm", "collective", "KILL", 1), (3, "tcp", "backward", "KILL", 2),
-              (2, "tcp", "setup", "KILL", 3), (3, "shm", "collective", "STOP", 4)]
+CHAOS_FAST = [
+    (2, "shm", "collective", "KILL", 1),
+    (3, "tcp", "backward", "KILL", 2),
+    (2, "tcp", "setup", "KILL", 3),
+    (3, "shm", "collective", "STOP", 4),
+]
 
 
 @pytest.mark.parametrize("world,transport,point,sig,seed", CHAOS_FAST)
@@ -960,28 +1070,47 @@ def test_chaos_sample(tmp_path, world, transport, point, sig, seed):
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 @pytest.mark.parametrize("world", [2, 3])
 def test_chaos_matrix(tmp_path, world, transport, point, sig):
-    seed = int(time.time() * 1000) % 100000      # a fresh random point each run, shown on failure
+    seed = int(time.time() * 1000) % 100000  # a fresh random point each run, shown on failure
     _chaos(tmp_path, world, transport, point, sig, seed)
 
 
 # -- the launcher under stress (issue 22, items 3, 4, 7, 8, 10, 11, 12) and c10d node ranks --------
+
 
 def _nodes(tmp_path, script, per_node, *extra, port=None, env=None, timeout=120):
     """Two launchers as two nodes on 127.0.0.2; per_node: each one's flags; returns (procs,
     outputs, seconds)."""
     import subprocess
     import sys
+
     full = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR")}
     full.update(NCCL_DDP_HOST_TRANSPORT="tcp", NCCL_DDP_SECRET="multi-node-test", **(env or {}))
     port = str(port or _free_pair())
     t0 = time.monotonic()
     procs = []
     for flags in per_node:
-        procs.append(subprocess.Popen([sys.executable, "-m", "nccl_ddp.launch", "--nnodes", "2",
-                                       "--master-addr", "127.0.0.2", "--master-port", port,
-                                       *flags, *extra, script],
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                      env=full))
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "nccl_ddp.launch",
+                    "--nnodes",
+                    "2",
+                    "--master-addr",
+                    "127.0.0.2",
+                    "--master-port",
+                    port,
+                    *flags,
+                    *extra,
+                    script,
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=full,
+            )
+        )
     try:
         outs = [p.communicate(timeout=timeout) for p in procs]
     finally:
@@ -1002,8 +1131,9 @@ NODE_RANKS = """
 @pytest.mark.slow
 def test_c10d_rendezvous_assigns_node_ranks(tmp_path):
     # before: without --node-rank both launchers took node 0: the second failed, the first hung
-    procs, outs, _ = _nodes(tmp_path, _script(tmp_path, NODE_RANKS), [[], []], "--rdzv-backend",
-                            "c10d", "--nproc-per-node", "1")
+    procs, outs, _ = _nodes(
+        tmp_path, _script(tmp_path, NODE_RANKS), [[], []], "--rdzv-backend", "c10d", "--nproc-per-node", "1"
+    )
     assert [p.returncode for p in procs] == [0, 0], [e for _, e in outs]
     lines = sorted(ln.split("] ", 1)[1] for out, _ in outs for ln in out.splitlines())
     assert lines == ["node 0 rank 0 of 2 2", "node 1 rank 1 of 2 2"], lines
@@ -1012,16 +1142,18 @@ def test_c10d_rendezvous_assigns_node_ranks(tmp_path):
 @pytest.mark.slow
 def test_nproc_per_node_differing_between_nodes_fails_at_once(tmp_path):
     # before: 30 s later "ranks [2] did not join"
-    procs, outs, took = _nodes(tmp_path, _script(tmp_path, NODE_RANKS),
-                               [["--node-rank", "0", "--nproc-per-node", "2"],
-                                ["--node-rank", "1", "--nproc-per-node", "1"]])
+    procs, outs, took = _nodes(
+        tmp_path,
+        _script(tmp_path, NODE_RANKS),
+        [["--node-rank", "0", "--nproc-per-node", "2"], ["--node-rank", "1", "--nproc-per-node", "1"]],
+    )
     assert [p.returncode for p in procs] == [2, 2], [e for _, e in outs]
     for _, err in outs:
         assert "--nproc-per-node differs between nodes: node " in err, err
         assert "runs 2 worker(s)" in err or "(this one) 2" in err, err
         assert "runs 1 worker(s)" in err or "(this one) 1" in err, err
     assert took < 20
-    assert "[rank" not in outs[0][0] + outs[1][0]          # no worker started anywhere
+    assert "[rank" not in outs[0][0] + outs[1][0]  # no worker started anywhere
 
 
 def test_node_0_keeps_the_store_until_every_node_read_the_worker_counts():
@@ -1036,7 +1168,7 @@ def test_node_0_keeps_the_store_until_every_node_read_the_worker_counts():
 
     class Slow(TCPStore):
         def get(self, key, timeout=None):
-            time.sleep(0.5)                    # node 1 reads late
+            time.sleep(0.5)  # node 1 reads late
             return super().get(key, timeout)
 
     server = StoreServer("127.0.0.1", 0, "s")
@@ -1053,8 +1185,10 @@ def test_node_0_keeps_the_store_until_every_node_read_the_worker_counts():
             if hosting:
                 server.close()
 
-    threads = [threading.Thread(target=node, args=(0, 2, TCPStore, True)),
-               threading.Thread(target=node, args=(1, 1, Slow, False))]
+    threads = [
+        threading.Thread(target=node, args=(0, 2, TCPStore, True)),
+        threading.Thread(target=node, args=(1, 1, Slow, False)),
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -1084,9 +1218,18 @@ RESTART_ACROSS_NODES = """
 def test_multi_node_restart_agrees_on_the_attempt(tmp_path):
     # before: node 1's restarted workers met node 0's previous store (AuthError "wrong secret"),
     # burned its restarts in seconds, and node 0's worker slept on: the job failed
-    procs, outs, _ = _nodes(tmp_path, _script(tmp_path, RESTART_ACROSS_NODES),
-                               [["--node-rank", "0"], ["--node-rank", "1"]], "--nproc-per-node",
-                               "1", "--max-restarts", "2", "--grace-period", "2", timeout=90)
+    procs, outs, _ = _nodes(
+        tmp_path,
+        _script(tmp_path, RESTART_ACROSS_NODES),
+        [["--node-rank", "0"], ["--node-rank", "1"]],
+        "--nproc-per-node",
+        "1",
+        "--max-restarts",
+        "2",
+        "--grace-period",
+        "2",
+        timeout=90,
+    )
     assert [p.returncode for p in procs] == [0, 0], [e for _, e in outs]
     assert "[rank 0] attempt 1 sum 3.0" in outs[0][0] and "[rank 1] attempt 1 sum 3.0" in outs[1][0]
     assert "node 1: rank 1 (local rank 0): exit code 5; stopping this node" in outs[0][1], outs[0][1]
@@ -1097,19 +1240,44 @@ def test_ctrl_c_on_one_node_stops_the_other_nodes_workers(tmp_path):
     import signal
     import subprocess
     import sys
-    script = _script(tmp_path, """
+
+    script = _script(
+        tmp_path,
+        """
         import os, sys, time
         open(os.path.join(sys.argv[1], "up" + os.environ["RANK"]), "w").write("1")
         time.sleep(100)
-    """)
+    """,
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR")}
     env["NCCL_DDP_SECRET"] = "multi-node-test"
     port = str(_free_pair())
-    procs = [subprocess.Popen([sys.executable, "-m", "nccl_ddp.launch", "--nnodes", "2",
-                               "--node-rank", str(n), "--nproc-per-node", "1", "--master-addr",
-                               "127.0.0.2", "--master-port", port, script, str(tmp_path)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for n in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "nccl_ddp.launch",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(n),
+                "--nproc-per-node",
+                "1",
+                "--master-addr",
+                "127.0.0.2",
+                "--master-port",
+                port,
+                script,
+                str(tmp_path),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for n in (0, 1)
+    ]
     try:
         deadline = time.monotonic() + 60
         while not all((tmp_path / f"up{r}").exists() for r in (0, 1)):
@@ -1131,16 +1299,19 @@ def test_rendezvous_says_attempt_mismatch_or_wrong_secret():
     from nccl_ddp.errors import AuthError, StoreTimeout
     from nccl_ddp.launch.rendezvous import attempt_secret, connect
     from nccl_ddp.store.server import StoreServer
-    with StoreServer("127.0.0.1", 0, attempt_secret("s", 0)) as server:   # node 0 at attempt 0
-        with pytest.raises(StoreTimeout, match="attempt mismatch: node 0's store .* still "
-                                               "serves attempt 0 .* starts attempt 1"):
+
+    with StoreServer("127.0.0.1", 0, attempt_secret("s", 0)) as server:  # node 0 at attempt 0
+        with pytest.raises(
+            StoreTimeout,
+            match="attempt mismatch: node 0's store .* still serves attempt 0 .* starts attempt 1",
+        ):
             connect("127.0.0.1", server.port, "s", 1, 3, 1.5, lambda: False)
         with pytest.raises(AuthError, match="NCCL_DDP_SECRET differs between the nodes"):
             connect("127.0.0.1", server.port, "other", 1, 3, 5.0, lambda: False)
         store, attempt = connect("127.0.0.1", server.port, "s", 0, 3, 5.0, lambda: False)
         store.close()
         assert attempt == 0
-    with StoreServer("127.0.0.1", 0, attempt_secret("s", 2)) as server:   # node 0 is ahead
+    with StoreServer("127.0.0.1", 0, attempt_secret("s", 2)) as server:  # node 0 is ahead
         store, attempt = connect("127.0.0.1", server.port, "s", 1, 3, 5.0, lambda: False)
         store.close()
         assert attempt == 2
@@ -1150,12 +1321,12 @@ def test_rendezvous_says_attempt_mismatch_or_wrong_secret():
 def test_taken_store_port_names_the_flag(tmp_path):
     # before: "choose another MASTER_PORT" although --store-port was the port taken
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        r = _run(["--nproc-per-node", "1", "--store-port", str(port),
-                  _script(tmp_path, "print('ran')")])
+        r = _run(["--nproc-per-node", "1", "--store-port", str(port), _script(tmp_path, "print('ran')")])
     assert r.returncode == 2, r.stderr
     assert f"--store-port {port} (NCCL_DDP_STORE_PORT) is taken" in r.stderr
     assert "MASTER_PORT" not in r.stderr.replace("MASTER_PORT 0", "") and "ran" not in r.stdout
@@ -1164,8 +1335,8 @@ def test_taken_store_port_names_the_flag(tmp_path):
 def _in_process_launcher(patch, argv):
     """python -c: patch the launcher's modules (the code in `patch`), then run its main(argv)."""
     import sys
-    return [sys.executable, "-c", patch + "\nfrom nccl_ddp.launch.cli import main\n"
-            f"main({list(argv)!r})\n"]
+
+    return [sys.executable, "-c", patch + f"\nfrom nccl_ddp.launch.cli import main\nmain({list(argv)!r})\n"]
 
 
 SIGINT_AT_SECOND_STORE = """
@@ -1185,15 +1356,23 @@ L.StoreServer = store
 def test_sigint_between_two_attempts_stops_cleanly_with_130(tmp_path):
     # before: a KeyboardInterrupt traceback from the store's constructor, exit -2
     import subprocess
-    script = _script(tmp_path, "import os, sys; print('attempt', "
-                               "os.environ['TORCHELASTIC_RESTART_COUNT']); sys.exit(3)")
+
+    script = _script(
+        tmp_path, "import os, sys; print('attempt', os.environ['TORCHELASTIC_RESTART_COUNT']); sys.exit(3)"
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "NCCL_DDP_SECRET")}
-    r = subprocess.run(_in_process_launcher(SIGINT_AT_SECOND_STORE, [
-        "--nproc-per-node", "1", "--max-restarts", "3", script]), capture_output=True, text=True,
-        timeout=60, env=env)
+    r = subprocess.run(
+        _in_process_launcher(
+            SIGINT_AT_SECOND_STORE, ["--nproc-per-node", "1", "--max-restarts", "3", script]
+        ),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert r.returncode == 130, r.stderr
     assert "Traceback" not in r.stderr and "received SIGINT; stopping" in r.stderr, r.stderr
-    assert r.stdout == "[rank 0] attempt 0\n"                  # attempt 1 never started
+    assert r.stdout == "[rank 0] attempt 0\n"  # attempt 1 never started
 
 
 FULL_LOG_DIR = """
@@ -1213,18 +1392,28 @@ def test_full_log_dir_keeps_draining_to_the_console(tmp_path, redirect):
     # before: the output threads died at the first write, nobody drained the workers' pipes
     # and the job hung forever (the worker blocked on a full pipe)
     import subprocess
-    script = _script(tmp_path, """
+
+    script = _script(
+        tmp_path,
+        """
         import sys
         for i in range(20000):
             print(f"line {i:06d} " + "x" * 60)
         print("done", file=sys.stderr)
-    """)
+    """,
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "NCCL_DDP_SECRET")}
-    r = subprocess.run(_in_process_launcher(FULL_LOG_DIR, [
-        "--nproc-per-node", "1", "--log-dir", str(tmp_path / "logs"), *redirect, script]),
-        capture_output=True, text=True, timeout=60, env=env)
+    r = subprocess.run(
+        _in_process_launcher(
+            FULL_LOG_DIR, ["--nproc-per-node", "1", "--log-dir", str(tmp_path / "logs"), *redirect, script]
+        ),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
-    lines = r.stdout.splitlines()                       # teed, or redirected to a failed log
+    lines = r.stdout.splitlines()  # teed, or redirected to a failed log
     assert len(lines) == 20000 and lines[-1].startswith("[rank 0] line 019999 "), lines[-3:]
     assert "[rank 0] done" in r.stderr
     assert r.stderr.count("cannot write the log") == 1, r.stderr
@@ -1247,9 +1436,9 @@ def test_log_close_failure_does_not_skip_cleanup():
     notice = FullNotice()
     f = LogFile(os.devnull, notice)
     f._f = Failing()
-    assert f.write(b"x\n") is False and notice.said          # said once, file dropped
+    assert f.write(b"x\n") is False and notice.said  # said once, file dropped
     f._f = Failing()
-    f.close()                                                # does not raise
+    f.close()  # does not raise
     assert f._f is None and f.write(b"y\n") is False
 
 
@@ -1266,6 +1455,7 @@ def test_launcher_killed_while_starting_workers_orphans_none(tmp_path):
     import signal
     import subprocess
     import sys
+
     script = _script(tmp_path, STARTS_SLOWLY)
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "NCCL_DDP_SECRET")}
 
@@ -1281,15 +1471,18 @@ def test_launcher_killed_while_starting_workers_orphans_none(tmp_path):
         return [p for p in found if _alive(p)]
 
     for attempt in range(3):
-        proc = subprocess.Popen([sys.executable, "-m", "nccl_ddp.launch", "--nproc-per-node", "8",
-                                 script], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                env=env)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "nccl_ddp.launch", "--nproc-per-node", "8", script],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=env,
+        )
         try:
             deadline = time.monotonic() + 30
             while not [p for p in ours() if p != proc.pid]:
                 assert time.monotonic() < deadline and proc.poll() is None
                 time.sleep(0.002)
-            proc.send_signal(signal.SIGKILL)         # while the other workers are starting
+            proc.send_signal(signal.SIGKILL)  # while the other workers are starting
             proc.wait(10)
             deadline = time.monotonic() + 15
             while ours() and time.monotonic() < deadline:
@@ -1305,13 +1498,13 @@ def test_launcher_killed_while_starting_workers_orphans_none(tmp_path):
 
 # (name, param dtype, grad value on every rank, hook, state, mode, average_in_collective)
 OVERFLOWS = [
-    ("fp16 hook fused, view", "float32", 1e5, "fp16", None, "view", False),    # cast overflows
+    ("fp16 hook fused, view", "float32", 1e5, "fp16", None, "view", False),  # cast overflows
     ("fp16 hook fused, pack", "float32", 1e5, "fp16", None, "pack", False),
     ("fp16 hook in Python, view", "float32", 1e5, "fp16", "group", "view", False),
     ("fp16 hook in Python, pack", "float32", 1e5, "fp16", "group", "pack", False),
-    ("fp16 AVG, view", "float16", 6e4, None, None, "view", True),              # wire sum
+    ("fp16 AVG, view", "float16", 6e4, None, None, "view", True),  # wire sum
     ("fp16 AVG, pack", "float16", 6e4, None, None, "pack", True),
-    ("float32 AVG, view", "float32", 3e38, None, None, "view", True),          # the AVG sum
+    ("float32 AVG, view", "float32", 3e38, None, None, "view", True),  # the AVG sum
     ("float32 AVG, pack", "float32", 3e38, None, None, "pack", True),
     ("float32 AVG, python", "float32", 3e38, None, None, "python", True),
     ("float32 AVG, user hook, view", "float32", 3e38, "avg", "group", "view", False),
@@ -1322,10 +1515,12 @@ OVERFLOWS = [
 def _avg_hook(group, bucket):
     """A user comm hook: the bucket averaged by the collective (its sum overflows)."""
     from nccl_ddp.comm.group import ReduceOp
+
     return group.all_reduce(bucket.buffer(), ReduceOp.AVG)
+
+
 # (name, grad value, compress, mean): the grad reducer's sum without a mean overflows float32
-REDUCER_OVERFLOWS = [("grad reducer sum", 3e38, None, False),
-                     ("grad reducer fp16", 1e5, "fp16", True)]
+REDUCER_OVERFLOWS = [("grad reducer sum", 3e38, None, False), ("grad reducer fp16", 1e5, "fp16", True)]
 
 
 def _overflowing_steps(rank, world, transport, check):
@@ -1334,6 +1529,7 @@ def _overflowing_steps(rank, world, transport, check):
     from nccl_ddp import hooks
     from nccl_ddp.adapters.arrays import ArrayModule
     from nccl_ddp.errors import NonFiniteGradError
+
     os.environ["NCCL_DDP_HOST_TRANSPORT"] = transport
     nd.init_process_group("host", timeout=30)
     out = {}
@@ -1342,24 +1538,37 @@ def _overflowing_steps(rank, world, transport, check):
             params = {"w": np.zeros(8, dtype), "b": np.zeros(3, dtype)}
             module = _PackOnly(params) if mode == "pack" else ArrayModule(params)
             ddp = nd.DistributedDataParallel(
-                module, check_finite=check, average_in_collective=avg,
-                reducer_mode="PythonReducer" if mode == "python" else "CppReducer")
+                module,
+                check_finite=check,
+                average_in_collective=avg,
+                reducer_mode="PythonReducer" if mode == "python" else "CppReducer",
+            )
             if hook:
-                ddp.register_comm_hook(nd.new_group(list(range(world))) if state else None,
-                                       _avg_hook if hook == "avg"
-                                       else getattr(hooks, f"{hook}_compress"))
-            finite, error = _one_step(ddp, lambda: [ddp.mark_ready(n, np.full(p.shape, value,
-                                                                                dtype))
-                                                    for n, p in reversed(params.items())],
-                                      NonFiniteGradError)
+                ddp.register_comm_hook(
+                    nd.new_group(list(range(world))) if state else None,
+                    _avg_hook if hook == "avg" else getattr(hooks, f"{hook}_compress"),
+                )
+            finite, error = _one_step(
+                ddp,
+                lambda: [
+                    ddp.mark_ready(n, np.full(p.shape, value, dtype)) for n, p in reversed(params.items())
+                ],
+                NonFiniteGradError,
+            )
             out[name] = (finite, error, _all_finite(ddp.grads))
         for name, value, compress, mean in REDUCER_OVERFLOWS:
-            red = nd.DistributedGradReducer([np.zeros(8, np.float32), np.zeros(3, np.float32)],
-                                            mean=mean, compress=compress, check_finite=check)
+            red = nd.DistributedGradReducer(
+                [np.zeros(8, np.float32), np.zeros(3, np.float32)],
+                mean=mean,
+                compress=compress,
+                check_finite=check,
+            )
             got: list = []
-            finite, error = _one_step(red, lambda: got.extend(red(
-                [np.full(8, value, np.float32), np.full(3, value, np.float32)])),
-                NonFiniteGradError)
+            finite, error = _one_step(
+                red,
+                lambda: got.extend(red([np.full(8, value, np.float32), np.full(3, value, np.float32)])),
+                NonFiniteGradError,
+            )
             out[name] = (finite, error, _all_finite(got) if got else None)
         return out
     finally:
@@ -1392,7 +1601,7 @@ def test_check_finite_sees_overflow_in_cast_reduction_and_unpack(transport):
             assert finite is grads_finite and error is None, (rank, name, finite, grads_finite)
             if "fp16 AVG" not in name:
                 assert grads_finite is False, (rank, name, "the case must overflow")
-    assert results[0] == results[1]          # every rank agrees
+    assert results[0] == results[1]  # every rank agrees
 
 
 @pytest.mark.slow
@@ -1400,14 +1609,17 @@ def test_check_finite_raise_on_an_overflowing_reduction():
     results = run_ranks(_overflowing_steps, 2, "shm", "raise", timeout=120)
     for rank, res in enumerate(results):
         for name, (finite, error, _) in res.items():
-            if "fp16 AVG" in name:       # finite on shm (see above)
+            if "fp16 AVG" in name:  # finite on shm (see above)
                 continue
             assert finite is False, (rank, name)
-            assert error and error.startswith(f"rank {rank}: step 0 produced non-finite grads"), \
-                (rank, name, error)
+            assert error and error.startswith(f"rank {rank}: step 0 produced non-finite grads"), (
+                rank,
+                name,
+                error,
+            )
 
 
-@pytest.mark.slow       # the CPU build of the kernels, when it is the first test to need it
+@pytest.mark.slow  # the CPU build of the kernels, when it is the first test to need it
 @pytest.mark.parametrize("views", [True, False])
 def test_check_finite_on_the_cuda_path_sees_an_overflowing_reduction(monkeypatch, views):
     """The CUDA device on the fake CuPy (kernels run on the CPU simulator), with a group whose
@@ -1444,19 +1656,25 @@ def test_check_finite_on_the_cuda_path_sees_an_overflowing_reduction(monkeypatch
         out = record(ev, stream)
         ev.done = True
         return out
+
     monkeypatch.setattr(_fake_cupy.FakeEvent, "record", record_done)
     sizes = [12, 5]
     params = [cp.asarray(np.ones(n, np.float32)) for n in sizes]
     grads = [cp.zeros(n, dtype=np.float32) for n in sizes]
-    r = Reducer(params, grads, Doubling(collections.Counter()), D.CudaDevice(0),
-                DDPConfig(check_finite=True, average_in_collective=True),
-                install=(lambda i, view: None) if views else None)
+    r = Reducer(
+        params,
+        grads,
+        Doubling(collections.Counter()),
+        D.CudaDevice(0),
+        DDPConfig(check_finite=True, average_in_collective=True),
+        install=(lambda i, view: None) if views else None,
+    )
     assert r.mode == ("view" if views else "pack")
-    for step, value in enumerate((1e38, 3e38)):      # 2e38 fits float32, 6e38 does not
+    for step, value in enumerate((1e38, 3e38)):  # 2e38 fits float32, 6e38 does not
         for i in reversed(range(2)):
             r.grads[i].host()[...] = np.float32(value)
             r.mark_ready(i)
         back = np.concatenate([g.get().reshape(-1) for g in r.grads])
         assert bool(np.isfinite(back).all()) is (step == 0)
-        assert r.last_step_finite is (step == 0)     # before: True at step 1, inf handed back
+        assert r.last_step_finite is (step == 0)  # before: True at step 1, inf handed back
         r.zero_grad()

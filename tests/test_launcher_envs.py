@@ -2,6 +2,7 @@
 Lightning's (no RANK; rank 0's torch TCPStore holds MASTER_PORT), msrun's set by hand (its
 scheduler process leaves at init), and a plain `python train.py`, which says once that it is a
 job of one. The real msrun runs in tests/test_msrun.py."""
+
 from __future__ import annotations
 
 import logging
@@ -14,9 +15,23 @@ import nccl_ddp as nd
 from nccl_ddp.comm import api
 from nccl_ddp.env import _WORLD_VARS
 
-LAUNCH_VARS = ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
-               "MS_ROLE", "RANK_ID", "MS_SCHED_HOST", "MS_SCHED_PORT", "DEVICE_ID",
-               "SLURM_PROCID", "SLURM_NTASKS", "OMPI_COMM_WORLD_RANK", "PMI_RANK") + _WORLD_VARS
+LAUNCH_VARS = (
+    "RANK",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "MS_ROLE",
+    "RANK_ID",
+    "MS_SCHED_HOST",
+    "MS_SCHED_PORT",
+    "DEVICE_ID",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "OMPI_COMM_WORLD_RANK",
+    "PMI_RANK",
+) + _WORLD_VARS
 
 
 @pytest.fixture
@@ -45,8 +60,14 @@ def test_explicit_job_of_one_gives_no_notice(no_launcher, caplog):
 
 
 def test_msrun_scheduler_process_leaves_at_init(no_launcher):
-    for k, v in {"MS_ROLE": "MS_SCHED", "RANK_ID": "0", "RANK_SIZE": "2", "MS_WORKER_NUM": "2",
-                 "MS_SCHED_HOST": "127.0.0.1", "MS_SCHED_PORT": "8118"}.items():
+    for k, v in {
+        "MS_ROLE": "MS_SCHED",
+        "RANK_ID": "0",
+        "RANK_SIZE": "2",
+        "MS_WORKER_NUM": "2",
+        "MS_SCHED_HOST": "127.0.0.1",
+        "MS_SCHED_PORT": "8118",
+    }.items():
         no_launcher.setenv(k, v)
     with pytest.raises(SystemExit) as exc:
         nd.init_process_group("host", timeout=10)
@@ -66,6 +87,7 @@ def _lightning_rank(rank: int, world: int, msrun_port: int) -> tuple:
     import os
 
     import torch.distributed as dist
+
     os.environ.pop("RANK")
     os.environ.pop("LOCAL_WORLD_SIZE")
     os.environ["NODE_RANK"] = "0"
@@ -86,21 +108,29 @@ def test_lightning_launcher_environment_joins_beside_torchs_store():
     """Before: each process was a job of one (no RANK) and both tried to host the store on
     MASTER_PORT, which torch's TCPStore holds ("Address already in use")."""
     pytest.importorskip("torch")
-    results = run_ranks(_lightning_rank, 2, 0, timeout=120,
-                        env={"MASTER_PORT": str(free_port_beside(1))})
+    results = run_ranks(_lightning_rank, 2, 0, timeout=120, env={"MASTER_PORT": str(free_port_beside(1))})
     assert results == [(0, 2, [3.0] * 3), (1, 2, [3.0] * 3)]
 
 
 def _msrun_rank(rank: int, world: int, sched_port: int) -> tuple:
     """msrun 2.10's worker variables, by hand (no MASTER_*, no RANK)."""
     import os
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-              "MASTER_PORT"):
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(k)
-    os.environ.update({"MS_ROLE": "MS_WORKER", "RANK_ID": str(rank), "MS_NODE_ID": str(rank),
-                       "MS_WORKER_NUM": str(world), "RANK_SIZE": str(world),
-                       "DEVICE_ID": str(rank), "MS_SCHED_HOST": "127.0.0.1",
-                       "MS_SCHED_PORT": str(sched_port), "MS_TOPO_TIMEOUT": "600"})
+    os.environ.update(
+        {
+            "MS_ROLE": "MS_WORKER",
+            "RANK_ID": str(rank),
+            "MS_NODE_ID": str(rank),
+            "MS_WORKER_NUM": str(world),
+            "RANK_SIZE": str(world),
+            "DEVICE_ID": str(rank),
+            "MS_SCHED_HOST": "127.0.0.1",
+            "MS_SCHED_PORT": str(sched_port),
+            "MS_TOPO_TIMEOUT": "600",
+        }
+    )
     nd.init_process_group("host", timeout=30)
     try:
         x = np.full(2, rank + 1.0)
@@ -114,6 +144,7 @@ def free_port_beside(offset: int) -> int:
     """A free port P with P + offset free too when it was checked (our store's port beside
     another store's: + 1 beside torch's, - 1 below msrun's scheduler)."""
     import socket
+
     for _ in range(50):
         with socket.socket() as s, socket.socket() as beside:
             s.bind(("127.0.0.1", 0))
@@ -130,7 +161,8 @@ def free_port_beside(offset: int) -> int:
 def test_msrun_environment_by_hand_joins_one_job():
     """Before: each worker reported rank 0 of 1 and an all-reduce of ones returned ones."""
     import socket
-    with socket.socket() as sched:             # msrun's scheduler holds MS_SCHED_PORT
+
+    with socket.socket() as sched:  # msrun's scheduler holds MS_SCHED_PORT
         sched.bind(("127.0.0.1", free_port_beside(-1)))
         sched.listen()
         results = run_ranks(_msrun_rank, 2, sched.getsockname()[1], timeout=60)

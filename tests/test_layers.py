@@ -2,6 +2,7 @@
 lower ones, and a framework (torch, JAX, MindSpore) only inside nccl_ddp/adapters/. Inside a layer
 (and among the scripts) no modules import each other in a circle. Every import statement counts,
 those inside functions too; `nccl_ddp.frameworks` loads adapters by name."""
+
 import ast
 import functools
 import pathlib
@@ -22,10 +23,9 @@ LAYERS = [
     ["comm", "profiling"],
     ["ddp"],
     ["adapters"],
-    ["", "launch", "hooks", "lightning", "accelerate"],   # "" is the package (__init__.py)
+    ["", "launch", "hooks", "lightning", "accelerate"],  # "" is the package (__init__.py)
 ]
-FRAMEWORKS = {"torch", "jax", "jaxlib", "flax", "mindspore", "lightning", "pytorch_lightning",
-              "accelerate"}
+FRAMEWORKS = {"torch", "jax", "jaxlib", "flax", "mindspore", "lightning", "pytorch_lightning", "accelerate"}
 
 
 def layer_of(module: str) -> int:
@@ -50,7 +50,7 @@ def _from_base(node: ast.ImportFrom, package: str) -> str:
     """The module a `from ... import` names, relative ones resolved against `package`."""
     base = node.module or ""
     if node.level:
-        anchor = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+        anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
         base = ".".join(anchor + ([base] if base else []))
     return base
 
@@ -79,7 +79,7 @@ def imports(path: pathlib.Path):
                 yield node.lineno, alias.name
         elif isinstance(node, ast.ImportFrom):
             base = _from_base(node, package)
-            if base == "nccl_ddp":   # `from nccl_ddp import kernels`: the names are modules
+            if base == "nccl_ddp":  # `from nccl_ddp import kernels`: the names are modules
                 for alias in node.names:
                     yield node.lineno, f"{base}.{alias.name}"
             else:
@@ -143,7 +143,7 @@ def import_graph(sources: List[pathlib.Path], scripts: List[pathlib.Path]) -> Di
     """module -> the package modules (or, for a script, the scripts) it imports, itself left out
     (a package's __init__ naming its own submodules)."""
     named = {module_name(p): p for p in sources}
-    named.update({p.stem: p for p in scripts})       # scripts import each other by bare name
+    named.update({p.stem: p for p in scripts})  # scripts import each other by bare name
     known = set(named)
     return {me: set(imported_modules(path, me, known)) - {me} for me, path in named.items()}
 
@@ -167,8 +167,10 @@ def test_no_import_runs_against_the_layers():
                 continue
             theirs = layer_of(target)
             if theirs > mine:
-                bad.append(f"{path.relative_to(PKG.parent)}:{line}: {me} (layer {mine}) imports "
-                           f"{target} (layer {theirs})")
+                bad.append(
+                    f"{path.relative_to(PKG.parent)}:{line}: {me} (layer {mine}) imports "
+                    f"{target} (layer {theirs})"
+                )
     assert not bad, "imports against the flow:\n" + "\n".join(bad)
 
 
@@ -183,10 +185,13 @@ def test_frameworks_are_imported_only_in_adapters():
     assert not bad, "framework imports outside nccl_ddp/adapters/:\n" + "\n".join(bad)
 
 
-@pytest.mark.parametrize("source, expected", [
-    ("from nccl_ddp.ddp.reducer import Reducer\n", "nccl_ddp/store/x.py"),
-    ("import torch\n", "nccl_ddp/comm/x.py"),
-])
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        ("from nccl_ddp.ddp.reducer import Reducer\n", "nccl_ddp/store/x.py"),
+        ("import torch\n", "nccl_ddp/comm/x.py"),
+    ],
+)
 def test_the_checks_catch_a_planted_violation(tmp_path, monkeypatch, source, expected):
     """Plant an upward import and a framework import in a copy: each check must fail."""
     fake = tmp_path / "nccl_ddp"
@@ -196,8 +201,11 @@ def test_the_checks_catch_a_planted_violation(tmp_path, monkeypatch, source, exp
     target.write_text(source)
     monkeypatch.setattr(__import__(__name__), "PKG", fake)
     monkeypatch.setattr(__import__(__name__), "SOURCES", sorted(fake.rglob("*.py")))
-    check = (test_no_import_runs_against_the_layers if "ddp" in source
-             else test_frameworks_are_imported_only_in_adapters)
+    check = (
+        test_no_import_runs_against_the_layers
+        if "ddp" in source
+        else test_frameworks_are_imported_only_in_adapters
+    )
     with pytest.raises(AssertionError, match="imports"):
         check()
 
@@ -209,16 +217,30 @@ def test_no_import_circles():
     assert not found, "import circles:\n" + "\n".join(" <-> ".join(c) for c in found)
 
 
-@pytest.mark.parametrize("files, circle", [
-    ({"nccl_ddp/launch/cli.py": "def main():\n    from nccl_ddp.launch.launcher import launch\n",
-      "nccl_ddp/launch/launcher.py": "from nccl_ddp.launch.cli import main\n"},
-     "nccl_ddp.launch.cli <-> nccl_ddp.launch.launcher"),
-    ({"nccl_ddp/ddp/a.py": "from nccl_ddp.ddp import b\n",
-      "nccl_ddp/ddp/b.py": "from . import c\n", "nccl_ddp/ddp/c.py": "import nccl_ddp.ddp.a\n"},
-     "nccl_ddp.ddp.a <-> nccl_ddp.ddp.b <-> nccl_ddp.ddp.c"),
-    ({"scripts/bench_a.py": "import bench_b\n", "scripts/bench_b.py": "from bench_a import x\n"},
-     "bench_a <-> bench_b"),
-])
+@pytest.mark.parametrize(
+    "files, circle",
+    [
+        (
+            {
+                "nccl_ddp/launch/cli.py": "def main():\n    from nccl_ddp.launch.launcher import launch\n",
+                "nccl_ddp/launch/launcher.py": "from nccl_ddp.launch.cli import main\n",
+            },
+            "nccl_ddp.launch.cli <-> nccl_ddp.launch.launcher",
+        ),
+        (
+            {
+                "nccl_ddp/ddp/a.py": "from nccl_ddp.ddp import b\n",
+                "nccl_ddp/ddp/b.py": "from . import c\n",
+                "nccl_ddp/ddp/c.py": "import nccl_ddp.ddp.a\n",
+            },
+            "nccl_ddp.ddp.a <-> nccl_ddp.ddp.b <-> nccl_ddp.ddp.c",
+        ),
+        (
+            {"scripts/bench_a.py": "import bench_b\n", "scripts/bench_b.py": "from bench_a import x\n"},
+            "bench_a <-> bench_b",
+        ),
+    ],
+)
 def test_the_circle_check_catches_a_planted_circle(tmp_path, monkeypatch, files, circle):
     """Plant a circle (a function-level import, package-relative imports, scripts) in a copy."""
     fake = tmp_path / "nccl_ddp"

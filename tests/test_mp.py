@@ -1,4 +1,5 @@
 """tests/mp.py names the root cause first, like the launcher (issue 22 item 13)."""
+
 import os
 import signal
 import time
@@ -8,9 +9,9 @@ from mp import RankFailed, run_ranks
 
 
 def _victim_first(rank, world, how):
-    if rank == 0:        # fails at once, blaming rank 1, as a survivor of a dead peer does
+    if rank == 0:  # fails at once, blaming rank 1, as a survivor of a dead peer does
         raise RuntimeError("all_reduce failed: peer rank 1 closed the connection")
-    time.sleep(1.0)      # the root cause: later, and for a reason of its own
+    time.sleep(1.0)  # the root cause: later, and for a reason of its own
     if how == "raise":
         raise ValueError("rank 1's own mistake")
     os.kill(os.getpid(), signal.SIGKILL)
@@ -24,8 +25,9 @@ def test_root_cause_is_reported_first_not_the_lowest_rank(how):
         run_ranks(_victim_first, 2, how, timeout=60)
     msg = str(e.value)
     assert msg.startswith("rank 1 failed (root cause; then ranks [0]):\n"), msg
-    assert ("ValueError: rank 1's own mistake" if how == "raise"
-            else "process killed by signal SIGKILL") in msg.split("--- then")[0], msg
+    assert (
+        "ValueError: rank 1's own mistake" if how == "raise" else "process killed by signal SIGKILL"
+    ) in msg.split("--- then")[0], msg
     assert "--- then rank 0 [blames rank 1]:" in msg and "peer rank 1 closed" in msg, msg
 
 

@@ -1,4 +1,5 @@
 """profiling.py: interval math, the host-stream timeline, Chrome trace, NVTX hooks, off = free."""
+
 from __future__ import annotations
 
 import json
@@ -20,27 +21,33 @@ MiB = 1 << 20
 # ---------------------------------------------------------------------------------- math
 
 
-@pytest.mark.parametrize("intervals,length", [
-    ([], 0.0),
-    ([(0, 1), (2, 3)], 2.0),                  # disjoint
-    ([(0, 1), (1, 3)], 3.0),                  # adjacent
-    ([(0, 10), (2, 3), (4, 5)], 10.0),        # nested
-    ([(0, 4), (2, 6), (5, 7)], 7.0),          # chained overlaps
-    ([(5, 7), (0, 4), (2, 6)], 7.0),          # unsorted
-    ([(3, 3), (4, 2)], 0.0),                  # empty / reversed ignored
-])
+@pytest.mark.parametrize(
+    "intervals,length",
+    [
+        ([], 0.0),
+        ([(0, 1), (2, 3)], 2.0),  # disjoint
+        ([(0, 1), (1, 3)], 3.0),  # adjacent
+        ([(0, 10), (2, 3), (4, 5)], 10.0),  # nested
+        ([(0, 4), (2, 6), (5, 7)], 7.0),  # chained overlaps
+        ([(5, 7), (0, 4), (2, 6)], 7.0),  # unsorted
+        ([(3, 3), (4, 2)], 0.0),  # empty / reversed ignored
+    ],
+)
 def test_union_length(intervals, length):
     assert pf.union_length(intervals) == length
 
 
-@pytest.mark.parametrize("a,b,overlap", [
-    ([(0, 4)], [(2, 6)], 2.0),
-    ([(0, 1), (1, 2)], [(0.5, 1.5)], 1.0),    # adjacent a counted once
-    ([(0, 10)], [(1, 2), (3, 4)], 2.0),       # nested b
-    ([(0, 1)], [(1, 2)], 0.0),                # touching only
-    ([(0, 1), (5, 6)], [(2, 3)], 0.0),        # disjoint
-    ([(0, 3), (1, 2)], [(0, 3), (2, 5)], 3.0),  # overlaps inside both sides counted once
-])
+@pytest.mark.parametrize(
+    "a,b,overlap",
+    [
+        ([(0, 4)], [(2, 6)], 2.0),
+        ([(0, 1), (1, 2)], [(0.5, 1.5)], 1.0),  # adjacent a counted once
+        ([(0, 10)], [(1, 2), (3, 4)], 2.0),  # nested b
+        ([(0, 1)], [(1, 2)], 0.0),  # touching only
+        ([(0, 1), (5, 6)], [(2, 3)], 0.0),  # disjoint
+        ([(0, 3), (1, 2)], [(0, 3), (2, 5)], 3.0),  # overlaps inside both sides counted once
+    ],
+)
 def test_overlap_length(a, b, overlap):
     assert pf.overlap_length(a, b) == overlap
     assert pf.overlap_length(b, a) == overlap
@@ -48,12 +55,14 @@ def test_overlap_length(a, b, overlap):
 
 def test_summarize_synthetic_step():
     S = pf.Span
-    spans = [S(0, "compute", "backward", None, 0, 10.0, 20.0),
-             S(0, "comm", "pack", 0, 4 * MiB, 12.0, 13.0),
-             S(0, "comm", "allreduce", 0, 4 * MiB, 13.0, 18.0),
-             S(0, "comm", "unpack", 0, 4 * MiB, 18.0, 19.0),
-             S(0, "comm", "allreduce", 1, 2 * MiB, 19.0, 25.0),   # 1 s inside, 5 s after
-             S(0, "compute", "finalize", None, 0, 25.0, 26.0)]
+    spans = [
+        S(0, "compute", "backward", None, 0, 10.0, 20.0),
+        S(0, "comm", "pack", 0, 4 * MiB, 12.0, 13.0),
+        S(0, "comm", "allreduce", 0, 4 * MiB, 13.0, 18.0),
+        S(0, "comm", "unpack", 0, 4 * MiB, 18.0, 19.0),
+        S(0, "comm", "allreduce", 1, 2 * MiB, 19.0, 25.0),  # 1 s inside, 5 s after
+        S(0, "compute", "finalize", None, 0, 25.0, 26.0),
+    ]
     s = pf.summarize(3, 0, spans)
     assert (s.rank, s.comm_s, s.overlap_s, s.backward_s, s.step_s) == (3, 13.0, 8.0, 10.0, 16.0)
     assert s.overlap_ratio == 8.0 / 13.0
@@ -133,10 +142,12 @@ def test_failed_host_task_does_not_break_end_step():
     prof = pf.Timeline(timeline=True, nvtx=False)
     comm = HostStream("comm")
     try:
+
         def boom():
             raise RuntimeError("task failed")
+
         prof.submit(comm, "allreduce", 0, 4, boom)
-        prof.submit(comm, "unpack", 0, 4, lambda: None)      # skipped by the stream: dropped
+        prof.submit(comm, "unpack", 0, 4, lambda: None)  # skipped by the stream: dropped
         summary = prof.end_step()
     finally:
         comm.close()
@@ -176,14 +187,16 @@ def test_env_turns_timeline_on(monkeypatch):
 
 
 def test_nothing_imports_cupy_when_nvtx_off():
-    code = ("import sys\n"
-            "from nccl_ddp.profiling import Timeline\n"
-            "from nccl_ddp.device import HostStream\n"
-            "for kw in ({}, {'timeline': True}):\n"
-            "    p, s = Timeline(**kw), HostStream()\n"
-            "    p.mark('backward', 'start'); p.submit(s, 'pack', 0, 8, lambda: None)\n"
-            "    p.mark('backward', 'end'); p.end_step(); s.close()\n"
-            "assert 'cupy' not in sys.modules and 'nvtx' not in sys.modules, 'imported'\n")
+    code = (
+        "import sys\n"
+        "from nccl_ddp.profiling import Timeline\n"
+        "from nccl_ddp.device import HostStream\n"
+        "for kw in ({}, {'timeline': True}):\n"
+        "    p, s = Timeline(**kw), HostStream()\n"
+        "    p.mark('backward', 'start'); p.submit(s, 'pack', 0, 8, lambda: None)\n"
+        "    p.mark('backward', 'end'); p.end_step(); s.close()\n"
+        "assert 'cupy' not in sys.modules and 'nvtx' not in sys.modules, 'imported'\n"
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("NCCL_DDP_")}
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env=env)
 
@@ -191,8 +204,7 @@ def test_nothing_imports_cupy_when_nvtx_off():
 def test_nvtx_ranges_named_and_coloured(monkeypatch):
     log = []
     fake = types.ModuleType("nvtx")
-    fake.push_range = lambda msg, color: log.append(("push", msg, color,
-                                                     threading.current_thread().name))
+    fake.push_range = lambda msg, color: log.append(("push", msg, color, threading.current_thread().name))
     fake.pop_range = lambda: log.append(("pop", threading.current_thread().name))
     monkeypatch.setitem(sys.modules, "nvtx", fake)
     prof = pf.Timeline(nvtx=True, timeline=False)
@@ -207,17 +219,23 @@ def test_nvtx_ranges_named_and_coloured(monkeypatch):
     finally:
         comm.close()
     main = threading.current_thread().name
-    assert log == [("push", "backward", pf.PHASES["backward"], main),
-                   ("push", "allreduce bucket 3 1.00 MiB", pf.PHASES["allreduce"], "comm-worker"),
-                   ("work",), ("pop", "comm-worker"), ("pop", main),
-                   ("push", "finalize", pf.PHASES["finalize"], main), ("finalize",), ("pop", main)]
+    assert log == [
+        ("push", "backward", pf.PHASES["backward"], main),
+        ("push", "allreduce bucket 3 1.00 MiB", pf.PHASES["allreduce"], "comm-worker"),
+        ("work",),
+        ("pop", "comm-worker"),
+        ("pop", main),
+        ("push", "finalize", pf.PHASES["finalize"], main),
+        ("finalize",),
+        ("pop", main),
+    ]
     assert prof.end_step() is None
 
 
 def test_nvtx_through_cupy_when_no_nvtx_package(monkeypatch):
     """The real cupy.cuda.nvtx calls (no-ops without a profiler) take our labels and colours."""
     pytest.importorskip("cupy")
-    monkeypatch.setitem(sys.modules, "nvtx", None)       # `import nvtx` raises ImportError
+    monkeypatch.setitem(sys.modules, "nvtx", None)  # `import nvtx` raises ImportError
     prof = pf.Timeline(nvtx=True, timeline=True)
     comm = HostStream("comm")
     try:
@@ -234,11 +252,11 @@ def test_nvtx_through_cupy_when_no_nvtx_package(monkeypatch):
 
 # ---------------------------------------------------------------------------------- CUDA timeline
 
-_SPIN = r'''
+_SPIN = r"""
 extern "C" __global__ void spin(long long cycles) {
     long long t0 = clock64();
     while (clock64() - t0 < cycles) {}
-}'''
+}"""
 
 
 @pytest.mark.gpu
@@ -247,10 +265,11 @@ def test_cuda_timeline_events_resolve_at_step_end(tmp_path):
     stream launched inside: CUDA timing events must place the comm span inside backward."""
     cp = pytest.importorskip("cupy")
     from nccl_ddp.device import CudaDevice
+
     dev = CudaDevice(0)
     compute, comm = dev.new_stream(), dev.new_stream()
     spin = cp.RawKernel(_SPIN, "spin")
-    rate = cp.cuda.Device(0).attributes["ClockRate"] * 1000      # cycles per second
+    rate = cp.cuda.Device(0).attributes["ClockRate"] * 1000  # cycles per second
     prof = pf.Timeline(timeline=True, nvtx=False)
     prof.mark("backward", "start", compute)
     compute.submit(spin, (1,), (1,), (cp.int64(rate * 0.2),))
@@ -260,14 +279,18 @@ def test_cuda_timeline_events_resolve_at_step_end(tmp_path):
     assert 0.005 < s.comm_s < s.backward_s
     assert s.overlap_ratio > 0.5 and s.buckets == 1
     prof.write_chrome_trace(str(tmp_path / "t.json"))
-    tracks = {e["args"]["name"] for e in json.loads((tmp_path / "t.json").read_text())[
-        "traceEvents"] if e.get("name") == "thread_name"}
+    tracks = {
+        e["args"]["name"]
+        for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+        if e.get("name") == "thread_name"
+    }
     assert tracks == {"compute", "comm"}
 
 
 def test_trace_dir_from_environment_writes_one_trace_per_rank(tmp_path, monkeypatch):
     """NCCL_DDP_TRACE_DIR switches timing on and close() writes trace_rank<R>.json (once)."""
     from nccl_ddp.device import HostStream
+
     monkeypatch.setenv("NCCL_DDP_TRACE_DIR", str(tmp_path / "tr"))
     monkeypatch.delenv("NCCL_DDP_TIMELINE", raising=False)
     prof = pf.Timeline(rank=3)

@@ -1,4 +1,5 @@
 """The main job, examples/train_mlp.py, through the launcher: 2 host ranks, a few steps."""
+
 import os
 import subprocess
 import sys
@@ -10,9 +11,13 @@ EXAMPLE = os.path.join(ROOT, "examples", "train_mlp.py")
 
 def _launch(*args, timeout=120):
     env = dict(os.environ, NCCL_DDP_NO_PROGRESS="1")
-    return subprocess.run([sys.executable, "-m", "nccl_ddp.launch", "--nproc-per-node", "2",
-                           EXAMPLE, *args], capture_output=True, text=True, timeout=timeout,
-                          env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "nccl_ddp.launch", "--nproc-per-node", "2", EXAMPLE, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
 
 
 def test_train_mlp_two_ranks_end_identical_and_loss_goes_down():

@@ -11,6 +11,7 @@ of torch's (torch's name is ours only inside that call). `accumulate`/`no_sync`,
 `save_state`/`load_state`, `unwrap_model`, `trigger_sync_in_backward` and `join_uneven_inputs`
 work on it. `end_training()` (or process exit) destroys our group.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -36,7 +37,7 @@ class Accelerator(accelerate.Accelerator):
         super().__init__(*args, **kwargs)
         self._nccl_backend = nccl_backend
         self._owns_group = False
-        self._wrapped: list = []       # our wrappers that prepare built (_models holds their modules)
+        self._wrapped: list = []  # our wrappers that prepare built (_models holds their modules)
 
     def prepare_model(self, model: Any, *args: Any, **kwargs: Any) -> Any:
         if self.num_processes > 1 and torch.distributed.is_initialized():
@@ -49,8 +50,7 @@ class Accelerator(accelerate.Accelerator):
 
     def _join_group(self) -> None:
         backend = self._nccl_backend or ("nccl" if self.device.type == "cuda" else "host")
-        if init_beside_torch(backend, self.process_index, self.num_processes, 300.0,
-                             "Accelerate"):
+        if init_beside_torch(backend, self.process_index, self.num_processes, 300.0, "Accelerate"):
             self._owns_group = True
             atexit.register(self._destroy_group)
 

@@ -21,6 +21,7 @@ The contract with the core (what an adapter for another framework provides,
 native arrays (NumPy/CuPy) for parameters and grads, a callback to make the framework's grads alias
 bucket views, and a conversion of the framework's grads to native arrays (DLPack).
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, List, Mapping, Optional, Sequence, Union
@@ -37,8 +38,9 @@ class ArrayModule(GradModule):
     `forward(params, *args, **kwargs)` (optional) is what calling the DDP wrapper runs.
     """
 
-    def __init__(self, params: Union[Sequence[Any], Mapping[str, Any]],
-                 forward: Optional[Callable[..., Any]] = None) -> None:
+    def __init__(
+        self, params: Union[Sequence[Any], Mapping[str, Any]], forward: Optional[Callable[..., Any]] = None
+    ) -> None:
         if isinstance(params, Mapping):
             self.keys: list = list(params)
             for k in self.keys:
@@ -51,8 +53,9 @@ class ArrayModule(GradModule):
             self.params = list(params)
             self.names = [None] * len(params)
         else:
-            raise ConfigTypeError("ArrayModule params must be a list, tuple or dict of arrays, got "
-                            f"{type(params).__name__}")
+            raise ConfigTypeError(
+                f"ArrayModule params must be a list, tuple or dict of arrays, got {type(params).__name__}"
+            )
         for k in self.keys:
             _check_array(f"params[{k!r}]", self.params[k])
         if forward is not None and not callable(forward):
@@ -96,8 +99,10 @@ class ArrayModule(GradModule):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._forward is None:
-            raise ConfigTypeError("this ArrayModule has no forward function; pass forward= to "
-                            "ArrayModule(...) or run your model yourself and only call mark_ready")
+            raise ConfigTypeError(
+                "this ArrayModule has no forward function; pass forward= to "
+                "ArrayModule(...) or run your model yourself and only call mark_ready"
+            )
         return self._forward(self.params, *args, **kwargs)
 
 
@@ -105,17 +110,22 @@ def _xp(a: Any):
     if isinstance(a, np.ndarray):
         return np
     import cupy  # only reached for CuPy arrays
+
     return cupy
 
 
 def _check_array(what: str, a: Any) -> None:
     mod = type(a).__module__.split(".")[0]
     if mod not in ("numpy", "cupy") or not hasattr(a, "shape"):
-        raise ConfigTypeError(f"ArrayModule {what} must be a NumPy or CuPy array, got "
-                        f"{type(a).__module__}.{type(a).__name__}; pass a torch.nn.Module or "
-                        "MindSpore Cell itself, or for JAX use DistributedGradReducer")
+        raise ConfigTypeError(
+            f"ArrayModule {what} must be a NumPy or CuPy array, got "
+            f"{type(a).__module__}.{type(a).__name__}; pass a torch.nn.Module or "
+            "MindSpore Cell itself, or for JAX use DistributedGradReducer"
+        )
     if not a.flags.c_contiguous:
         raise ConfigError(f"ArrayModule {what} must be C-contiguous (collectives write it in place)")
     if not getattr(a.flags, "writeable", True):
-        raise ConfigError(f"ArrayModule {what} is read-only, but the initial broadcast and the "
-                         "optimizer write it in place; pass a writable array (x.copy())")
+        raise ConfigError(
+            f"ArrayModule {what} is read-only, but the initial broadcast and the "
+            "optimizer write it in place; pass a writable array (x.copy())"
+        )

@@ -22,6 +22,7 @@ docs/benchmarks.md. The grads must have the parameters' pytree structure (refuse
 naming the first key path that differs) and be JAX arrays: NumPy or torch leaves are refused,
 never mixed in silently.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, List
@@ -35,8 +36,10 @@ from nccl_ddp.errors import ConfigError, ConfigTypeError
 
 
 def adapt(module: Any) -> Any:
-    raise ConfigTypeError("JAX models have no grad hooks for DistributedDataParallel: compute grads with "
-                    "jax.grad and reduce the pytree with nccl_ddp.DistributedGradReducer(params)")
+    raise ConfigTypeError(
+        "JAX models have no grad hooks for DistributedDataParallel: compute grads with "
+        "jax.grad and reduce the pytree with nccl_ddp.DistributedGradReducer(params)"
+    )
 
 
 def grads_adapter() -> JaxGrads:
@@ -46,6 +49,7 @@ def grads_adapter() -> JaxGrads:
 def first_leaf(obj: Any) -> Any:
     """The first leaf of any pytree (None for an empty one)."""
     import jax
+
     leaves = jax.tree_util.tree_leaves(obj)
     return leaves[0] if leaves else None
 
@@ -54,10 +58,13 @@ def array_from_native(native: Any) -> Any:
     """A new JAX array holding a native (NumPy / CuPy) array's values: what a collective returns
     to a JAX caller, whose arrays are immutable."""
     import numpy
+
     if isinstance(native, numpy.ndarray):
         import jax.numpy as jnp
+
         return jnp.asarray(native)
     import jax.dlpack
+
     return jax.dlpack.from_dlpack(native)
 
 
@@ -68,26 +75,29 @@ def _is_bf16(x: Any) -> bool:
 def to_native(x: Any) -> Any:
     """A native array viewing the JAX array `x` (read-only on the CPU)."""
     import jax
+
     if isinstance(x, jax.core.Tracer):
         raise ConfigError(
             f"a grad is a {type(x).__name__}: DistributedGradReducer was called inside jax.jit "
             "(or another JAX transformation), where grads are abstract tracers with no memory to "
             "communicate. Reduce the grads the jitted function returns, outside it: "
-            "grads = jax.jit(jax.grad(loss))(params, batch); grads = reducer(grads)")
+            "grads = jax.jit(jax.grad(loss))(params, batch); grads = reducer(grads)"
+        )
     if not isinstance(x, jax.Array):
         raise ConfigTypeError(f"expected a jax.Array leaf, got {type(x).__module__}.{type(x).__name__}")
     kind = int(x.__dlpack_device__()[0])
     if kind not in (KDL_CPU, KDL_CUDA):
         raise ConfigTypeError(f"JAX arrays on {x.devices()} are not supported (CPU or CUDA only)")
-    if _is_bf16(x) and kind == KDL_CPU:   # NumPy's DLPack knows no bfloat16
-        return np.asarray(x)    # JAX's own zero-copy NumPy view (ml_dtypes.bfloat16)
-    return native_from_dlpack(x, kind)   # CuPy 14 reads bfloat16 as ml_dtypes.bfloat16
+    if _is_bf16(x) and kind == KDL_CPU:  # NumPy's DLPack knows no bfloat16
+        return np.asarray(x)  # JAX's own zero-copy NumPy view (ml_dtypes.bfloat16)
+    return native_from_dlpack(x, kind)  # CuPy 14 reads bfloat16 as ml_dtypes.bfloat16
 
 
 def from_native(a: Any, device: Any) -> Any:
     """A JAX array on `device` over the native array `a`: zero-copy where JAX's alignment allows,
     a copy otherwise."""
     import jax
+
     if isinstance(a, np.ndarray) and is_bfloat16(a.dtype):
         return jax.device_put(a, device)
     return jax.dlpack.from_dlpack(a, device=device)
@@ -100,18 +110,22 @@ class JaxGrads(GradsAdapter):
     def __init__(self) -> None:
         self._treedef: Any = None
         self._paths: List[str] = []
-        self.native_module: Any = np      # the reducer's arrays (CuPy on the GPU), set by it
+        self.native_module: Any = np  # the reducer's arrays (CuPy on the GPU), set by it
 
     def param_infos(self, parameters: Any) -> List[ParamSpec]:
         import jax
+
         leaves, self._treedef = jax.tree_util.tree_flatten_with_path(parameters)
         self._paths = [jax.tree_util.keystr(path) for path, _ in leaves]
-        return [ParamSpec(tuple(x.shape), np.dtype(x.dtype), keystr)
-                for keystr, (_, x) in zip(self._paths, leaves)]
+        return [
+            ParamSpec(tuple(x.shape), np.dtype(x.dtype), keystr)
+            for keystr, (_, x) in zip(self._paths, leaves)
+        ]
 
     def leaves(self, grads: Any) -> List[Any]:
         """The grads' leaves, once their structure is the parameters' and each is a JAX array."""
         import jax
+
         flat, treedef = jax.tree_util.tree_flatten_with_path(grads)
         paths = [jax.tree_util.keystr(path) for path, _ in flat]
         if self._treedef is not None and treedef != self._treedef:
@@ -121,7 +135,8 @@ class JaxGrads(GradsAdapter):
                 raise ConfigTypeError(
                     f"grad {path} is a {type(x).__module__}.{type(x).__name__}, but this reducer "
                     f"was built on JAX parameters: pass JAX arrays (jnp.asarray), or build the "
-                    f"reducer on parameters of that framework; nccl_ddp never mixes frameworks")
+                    f"reducer on parameters of that framework; nccl_ddp never mixes frameworks"
+                )
         return [x for _, x in flat]
 
     def to_native(self, grads: Any) -> List[Any]:
@@ -129,28 +144,32 @@ class JaxGrads(GradsAdapter):
 
     def from_native(self, grads: Any, reduced: List[Any]) -> Any:
         import jax
+
         leaves, treedef = jax.tree_util.tree_flatten(grads)
         return jax.tree_util.tree_unflatten(
-            treedef, [from_native(a, next(iter(x.devices()))) for a, x in zip(reduced, leaves)])
+            treedef, [from_native(a, next(iter(x.devices()))) for a, x in zip(reduced, leaves)]
+        )
 
     def reduce(self, reduce_native: Callable[[List[Any]], List[Any]], grads: Any) -> Any:
         import jax
+
         leaves = self.leaves(grads)
         if any(isinstance(x, jax.core.Tracer) for x in leaves):
             return self._reduce_in_jit(reduce_native, grads, leaves)
         return self.from_native(grads, reduce_native([to_native(x) for x in leaves]))
 
-    def _reduce_in_jit(self, reduce_native: Callable[[List[Any]], List[Any]], grads: Any,
-                       leaves: List[Any]) -> Any:
+    def _reduce_in_jit(
+        self, reduce_native: Callable[[List[Any]], List[Any]], grads: Any, leaves: List[Any]
+    ) -> Any:
         """The reduction as one ordered io_callback in the traced graph (see the module doc)."""
         import jax
         from jax.experimental import io_callback
+
         xp = self.native_module
 
         def on_host(*arrays: Any) -> tuple:
             native = [np.asarray(a) if xp is np else xp.asarray(np.asarray(a)) for a in arrays]
-            return tuple(np.asarray(r) if xp is np else xp.asnumpy(r)
-                         for r in reduce_native(native))
+            return tuple(np.asarray(r) if xp is np else xp.asnumpy(r) for r in reduce_native(native))
 
         shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves)
         out = io_callback(on_host, shapes, *leaves, ordered=True)
@@ -175,8 +194,12 @@ def structure_difference(want: List[str], got: List[str], want_def: Any, got_def
         hint = ""
         if len(got) == len(want) and all(p == "['params']" + q for p, q in zip(got, want)):
             hint = "; the grads carry flax's {'params': ...} wrapper: pass grads['params']"
-        return (f"the grads' pytree structure differs from the parameters' ({len(got)} leaves "
-                f"for {len(want)}): {what}{hint}")
-    return (f"the grads' pytree has the parameters' key paths but other containers: "
-            f"{str(got_def)[:200]} for the parameters' {str(want_def)[:200]}; pass grads of the "
-            f"parameters' structure (jax.grad of a function of those parameters gives them)")
+        return (
+            f"the grads' pytree structure differs from the parameters' ({len(got)} leaves "
+            f"for {len(want)}): {what}{hint}"
+        )
+    return (
+        f"the grads' pytree has the parameters' key paths but other containers: "
+        f"{str(got_def)[:200]} for the parameters' {str(want_def)[:200]}; pass grads of the "
+        f"parameters' structure (jax.grad of a function of those parameters gives them)"
+    )

@@ -12,6 +12,7 @@ for elementwise transformations (adam, adamw, sgd, schedules, ...): the construc
 transformation and refuses one whose update of a shard differs from its update of the whole
 (global-norm clipping, LAMB, adafactor, masks that depend on a leaf's shape).
 """
+
 from __future__ import annotations
 
 from typing import Any, List, Optional, Tuple
@@ -36,9 +37,12 @@ def check_elementwise(tx: Any, steps: int = 3) -> None:
     and a (7,) vector, cut through the matrix, 3 steps of grads large enough to trigger clipping
     and trust ratios."""
     import jax.numpy as jnp
+
     rng = np.random.default_rng(12345)
-    tree = {"b": rng.standard_normal(7).astype(np.float32),
-            "w": rng.standard_normal((3, 5)).astype(np.float32)}
+    tree = {
+        "b": rng.standard_normal(7).astype(np.float32),
+        "w": rng.standard_normal((3, 5)).astype(np.float32),
+    }
     flat = np.concatenate([tree["b"], tree["w"].ravel()])
     cuts = [(0, 9), (9, flat.size)]
     whole = {k: jnp.asarray(v) for k, v in tree.items()}
@@ -63,13 +67,16 @@ def check_elementwise(tx: Any, steps: int = 3) -> None:
                     f"{float(np.nanmax(diff))} at step {t + 1}); ZeroOptimizer shards the "
                     "optimizer state across ranks, which is exact only for elementwise "
                     "transformations (optax.adam/adamw/sgd/..., schedules). Use DDP "
-                    "(DistributedGradReducer) with the unsharded transformation instead")
+                    "(DistributedGradReducer) with the unsharded transformation instead"
+                )
     except ConfigError:
         raise
     except Exception as e:
-        raise ConfigError(f"optax transformation {_name(tx)} failed on flat float32 shards "
-                          f"({type(e).__name__}: {e}); ZeroOptimizer needs an elementwise "
-                          "transformation of a list of 1-D arrays") from e
+        raise ConfigError(
+            f"optax transformation {_name(tx)} failed on flat float32 shards "
+            f"({type(e).__name__}: {e}); ZeroOptimizer needs an elementwise "
+            "transformation of a list of 1-D arrays"
+        ) from e
 
 
 def _name(tx: Any) -> str:
@@ -81,12 +88,20 @@ class ZeroOptimizer:
     `params`: the pytree of jax.Arrays the transformation optimizes, equal on every rank after
     construction (rank 0's values are broadcast). Low-precision parameters get float32 masters."""
 
-    def __init__(self, params: Any, tx: Any, *, group: Optional[ProcessGroup] = None,
-                 bucket_cap_mb: Optional[float] = None) -> None:
+    def __init__(
+        self,
+        params: Any,
+        tx: Any,
+        *,
+        group: Optional[ProcessGroup] = None,
+        bucket_cap_mb: Optional[float] = None,
+    ) -> None:
         import jax
+
         if not (hasattr(tx, "init") and hasattr(tx, "update")):
-            raise ConfigTypeError(f"ZeroOptimizer needs an optax GradientTransformation, got "
-                                  f"{type(tx).__name__}")
+            raise ConfigTypeError(
+                f"ZeroOptimizer needs an optax GradientTransformation, got {type(tx).__name__}"
+            )
         check_elementwise(tx)
         self.tx = tx
         self.group = group if group is not None else get_world_group()
@@ -96,18 +111,16 @@ class ZeroOptimizer:
             raise ConfigError("ZeroOptimizer: params has no leaves")
         self._jax_devices = [next(iter(x.devices())) for x in leaves]
         xp = self.device.xp
-        natives = [xp.array(to_native(x)) for x in leaves]     # writable copies, ours
+        natives = [xp.array(to_native(x)) for x in leaves]  # writable copies, ours
         for x in natives:
             broadcast(x, 0, self.group)
-        cap = DEFAULT_CAP_BYTES if bucket_cap_mb is None else int(bucket_cap_mb * 2 ** 20)
+        cap = DEFAULT_CAP_BYTES if bucket_cap_mb is None else int(bucket_cap_mb * 2**20)
         specs = [ParamSpec(tuple(x.shape), x.dtype) for x in natives]
-        base = assign_buckets(specs, cap, min(FIRST_CAP_BYTES, cap),
-                              align_bytes=self.device.align_bytes)
+        base = assign_buckets(specs, cap, min(FIRST_CAP_BYTES, cap), align_bytes=self.device.align_bytes)
         shards = shard_layout(base, self.group.size, self.device.align_bytes)
-        self._grad_buckets = BucketBuffers(shards.layout, self.device)   # padding stays zero
+        self._grad_buckets = BucketBuffers(shards.layout, self.device)  # padding stays zero
         self._reduce = ReduceScatter(self.group, self.device, shards, self._grad_buckets)
-        self.zs = ZeroShards(shards, natives, self.group, self.device,
-                             shard_grads=self._reduce.outputs)
+        self.zs = ZeroShards(shards, natives, self.group, self.device, shard_grads=self._reduce.outputs)
 
     def init(self, params: Any) -> Any:
         """The optax state of this rank's shards (a list of flat float32 arrays, one per
@@ -121,41 +134,43 @@ class ZeroOptimizer:
         ones returned by the previous step (or given to the constructor)."""
         import jax
         import optax
+
         self._check_tree(params, "params")
         self._check_tree(grads, "grads")
         natives = [to_native(g) for g in jax.tree_util.tree_leaves(grads)]
-        for b, (bucket, buf) in enumerate(zip(self.zs.layout.buckets,
-                                              self._grad_buckets.buffers)):
+        for b, (bucket, buf) in enumerate(zip(self.zs.layout.buckets, self._grad_buckets.buffers)):
             kernels.pack([natives[i] for i in bucket.params], buf, list(bucket.offsets))
             self._reduce(buf, ReduceOp.AVG, f"grad bucket {b}")
         self.zs.collect_reduced()
         self.device.current_stream().synchronize()
         master = self._master_jax()
-        shard_grads = [from_native(self.device.xp.array(g), self._jax_devices[0])
-                       for g in self.zs.grads]
+        shard_grads = [from_native(self.device.xp.array(g), self._jax_devices[0]) for g in self.zs.grads]
         updates, state = self.tx.update(shard_grads, state, master)
         new = optax.apply_updates(master, updates)
         for m, x in zip(self.zs.master, new):
             m[...] = to_native(x)
         self.zs.gather(wait=True)
-        out = [from_native(self.device.xp.array(p), d)
-               for p, d in zip(self.zs.params, self._jax_devices)]
+        out = [from_native(self.device.xp.array(p), d) for p, d in zip(self.zs.params, self._jax_devices)]
         return jax.tree_util.tree_unflatten(self.treedef, out), state
 
     def close(self) -> None:
         self.zs.close()
 
     def _master_jax(self) -> List[Any]:
-        return [from_native(self.device.xp.array(m), self._jax_devices[0])
-                for m in self.zs.master]
+        return [from_native(self.device.xp.array(m), self._jax_devices[0]) for m in self.zs.master]
 
     def _check_tree(self, tree: Any, what: str) -> None:
         import jax
+
         leaves, treedef = jax.tree_util.tree_flatten(tree)
         if treedef != self.treedef:
-            raise ConfigError(f"ZeroOptimizer.step: {what} has structure {treedef}, the optimizer "
-                              f"was built for {self.treedef}; pass the same pytree structure")
+            raise ConfigError(
+                f"ZeroOptimizer.step: {what} has structure {treedef}, the optimizer "
+                f"was built for {self.treedef}; pass the same pytree structure"
+            )
         for i, (x, p) in enumerate(zip(leaves, self.zs.params)):
             if tuple(x.shape) != tuple(p.shape):
-                raise ConfigError(f"ZeroOptimizer.step: {what} leaf {i} has shape "
-                                  f"{tuple(x.shape)}, the parameter has {tuple(p.shape)}")
+                raise ConfigError(
+                    f"ZeroOptimizer.step: {what} leaf {i} has shape "
+                    f"{tuple(x.shape)}, the parameter has {tuple(p.shape)}"
+                )

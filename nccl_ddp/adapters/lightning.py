@@ -11,6 +11,7 @@ torch.distributed, so no port torch holds is bound twice), wraps the LightningMo
 "is the model torch's DDP?" (no_sync for gradient accumulation, manual optimization's
 prepare_for_backward, teardown) asks about ours here. Imported only by `nccl_ddp.lightning`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -31,15 +32,19 @@ class _Redirection(_DDPForwardRedirection):
     forward, as Lightning does with torch's DDP."""
 
     def on_after_inner_forward(self, wrapper_module: Any, original_module: Any) -> None:
-        if isinstance(wrapper_module, TorchDistributedDataParallel) \
-                and not original_module.automatic_optimization:
+        if (
+            isinstance(wrapper_module, TorchDistributedDataParallel)
+            and not original_module.automatic_optimization
+        ):
             wrapper_module.require_backward_grad_sync = False
         else:
             super().on_after_inner_forward(wrapper_module, original_module)
 
     def on_after_outer_forward(self, wrapper_module: Any, original_module: Any) -> None:
-        if isinstance(wrapper_module, TorchDistributedDataParallel) \
-                and not original_module.automatic_optimization:
+        if (
+            isinstance(wrapper_module, TorchDistributedDataParallel)
+            and not original_module.automatic_optimization
+        ):
             wrapper_module.require_backward_grad_sync = True
         else:
             super().on_after_outer_forward(wrapper_module, original_module)
@@ -64,12 +69,12 @@ class NcclDDPStrategy(DDPStrategy):
         super().setup_distributed()
         backend = self._nccl_backend or ("nccl" if self.root_device.type == "cuda" else "host")
         timeout = self._timeout.total_seconds() if self._timeout else 300.0
-        self._owns_group = init_beside_torch(backend, self.global_rank, self.world_size,
-                                             timeout, "Lightning")
+        self._owns_group = init_beside_torch(backend, self.global_rank, self.world_size, timeout, "Lightning")
 
     def _setup_model(self, model: Any) -> TorchDistributedDataParallel:
-        return TorchDistributedDataParallel(model, device_ids=self.determine_ddp_device_ids(),
-                                            **self._ddp_kwargs)
+        return TorchDistributedDataParallel(
+            model, device_ids=self.determine_ddp_device_ids(), **self._ddp_kwargs
+        )
 
     def _register_ddp_hooks(self) -> None:
         """Lightning's ddp_comm_state / ddp_comm_hook / ddp_comm_wrapper, on every device
@@ -83,8 +88,10 @@ class NcclDDPStrategy(DDPStrategy):
 
     def _ours(self) -> TorchDistributedDataParallel:
         if not isinstance(self.model, TorchDistributedDataParallel):
-            raise ConfigError(f"NcclDDPStrategy: the model is a {type(self.model).__name__}, "
-                              "not nccl_ddp's DistributedDataParallel")
+            raise ConfigError(
+                f"NcclDDPStrategy: the model is a {type(self.model).__name__}, "
+                "not nccl_ddp's DistributedDataParallel"
+            )
         return self.model
 
     # ---- where Lightning asks whether the model is torch's DDP
@@ -102,7 +109,7 @@ class NcclDDPStrategy(DDPStrategy):
             return super().pre_backward(closure_loss)
         module = self.lightning_module
         if module is not None and not module.automatic_optimization:
-            prepare_for_backward(self.model, closure_loss)    # Lightning's, on our reducer
+            prepare_for_backward(self.model, closure_loss)  # Lightning's, on our reducer
         return None
 
     def post_backward(self, closure_loss: Any) -> None:

@@ -22,6 +22,7 @@ graph and hands them to one `ops.Custom(func_type="pyfunc")` op per bucket, whic
 reducer's `reduce_bucket` at run time and returns the reduced grads into the graph. The bucket
 ops are chained with `Depend`, so every rank issues its all-reduces in the same order.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, List, Optional, Tuple
@@ -37,9 +38,11 @@ from nccl_ddp.errors import ConfigError, ConfigTypeError
 def adapt(cell: Any) -> MindSporeModule:
     """The DDP adapter for a `mindspore.nn.Cell`."""
     import mindspore
+
     if not isinstance(cell, mindspore.nn.Cell):
-        raise ConfigTypeError(f"expected a mindspore.nn.Cell, got {type(cell).__module__}."
-                        f"{type(cell).__name__}")
+        raise ConfigTypeError(
+            f"expected a mindspore.nn.Cell, got {type(cell).__module__}.{type(cell).__name__}"
+        )
     _require_pynative("DistributedDataParallel")
     return MindSporeModule(cell)
 
@@ -50,16 +53,20 @@ def grads_adapter() -> MindSporeGrads:
 
 def _require_pynative(what: str) -> None:
     import mindspore
+
     if mindspore.get_context("mode") != mindspore.PYNATIVE_MODE:
-        raise ConfigError(f"nccl_ddp {what} over MindSpore needs PyNative mode "
-                           "(mindspore.set_context(mode=mindspore.PYNATIVE_MODE)): grad hooks and "
-                           "Python calls cannot run inside a compiled graph")
+        raise ConfigError(
+            f"nccl_ddp {what} over MindSpore needs PyNative mode "
+            "(mindspore.set_context(mode=mindspore.PYNATIVE_MODE)): grad hooks and "
+            "Python calls cannot run inside a compiled graph"
+        )
 
 
 def to_native(t: Any) -> np.ndarray:
     """A read-only NumPy view of a MindSpore tensor's memory, through DLPack; bfloat16, which
     NumPy's DLPack does not know ("Unsupported dtype in DLTensor"), as a NumPy copy."""
     import mindspore
+
     if t.dtype == mindspore.bfloat16:
         return t.asnumpy()
     return native_from_dlpack(CapsuleHolder(mindspore.to_dlpack(t)), KDL_CPU)
@@ -68,18 +75,34 @@ def to_native(t: Any) -> np.ndarray:
 def from_native(a: np.ndarray) -> Any:
     """A MindSpore tensor sharing memory with the NumPy array `a` (which it keeps alive)."""
     from mindspore import Tensor
+
     return Tensor.from_numpy(a)
 
 
 # MindSpore's dtypes by NumPy name (mindspore.dtype_to_nptype, deprecated since 2.7, warns at
 # every call and has no public replacement)
-_NUMPY_NAMES = ("float32", "float16", "float64", "int8", "int16", "int32", "int64", "uint8",
-                "uint16", "uint32", "uint64", "bool_", "complex64", "complex128")
+_NUMPY_NAMES = (
+    "float32",
+    "float16",
+    "float64",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "bool_",
+    "complex64",
+    "complex128",
+)
 
 
 def np_dtype(ms_dtype: Any) -> np.dtype:
     """NumPy's dtype for a MindSpore dtype (bfloat16: ml_dtypes')."""
     import mindspore
+
     if ms_dtype == mindspore.bfloat16:
         return bfloat16_dtype()
     for name in _NUMPY_NAMES:
@@ -93,6 +116,7 @@ def synchronize() -> None:
     `mindspore.runtime.synchronize` is Ascend/GPU only (on CPU it logs an error and returns), so
     this drains the PyNative executor's queue, whose `sync` is private: skipped if it is gone."""
     from mindspore.common import api
+
     sync = getattr(getattr(api, "_pynative_executor", None), "sync", None)
     if sync is not None:
         sync()
@@ -107,8 +131,8 @@ class MindSporeModule(GradModule):
         self.names: List[Optional[str]] = [p.name for p in self.params]
         self._grads = [np.zeros(tuple(p.shape), np_dtype(p.dtype)) for p in self.params]
         self._host_params: List[np.ndarray] = []
-        self._state_copies: List[Tuple[Any, np.ndarray]] = []   # (tensor, copy) to write back
-        self._ddp: Any = None           # the DistributedDataParallel, set by attach()
+        self._state_copies: List[Tuple[Any, np.ndarray]] = []  # (tensor, copy) to write back
+        self._ddp: Any = None  # the DistributedDataParallel, set by attach()
         self._handles: list = []
 
     def native_params(self) -> List[Any]:
@@ -119,6 +143,7 @@ class MindSporeModule(GradModule):
 
     def params_updated(self) -> None:
         from mindspore import Tensor
+
         for p, a in zip(self.params, self._host_params):
             p.set_data(Tensor(a))
         self._host_params = []
@@ -129,17 +154,22 @@ class MindSporeModule(GradModule):
     # the other untrainable Parameters are frozen weights (broadcast at construction only).
     def named_frozen(self) -> List[Tuple[Optional[str], Any]]:
         stats = {id(p) for p in self._batchnorm_stats()}
-        return self._host_copies([(p.name, p) for p in self.cell.untrainable_params()
-                                  if id(p) not in stats])
+        return self._host_copies([(p.name, p) for p in self.cell.untrainable_params() if id(p) not in stats])
 
     def named_buffers(self) -> List[Tuple[Optional[str], Any]]:
-        return self._host_copies(list(self.cell.named_buffers())
-                                 + [(p.name, p) for p in self._batchnorm_stats()])
+        return self._host_copies(
+            list(self.cell.named_buffers()) + [(p.name, p) for p in self._batchnorm_stats()]
+        )
 
     def _batchnorm_stats(self) -> List[Any]:
         from mindspore.nn.layer.normalization import _BatchNorm
-        return [p for _, c in self.cell.cells_and_names() if isinstance(c, _BatchNorm)
-                for p in c.untrainable_params()]
+
+        return [
+            p
+            for _, c in self.cell.cells_and_names()
+            if isinstance(c, _BatchNorm)
+            for p in c.untrainable_params()
+        ]
 
     def _host_copies(self, named: List[Tuple[Optional[str], Any]]) -> List[Tuple[Optional[str], Any]]:
         """Writable copies (MindSpore exports read-only memory), written back by
@@ -151,6 +181,7 @@ class MindSporeModule(GradModule):
 
     def buffers_updated(self) -> None:
         from mindspore import Parameter, Tensor
+
         for t, a in self._state_copies:
             if isinstance(t, Parameter):
                 t.set_data(Tensor(a))
@@ -186,7 +217,7 @@ class MindSporeModule(GradModule):
         synchronize()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        synchronize()     # the last step's optimizer may still read the buckets
+        synchronize()  # the last step's optimizer may still read the buckets
         return self.cell(*args, **kwargs)
 
     def _hook_for(self, i: int):
@@ -194,6 +225,7 @@ class MindSporeModule(GradModule):
             # the grad is added into bucket slot i; the returned tensor aliases that slot, so
             # what value_and_grad returns is the reduced grad once the step is finalized
             return from_native(self._ddp.mark_ready(i, grad))
+
         hook.__name__ = f"nccl_ddp_grad_ready_{i}"
         return hook
 
@@ -213,11 +245,14 @@ class MindSporeGrads(GradsAdapter):
         fusion = [getattr(p, "comm_fusion", None) for p in parameters]
         if len(set(fusion)) == 1:
             fusion = [None] * len(fusion)
-        return [ParamSpec(tuple(p.shape), np_dtype(p.dtype), getattr(p, "name", None),
-                          comm_fusion=f) for p, f in zip(parameters, fusion)]
+        return [
+            ParamSpec(tuple(p.shape), np_dtype(p.dtype), getattr(p, "name", None), comm_fusion=f)
+            for p, f in zip(parameters, fusion)
+        ]
 
     def to_native(self, grads: Any) -> List[Any]:
         from mindspore import Tensor
+
         if not isinstance(grads, (list, tuple)):
             raise ConfigTypeError(f"grads must be a tuple or list of tensors, got {type(grads).__name__}")
         for i, g in enumerate(grads):
@@ -225,7 +260,8 @@ class MindSporeGrads(GradsAdapter):
                 raise ConfigTypeError(
                     f"grads[{i}] is a {type(g).__module__}.{type(g).__name__}, but this reducer "
                     f"was built on MindSpore parameters: pass MindSpore tensors, or build the "
-                    f"reducer on parameters of that framework; nccl_ddp never mixes frameworks")
+                    f"reducer on parameters of that framework; nccl_ddp never mixes frameworks"
+                )
         return [to_native(g) for g in grads]
 
     def from_native(self, grads: Any, reduced: List[Any]) -> Any:
@@ -262,8 +298,7 @@ def _grad_reducer_cell_class() -> type:
             self.reducer = reducer
             self.mean, self.degree = reducer.mean, reducer.degree
             buckets = reducer.layout.buckets
-            where = {p: (b, k) for b, bucket in enumerate(buckets)
-                     for k, p in enumerate(bucket.params)}
+            where = {p: (b, k) for b, bucket in enumerate(buckets) for k, p in enumerate(bucket.params)}
             # constants of the compiled graph: params per bucket, each param's (bucket, slot)
             self.bucket_params = tuple(tuple(bucket.params) for bucket in buckets)
             self.slots = tuple(where[p] for p in range(len(reducer.specs)))
@@ -275,7 +310,7 @@ def _grad_reducer_cell_class() -> type:
 
         def __call__(self, grads: Any, *args: Any, **kwargs: Any) -> Any:
             if mindspore.get_context("mode") == mindspore.PYNATIVE_MODE and not (args or kwargs):
-                return self.reducer(grads)     # PyNative: the reducer itself, zero-copy
+                return self.reducer(grads)  # PyNative: the reducer itself, zero-copy
             return super().__call__(grads, *args, **kwargs)
 
         def construct(self, grads):
@@ -285,11 +320,12 @@ def _grad_reducer_cell_class() -> type:
             previous = grads
             for params, op in zip(self.bucket_params, self.bucket_ops):
                 flat = self.concat([self.reshape(grads[p], (-1,)) for p in params])
-                out = op(self.depend(flat, previous))   # after the previous bucket's op
+                out = op(self.depend(flat, previous))  # after the previous bucket's op
                 reduced.append(out)
                 previous = out
-            return tuple([self.reshape(reduced[b][k], shape)
-                          for (b, k), shape in zip(self.slots, self.shapes)])
+            return tuple(
+                [self.reshape(reduced[b][k], shape) for (b, k), shape in zip(self.slots, self.shapes)]
+            )
 
         def close(self) -> None:
             self.reducer.close()
@@ -303,6 +339,7 @@ def _bucket_op(reducer: Any, b: int) -> Any:
     grad per parameter out. (A pyfunc must take its inputs as named parameters: MindSpore 2.10
     packs extra inputs of a `*args` function into a tuple it then rejects.)"""
     from mindspore import ops
+
     bucket = reducer.layout.buckets[b]
     shapes = [reducer.specs[p].shape for p in bucket.params]
     bounds = np.cumsum([0, *bucket.numels])
@@ -313,13 +350,18 @@ def _bucket_op(reducer: Any, b: int) -> Any:
 
     reduce_bucket.__name__ = f"nccl_ddp_reduce_bucket_{b}"
     dtype = _ms_dtype(bucket.dtype)
-    return ops.Custom(reduce_bucket, out_shape=[[int(n)] for n in bucket.numels],
-                      out_dtype=[dtype] * len(bucket.params), func_type="pyfunc")
+    return ops.Custom(
+        reduce_bucket,
+        out_shape=[[int(n)] for n in bucket.numels],
+        out_dtype=[dtype] * len(bucket.params),
+        func_type="pyfunc",
+    )
 
 
 def _ms_dtype(dtype: np.dtype) -> Any:
     """MindSpore's float type for a NumPy dtype (the reducer accepts float dtypes only)."""
     import mindspore
+
     for t in (mindspore.float16, mindspore.float32, mindspore.float64):
         if np_dtype(t) == dtype:
             return t

@@ -5,6 +5,7 @@ checkpoint loads into the bare cell and the reverse. Calling it runs `construct`
 (buffers from rank 0 first when due), then the wrapped cell runs. PyNative mode only, as the
 grad hooks need it.
 """
+
 from __future__ import annotations
 
 from typing import Any

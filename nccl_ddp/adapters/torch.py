@@ -9,6 +9,7 @@ on the autograd engine finalizes the step when backward ends. On CUDA the curren
 the compute stream. PyTorch's grad semantics are kept: a parameter whose `.grad` was None (after
 `optimizer.zero_grad()`) and that no rank used in a step keeps `.grad = None`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,9 +26,11 @@ from nccl_ddp.errors import ConfigError, ConfigTypeError
 def adapt(module: Any) -> TorchModule:
     """The DDP adapter for a `torch.nn.Module`."""
     import torch
+
     if not isinstance(module, torch.nn.Module):
-        raise ConfigTypeError(f"expected a torch.nn.Module, got {type(module).__module__}."
-                        f"{type(module).__name__}")
+        raise ConfigTypeError(
+            f"expected a torch.nn.Module, got {type(module).__module__}.{type(module).__name__}"
+        )
     return TorchModule(module)
 
 
@@ -42,19 +45,21 @@ def grads_adapter() -> TorchGrads:
 def to_native(t: Any) -> Any:
     """A NumPy (CPU) or CuPy (CUDA) array sharing memory with tensor `t` (writable)."""
     import torch
+
     t = t.detach()
     kind = {"cpu": KDL_CPU, "cuda": KDL_CUDA}.get(t.device.type)
     if kind is None:
         raise ConfigTypeError(f"tensors on {t.device} are not supported; use CPU or CUDA tensors")
-    if t.dtype == torch.bfloat16 and kind == KDL_CPU:   # NumPy's DLPack knows no bfloat16
+    if t.dtype == torch.bfloat16 and kind == KDL_CPU:  # NumPy's DLPack knows no bfloat16
         return native_from_dlpack(t.view(torch.int16), kind).view(bfloat16_dtype())
-    return native_from_dlpack(t, kind)   # CuPy 14 reads bfloat16 as ml_dtypes.bfloat16
+    return native_from_dlpack(t, kind)  # CuPy 14 reads bfloat16 as ml_dtypes.bfloat16
 
 
 def from_native(a: Any) -> Any:
     """A tensor sharing memory with the native array `a`."""
     import numpy as np
     import torch
+
     if isinstance(a, np.ndarray) and is_bfloat16(a.dtype):
         return torch.from_dlpack(a.view(np.int16)).view(torch.bfloat16)
     return torch.from_dlpack(a)
@@ -89,11 +94,11 @@ def torch_stream_current(on_cuda: bool) -> Iterator[None]:
     import torch
 
     from nccl_ddp.device import RawStream
+
     stream = torch.cuda.current_stream()
     # Stream.from_external: CuPy 14 deprecates ExternalStream (a DeprecationWarning per call);
     # the raw pointer works whether or not this torch has __cuda_stream__
-    with cupy.cuda.Device(stream.device.index), \
-            cupy.cuda.Stream.from_external(RawStream(stream.cuda_stream)):
+    with cupy.cuda.Device(stream.device.index), cupy.cuda.Stream.from_external(RawStream(stream.cuda_stream)):
         yield
 
 
@@ -107,6 +112,7 @@ class TorchModule(GradModule):
 
     def __init__(self, module: Any) -> None:
         import torch
+
         self.module = module
         _check_initialized(module)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
@@ -114,25 +120,28 @@ class TorchModule(GradModule):
         self.params = [p for _, p in named]
         for n, p in named:
             if p.layout != torch.strided:
-                raise ConfigError(f"parameter {n!r} has layout {p.layout}; DistributedDataParallel "
-                                  "reduces dense parameters only: make it dense (p.to_dense()) "
-                                  "before wrapping the module")
+                raise ConfigError(
+                    f"parameter {n!r} has layout {p.layout}; DistributedDataParallel "
+                    "reduces dense parameters only: make it dense (p.to_dense()) "
+                    "before wrapping the module"
+                )
         devices = {str(p.device) for p in self.params}
         if len(devices) > 1:
-            raise ConfigError(f"all parameters must be on one device, found {sorted(devices)}; "
-                             "one process drives one device")
+            raise ConfigError(
+                f"all parameters must be on one device, found {sorted(devices)}; "
+                "one process drives one device"
+            )
         self.on_cuda = bool(self.params) and _is_cuda(self.params[0])
         # _grads[i]: the tensor the reducer's grads[i] aliases; p.grad is set to it at forward.
-        self._grads = [torch.zeros_like(p, memory_format=torch.contiguous_format)
-                       for p in self.params]
+        self._grads = [torch.zeros_like(p, memory_format=torch.contiguous_format) for p in self.params]
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self._watch = ModuleWatch(module, self.params)
-        self._ddp: Any = None           # the DistributedDataParallel, set by attach()
+        self._ddp: Any = None  # the DistributedDataParallel, set by attach()
         self._hooks: list = []
         self._was_none: List[int] = []  # params whose .grad was None at this step's forward
         self._callback_queued = False
-        self._syncing = True            # whether this step all-reduces (fixed when it opens)
-        self._forward_opened = False    # the step was opened by our forward, not by a hook
+        self._syncing = True  # whether this step all-reduces (fixed when it opens)
+        self._forward_opened = False  # the step was opened by our forward, not by a hook
 
     # ---- GradModule
     def native_params(self) -> List[Any]:
@@ -162,6 +171,7 @@ class TorchModule(GradModule):
         """After a module conversion (to(memory_format=...), share_memory()) gave the grad tensors
         new storage: make them our memory again (the reducer's), keeping their values."""
         import torch
+
         for i, p in enumerate(self.params):
             mine, old = from_native(self._ddp.reducer.grads[i]), self._grads[i]
             if old.data_ptr() == mine.data_ptr():
@@ -206,8 +216,7 @@ class TorchModule(GradModule):
         if len(now) == len(self.params) and all(a is b for a, b in zip(now, self.params)):
             return
         wrapped = set(map(id, self.params))
-        added = [n for n, p in self.module.named_parameters()
-                 if p.requires_grad and id(p) not in wrapped]
+        added = [n for n, p in self.module.named_parameters() if p.requires_grad and id(p) not in wrapped]
         alive = set(map(id, now))
         gone = [n for n, p in zip(self.names, self.params) if id(p) not in alive]
         raise ConfigError(
@@ -215,7 +224,8 @@ class TorchModule(GradModule):
             f"it was wrapped in DistributedDataParallel (new or unfrozen: {added or 'none'}; "
             f"removed, replaced or frozen: {gone or 'none'}). DDP reduces the parameters it found "
             "when it was built: add, replace or (un)freeze parameters before wrapping, or wrap the "
-            "module again")
+            "module again"
+        )
 
     # ---- the step
     def _point_grads_at_buckets(self) -> None:
@@ -223,8 +233,8 @@ class TorchModule(GradModule):
         A `.grad` that is None starts from zero; one the user replaced is copied in."""
         self._was_none = [i for i, p in enumerate(self.params) if p.grad is None]
         with torch_stream_current(self.on_cuda):
-            if len(self._was_none) == len(self.params):    # after optimizer.zero_grad()
-                self._ddp.reducer.zero_grad()               # one fill per bucket
+            if len(self._was_none) == len(self.params):  # after optimizer.zero_grad()
+                self._ddp.reducer.zero_grad()  # one fill per bucket
                 for p, mine in zip(self.params, self._grads):
                     p.grad = mine
                 return
@@ -250,6 +260,7 @@ class TorchModule(GradModule):
             if not self._callback_queued:
                 self._queue_end_of_backward()
             mark_ready(i)
+
         hook.__name__ = f"nccl_ddp_grad_ready_{i}"
         return hook
 
@@ -267,8 +278,9 @@ class TorchModule(GradModule):
     def _queue_end_of_backward(self) -> None:
         """The first hook of a backward: finalize the step when the autograd engine is done."""
         import torch
+
         self._callback_queued = True
-        if not self._forward_opened:   # backward without our forward: the hook opens the step
+        if not self._forward_opened:  # backward without our forward: the hook opens the step
             self._syncing = self._ddp.sync_enabled
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
@@ -291,8 +303,11 @@ class TorchModule(GradModule):
 
     # ---- state besides the trainable parameters: frozen parameters and buffers
     def named_frozen(self) -> List[Tuple[Optional[str], Any]]:
-        return [(n, self._native_state(n, p, "parameter"))
-                for n, p in self.module.named_parameters() if not p.requires_grad]
+        return [
+            (n, self._native_state(n, p, "parameter"))
+            for n, p in self.module.named_parameters()
+            if not p.requires_grad
+        ]
 
     def named_buffers(self) -> List[Tuple[Optional[str], Any]]:
         # cached: listed and converted again only when a buffer was added, replaced or moved
@@ -304,13 +319,16 @@ class TorchModule(GradModule):
     def _native_state(self, name: str, t: Any, what: str) -> Any:
         """A writable native array (a strided view when `t` is not contiguous) of `t`."""
         if _is_cuda(t) != self.on_cuda:
-            raise ConfigError(f"{what} {name!r} is on {t.device}, the trainable parameters on "
-                              f"{self.params[0].device}; move the whole module to one device "
-                              "before wrapping it")
+            raise ConfigError(
+                f"{what} {name!r} is on {t.device}, the trainable parameters on "
+                f"{self.params[0].device}; move the whole module to one device "
+                "before wrapping it"
+            )
         return to_native(t)
 
     def grad_enabled(self) -> bool:
         import torch
+
         return torch.is_grad_enabled()
 
     def on_compute_stream(self) -> Any:
@@ -325,14 +343,15 @@ class TorchModule(GradModule):
 def _check_initialized(module: Any) -> None:
     """Lazy modules (LazyLinear, LazyConv2d) have no shapes until their first forward."""
     from torch.nn.parameter import is_lazy
-    for kind, named in (("parameter", module.named_parameters()),
-                        ("buffer", module.named_buffers())):
+
+    for kind, named in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
         for n, t in named:
             if is_lazy(t):
                 raise ConfigError(
                     f"{kind} {n!r} is uninitialized (a lazy module such as LazyLinear creates it "
                     "at its first forward): run one forward pass on the module (e.g. with a dummy "
-                    "batch) before wrapping it in DistributedDataParallel")
+                    "batch) before wrapping it in DistributedDataParallel"
+                )
 
 
 def _missing(param: Any) -> int:
@@ -349,8 +368,8 @@ class TorchGrads(GradsAdapter):
 
     def param_infos(self, parameters: Any) -> List[ParamSpec]:
         import torch
-        return [ParamSpec(tuple(p.shape), to_native(torch.empty(0, dtype=p.dtype)).dtype)
-                for p in parameters]
+
+        return [ParamSpec(tuple(p.shape), to_native(torch.empty(0, dtype=p.dtype)).dtype) for p in parameters]
 
     def to_native(self, grads: Any) -> List[Any]:
         self._check(grads)
@@ -369,13 +388,17 @@ class TorchGrads(GradsAdapter):
         if not isinstance(grads, (list, tuple)):
             raise ConfigTypeError(f"grads must be a list or tuple of tensors, got {type(grads).__name__}")
         import torch
+
         for i, g in enumerate(grads):
             if g is None:
-                raise ConfigError(f"grads[{i}] is None (that parameter got no grad); pass "
-                                 "torch.zeros_like(param) for it so every rank reduces the same list")
+                raise ConfigError(
+                    f"grads[{i}] is None (that parameter got no grad); pass "
+                    "torch.zeros_like(param) for it so every rank reduces the same list"
+                )
             if not isinstance(g, torch.Tensor):
                 raise ConfigTypeError(
                     f"grads[{i}] is a {type(g).__module__}.{type(g).__name__}, but this reducer "
                     f"was built on torch parameters: pass torch tensors (torch.from_dlpack), or "
                     f"build the reducer on parameters of that framework; nccl_ddp never mixes "
-                    f"frameworks")
+                    f"frameworks"
+                )

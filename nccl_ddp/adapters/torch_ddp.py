@@ -19,6 +19,7 @@ bookkeeping is marked to be skipped too, so compiling the wrapper compiles the w
 forward and nothing of ours. Backward's grad hooks run in the autograd engine, outside compiled
 code.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -42,10 +43,17 @@ _UNSUPPORTED = {
     "device_mesh": (None, "pass an nccl_ddp group (nccl_ddp.new_group) as process_group"),
     "delay_all_reduce_named_params": (None, "every parameter is reduced as its grad is ready"),
     "param_to_hook_all_reduce": (None, "every parameter is reduced as its grad is ready"),
-    "skip_all_reduce_unused_params": (False, ("unused parameters are reduced as zeros, as by "
-                                              "default in torch")),
-    "forward_sync_buffers": (True, ("use broadcast_buffers=False to keep buffers per rank "
-                                    "(which also skips their broadcast at construction)")),
+    "skip_all_reduce_unused_params": (
+        False,
+        ("unused parameters are reduced as zeros, as by default in torch"),
+    ),
+    "forward_sync_buffers": (
+        True,
+        (
+            "use broadcast_buffers=False to keep buffers per rank "
+            "(which also skips their broadcast at construction)"
+        ),
+    ),
 }
 
 
@@ -57,7 +65,7 @@ class TorchReducer(Reducer):
     """The reducer with the part of torch's `Reducer` API that code written for torch DDP calls
     (Lightning's manual optimization, Accelerate's trigger_sync_in_backward)."""
 
-    wrapper: Any = None      # the TorchDistributedDataParallel, set once it is built
+    wrapper: Any = None  # the TorchDistributedDataParallel, set once it is built
 
     def prepare_for_backward(self, outputs: Any = None) -> None:
         """The coming backward all-reduces iff sync is enabled now (torch decides it here). Our
@@ -67,8 +75,10 @@ class TorchReducer(Reducer):
         if not self._open or self._count or self._step_syncs == self.sync_enabled:
             return
         if self.wrapper is not None and self.wrapper.join_state.config.enable:
-            raise ConfigError(f"rank {self.group.rank}: inside Join, decide no_sync() before the "
-                              "forward; prepare_for_backward cannot change this step's sync")
+            raise ConfigError(
+                f"rank {self.group.rank}: inside Join, decide no_sync() before the "
+                "forward; prepare_for_backward cannot change this step's sync"
+            )
         self._open_step()
         if self.wrapper is not None:
             self.wrapper._torch_module._syncing = self._step_syncs
@@ -87,11 +97,19 @@ class TorchDistributedDataParallel(torch.nn.Module, DistributedDataParallel, _To
     (positional and keyword, as `DistributedDataParallel` takes them) plus torch's own."""
 
     _reducer_class = TorchReducer
-    _torch_join_config: Any = None     # the config torch's Join set last (see _join_config)
+    _torch_join_config: Any = None  # the config torch's Join set last (see _join_config)
 
-    def __init__(self, module: Any, *args: Any, device_ids: Any = None,
-                 output_device: Any = None, dim: int = 0, gradient_as_bucket_view: bool = False,
-                 check_reduction: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        module: Any,
+        *args: Any,
+        device_ids: Any = None,
+        output_device: Any = None,
+        dim: int = 0,
+        gradient_as_bucket_view: bool = False,
+        check_reduction: bool = False,
+        **kwargs: Any,
+    ) -> None:
         torch.nn.Module.__init__(self)
         core = {k: v for k, v in kwargs.items() if k in _CORE.parameters}
         torch_options = {k: v for k, v in kwargs.items() if k not in core}
@@ -101,13 +119,12 @@ class TorchDistributedDataParallel(torch.nn.Module, DistributedDataParallel, _To
             raise ConfigTypeError(
                 f"init_sync must be a bool, got {init_sync!r}: the second positional argument is "
                 "init_sync (MindSpore's signature), not torch's device_ids; pass "
-                "device_ids=[...] by keyword")
-        _check_torch_options(torch_options, process_group, dim, gradient_as_bucket_view,
-                             check_reduction)
+                "device_ids=[...] by keyword"
+            )
+        _check_torch_options(torch_options, process_group, dim, gradient_as_bucket_view, check_reduction)
         if not isinstance(module, torch.nn.Module):
             raise ConfigTypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-        self.device_ids, self.output_device = _device_ids(module, device_ids, output_device,
-                                                          process_group)
+        self.device_ids, self.output_device = _device_ids(module, device_ids, output_device, process_group)
         self.dim = dim
         self.gradient_as_bucket_view = gradient_as_bucket_view
         DistributedDataParallel.__init__(self, module, *args, **core)
@@ -145,14 +162,20 @@ class TorchDistributedDataParallel(torch.nn.Module, DistributedDataParallel, _To
         do not analyse the graph, so it is False)."""
         g = self.process_group
         hook = self.reducer.comm_hook
-        return {"world_size": g.size, "rank": g.rank, "backend_name": f"nccl_ddp-{g.backend}",
-                "module_name": type(self.module).__name__,
-                "bucket_cap_bytes": self.config.cap_bytes,
-                "find_unused_parameters": self.find_unused_parameters,
-                "static_graph": self.static_graph, "broadcast_buffers": self.broadcast_buffers,
-                "gradient_as_bucket_view": self.gradient_as_bucket_view,
-                "comm_hook": "" if hook is None else getattr(hook[1], "__qualname__", ""),
-                "iteration": self.reducer.steps, "can_set_static_graph": False}
+        return {
+            "world_size": g.size,
+            "rank": g.rank,
+            "backend_name": f"nccl_ddp-{g.backend}",
+            "module_name": type(self.module).__name__,
+            "bucket_cap_bytes": self.config.cap_bytes,
+            "find_unused_parameters": self.find_unused_parameters,
+            "static_graph": self.static_graph,
+            "broadcast_buffers": self.broadcast_buffers,
+            "gradient_as_bucket_view": self.gradient_as_bucket_view,
+            "comm_hook": "" if hook is None else getattr(hook[1], "__qualname__", ""),
+            "iteration": self.reducer.steps,
+            "can_set_static_graph": False,
+        }
 
     @property
     def broadcast_buffers(self) -> bool:
@@ -183,9 +206,13 @@ class TorchDistributedDataParallel(torch.nn.Module, DistributedDataParallel, _To
         Protocol check in nccl_ddp.Join reads it; torch's Join then fails in torch.distributed,
         which it needs initialised on our ranks)."""
         import torch.distributed as dist
+
         g = self.process_group
-        if dist.is_available() and dist.is_initialized() \
-                and (dist.get_world_size(), dist.get_rank()) == (g.size, g.rank):
+        if (
+            dist.is_available()
+            and dist.is_initialized()
+            and (dist.get_world_size(), dist.get_rank()) == (g.size, g.rank)
+        ):
             return dist.group.WORLD
         return g
 
@@ -202,8 +229,7 @@ class TorchDistributedDataParallel(torch.nn.Module, DistributedDataParallel, _To
 
     @_join_config.setter
     def _join_config(self, cfg: Any) -> None:
-        ours = JoinConfig(bool(cfg.enable), bool(cfg.throw_on_early_termination),
-                          bool(cfg.is_first_joinable))
+        ours = JoinConfig(bool(cfg.enable), bool(cfg.throw_on_early_termination), bool(cfg.is_first_joinable))
         self.join_state.config = self._torch_join_config = ours
 
     def _join_count(self) -> Optional[int]:
@@ -213,13 +239,14 @@ class TorchDistributedDataParallel(torch.nn.Module, DistributedDataParallel, _To
         if self.join_state.config is not self._torch_join_config:
             return super()._join_count()
         from torch.distributed.algorithms.join import Join as TorchJoin
+
         work = TorchJoin.notify_join_context(self)
         if work is None:
             return None
         work.wait()
         return int(work.result()[0].item())
 
-    @torch._disable_dynamo(recursive=False)    # (lazy torch.compiler.disable; torch DDP's way)
+    @torch._disable_dynamo(recursive=False)  # (lazy torch.compiler.disable; torch DDP's way)
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         inputs, kwargs = self._before_forward(inputs, kwargs)
         out = self.module(*inputs, **kwargs)
@@ -241,8 +268,8 @@ class TorchDistributedDataParallel(torch.nn.Module, DistributedDataParallel, _To
         self._torch_module.before_forward()
         if self.device_ids:
             from torch.distributed.utils import _to_kwargs
-            moved, moved_kwargs = _to_kwargs(inputs, kwargs,
-                                             torch.device("cuda", self.device_ids[0]), False)
+
+            moved, moved_kwargs = _to_kwargs(inputs, kwargs, torch.device("cuda", self.device_ids[0]), False)
             return moved[0], moved_kwargs[0]
         return inputs, kwargs
 
@@ -263,63 +290,77 @@ class TorchDistributedDataParallel(torch.nn.Module, DistributedDataParallel, _To
                     f"rank {self.process_group.rank}: DistributedDataParallel was built for "
                     f"{dtype} tensors on {device}; this conversion would make them {out.dtype} "
                     f"on {out.device}. Move or cast the module before wrapping it (or wrap the "
-                    "converted module again)")
+                    "converted module again)"
+                )
         super()._apply(fn, recurse)
         self._torch_module.realias_grads()
         return self
 
 
-def _check_torch_options(options: dict, process_group: Any, dim: Any,
-                         gradient_as_bucket_view: Any, check_reduction: Any) -> None:
+def _check_torch_options(
+    options: dict, process_group: Any, dim: Any, gradient_as_bucket_view: Any, check_reduction: Any
+) -> None:
     for name, value in options.items():
         if name not in _UNSUPPORTED:
-            raise ConfigTypeError(f"DistributedDataParallel got an unexpected keyword argument "
-                                  f"{name!r}")
+            raise ConfigTypeError(f"DistributedDataParallel got an unexpected keyword argument {name!r}")
         fine, why = _UNSUPPORTED[name]
         if value != fine:
-            raise ConfigError(f"{name}={value!r} is not supported by nccl_ddp's "
-                              f"DistributedDataParallel (only {fine!r}): {why}")
-    if torch.distributed.is_available() and isinstance(process_group,
-                                                       torch.distributed.ProcessGroup):
+            raise ConfigError(
+                f"{name}={value!r} is not supported by nccl_ddp's "
+                f"DistributedDataParallel (only {fine!r}): {why}"
+            )
+    if torch.distributed.is_available() and isinstance(process_group, torch.distributed.ProcessGroup):
         raise ConfigTypeError(
             "process_group is a torch.distributed group; nccl_ddp reduces over its own: pass "
-            "None (the world from nccl_ddp.init_process_group) or nccl_ddp.new_group(ranks)")
+            "None (the world from nccl_ddp.init_process_group) or nccl_ddp.new_group(ranks)"
+        )
     if isinstance(dim, bool) or not isinstance(dim, int):
         raise ConfigTypeError(f"dim must be an int, got {type(dim).__name__} {dim!r}")
     check_bool("gradient_as_bucket_view", gradient_as_bucket_view)
     check_bool("check_reduction", check_reduction)
 
 
-def _device_ids(module: Any, device_ids: Any, output_device: Any,
-                process_group: Any) -> tuple:
+def _device_ids(module: Any, device_ids: Any, output_device: Any, process_group: Any) -> tuple:
     """torch's single-device contract: device_ids None for a CPU module, [the module's GPU] for a
     GPU one; output_device None or that GPU."""
     devices = {p.device for p in module.parameters()}
     if device_ids is None:
         if output_device is not None:
-            raise ConfigError(f"output_device={output_device!r} needs device_ids=[...]; the "
-                              "output stays where the module computes it")
+            raise ConfigError(
+                f"output_device={output_device!r} needs device_ids=[...]; the "
+                "output stays where the module computes it"
+            )
         return None, None
     if not isinstance(device_ids, (list, tuple)) or len(device_ids) != 1:
-        raise ConfigError(f"device_ids must be None or a list of one GPU (this process's), got "
-                          f"{device_ids!r}: one process drives one device, as in torch DDP")
+        raise ConfigError(
+            f"device_ids must be None or a list of one GPU (this process's), got "
+            f"{device_ids!r}: one process drives one device, as in torch DDP"
+        )
     if len(devices) != 1 or next(iter(devices)).type != "cuda":
-        raise ConfigError(f"device_ids={device_ids!r} is for a module on one GPU, but its "
-                          f"parameters are on {sorted(map(str, devices))}: pass device_ids=None "
-                          "for a CPU module (or move the module to the GPU first)")
+        raise ConfigError(
+            f"device_ids={device_ids!r} is for a module on one GPU, but its "
+            f"parameters are on {sorted(map(str, devices))}: pass device_ids=None "
+            "for a CPU module (or move the module to the GPU first)"
+        )
     index = _device_index(device_ids[0], "device_ids[0]")
     (device,) = devices
     if index != device.index:
-        raise ConfigError(f"device_ids={device_ids!r}, but the module's parameters are on "
-                          f"{device}: move the module to cuda:{index} (model.to(device_ids[0])) "
-                          "before wrapping it")
+        raise ConfigError(
+            f"device_ids={device_ids!r}, but the module's parameters are on "
+            f"{device}: move the module to cuda:{index} (model.to(device_ids[0])) "
+            "before wrapping it"
+        )
     group_device = getattr(resolve_group(process_group, "process_group"), "device_id", None)
     if group_device is not None and group_device != index:
-        raise ConfigError(f"device_ids={device_ids!r}, but this process's nccl_ddp group "
-                          f"communicates on cuda:{group_device} (its LOCAL_RANK): use that GPU")
+        raise ConfigError(
+            f"device_ids={device_ids!r}, but this process's nccl_ddp group "
+            f"communicates on cuda:{group_device} (its LOCAL_RANK): use that GPU"
+        )
     if output_device is not None and _device_index(output_device, "output_device") != index:
-        raise ConfigError(f"output_device={output_device!r} differs from device_ids[0]; the "
-                          "output stays on the module's GPU, as in torch's single-device DDP")
+        raise ConfigError(
+            f"output_device={output_device!r} differs from device_ids[0]; the "
+            "output stays on the module's GPU, as in torch's single-device DDP"
+        )
     return [index], index
 
 

@@ -2,6 +2,7 @@
 Accelerate) has initialised: same ranks, and our store on a port rank 0 finds free (torch's store
 holds MASTER_PORT) with a job secret, both sent to every rank through torch.distributed.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -14,16 +15,17 @@ from nccl_ddp.comm import api
 from nccl_ddp.errors import ConfigError
 
 
-def init_beside_torch(backend: str, rank: int, world_size: int, timeout: float,
-                      who: str) -> bool:
+def init_beside_torch(backend: str, rank: int, world_size: int, timeout: float, who: str) -> bool:
     """Initialise our world group as `rank` of `world_size` unless it is already (then check it
     matches). Returns whether this call created it (the caller destroys what it created).
     Collective over torch.distributed's world."""
     if api.is_initialized():
         have = (api.get_rank(), api.get_world_size())
         if have != (rank, world_size):
-            raise ConfigError(f"nccl_ddp is initialised as rank {have[0]} of {have[1]}, but "
-                              f"{who} made this process rank {rank} of {world_size}")
+            raise ConfigError(
+                f"nccl_ddp is initialised as rank {have[0]} of {have[1]}, but "
+                f"{who} made this process rank {rank} of {world_size}"
+            )
         return False
     with _environ(_store_env(rank)):
         api.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
@@ -33,10 +35,13 @@ def init_beside_torch(backend: str, rank: int, world_size: int, timeout: float,
 def _store_env(rank: int) -> Dict[str, str]:
     """NCCL_DDP_STORE_PORT and NCCL_DDP_SECRET from rank 0 (values already set are kept)."""
     import torch.distributed as dist
+
     mine: Dict[str, str] = {}
     if rank == 0:
-        mine = {"NCCL_DDP_STORE_PORT": os.environ.get("NCCL_DDP_STORE_PORT") or str(_free_port()),
-                "NCCL_DDP_SECRET": os.environ.get("NCCL_DDP_SECRET") or secrets.token_hex(16)}
+        mine = {
+            "NCCL_DDP_STORE_PORT": os.environ.get("NCCL_DDP_STORE_PORT") or str(_free_port()),
+            "NCCL_DDP_SECRET": os.environ.get("NCCL_DDP_SECRET") or secrets.token_hex(16),
+        }
     box = [mine]
     dist.broadcast_object_list(box, src=0)
     return box[0]

@@ -8,6 +8,7 @@ zero-copy DLPack views of our bucket, and returns a `torch.futures.Future` that 
 hooks run torch.distributed collectives on `state`'s torch group or torch's default (WORLD) group:
 torch.distributed must be initialised (gloo on the CPU) on the same ranks.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, List, Optional
@@ -20,12 +21,15 @@ from nccl_ddp.errors import ConfigError, ReducerError
 def ours_for(hook: Any, state: Any) -> Optional[Callable]:
     """Our fused hook for one of torch's default hooks with `state=None` (None otherwise)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as d
+
     if state is not None:
         return None
-    for theirs, ours in ((d.allreduce_hook, comm_hooks.allreduce_hook),
-                         (d.fp16_compress_hook, comm_hooks.fp16_compress_hook),
-                         (d.bf16_compress_hook, comm_hooks.bf16_compress_hook)):
-        if hook is theirs:      # by identity: a hook object need not be hashable
+    for theirs, ours in (
+        (d.allreduce_hook, comm_hooks.allreduce_hook),
+        (d.fp16_compress_hook, comm_hooks.fp16_compress_hook),
+        (d.bf16_compress_hook, comm_hooks.bf16_compress_hook),
+    ):
+        if hook is theirs:  # by identity: a hook object need not be hashable
             return ours
     return None
 
@@ -39,15 +43,17 @@ def check_torch_world(hook: Any, state: Any, group: Any) -> None:
     """torch's own hooks call torch.distributed collectives (on `state.process_group` or WORLD):
     refuse them at registration when torch.distributed cannot run them on our ranks."""
     import torch.distributed as dist
+
     if not (getattr(hook, "__module__", "") or "").startswith("torch."):
-        return       # a user's hook: its collectives are its own business
+        return  # a user's hook: its collectives are its own business
     name = getattr(hook, "__qualname__", repr(hook))
     if not (dist.is_available() and dist.is_initialized()):
         raise ConfigError(
             f"rank {group.rank}: register_comm_hook({name}) : torch's hook all-reduces with "
             "torch.distributed, which is not initialised. Initialise it on the same ranks first "
             "(torch.distributed.init_process_group('gloo') on the CPU, as Lightning and Accelerate "
-            "do), or use nccl_ddp.hooks (allreduce, fp16_compress, bf16_compress, powersgd)")
+            "do), or use nccl_ddp.hooks (allreduce, fp16_compress, bf16_compress, powersgd)"
+        )
     torch_group = getattr(state, "process_group", None) if state is not None else None
     if isinstance(state, dist.ProcessGroup):
         torch_group = state
@@ -57,7 +63,8 @@ def check_torch_world(hook: Any, state: Any, group: Any) -> None:
             f"rank {group.rank}: register_comm_hook({name}): torch's hook reduces over a "
             f"torch.distributed group of {size} ranks where this is rank {rank}, but this DDP's "
             f"group has {group.size} ranks where it is rank {group.rank}: the hook must reduce "
-            "over the same ranks (pass a matching torch group in its state)")
+            "over the same ranks (pass a matching torch group in its state)"
+        )
 
 
 class TorchGradBucket:
@@ -68,7 +75,7 @@ class TorchGradBucket:
     def __init__(self, bucket: comm_hooks.GradBucket, params: List[Any]) -> None:
         self._bucket, self._params = bucket, params
         self._numel = bucket.numel()
-        self._buffer = from_native(bucket.buffer()[:self._numel])
+        self._buffer = from_native(bucket.buffer()[: self._numel])
 
     def index(self) -> int:
         return self._bucket.index()
@@ -85,9 +92,10 @@ class TorchGradBucket:
         self._buffer.copy_(buffer.reshape(-1))
 
     def gradients(self) -> List[Any]:
-        return [self._buffer[o:o + n].view(s)
-                for o, n, s in zip(self._bucket.offsets(), self._bucket.numels(),
-                                   self._bucket.shapes())]
+        return [
+            self._buffer[o : o + n].view(s)
+            for o, n, s in zip(self._bucket.offsets(), self._bucket.numels(), self._bucket.shapes())
+        ]
 
     def parameters(self) -> List[Any]:
         return list(self._params)
@@ -106,24 +114,27 @@ class TorchHook:
         with _torch_on_current_stream(self._on_cuda):
             fut = self.hook(state, tb)
         if not (hasattr(fut, "wait") and hasattr(fut, "value")):
-            raise ReducerError(f"comm hook {self.__name__} returned {type(fut).__name__}; a "
-                               "torch hook must return a torch.futures.Future of the reduced "
-                               "bucket tensor")
+            raise ReducerError(
+                f"comm hook {self.__name__} returned {type(fut).__name__}; a "
+                "torch hook must return a torch.futures.Future of the reduced "
+                "bucket tensor"
+            )
         return comm_hooks.Future(lambda: self._result(fut, tb, bucket))
 
     def _result(self, fut: Any, tb: TorchGradBucket, bucket: comm_hooks.GradBucket) -> Any:
         with _torch_on_current_stream(self._on_cuda):
             value = fut.wait()
         if isinstance(value, (list, tuple)) and len(value) == 1:
-            value = value[0]      # a collective's future holds a list of one tensor
+            value = value[0]  # a collective's future holds a list of one tensor
         buf = bucket.buffer()
         if value.data_ptr() != tb.buffer().data_ptr():
             if value.numel() != tb.buffer().numel() or value.dtype != tb.buffer().dtype:
                 raise ReducerError(
                     f"comm hook {self.__name__} returned a {tuple(value.shape)} {value.dtype} "
                     f"tensor for bucket {bucket.index()}, which holds {tb.buffer().numel()} "
-                    f"{tb.buffer().dtype} elements; return the reduced bucket buffer")
-            buf[:tb.buffer().numel()] = to_native(value.reshape(-1))
+                    f"{tb.buffer().dtype} elements; return the reduced bucket buffer"
+                )
+            buf[: tb.buffer().numel()] = to_native(value.reshape(-1))
         return buf
 
 
@@ -131,8 +142,10 @@ def _torch_on_current_stream(on_cuda: bool) -> Any:
     """On CUDA, torch's current stream becomes CuPy's current one (the reducer's comm stream),
     so the hook's torch work is ordered with the bucket's."""
     import contextlib
+
     if not on_cuda:
         return contextlib.nullcontext()
     import cupy
     import torch
+
     return torch.cuda.stream(torch.cuda.ExternalStream(cupy.cuda.get_current_stream().ptr))

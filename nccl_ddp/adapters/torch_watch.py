@@ -7,11 +7,12 @@ changed since the last full look. What registration does not report is checked d
 `requires_grad` flips, and buffers replaced in their module's dict (`Module._apply`, e.g. `.to()`
 on the inner module) or given new storage (`buf.data = ...`).
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, List, Optional, Tuple
 
-_events = 0             # registrations seen in this process (any module)
+_events = 0  # registrations seen in this process (any module)
 _installed = False
 
 
@@ -26,9 +27,12 @@ def _install() -> None:
     if _installed:
         return
     from torch.nn.modules import module
-    for name in ("register_module_parameter_registration_hook",
-                 "register_module_buffer_registration_hook",
-                 "register_module_module_registration_hook"):
+
+    for name in (
+        "register_module_parameter_registration_hook",
+        "register_module_buffer_registration_hook",
+        "register_module_module_registration_hook",
+    ):
         getattr(module, name)(_count)
     _installed = True
 
@@ -86,7 +90,7 @@ class ModuleWatch:
         slots, named, memo = [], [], set()
         for prefix, m in self.module.named_modules():
             for name, b in m._buffers.items():
-                if b is None or id(b) in memo:      # named_buffers() lists a shared one once
+                if b is None or id(b) in memo:  # named_buffers() lists a shared one once
                     continue
                 memo.add(id(b))
                 full = f"{prefix}.{name}" if prefix else name

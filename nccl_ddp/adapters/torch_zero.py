@@ -8,6 +8,7 @@ flat parameter buffers, all-gathered after every step. With the parameters of an
 any other grads (torch's DDP) the grads are all-reduced already and only the optimizer is sharded
 (ZeRO-1).
 """
+
 from __future__ import annotations
 
 import logging
@@ -33,8 +34,19 @@ from nccl_ddp.validate import check_bool
 
 log = logging.getLogger(__name__)
 
-_ELEMENTWISE = {"SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "RMSprop", "NAdam",
-                "RAdam", "Rprop", "ASGD"}
+_ELEMENTWISE = {
+    "SGD",
+    "Adam",
+    "AdamW",
+    "Adamax",
+    "Adagrad",
+    "Adadelta",
+    "RMSprop",
+    "NAdam",
+    "RAdam",
+    "Rprop",
+    "ASGD",
+}
 _EXTRA: set = set()
 
 
@@ -54,18 +66,29 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     `clip_grad_norm_`, `last_step_skipped`.
     """
 
-    def __init__(self, params: Any, optimizer_class: type, process_group: Any = None,
-                 parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False, *,
-                 zero_stage: Optional[int] = None, overlap_param_gather: bool = False,
-                 skip_nonfinite: bool = True, **defaults: Any) -> None:
+    def __init__(
+        self,
+        params: Any,
+        optimizer_class: type,
+        process_group: Any = None,
+        parameters_as_bucket_view: bool = False,
+        overlap_with_ddp: bool = False,
+        *,
+        zero_stage: Optional[int] = None,
+        overlap_param_gather: bool = False,
+        skip_nonfinite: bool = True,
+        **defaults: Any,
+    ) -> None:
         _check_class(optimizer_class)
         check_bool("parameters_as_bucket_view", parameters_as_bucket_view)
         check_bool("overlap_param_gather", overlap_param_gather)
         check_bool("skip_nonfinite", skip_nonfinite)
         if overlap_with_ddp:
-            raise ConfigError("overlap_with_ddp=True is torch's DDP-hook scheme; with nccl_ddp "
-                              "the optimizer and the reduce-scatter overlap by themselves when "
-                              "params come from nccl_ddp.DistributedDataParallel: drop the flag")
+            raise ConfigError(
+                "overlap_with_ddp=True is torch's DDP-hook scheme; with nccl_ddp "
+                "the optimizer and the reduce-scatter overlap by themselves when "
+                "params come from nccl_ddp.DistributedDataParallel: drop the flag"
+            )
         if zero_stage not in (None, 1, 2):
             raise ConfigError(f"zero_stage must be None, 1 or 2, got {zero_stage!r}")
         self.group = resolve_group(_nd_group(process_group), "process_group")
@@ -76,7 +99,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._inner: Any = None
         self._consolidated: Optional[dict] = None
         self.last_step_skipped = False
-        self._collected = False            # this step's grads are in the fp32 shards
+        self._collected = False  # this step's grads are in the fp32 shards
         self._norm: Optional[float] = None  # this step's global grad norm, once computed
         super().__init__(params, defaults)
         self._build()
@@ -90,12 +113,13 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             raise ConfigError("a parameter appears twice in the optimizer's param groups")
         for p in params:
             if not p.is_floating_point() or p.layout != torch.strided:
-                raise ConfigError(f"ZeroRedundancyOptimizer steps dense floating-point "
-                                  f"parameters; got {p.dtype} {p.layout}")
+                raise ConfigError(
+                    f"ZeroRedundancyOptimizer steps dense floating-point parameters; got {p.dtype} {p.layout}"
+                )
         self._stage, wrapper = self._pick_stage(params)
         self.device = device_of(self.group)
         if self._stage == 2:
-            order = wrapper.params                     # the reducer's indices
+            order = wrapper.params  # the reducer's indices
             reducer = wrapper._ddp.reducer
             shards = reducer.enable_sharding()
             names = list(wrapper.names)
@@ -103,14 +127,15 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             order = params
             reducer = None
             specs = [ParamSpec(tuple(p.shape), to_native(p).dtype) for p in params]
-            base = assign_buckets(specs, DEFAULT_CAP_BYTES, FIRST_CAP_BYTES,
-                                  align_bytes=self.device.align_bytes)
+            base = assign_buckets(
+                specs, DEFAULT_CAP_BYTES, FIRST_CAP_BYTES, align_bytes=self.device.align_bytes
+            )
             shards = shard_layout(base, self.group.size, self.device.align_bytes)
             names = [f"{i} (shape {tuple(p.shape)})" for i, p in enumerate(params)]
         self._order: List[Any] = list(order)
         self._names = [str(n) for n in names]
         self._index = {id(p): i for i, p in enumerate(self._order)}
-        self._global = [self._index[id(p)] for p in params]    # state_dict id -> layout index
+        self._global = [self._index[id(p)] for p in params]  # state_dict id -> layout index
 
         def install(i: int, view: Any) -> None:
             p = self._order[i]
@@ -118,10 +143,15 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             if reducer is not None:
                 reducer.params[i] = view
 
-        self.zs = ZeroShards(shards, [to_native(p) for p in self._order], self.group,
-                             self.device, install=install,
-                             comm=None if reducer is None else reducer.comm,
-                             shard_grads=None if reducer is None else reducer.sharding.outputs)
+        self.zs = ZeroShards(
+            shards,
+            [to_native(p) for p in self._order],
+            self.group,
+            self.device,
+            install=install,
+            comm=None if reducer is None else reducer.comm,
+            shard_grads=None if reducer is None else reducer.sharding.outputs,
+        )
         self._reducer = reducer
         group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
         self._pieces = self.zs.pieces
@@ -129,8 +159,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._piece_grads = [from_native(self.zs.grad_piece(pc)) for pc in self._pieces]
         inner_groups = []
         for gi, g in enumerate(self.param_groups):
-            ps = [t for pc, t in zip(self._pieces, self._piece_params)
-                  if group_of[id(self._order[pc.param])] == gi]
+            ps = [
+                t
+                for pc, t in zip(self._pieces, self._piece_params)
+                if group_of[id(self._order[pc.param])] == gi
+            ]
             inner_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": ps})
         self._inner = self.optimizer_class(inner_groups, **self.defaults)
         for ours, theirs in zip(self.param_groups, self._inner.param_groups):
@@ -140,8 +173,13 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if self.overlap_param_gather:
             self._hook_modules(wrapper)
         self._built = True
-        log.info("rank %d: ZeRO-%d over %d parameters, %s", self.group.rank, self._stage,
-                 len(self._order), shards.summary())
+        log.info(
+            "rank %d: ZeRO-%d over %d parameters, %s",
+            self.group.rank,
+            self._stage,
+            len(self._order),
+            shards.summary(),
+        )
 
     def _pick_stage(self, params: List[Any]) -> tuple:
         owners = {id(owner_of(p)) for p in params}
@@ -155,28 +193,35 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 "ZeRO-2 needs every parameter of the optimizer to belong to one nccl_ddp "
                 f"DistributedDataParallel model; parameters {missing[:10] or covered[:10]} (by "
                 "position in the param groups) are not covered by the same wrapper. Pass only "
-                "that model's parameters, or zero_stage=1 (shard only the optimizer)")
+                "that model's parameters, or zero_stage=1 (shard only the optimizer)"
+            )
         if owner is None or self._zero_stage == 1:
             if self.overlap_param_gather:
-                raise ConfigError("overlap_param_gather=True needs ZeRO-2 (the parameters of an "
-                                  "nccl_ddp DistributedDataParallel model), whose modules' "
-                                  "forward waits for their bucket's all-gather")
+                raise ConfigError(
+                    "overlap_param_gather=True needs ZeRO-2 (the parameters of an "
+                    "nccl_ddp DistributedDataParallel model), whose modules' "
+                    "forward waits for their bucket's all-gather"
+                )
             if owner is not None and self._zero_stage == 1:
-                raise ConfigError("zero_stage=1 with an nccl_ddp DistributedDataParallel model "
-                                  "is not supported (its wrapper reduce-scatters); use the "
-                                  "default (ZeRO-2) or torch's DDP for ZeRO-1")
+                raise ConfigError(
+                    "zero_stage=1 with an nccl_ddp DistributedDataParallel model "
+                    "is not supported (its wrapper reduce-scatters); use the "
+                    "default (ZeRO-2) or torch's DDP for ZeRO-1"
+                )
             return 1, None
         ddp_params = {id(p) for p in owner.params}
-        extra = [n for n, p in zip(owner.names, owner.params) if id(p) not in
-                 {id(q) for q in params}]
+        extra = [n for n, p in zip(owner.names, owner.params) if id(p) not in {id(q) for q in params}]
         if extra or len(ddp_params) != len(params):
             raise ConfigError(
                 f"ZeRO-2: the optimizer must hold every trainable parameter of the nccl_ddp "
                 f"DistributedDataParallel model (its buckets are reduce-scattered); missing "
-                f"{extra[:10]}. Pass model.parameters()")
+                f"{extra[:10]}. Pass model.parameters()"
+            )
         if owner._ddp.process_group is not self.group:
-            raise ConfigError("ZeRO-2: the optimizer's process_group differs from the "
-                              "DistributedDataParallel model's; pass the same group (or None)")
+            raise ConfigError(
+                "ZeRO-2: the optimizer's process_group differs from the "
+                "DistributedDataParallel model's; pass the same group (or None)"
+            )
         return 2, owner
 
     def _hook_modules(self, wrapper: Any) -> None:
@@ -184,9 +229,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         layout = self.zs.layout
         for m in wrapper.module.modules():
             own = [p for p in m.parameters(recurse=False) if id(p) in self._index]
-            buckets = sorted({b for p in own
-                              for b, _ in [layout.locate(self._index[id(p)]) or (-1, -1)]
-                              if b >= 0})
+            buckets = sorted(
+                {b for p in own for b, _ in [layout.locate(self._index[id(p)]) or (-1, -1)] if b >= 0}
+            )
             if buckets:
                 m.register_forward_pre_hook(_waiter(self.zs, buckets))
 
@@ -199,8 +244,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if self._stage == 2:
             self.zs.collect_reduced()
         else:
-            self.zs.collect_full([None if p.grad is None else to_native(p.grad)
-                                  for p in self._order])
+            self.zs.collect_full([None if p.grad is None else to_native(p.grad) for p in self._order])
         self._collected, self._norm = True, None
 
     @torch.no_grad()
@@ -232,8 +276,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._collected = False
         self.last_step_skipped = self.skip_nonfinite and not math.isfinite(self._global_norm())
         if self.last_step_skipped:
-            log.warning("rank %d: non-finite grads (global norm %s): step skipped on every rank",
-                        self.group.rank, self._norm)
+            log.warning(
+                "rank %d: non-finite grads (global norm %s): step skipped on every rank",
+                self.group.rank,
+                self._norm,
+            )
             return loss
         for ours, theirs in zip(self.param_groups, self._inner.param_groups):
             theirs.update({k: v for k, v in ours.items() if k != "params"})
@@ -250,8 +297,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             super().add_param_group(param_group)
             return
         if self._stage == 2:
-            raise ConfigError("add_param_group after construction with ZeRO-2: the parameters "
-                              "are the DistributedDataParallel model's, all given at once")
+            raise ConfigError(
+                "add_param_group after construction with ZeRO-2: the parameters "
+                "are the DistributedDataParallel model's, all given at once"
+            )
         saved = self._full_state(to=None)
         assert saved is not None
         super().add_param_group(param_group)
@@ -260,8 +309,12 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         old.close()
         new = self.param_groups[-1]
         n0 = sum(len(g["params"]) for g in saved["param_groups"])
-        saved["param_groups"].append({**{k: v for k, v in new.items() if k != "params"},
-                                      "params": list(range(n0, n0 + len(new["params"])))})
+        saved["param_groups"].append(
+            {
+                **{k: v for k, v in new.items() if k != "params"},
+                "params": list(range(n0, n0 + len(new["params"]))),
+            }
+        )
         self.load_state_dict(saved)
 
     # ------------------------------------------------------------------ state
@@ -278,8 +331,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         """Collective: the full optimizer state, as an unsharded optimizer would save it, is
         built on rank `to` (read it there with `state_dict()`)."""
         if isinstance(to, bool) or not isinstance(to, int) or not 0 <= to < self.group.size:
-            raise ConfigError(f"consolidate_state_dict(to={to!r}): not a rank of the group "
-                              f"(0..{self.group.size - 1})")
+            raise ConfigError(
+                f"consolidate_state_dict(to={to!r}): not a rank of the group (0..{self.group.size - 1})"
+            )
         self._consolidated = self._full_state(to)
 
     def state_dict(self) -> dict:
@@ -287,17 +341,16 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             raise ConfigError(
                 f"rank {self.group.rank}: optimizer state has not been consolidated on this rank; "
                 "call consolidate_state_dict(to=this rank) on every rank first (after the last "
-                "step)")
+                "step)"
+            )
         return self._consolidated
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a full (consolidated, or an unsharded torch optimizer's) state on every rank,
         each keeping its shards' slices; checked whole before anything changes."""
         self.zs.wait_all()
-        full, groups = torch_to_full(state_dict, self.param_groups, self._global, self._order,
-                                     self._names)
-        pieces = reshard(self.zs.shards, self.zs.rank, full,
-                         [p.numel() for p in self._order], self._names)
+        full, groups = torch_to_full(state_dict, self.param_groups, self._global, self._order, self._names)
+        pieces = reshard(self.zs.shards, self.zs.rank, full, [p.numel() for p in self._order], self._names)
         for ours, saved in zip(self.param_groups, groups):
             ours.update({k: v for k, v in saved.items() if k != "params"})
         set_local_state(self._inner, self._piece_params, pieces, self.zs)
@@ -307,8 +360,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         super().zero_grad(set_to_none)
 
     def __repr__(self) -> str:
-        return (f"ZeroRedundancyOptimizer(ZeRO-{getattr(self, '_stage', '?')}, "
-                f"{self.optimizer_class.__name__}, rank {self.group.rank}/{self.group.size})")
+        return (
+            f"ZeroRedundancyOptimizer(ZeRO-{getattr(self, '_stage', '?')}, "
+            f"{self.optimizer_class.__name__}, rank {self.group.rank}/{self.group.size})"
+        )
 
 
 def _waiter(zs: ZeroShards, buckets: List[int]) -> Any:
@@ -316,13 +371,13 @@ def _waiter(zs: ZeroShards, buckets: List[int]) -> Any:
         if zs.gather_pending:
             for b in buckets:
                 zs.wait_bucket(b)
+
     return hook
 
 
 def _check_class(cls: Any) -> None:
     if not isinstance(cls, type) or not issubclass(cls, torch.optim.Optimizer):
-        raise ConfigTypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got "
-                              f"{cls!r}")
+        raise ConfigTypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got {cls!r}")
     if cls in _EXTRA or (cls.__module__.startswith("torch.optim") and cls.__name__ in _ELEMENTWISE):
         return
     raise ConfigError(
@@ -330,11 +385,14 @@ def _check_class(cls: Any) -> None:
         "sharded optimizer steps each rank's slice of every parameter alone, so the update of an "
         "element may read only that element's grad and state (SGD, Adam, AdamW, ... are; LBFGS, "
         "Adafactor and SparseAdam are not). If yours is, declare it with "
-        "nccl_ddp.adapters.torch_zero.register_elementwise(cls)")
+        "nccl_ddp.adapters.torch_zero.register_elementwise(cls)"
+    )
 
 
 def _nd_group(group: Any) -> Any:
     if torch.distributed.is_available() and isinstance(group, torch.distributed.ProcessGroup):
-        raise ConfigTypeError("process_group is a torch.distributed group; pass None (the "
-                              "nccl_ddp world) or an nccl_ddp.new_group(ranks)")
+        raise ConfigTypeError(
+            "process_group is a torch.distributed group; pass None (the "
+            "nccl_ddp world) or an nccl_ddp.new_group(ranks)"
+        )
     return group

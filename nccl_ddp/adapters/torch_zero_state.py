@@ -6,6 +6,7 @@ numbering the parameters across the groups. Low-precision parameters add "fp32_m
 fp32 tensor}, which torch's own optimizers ignore. The core's (ddp/zero_checkpoint.py): per piece
 {key: flat array or float}, per layout index for the full state.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, List
@@ -34,9 +35,11 @@ def local_state(inner: Any, piece_params: List[Any], zs: Any) -> Dict[int, Dict[
             elif v.shape == t.shape:
                 s[key] = to_native(v.detach().float().contiguous())
             else:
-                raise ConfigError(f"optimizer state {key!r} has shape {tuple(v.shape)} for a "
-                                  f"parameter slice of shape {tuple(t.shape)}: the optimizer is "
-                                  "not elementwise and cannot be sharded")
+                raise ConfigError(
+                    f"optimizer state {key!r} has shape {tuple(v.shape)} for a "
+                    f"parameter slice of shape {tuple(t.shape)}: the optimizer is "
+                    "not elementwise and cannot be sharded"
+                )
         piece = zs.pieces[k]
         if zs.master[piece.bucket] is not zs.owned_params(piece.bucket):
             s[MASTER] = zs.master_piece(piece)
@@ -44,8 +47,9 @@ def local_state(inner: Any, piece_params: List[Any], zs: Any) -> Dict[int, Dict[
     return out
 
 
-def full_to_torch(full: Dict[int, Dict[str, Any]], global_ids: List[int],
-                  param_groups: List[dict], order: List[Any]) -> dict:
+def full_to_torch(
+    full: Dict[int, Dict[str, Any]], global_ids: List[int], param_groups: List[dict], order: List[Any]
+) -> dict:
     """The consolidated core state as an unsharded torch optimizer's state_dict."""
     state: Dict[int, dict] = {}
     master: Dict[int, Any] = {}
@@ -55,8 +59,11 @@ def full_to_torch(full: Dict[int, Dict[str, Any]], global_ids: List[int],
         shape = order[i].shape
         entry = {}
         for key, v in full[i].items():
-            t = (torch.tensor(v, dtype=torch.float32) if np.isscalar(v)
-                 else from_native(v).reshape(shape).clone())
+            t = (
+                torch.tensor(v, dtype=torch.float32)
+                if np.isscalar(v)
+                else from_native(v).reshape(shape).clone()
+            )
             if key == MASTER:
                 master[gid] = t
             else:
@@ -65,8 +72,7 @@ def full_to_torch(full: Dict[int, Dict[str, Any]], global_ids: List[int],
     groups, at = [], 0
     for g in param_groups:
         n = len(g["params"])
-        groups.append({**{k: v for k, v in g.items() if k != "params"},
-                       "params": list(range(at, at + n))})
+        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": list(range(at, at + n))})
         at += n
     out = {"state": state, "param_groups": groups}
     if master:
@@ -74,20 +80,25 @@ def full_to_torch(full: Dict[int, Dict[str, Any]], global_ids: List[int],
     return out
 
 
-def torch_to_full(sd: Any, param_groups: List[dict], global_ids: List[int], order: List[Any],
-                  names: List[str]) -> tuple:
+def torch_to_full(
+    sd: Any, param_groups: List[dict], global_ids: List[int], order: List[Any], names: List[str]
+) -> tuple:
     """(core full state keyed by layout index, the saved groups), after checking that `sd`
     fits this optimizer: `ConfigError` naming what does not."""
     if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
-        raise ConfigError("load_state_dict: expected a torch optimizer state dict with 'state' "
-                          "and 'param_groups' (consolidate_state_dict + state_dict on one rank)")
+        raise ConfigError(
+            "load_state_dict: expected a torch optimizer state dict with 'state' "
+            "and 'param_groups' (consolidate_state_dict + state_dict on one rank)"
+        )
     groups = sd["param_groups"]
     if len(groups) != len(param_groups) or any(
-            len(a["params"]) != len(b["params"]) for a, b in zip(groups, param_groups)):
+        len(a["params"]) != len(b["params"]) for a, b in zip(groups, param_groups)
+    ):
         raise ConfigError(
             "load_state_dict: the checkpoint has param groups of sizes "
             f"{[len(g['params']) for g in groups]}, this optimizer "
-            f"{[len(g['params']) for g in param_groups]}: it is from another model")
+            f"{[len(g['params']) for g in param_groups]}: it is from another model"
+        )
     saved_ids = [i for g in groups for i in g["params"]]
     masters = sd.get("fp32_master", {})
     full: Dict[int, Dict[str, Any]] = {}
@@ -107,14 +118,14 @@ def torch_to_full(sd: Any, param_groups: List[dict], global_ids: List[int], orde
                 raise ConfigError(
                     f"load_state_dict: state {key!r} of parameter {names[i]} has shape "
                     f"{tuple(v.shape)}, the parameter {tuple(p.shape)}: the checkpoint is from "
-                    "another model")
+                    "another model"
+                )
             conv[key] = to_native(v.detach().to(torch.float32).reshape(-1).contiguous())
         full[i] = conv
     return full, groups
 
 
-def set_local_state(inner: Any, piece_params: List[Any], pieces: Dict[int, Dict[str, Any]],
-                    zs: Any) -> None:
+def set_local_state(inner: Any, piece_params: List[Any], pieces: Dict[int, Dict[str, Any]], zs: Any) -> None:
     """Replace the inner optimizer's state by the resharded piece states; the fp32 masters of
     low-precision pieces come from the checkpoint, or from the parameters when it has none."""
     inner.state.clear()
@@ -126,14 +137,20 @@ def set_local_state(inner: Any, piece_params: List[Any], pieces: Dict[int, Dict[
             m = s.pop(MASTER, None)
             dst = zs.master_piece(piece)
             if m is None:
-                src = zs.owned_params(piece.bucket)[piece.shard_lo:piece.shard_lo + piece.numel]
+                src = zs.owned_params(piece.bucket)[piece.shard_lo : piece.shard_lo + piece.numel]
                 dst[...] = src.astype(dst.dtype)
             else:
                 dst[...] = m
         else:
             s.pop(MASTER, None)
         if s:
-            inner.state[t] = {key: (torch.tensor(v, dtype=torch.float32) if np.isscalar(v)
-                                    else from_native(np.array(v, dtype=np.float32, copy=True)
-                                                     if isinstance(v, np.ndarray) else v.copy()))
-                              for key, v in s.items()}
+            inner.state[t] = {
+                key: (
+                    torch.tensor(v, dtype=torch.float32)
+                    if np.isscalar(v)
+                    else from_native(
+                        np.array(v, dtype=np.float32, copy=True) if isinstance(v, np.ndarray) else v.copy()
+                    )
+                )
+                for key, v in s.items()
+            }

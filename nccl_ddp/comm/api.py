@@ -5,6 +5,7 @@ DLPack array (converted by `nccl_ddp.dlpack`).
     nd.all_reduce(grad, op="avg")            # in place on NumPy / torch CPU / CuPy arrays
     w = nd.all_reduce(x, async_op=True); ...; x = w.result()
 """
+
 from __future__ import annotations
 
 import itertools
@@ -35,9 +36,9 @@ log = logging.getLogger(__name__)
 
 BACKENDS = ("host", "nccl")
 _DEVICE_KIND = {"host": "host", "nccl": "cuda"}
-_inits = itertools.count(1)    # init_process_group calls so far: fresh store keys for each
-DESTROY_POLL = 0.5             # seconds between checks for exited peers in destroy_process_group
-MAX_TIMEOUT = 30 * 86400.0     # seconds; beyond it waits overflow (threading.TIMEOUT_MAX ~ 9.2e9)
+_inits = itertools.count(1)  # init_process_group calls so far: fresh store keys for each
+DESTROY_POLL = 0.5  # seconds between checks for exited peers in destroy_process_group
+MAX_TIMEOUT = 30 * 86400.0  # seconds; beyond it waits overflow (threading.TIMEOUT_MAX ~ 9.2e9)
 
 
 @dataclass
@@ -46,8 +47,8 @@ class _World:
     store: Any
     group: ProcessGroup
     owns_store: bool
-    keys: Any                   # this world's namespace in the store
-    new_groups: Any = None      # new_group calls so far (the same sequence on every rank)
+    keys: Any  # this world's namespace in the store
+    new_groups: Any = None  # new_group calls so far (the same sequence on every rank)
 
     def __post_init__(self) -> None:
         self.new_groups = itertools.count(1)
@@ -63,9 +64,13 @@ def _pick_backend(backend: Optional[str]) -> str:
             raise ConfigError(f"unknown backend {backend!r}; use one of {BACKENDS} or None (auto)")
         return backend
     from nccl_ddp.comm import nccl
+
     choice = "nccl" if nccl.is_available() else "host"
-    log.info("nccl_ddp: backend %r (%s)", choice,
-             "CuPy sees a GPU and NCCL" if choice == "nccl" else "no usable GPU/NCCL")
+    log.info(
+        "nccl_ddp: backend %r (%s)",
+        choice,
+        "CuPy sees a GPU and NCCL" if choice == "nccl" else "no usable GPU/NCCL",
+    )
     return choice
 
 
@@ -73,28 +78,39 @@ def _create_group(backend: str, store: Any, env: DistEnv, timeout: float) -> Pro
     ranks = list(range(env.world_size))
     if backend == "nccl":
         from nccl_ddp.comm.nccl.backend import NcclProcessGroup
+
         # the GPU DDP's device picks too: the local rank, or 0 when each process sees one GPU
         device_id = cast(CudaDevice, get_device("cuda", env.local_rank)).device_id
-        return NcclProcessGroup.create(store, env.rank, env.world_size, ranks, timeout, "world",
-                                       device_id=device_id)
+        return NcclProcessGroup.create(
+            store, env.rank, env.world_size, ranks, timeout, "world", device_id=device_id
+        )
     from nccl_ddp.comm.host.backend import HostProcessGroup
+
     return HostProcessGroup.create(store, env.rank, env.world_size, ranks, timeout, "world")
 
 
-def init_process_group(backend: Optional[str] = None, *, timeout: float = 300.0,
-                       rank: Optional[int] = None, world_size: Optional[int] = None,
-                       store: Any=None) -> ProcessGroup:
+def init_process_group(
+    backend: Optional[str] = None,
+    *,
+    timeout: float = 300.0,
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+    store: Any = None,
+) -> ProcessGroup:
     """Join the job: resolve who this process is, connect the store (unless given) and build the
     world group. Collective over all ranks. Returns the world group."""
     global _world
     if _world is not None:
-        raise ConfigError(f"rank {_world.env.rank}: init_process_group called twice; call "
-                          f"destroy_process_group() first")
+        raise ConfigError(
+            f"rank {_world.env.rank}: init_process_group called twice; call destroy_process_group() first"
+        )
     _check_timeout(timeout, "init_process_group")
     if store is not None and not all(hasattr(store, m) for m in ("get", "set", "add", "wait")):
-        raise ConfigTypeError(f"init_process_group: store must be a key-value store (nccl_ddp.store."
-                        f"TCPStore) or None (connect to MASTER_ADDR:MASTER_PORT), got "
-                        f"{type(store).__name__}")
+        raise ConfigTypeError(
+            f"init_process_group: store must be a key-value store (nccl_ddp.store."
+            f"TCPStore) or None (connect to MASTER_ADDR:MASTER_PORT), got "
+            f"{type(store).__name__}"
+        )
     env = resolve_env(rank=rank, world_size=world_size)
     _leave_if_ms_scheduler(env)
     _notice_job_of_one(env)
@@ -103,8 +119,10 @@ def init_process_group(backend: Optional[str] = None, *, timeout: float = 300.0,
     owns = store is None
     if owns:
         from nccl_ddp.store.client import connect_store
+
         store = connect_store(env, timeout)
     from nccl_ddp.store.client import PrefixStore
+
     keys = PrefixStore(store, f"nccl_ddp/init{next(_inits)}")
     try:
         group = _create_group(name, keys, env, timeout)
@@ -121,8 +139,10 @@ def _leave_if_ms_scheduler(env: DistEnv) -> None:
     """msrun runs the script a third time as MindSpore's scheduler (MS_ROLE=MS_SCHED): that
     process is no training rank. Exit it, as MindSpore's own init() does for that role."""
     if env.ms_scheduler:
-        log.info("nccl_ddp: this is msrun's scheduler process (MS_ROLE=MS_SCHED), not a training "
-                 "rank: exiting, as mindspore.communication.init() does in this role")
+        log.info(
+            "nccl_ddp: this is msrun's scheduler process (MS_ROLE=MS_SCHED), not a training "
+            "rank: exiting, as mindspore.communication.init() does in this role"
+        )
         raise SystemExit(0)
 
 
@@ -135,18 +155,23 @@ def _notice_job_of_one(env: DistEnv) -> None:
     if env.source != "none" or _noticed_alone:
         return
     _noticed_alone = True
-    log.warning("nccl_ddp: no launcher or scheduler variables found (RANK/WORLD_SIZE, RANK_ID/"
-                "MS_WORKER_NUM, SLURM_PROCID, OMPI_COMM_WORLD_RANK, PMI_RANK): this job has one "
-                "rank; start N with `nccl-ddp-run --nproc-per-node=N script.py`")
+    log.warning(
+        "nccl_ddp: no launcher or scheduler variables found (RANK/WORLD_SIZE, RANK_ID/"
+        "MS_WORKER_NUM, SLURM_PROCID, OMPI_COMM_WORLD_RANK, PMI_RANK): this job has one "
+        "rank; start N with `nccl-ddp-run --nproc-per-node=N script.py`"
+    )
 
 
 def _check_timeout(timeout: Any, where: str) -> None:
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
-        raise ConfigTypeError(f"{where}: timeout must be a number of seconds, got "
-                        f"{type(timeout).__name__} {timeout!r}")
+        raise ConfigTypeError(
+            f"{where}: timeout must be a number of seconds, got {type(timeout).__name__} {timeout!r}"
+        )
     if not 0 < float(timeout) <= MAX_TIMEOUT:
-        raise ConfigError(f"{where}: timeout must be a finite number of seconds > 0 and at most "
-                          f"{MAX_TIMEOUT:.0f} (30 days; every wait is bounded), got {timeout}")
+        raise ConfigError(
+            f"{where}: timeout must be a finite number of seconds > 0 and at most "
+            f"{MAX_TIMEOUT:.0f} (30 days; every wait is bounded), got {timeout}"
+        )
 
 
 def destroy_process_group() -> None:
@@ -171,8 +196,11 @@ def destroy_process_group() -> None:
 def _wait_for_peers(w: _World) -> None:
     """The destroy barrier, in slices: between them, stop waiting if the group lost a peer."""
     if w.group.failed:
-        log.warning("rank %d: destroy_process_group after a failed collective on the world "
-                    "group: closing without waiting for the other ranks", w.env.rank)
+        log.warning(
+            "rank %d: destroy_process_group after a failed collective on the world "
+            "group: closing without waiting for the other ranks",
+            w.env.rank,
+        )
         return
     deadline = time.monotonic() + min(w.group.timeout, 30.0)
     while True:
@@ -182,13 +210,14 @@ def _wait_for_peers(w: _World) -> None:
         except StoreTimeout as e:
             lost = w.group.lost_peers()
             if lost or time.monotonic() > deadline:
-                log.warning("rank %d: destroy_process_group: not every rank arrived (%s); "
-                            "closing without them", w.env.rank,
-                            f"ranks {lost} exited" if lost else e)
+                log.warning(
+                    "rank %d: destroy_process_group: not every rank arrived (%s); closing without them",
+                    w.env.rank,
+                    f"ranks {lost} exited" if lost else e,
+                )
                 return
         except NcclDdpError as e:
-            log.warning("rank %d: destroy_process_group: not every rank arrived (%s)",
-                        w.env.rank, e)
+            log.warning("rank %d: destroy_process_group: not every rank arrived (%s)", w.env.rank, e)
             return
 
 
@@ -198,9 +227,11 @@ def is_initialized() -> bool:
 
 def _require(what: str) -> _World:
     if _world is None:
-        raise ConfigError(f"{what} called before init_process_group(); call "
-                          f"nccl_ddp.init_process_group() first (it reads RANK/WORLD_SIZE/"
-                          f"MASTER_ADDR/MASTER_PORT, as set by nccl-ddp-run)")
+        raise ConfigError(
+            f"{what} called before init_process_group(); call "
+            f"nccl_ddp.init_process_group() first (it reads RANK/WORLD_SIZE/"
+            f"MASTER_ADDR/MASTER_PORT, as set by nccl-ddp-run)"
+        )
     return _world
 
 
@@ -230,16 +261,21 @@ def new_group(ranks: Sequence[int]) -> Union[ProcessGroup, NonMemberGroup]:
     order. Non-members get a falsy `NonMemberGroup` that refuses to be used."""
     w = _require("new_group")
     if isinstance(ranks, (str, bytes, dict)) or not hasattr(ranks, "__iter__"):
-        raise ConfigTypeError(f"rank {w.env.rank}: new_group: ranks must be a list of global ranks "
-                        f"(ints), got {type(ranks).__name__} {ranks!r}")
+        raise ConfigTypeError(
+            f"rank {w.env.rank}: new_group: ranks must be a list of global ranks "
+            f"(ints), got {type(ranks).__name__} {ranks!r}"
+        )
     ranks = list(ranks)
     bad = [r for r in ranks if isinstance(r, bool) or not isinstance(r, (int, np.integer))]
     if bad:
-        raise ConfigTypeError(f"rank {w.env.rank}: new_group: ranks must be ints, got {bad!r} in "
-                        f"{list(ranks)!r}")
+        raise ConfigTypeError(
+            f"rank {w.env.rank}: new_group: ranks must be ints, got {bad!r} in {list(ranks)!r}"
+        )
     if len(set(int(r) for r in ranks)) != len(ranks):
-        raise ConfigError(f"rank {w.env.rank}: new_group: ranks {list(ranks)} list a rank more "
-                          f"than once; pass each member once")
+        raise ConfigError(
+            f"rank {w.env.rank}: new_group: ranks {list(ranks)} list a rank more "
+            f"than once; pass each member once"
+        )
     ranks = [int(r) for r in ranks]
     _agree_on_members(w, ranks)
     group = w.group.new_subgroup(ranks)
@@ -260,14 +296,17 @@ def _agree_on_members(w: _World, ranks: list) -> None:
         try:
             theirs = json.loads(keys.get(f"new_group{n}/{r}", timeout=timeout))
         except StoreTimeout as e:
-            raise CommTimeout(f"rank {me}: new_group({ranks}) (call #{n}): rank {r} did not call "
-                              f"new_group within {timeout:g}s; every rank of the world must call "
-                              f"new_group, in the same order") from e
+            raise CommTimeout(
+                f"rank {me}: new_group({ranks}) (call #{n}): rank {r} did not call "
+                f"new_group within {timeout:g}s; every rank of the world must call "
+                f"new_group, in the same order"
+            ) from e
         if theirs != ranks:
             raise RankMismatchError(
                 f"rank {me}: new_group call #{n}: this rank passed ranks {ranks} but rank {r} "
                 f"passed {theirs}; every rank must call new_group with the same ranks (in the "
-                f"same order), or the groups would reduce the wrong ranks' data")
+                f"same order), or the groups would reduce the wrong ranks' data"
+            )
 
 
 def resolve_group(group: Optional[ProcessGroup], argname: str) -> ProcessGroup:
@@ -277,15 +316,16 @@ def resolve_group(group: Optional[ProcessGroup], argname: str) -> ProcessGroup:
     if isinstance(group, NonMemberGroup):
         raise group.refuse(f"{argname}")
     if not isinstance(group, ProcessGroup):
-        raise ConfigTypeError(f"{argname} must be a ProcessGroup from nccl_ddp.new_group(...) or None "
-                        f"(the world), got {type(group).__name__} {group!r}")
+        raise ConfigTypeError(
+            f"{argname} must be a ProcessGroup from nccl_ddp.new_group(...) or None "
+            f"(the world), got {type(group).__name__} {group!r}"
+        )
     return group
 
 
 def device_of(group: ProcessGroup) -> Device:
     """The device whose arrays `group` reduces: host (NumPy) or cuda (CuPy)."""
-    return get_device("host" if group.backend == "host" else "cuda",
-                      getattr(group, "device_id", None))
+    return get_device("host" if group.backend == "host" else "cuda", getattr(group, "device_id", None))
 
 
 # -- collectives --------------------------------------------------------------------------------
@@ -322,7 +362,7 @@ class _Buf:
         self.x = x
         self.native = dlpack.to_native(x, kind, where)
         contiguous = self.native.flags.c_contiguous
-        self.buf = self.native if contiguous else self.native.copy()   # copy() is C order
+        self.buf = self.native if contiguous else self.native.copy()  # copy() is C order
 
     def finish(self) -> Any:
         if self.buf is not self.native:
@@ -338,8 +378,10 @@ def _context(group: Optional[ProcessGroup], what: str, async_op: bool) -> tuple:
     if isinstance(g, NonMemberGroup):
         raise g.refuse(what)
     if not isinstance(g, ProcessGroup):
-        raise ConfigError(f"rank {w.env.rank}: {what}: group must be a ProcessGroup from "
-                          f"new_group() (or None for the world), got {type(g).__name__}")
+        raise ConfigError(
+            f"rank {w.env.rank}: {what}: group must be a ProcessGroup from "
+            f"new_group() (or None for the world), got {type(g).__name__}"
+        )
     # synchronous host calls pass the caller's immediate stream: the op may then run on the
     # calling thread, saving two thread switches
     stream = _IMMEDIATE if g.backend == "host" and not async_op else None
@@ -353,8 +395,9 @@ def _run(work: Work, finish: Callable[[], Any], async_op: bool) -> Any:
     return w.result()
 
 
-def all_reduce(x: Any, op: ReduceOp | str = "sum", group: Optional[ProcessGroup] = None,
-               async_op: bool = False) -> Any:
+def all_reduce(
+    x: Any, op: ReduceOp | str = "sum", group: Optional[ProcessGroup] = None, async_op: bool = False
+) -> Any:
     """Reduce `x` over the group (in place where possible); returns `x` or the new array.
 
     op: sum, avg, max, min, prod. avg on integer dtypes sums in the dtype (wrapping like NCCL)
@@ -364,25 +407,26 @@ def all_reduce(x: Any, op: ReduceOp | str = "sum", group: Optional[ProcessGroup]
     return _run(g.all_reduce(b.buf, ReduceOp.parse(op), stream), b.finish, async_op)
 
 
-def broadcast(x: Any, src: int = 0, group: Optional[ProcessGroup] = None,
-              async_op: bool = False) -> Any:
+def broadcast(x: Any, src: int = 0, group: Optional[ProcessGroup] = None, async_op: bool = False) -> Any:
     """Copy global rank `src`'s `x` to every member of the group."""
     g, kind, where, stream = _context(group, "broadcast", async_op)
     if isinstance(src, bool) or not isinstance(src, (int, np.integer)):
-        raise ConfigTypeError(f"{where}: src must be an int (a global rank), got "
-                        f"{type(src).__name__} {src!r}")
+        raise ConfigTypeError(
+            f"{where}: src must be an int (a global rank), got {type(src).__name__} {src!r}"
+        )
     if src not in g.ranks:
-        raise ConfigError(f"{where}: src rank {src} is not a member of the group "
-                          f"{list(g.ranks)}; src is a global rank")
+        raise ConfigError(
+            f"{where}: src rank {src} is not a member of the group {list(g.ranks)}; src is a global rank"
+        )
     b = _Buf(x, kind, where)
     return _run(g.broadcast(b.buf, g.ranks.index(src), stream), b.finish, async_op)
 
 
-def _gather_parts(parts: Sequence[Any], g: ProcessGroup, kind: str, where: str, size: int,
-                  role: str) -> list:
+def _gather_parts(parts: Sequence[Any], g: ProcessGroup, kind: str, where: str, size: int, role: str) -> list:
     if len(parts) != g.size:
-        raise ConfigError(f"{where}: {role} has {len(parts)} arrays but the group has {g.size} "
-                          f"ranks; pass one per rank")
+        raise ConfigError(
+            f"{where}: {role} has {len(parts)} arrays but the group has {g.size} ranks; pass one per rank"
+        )
     bufs = [_Buf(p, kind, where) for p in parts]
     for i, b in enumerate(bufs):
         if b.buf.size != size:
@@ -390,8 +434,7 @@ def _gather_parts(parts: Sequence[Any], g: ProcessGroup, kind: str, where: str, 
     return bufs
 
 
-def all_gather(out: Any, x: Any, group: Optional[ProcessGroup] = None,
-               async_op: bool = False) -> Any:
+def all_gather(out: Any, x: Any, group: Optional[ProcessGroup] = None, async_op: bool = False) -> Any:
     """`out` (a list of group-size arrays, or one array of group size x `x.size` elements)
     receives every member's `x`, in group-rank order. Returns `out` (or new arrays)."""
     g, kind, where, stream = _context(group, "all_gather", async_op)
@@ -403,18 +446,22 @@ def all_gather(out: Any, x: Any, group: Optional[ProcessGroup] = None,
         def finish() -> Any:
             res = []
             for i, p in enumerate(parts):
-                p.buf.reshape(-1)[...] = flat[i * xi.buf.size:(i + 1) * xi.buf.size]
+                p.buf.reshape(-1)[...] = flat[i * xi.buf.size : (i + 1) * xi.buf.size]
                 res.append(p.finish())
             return type(out)(res) if isinstance(out, tuple) else _same_list(out, res)
 
         return _run(g.all_gather(flat, xi.buf.reshape(-1), stream), finish, async_op)
     o = _Buf(out, kind, where)
-    return _run(g.all_gather(o.buf.reshape(-1), xi.buf.reshape(-1), stream), o.finish,
-                async_op)
+    return _run(g.all_gather(o.buf.reshape(-1), xi.buf.reshape(-1), stream), o.finish, async_op)
 
 
-def reduce_scatter(out: Any, inputs: Any, op: ReduceOp | str = "sum",
-                   group: Optional[ProcessGroup] = None, async_op: bool = False) -> Any:
+def reduce_scatter(
+    out: Any,
+    inputs: Any,
+    op: ReduceOp | str = "sum",
+    group: Optional[ProcessGroup] = None,
+    async_op: bool = False,
+) -> Any:
     """`inputs` (a list of group-size arrays, or one array of group size x `out.size`) is reduced
     over the group; member i receives part i in `out`. Returns `out` (or a new array)."""
     g, kind, where, stream = _context(group, "reduce_scatter", async_op)
@@ -423,7 +470,7 @@ def reduce_scatter(out: Any, inputs: Any, op: ReduceOp | str = "sum",
         parts = _gather_parts(inputs, g, kind, where, o.buf.size, "inputs")
         flat = _empty_like(o.buf, g.size * o.buf.size)
         for i, p in enumerate(parts):
-            flat[i * o.buf.size:(i + 1) * o.buf.size] = p.buf.reshape(-1)
+            flat[i * o.buf.size : (i + 1) * o.buf.size] = p.buf.reshape(-1)
     else:
         flat = _Buf(inputs, kind, where).buf.reshape(-1)
     work = g.reduce_scatter(o.buf.reshape(-1), flat, ReduceOp.parse(op), stream)
@@ -440,6 +487,7 @@ def _empty_like(a: Any, n: int) -> Any:
     if isinstance(a, np.ndarray):
         return np.empty(n, a.dtype)
     import cupy
+
     return cupy.empty(n, a.dtype)
 
 

@@ -4,6 +4,7 @@ Backends (`host/backend.py`, `nccl/backend.py`) implement `ProcessGroup`; everyt
 `comm/` talks to this interface only. Buffers are the backend's native arrays: NumPy for "host",
 CuPy for "nccl"; conversion from other frameworks happens in `comm/api.py` through DLPack.
 """
+
 from __future__ import annotations
 
 import abc
@@ -25,8 +26,7 @@ class ReduceOp(str, enum.Enum):
         try:
             return op if isinstance(op, ReduceOp) else cls(str(op).lower())
         except ValueError:
-            raise ConfigError(
-                f"unknown reduce op {op!r}; use one of {[o.value for o in cls]}") from None
+            raise ConfigError(f"unknown reduce op {op!r}; use one of {[o.value for o in cls]}") from None
 
 
 class Work(abc.ABC):
@@ -61,33 +61,41 @@ class ProcessGroup(abc.ABC):
     raises `CommError` / `CommTimeout` naming the op, the tag, the group and the rank.
     """
 
-    backend: str          # "host" | "nccl"
-    rank: int             # this process's rank within the group
-    size: int             # number of ranks in the group
-    ranks: tuple          # global ranks of the members, in group-rank order
-    timeout: float        # default seconds for blocking waits
-    name: str             # for error messages: "world", "group[0,2]", ...
+    backend: str  # "host" | "nccl"
+    rank: int  # this process's rank within the group
+    size: int  # number of ranks in the group
+    ranks: tuple  # global ranks of the members, in group-rank order
+    timeout: float  # default seconds for blocking waits
+    name: str  # for error messages: "world", "group[0,2]", ...
 
     @abc.abstractmethod
-    def all_reduce(self, buf: Any, op: ReduceOp = ReduceOp.SUM, stream: Any=None, *,
-                   tag: Optional[str] = None) -> Work:
+    def all_reduce(
+        self, buf: Any, op: ReduceOp = ReduceOp.SUM, stream: Any = None, *, tag: Optional[str] = None
+    ) -> Work:
         """Reduce `buf` across the group, in place."""
 
     @abc.abstractmethod
-    def broadcast(self, buf: Any, root: int = 0, stream: Any=None, *, tag: Optional[str] = None) -> Work:
+    def broadcast(self, buf: Any, root: int = 0, stream: Any = None, *, tag: Optional[str] = None) -> Work:
         """Copy `buf` of group rank `root` into `buf` on every rank, in place."""
 
     @abc.abstractmethod
-    def all_gather(self, out: Any, inp: Any, stream: Any=None, *, tag: Optional[str] = None) -> Work:
+    def all_gather(self, out: Any, inp: Any, stream: Any = None, *, tag: Optional[str] = None) -> Work:
         """`out` (flat, size * inp.size elements) receives every rank's `inp`, in rank order."""
 
     @abc.abstractmethod
-    def reduce_scatter(self, out: Any, inp: Any, op: ReduceOp = ReduceOp.SUM, stream: Any=None, *,
-                       tag: Optional[str] = None) -> Work:
+    def reduce_scatter(
+        self,
+        out: Any,
+        inp: Any,
+        op: ReduceOp = ReduceOp.SUM,
+        stream: Any = None,
+        *,
+        tag: Optional[str] = None,
+    ) -> Work:
         """`inp` (flat, size * out.size) is reduced; rank r gets chunk r in `out`."""
 
     @abc.abstractmethod
-    def barrier(self, stream: Any=None, *, tag: Optional[str] = None) -> Work:
+    def barrier(self, stream: Any = None, *, tag: Optional[str] = None) -> Work:
         """Completes once every rank of the group has reached it."""
 
     @abc.abstractmethod
@@ -118,15 +126,17 @@ class ProcessGroup(abc.ABC):
         return f"<{type(self).__name__} {self.name} rank {self.rank}/{self.size}>"
 
 
-def check_gather_buffers(where: str, size: int, big: Any, small: Any, big_name: str,
-                         small_name: str) -> None:
+def check_gather_buffers(where: str, size: int, big: Any, small: Any, big_name: str, small_name: str) -> None:
     """all_gather / reduce_scatter: the `big` buffer holds `size` x the `small` one, same dtype."""
     if big.dtype != small.dtype:
-        raise ConfigError(f"{where}: {big_name} is {big.dtype} but {small_name} is {small.dtype}; "
-                          f"use one dtype for both")
+        raise ConfigError(
+            f"{where}: {big_name} is {big.dtype} but {small_name} is {small.dtype}; use one dtype for both"
+        )
     if big.size != small.size * size:
-        raise ConfigError(f"{where}: {big_name} must hold group size ({size}) x {small_name} "
-                          f"elements; got {big_name} {big.size}, {small_name} {small.size}")
+        raise ConfigError(
+            f"{where}: {big_name} must hold group size ({size}) x {small_name} "
+            f"elements; got {big_name} {big.size}, {small_name} {small.size}"
+        )
 
 
 class NonMemberGroup:
@@ -148,6 +158,5 @@ class NonMemberGroup:
         return ConfigError(
             f"rank {self.rank}: {what}: this rank is not a member of the group of ranks "
             f"{list(self.ranks)} (new_group gave it a NonMemberGroup); only members may use the "
-            f"group: skip the call on other ranks (`if group:`)")
-
-
+            f"group: skip the call on other ranks (`if group:`)"
+        )

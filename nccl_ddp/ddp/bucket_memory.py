@@ -3,6 +3,7 @@
 Owns the allocation and the grad views (Megatron's `_ParamAndGradBuffer` / bucket views); when a
 bucket is reduced is decided by `reducer.py`.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, List, Sequence
@@ -27,10 +28,11 @@ class BucketBuffers:
         b, slot = where
         bucket = self.layout.buckets[b]
         start = bucket.offsets[slot]
-        return self.buffers[b][start:start + bucket.numels[slot]].reshape(tuple(shape))
+        return self.buffers[b][start : start + bucket.numels[slot]].reshape(tuple(shape))
 
-    def adopt_grads(self, grads: List[Any], shapes: Sequence[tuple],
-                    install: Callable[[int, Any], None], stream: Stream) -> None:
+    def adopt_grads(
+        self, grads: List[Any], shapes: Sequence[tuple], install: Callable[[int, Any], None], stream: Stream
+    ) -> None:
         """The views: copy each bucketed grad into its slice (in `stream` order), then make
         `grads[i]` and, through `install(i, view)`, the framework's grad that slice."""
         views = {}

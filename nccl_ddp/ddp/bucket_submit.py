@@ -12,6 +12,7 @@ The reducer decides *when* a bucket goes (readiness, launch order); this module 
 The collective is a choice (`BucketCollective`): every path reduces its flat buffer through it.
 Today's is `AllReduce`; a sharded optimizer's reduce-scatter into the rank's slice is one more.
 """
+
 from __future__ import annotations
 
 import enum
@@ -78,16 +79,23 @@ class BucketSubmitter:
 
     `hook`: the registered (state, hook) or None. `label(i)` names parameter i in errors."""
 
-    def __init__(self, group: ProcessGroup, device: Any, comm: Any, *, specs: Sequence[ParamSpec],
-                 params: Sequence[Any], average_in_collective: bool,
-                 label: Callable[[int], str],
-                 collective: Optional[BucketCollective] = None) -> None:
+    def __init__(
+        self,
+        group: ProcessGroup,
+        device: Any,
+        comm: Any,
+        *,
+        specs: Sequence[ParamSpec],
+        params: Sequence[Any],
+        average_in_collective: bool,
+        label: Callable[[int], str],
+        collective: Optional[BucketCollective] = None,
+    ) -> None:
         self.group, self.device, self.comm = group, device, comm
         self.specs, self.params, self.label = specs, params, label
         self.average_in_collective = average_in_collective
-        self.collective: BucketCollective = (AllReduce(group, device) if collective is None
-                                             else collective)
-        self.prof = Timeline(group.rank)    # NVTX ranges / per-step timeline when switched on
+        self.collective: BucketCollective = AllReduce(group, device) if collective is None else collective
+        self.prof = Timeline(group.rank)  # NVTX ranges / per-step timeline when switched on
         self.hook: Optional[Tuple[Any, comm_hooks.CommHook]] = None
         self._wire_buffers: Dict[Tuple[BucketLayout, int], Any] = {}
 
@@ -114,8 +122,16 @@ class BucketSubmitter:
             return Wire.COMPRESSED, wire
         return Wire.HOOK, ""
 
-    def submit(self, layout: BucketLayout, b: int, mode: Mode, grads: List[Any], buf: Any,
-               flag: Any, divisor: Optional[int] = None) -> None:
+    def submit(
+        self,
+        layout: BucketLayout,
+        b: int,
+        mode: Mode,
+        grads: List[Any],
+        buf: Any,
+        flag: Any,
+        divisor: Optional[int] = None,
+    ) -> None:
         """Queue bucket b of `layout` on the comm stream. `grads`: the bucket's grads (unused
         in "view" mode, where they are views of `buf`); `buf`: its buffer (None in "python"
         mode); a Join shadow passes zeros. `flag`: the bucket's non-finite flag or None.
@@ -128,30 +144,49 @@ class BucketSubmitter:
             for p, g in zip(bucket.params, grads):
                 if scale != 1.0 or flag is not None:
                     submit(comm, "pack", b, g.nbytes, _scale_checked, g, scale, flag)
-                submit(comm, collective.phase, b, g.nbytes, collective, g, op,
-                       f"grad {self.label(p)} of {tag}")
-                if flag is not None:   # what the reduction handed back (an overflowing sum)
+                submit(
+                    comm, collective.phase, b, g.nbytes, collective, g, op, f"grad {self.label(p)} of {tag}"
+                )
+                if flag is not None:  # what the reduction handed back (an overflowing sum)
                     flat = g.reshape(-1)
-                    submit(comm, "unpack", b, g.nbytes, kernels.flag_nonfinite, [flat], flat, [0],
-                           flag)
+                    submit(comm, "unpack", b, g.nbytes, kernels.flag_nonfinite, [flat], flat, [0], flag)
             return
         wire, wire_name = self.wire(bucket)
         if wire is Wire.HOOK and self.hook is not None:
             state, hook = self.hook
-            submit(comm, "hook", b, bucket.nbytes, self._run_hook, layout, b, mode, grads, buf,
-                   flag, state, hook)
+            submit(
+                comm, "hook", b, bucket.nbytes, self._run_hook, layout, b, mode, grads, buf, flag, state, hook
+            )
             return
         offsets = bucket.offsets
         srcs, offs = ([buf], [0]) if mode == "view" else (grads, offsets)
-        if wire is Wire.COMPRESSED:   # pack into the wire dtype, reduce it, widen back
+        if wire is Wire.COMPRESSED:  # pack into the wire dtype, reduce it, widen back
             wbuf = self._wire_buffer(layout, b, wire_name)
-            submit(comm, "pack", b, bucket.nbytes, functools.partial(
-                kernels.pack, scale=1.0 / (divisor or self.group.size),
-                nonfinite_flag=flag), srcs, wbuf, offs)
-            submit(comm, collective.phase, b, wbuf.nbytes, collective, wbuf, ReduceOp.SUM, tag,
-                   dtype=wire_name)
-            submit(comm, "unpack", b, bucket.nbytes, functools.partial(
-                kernels.unpack, nonfinite_flag=flag), srcs, wbuf, offs)
+            submit(
+                comm,
+                "pack",
+                b,
+                bucket.nbytes,
+                functools.partial(
+                    kernels.pack, scale=1.0 / (divisor or self.group.size), nonfinite_flag=flag
+                ),
+                srcs,
+                wbuf,
+                offs,
+            )
+            submit(
+                comm, collective.phase, b, wbuf.nbytes, collective, wbuf, ReduceOp.SUM, tag, dtype=wire_name
+            )
+            submit(
+                comm,
+                "unpack",
+                b,
+                bucket.nbytes,
+                functools.partial(kernels.unpack, nonfinite_flag=flag),
+                srcs,
+                wbuf,
+                offs,
+            )
             return
         if mode == "view":
             if flag is not None:
@@ -159,15 +194,40 @@ class BucketSubmitter:
             elif scale != 1.0:
                 submit(comm, "pack", b, bucket.nbytes, kernels.scale_, buf, scale)
         else:
-            submit(comm, "pack", b, bucket.nbytes, functools.partial(
-                kernels.pack, scale=scale, nonfinite_flag=flag), grads, buf, offsets)
+            submit(
+                comm,
+                "pack",
+                b,
+                bucket.nbytes,
+                functools.partial(kernels.pack, scale=scale, nonfinite_flag=flag),
+                grads,
+                buf,
+                offsets,
+            )
         submit(comm, collective.phase, b, bucket.nbytes, collective, buf, op, tag)
-        if mode == "pack":   # the unpack writes every reduced value: it raises the flag too
-            submit(comm, "unpack", b, bucket.nbytes, functools.partial(
-                kernels.unpack, nonfinite_flag=flag), grads, buf, offsets)
-        elif flag is not None:   # the grads are views of the bucket: nothing writes them again
-            submit(comm, "unpack", b, bucket.nbytes, kernels.flag_nonfinite,
-                   _views(bucket, buf), buf, offsets, flag)
+        if mode == "pack":  # the unpack writes every reduced value: it raises the flag too
+            submit(
+                comm,
+                "unpack",
+                b,
+                bucket.nbytes,
+                functools.partial(kernels.unpack, nonfinite_flag=flag),
+                grads,
+                buf,
+                offsets,
+            )
+        elif flag is not None:  # the grads are views of the bucket: nothing writes them again
+            submit(
+                comm,
+                "unpack",
+                b,
+                bucket.nbytes,
+                kernels.flag_nonfinite,
+                _views(bucket, buf),
+                buf,
+                offsets,
+                flag,
+            )
 
     def _wire_buffer(self, layout: BucketLayout, b: int, wire: str) -> Any:
         """Bucket b's buffer in the wire dtype (allocated once per layout)."""
@@ -175,12 +235,22 @@ class BucketSubmitter:
         buf = self._wire_buffers.get(key)
         if buf is None:
             self._wire_buffers = {k: v for k, v in self._wire_buffers.items() if k[0] is layout}
-            buf = self._wire_buffers[key] = self.device.zeros(layout.buckets[b].padded,
-                                                              comm_hooks.wire_dtype(wire))
+            buf = self._wire_buffers[key] = self.device.zeros(
+                layout.buckets[b].padded, comm_hooks.wire_dtype(wire)
+            )
         return buf
 
-    def _run_hook(self, layout: BucketLayout, b: int, mode: Mode, grads: List[Any], buf: Any,
-                  flag: Any, state: Any, hook: comm_hooks.CommHook) -> None:
+    def _run_hook(
+        self,
+        layout: BucketLayout,
+        b: int,
+        mode: Mode,
+        grads: List[Any],
+        buf: Any,
+        flag: Any,
+        state: Any,
+        hook: comm_hooks.CommHook,
+    ) -> None:
         """A registered hook on bucket b, in comm-stream order: the buffer it gets holds the
         unscaled grads (torch's contract); its result goes back into the bucket and the grads."""
         bucket = layout.buckets[b]
@@ -189,9 +259,15 @@ class BucketSubmitter:
             kernels.pack(grads, buf, offsets, nonfinite_flag=flag)
         elif flag is not None:
             _scale_flagged(buf, 1.0, flag)
-        gb = comm_hooks.GradBucket(b, buf, offsets, [self.specs[p].shape for p in bucket.params],
-                                   [self.params[p] for p in bucket.params],
-                                   b == len(layout.buckets) - 1, self.group)
+        gb = comm_hooks.GradBucket(
+            b,
+            buf,
+            offsets,
+            [self.specs[p].shape for p in bucket.params],
+            [self.params[p] for p in bucket.params],
+            b == len(layout.buckets) - 1,
+            self.group,
+        )
         out = comm_hooks.resolve(hook(state, gb), hook)
         if out is not buf:
             if tuple(out.shape) != tuple(buf.shape) or out.dtype != buf.dtype:
@@ -199,7 +275,8 @@ class BucketSubmitter:
                     f"rank {self.group.rank}: comm hook {getattr(hook, '__name__', hook)!r} "
                     f"returned a {tuple(out.shape)} {out.dtype} array for "
                     f"{bucket_tag(b, bucket.nbytes)}, which is {tuple(buf.shape)} {buf.dtype}; "
-                    "return the reduced bucket buffer (same shape and dtype)")
+                    "return the reduced bucket buffer (same shape and dtype)"
+                )
             copy_into(buf, out)
         if mode == "pack":
             kernels.unpack(grads, buf, offsets, nonfinite_flag=flag)
@@ -209,7 +286,7 @@ class BucketSubmitter:
 
 def _views(bucket: Bucket, buf: Any) -> List[Any]:
     """The bucket's parameter ranges of `buf` (not its padding), for the non-finite check."""
-    return [buf[o:o + n] for o, n in zip(bucket.offsets, bucket.numels)]
+    return [buf[o : o + n] for o, n in zip(bucket.offsets, bucket.numels)]
 
 
 def _scale_checked(g: Any, f: float, flag: Any) -> None:

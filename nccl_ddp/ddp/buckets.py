@@ -11,6 +11,7 @@ asks for it (`align_bytes=64` for the host device: JAX on the CPU aliases only 6
 A layout is plain, frozen data; memory and scheduling live elsewhere (bucket_memory.py, reducer.py,
 bucket_submit.py).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,8 +34,8 @@ class ParamSpec:
     shape: tuple
     dtype: np.dtype
     name: Optional[str] = None
-    key: Hashable = None            # params with different keys never share a bucket (fusion ids)
-    comm_fusion: Optional[int] = None   # a framework parameter's own fusion id (MindSpore)
+    key: Hashable = None  # params with different keys never share a bucket (fusion ids)
+    comm_fusion: Optional[int] = None  # a framework parameter's own fusion id (MindSpore)
 
     @property
     def numel(self) -> int:
@@ -53,7 +54,7 @@ class Bucket:
     params: tuple
     offsets: tuple
     numels: tuple
-    padded: int                     # buffer length in elements (a multiple of the alignment)
+    padded: int  # buffer length in elements (a multiple of the alignment)
 
     @property
     def numel(self) -> int:
@@ -85,8 +86,9 @@ class BucketLayout:
         return self._where.get(param)
 
     def summary(self) -> str:
-        return "; ".join(f"bucket {b.index}: {len(b.params)} params {b.dtype} {b.nbytes} B"
-                         for b in self.buckets)
+        return "; ".join(
+            f"bucket {b.index}: {len(b.params)} params {b.dtype} {b.nbytes} B" for b in self.buckets
+        )
 
 
 def bucket_tag(b: int, nbytes: int) -> str:
@@ -103,9 +105,14 @@ def aligned(n: int, dtype: Any, align_bytes: int = ALIGN_BYTES) -> int:
     return -(-n // unit) * unit
 
 
-def assign_buckets(specs: Sequence[ParamSpec], cap_bytes: int = DEFAULT_CAP_BYTES,
-                   first_cap_bytes: int = FIRST_CAP_BYTES, order: Optional[Sequence[int]] = None,
-                   exclude: Sequence[int] = (), align_bytes: int = ALIGN_BYTES) -> BucketLayout:
+def assign_buckets(
+    specs: Sequence[ParamSpec],
+    cap_bytes: int = DEFAULT_CAP_BYTES,
+    first_cap_bytes: int = FIRST_CAP_BYTES,
+    order: Optional[Sequence[int]] = None,
+    exclude: Sequence[int] = (),
+    align_bytes: int = ALIGN_BYTES,
+) -> BucketLayout:
     """Fill buckets visiting params in `order` (default: reverse parameter order).
 
     Params of the same (dtype, key) share an open bucket until it holds at least its cap; the
@@ -142,8 +149,7 @@ def assign_buckets(specs: Sequence[ParamSpec], cap_bytes: int = DEFAULT_CAP_BYTE
     closed += open_.values()
     rank_in_visit = {p: k for k, p in enumerate(visit)}
     closed.sort(key=lambda ps: rank_in_visit[ps[0]])
-    return BucketLayout(tuple(_make_bucket(b, ps, specs, align_bytes)
-                              for b, ps in enumerate(closed)), n)
+    return BucketLayout(tuple(_make_bucket(b, ps, specs, align_bytes) for b, ps in enumerate(closed)), n)
 
 
 def _make_bucket(index: int, params: list, specs: Sequence[ParamSpec], align_bytes: int) -> Bucket:
@@ -153,5 +159,6 @@ def _make_bucket(index: int, params: list, specs: Sequence[ParamSpec], align_byt
         offsets.append(at)
         numels.append(specs[p].numel)
         at = aligned(at + specs[p].numel, dtype, align_bytes)
-    return Bucket(index, dtype, tuple(params), tuple(offsets), tuple(numels),
-                  max(at, aligned(1, dtype, align_bytes)))
+    return Bucket(
+        index, dtype, tuple(params), tuple(offsets), tuple(numels), max(at, aligned(1, dtype, align_bytes))
+    )

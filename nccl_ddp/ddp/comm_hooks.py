@@ -13,6 +13,7 @@ its fused kernels: `allreduce_hook` is its default path; `fp16_compress_hook` /
 `bf16_compress_hook` pack a float32 bucket straight into the wire dtype with the 1/world scale
 (one launch), all-reduce that, and unpack it widened back.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, List, Optional
@@ -30,11 +31,19 @@ class GradBucket:
     """What a hook gets (torch's `dist.GradBucket`): the flat buffer of one bucket's grads, the
     parameters it holds and its index. Arrays are native (NumPy on "host", CuPy on "nccl")."""
 
-    def __init__(self, index: int, buffer: Any, offsets: List[int], shapes: List[tuple],
-                 parameters: List[Any], is_last: bool, group: ProcessGroup) -> None:
+    def __init__(
+        self,
+        index: int,
+        buffer: Any,
+        offsets: List[int],
+        shapes: List[tuple],
+        parameters: List[Any],
+        is_last: bool,
+        group: ProcessGroup,
+    ) -> None:
         self._index, self._buffer, self._offsets = index, buffer, offsets
         self._shapes, self._parameters, self._is_last = shapes, parameters, is_last
-        self.process_group = group      # the DDP's group: what `state=None` means
+        self.process_group = group  # the DDP's group: what `state=None` means
 
     def index(self) -> int:
         return self._index
@@ -48,8 +57,10 @@ class GradBucket:
 
     def gradients(self) -> List[Any]:
         """Each parameter's grad: a view of the buffer, shaped like the parameter."""
-        return [self._buffer[o:o + int(np.prod(s, dtype=np.int64))].reshape(s)
-                for o, s in zip(self._offsets, self._shapes)]
+        return [
+            self._buffer[o : o + int(np.prod(s, dtype=np.int64))].reshape(s)
+            for o, s in zip(self._offsets, self._shapes)
+        ]
 
     def parameters(self) -> List[Any]:
         """The bucket's parameters (native arrays), in bucket order."""
@@ -119,17 +130,21 @@ def resolve(result: Any, hook: Any) -> Any:
         result.wait()
         return result.value()
     name = getattr(hook, "__name__", type(hook).__name__)
-    raise ConfigTypeError(f"comm hook {name} returned {type(result).__name__}; a hook must return "
-                          "a nccl_ddp.hooks.Future (e.g. from all_reduce_fut) or a Work whose value "
-                          "is the reduced bucket buffer")
+    raise ConfigTypeError(
+        f"comm hook {name} returned {type(result).__name__}; a hook must return "
+        "a nccl_ddp.hooks.Future (e.g. from all_reduce_fut) or a Work whose value "
+        "is the reduced bucket buffer"
+    )
 
 
 def current_stream(group: ProcessGroup) -> Any:
     """The stream collectives of a hook are ordered on: the caller's (the comm stream inside a
     reducer; on the host the calling thread, which runs a collective synchronously)."""
     from nccl_ddp.device import get_device
-    return get_device("host" if group.backend == "host" else "cuda",
-                      getattr(group, "device_id", None)).current_stream()
+
+    return get_device(
+        "host" if group.backend == "host" else "cuda", getattr(group, "device_id", None)
+    ).current_stream()
 
 
 def all_reduce_fut(group: ProcessGroup, buf: Any, op: ReduceOp = ReduceOp.SUM) -> Future:
@@ -163,18 +178,21 @@ def _compress_hook(wire: str) -> CommHook:
         def decompress(f: Future) -> Any:
             buf[...] = f.value().astype(buf.dtype)
             return buf
+
         return fut.then(decompress)
+
     hook.__name__ = f"{'fp16' if wire == 'float16' else 'bf16'}_compress_hook"
-    hook.__doc__ = (f"Average the bucket in {wire}: half the bytes on the wire (torch's "
-                    f"{hook.__name__}); the reducer fuses it into its pack/unpack kernels.")
+    hook.__doc__ = (
+        f"Average the bucket in {wire}: half the bytes on the wire (torch's "
+        f"{hook.__name__}); the reducer fuses it into its pack/unpack kernels."
+    )
     return hook
 
 
 fp16_compress_hook = _compress_hook("float16")
 bf16_compress_hook = _compress_hook("bfloat16")
 
-_FUSED = {id(allreduce_hook): None, id(fp16_compress_hook): "float16",
-          id(bf16_compress_hook): "bfloat16"}
+_FUSED = {id(allreduce_hook): None, id(fp16_compress_hook): "float16", id(bf16_compress_hook): "bfloat16"}
 
 
 def is_builtin(hook: Any) -> bool:
@@ -189,11 +207,13 @@ def fused_wire_dtype(hook: Any) -> Optional[str]:
 def wire_dtype(name: str) -> np.dtype:
     if name == "bfloat16":
         from nccl_ddp.dlpack import bfloat16_dtype
+
         return bfloat16_dtype()
     return np.dtype(name)
 
 
 def check_hook(hook: Any) -> None:
     if not callable(hook):
-        raise ConfigTypeError(f"hook must be callable as hook(state, bucket) -> Future, got "
-                              f"{type(hook).__name__}")
+        raise ConfigTypeError(
+            f"hook must be callable as hook(state, bucket) -> Future, got {type(hook).__name__}"
+        )

@@ -1,4 +1,5 @@
 """The options of `DistributedDataParallel`, validated once and then never changed."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -46,19 +47,27 @@ class DDPConfig:
     (on any rank). "raise": `NonFiniteGradError` on every rank at the end of such a step."""
 
     def __post_init__(self) -> None:
-        for name in ("init_sync", "find_unused_parameters", "average_in_collective",
-                     "static_graph", "broadcast_buffers"):
+        for name in (
+            "init_sync",
+            "find_unused_parameters",
+            "average_in_collective",
+            "static_graph",
+            "broadcast_buffers",
+        ):
             check_bool(name, getattr(self, name))
         for name in ("bucket_cap_mb", "broadcast_chunk_mb"):
             v = getattr(self, name)
             if v is None and name == "bucket_cap_mb":
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise ConfigTypeError(f"{name} must be a number of MiB (int or float), got "
-                                f"{type(v).__name__} {v!r}")
+                raise ConfigTypeError(
+                    f"{name} must be a number of MiB (int or float), got {type(v).__name__} {v!r}"
+                )
             if not 0 <= v < float("inf") or (name == "broadcast_chunk_mb" and v == 0):
-                raise ConfigError(f"{name} must be a finite number "
-                                 f"{'> 0' if name == 'broadcast_chunk_mb' else '>= 0'} MiB, got {v}")
+                raise ConfigError(
+                    f"{name} must be a finite number "
+                    f"{'> 0' if name == 'broadcast_chunk_mb' else '>= 0'} MiB, got {v}"
+                )
         check_finite_option("check_finite", self.check_finite)
         if not isinstance(self.reducer_mode, str) or self.reducer_mode not in REDUCER_MODES:
             raise ConfigError(f"reducer_mode must be one of {REDUCER_MODES}, got {self.reducer_mode!r}")
@@ -78,11 +87,15 @@ class DDPConfig:
     @property
     def rank_settings(self) -> dict:
         """The options every rank must share (init_sync checks them); bucket_cap_mb as used."""
-        return {"find_unused_parameters": self.find_unused_parameters,
-                "average_in_collective": self.average_in_collective,
-                "reducer_mode": self.reducer_mode, "static_graph": self.static_graph,
-                "broadcast_buffers": self.broadcast_buffers, "check_finite": self.check_finite,
-                "bucket_cap_mb": self.cap_bytes / MiB}
+        return {
+            "find_unused_parameters": self.find_unused_parameters,
+            "average_in_collective": self.average_in_collective,
+            "reducer_mode": self.reducer_mode,
+            "static_graph": self.static_graph,
+            "broadcast_buffers": self.broadcast_buffers,
+            "check_finite": self.check_finite,
+            "bucket_cap_mb": self.cap_bytes / MiB,
+        }
 
 
 COMPRESS = {None: None, "bf16": "bfloat16", "fp16": "float16"}
@@ -111,8 +124,7 @@ class GradReducerConfig:
             check_positive_int("degree", self.degree)
         check_positive_int("fusion_type", self.fusion_type, allow_zero=True)
         if self.compress not in COMPRESS:
-            raise ConfigError(f"compress must be one of {sorted(COMPRESS, key=str)}, got "
-                              f"{self.compress!r}")
+            raise ConfigError(f"compress must be one of {sorted(COMPRESS, key=str)}, got {self.compress!r}")
         check_finite_option("check_finite", self.check_finite)
 
 
@@ -126,18 +138,22 @@ def config_from(cls: Type[C], config: Optional[C], **options: Any) -> C:
     if config is None:
         return built
     if not isinstance(config, cls):
-        raise ConfigTypeError(f"config must be a {cls.__name__} or None, got "
-                              f"{type(config).__name__} {config!r}")
+        raise ConfigTypeError(
+            f"config must be a {cls.__name__} or None, got {type(config).__name__} {config!r}"
+        )
     default = cls()
-    changed = [f.name for f in dataclasses.fields(built)
-               if getattr(built, f.name) != getattr(default, f.name)]
+    changed = [
+        f.name for f in dataclasses.fields(built) if getattr(built, f.name) != getattr(default, f.name)
+    ]
     if changed:
-        raise ConfigError(f"pass either config= or the options {changed}, not both: the config "
-                          f"holds every option (dataclasses.replace(config, ...) changes one)")
+        raise ConfigError(
+            f"pass either config= or the options {changed}, not both: the config "
+            f"holds every option (dataclasses.replace(config, ...) changes one)"
+        )
     return config
 
 
 def check_finite_option(name: str, value: object) -> None:
     """check_finite is False, True or "raise"."""
     if value is not False and value is not True and value != "raise":
-        raise ConfigError(f"{name} must be False, True or \"raise\", got {value!r}")
+        raise ConfigError(f'{name} must be False, True or "raise", got {value!r}')

@@ -5,6 +5,7 @@ Grads accumulate across steps until `zero_grad()` (MindSpore semantics). A grad 
 reducer through `mark_ready(param, grad=None)`, called by a framework hook (`grad_hook(i)`) or by
 hand-written backprop (adapters/arrays.py); the last one finalizes the step.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,34 +39,50 @@ class DistributedDataParallel:
     (adapters/torch_ddp.py), which is also a torch.nn.Module. Joinable (`nccl_ddp.Join`).
     """
 
-    _reducer_class = Reducer     # a framework's wrapper may add its framework's reducer API
+    _reducer_class = Reducer  # a framework's wrapper may add its framework's reducer API
 
     def __new__(cls, *args: Any, **kwargs: Any) -> DistributedDataParallel:
         module = args[0] if args else kwargs.get("module")
-        if cls is DistributedDataParallel and module is not None \
-                and not isinstance(module, (GradModule, list, tuple, dict)):
+        if (
+            cls is DistributedDataParallel
+            and module is not None
+            and not isinstance(module, (GradModule, list, tuple, dict))
+        ):
             name = frameworks.framework_of(module)
             wrapper = None if name is None else frameworks.wrapper_class(name)
-            if wrapper is not None:      # the framework base's own __new__ (MindSpore's Cell_)
+            if wrapper is not None:  # the framework base's own __new__ (MindSpore's Cell_)
                 return wrapper.__new__(wrapper)
         return super().__new__(cls)
 
-    def __init__(self, module: Any, init_sync: bool = True,
-                 process_group: Optional[ProcessGroup] = None,
-                 bucket_cap_mb: Optional[float] = None,
-                 find_unused_parameters: bool = False, average_in_collective: bool = False,
-                 static_graph: bool = False, reducer_mode: ReducerMode = "CppReducer", *,
-                 broadcast_buffers: bool = True, check_finite: CheckFinite = False,
-                 config: Optional[DDPConfig] = None) -> None:
+    def __init__(
+        self,
+        module: Any,
+        init_sync: bool = True,
+        process_group: Optional[ProcessGroup] = None,
+        bucket_cap_mb: Optional[float] = None,
+        find_unused_parameters: bool = False,
+        average_in_collective: bool = False,
+        static_graph: bool = False,
+        reducer_mode: ReducerMode = "CppReducer",
+        *,
+        broadcast_buffers: bool = True,
+        check_finite: CheckFinite = False,
+        config: Optional[DDPConfig] = None,
+    ) -> None:
         self.config = config_from(
-            DDPConfig, config, init_sync=init_sync, bucket_cap_mb=bucket_cap_mb,
+            DDPConfig,
+            config,
+            init_sync=init_sync,
+            bucket_cap_mb=bucket_cap_mb,
             find_unused_parameters=find_unused_parameters,
-            average_in_collective=average_in_collective, static_graph=static_graph,
-            reducer_mode=reducer_mode, broadcast_buffers=broadcast_buffers,
-            check_finite=check_finite)
+            average_in_collective=average_in_collective,
+            static_graph=static_graph,
+            reducer_mode=reducer_mode,
+            broadcast_buffers=broadcast_buffers,
+            check_finite=check_finite,
+        )
         self.module = module
-        self._adapter = (module if isinstance(module, GradModule)
-                         else frameworks.module_adapter(module))
+        self._adapter = module if isinstance(module, GradModule) else frameworks.module_adapter(module)
         self.process_group = resolve_group(process_group, "process_group")
         self.device = device_of(self.process_group)
         params = self._adapter.native_params()
@@ -75,11 +92,17 @@ class DistributedDataParallel:
         grads = self._adapter.native_grads()
         _check_native(grads, self.device, "grad", self._adapter.names)
         install = self._adapter.install_grad if self._adapter.can_install_grads else None
-        self.reducer = self._reducer_class(params, grads, self.process_group, self.device,
-                                           self.config, names=self._adapter.names,
-                                           install=install,
-                                           stream_scope=self._adapter.on_compute_stream)
-        self._sync_buffers_next = True      # torch: the first forward syncs buffers
+        self.reducer = self._reducer_class(
+            params,
+            grads,
+            self.process_group,
+            self.device,
+            self.config,
+            names=self._adapter.names,
+            install=install,
+            stream_scope=self._adapter.on_compute_stream,
+        )
+        self._sync_buffers_next = True  # torch: the first forward syncs buffers
         self.join_state = JoinState()
         self.reducer.on_open = self._on_step_open
         if self.config.init_sync:
@@ -93,14 +116,23 @@ class DistributedDataParallel:
         state = self._adapter.named_frozen()
         if self.config.broadcast_buffers:
             state += self._adapter.named_buffers()
-        _check_native([a for _, a in state], self.device, "frozen parameter or buffer",
-                      [n for n, _ in state], floats_only=False, contiguous=False)
-        specs = list(self.reducer.specs) + [ParamSpec(tuple(a.shape), np.dtype(a.dtype), n)
-                                            for n, a in state]
+        _check_native(
+            [a for _, a in state],
+            self.device,
+            "frozen parameter or buffer",
+            [n for n, _ in state],
+            floats_only=False,
+            contiguous=False,
+        )
+        specs = list(self.reducer.specs) + [ParamSpec(tuple(a.shape), np.dtype(a.dtype), n) for n, a in state]
         check_same_params(specs, self.process_group, self.device, self.config.rank_settings)
         with self._adapter.on_compute_stream():
-            broadcast_coalesced(list(params) + [a for _, a in state], self.process_group,
-                                self.device, self.config.broadcast_chunk_bytes)
+            broadcast_coalesced(
+                list(params) + [a for _, a in state],
+                self.process_group,
+                self.device,
+                self.config.broadcast_chunk_bytes,
+            )
         self._adapter.params_updated()
 
     # ------------------------------------------------------------------ the step
@@ -131,8 +163,9 @@ class DistributedDataParallel:
             return
         src = self._buffer_source(joined)
         with self._adapter.on_compute_stream():
-            broadcast_coalesced(buffers, self.process_group, self.device,
-                                self.config.broadcast_chunk_bytes, src=src)
+            broadcast_coalesced(
+                buffers, self.process_group, self.device, self.config.broadcast_chunk_bytes, src=src
+            )
         self._adapter.buffers_updated()
 
     def mark_ready(self, param: Any, grad: Any = None) -> Any:
@@ -142,7 +175,7 @@ class DistributedDataParallel:
         bucket view with the default CppReducer). The last parameter finalizes the step.
         """
         if grad is None and type(param) is int and 0 <= param < len(self.reducer.params):
-            return self.reducer.mark_ready(param)       # a framework hook's call, once per grad
+            return self.reducer.mark_ready(param)  # a framework hook's call, once per grad
         i = self.index_of(param)
         native = None if grad is None else self._adapter.to_native(i, grad)
         if native is not None:
@@ -154,20 +187,27 @@ class DistributedDataParallel:
         reducer sees it, so a refused grad leaves the step as it was)."""
         spec = self.reducer.specs[i]
         want = self.device.xp.__name__
-        if (type(grad).__module__.split(".")[0] == want and hasattr(grad, "dtype")
-                and grad.shape == spec.shape and grad.dtype == spec.dtype):
-            return      # once per grad: the common case builds no message
+        if (
+            type(grad).__module__.split(".")[0] == want
+            and hasattr(grad, "dtype")
+            and grad.shape == spec.shape
+            and grad.dtype == spec.dtype
+        ):
+            return  # once per grad: the common case builds no message
         name = self._adapter.names[i]
-        label = f"rank {self.process_group.rank}: grad of parameter {i}" + (
-            f" ({name!r})" if name else "")
+        label = f"rank {self.process_group.rank}: grad of parameter {i}" + (f" ({name!r})" if name else "")
         if type(grad).__module__.split(".")[0] != want or not hasattr(grad, "dtype"):
-            raise ConfigTypeError(f"{label} must be a {want}.ndarray like the parameter, got "
-                            f"{type(grad).__module__}.{type(grad).__name__}")
+            raise ConfigTypeError(
+                f"{label} must be a {want}.ndarray like the parameter, got "
+                f"{type(grad).__module__}.{type(grad).__name__}"
+            )
         if tuple(grad.shape) != spec.shape:
             raise ConfigError(f"{label} has shape {tuple(grad.shape)}, the parameter {spec.shape}")
         if grad.dtype != spec.dtype:
-            raise ConfigTypeError(f"{label} has dtype {grad.dtype}, the parameter {spec.dtype}; cast "
-                            f"it first (grad.astype({str(spec.dtype)!r}))")
+            raise ConfigTypeError(
+                f"{label} has dtype {grad.dtype}, the parameter {spec.dtype}; cast "
+                f"it first (grad.astype({str(spec.dtype)!r}))"
+            )
 
     def grad_hook(self, param: Any) -> Callable[[Any], Any]:
         """A per-parameter hook `hook(grad) -> accumulated grad` for a framework's grad hooks."""
@@ -225,20 +265,28 @@ class DistributedDataParallel:
         r = self.reducer
         where = f"rank {self.process_group.rank}: register_comm_hook"
         if self.config.reducer_mode == "PythonReducer":
-            raise ConfigError(f"{where}: comm hooks work on buckets; use "
-                              "reducer_mode=\"CppReducer\" (the default)")
+            raise ConfigError(
+                f'{where}: comm hooks work on buckets; use reducer_mode="CppReducer" (the default)'
+            )
         if r.comm_hook is not None:
-            raise ConfigError(f"{where}: a comm hook is registered already; register one hook, "
-                              "once")
+            raise ConfigError(f"{where}: a comm hook is registered already; register one hook, once")
         if r.steps or r._open:
             raise ConfigError(f"{where}: call it before the first forward/backward")
         r.set_comm_hook(state, hook)
 
-    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
-             throw_on_early_termination: bool = False) -> Join:
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> Join:
         """`with ddp.join():` trains with uneven inputs (torch's `DistributedDataParallel.join`)."""
-        return Join([self], enable, throw_on_early_termination,
-                         divide_by_initial_world_size=divide_by_initial_world_size)
+        return Join(
+            [self],
+            enable,
+            throw_on_early_termination,
+            divide_by_initial_world_size=divide_by_initial_world_size,
+        )
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         return ShadowJoinHook(self, "DistributedDataParallel", kwargs)
@@ -254,8 +302,7 @@ class DistributedDataParallel:
             self.reducer.step_divisor = None
             return
         active = self._join_count()
-        self.reducer.step_divisor = (None if self.join_state.divide_by_initial or active is None
-                                     else active)
+        self.reducer.step_divisor = None if self.join_state.divide_by_initial or active is None else active
         exchange(self.process_group, [1 if syncs else 0], "Join's sync flag")
 
     def _join_count(self) -> Optional[int]:
@@ -269,8 +316,7 @@ class DistributedDataParallel:
         if not self.join_state.config.enable:
             return 0
         group = self.process_group
-        src, = exchange(group, [-1 if joined else group.rank], "Join's buffer source",
-                        ReduceOp.MAX)
+        (src,) = exchange(group, [-1 if joined else group.rank], "Join's buffer source", ReduceOp.MAX)
         return src
 
     def join_shadow_step(self) -> None:
@@ -278,7 +324,7 @@ class DistributedDataParallel:
         broadcast when due, then (if their step all-reduces: the sync flag) zeros through the
         reducer's buckets (torch's `_DDPJoinHook`)."""
         group = self.process_group
-        syncs, = exchange(group, [0], "Join's sync flag")
+        (syncs,) = exchange(group, [0], "Join's sync flag")
         if self._sync_buffers_next and self.config.broadcast_buffers:
             self._broadcast_buffers(joined=True)
         self._sync_buffers_next = bool(syncs)
@@ -292,14 +338,18 @@ class DistributedDataParallel:
         """Every rank takes the parameters, frozen ones and (with broadcast_buffers) buffers
         included, of the last rank to join (torch's _sync_final_model)."""
         group = self.process_group
-        src, = exchange(group, [group.rank if is_last_joiner else -1], "Join's last joiner",
-                        ReduceOp.MAX)
+        (src,) = exchange(group, [group.rank if is_last_joiner else -1], "Join's last joiner", ReduceOp.MAX)
         state = [a for _, a in self._adapter.named_frozen()]
         if self.config.broadcast_buffers:
             state += [a for _, a in self._adapter.named_buffers()]
         with self._adapter.on_compute_stream():
-            broadcast_coalesced(list(self._adapter.native_params()) + state, self.process_group,
-                                self.device, self.config.broadcast_chunk_bytes, src=src)
+            broadcast_coalesced(
+                list(self._adapter.native_params()) + state,
+                self.process_group,
+                self.device,
+                self.config.broadcast_chunk_bytes,
+                src=src,
+            )
         self._adapter.params_updated()
 
     @property
@@ -327,8 +377,10 @@ class DistributedDataParallel:
         if isinstance(param, (int, np.integer)) and not isinstance(param, bool):
             if 0 <= int(param) < n:
                 return int(param)
-            raise ReducerError(f"rank {self.process_group.rank}: unknown parameter index {param}; "
-                               f"the module has {n} parameters (0..{n - 1})")
+            raise ReducerError(
+                f"rank {self.process_group.rank}: unknown parameter index {param}; "
+                f"the module has {n} parameters (0..{n - 1})"
+            )
         finder = getattr(self._adapter, "index_of", None)
         if finder is not None:
             try:
@@ -336,18 +388,29 @@ class DistributedDataParallel:
             except KeyError:
                 pass
         what = repr(param) if isinstance(param, str) else f"a {type(param).__name__}"
-        raise ReducerError(f"rank {self.process_group.rank}: unknown parameter {what}; pass an index "
-                           f"(0..{n - 1}), a parameter name or one of the wrapped parameter objects")
+        raise ReducerError(
+            f"rank {self.process_group.rank}: unknown parameter {what}; pass an index "
+            f"(0..{n - 1}), a parameter name or one of the wrapped parameter objects"
+        )
 
 
-def _check_native(arrays: List[Any], device: Device, what: str, names: List[Optional[str]], *,
-                  floats_only: bool = True, contiguous: bool = True) -> None:
+def _check_native(
+    arrays: List[Any],
+    device: Device,
+    what: str,
+    names: List[Optional[str]],
+    *,
+    floats_only: bool = True,
+    contiguous: bool = True,
+) -> None:
     want = device.xp.__name__
     for i, a in enumerate(arrays):
         label = f"{what} {i}" + (f" ({names[i]!r})" if names[i] else "")
         if type(a).__module__.split(".")[0] != want:
-            raise ConfigTypeError(f"{label} is a {type(a).__module__}.{type(a).__name__}, but the process "
-                            f"group's backend ({device.kind}) reduces {want} arrays")
+            raise ConfigTypeError(
+                f"{label} is a {type(a).__module__}.{type(a).__name__}, but the process "
+                f"group's backend ({device.kind}) reduces {want} arrays"
+            )
         if floats_only:
             check_float_dtype(label, np.dtype(a.dtype))
         if contiguous and not a.flags.c_contiguous:

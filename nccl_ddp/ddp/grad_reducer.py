@@ -20,6 +20,7 @@ fusion_type (MindSpore's fusion ids, here exactly):
 A parameter with an int attribute `comm_fusion` uses that id instead of `fusion_type`: grads with
 the same id (and dtype) share buckets, different ids never do, id 0 is never fused.
 """
+
 from __future__ import annotations
 
 import collections
@@ -60,38 +61,52 @@ class DistributedGradReducer:
 
     def __new__(cls, parameters: Any = None, *args: Any, **kwargs: Any) -> Any:
         reducer = super().__new__(cls)
-        adapter = (frameworks.grads_adapter(parameters)
-                   if isinstance(parameters, (list, tuple)) else None)
+        adapter = frameworks.grads_adapter(parameters) if isinstance(parameters, (list, tuple)) else None
         wrap = adapter.reducer_wrapper() if adapter is not None else None
         if wrap is None:
             return reducer
-        cls.__init__(reducer, parameters, *args, **kwargs)   # Python skips it: not a cls instance
+        cls.__init__(reducer, parameters, *args, **kwargs)  # Python skips it: not a cls instance
         return wrap(reducer)
 
-    def __init__(self, parameters: Sequence[Any], mean: bool = True, degree: Optional[int] = None,
-                 fusion_type: int = 1, group: Optional[ProcessGroup] = None, *,
-                 compress: Optional[str] = None, check_finite: CheckFinite = False,
-                 config: Optional[GradReducerConfig] = None) -> None:
-        self.config = config_from(GradReducerConfig, config, mean=mean, degree=degree,
-                                  fusion_type=fusion_type, compress=compress,
-                                  check_finite=check_finite)
+    def __init__(
+        self,
+        parameters: Sequence[Any],
+        mean: bool = True,
+        degree: Optional[int] = None,
+        fusion_type: int = 1,
+        group: Optional[ProcessGroup] = None,
+        *,
+        compress: Optional[str] = None,
+        check_finite: CheckFinite = False,
+        config: Optional[GradReducerConfig] = None,
+    ) -> None:
+        self.config = config_from(
+            GradReducerConfig,
+            config,
+            mean=mean,
+            degree=degree,
+            fusion_type=fusion_type,
+            compress=compress,
+            check_finite=check_finite,
+        )
         mean, fusion_type = self.config.mean, self.config.fusion_type
         parameters, names = _split_names(_materialize(parameters))
         # the parameters' framework: grads of another are refused, never mixed in silently
         self._framework = frameworks.framework_of_leaves(parameters)
         adapter = self._adapter = frameworks.grads_adapter(parameters)
-        if adapter is not None:   # torch / JAX / MindSpore parameters, described natively
+        if adapter is not None:  # torch / JAX / MindSpore parameters, described natively
             parameters = adapter.param_infos(parameters)
         if not isinstance(parameters, (list, tuple)) or not parameters:
-            raise ConfigTypeError("parameters must be a non-empty list or tuple of parameters, got "
-                            f"{type(parameters).__name__}")
+            raise ConfigTypeError(
+                f"parameters must be a non-empty list or tuple of parameters, got {type(parameters).__name__}"
+            )
         self.compress, self.check_finite = self.config.compress, self.config.check_finite
         self.join_state = JoinState()
         self._divisor = 1
-        self._calls = 0                     # calls (steps) opened so far, shadowed ones too
+        self._calls = 0  # calls (steps) opened so far, shadowed ones too
         self.group = resolve_group(group, "group")
         self.device = device_of(self.group)
-        if hasattr(self._adapter, "native_module"):    # JAX inside jit: arrays it converts to
+        if hasattr(self._adapter, "native_module"):  # JAX inside jit: arrays it converts to
             self._adapter.native_module = self.device.xp
         self.mean = mean
         self.degree = self.group.size if self.config.degree is None else self.config.degree
@@ -111,33 +126,46 @@ class DistributedGradReducer:
             specs.append(ParamSpec(tuple(p.shape), dtype, name, key))
         self.specs = specs
         # every rank constructs the reducer: one collective now instead of wrong numbers later
-        check_same_params(specs, self.group, self.device, {
-            "mean": mean, "degree": self.degree, "compress": self.compress,
-            "check_finite": self.check_finite,
-            "fusion id (fusion_type or comm_fusion)": fusion_ids}, owner="DistributedGradReducer")
+        check_same_params(
+            specs,
+            self.group,
+            self.device,
+            {
+                "mean": mean,
+                "degree": self.degree,
+                "compress": self.compress,
+                "check_finite": self.check_finite,
+                "fusion id (fusion_type or comm_fusion)": fusion_ids,
+            },
+            owner="DistributedGradReducer",
+        )
         # the device's alignment: on the host, 64 bytes, so JAX can alias each reduced grad
-        self.layout = assign_buckets(specs, DEFAULT_CAP_BYTES, FIRST_CAP_BYTES,
-                                     align_bytes=self.device.align_bytes)
+        self.layout = assign_buckets(
+            specs, DEFAULT_CAP_BYTES, FIRST_CAP_BYTES, align_bytes=self.device.align_bytes
+        )
         self.comm = self.device.new_stream()
         self._failure = StepFailure(self.group.rank, "DistributedGradReducer")
-        self._finite = (FiniteCheck(self.check_finite, self.device, self.group.rank,
-                                    self._settle, self._label) if self.check_finite else None)
+        self._finite = (
+            FiniteCheck(self.check_finite, self.device, self.group.rank, self._settle, self._label)
+            if self.check_finite
+            else None
+        )
 
     def __call__(self, grads: Sequence[Any]) -> Sequence[Any]:
         self._failure.check()
-        if self._adapter is not None:   # framework grads: in and out through DLPack
+        if self._adapter is not None:  # framework grads: in and out through DLPack
             return self._adapter.reduce(self._reduce_native, grads)
         return self._reduce_native(grads)
 
     def _reduce_native(self, grads: Sequence[Any]) -> Sequence[Any]:
         """Check and reduce a list/tuple of native (NumPy / CuPy) grads."""
-        self._failure.check()     # again: inside jax.jit this runs at every step, __call__ once
+        self._failure.check()  # again: inside jax.jit this runs at every step, __call__ once
         if not isinstance(grads, (list, tuple)):
             raise ConfigTypeError(f"grads must be a list or tuple, got {type(grads).__name__}")
         if len(grads) != len(self.specs):
             raise ConfigError(f"got {len(grads)} grads for {len(self.specs)} parameters")
         native = [self._native(i, g) for i, g in enumerate(grads)]
-        with self._failure.closes_step():   # a failed all-reduce: every later call says so
+        with self._failure.closes_step():  # a failed all-reduce: every later call says so
             return type(grads)(self._reduce(native))
 
     def reduce_bucket(self, b: int, grads: Sequence[Any]) -> list:
@@ -146,8 +174,10 @@ class DistributedGradReducer:
         Join, bucket 0 opens a step: hand every bucket over, in order."""
         self._failure.check()
         if self.check_finite:
-            raise ConfigError(f"rank {self.group.rank}: check_finite reads the flags of a whole "
-                              "call; reduce the grads in one call (reducer(grads)) to use it")
+            raise ConfigError(
+                f"rank {self.group.rank}: check_finite reads the flags of a whole "
+                "call; reduce the grads in one call (reducer(grads)) to use it"
+            )
         bucket = self.layout.buckets[b]
         native: list = [None] * len(self.specs)
         for p, g in zip(bucket.params, grads):
@@ -159,10 +189,9 @@ class DistributedGradReducer:
     def _reduce(self, native: list, buckets: Optional[Sequence[int]] = None) -> list:
         """The native grads of `buckets` (all by default) reduced: views of fresh bucket
         buffers, packing and all-reducing pipelined across the compute and comm streams."""
-        if buckets is None or buckets[0] == 0:    # a call (or its first bucket) opens a step
+        if buckets is None or buckets[0] == 0:  # a call (or its first bucket) opens a step
             active = Join.notify_join_context(self) if self.join_state.config.enable else None
-            self._divisor = (self.degree if self.join_state.divide_by_initial or active is None
-                             else active)
+            self._divisor = self.degree if self.join_state.divide_by_initial or active is None else active
         scale = 1.0 / self._divisor if self.mean else 1.0
         compute = self.device.current_stream()
         flags = self._open_flags()
@@ -172,22 +201,24 @@ class DistributedGradReducer:
             bucket = self.layout.buckets[b]
             buf = self.device.empty(bucket.padded, bucket.dtype)
             offsets = list(bucket.offsets)
-            views = [buf[off:off + n] for off, n in zip(offsets, bucket.numels)]
+            views = [buf[off : off + n] for off, n in zip(offsets, bucket.numels)]
             wire = self._wire_dtype(bucket)
             wbuf = buf if wire is None else self.device.empty(bucket.padded, wire)
-            flag = None if flags is None else flags[b:b + 1]
+            flag = None if flags is None else flags[b : b + 1]
             # compute: ─[pack b]─●ready b─[pack b+1]─●ready b+1─ ... ── wait(done *) ─▶
             #                      ╲                   ╲
             # comm:    ───────────wait─[all-reduce b]─wait─[all-reduce b+1]─●done
-            compute.submit(functools.partial(kernels.pack, scale=scale, nonfinite_flag=flag),
-                           [native[p] for p in bucket.params], wbuf, offsets)
+            compute.submit(
+                functools.partial(kernels.pack, scale=scale, nonfinite_flag=flag),
+                [native[p] for p in bucket.params],
+                wbuf,
+                offsets,
+            )
             self.comm.wait(compute.record())
-            self.group.all_reduce(wbuf, ReduceOp.SUM, stream=self.comm,
-                                  tag=bucket_tag(b, bucket.nbytes))
-            if wire is not None:   # widen into the fresh float32 buffer the grads view
-                self.comm.submit(functools.partial(kernels.unpack, nonfinite_flag=flag), views,
-                                 wbuf, offsets)
-            elif flag is not None:   # check_finite: what the reduction handed back
+            self.group.all_reduce(wbuf, ReduceOp.SUM, stream=self.comm, tag=bucket_tag(b, bucket.nbytes))
+            if wire is not None:  # widen into the fresh float32 buffer the grads view
+                self.comm.submit(functools.partial(kernels.unpack, nonfinite_flag=flag), views, wbuf, offsets)
+            elif flag is not None:  # check_finite: what the reduction handed back
                 self.comm.submit(kernels.flag_nonfinite, views, wbuf, offsets, flag)
             done.append(self.comm.record())
             for p, v in zip(bucket.params, views):
@@ -252,11 +283,9 @@ class DistributedGradReducer:
             for b, bucket in enumerate(self.layout.buckets):
                 wire = self._wire_dtype(bucket)
                 buf = self.device.zeros(bucket.padded, bucket.dtype if wire is None else wire)
-                self.group.all_reduce(buf, ReduceOp.SUM, stream=self.comm,
-                                      tag=bucket_tag(b, bucket.nbytes))
+                self.group.all_reduce(buf, ReduceOp.SUM, stream=self.comm, tag=bucket_tag(b, bucket.nbytes))
             if flags is not None:
-                self.group.all_reduce(flags, ReduceOp.SUM, stream=self.comm,
-                                      tag="the non-finite flags")
+                self.group.all_reduce(flags, ReduceOp.SUM, stream=self.comm, tag="the non-finite flags")
             self.comm.synchronize(self.group.timeout)
 
     def join_finished(self, is_last_joiner: bool) -> None:
@@ -279,15 +308,19 @@ class DistributedGradReducer:
                 f"{self._leaf(i)} is a {type(g).__module__}.{type(g).__name__} ({theirs}), but "
                 f"this reducer was built on {built_on} parameters and the {self.group.backend} "
                 f"group reduces {xp} arrays: pass grads of the parameters' framework (or build "
-                f"the reducer on {theirs} parameters); nccl_ddp never mixes frameworks")
+                f"the reducer on {theirs} parameters); nccl_ddp never mixes frameworks"
+            )
         spec = self.specs[i]
         if tuple(g.shape) != spec.shape:
-            raise ConfigError(f"{self._leaf(i)}: shape differs: the grad has {tuple(g.shape)}, "
-                              f"its parameter {spec.shape}")
+            raise ConfigError(
+                f"{self._leaf(i)}: shape differs: the grad has {tuple(g.shape)}, its parameter {spec.shape}"
+            )
         if np.dtype(g.dtype) != spec.dtype:
-            raise ConfigError(f"{self._leaf(i)}: dtype differs: the grad is {np.dtype(g.dtype)}, "
-                              f"its parameter {spec.dtype}; cast the grads to the parameters' "
-                              f"dtypes before reducing")
+            raise ConfigError(
+                f"{self._leaf(i)}: dtype differs: the grad is {np.dtype(g.dtype)}, "
+                f"its parameter {spec.dtype}; cast the grads to the parameters' "
+                f"dtypes before reducing"
+            )
         return g
 
     def close(self) -> None:
@@ -300,24 +333,30 @@ class DistributedGradReducer:
             close()
 
 
-_SHOWN = collections.defaultdict(lambda: "another framework's", {
-    "jax": "JAX", "torch": "torch", "mindspore": "MindSpore", "numpy": "NumPy", "cupy": "CuPy"})
+_SHOWN = collections.defaultdict(
+    lambda: "another framework's",
+    {"jax": "JAX", "torch": "torch", "mindspore": "MindSpore", "numpy": "NumPy", "cupy": "CuPy"},
+)
 
 
 def _param_dtype(p: Any, i: int) -> np.dtype:
     try:
         return np.dtype(p.dtype)
     except TypeError as e:
-        raise ConfigTypeError(f"parameters[{i}] has dtype {p.dtype!r}, not a NumPy/CuPy dtype; pass "
-                        "NumPy/CuPy arrays or the parameters of a framework with an adapter") from e
+        raise ConfigTypeError(
+            f"parameters[{i}] has dtype {p.dtype!r}, not a NumPy/CuPy dtype; pass "
+            "NumPy/CuPy arrays or the parameters of a framework with an adapter"
+        ) from e
 
 
 def _split_names(parameters: Any) -> tuple:
     """(parameters, names) from `(name, parameter)` pairs (torch's `model.named_parameters()`),
     so messages name the parameter; (parameters, None) otherwise."""
-    if (isinstance(parameters, (list, tuple)) and parameters
-            and all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str)
-                    for p in parameters)):
+    if (
+        isinstance(parameters, (list, tuple))
+        and parameters
+        and all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in parameters)
+    ):
         return [p for _, p in parameters], [n for n, _ in parameters]
     return parameters, None
 

@@ -1,5 +1,6 @@
 """What the DDP core asks of a framework adapter (nccl_ddp/adapters/ implements these): the core
 defines the contract, so it never imports an adapter; `nccl_ddp.frameworks` picks one."""
+
 from __future__ import annotations
 
 import abc

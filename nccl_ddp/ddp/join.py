@@ -16,6 +16,7 @@ A rank that raises inside the block writes its error to the store and aborts its
 other ranks fail at once (or at their collective timeout on NCCL) with `JoinError` naming it,
 instead of waiting for a collective that never comes.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -111,21 +112,32 @@ class Join:
     every rank as soon as one runs out of data. Other keyword arguments go to each joinable's
     `join_hook` (DDP: `divide_by_initial_world_size=True`)."""
 
-    def __init__(self, joinables: Sequence[Joinable], enable: bool = True,
-                 throw_on_early_termination: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        joinables: Sequence[Joinable],
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+        **kwargs: Any,
+    ) -> None:
         if not isinstance(joinables, (list, tuple)) or not joinables:
-            raise ConfigTypeError("Join: joinables must be a non-empty list of DistributedDataParallel"
-                                  f" / DistributedGradReducer objects, got {joinables!r:.80}")
+            raise ConfigTypeError(
+                "Join: joinables must be a non-empty list of DistributedDataParallel"
+                f" / DistributedGradReducer objects, got {joinables!r:.80}"
+            )
         for i, j in enumerate(joinables):
             if not isinstance(j, Joinable):
-                raise ConfigTypeError(f"Join: joinables[{i}] is a {type(j).__name__}, not a "
-                                      "Joinable (DistributedDataParallel, DistributedGradReducer)")
+                raise ConfigTypeError(
+                    f"Join: joinables[{i}] is a {type(j).__name__}, not a "
+                    "Joinable (DistributedDataParallel, DistributedGradReducer)"
+                )
         check_bool("enable", enable)
         check_bool("throw_on_early_termination", throw_on_early_termination)
         groups = {id(our_group(j)) for j in joinables}
         if len(groups) > 1:
-            raise ConfigError("Join: the joinables use different process groups; one Join "
-                              "handles the collectives of one group")
+            raise ConfigError(
+                "Join: the joinables use different process groups; one Join "
+                "handles the collectives of one group"
+            )
         self._joinables = list(joinables)
         self._enable = enable
         self._throw = throw_on_early_termination
@@ -140,8 +152,9 @@ class Join:
             self._key = f"nccl_ddp/join/{self._group.name}/{next(_count(self._group.name))}"
         return self
 
-    def __exit__(self, typ: Optional[type], value: Optional[BaseException],
-                 tb: Optional[TracebackType]) -> Optional[bool]:
+    def __exit__(
+        self, typ: Optional[type], value: Optional[BaseException], tb: Optional[TracebackType]
+    ) -> Optional[bool]:
         try:
             if not self._enable:
                 return None
@@ -166,16 +179,19 @@ class Join:
             if nonjoined == 0:
                 break
             if self._throw:
-                raise JoinError(f"rank {self._group.rank} exhausted all inputs "
-                                "(throw_on_early_termination=True)")
+                raise JoinError(
+                    f"rank {self._group.rank} exhausted all inputs (throw_on_early_termination=True)"
+                )
             for hook in self._hooks:
                 hook.main_hook()
             is_last_joiner = False
             rounds += 1
             if rounds == 1000:
-                log.warning("rank %d has at least 1000 fewer inputs than another rank still "
-                            "training; uneven inputs this skewed waste that many steps' time",
-                            self._group.rank)
+                log.warning(
+                    "rank %d has at least 1000 fewer inputs than another rank still "
+                    "training; uneven inputs this skewed waste that many steps' time",
+                    self._group.rank,
+                )
         for hook in self._hooks:
             hook.post_hook(is_last_joiner)
 
@@ -216,8 +232,7 @@ class Join:
         if store is None:
             return None
         try:
-            return store.get(f"{self._key}/error1", timeout=PEER_ERROR_WAIT_S).decode(
-                errors="replace")
+            return store.get(f"{self._key}/error1", timeout=PEER_ERROR_WAIT_S).decode(errors="replace")
         except StoreError:
             return None
 
@@ -234,17 +249,18 @@ class Join:
         group = our_group(joinable)
         active, stop = exchange(group, [1, 0], "Join's count")
         if stop:
-            raise JoinError(f"rank {group.rank}: detected at least one rank that exhausted its "
-                            "inputs (throw_on_early_termination=True); throwing on every rank")
+            raise JoinError(
+                f"rank {group.rank}: detected at least one rank that exhausted its "
+                "inputs (throw_on_early_termination=True); throwing on every rank"
+            )
         return active
 
 
-def exchange(group: ProcessGroup, values: List[int], tag: str,
-             op: ReduceOp = ReduceOp.SUM) -> List[int]:
+def exchange(group: ProcessGroup, values: List[int], tag: str, op: ReduceOp = ReduceOp.SUM) -> List[int]:
     """A small int32 all-reduce of `values`, in the caller's stream order; the reduced values."""
     from nccl_ddp.device import get_device
-    device = get_device("host" if group.backend == "host" else "cuda",
-                        getattr(group, "device_id", None))
+
+    device = get_device("host" if group.backend == "host" else "cuda", getattr(group, "device_id", None))
     buf = device.xp.asarray(np.asarray(values, dtype=np.int32))
     group.all_reduce(buf, op, stream=device.current_stream(), tag=tag).wait(group.timeout)
     return [int(v) for v in to_host(buf)]
@@ -259,6 +275,7 @@ def _count(name: str) -> Iterator[int]:
 
 def _store() -> Any:
     from nccl_ddp.comm import api
+
     try:
         return api.get_store()
     except NcclDdpError:
@@ -274,8 +291,10 @@ class ShadowJoinHook(JoinHook):
     def __init__(self, joinable: Shadowing, owner: str, kwargs: Dict[str, Any]) -> None:
         unknown = set(kwargs) - {"divide_by_initial_world_size"}
         if unknown:
-            raise ConfigError(f"Join: unknown keyword arguments {sorted(unknown)} for {owner} (it "
-                              "takes divide_by_initial_world_size)")
+            raise ConfigError(
+                f"Join: unknown keyword arguments {sorted(unknown)} for {owner} (it "
+                "takes divide_by_initial_world_size)"
+            )
         divide = kwargs.get("divide_by_initial_world_size", True)
         check_bool("divide_by_initial_world_size", divide)
         self.joinable = joinable

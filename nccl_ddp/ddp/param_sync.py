@@ -6,6 +6,7 @@ exchanged, so that every rank raises the same `RankMismatchError` naming the fir
 The broadcast packs the bytes of parameters and buffers (any dtypes) into chunks, one broadcast
 per chunk.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -21,22 +22,27 @@ from nccl_ddp.device.base import Device
 from nccl_ddp.errors import RankMismatchError
 
 
-def check_same_params(specs: Sequence[ParamSpec], group: ProcessGroup, device: Device,
-                      settings: Optional[dict] = None, *,
-                      owner: str = "DistributedDataParallel") -> None:
+def check_same_params(
+    specs: Sequence[ParamSpec],
+    group: ProcessGroup,
+    device: Device,
+    settings: Optional[dict] = None,
+    *,
+    owner: str = "DistributedDataParallel",
+) -> None:
     """`RankMismatchError` on every rank unless all ranks have the same shapes and dtypes and the
     same `settings` (name -> JSON value: the options of `owner` that every rank must share)."""
-    settings = json.loads(json.dumps(settings or {}))     # tuples -> lists, as the peers' arrive
+    settings = json.loads(json.dumps(settings or {}))  # tuples -> lists, as the peers' arrive
     # names, where the framework gives them: same-shape parameters in a different order would
     # otherwise pass and be averaged with the wrong tensors
     text = ";".join(f"{s.name or ''}:{tuple(s.shape)}:{s.dtype}" for s in specs)
-    digest = hashlib.sha256(
-        f"{len(specs)}|{text}|{json.dumps(settings, sort_keys=True)}".encode()).digest()
+    digest = hashlib.sha256(f"{len(specs)}|{text}|{json.dumps(settings, sort_keys=True)}".encode()).digest()
     digests = _all_gather_bytes(digest, group, device)
     if all(d == digests[0] for d in digests):
         return
-    mine = json.dumps({"params": [[list(s.shape), str(s.dtype), s.name] for s in specs],
-                       "settings": settings}).encode()
+    mine = json.dumps(
+        {"params": [[list(s.shape), str(s.dtype), s.name] for s in specs], "settings": settings}
+    ).encode()
     lengths = _all_gather_bytes(np.int64(len(mine)).tobytes(), group, device)
     longest = max(int(np.frombuffer(n, dtype=np.int64)[0]) for n in lengths)
     blobs = _all_gather_bytes(mine.ljust(longest, b" "), group, device)
@@ -55,10 +61,12 @@ def _first_mismatch(described: list, owner: str) -> str:
             names = a is not None and b is not None and a[2] != b[2]
             name = (a or b or (None, None, None))[2]
             label = f"parameter {i}" + (f" ({name!r})" if name and not names else "")
-            return (f"the wrapped parameters differ across ranks: {label}: "
-                    f"rank 0 has {_describe(a, len(base), names)}, "
-                    f"rank {r} has {_describe(b, len(other), names)}. "
-                    "Every rank must wrap the same model (same parameters in the same order).")
+            return (
+                f"the wrapped parameters differ across ranks: {label}: "
+                f"rank 0 has {_describe(a, len(base), names)}, "
+                f"rank {r} has {_describe(b, len(other), names)}. "
+                "Every rank must wrap the same model (same parameters in the same order)."
+            )
     base = described[0]["settings"]
     for r, other in enumerate((d["settings"] for d in described[1:]), start=1):
         for key in sorted(set(base) | set(other)):
@@ -69,8 +77,10 @@ def _first_mismatch(described: list, owner: str) -> str:
             if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):  # per parameter
                 i = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
                 what, a, b = f"{key} of parameter {i}", a[i], b[i]
-            return (f"ranks created {owner} with different settings: {what}: rank 0 has {a!r}, "
-                    f"rank {r} has {b!r}. Every rank must pass the same {key}.")
+            return (
+                f"ranks created {owner} with different settings: {what}: rank 0 has {a!r}, "
+                f"rank {r} has {b!r}. Every rank must pass the same {key}."
+            )
     return "the wrapped parameters or settings differ across ranks (digest mismatch)"
 
 
@@ -85,11 +95,12 @@ def _all_gather_bytes(data: bytes, group: ProcessGroup, device: Device) -> list:
     out = device.xp.empty(len(data) * group.size, dtype=np.uint8)
     group.all_gather(out, inp).wait(group.timeout)
     host = to_host(out)
-    return [host[r * len(data):(r + 1) * len(data)].tobytes() for r in range(group.size)]
+    return [host[r * len(data) : (r + 1) * len(data)].tobytes() for r in range(group.size)]
 
 
-def broadcast_coalesced(arrays: Sequence[Any], group: ProcessGroup, device: Device,
-                        chunk_bytes: int, src: int = 0) -> None:
+def broadcast_coalesced(
+    arrays: Sequence[Any], group: ProcessGroup, device: Device, chunk_bytes: int, src: int = 0
+) -> None:
     """Overwrite every rank's `arrays` (any dtypes and strides, writable) with rank `src`'s: their
     bytes packed into one buffer per chunk of up to `chunk_bytes` (an array larger than that
     goes alone), so a model's parameters or buffers cost one broadcast per chunk."""
@@ -128,9 +139,9 @@ def _offsets(arrays: Sequence[Any], align: int = 16) -> list:
 
 def _pack_bytes(arrays: Sequence[Any], buf: Any) -> None:
     for a, off in zip(arrays, _offsets(arrays)):
-        buf[off:off + a.nbytes] = a.reshape(-1).view(np.uint8)    # reshape copies if strided
+        buf[off : off + a.nbytes] = a.reshape(-1).view(np.uint8)  # reshape copies if strided
 
 
 def _unpack_bytes(arrays: Sequence[Any], buf: Any) -> None:
     for a, off in zip(arrays, _offsets(arrays)):
-        a[...] = buf[off:off + a.nbytes].view(a.dtype).reshape(a.shape)
+        a[...] = buf[off : off + a.nbytes].view(a.dtype).reshape(a.shape)

@@ -9,6 +9,7 @@ too small to be worth it (`min_compression_rate`), and every grad before `start_
 are all-reduced as they are. Same arithmetic and order as torch's, so the results agree to
 float32 rounding given the same initial Q (`random_factors`).
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -25,19 +26,27 @@ from nccl_ddp.validate import check_bool, check_positive_int
 class PowerSGDState:
     """The options and the per-bucket memory of `powerSGD_hook` (torch's `PowerSGDState`)."""
 
-    def __init__(self, process_group: Optional[ProcessGroup] = None,
-                 matrix_approximation_rank: int = 1, start_powerSGD_iter: int = 1_000,
-                 min_compression_rate: float = 2, use_error_feedback: bool = True,
-                 warm_start: bool = True, orthogonalization_epsilon: float = 0,
-                 random_seed: int = 0) -> None:
+    def __init__(
+        self,
+        process_group: Optional[ProcessGroup] = None,
+        matrix_approximation_rank: int = 1,
+        start_powerSGD_iter: int = 1_000,
+        min_compression_rate: float = 2,
+        use_error_feedback: bool = True,
+        warm_start: bool = True,
+        orthogonalization_epsilon: float = 0,
+        random_seed: int = 0,
+    ) -> None:
         check_positive_int("matrix_approximation_rank", matrix_approximation_rank)
         check_positive_int("start_powerSGD_iter", start_powerSGD_iter, allow_zero=True)
         check_bool("use_error_feedback", use_error_feedback)
         check_bool("warm_start", warm_start)
         if (use_error_feedback or warm_start) and start_powerSGD_iter <= 1:
-            raise ConfigError("start_powerSGD_iter must be > 1 when use_error_feedback or warm_start "
-                              f"is on (got {start_powerSGD_iter}): PowerSGD can only start after "
-                              "the buckets are rebuilt, at the second step")
+            raise ConfigError(
+                "start_powerSGD_iter must be > 1 when use_error_feedback or warm_start "
+                f"is on (got {start_powerSGD_iter}): PowerSGD can only start after "
+                "the buckets are rebuilt, at the second step"
+            )
         self.process_group = process_group
         self.matrix_approximation_rank = matrix_approximation_rank
         self.start_powerSGD_iter = start_powerSGD_iter
@@ -60,8 +69,11 @@ class PowerSGDState:
     def compression_stats(self) -> tuple:
         """(rate, elements before compression, elements after), summed over every hook call."""
         after = self.total_numel_after_compression
-        return (self.total_numel_before_compression / after if after else 0,
-                self.total_numel_before_compression, after)
+        return (
+            self.total_numel_before_compression / after if after else 0,
+            self.total_numel_before_compression,
+            after,
+        )
 
     def random_factors(self, seed: int, shapes: List[tuple], dtype: Any) -> List[np.ndarray]:
         """The initial Qs of one bucket, standard normal (override to choose them)."""
@@ -106,13 +118,14 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> Future:  # noqa: 
         else:
             uncompressed.append(t)
             state.total_numel_after_compression += n * m
-    flat_unc = (xp.concatenate([t.reshape(-1) for t in uncompressed]) if uncompressed
-                else xp.zeros(0, buf.dtype))
+    flat_unc = (
+        xp.concatenate([t.reshape(-1) for t in uncompressed]) if uncompressed else xp.zeros(0, buf.dtype)
+    )
     randomize = not state.warm_start or b not in state.p_memory_dict
     if randomize:
         state.p_memory_dict[b] = xp.empty(p_size, buf.dtype)
         state.q_memory_dict[b] = xp.empty(q_size, buf.dtype)
-    by_shape: Dict[tuple, list] = defaultdict(list)   # torch's order: grouped by shape
+    by_shape: Dict[tuple, list] = defaultdict(list)  # torch's order: grouped by shape
     for mat in to_compress:
         by_shape[mat.shape].append(mat)
     mats, ps, qs = [], [], []
@@ -122,8 +135,8 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> Future:  # noqa: 
             n, m = mat.shape
             r = min(n, m, state.matrix_approximation_rank)
             mats.append(mat)
-            ps.append(state.p_memory_dict[b][pi:pi + n * r].reshape(n, r))
-            qs.append(state.q_memory_dict[b][qi:qi + m * r].reshape(m, r))
+            ps.append(state.p_memory_dict[b][pi : pi + n * r].reshape(n, r))
+            qs.append(state.q_memory_dict[b][qi : qi + m * r].reshape(m, r))
             pi, qi = pi + n * r, qi + m * r
     eps = state.orthogonalization_epsilon
     if randomize:
@@ -138,7 +151,7 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> Future:  # noqa: 
     flat_unc /= world
     at = 0
     for t in uncompressed:
-        t[...] = flat_unc[at:at + t.size].reshape(t.shape)
+        t[...] = flat_unc[at : at + t.size].reshape(t.shape)
         at += t.size
     all_reduce_fut(group, state.p_memory_dict[b]).wait()
     for p in ps:
@@ -168,11 +181,11 @@ def orthogonalize(mat: Any, epsilon: float = 0) -> None:
         mat[...] = q
         return
     for i in range(r):
-        col = mat[:, i:i + 1]
+        col = mat[:, i : i + 1]
         norm = xp.sqrt(xp.sum(col * col, axis=0, keepdims=True))
         col /= norm + mat.dtype.type(epsilon) if epsilon else norm
         if i + 1 < r:
-            rest = mat[:, i + 1:]
+            rest = mat[:, i + 1 :]
             rest -= xp.sum(col * rest, axis=0, keepdims=True) * col
 
 
@@ -180,4 +193,5 @@ def _xp(a: Any) -> Any:
     if isinstance(a, np.ndarray):
         return np
     import cupy  # only reached for CuPy buckets
+
     return cupy

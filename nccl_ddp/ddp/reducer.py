@@ -14,6 +14,7 @@ The mode (`DDPConfig.reducer_mode` and the module) says how grads relate to the 
 - "python": PythonReducer, one all-reduce per grad, no fused kernels.
 All three give the same numbers.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -57,42 +58,60 @@ class Reducer:
     number of stream calls per bucket, inside `stream_scope()`).
     """
 
-    def __init__(self, params: Sequence[Any], grads: List[Any], group: ProcessGroup, device: Any,
-                 config: DDPConfig, *, names: Optional[Sequence[Optional[str]]] = None,
-                 install: Optional[InstallFn] = None,
-                 stream_scope: StreamScope = contextlib.nullcontext) -> None:
+    def __init__(
+        self,
+        params: Sequence[Any],
+        grads: List[Any],
+        group: ProcessGroup,
+        device: Any,
+        config: DDPConfig,
+        *,
+        names: Optional[Sequence[Optional[str]]] = None,
+        install: Optional[InstallFn] = None,
+        stream_scope: StreamScope = contextlib.nullcontext,
+    ) -> None:
         self.params = list(params)
-        self.grads = grads                  # native arrays; entries replaced by views on install
+        self.grads = grads  # native arrays; entries replaced by views on install
         self.group, self.device, self.config = group, device, config
         self.names = list(names) if names is not None else [None] * len(self.params)
-        self.specs = [ParamSpec(tuple(p.shape), np.dtype(p.dtype), n)
-                      for p, n in zip(self.params, self.names)]
+        self.specs = [
+            ParamSpec(tuple(p.shape), np.dtype(p.dtype), n) for p, n in zip(self.params, self.names)
+        ]
         self._install = install
         self.stream_scope = stream_scope
         self.comm = device.new_stream()
         self.submitter = BucketSubmitter(
-            group, device, self.comm, specs=self.specs, params=self.params,
-            average_in_collective=config.average_in_collective, label=self._label)
-        self.sync_enabled = True            # False inside no_sync()
-        self.steps = 0                      # synchronised steps finished
-        self.excluded: frozenset = frozenset()   # static graph: unused in step 1, never reduced
-        self.unused_last_step: frozenset = frozenset()   # no rank used them (find_unused/static)
-        self._used_unsynced: set = set()    # marked ready in no_sync() steps since the last sync
+            group,
+            device,
+            self.comm,
+            specs=self.specs,
+            params=self.params,
+            average_in_collective=config.average_in_collective,
+            label=self._label,
+        )
+        self.sync_enabled = True  # False inside no_sync()
+        self.steps = 0  # synchronised steps finished
+        self.excluded: frozenset = frozenset()  # static graph: unused in step 1, never reduced
+        self.unused_last_step: frozenset = frozenset()  # no rank used them (find_unused/static)
+        self._used_unsynced: set = set()  # marked ready in no_sync() steps since the last sync
         self._arrival: List[int] = []
-        self._ready = bytearray(len(self.params))   # 1: grad i is ready this step
-        self._count = 0                     # grads ready this step (ones in _ready)
+        self._ready = bytearray(len(self.params))  # 1: grad i is ready this step
+        self._count = 0  # grads ready this step (ones in _ready)
         self._open = False
-        self._fast = False                  # mark_ready may take its fast path (see there)
-        self._backward_ended = False        # this step's end of backward is on the timeline
+        self._fast = False  # mark_ready may take its fast path (see there)
+        self._backward_ended = False  # this step's end of backward is on the timeline
         self._step_syncs = True
         self._uses_prepare = False
-        self._failure = StepFailure(group.rank, "DistributedDataParallel")   # what broke a step
-        self.on_open: Optional[Callable[[bool], None]] = None   # Join: on_open(syncs) per step
+        self._failure = StepFailure(group.rank, "DistributedDataParallel")  # what broke a step
+        self.on_open: Optional[Callable[[bool], None]] = None  # Join: on_open(syncs) per step
         self.step_divisor: Optional[int] = None  # Join: divide by the active ranks this step
-        self._used_globally = np.zeros(len(self.params), dtype=bool)   # by the last bitmap
-        self._finite = (FiniteCheck(config.check_finite, device, group.rank, self._settle,
-                                    self._label) if config.check_finite else None)
-        self.sharding: Optional[ReduceScatter] = None   # ZeRO-2 (enable_sharding)
+        self._used_globally = np.zeros(len(self.params), dtype=bool)  # by the last bitmap
+        self._finite = (
+            FiniteCheck(config.check_finite, device, group.rank, self._settle, self._label)
+            if config.check_finite
+            else None
+        )
+        self.sharding: Optional[ReduceScatter] = None  # ZeRO-2 (enable_sharding)
         self._set_layout(assign_buckets(self.specs, config.cap_bytes, config.first_cap_bytes))
 
     # ------------------------------------------------------------------ layout and memory
@@ -130,14 +149,17 @@ class Reducer:
         (`sharding.outputs`); the layout is padded for the group and no longer rebuilt."""
         if self.sharding is not None:
             return self.sharding.shards
-        refuse_unshardable(self.group.rank, self.config.reducer_mode, self.config.static_graph,
-                           self.submitter.hook)
+        refuse_unshardable(
+            self.group.rank, self.config.reducer_mode, self.config.static_graph, self.submitter.hook
+        )
         if self._open and self._count:
-            raise ReducerError(f"rank {self.group.rank}: sharding enabled in the middle of a "
-                               "step; build the sharded optimizer before the first backward")
+            raise ReducerError(
+                f"rank {self.group.rank}: sharding enabled in the middle of a "
+                "step; build the sharded optimizer before the first backward"
+            )
         shards = shard_layout(self.layout, self.group.size, self.device.align_bytes)
         self._set_layout(shards.layout)
-        assert self.memory is not None     # CppReducer (refused above otherwise)
+        assert self.memory is not None  # CppReducer (refused above otherwise)
         self.sharding = ReduceScatter(self.group, self.device, shards, self.memory)
         self.submitter.collective = self.sharding
         self.submitter.average_in_collective = True
@@ -157,10 +179,11 @@ class Reducer:
         if self.config.reducer_mode == "PythonReducer":
             return
         self.memory = BucketBuffers(layout, self.device)
-        if self._install is None:       # the framework cannot alias its grads: pack/unpack
+        if self._install is None:  # the framework cannot alias its grads: pack/unpack
             return
-        self.memory.adopt_grads(self.grads, [s.shape for s in self.specs], self._install,
-                                self.device.current_stream())
+        self.memory.adopt_grads(
+            self.grads, [s.shape for s in self.specs], self._install, self.device.current_stream()
+        )
         self._views_installed = True
         log.debug("rank %d: bucket layout %s (%s mode)", self.group.rank, layout.summary(), self.mode)
 
@@ -170,9 +193,12 @@ class Reducer:
         """Called by the wrapper's forward: the next grads belong to a new step."""
         self._failure.check()
         if self._open and self._step_syncs and self._count:
-            raise ReducerError(self._missing_message(
-                "Expected to have finished reduction in the prior iteration before starting a new "
-                "one (forward was called again before every grad of the previous step was ready)"))
+            raise ReducerError(
+                self._missing_message(
+                    "Expected to have finished reduction in the prior iteration before starting a new "
+                    "one (forward was called again before every grad of the previous step was ready)"
+                )
+            )
         self._uses_prepare = True
         self._open_step()
 
@@ -213,7 +239,7 @@ class Reducer:
             if (b == self._next and not pending[b]) or self._count == self._expected:
                 with self.stream_scope(), self._failure.closes_step(self._abandon_step):
                     if self._count == self._expected:
-                        with self.comm.awaited():   # the step waits for what is left at once
+                        with self.comm.awaited():  # the step waits for what is left at once
                             self._mark_backward_end()
                             self._launch_ready()
                             self._finalize()
@@ -231,19 +257,22 @@ class Reducer:
                 raise ReducerError(
                     f"rank {self.group.rank}: grad {self._label(i)} marked ready after the step was "
                     "finalized and before the next forward; call the DDP wrapper (forward) before "
-                    "each backward, or use it only through mark_ready without forward calls")
+                    "each backward, or use it only through mark_ready without forward calls"
+                )
             self._open_step()
         if self._ready[i]:
             raise ReducerError(
                 f"rank {self.group.rank}: Expected to mark a variable ready only once. Parameter "
                 f"{self._label(i)} was marked ready twice in step {self.steps}. Causes: the grad hook "
                 "ran twice (the parameter is used twice with a hook per use, or backward ran twice "
-                "without a forward in between); mark each parameter once per backward.")
+                "without a forward in between); mark each parameter once per backward."
+            )
         if i in self.excluded and self._step_syncs:
             raise ReducerError(
                 f"rank {self.group.rank}: parameter {self._label(i)} received a grad, but with "
                 "static_graph=True it was unused in the first step and is no longer reduced; the "
-                "graph is not static: use find_unused_parameters=True instead")
+                "graph is not static: use find_unused_parameters=True instead"
+            )
         if self._count == 0 and self._step_syncs:
             self.prof.mark("backward", "start", self.device.current_stream())
         if grad is not None and grad is not self.grads[i]:
@@ -291,21 +320,21 @@ class Reducer:
         # one rank, view mode, no hook or flags: the bucket's only work is the bookkeeping of an
         # identity all-reduce, nothing worth overlapping: an idle host comm stream runs it on
         # this thread instead of waking its worker (a CUDA stream queues it)
-        alone = (self.group.size == 1 and mode == "view" and self.submitter.hook is None
-                 and self._finite is None)
+        alone = (
+            self.group.size == 1 and mode == "view" and self.submitter.hook is None and self._finite is None
+        )
         with self.comm.awaited() if alone else contextlib.nullcontext():
             self.comm.wait(self.device.current_stream().record())
             # (in view mode the grads are views of the buffer: the buffer is all it needs)
             grads = [] if mode == "view" else [self.grads[p] for p in bucket.params]
-            buf = None if self.memory is None else self.memory.buffers[b]   # None: PythonReducer
+            buf = None if self.memory is None else self.memory.buffers[b]  # None: PythonReducer
             flag = None if self._finite is None else self._finite.flag(b)
             self.submitter.submit(self.layout, b, mode, grads, buf, flag, self.step_divisor)
             self._done.append(self.comm.record())
 
     def _broadcast_here(self, buf: Any, tag: str) -> None:
         """Rank 0's `buf` to every rank, in comm-stream order (like `all_reduce_here`)."""
-        self.group.broadcast(buf, 0, stream=self.device.current_stream(),
-                             tag=tag).wait(self.group.timeout)
+        self.group.broadcast(buf, 0, stream=self.device.current_stream(), tag=tag).wait(self.group.timeout)
 
     def finalize(self) -> None:
         """End the step: launch what is left, make the compute stream wait for every bucket.
@@ -315,8 +344,7 @@ class Reducer:
         bitmap all-reduce tells which params no rank used: those keep their previous grad.
         """
         self._failure.check()
-        with self.stream_scope(), self._failure.closes_step(self._abandon_step), \
-                self.comm.awaited():
+        with self.stream_scope(), self._failure.closes_step(self._abandon_step), self.comm.awaited():
             self._finalize()
 
     def _mark_backward_end(self) -> None:
@@ -330,7 +358,7 @@ class Reducer:
         self._fast = False
         if not self._open:
             return
-        if not self._step_syncs:   # no_sync(): grads stay local and keep accumulating
+        if not self._step_syncs:  # no_sync(): grads stay local and keep accumulating
             self._open = False
             return
         self._mark_backward_end()
@@ -342,12 +370,16 @@ class Reducer:
                 self._set_ready(i)
         self._used_unsynced = set()
         checks_unused = self._checks_unused()
-        missing = [] if self._count == len(self.params) else [
-            i for i in range(len(self.params)) if not self._ready[i] and i not in self.excluded]
+        missing = (
+            []
+            if self._count == len(self.params)
+            else [i for i in range(len(self.params)) if not self._ready[i] and i not in self.excluded]
+        )
         if missing and not checks_unused:
             self._open = False
-            raise ReducerError(self._missing_message(
-                "Expected every parameter to receive a grad before the end of the step"))
+            raise ReducerError(
+                self._missing_message("Expected every parameter to receive a grad before the end of the step")
+            )
         saved = {}
         if checks_unused:
             compute = self.device.current_stream()
@@ -361,8 +393,9 @@ class Reducer:
         # comm:    ─[bucket 0]─●done 0 ─ ... ─[bucket n-1]─●done n-1
         for ev in self._done:
             compute.wait(ev)
-        unused_everywhere = self._end_collectives(np.frombuffer(self._ready, np.uint8),
-                                                  missing, checks_unused)
+        unused_everywhere = self._end_collectives(
+            np.frombuffer(self._ready, np.uint8), missing, checks_unused
+        )
         for i in unused_everywhere:
             compute.submit(copy_into, self.grads[i], saved[i])
         self.unused_last_step = frozenset(unused_everywhere)
@@ -374,8 +407,7 @@ class Reducer:
 
     def _checks_unused(self) -> bool:
         """Whether this step's end finds the parameters no rank used (a bitmap all-reduce)."""
-        return self.config.find_unused_parameters or (
-            self.config.static_graph and self.steps == 0)
+        return self.config.find_unused_parameters or (self.config.static_graph and self.steps == 0)
 
     def _settle(self) -> None:
         """Wait until the step's reduced non-finite flags can be read (the compute stream
@@ -393,24 +425,30 @@ class Reducer:
         box: list = []
         self.comm.wait(self.device.current_stream().record())
         self.comm.submit(self._reduce_bitmap_and_flags, bitmap, flags, box)
-        if not checks_unused:   # check_finite only: read lazily (or at once with "raise")
+        if not checks_unused:  # check_finite only: read lazily (or at once with "raise")
             self.device.current_stream().wait(self.comm.record())
             return []
         # blocks on the bitmap, as PyTorch's find_unused_parameters does at the end of backward
         self.comm.synchronize(self.group.timeout)
         used = to_host(box[0])
-        self._used_globally = used[:len(self.params)] > 0
+        self._used_globally = used[: len(self.params)] > 0
         return [i for i in missing if used[i] == 0]
 
     def _reduce_bitmap_and_flags(self, bitmap: np.ndarray, flags: Any, box: list) -> None:
         xp = self.device.xp
         parts = ([xp.asarray(bitmap)] if bitmap.size else []) + ([] if flags is None else [flags])
         buf = xp.concatenate(parts) if len(parts) > 1 else parts[0]
-        what = " and ".join(w for w, on in (("the used-parameter bitmap", bitmap.size),
-                                            ("the non-finite flags", flags is not None)) if on)
+        what = " and ".join(
+            w
+            for w, on in (
+                ("the used-parameter bitmap", bitmap.size),
+                ("the non-finite flags", flags is not None),
+            )
+            if on
+        )
         all_reduce_here(self.group, self.device, buf, ReduceOp.SUM, what)
         if flags is not None and len(parts) > 1:
-            flags[...] = buf[bitmap.size:]
+            flags[...] = buf[bitmap.size :]
         box.append(buf)
 
     def _close_step(self, unused_everywhere: list) -> None:
@@ -418,8 +456,11 @@ class Reducer:
         self.steps += 1
         if first and self.config.static_graph:
             self.excluded = frozenset(unused_everywhere)
-        if first and (self.config.static_graph or not self.config.find_unused_parameters) \
-                and self.sharding is None:
+        if (
+            first
+            and (self.config.static_graph or not self.config.find_unused_parameters)
+            and self.sharding is None
+        ):
             self._rebuild()
 
     def shadow_step(self, divisor: Optional[int] = None) -> None:
@@ -431,11 +472,14 @@ class Reducer:
             raise ConfigError(
                 f"rank {self.group.rank}: Join with a sharded optimizer (ZeRO-2): a joined rank "
                 "cannot stand in for the reduce-scatter and the parameter all-gather of the "
-                "others; give every rank the same number of batches (or use ZeRO-1)")
+                "others; give every rank the same number of batches (or use ZeRO-1)"
+            )
         if self._open and self._count:
-            raise ReducerError(f"rank {self.group.rank}: a step is half done ({self._count} "
-                               "grads ready) while this rank has joined; "
-                               "finish backward before leaving the Join block")
+            raise ReducerError(
+                f"rank {self.group.rank}: a step is half done ({self._count} "
+                "grads ready) while this rank has joined; "
+                "finish backward before leaving the Join block"
+            )
         with self._failure.closes_step(self._abandon_step):
             self._open = self._fast = False
             if self._finite is not None:
@@ -445,7 +489,7 @@ class Reducer:
             self.comm.wait(compute.record())
             for b, bucket in enumerate(self.layout.buckets):
                 buf = self.device.zeros(bucket.padded, bucket.dtype)
-                grads = [buf[o:o + n] for o, n in zip(bucket.offsets, bucket.numels)]
+                grads = [buf[o : o + n] for o, n in zip(bucket.offsets, bucket.numels)]
                 flag = None if self._finite is None else self._finite.flag(b)
                 self.submitter.submit(self.layout, b, mode, grads, buf, flag, divisor)
             compute.wait(self.comm.record())
@@ -469,14 +513,19 @@ class Reducer:
         n = len(self.params)
         order = np.full(n, -1, dtype=np.int64)
         arrived = list(dict.fromkeys(self._arrival))
-        order[:len(arrived)] = arrived
+        order[: len(arrived)] = arrived
         buf = self.device.xp.asarray(order)
         self.comm.wait(self.device.current_stream().record())
         self.comm.submit(self._broadcast_here, buf, "rank 0's grad arrival order")
         self.comm.synchronize(self.group.timeout)
         rank0_order = [int(i) for i in to_host(buf) if i >= 0]
-        layout = assign_buckets(self.specs, self.config.cap_bytes, self.config.first_cap_bytes,
-                                order=rank0_order, exclude=sorted(self.excluded))
+        layout = assign_buckets(
+            self.specs,
+            self.config.cap_bytes,
+            self.config.first_cap_bytes,
+            order=rank0_order,
+            exclude=sorted(self.excluded),
+        )
         self._arrival = []
         if layout.buckets == self.layout.buckets:
             return
@@ -498,7 +547,8 @@ class Reducer:
             raise ReducerError(
                 f"rank {self.group.rank}: zero_grad() called in the middle of a step ("
                 f"{self._count} grads already marked ready); call it before forward or "
-                "after the optimizer step")
+                "after the optimizer step"
+            )
         compute = self.device.current_stream()
         if self.mode == "view" and self.memory is not None:
             for buf in self.memory.buffers:
@@ -526,16 +576,17 @@ class Reducer:
         return f"{i} ({name!r})" if name else str(i)
 
     def _missing_message(self, head: str) -> str:
-        missing = [i for i in range(len(self.params))
-                   if not self._ready[i] and i not in self.excluded]
+        missing = [i for i in range(len(self.params)) if not self._ready[i] and i not in self.excluded]
         shown = ", ".join(self._label(i) for i in missing[:20])
         more = f" and {len(missing) - 20} more" if len(missing) > 20 else ""
-        return (f"rank {self.group.rank}: {head}. This error indicates that your module has "
-                "parameters that were not used in producing loss. Parameter indices which did not "
-                f"receive grad for rank {self.group.rank}: {shown}{more}. You can enable unused "
-                "parameter detection by passing find_unused_parameters=True to "
-                "DistributedDataParallel (and calling finalize() after backward), or make sure every "
-                "parameter gets a grad (mark_ready) in every step.")
+        return (
+            f"rank {self.group.rank}: {head}. This error indicates that your module has "
+            "parameters that were not used in producing loss. Parameter indices which did not "
+            f"receive grad for rank {self.group.rank}: {shown}{more}. You can enable unused "
+            "parameter detection by passing find_unused_parameters=True to "
+            "DistributedDataParallel (and calling finalize() after backward), or make sure every "
+            "parameter gets a grad (mark_ready) in every step."
+        )
 
 
 def _accumulate(dst: Any, src: Any) -> None:

@@ -6,6 +6,7 @@ comm-stream order while backward goes on. It averages in the collective, so the 
 steps and without `zero_grad()` stays what an all-reduce DDP gives, and only the owned slice of
 the reduced grad is kept (`outputs[b]`, `shard_numel[b]` elements in the bucket's dtype).
 """
+
 from __future__ import annotations
 
 from typing import Any, List
@@ -21,22 +22,25 @@ class ReduceScatter:
 
     phase = "reducescatter"
 
-    def __init__(self, group: ProcessGroup, device: Any, shards: ShardLayout,
-                 memory: BucketBuffers) -> None:
+    def __init__(self, group: ProcessGroup, device: Any, shards: ShardLayout, memory: BucketBuffers) -> None:
         if memory.layout != shards.layout:
             raise ConfigError(f"rank {group.rank}: bucket memory is not laid out for the shards")
         self.group, self.device, self.shards = group, device, shards
-        self.outputs: List[Any] = [device.zeros(s, b.dtype)
-                                   for s, b in zip(shards.shard_numel, shards.layout.buckets)]
+        self.outputs: List[Any] = [
+            device.zeros(s, b.dtype) for s, b in zip(shards.shard_numel, shards.layout.buckets)
+        ]
         self._index = {id(buf): b for b, buf in enumerate(memory.buffers)}
 
     def __call__(self, buf: Any, op: ReduceOp, tag: str) -> None:
         b = self._index.get(id(buf))
         if b is None:
-            raise ReducerError(f"rank {self.group.rank}: {tag} is not one of the sharded "
-                               "buckets (a comm hook or Join cannot reduce-scatter)")
-        self.group.reduce_scatter(self.outputs[b], buf, op, stream=self.device.current_stream(),
-                                  tag=tag).wait(self.group.timeout)
+            raise ReducerError(
+                f"rank {self.group.rank}: {tag} is not one of the sharded "
+                "buckets (a comm hook or Join cannot reduce-scatter)"
+            )
+        self.group.reduce_scatter(
+            self.outputs[b], buf, op, stream=self.device.current_stream(), tag=tag
+        ).wait(self.group.timeout)
 
 
 def refuse_unshardable(rank: int, reducer_mode: str, static_graph: bool, hook: Any) -> None:
@@ -45,13 +49,15 @@ def refuse_unshardable(rank: int, reducer_mode: str, static_graph: bool, hook: A
     if reducer_mode == "PythonReducer":
         why = "reducer_mode='PythonReducer' reduces grad by grad, without buckets to shard"
     elif static_graph:
-        why = ("static_graph=True drops parameters unused in the first step from the buckets "
-               "after it, which would move every shard")
+        why = (
+            "static_graph=True drops parameters unused in the first step from the buckets "
+            "after it, which would move every shard"
+        )
     elif hook is not None:
-        why = (f"the registered comm hook {getattr(hook[1], '__name__', hook[1])!r} reduces "
-               "whole buckets")
+        why = f"the registered comm hook {getattr(hook[1], '__name__', hook[1])!r} reduces whole buckets"
     if why is not None:
         raise ConfigError(
             f"rank {rank}: a sharded optimizer (ZeRO-2) cannot shard this DistributedDataParallel: "
             f"{why}. Build the wrapper without it, or shard only the optimizer (ZeRO-1: "
-            "torch's DDP, or zero_stage=1 on a model not wrapped by nccl_ddp)")
+            "torch's DDP, or zero_stage=1 on a model not wrapped by nccl_ddp)"
+        )

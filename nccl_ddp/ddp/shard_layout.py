@@ -7,6 +7,7 @@ number of `align_bytes` units, so every shard starts aligned and a reduce-scatte
 sees equal chunks. `pieces(rank)` maps parameter element ranges to shard element ranges: what the
 optimizer steps, what a checkpoint slices. Plain, frozen data: memory and scheduling live elsewhere.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -74,8 +75,10 @@ class ShardLayout:
         return out
 
     def summary(self) -> str:
-        return "; ".join(f"bucket {b.index}: {self.world} x {s} {b.dtype}"
-                         for b, s in zip(self.layout.buckets, self.shard_numel))
+        return "; ".join(
+            f"bucket {b.index}: {self.world} x {s} {b.dtype}"
+            for b, s in zip(self.layout.buckets, self.shard_numel)
+        )
 
 
 def shard_layout(layout: BucketLayout, world: int, align_bytes: int = ALIGN_BYTES) -> ShardLayout:

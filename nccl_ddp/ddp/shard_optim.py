@@ -7,6 +7,7 @@ can hold it in torch's format.
     state = opt.init_state(master)                    # one per shard, zeros, master's device
     opt.step(master, grad, state, params_out=bf16_params, grad_scale=1 / world)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,8 +21,7 @@ from nccl_ddp.errors import ConfigError, ConfigTypeError
 from nccl_ddp.validate import check_bool
 
 
-def _number(owner: str, name: str, value: Any, *, low: float = 0.0,
-            below: Optional[float] = None) -> None:
+def _number(owner: str, name: str, value: Any, *, low: float = 0.0, below: Optional[float] = None) -> None:
     """A finite real `value` with low <= value (< below): else ConfigTypeError/ConfigError."""
     if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
         raise ConfigTypeError(f"{owner}: {name} must be a number, got {type(value).__name__}")
@@ -33,6 +33,7 @@ def _number(owner: str, name: str, value: Any, *, low: float = 0.0,
 @dataclasses.dataclass(frozen=True)
 class SGDConfig:
     """torch.optim.SGD's hyperparameters (maximize, foreach and fused have no meaning here)."""
+
     lr: float = 1e-3
     momentum: float = 0.0
     dampening: float = 0.0
@@ -44,14 +45,17 @@ class SGDConfig:
             _number("ShardSGD", name, getattr(self, name))
         check_bool("nesterov", self.nesterov)
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
-            raise ConfigError("ShardSGD: nesterov=True needs momentum > 0 and dampening == 0 "
-                              f"(got momentum={self.momentum}, dampening={self.dampening}), as "
-                              "torch.optim.SGD")
+            raise ConfigError(
+                "ShardSGD: nesterov=True needs momentum > 0 and dampening == 0 "
+                f"(got momentum={self.momentum}, dampening={self.dampening}), as "
+                "torch.optim.SGD"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
 class AdamWConfig:
     """torch.optim.AdamW's hyperparameters (maximize, capturable, foreach, fused excluded)."""
+
     lr: float = 1e-3
     betas: Tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
@@ -63,8 +67,7 @@ class AdamWConfig:
         _number("ShardAdamW", "eps", self.eps)
         _number("ShardAdamW", "weight_decay", self.weight_decay)
         if not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2:
-            raise ConfigTypeError(f"ShardAdamW: betas must be a pair (beta1, beta2), got "
-                                  f"{self.betas!r}")
+            raise ConfigTypeError(f"ShardAdamW: betas must be a pair (beta1, beta2), got {self.betas!r}")
         for i, b in enumerate(self.betas):
             _number("ShardAdamW", f"betas[{i}]", b, below=1.0)
         object.__setattr__(self, "betas", (float(self.betas[0]), float(self.betas[1])))
@@ -75,6 +78,7 @@ class AdamWConfig:
 class ShardState:
     """One shard's optimizer state: `step` (steps taken) and float32 arrays of the shard's size
     under torch's state names (momentum_buffer; exp_avg, exp_avg_sq, max_exp_avg_sq)."""
+
     step: int
     buffers: Dict[str, Any]
 
@@ -84,6 +88,7 @@ def _zeros_like(master: Any) -> Any:
     if isinstance(master, np.ndarray):
         return np.zeros(master.size, np.float32)
     from nccl_ddp.device.cuda import CudaDevice
+
     return CudaDevice(master.device.id).zeros(master.size, np.float32)
 
 
@@ -108,36 +113,63 @@ class _ShardOptimizer:
 
     def _buffers(self, state: ShardState) -> Dict[str, Any]:
         if not isinstance(state, ShardState):
-            raise ConfigTypeError(f"{type(self).__name__}.step: state must be the ShardState of "
-                                  f"init_state(master), got {type(state).__name__}")
+            raise ConfigTypeError(
+                f"{type(self).__name__}.step: state must be the ShardState of "
+                f"init_state(master), got {type(state).__name__}"
+            )
         missing = [n for n in self.state_names() if n not in state.buffers]
         if missing:
-            raise ConfigError(f"{type(self).__name__}.step: the state has no {missing} (built by "
-                              "another optimizer or settings?); make it with init_state(master)")
+            raise ConfigError(
+                f"{type(self).__name__}.step: the state has no {missing} (built by "
+                "another optimizer or settings?); make it with init_state(master)"
+            )
         return state.buffers
 
 
 class ShardSGD(_ShardOptimizer):
     """torch.optim.SGD on flat float32 shards (bitwise equal to torch's CPU step on float32)."""
 
-    def __init__(self, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
-                 weight_decay: float = 0.0, nesterov: bool = False) -> None:
+    def __init__(
+        self,
+        lr: float = 1e-3,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+    ) -> None:
         self.config = SGDConfig(lr, momentum, dampening, weight_decay, nesterov)
 
     def state_names(self) -> Tuple[str, ...]:
         return ("momentum_buffer",) if self.config.momentum != 0 else ()
 
-    def step(self, master: Any, grad: Any, state: ShardState, params_out: Optional[Any] = None,
-             *, grad_scale: float = 1.0, lr: Optional[float] = None) -> None:
+    def step(
+        self,
+        master: Any,
+        grad: Any,
+        state: ShardState,
+        params_out: Optional[Any] = None,
+        *,
+        grad_scale: float = 1.0,
+        lr: Optional[float] = None,
+    ) -> None:
         """One step in place: master and state updated from grad * grad_scale; params_out (the
         low-precision model copy of this shard, or None) := the new master cast. `lr` overrides
         the configured one for this step (a schedule)."""
         buffers, c = self._buffers(state), self.config
         _number("ShardSGD.step", "grad_scale", grad_scale, low=-math.inf)
-        kernels.sgd_step(master, grad, buffers.get("momentum_buffer"), params_out,
-                         lr=self._lr(lr), momentum=c.momentum, dampening=c.dampening,
-                         weight_decay=c.weight_decay, nesterov=c.nesterov,
-                         fresh_buffer=state.step == 0, grad_scale=grad_scale)
+        kernels.sgd_step(
+            master,
+            grad,
+            buffers.get("momentum_buffer"),
+            params_out,
+            lr=self._lr(lr),
+            momentum=c.momentum,
+            dampening=c.dampening,
+            weight_decay=c.weight_decay,
+            nesterov=c.nesterov,
+            fresh_buffer=state.step == 0,
+            grad_scale=grad_scale,
+        )
         state.step += 1
 
 
@@ -145,21 +177,47 @@ class ShardAdamW(_ShardOptimizer):
     """torch.optim.AdamW on flat float32 shards (states bitwise equal to torch's CPU step on
     float32; parameters within an ulp where torch's CPU sqrt is not correctly rounded)."""
 
-    def __init__(self, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False) -> None:
+    def __init__(
+        self,
+        lr: float = 1e-3,
+        betas: Tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+    ) -> None:
         self.config = AdamWConfig(lr, betas, eps, weight_decay, amsgrad)
 
     def state_names(self) -> Tuple[str, ...]:
         extra = ("max_exp_avg_sq",) if self.config.amsgrad else ()
         return ("exp_avg", "exp_avg_sq") + extra
 
-    def step(self, master: Any, grad: Any, state: ShardState, params_out: Optional[Any] = None,
-             *, grad_scale: float = 1.0, lr: Optional[float] = None) -> None:
+    def step(
+        self,
+        master: Any,
+        grad: Any,
+        state: ShardState,
+        params_out: Optional[Any] = None,
+        *,
+        grad_scale: float = 1.0,
+        lr: Optional[float] = None,
+    ) -> None:
         """One step in place (see ShardSGD.step)."""
         buffers, c = self._buffers(state), self.config
         _number("ShardAdamW.step", "grad_scale", grad_scale, low=-math.inf)
-        kernels.adamw_step(master, grad, buffers["exp_avg"], buffers["exp_avg_sq"],
-                           buffers.get("max_exp_avg_sq"), params_out, step=state.step + 1,
-                           lr=self._lr(lr), beta1=c.betas[0], beta2=c.betas[1], eps=c.eps,
-                           weight_decay=c.weight_decay, amsgrad=c.amsgrad, grad_scale=grad_scale)
+        kernels.adamw_step(
+            master,
+            grad,
+            buffers["exp_avg"],
+            buffers["exp_avg_sq"],
+            buffers.get("max_exp_avg_sq"),
+            params_out,
+            step=state.step + 1,
+            lr=self._lr(lr),
+            beta1=c.betas[0],
+            beta2=c.betas[1],
+            eps=c.eps,
+            weight_decay=c.weight_decay,
+            amsgrad=c.amsgrad,
+            grad_scale=grad_scale,
+        )
         state.step += 1

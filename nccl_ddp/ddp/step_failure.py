@@ -5,6 +5,7 @@ of step, and the group is unusable. DDP's `Reducer` and `DistributedGradReducer`
 such error here and raise `ReducerError` with it as `__cause__` on every later call, instead of a
 misleading follow-up error or the same low-level error again and again.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -18,7 +19,7 @@ class StepFailure:
 
     def __init__(self, rank: int, owner: str) -> None:
         self.rank = rank
-        self.owner = owner              # what the user re-creates: "DistributedDataParallel"
+        self.owner = owner  # what the user re-creates: "DistributedDataParallel"
         self.error: Optional[BaseException] = None
 
     @contextlib.contextmanager
@@ -28,7 +29,7 @@ class StepFailure:
         remembered, `close()` abandons the step, and it propagates."""
         try:
             yield
-        except (ReducerError, NonFiniteGradError):   # the step itself completed
+        except (ReducerError, NonFiniteGradError):  # the step itself completed
             raise
         except Exception as e:
             if close is not None:
@@ -45,4 +46,5 @@ class StepFailure:
                 f"rank {self.rank}: a previous step failed ({type(e).__name__}: {e}); its grads "
                 "are partly reduced and the process group is unusable after a communication "
                 "failure. Restart the job (or destroy_process_group(), then create a new process "
-                f"group and a new {self.owner})") from e
+                f"group and a new {self.owner})"
+            ) from e

@@ -7,6 +7,7 @@ the key names are agreed (an all-gather of their list), elementwise state moves 
 per bucket and key, the scalars by one all-reduce, taken from the rank that owns each parameter's
 first element. Resharding is local: every rank slices the full state it loaded.
 """
+
 from __future__ import annotations
 
 import functools
@@ -21,13 +22,12 @@ from nccl_ddp.ddp.shard_layout import ShardLayout
 from nccl_ddp.ddp.zero_shards import ZeroShards
 from nccl_ddp.errors import ConfigError
 
-PieceState = Dict[str, Any]          # key -> 1-D array (elementwise) or float (scalar)
-FullState = Dict[int, Dict[str, Any]]   # param -> key -> flat array of the param's numel or float
+PieceState = Dict[str, Any]  # key -> 1-D array (elementwise) or float (scalar)
+FullState = Dict[int, Dict[str, Any]]  # param -> key -> flat array of the param's numel or float
 _KEYS_BYTES = 4096
 
 
-def consolidate(zs: ZeroShards, local: Dict[int, PieceState], to: Optional[int] = 0
-                ) -> Optional[FullState]:
+def consolidate(zs: ZeroShards, local: Dict[int, PieceState], to: Optional[int] = 0) -> Optional[FullState]:
     """`local[k]`: the state of this rank's piece `zs.pieces[k]` (missing: none yet). Collective
     over `zs.group`; returns the full state on rank `to` (every rank when `to` is None)."""
     kinds = _agree_keys(zs, local)
@@ -43,8 +43,9 @@ def consolidate(zs: ZeroShards, local: Dict[int, PieceState], to: Optional[int] 
             for j, key in enumerate(scalar_keys):
                 table[piece.param, 1 + j] = float(local[k][key])
     buf = xp.asarray(table.reshape(-1))
-    zs.blocking(lambda s: zs.group.all_reduce(buf, ReduceOp.SUM, stream=s,
-                                              tag="per-parameter optimizer scalars"))
+    zs.blocking(
+        lambda s: zs.group.all_reduce(buf, ReduceOp.SUM, stream=s, tag="per-parameter optimizer scalars")
+    )
     summed = np.asarray(to_host(buf), np.float64).reshape(table.shape)
     present = [p for p in range(layout.num_params) if summed[p, 0] > 0]
     if mine:
@@ -55,37 +56,44 @@ def consolidate(zs: ZeroShards, local: Dict[int, PieceState], to: Optional[int] 
             shard = zs.device.zeros(zs.shards.shard_numel[b], np.float32)
             for k, piece in enumerate(pieces):
                 if piece.bucket == b and k in local:
-                    shard[piece.shard_lo:piece.shard_lo + piece.numel] = local[k][key]
+                    shard[piece.shard_lo : piece.shard_lo + piece.numel] = local[k][key]
             whole = zs.device.zeros(bucket.padded, np.float32)
-            zs.blocking(functools.partial(_all_gather, zs, whole, shard,
-                                          f"optimizer state {key!r} of bucket {b}"))
+            zs.blocking(
+                functools.partial(_all_gather, zs, whole, shard, f"optimizer state {key!r} of bucket {b}")
+            )
             if mine:
                 for p, off, n in zip(bucket.params, bucket.offsets, bucket.numels):
                     if p in full:
-                        full[p][key] = whole[off:off + n].copy()
+                        full[p][key] = whole[off : off + n].copy()
     return full if mine else None
 
 
-def reshard(shards: ShardLayout, rank: int, full: FullState, numels: List[int],
-            names: List[str]) -> Dict[int, PieceState]:
+def reshard(
+    shards: ShardLayout, rank: int, full: FullState, numels: List[int], names: List[str]
+) -> Dict[int, PieceState]:
     """This rank's piece states (keyed by index into `shards.pieces(rank)`) cut from `full`;
     `ConfigError` naming the parameter when a state array does not fit it (nothing is cut)."""
     for p, state in full.items():
         if not 0 <= p < len(numels):
-            raise ConfigError(f"optimizer state for parameter index {p}, but the optimizer has "
-                              f"{len(numels)} parameters: the checkpoint is from another model")
+            raise ConfigError(
+                f"optimizer state for parameter index {p}, but the optimizer has "
+                f"{len(numels)} parameters: the checkpoint is from another model"
+            )
         for key, v in state.items():
             if not np.isscalar(v) and int(np.size(v)) != numels[p]:
                 raise ConfigError(
                     f"optimizer state {key!r} of parameter {names[p]} has {int(np.size(v))} "
                     f"elements, the parameter {numels[p]}: the checkpoint is from another model "
-                    "(or another parameter order)")
+                    "(or another parameter order)"
+                )
     out: Dict[int, PieceState] = {}
     for k, piece in enumerate(shards.pieces(rank)):
         entry = full.get(piece.param)
         if entry is not None:
-            out[k] = {key: (v if np.isscalar(v) else v.reshape(-1)[piece.param_lo:piece.param_hi])
-                      for key, v in entry.items()}
+            out[k] = {
+                key: (v if np.isscalar(v) else v.reshape(-1)[piece.param_lo : piece.param_hi])
+                for key, v in entry.items()
+            }
     return out
 
 
@@ -96,14 +104,18 @@ def _agree_keys(zs: ZeroShards, local: Dict[int, PieceState]) -> Dict[str, str]:
         for key, v in state.items():
             kind = "s" if np.isscalar(v) else "e"
             if kinds.setdefault(key, kind) != kind:
-                raise ConfigError(f"rank {zs.rank}: optimizer state {key!r} is a scalar for some "
-                                  "parameters and an array for others; cannot shard it")
+                raise ConfigError(
+                    f"rank {zs.rank}: optimizer state {key!r} is a scalar for some "
+                    "parameters and an array for others; cannot shard it"
+                )
     raw = json.dumps(sorted(kinds.items())).encode()
     if len(raw) > _KEYS_BYTES:
-        raise ConfigError(f"rank {zs.rank}: optimizer state keys {sorted(kinds)} are too many "
-                          f"to exchange ({len(raw)} > {_KEYS_BYTES} bytes)")
+        raise ConfigError(
+            f"rank {zs.rank}: optimizer state keys {sorted(kinds)} are too many "
+            f"to exchange ({len(raw)} > {_KEYS_BYTES} bytes)"
+        )
     mine = np.zeros(_KEYS_BYTES, np.uint8)
-    mine[:len(raw)] = np.frombuffer(raw, np.uint8)
+    mine[: len(raw)] = np.frombuffer(raw, np.uint8)
     xp = zs.device.xp
     inp = xp.asarray(mine)
     out = xp.zeros(_KEYS_BYTES * zs.group.size, np.uint8)
@@ -112,8 +124,7 @@ def _agree_keys(zs: ZeroShards, local: Dict[int, PieceState]) -> Dict[str, str]:
     for r, row in enumerate(np.asarray(to_host(out)).reshape(zs.group.size, _KEYS_BYTES)):
         for key, kind in json.loads(bytes(row).rstrip(b"\0").decode() or "[]"):
             if allk.setdefault(key, kind) != kind:
-                raise ConfigError(f"optimizer state {key!r} is a scalar on one rank and an array "
-                                  f"on rank {r}")
+                raise ConfigError(f"optimizer state {key!r} is a scalar on one rank and an array on rank {r}")
     return allk
 
 

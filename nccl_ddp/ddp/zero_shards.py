@@ -8,6 +8,7 @@ owned slice of the parameter buffer itself, so no copy), and an fp32 grad shard.
 framework's optimizer stepping the master shard, then `gather` (master -> parameter shard, an
 all-gather per bucket on the comm stream, waited on at once or per bucket by `wait_bucket`).
 """
+
 from __future__ import annotations
 
 import logging
@@ -31,12 +32,21 @@ class ZeroShards:
     parameter i aliases `view` from then on), without it the gathered values are copied back
     into them after every all-gather."""
 
-    def __init__(self, shards: ShardLayout, params: List[Any], group: ProcessGroup, device: Any,
-                 *, install: Optional[Callable[[int, Any], None]] = None,
-                 comm: Any = None, shard_grads: Optional[Sequence[Any]] = None) -> None:
+    def __init__(
+        self,
+        shards: ShardLayout,
+        params: List[Any],
+        group: ProcessGroup,
+        device: Any,
+        *,
+        install: Optional[Callable[[int, Any], None]] = None,
+        comm: Any = None,
+        shard_grads: Optional[Sequence[Any]] = None,
+    ) -> None:
         if group.size != shards.world:
-            raise ConfigError(f"rank {group.rank}: shard layout is for {shards.world} ranks, the "
-                              f"group has {group.size}")
+            raise ConfigError(
+                f"rank {group.rank}: shard layout is for {shards.world} ranks, the group has {group.size}"
+            )
         self.shards, self.group, self.device = shards, group, device
         self.rank = group.rank
         self.layout = shards.layout
@@ -47,14 +57,15 @@ class ZeroShards:
         compute = device.current_stream()
         self.param_buffers = BucketBuffers(self.layout, device)
         views = list(self.params)
-        self.param_buffers.adopt_grads(views, [tuple(p.shape) for p in self.params],
-                                       install or _no_install, compute)
+        self.param_buffers.adopt_grads(
+            views, [tuple(p.shape) for p in self.params], install or _no_install, compute
+        )
         self._copy_back = install is None
         if not self._copy_back:
             self.params = views
         self.master: List[Any] = []
-        self.grads: List[Any] = []      # fp32 grad shards
-        self._reduced = list(shard_grads) if shard_grads is not None else None   # ZeRO-2
+        self.grads: List[Any] = []  # fp32 grad shards
+        self._reduced = list(shard_grads) if shard_grads is not None else None  # ZeRO-2
         for b, bucket in enumerate(self.layout.buckets):
             own = self.owned_params(b)
             if np.dtype(bucket.dtype) == F32:
@@ -64,8 +75,9 @@ class ZeroShards:
                 compute.submit(_cast_into, m, own)
                 self.master.append(m)
             red = None if self._reduced is None else self._reduced[b]
-            self.grads.append(red if red is not None and np.dtype(red.dtype) == F32
-                              else device.zeros(len(own), F32))
+            self.grads.append(
+                red if red is not None and np.dtype(red.dtype) == F32 else device.zeros(len(own), F32)
+            )
         self._events: List[Any] = []
 
     # ------------------------------------------------------------------ views
@@ -76,20 +88,24 @@ class ZeroShards:
         return self.param_buffers.buffers[b][lo:hi]
 
     def master_piece(self, piece: Piece) -> Any:
-        return self.master[piece.bucket][piece.shard_lo:piece.shard_lo + piece.numel]
+        return self.master[piece.bucket][piece.shard_lo : piece.shard_lo + piece.numel]
 
     def grad_piece(self, piece: Piece) -> Any:
-        return self.grads[piece.bucket][piece.shard_lo:piece.shard_lo + piece.numel]
+        return self.grads[piece.bucket][piece.shard_lo : piece.shard_lo + piece.numel]
 
     @property
     def nbytes(self) -> dict:
         """Bytes this rank holds, by kind: what the memory benchmark reports."""
         own = sum(self.owned_params(b).nbytes for b in range(len(self.master)))
         master = sum(m.nbytes for m in self.master) - sum(
-            m.nbytes for b, m in enumerate(self.master)
-            if np.dtype(self.layout.buckets[b].dtype) == F32)
-        return {"param_buffers": self.param_buffers.nbytes, "owned_params": own,
-                "master": master, "grad_shards": sum(g.nbytes for g in self.grads)}
+            m.nbytes for b, m in enumerate(self.master) if np.dtype(self.layout.buckets[b].dtype) == F32
+        )
+        return {
+            "param_buffers": self.param_buffers.nbytes,
+            "owned_params": own,
+            "master": master,
+            "grad_shards": sum(g.nbytes for g in self.grads),
+        }
 
     # ------------------------------------------------------------------ grads in
 
@@ -102,14 +118,16 @@ class ZeroShards:
             if g is None:
                 compute.submit(_fill0, dst)
             else:
-                compute.submit(_cast_into, dst, g.reshape(-1)[piece.param_lo:piece.param_hi])
+                compute.submit(_cast_into, dst, g.reshape(-1)[piece.param_lo : piece.param_hi])
 
     def collect_reduced(self) -> None:
         """ZeRO-2: the reduce-scattered shards (already waited for by the reducer's finalize);
         an fp32 bucket's grad shard is the reduced shard itself, others are widened."""
         if self._reduced is None:
-            raise ConfigError(f"rank {self.rank}: collect_reduced needs the reducer's shard grads "
-                              "(ZeRO-2); use collect_full with ZeRO-1")
+            raise ConfigError(
+                f"rank {self.rank}: collect_reduced needs the reducer's shard grads "
+                "(ZeRO-2); use collect_full with ZeRO-1"
+            )
         compute = self.device.current_stream()
         for g, red in zip(self.grads, self._reduced):
             if g is not red:
@@ -122,8 +140,11 @@ class ZeroShards:
         for g in self.grads:
             local[0] += float(to_host(self.device.xp.dot(g, g)))
         buf = self.device.xp.asarray(local)
-        self.blocking(lambda s: self.group.all_reduce(
-            buf, ReduceOp.SUM, stream=s, tag="the squared grad norm of every shard"))
+        self.blocking(
+            lambda s: self.group.all_reduce(
+                buf, ReduceOp.SUM, stream=s, tag="the squared grad norm of every shard"
+            )
+        )
         return float(np.sqrt(to_host(buf)[0]))
 
     def scale_grads(self, factor: float) -> None:
@@ -136,7 +157,7 @@ class ZeroShards:
     def gather(self, wait: bool = True) -> None:
         """Write the updated master shards into the parameter buffers and all-gather them, one
         bucket at a time on the comm stream; `wait=False` leaves the waits to `wait_bucket`."""
-        self.wait_all()     # the previous step's gathers are read before they are overwritten
+        self.wait_all()  # the previous step's gathers are read before they are overwritten
         compute = self.device.current_stream()
         for b in range(len(self.master)):
             own = self.owned_params(b)
@@ -150,8 +171,12 @@ class ZeroShards:
         self.comm.wait(compute.record())
         self._events = []
         for b in range(len(self.master)):
-            self.group.all_gather(self.param_buffers.buffers[b], self.owned_params(b),
-                                  stream=self.comm, tag=f"parameter bucket {b}")
+            self.group.all_gather(
+                self.param_buffers.buffers[b],
+                self.owned_params(b),
+                stream=self.comm,
+                tag=f"parameter bucket {b}",
+            )
             if self._copy_back:
                 self.comm.submit(self._copy_back_bucket, b)
             self._events.append(self.comm.record())
@@ -176,13 +201,15 @@ class ZeroShards:
         bucket = self.layout.buckets[b]
         buf = self.param_buffers.buffers[b]
         for p, off, n in zip(bucket.params, bucket.offsets, bucket.numels):
-            self.params[p][...] = buf[off:off + n].reshape(self.params[p].shape)
+            self.params[p][...] = buf[off : off + n].reshape(self.params[p].shape)
 
     def blocking(self, start: Callable[[Any], Any]) -> None:
         """`start(stream)` starts a collective (returns its Work): run it in comm-stream order
         and wait for it."""
+
         def run() -> None:
             start(self.device.current_stream()).wait(self.group.timeout)
+
         self.comm.wait(self.device.current_stream().record())
         with self.comm.awaited():
             self.comm.submit(run)

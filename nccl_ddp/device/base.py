@@ -2,6 +2,7 @@
 
 Two implementations: `host` (NumPy, each stream a worker thread) and `cuda` (CuPy streams and events).
 """
+
 from __future__ import annotations
 
 import abc
@@ -53,9 +54,9 @@ class Stream(abc.ABC):
 class Device(abc.ABC):
     """Allocation, streams and the array module for one kind of device."""
 
-    kind: str   # "cuda" | "host"
-    xp: Any     # numpy or cupy
-    align_bytes: int = 16   # alignment of `empty`/`zeros` arrays and of bucket offsets
+    kind: str  # "cuda" | "host"
+    xp: Any  # numpy or cupy
+    align_bytes: int = 16  # alignment of `empty`/`zeros` arrays and of bucket offsets
 
     @abc.abstractmethod
     def new_stream(self) -> Stream:

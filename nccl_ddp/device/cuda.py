@@ -1,5 +1,6 @@
 """The cuda device: CuPy streams and events on one GPU. CuPy is imported on first use, so
 `import nccl_ddp.device` needs only NumPy."""
+
 from __future__ import annotations
 
 import time
@@ -9,15 +10,16 @@ from nccl_ddp.device.base import DEFAULT_TIMEOUT, Device, Event, Stream
 from nccl_ddp.errors import CommTimeout, ConfigError, ConfigTypeError, KernelError, NcclDdpError
 
 CUDA_SUCCESS = 0
-CUDA_ERROR_NOT_READY = 600   # cudaErrorNotReady: the event's work is still pending
+CUDA_ERROR_NOT_READY = 600  # cudaErrorNotReady: the event's work is still pending
 
 
 def _cupy() -> Any:
     try:
         import cupy
     except ImportError as e:
-        raise NcclDdpError("the cuda device needs CuPy: pip install 'nccl_ddp[cuda12]' (or "
-                           "[cuda13]), or use the host device") from e
+        raise NcclDdpError(
+            "the cuda device needs CuPy: pip install 'nccl_ddp[cuda12]' (or [cuda13]), or use the host device"
+        ) from e
     return cupy
 
 
@@ -34,7 +36,7 @@ class CudaEvent(Event):
     """A CUDA event. `synchronize` polls `query()`, so a wait never outlives its timeout."""
 
     def __init__(self, event: Any) -> None:
-        self.event = event   # cupy.cuda.Event
+        self.event = event  # cupy.cuda.Event
 
     def query(self) -> bool:
         """True once reached. A CUDA error (a faulted kernel) raises KernelError at once: CuPy's
@@ -45,10 +47,12 @@ class CudaEvent(Event):
             return True
         if status == CUDA_ERROR_NOT_READY:
             return False
-        raise KernelError(f"CUDA error while waiting for an event: {rt.CUDARuntimeError(status)} "
-                          f"(status {status}); a kernel or NCCL op on this device faulted and the "
-                          "CUDA context is unusable: rerun with CUDA_LAUNCH_BLOCKING=1 or under "
-                          "compute-sanitizer to find it")
+        raise KernelError(
+            f"CUDA error while waiting for an event: {rt.CUDARuntimeError(status)} "
+            f"(status {status}); a kernel or NCCL op on this device faulted and the "
+            "CUDA context is unusable: rerun with CUDA_LAUNCH_BLOCKING=1 or under "
+            "compute-sanitizer to find it"
+        )
 
     def synchronize(self, timeout: Optional[float] = None) -> None:
         timeout = DEFAULT_TIMEOUT if timeout is None else timeout
@@ -56,9 +60,11 @@ class CudaEvent(Event):
         delay = 1e-5
         while not self.query():
             if time.monotonic() >= deadline:
-                raise CommTimeout(f"CUDA event not reached within {timeout:.1f}s: a kernel or an "
-                                  "NCCL collective is stuck (did a peer rank die or skip a "
-                                  "collective?)")
+                raise CommTimeout(
+                    f"CUDA event not reached within {timeout:.1f}s: a kernel or an "
+                    "NCCL collective is stuck (did a peer rank die or skip a "
+                    "collective?)"
+                )
             time.sleep(delay)
             delay = min(2 * delay, 1e-3)
 
@@ -68,7 +74,7 @@ class CudaStream(Stream):
     kernels `fn` launches through CuPy are queued on it."""
 
     def __init__(self, stream: Any, device_id: int) -> None:
-        self.stream = stream   # cupy.cuda.Stream
+        self.stream = stream  # cupy.cuda.Stream
         self.device_id = device_id
 
     @property
@@ -92,7 +98,7 @@ class CudaStream(Stream):
             with _cupy().cuda.Device(self.device_id):
                 self.stream.wait_event(event.event)
         else:
-            event.synchronize()   # a host event: only the host can wait for it (bounded)
+            event.synchronize()  # a host event: only the host can wait for it (bounded)
 
     def synchronize(self, timeout: Optional[float] = None) -> None:
         self.record().synchronize(timeout)
@@ -117,8 +123,10 @@ class CudaDevice(Device):
         cp = _cupy()
         n = cp.cuda.runtime.getDeviceCount() if cp.cuda.is_available() else 0
         if not 0 <= device_id < n:
-            raise ConfigError(f"CUDA device {device_id} does not exist (CuPy sees {n} GPUs); "
-                              "check CUDA_VISIBLE_DEVICES and the local rank")
+            raise ConfigError(
+                f"CUDA device {device_id} does not exist (CuPy sees {n} GPUs); "
+                "check CUDA_VISIBLE_DEVICES and the local rank"
+            )
         self.device_id = device_id
         self.xp = cp
 
@@ -137,8 +145,10 @@ class CudaDevice(Device):
         if isinstance(obj, int):
             obj = RawStream(obj)
         elif not hasattr(obj, "__cuda_stream__"):
-            raise ConfigTypeError(f"expected an object with __cuda_stream__ or a raw stream pointer "
-                            f"(int), got {type(obj).__name__}")
+            raise ConfigTypeError(
+                f"expected an object with __cuda_stream__ or a raw stream pointer "
+                f"(int), got {type(obj).__name__}"
+            )
         with self.xp.cuda.Device(self.device_id):
             return CudaStream(self.xp.cuda.Stream.from_external(obj), self.device_id)
 

@@ -1,5 +1,6 @@
 """The host device: NumPy arrays; each stream is a worker thread that runs submitted work in
 order (like a CUDA stream), events are completion flags."""
+
 from __future__ import annotations
 
 import _thread
@@ -25,7 +26,7 @@ class HostEvent(Event):
         self.error: Optional[BaseException] = None
 
     def _set(self, error: Optional[BaseException] = None) -> None:
-        if self._lock.locked():     # (reached once: a second call changes nothing)
+        if self._lock.locked():  # (reached once: a second call changes nothing)
             self.error = error
             self._lock.release()
 
@@ -113,7 +114,7 @@ class HostStream(Stream):
         try:
             fn(*args)
         except BaseException as e:
-            self.error = e      # as from the worker: later calls raise it too
+            self.error = e  # as from the worker: later calls raise it too
             raise
 
     def record(self) -> HostEvent:
@@ -158,7 +159,7 @@ class _Marker:
 class HostDevice(Device):
     kind = "host"
     xp = np
-    align_bytes = 64   # JAX on the CPU aliases DLPack memory only at 64-byte aligned addresses
+    align_bytes = 64  # JAX on the CPU aliases DLPack memory only at 64-byte aligned addresses
 
     def empty(self, n: int, dtype) -> np.ndarray:
         return aligned_empty(n, dtype, self.align_bytes)
@@ -182,7 +183,7 @@ def aligned_empty(n: int, dtype, align: int) -> np.ndarray:
     nbytes = n * np.dtype(dtype).itemsize
     raw = np.empty(nbytes + align, np.uint8)
     start = -raw.ctypes.data % align
-    return raw[start:start + nbytes].view(dtype)
+    return raw[start : start + nbytes].view(dtype)
 
 
 class ImmediateStream(Stream):
@@ -192,7 +193,7 @@ class ImmediateStream(Stream):
         fn(*args)
 
     def record(self) -> HostEvent:
-        return _REACHED     # work on this stream is done when it returns: one shared event
+        return _REACHED  # work on this stream is done when it returns: one shared event
 
     def wait(self, event: Event) -> None:
         event.synchronize()

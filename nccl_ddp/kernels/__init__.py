@@ -26,6 +26,7 @@ Offsets are in elements of the bucket dtype. Arithmetic is in float32 (float64 f
 cast(x * scale) rounds once to nearest-even; accumulate computes cast(dst + x * scale) without a
 fused multiply-add.
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional, Sequence
@@ -54,8 +55,9 @@ from nccl_ddp.kernels.spec import (
 # public operations (dispatch on the array type)
 
 
-def pack(srcs: Sequence[Any], dst: Any, offsets: Sequence[int], *, scale: float = 1.0,
-         nonfinite_flag: Any = None) -> None:
+def pack(
+    srcs: Sequence[Any], dst: Any, offsets: Sequence[int], *, scale: float = 1.0, nonfinite_flag: Any = None
+) -> None:
     """Gather `srcs` into the flat bucket `dst` at `offsets`, scaled and cast (see module doc)."""
     if _is_host(dst):
         pack_ref(srcs, dst, offsets, scale=scale, nonfinite_flag=nonfinite_flag)
@@ -63,12 +65,18 @@ def pack(srcs: Sequence[Any], dst: Any, offsets: Sequence[int], *, scale: float 
         _cuda().pack(srcs, dst, offsets, scale, nonfinite_flag)
 
 
-def unpack(dsts: Sequence[Any], src: Any, offsets: Sequence[int], *, scale: float = 1.0,
-           accumulate: bool = False, nonfinite_flag: Any = None) -> None:
+def unpack(
+    dsts: Sequence[Any],
+    src: Any,
+    offsets: Sequence[int],
+    *,
+    scale: float = 1.0,
+    accumulate: bool = False,
+    nonfinite_flag: Any = None,
+) -> None:
     """Scatter the flat bucket `src` back into `dsts`, scaled and cast (see module doc)."""
     if _is_host(src):
-        unpack_ref(dsts, src, offsets, scale=scale, accumulate=accumulate,
-                   nonfinite_flag=nonfinite_flag)
+        unpack_ref(dsts, src, offsets, scale=scale, accumulate=accumulate, nonfinite_flag=nonfinite_flag)
     else:
         _cuda().unpack(dsts, src, offsets, scale, accumulate, nonfinite_flag)
 
@@ -80,7 +88,7 @@ def flag_nonfinite(views: Sequence[Any], bucket: Any, offsets: Sequence[int], fl
         return
     cuda = _cuda()
     scratch = cuda.cp.empty(bucket.size, bucket.dtype)
-    copies = [scratch[o:o + v.size] for v, o in zip(views, offsets)]
+    copies = [scratch[o : o + v.size] for v, o in zip(views, offsets)]
     cuda.unpack(copies, bucket, offsets, 1.0, False, flag)
 
 
@@ -100,31 +108,68 @@ def zero_(buf: Any) -> None:
         _cuda().zero_(buf)
 
 
-def sgd_step(master: Any, grad: Any, momentum_buf: Optional[Any], params_out: Optional[Any], *,
-             lr: float, momentum: float = 0.0, dampening: float = 0.0,
-             weight_decay: float = 0.0, nesterov: bool = False, fresh_buffer: bool = False,
-             grad_scale: float = 1.0) -> None:
+def sgd_step(
+    master: Any,
+    grad: Any,
+    momentum_buf: Optional[Any],
+    params_out: Optional[Any],
+    *,
+    lr: float,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+    fresh_buffer: bool = False,
+    grad_scale: float = 1.0,
+) -> None:
     """torch.optim.SGD's step on one flat float32 shard, in place: grad (float32/bfloat16/float16)
     times grad_scale, master and momentum_buf (float32; None without momentum) updated,
     params_out (float32/bfloat16/float16, or None) := the new master cast. `fresh_buffer`: the
     momentum buffer has no value yet (torch's first step: buf = grad)."""
-    sc = sgd_scalars(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                     nesterov=nesterov, fresh_buffer=fresh_buffer, grad_scale=grad_scale)
+    sc = sgd_scalars(
+        lr=lr,
+        momentum=momentum,
+        dampening=dampening,
+        weight_decay=weight_decay,
+        nesterov=nesterov,
+        fresh_buffer=fresh_buffer,
+        grad_scale=grad_scale,
+    )
     if _is_host(master):
         sgd_ref(master, grad, momentum_buf, params_out, sc)
     else:
         _cuda_optim().sgd(master, grad, momentum_buf, params_out, sc)
 
 
-def adamw_step(master: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any,
-               max_exp_avg_sq: Optional[Any], params_out: Optional[Any], *, step: int, lr: float,
-               beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
-               weight_decay: float = 1e-2, amsgrad: bool = False,
-               grad_scale: float = 1.0) -> None:
+def adamw_step(
+    master: Any,
+    grad: Any,
+    exp_avg: Any,
+    exp_avg_sq: Any,
+    max_exp_avg_sq: Optional[Any],
+    params_out: Optional[Any],
+    *,
+    step: int,
+    lr: float,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+    amsgrad: bool = False,
+    grad_scale: float = 1.0,
+) -> None:
     """torch.optim.AdamW's step on one flat float32 shard, in place (see sgd_step); `step` is
     this step's number (1 first); max_exp_avg_sq only with amsgrad."""
-    sc = adamw_scalars(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                       weight_decay=weight_decay, amsgrad=amsgrad, grad_scale=grad_scale)
+    sc = adamw_scalars(
+        step=step,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        amsgrad=amsgrad,
+        grad_scale=grad_scale,
+    )
     if _is_host(master):
         adamw_ref(master, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, params_out, sc)
     else:
@@ -137,16 +182,38 @@ def _is_host(x: Any) -> bool:
 
 def _cuda():
     from nccl_ddp.kernels import cuda
+
     return cuda.backend()
 
 
 def _cuda_optim():
     from nccl_ddp.kernels import cuda_optim
+
     return cuda_optim
 
 
-__all__ = ["pack", "unpack", "flag_nonfinite", "scale_", "zero_", "sgd_step", "adamw_step",
-           "sgd_ref", "adamw_ref",
-           "kernel_source_dir", "PACK_PAIRS", "UNPACK_PAIRS",
-           "SCALE_DTYPES", "acc_dtype", "check_flag", "check_flat", "check_segments", "dtype_name",
-           "flag_nonfinite_ref", "pack_ref", "unpack_ref", "scale_ref", "zero_ref"]
+__all__ = [
+    "pack",
+    "unpack",
+    "flag_nonfinite",
+    "scale_",
+    "zero_",
+    "sgd_step",
+    "adamw_step",
+    "sgd_ref",
+    "adamw_ref",
+    "kernel_source_dir",
+    "PACK_PAIRS",
+    "UNPACK_PAIRS",
+    "SCALE_DTYPES",
+    "acc_dtype",
+    "check_flag",
+    "check_flat",
+    "check_segments",
+    "dtype_name",
+    "flag_nonfinite_ref",
+    "pack_ref",
+    "unpack_ref",
+    "scale_ref",
+    "zero_ref",
+]

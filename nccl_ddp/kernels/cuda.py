@@ -15,6 +15,7 @@ cudaFreeAsync on the stream it was allocated on only while that stream's Python 
 weak reference), else on whatever stream is current then, and the adapters' streams are
 short-lived `Stream.from_external` objects.
 """
+
 from __future__ import annotations
 
 import collections
@@ -41,24 +42,30 @@ from nccl_ddp.kernels.spec import (
 
 log = logging.getLogger(__name__)
 
-THREADS = 256                 # kThreads in bucket.cu
+THREADS = 256  # kThreads in bucket.cu
 WARPS_PER_BLOCK = THREADS // 32
-SMALL_MAX = 32                # kSmallMax in bucket.cu
-CHUNK_BYTES: Optional[int] = None   # fixed bytes per warp item (of the wider dtype); None: adaptive
-MANY_TENSORS_CHUNK_BYTES = 8192     # chunk when there are more tensors than resident warps
-MIN_CHUNK = 256                     # elements
-TABLE_CACHE_SIZE = 256        # cached device tables (LRU)
+SMALL_MAX = 32  # kSmallMax in bucket.cu
+CHUNK_BYTES: Optional[int] = None  # fixed bytes per warp item (of the wider dtype); None: adaptive
+MANY_TENSORS_CHUNK_BYTES = 8192  # chunk when there are more tensors than resident warps
+MIN_CHUNK = 256  # elements
+TABLE_CACHE_SIZE = 256  # cached device tables (LRU)
 COMPILE_OPTIONS = ("-std=c++17",)
-SOURCES = ("bucket.cu", "optim.cu")   # one module, in this order (optim.cu uses bucket.cu's helpers)
+SOURCES = ("bucket.cu", "optim.cu")  # one module, in this order (optim.cu uses bucket.cu's helpers)
 
 C_TYPE = {"float16": "f16_t", "bfloat16": "bf16_t", "float32": "float", "float64": "double"}
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 
 # Mirrors of the C structs (bucket.cu static_asserts their sizes).
 SEG_DTYPE = np.dtype([("ptr", "<u8"), ("off", "<i8"), ("n", "<i8")])
-SMALL_DTYPE = np.dtype([("ptr", "<u8", (SMALL_MAX,)), ("off", "<i8", (SMALL_MAX,)),
-                        ("n", "<i8", (SMALL_MAX,)), ("first_item", "<i4", (SMALL_MAX + 1,)),
-                        ("nseg", "<i4")])
+SMALL_DTYPE = np.dtype(
+    [
+        ("ptr", "<u8", (SMALL_MAX,)),
+        ("off", "<i8", (SMALL_MAX,)),
+        ("n", "<i8", (SMALL_MAX,)),
+        ("first_item", "<i4", (SMALL_MAX + 1,)),
+        ("nseg", "<i4"),
+    ]
+)
 
 
 def kernel_source_dir() -> Path:
@@ -73,7 +80,8 @@ def kernel_source_dir() -> Path:
             return c
     raise KernelError(
         f"kernel sources (bucket.cu) not found in {', '.join(map(str, candidates))}; reinstall "
-        "nccl_ddp or set NCCL_DDP_KERNEL_DIR to the folder holding kernels/bucket.cu")
+        "nccl_ddp or set NCCL_DDP_KERNEL_DIR to the folder holding kernels/bucket.cu"
+    )
 
 
 def module_source() -> str:
@@ -84,8 +92,10 @@ def module_source() -> str:
         try:
             parts.append(f'#line 1 "{name}"\n' + (d / name).read_text())
         except OSError as e:
-            raise KernelError(f"kernel source {d / name} unreadable ({e}); reinstall nccl_ddp or "
-                              "set NCCL_DDP_KERNEL_DIR to the folder holding kernels/*.cu") from e
+            raise KernelError(
+                f"kernel source {d / name} unreadable ({e}); reinstall nccl_ddp or "
+                "set NCCL_DDP_KERNEL_DIR to the folder holding kernels/*.cu"
+            ) from e
     return "\n".join(parts)
 
 
@@ -114,8 +124,12 @@ def name_expressions() -> list:
                 for small in (False, True):
                     names.append(kernel_name(op, pair, flag, small))
     names += [kernel_name("scale", (t, t), False, False) for t in sorted(SCALE_DTYPES)]
-    names += [optim_kernel_name(op, g, p) for op in ("sgd", "adamw") for g in sorted(GRAD_DTYPES)
-              for p in sorted(PARAM_DTYPES)]
+    names += [
+        optim_kernel_name(op, g, p)
+        for op in ("sgd", "adamw")
+        for g in sorted(GRAD_DTYPES)
+        for p in sorted(PARAM_DTYPES)
+    ]
     return names
 
 
@@ -137,8 +151,8 @@ def choose_chunk(sizes: np.ndarray, pair: tuple, warps: int) -> int:
         return -(-x // 16) * 16
 
     lo = max(MIN_CHUNK, up16(-(-int(nz.sum()) // warps)))
-    hi = max(lo, up16(int(nz.max())))     # one item per tensor: <= warps items
-    while lo < hi:                        # items(c) = sum(ceil(n / c)) falls as c grows
+    hi = max(lo, up16(int(nz.max())))  # one item per tensor: <= warps items
+    while lo < hi:  # items(c) = sum(ceil(n / c)) falls as c grows
         mid = up16((lo + hi) // 2)
         if mid >= hi:
             mid = hi - 16
@@ -152,19 +166,26 @@ def choose_chunk(sizes: np.ndarray, pair: tuple, warps: int) -> int:
 @dataclass
 class Table:
     """The launch table of one (pointers, sizes, offsets, chunk) set."""
+
     nitems: int
-    small: Optional[np.ndarray] = None   # SMALL_DTYPE, shape (1,): passed by value
-    items: Optional[np.ndarray] = None   # SEG_DTYPE, one per work item (pre-chunked)
-    device_buf: Any = None               # `items` in device memory
-    used: Any = None                     # cupy Event recorded after each launch reading it
+    small: Optional[np.ndarray] = None  # SMALL_DTYPE, shape (1,): passed by value
+    items: Optional[np.ndarray] = None  # SEG_DTYPE, one per work item (pre-chunked)
+    device_buf: Any = None  # `items` in device memory
+    used: Any = None  # cupy Event recorded after each launch reading it
 
     @property
     def grid(self) -> int:
         return max(1, -(-self.nitems // WARPS_PER_BLOCK))
 
 
-def build_table(ptrs: np.ndarray, sizes: np.ndarray, offsets: np.ndarray, chunk: int,
-                itemsize: int, small_max: int = SMALL_MAX) -> Table:
+def build_table(
+    ptrs: np.ndarray,
+    sizes: np.ndarray,
+    offsets: np.ndarray,
+    chunk: int,
+    itemsize: int,
+    small_max: int = SMALL_MAX,
+) -> Table:
     """Cut every non-empty segment into chunks (`itemsize`: bytes per tensor-side element); by
     value when at most `small_max` segments."""
     keep = np.flatnonzero(sizes > 0)
@@ -174,16 +195,18 @@ def build_table(ptrs: np.ndarray, sizes: np.ndarray, offsets: np.ndarray, chunk:
     np.cumsum(counts, out=first[1:])
     nitems = int(first[-1])
     if nitems >= 2**31:
-        raise KernelError(f"bucket of {int(sizes.sum())} elements needs {nitems} work items "
-                          "(limit 2**31 - 1); use smaller buckets")
+        raise KernelError(
+            f"bucket of {int(sizes.sum())} elements needs {nitems} work items "
+            "(limit 2**31 - 1); use smaller buckets"
+        )
     if len(keep) <= small_max:
         small = np.zeros(1, dtype=SMALL_DTYPE)
         k = len(keep)
         small["ptr"][0, :k] = ptrs
         small["off"][0, :k] = offsets
         small["n"][0, :k] = sizes
-        small["first_item"][0, :k + 1] = first
-        small["first_item"][0, k + 1:] = nitems   # unused slots never match an item
+        small["first_item"][0, : k + 1] = first
+        small["first_item"][0, k + 1 :] = nitems  # unused slots never match an item
         small["nseg"][0] = k
         return Table(nitems, small=small)
     seg = np.repeat(np.arange(len(keep)), counts)
@@ -201,14 +224,14 @@ class CudaKernels:
     def __init__(self, cp: Any) -> None:
         self.cp = cp
         self._modules: dict = {}
-        self._functions: dict = {}   # (device, name) -> RawKernel
+        self._functions: dict = {}  # (device, name) -> RawKernel
         self._sm_count: dict = {}
         self._resident: dict = {}
         # NCCL_DDP_SMALL_TABLE_MAX=0 sends every call through the device table (a workaround
         # should passing the table by value ever fail on some CuPy/driver).
         self.small_max = min(SMALL_MAX, env_int("NCCL_DDP_SMALL_TABLE_MAX", SMALL_MAX))
         self._tables: collections.OrderedDict = collections.OrderedDict()
-        self._retired: list = []     # tables out of the cache whose last launch may be queued
+        self._retired: list = []  # tables out of the cache whose last launch may be queued
         # launches, memsets, table_builds, table_uploads
         self.stats: collections.Counter[str] = collections.Counter()
 
@@ -224,15 +247,18 @@ class CudaKernels:
         if mod is None:
             path = kernel_source_dir() / " + ".join(SOURCES)
             try:
-                mod = self.cp.RawModule(code=module_source(), options=COMPILE_OPTIONS,
-                                        name_expressions=tuple(name_expressions()))
+                mod = self.cp.RawModule(
+                    code=module_source(), options=COMPILE_OPTIONS, name_expressions=tuple(name_expressions())
+                )
                 # No log_stream: CuPy memoizes the module on every argument, log_stream too, and
                 # get_function reads it with None: a log stream would load it twice per device.
                 # The NVRTC log is checked empty by tests/test_kernels.py instead.
                 mod.compile()
             except Exception as e:
-                raise KernelError(f"compiling {path} for device {device_id} failed: {e}; check "
-                                  "that the CUDA runtime/NVRTC match the driver") from e
+                raise KernelError(
+                    f"compiling {path} for device {device_id} failed: {e}; check "
+                    "that the CUDA runtime/NVRTC match the driver"
+                ) from e
             self._modules[device_id] = mod
         try:
             fn = mod.get_function(name)
@@ -246,8 +272,7 @@ class CudaKernels:
         try:
             fn((int(grid),), (THREADS,), args)
         except Exception as e:
-            raise KernelError(f"launching {name} (grid {grid}) on device {device_id} failed: "
-                              f"{e}") from e
+            raise KernelError(f"launching {name} (grid {grid}) on device {device_id} failed: {e}") from e
         self.stats["launches"] += 1
 
     # -- tables -------------------------------------------------------------------------------
@@ -258,24 +283,24 @@ class CudaKernels:
         if key not in self._resident:
             try:
                 fn = self.function(device_id, name)
-                per_sm = int(self.cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
-                    fn.kernel.ptr, THREADS, 0))
-            except Exception as e:   # keep working with a safe guess: 2 blocks fit any kernel
-                log.warning("occupancy query for %s failed (%s); assuming 2 blocks per SM",
-                            name, e)
+                per_sm = int(
+                    self.cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, THREADS, 0)
+                )
+            except Exception as e:  # keep working with a safe guess: 2 blocks fit any kernel
+                log.warning("occupancy query for %s failed (%s); assuming 2 blocks per SM", name, e)
                 per_sm = 2
             self._resident[key] = max(1, per_sm) * self._sms(device_id) * WARPS_PER_BLOCK
         return self._resident[key]
 
-    def table(self, op: str, pair: tuple, arrays: Sequence[Any], bucket: Any,
-              sizes: np.ndarray, offsets: np.ndarray) -> tuple:
+    def table(
+        self, op: str, pair: tuple, arrays: Sequence[Any], bucket: Any, sizes: np.ndarray, offsets: np.ndarray
+    ) -> tuple:
         """(table, chunk) for these pointers, built (and uploaded) on a miss. `pair`: the
         (source, destination) dtypes of the kernel, as check_segments returns them."""
         dev = bucket.device.id
         stream = self.cp.cuda.get_current_stream()
         ptrs = np.fromiter((a.data.ptr for a in arrays), dtype=np.uint64, count=len(arrays))
-        key = (dev, stream.ptr, op, pair, CHUNK_BYTES, ptrs.tobytes(), sizes.tobytes(),
-               offsets.tobytes())
+        key = (dev, stream.ptr, op, pair, CHUNK_BYTES, ptrs.tobytes(), sizes.tobytes(), offsets.tobytes())
         hit = self._tables.get(key)
         if hit is not None:
             self._tables.move_to_end(key)
@@ -283,11 +308,14 @@ class CudaKernels:
         self._retire(())
         for i, a in enumerate(arrays):
             if a.size and a.device.id != dev:
-                raise KernelError(f"{op}: array {i} is on device {a.device.id} but the bucket "
-                                  f"is on device {dev}; move it to the bucket's device")
+                raise KernelError(
+                    f"{op}: array {i} is on device {a.device.id} but the bucket "
+                    f"is on device {dev}; move it to the bucket's device"
+                )
         small = int(np.count_nonzero(sizes)) <= self.small_max
-        warps = min(self.resident_warps(dev, kernel_name(op, pair, variant, small))
-                    for variant in (False, True))   # the table serves both variants
+        warps = min(
+            self.resident_warps(dev, kernel_name(op, pair, variant, small)) for variant in (False, True)
+        )  # the table serves both variants
         chunk = choose_chunk(sizes, pair, warps)
         itemsize = ITEMSIZE[pair[0] if op == "pack" else pair[1]]
         tab = build_table(ptrs, sizes, offsets, chunk, itemsize, self.small_max)
@@ -295,7 +323,7 @@ class CudaKernels:
         if tab.items is not None:
             host = tab.items.view(np.uint8)
             buf = self.cp.empty(host.size, dtype=self.cp.uint8)
-            buf.set(host, stream=stream)   # ordered before the launch on the same stream
+            buf.set(host, stream=stream)  # ordered before the launch on the same stream
             tab.device_buf = buf
             tab.used = self.cp.cuda.Event(block=False, disable_timing=True)
             self.stats["table_uploads"] += 1
@@ -318,19 +346,33 @@ class CudaKernels:
 
     # -- operations ---------------------------------------------------------------------------
 
-    def pack(self, srcs: Sequence[Any], dst: Any, offsets: Sequence[int], scale: float,
-             flag: Any) -> None:
+    def pack(self, srcs: Sequence[Any], dst: Any, offsets: Sequence[int], scale: float, flag: Any) -> None:
         check_flag("pack", flag, dst)
         self._segments("pack", srcs, dst, offsets, PACK_PAIRS, scale, flag is not None, flag)
 
-    def unpack(self, dsts: Sequence[Any], src: Any, offsets: Sequence[int], scale: float,
-               accumulate: bool, flag: Any = None) -> None:
+    def unpack(
+        self,
+        dsts: Sequence[Any],
+        src: Any,
+        offsets: Sequence[int],
+        scale: float,
+        accumulate: bool,
+        flag: Any = None,
+    ) -> None:
         check_flag("unpack", flag, src)
-        self._segments("unpack", dsts, src, offsets, UNPACK_PAIRS, scale, bool(accumulate),
-                       flag)
+        self._segments("unpack", dsts, src, offsets, UNPACK_PAIRS, scale, bool(accumulate), flag)
 
-    def _segments(self, op: str, arrays: Sequence[Any], bucket: Any, offsets: Sequence[int],
-                  pairs: frozenset, scale: float, variant: bool, flag: Any) -> None:
+    def _segments(
+        self,
+        op: str,
+        arrays: Sequence[Any],
+        bucket: Any,
+        offsets: Sequence[int],
+        pairs: frozenset,
+        scale: float,
+        variant: bool,
+        flag: Any,
+    ) -> None:
         """One pack/unpack launch: validate, find or build the table, launch. `flag`: the
         non-finite flag (None: the unchecked instantiation, passed a null pointer)."""
         sizes, offs, pair = check_segments(op, arrays, bucket, offsets, pairs, op == "pack")
@@ -343,7 +385,7 @@ class CudaKernels:
             args = self.launch_args(tab, bucket, chunk, scale) + (flag,)
             self._launch(dev, name, tab.grid, args)
             if tab.used is not None:
-                tab.used.record()   # on the current stream, after the launch that reads it
+                tab.used.record()  # on the current stream, after the launch that reads it
 
     def launch_args(self, tab: Table, bucket: Any, chunk: int, scale: float) -> tuple:
         """The kernel arguments up to `scale` (the flag pointer follows). The SmallTable
@@ -365,8 +407,12 @@ class CudaKernels:
             t = dtype_name(buf)
             per_block = THREADS * (16 // ITEMSIZE[t])
             grid = min(-(-buf.size // per_block), self._sms(dev) * 16)
-            self._launch(dev, kernel_name("scale", (t, t), False, False), grid,
-                         (buf.data.ptr, np.int64(buf.size), np.float64(factor)))
+            self._launch(
+                dev,
+                kernel_name("scale", (t, t), False, False),
+                grid,
+                (buf.data.ptr, np.int64(buf.size), np.float64(factor)),
+            )
 
     def zero_(self, buf: Any) -> None:
         check_flat("zero_", buf, None)
@@ -379,8 +425,7 @@ class CudaKernels:
 
     def _sms(self, dev: int) -> int:
         if dev not in self._sm_count:
-            self._sm_count[dev] = int(
-                self.cp.cuda.Device(dev).attributes["MultiProcessorCount"])
+            self._sm_count[dev] = int(self.cp.cuda.Device(dev).attributes["MultiProcessorCount"])
         return self._sm_count[dev]
 
 
@@ -394,7 +439,9 @@ def backend() -> CudaKernels:
         try:
             import cupy
         except ImportError as e:
-            raise KernelError("the CUDA kernels need CuPy: pip install 'nccl_ddp[cuda12]' (or "
-                              "[cuda13]); NumPy arrays use the host path") from e
+            raise KernelError(
+                "the CUDA kernels need CuPy: pip install 'nccl_ddp[cuda12]' (or "
+                "[cuda13]); NumPy arrays use the host path"
+            ) from e
         _BACKEND = CudaKernels(cupy)
     return _BACKEND

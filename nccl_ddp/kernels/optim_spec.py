@@ -8,6 +8,7 @@ addcmul), a separate multiply and add where they do not (addcdiv, the decoupled 
 torch on float32 the states are bitwise equal; the parameters differ only where torch's CPU sqrt
 (MKL's vector sqrt, not IEEE-rounded) is one ulp off, which our IEEE sqrt (the GPU's sqrt.rn) is not.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ f32 = np.float32
 @dataclass(frozen=True)
 class SgdScalars:
     """The float32 scalars of one SGD launch (torch casts each Python float to float32)."""
+
     scale: np.float32
     weight_decay: np.float32
     momentum: np.float32
@@ -43,6 +45,7 @@ class SgdScalars:
 class AdamWScalars:
     """The float32 scalars of one AdamW launch; the bias corrections are computed in Python
     floats (double) first, as torch does, then rounded once."""
+
     scale: np.float32
     decay: np.float32
     lerp_coef: np.float32
@@ -54,18 +57,34 @@ class AdamWScalars:
     flags: int
 
 
-def sgd_scalars(*, lr: float, momentum: float, dampening: float, weight_decay: float,
-                nesterov: bool, fresh_buffer: bool, grad_scale: float) -> SgdScalars:
-    flags = (SGD_WEIGHT_DECAY if weight_decay != 0 else 0)
+def sgd_scalars(
+    *,
+    lr: float,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool,
+    fresh_buffer: bool,
+    grad_scale: float,
+) -> SgdScalars:
+    flags = SGD_WEIGHT_DECAY if weight_decay != 0 else 0
     if momentum != 0:
         flags |= SGD_MOMENTUM | (SGD_FRESH_BUFFER if fresh_buffer else 0)
         flags |= SGD_NESTEROV if nesterov else 0
-    return SgdScalars(f32(grad_scale), f32(weight_decay), f32(momentum), f32(1 - dampening),
-                      f32(-lr), flags)
+    return SgdScalars(f32(grad_scale), f32(weight_decay), f32(momentum), f32(1 - dampening), f32(-lr), flags)
 
 
-def adamw_scalars(*, step: int, lr: float, beta1: float, beta2: float, eps: float,
-                  weight_decay: float, amsgrad: bool, grad_scale: float) -> AdamWScalars:
+def adamw_scalars(
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    amsgrad: bool,
+    grad_scale: float,
+) -> AdamWScalars:
     """`step` counts this step (1 on the first), like torch's state['step'] after its += 1."""
     if step < 1:
         raise KernelError(f"adamw: step must be >= 1 (the step being taken), got {step}")
@@ -73,13 +92,19 @@ def adamw_scalars(*, step: int, lr: float, beta1: float, beta2: float, eps: floa
     bias_correction2 = 1 - beta2 ** float(step)
     step_size = lr / bias_correction1
     weight = f32(1 - beta1)
-    small = abs(weight) < f32(0.5)     # torch's is_lerp_weight_small, in the weight's float32
+    small = abs(weight) < f32(0.5)  # torch's is_lerp_weight_small, in the weight's float32
     flags = (0 if small else ADAM_LERP_FROM_END) | (ADAM_AMSGRAD if amsgrad else 0)
     return AdamWScalars(
-        scale=f32(grad_scale), decay=f32(1 - lr * weight_decay),
-        lerp_coef=weight if small else f32(weight - f32(1)), beta2=f32(beta2),
-        one_minus_beta2=f32(1 - beta2), bias_correction2_sqrt=f32(bias_correction2 ** 0.5),
-        eps=f32(eps), neg_step=f32(-step_size), flags=flags)
+        scale=f32(grad_scale),
+        decay=f32(1 - lr * weight_decay),
+        lerp_coef=weight if small else f32(weight - f32(1)),
+        beta2=f32(beta2),
+        one_minus_beta2=f32(1 - beta2),
+        bias_correction2_sqrt=f32(bias_correction2**0.5),
+        eps=f32(eps),
+        neg_step=f32(-step_size),
+        flags=flags,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -98,24 +123,34 @@ def check_shard(op: str, master: Any, grad: Any, states: Sequence[tuple], params
     kind = _kind(master)
     for name, a in arrays:
         if _kind(a) != kind:
-            raise KernelError(f"{op}: {name} is a {type(a).__module__}.{type(a).__name__} but "
-                              f"master is a {kind} array; put every array on the same device")
+            raise KernelError(
+                f"{op}: {name} is a {type(a).__module__}.{type(a).__name__} but "
+                f"master is a {kind} array; put every array on the same device"
+            )
         if not a.flags.c_contiguous:
-            raise KernelError(f"{op}: {name} (shape {a.shape}) is not contiguous; pass a "
-                              "contiguous flat shard")
+            raise KernelError(
+                f"{op}: {name} (shape {a.shape}) is not contiguous; pass a contiguous flat shard"
+            )
         if a.size != master.size:
-            raise KernelError(f"{op}: {name} has {a.size} elements but master has {master.size}; "
-                              "every array of a shard step covers the same elements")
+            raise KernelError(
+                f"{op}: {name} has {a.size} elements but master has {master.size}; "
+                "every array of a shard step covers the same elements"
+            )
     for name, a in [("master", master), *states]:
         if dtype_name(a) != "float32":
-            raise KernelError(f"{op}: {name} is {dtype_name(a)}; master weights and optimizer "
-                              "state are float32")
+            raise KernelError(
+                f"{op}: {name} is {dtype_name(a)}; master weights and optimizer state are float32"
+            )
     if dtype_name(grad) not in GRAD_DTYPES:
-        raise KernelError(f"{op}: grad dtype {dtype_name(grad)} is not supported "
-                          f"(supported: {', '.join(sorted(GRAD_DTYPES))})")
+        raise KernelError(
+            f"{op}: grad dtype {dtype_name(grad)} is not supported "
+            f"(supported: {', '.join(sorted(GRAD_DTYPES))})"
+        )
     if params_out is not None and dtype_name(params_out) not in PARAM_DTYPES:
-        raise KernelError(f"{op}: params_out dtype {dtype_name(params_out)} is not supported "
-                          f"(supported: {', '.join(sorted(PARAM_DTYPES))})")
+        raise KernelError(
+            f"{op}: params_out dtype {dtype_name(params_out)} is not supported "
+            f"(supported: {', '.join(sorted(PARAM_DTYPES))})"
+        )
     if kind == "numpy" or master.size == 0:
         return
     # On the GPU: every array aligned to its element size; none overlapping another (a written
@@ -123,14 +158,18 @@ def check_shard(op: str, master: Any, grad: Any, states: Sequence[tuple], params
     for name, a in arrays:
         item = np.dtype(a.dtype).itemsize
         if a.data.ptr % item:
-            raise KernelError(f"{op}: {name} starts at {a.data.ptr:#x}, not a multiple of its "
-                              f"{item}-byte element size; pass an aligned copy")
+            raise KernelError(
+                f"{op}: {name} starts at {a.data.ptr:#x}, not a multiple of its "
+                f"{item}-byte element size; pass an aligned copy"
+            )
     spans = sorted((a.data.ptr, a.data.ptr + a.nbytes, name) for name, a in arrays)
     for (_, end, n1), (start, _, n2) in zip(spans, spans[1:]):
         if end > start:
-            raise KernelError(f"{op}: {n1} and {n2} share memory; every array of a shard step "
-                              "must be distinct (for float32 parameters that are the master "
-                              "itself, pass params_out=None)")
+            raise KernelError(
+                f"{op}: {n1} and {n2} share memory; every array of a shard step "
+                "must be distinct (for float32 parameters that are the master "
+                "itself, pass params_out=None)"
+            )
 
 
 def sgd_states(sc: SgdScalars, momentum_buf: Optional[Any]) -> list:
@@ -142,8 +181,7 @@ def sgd_states(sc: SgdScalars, momentum_buf: Optional[Any]) -> list:
     return [("momentum_buf", momentum_buf)]
 
 
-def adamw_states(sc: AdamWScalars, exp_avg: Any, exp_avg_sq: Any,
-                 max_exp_avg_sq: Optional[Any]) -> list:
+def adamw_states(sc: AdamWScalars, exp_avg: Any, exp_avg_sq: Any, max_exp_avg_sq: Optional[Any]) -> list:
     """The (name, array) state one nd_adamw launch reads and writes."""
     states = [("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)]
     if sc.flags & ADAM_AMSGRAD:
@@ -184,9 +222,11 @@ def fma(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
 
 def max_nan(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """NaN if either is NaN (torch.maximum), else the larger in the order where -0.0 < +0.0."""
+
     def key(x: np.ndarray) -> np.ndarray:
         i = x.view(np.int32)
         return i ^ ((i >> 31) & np.int32(0x7FFFFFFF))
+
     nan = np.isnan(a) | np.isnan(b)
     return np.where(nan, np.float32(np.nan), np.where(key(b) > key(a), b, a)).astype(np.float32)
 
@@ -199,8 +239,13 @@ def _grad32(grad: np.ndarray, scale: np.float32) -> np.ndarray:
 # NumPy references: the specification of nd_sgd / nd_adamw
 
 
-def sgd_ref(master: np.ndarray, grad: np.ndarray, momentum_buf: Optional[np.ndarray],
-            params_out: Optional[np.ndarray], sc: SgdScalars) -> None:
+def sgd_ref(
+    master: np.ndarray,
+    grad: np.ndarray,
+    momentum_buf: Optional[np.ndarray],
+    params_out: Optional[np.ndarray],
+    sc: SgdScalars,
+) -> None:
     """Reference of `nd_sgd` (see kernels/optim.cu's SgdOp)."""
     check_shard("sgd", master, grad, sgd_states(sc, momentum_buf), params_out)
     check_dispatch("sgd", master)
@@ -210,35 +255,38 @@ def sgd_ref(master: np.ndarray, grad: np.ndarray, momentum_buf: Optional[np.ndar
         if sc.flags & SGD_WEIGHT_DECAY:
             g = fma(p, np.full_like(p, sc.weight_decay), g)
         if sc.flags & SGD_MOMENTUM:
-            buf = momentum_buf.reshape(-1)   # type: ignore[union-attr]
+            buf = momentum_buf.reshape(-1)  # type: ignore[union-attr]
             if sc.flags & SGD_FRESH_BUFFER:
                 buf[...] = g
             else:
                 buf[...] = fma(g, np.full_like(g, sc.one_minus_dampening), buf * sc.momentum)
-            g = fma(buf, np.full_like(buf, sc.momentum), g) if sc.flags & SGD_NESTEROV \
-                else buf.copy()
+            g = fma(buf, np.full_like(buf, sc.momentum), g) if sc.flags & SGD_NESTEROV else buf.copy()
         p[...] = fma(g, np.full_like(g, sc.neg_lr), p)
         if params_out is not None:
             params_out.reshape(-1)[...] = p.astype(params_out.dtype)
 
 
-def adamw_ref(master: np.ndarray, grad: np.ndarray, exp_avg: np.ndarray, exp_avg_sq: np.ndarray,
-              max_exp_avg_sq: Optional[np.ndarray], params_out: Optional[np.ndarray],
-              sc: AdamWScalars) -> None:
+def adamw_ref(
+    master: np.ndarray,
+    grad: np.ndarray,
+    exp_avg: np.ndarray,
+    exp_avg_sq: np.ndarray,
+    max_exp_avg_sq: Optional[np.ndarray],
+    params_out: Optional[np.ndarray],
+    sc: AdamWScalars,
+) -> None:
     """Reference of `nd_adamw` (see kernels/optim.cu's AdamWOp)."""
-    check_shard("adamw", master, grad, adamw_states(sc, exp_avg, exp_avg_sq, max_exp_avg_sq),
-                params_out)
+    check_shard("adamw", master, grad, adamw_states(sc, exp_avg, exp_avg_sq, max_exp_avg_sq), params_out)
     check_dispatch("adamw", master)
     p, m, v = master.reshape(-1), exp_avg.reshape(-1), exp_avg_sq.reshape(-1)
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         g = _grad32(grad, sc.scale)
         p[...] = p * sc.decay
-        m[...] = fma(np.full_like(m, sc.lerp_coef), g - m,
-                     g if sc.flags & ADAM_LERP_FROM_END else m)
+        m[...] = fma(np.full_like(m, sc.lerp_coef), g - m, g if sc.flags & ADAM_LERP_FROM_END else m)
         v[...] = fma(sc.one_minus_beta2 * g, g, v * sc.beta2)
         second = v
         if sc.flags & ADAM_AMSGRAD:
-            vmax = max_exp_avg_sq.reshape(-1)   # type: ignore[union-attr]
+            vmax = max_exp_avg_sq.reshape(-1)  # type: ignore[union-attr]
             vmax[...] = max_nan(vmax, v)
             second = vmax
         denom = np.sqrt(second) / sc.bias_correction2_sqrt + sc.eps

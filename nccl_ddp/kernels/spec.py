@@ -2,6 +2,7 @@
 the NumPy references that define their results bit for bit (the host backend runs these; the CUDA
 kernels of kernels/bucket.cu must equal them). Imported by the dispatcher and the CUDA backend alike.
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional, Sequence
@@ -26,34 +27,43 @@ def dtype_name(x: Any) -> str:
     return np.dtype(x.dtype).name
 
 
-def check_segments(op: str, arrays: Sequence[Any], bucket: Any, offsets: Sequence[int],
-                   pairs: frozenset, to_bucket: bool) -> tuple:
+def check_segments(
+    op: str, arrays: Sequence[Any], bucket: Any, offsets: Sequence[int], pairs: frozenset, to_bucket: bool
+) -> tuple:
     """Validate one pack/unpack call; return (sizes, offsets) as int64 arrays and the
     (tensor dtype, bucket dtype) pair. Raises `KernelError` naming the op and the argument."""
     if len(arrays) != len(offsets):
-        raise KernelError(f"{op}: {len(arrays)} arrays but {len(offsets)} offsets; pass one "
-                          "bucket offset per array")
+        raise KernelError(
+            f"{op}: {len(arrays)} arrays but {len(offsets)} offsets; pass one bucket offset per array"
+        )
     if not bucket.flags.c_contiguous:
-        raise KernelError(f"{op}: the bucket (shape {bucket.shape}) is not contiguous; allocate "
-                          "it flat with device.empty(n, dtype)")
+        raise KernelError(
+            f"{op}: the bucket (shape {bucket.shape}) is not contiguous; allocate "
+            "it flat with device.empty(n, dtype)"
+        )
     bname = dtype_name(bucket)
     tname = dtype_name(arrays[0]) if len(arrays) else bname
     pair = (tname, bname) if to_bucket else (bname, tname)
     kind = _kind(bucket)
     for i, a in enumerate(arrays):
         if _kind(a) != kind:
-            raise KernelError(f"{op}: array {i} is a {type(a).__module__}.{type(a).__name__} but "
-                              f"the bucket is a {kind} array; put both on the same device")
+            raise KernelError(
+                f"{op}: array {i} is a {type(a).__module__}.{type(a).__name__} but "
+                f"the bucket is a {kind} array; put both on the same device"
+            )
         if dtype_name(a) != tname:
-            raise KernelError(f"{op}: array {i} is {dtype_name(a)} but array 0 is {tname}; a "
-                              "bucket holds one dtype group, split the arrays by dtype")
+            raise KernelError(
+                f"{op}: array {i} is {dtype_name(a)} but array 0 is {tname}; a "
+                "bucket holds one dtype group, split the arrays by dtype"
+            )
         if not a.flags.c_contiguous:
-            raise KernelError(f"{op}: array {i} (shape {a.shape}, strides {a.strides}) is not "
-                              "contiguous; pass a contiguous array (x.copy()) or a view of one")
+            raise KernelError(
+                f"{op}: array {i} (shape {a.shape}, strides {a.strides}) is not "
+                "contiguous; pass a contiguous array (x.copy()) or a view of one"
+            )
     if pair not in pairs:
         ok = ", ".join(f"{s}->{d}" for s, d in sorted(pairs))
-        raise KernelError(f"{op}: dtype pair {pair[0]}->{pair[1]} is not supported "
-                          f"(supported: {ok})")
+        raise KernelError(f"{op}: dtype pair {pair[0]}->{pair[1]} is not supported (supported: {ok})")
     sizes = np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays))
     try:
         offs = np.asarray(offsets, dtype=np.int64).reshape(-1)
@@ -65,32 +75,39 @@ def check_segments(op: str, arrays: Sequence[Any], bucket: Any, offsets: Sequenc
     ends = offs + sizes
     if ends.size and ends.max() > bucket.size:
         i = int(np.argmax(ends))
-        raise KernelError(f"{op}: array {i} ({int(sizes[i])} elements at offset {int(offs[i])}) "
-                          f"ends past the bucket ({bucket.size} elements); the bucket is too "
-                          "small for the offsets")
+        raise KernelError(
+            f"{op}: array {i} ({int(sizes[i])} elements at offset {int(offs[i])}) "
+            f"ends past the bucket ({bucket.size} elements); the bucket is too "
+            "small for the offsets"
+        )
     if to_bucket:
         nz = np.flatnonzero(sizes)
         order = nz[np.argsort(offs[nz], kind="stable")]
         clash = np.flatnonzero(ends[order][:-1] > offs[order][1:])
         if clash.size:
             i, j = int(order[clash[0]]), int(order[clash[0] + 1])
-            raise KernelError(f"{op}: arrays {i} and {j} overlap in the bucket (offsets "
-                              f"{int(offs[i])} and {int(offs[j])}); give each its own range")
+            raise KernelError(
+                f"{op}: arrays {i} and {j} overlap in the bucket (offsets "
+                f"{int(offs[i])} and {int(offs[j])}); give each its own range"
+            )
     if kind != "numpy":
         _check_device_memory(op, arrays, bucket, sizes, offs, to_bucket)
     return sizes, offs, pair
 
 
-def _check_device_memory(op: str, arrays: Sequence[Any], bucket: Any, sizes: np.ndarray,
-                         offs: np.ndarray, to_bucket: bool) -> None:
+def _check_device_memory(
+    op: str, arrays: Sequence[Any], bucket: Any, sizes: np.ndarray, offs: np.ndarray, to_bucket: bool
+) -> None:
     """What the GPU kernels cannot take although the references can: a pointer that is not a
     multiple of its element size (a misaligned-address fault kills the CUDA context), unpack
     destinations sharing memory (their updates would race), a pack source overlapping the bucket
     ranges being written (read through the read-only cache while written)."""
     bitem = np.dtype(bucket.dtype).itemsize
     if bucket.data.ptr % bitem:
-        raise KernelError(f"{op}: the bucket starts at {bucket.data.ptr:#x}, not a multiple of its "
-                          f"{bitem}-byte element size; allocate it with device.empty(n, dtype)")
+        raise KernelError(
+            f"{op}: the bucket starts at {bucket.data.ptr:#x}, not a multiple of its "
+            f"{bitem}-byte element size; allocate it with device.empty(n, dtype)"
+        )
     nz = np.flatnonzero(sizes)
     if not nz.size:
         return
@@ -99,29 +116,35 @@ def _check_device_memory(op: str, arrays: Sequence[Any], bucket: Any, sizes: np.
     odd = np.flatnonzero(ptrs % item)
     if odd.size:
         i = int(nz[odd[0]])
-        raise KernelError(f"{op}: array {i} starts at {int(ptrs[odd[0]]):#x}, not a multiple of "
-                          f"its {item}-byte element size (the kernels would fault on a misaligned "
-                          "address); pass an aligned copy (x.copy())")
+        raise KernelError(
+            f"{op}: array {i} starts at {int(ptrs[odd[0]]):#x}, not a multiple of "
+            f"its {item}-byte element size (the kernels would fault on a misaligned "
+            "address); pass an aligned copy (x.copy())"
+        )
     ends = ptrs + sizes[nz] * item
     if not to_bucket:
         order = np.argsort(ptrs, kind="stable")
         clash = np.flatnonzero(ends[order][:-1] > ptrs[order][1:])
         if clash.size:
             i, j = sorted((int(nz[order[clash[0]]]), int(nz[order[clash[0] + 1]])))
-            raise KernelError(f"{op}: arrays {i} and {j} share memory; unpack destinations must "
-                              "not overlap (their updates would race and be lost): pass distinct "
-                              "arrays")
+            raise KernelError(
+                f"{op}: arrays {i} and {j} share memory; unpack destinations must "
+                "not overlap (their updates would race and be lost): pass distinct "
+                "arrays"
+            )
         return
-    w_start = bucket.data.ptr + offs[nz] * bitem      # bucket ranges written, disjoint
+    w_start = bucket.data.ptr + offs[nz] * bitem  # bucket ranges written, disjoint
     order = np.argsort(w_start, kind="stable")
     w_start, w_end = w_start[order], (w_start + sizes[nz] * bitem)[order]
-    last = np.searchsorted(w_start, ends, side="left") - 1   # last range starting before the end
+    last = np.searchsorted(w_start, ends, side="left") - 1  # last range starting before the end
     hit = np.flatnonzero((last >= 0) & (w_end[np.maximum(last, 0)] > ptrs))
     if hit.size:
         i = int(nz[hit[0]])
-        raise KernelError(f"{op}: array {i} overlaps the bucket range being packed (it is read "
-                          "through the read-only cache while the kernel writes there); pack a "
-                          "copy of it")
+        raise KernelError(
+            f"{op}: array {i} overlaps the bucket range being packed (it is read "
+            "through the read-only cache while the kernel writes there); pack a "
+            "copy of it"
+        )
 
 
 def _kind(x: Any) -> str:
@@ -133,19 +156,24 @@ def check_flag(op: str, flag: Any, bucket: Any) -> None:
     if flag is None:
         return
     if _kind(flag) != _kind(bucket):
-        raise KernelError(f"{op}: nonfinite_flag is a {_kind(flag)} array but the bucket is a "
-                          f"{_kind(bucket)} array; allocate the flag on the bucket's device")
+        raise KernelError(
+            f"{op}: nonfinite_flag is a {_kind(flag)} array but the bucket is a "
+            f"{_kind(bucket)} array; allocate the flag on the bucket's device"
+        )
     if dtype_name(flag) != "int32" or flag.size < 1:
-        raise KernelError(f"{op}: nonfinite_flag must be an int32 array of at least one "
-                          f"element, got {dtype_name(flag)} of size {flag.size}")
+        raise KernelError(
+            f"{op}: nonfinite_flag must be an int32 array of at least one "
+            f"element, got {dtype_name(flag)} of size {flag.size}"
+        )
 
 
 def check_flat(op: str, buf: Any, dtypes: Optional[frozenset]) -> None:
     if not buf.flags.c_contiguous:
         raise KernelError(f"{op}: the buffer (shape {buf.shape}) is not contiguous")
     if dtypes is not None and dtype_name(buf) not in dtypes:
-        raise KernelError(f"{op}: dtype {dtype_name(buf)} is not supported "
-                          f"(supported: {', '.join(sorted(dtypes))})")
+        raise KernelError(
+            f"{op}: dtype {dtype_name(buf)} is not supported (supported: {', '.join(sorted(dtypes))})"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,8 +185,14 @@ def acc_dtype(pair: tuple) -> type:
     return np.float64 if "float64" in pair else np.float32
 
 
-def pack_ref(srcs: Sequence[np.ndarray], dst: np.ndarray, offsets: Sequence[int], *,
-             scale: float = 1.0, nonfinite_flag: Optional[np.ndarray] = None) -> None:
+def pack_ref(
+    srcs: Sequence[np.ndarray],
+    dst: np.ndarray,
+    offsets: Sequence[int],
+    *,
+    scale: float = 1.0,
+    nonfinite_flag: Optional[np.ndarray] = None,
+) -> None:
     """Reference of `pack` (NumPy arrays). A narrowing pack (float32 into a bfloat16/float16
     bucket) rounds to the bucket dtype first and scales that: torch's compress hooks' order."""
     sizes, offs, pair = check_segments("pack", srcs, dst, offsets, PACK_PAIRS, to_bucket=True)
@@ -175,20 +209,25 @@ def pack_ref(srcs: Sequence[np.ndarray], dst: np.ndarray, offsets: Sequence[int]
             if dst.dtype.itemsize < x.dtype.itemsize:
                 x = x.astype(dst.dtype)
             y = (x.astype(acc) * s).astype(dst.dtype)
-            flat[o:o + n] = y
+            flat[o : o + n] = y
             if nonfinite_flag is not None and not bad:
                 bad = not bool(np.isfinite(y.astype(acc)).all())
     if bad and nonfinite_flag is not None:
         nonfinite_flag.reshape(-1)[0] = 1
 
 
-def unpack_ref(dsts: Sequence[np.ndarray], src: np.ndarray, offsets: Sequence[int], *,
-               scale: float = 1.0, accumulate: bool = False,
-               nonfinite_flag: Optional[np.ndarray] = None) -> None:
+def unpack_ref(
+    dsts: Sequence[np.ndarray],
+    src: np.ndarray,
+    offsets: Sequence[int],
+    *,
+    scale: float = 1.0,
+    accumulate: bool = False,
+    nonfinite_flag: Optional[np.ndarray] = None,
+) -> None:
     """Reference of `unpack` (NumPy arrays). `nonfinite_flag`: set to 1 if a value written is
     NaN/Inf (what a reduction handed back, seen where it is written anyway)."""
-    sizes, offs, pair = check_segments("unpack", dsts, src, offsets, UNPACK_PAIRS,
-                                       to_bucket=False)
+    sizes, offs, pair = check_segments("unpack", dsts, src, offsets, UNPACK_PAIRS, to_bucket=False)
     check_flag("unpack", nonfinite_flag, src)
     acc = acc_dtype(pair)
     s = acc(scale)
@@ -198,7 +237,7 @@ def unpack_ref(dsts: Sequence[np.ndarray], src: np.ndarray, offsets: Sequence[in
         for d, o, n in zip(dsts, offs, sizes):
             if n == 0:
                 continue
-            v = flat[o:o + n].astype(acc) * s
+            v = flat[o : o + n].astype(acc) * s
             out = d.reshape(-1)
             if accumulate:
                 v = out.astype(acc) + v
@@ -209,8 +248,9 @@ def unpack_ref(dsts: Sequence[np.ndarray], src: np.ndarray, offsets: Sequence[in
         nonfinite_flag.reshape(-1)[0] = 1
 
 
-def flag_nonfinite_ref(views: Sequence[np.ndarray], bucket: np.ndarray, offsets: Sequence[int],
-                       flag: np.ndarray) -> None:
+def flag_nonfinite_ref(
+    views: Sequence[np.ndarray], bucket: np.ndarray, offsets: Sequence[int], flag: np.ndarray
+) -> None:
     """Reference of `flag_nonfinite`: flag[0] = 1 if a view holds a NaN/Inf (never cleared).
     `views` are `bucket`'s own elements at `offsets` (padding between them is not looked at)."""
     check_segments("flag_nonfinite", views, bucket, offsets, UNPACK_PAIRS, to_bucket=False)

@@ -5,6 +5,7 @@ become the worker (exec, same pid and process group).
 before releasing it) ends it before any user code ran, so no worker exists that the reaper does not
 know (run as a file, stdlib only, so it starts at once).
 """
+
 import os
 import sys
 

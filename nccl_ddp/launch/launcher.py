@@ -14,6 +14,7 @@ the others (SIGTERM, then SIGKILL after a grace period); the launcher then names
 (--max-restarts). Whatever happens, the job's /dev/shm segments are removed, and a watchdog
 (reaper.py) kills the workers if the launcher itself is killed. docs/launch.md has the details.
 """
+
 from __future__ import annotations
 
 import logging
@@ -46,39 +47,58 @@ __all__ = ["LaunchConfig", "launch", "local_device_count", "resolve_nproc", "wor
 log = logging.getLogger("nccl_ddp.launch")
 
 
-OMP_NOTICE = ("\n*****************************************\nSetting OMP_NUM_THREADS environment "
-              "variable for each process to be 1 in default, to avoid your system being "
-              "overloaded, please further tune the variable for optimal performance in your "
-              "application as needed. \n*****************************************")
-RUN_PATH = ("import runpy, sys; sys.argv = sys.argv[1:]; "
-            "runpy.run_path(sys.argv[0], run_name='__main__')")
+OMP_NOTICE = (
+    "\n*****************************************\nSetting OMP_NUM_THREADS environment "
+    "variable for each process to be 1 in default, to avoid your system being "
+    "overloaded, please further tune the variable for optimal performance in your "
+    "application as needed. \n*****************************************"
+)
+RUN_PATH = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
 
 
-def worker_env(config: LaunchConfig, nproc: int, node_rank: int, local_rank: int, port: int,
-               secret: str, store_port: int, restart: int = 0, job_id: str = "",
-               error_file: Optional[str] = None, torch_error_file: Optional[str] = None) -> dict:
+def worker_env(
+    config: LaunchConfig,
+    nproc: int,
+    node_rank: int,
+    local_rank: int,
+    port: int,
+    secret: str,
+    store_port: int,
+    restart: int = 0,
+    job_id: str = "",
+    error_file: Optional[str] = None,
+    torch_error_file: Optional[str] = None,
+) -> dict:
     """The launcher's environment plus torchrun's variables and the store's address and secret.
     MASTER_PORT is not ours: the script may bind it (torch.distributed's env:// store does)."""
     env = dict(os.environ)
     rank, world = node_rank * nproc + local_rank, config.nnodes * nproc
-    env.update({
-        "RANK": str(rank), "WORLD_SIZE": str(world),
-        "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(nproc),
-        "GROUP_RANK": str(node_rank), "GROUP_WORLD_SIZE": str(config.nnodes),
-        "ROLE_NAME": config.role, "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world),
-        "MASTER_ADDR": config.master_addr, "MASTER_PORT": str(port),
-        "TORCHELASTIC_RESTART_COUNT": str(restart),
-        "TORCHELASTIC_MAX_RESTARTS": str(config.max_restarts),
-        "TORCHELASTIC_RUN_ID": config.run_id,
-        "TORCHELASTIC_USE_AGENT_STORE": "False",     # rank 0's torch store binds MASTER_PORT
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-        "NCCL_DDP_RESTART_COUNT": str(restart),
-        "NCCL_DDP_SECRET": secret,
-        "NCCL_DDP_STORE_HOSTED": "1",
-        "NCCL_DDP_STORE_PORT": str(store_port),
-        "NCCL_DDP_JOB_ID": job_id,
-        "PYTHONUNBUFFERED": "1",
-    })
+    env.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(local_rank),
+            "LOCAL_WORLD_SIZE": str(nproc),
+            "GROUP_RANK": str(node_rank),
+            "GROUP_WORLD_SIZE": str(config.nnodes),
+            "ROLE_NAME": config.role,
+            "ROLE_RANK": str(rank),
+            "ROLE_WORLD_SIZE": str(world),
+            "MASTER_ADDR": config.master_addr,
+            "MASTER_PORT": str(port),
+            "TORCHELASTIC_RESTART_COUNT": str(restart),
+            "TORCHELASTIC_MAX_RESTARTS": str(config.max_restarts),
+            "TORCHELASTIC_RUN_ID": config.run_id,
+            "TORCHELASTIC_USE_AGENT_STORE": "False",  # rank 0's torch store binds MASTER_PORT
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+            "NCCL_DDP_RESTART_COUNT": str(restart),
+            "NCCL_DDP_SECRET": secret,
+            "NCCL_DDP_STORE_HOSTED": "1",
+            "NCCL_DDP_STORE_PORT": str(store_port),
+            "NCCL_DDP_JOB_ID": job_id,
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
     if "OMP_NUM_THREADS" not in os.environ and nproc > 1:
         env["OMP_NUM_THREADS"] = "1"
     if config.virtual_local_rank:
@@ -97,8 +117,10 @@ def _own_gpu(local_rank: int) -> str:
         return str(local_rank)
     gpus = [g.strip() for g in visible.split(",")]
     if local_rank >= len(gpus):
-        raise ConfigError(f"--virtual-local-rank: local rank {local_rank} has no GPU in "
-                          f"CUDA_VISIBLE_DEVICES={visible}; lower --nproc-per-node")
+        raise ConfigError(
+            f"--virtual-local-rank: local rank {local_rank} has no GPU in "
+            f"CUDA_VISIBLE_DEVICES={visible}; lower --nproc-per-node"
+        )
     return gpus[local_rank]
 
 
@@ -124,11 +146,14 @@ def _check_entrypoint(config: LaunchConfig) -> None:
         return
     if config.no_python and not config.run_path:
         if shutil.which(config.entrypoint) is None:
-            raise ConfigError(f"--no-python: program {config.entrypoint!r} not found or not "
-                              f"executable; pass its path")
+            raise ConfigError(
+                f"--no-python: program {config.entrypoint!r} not found or not executable; pass its path"
+            )
     elif not os.path.exists(config.entrypoint):
-        raise ConfigError(f"script {config.entrypoint!r} not found (working directory "
-                          f"{os.getcwd()}); pass the path of the training script, or -m module")
+        raise ConfigError(
+            f"script {config.entrypoint!r} not found (working directory "
+            f"{os.getcwd()}); pass the path of the training script, or -m module"
+        )
 
 
 def launch(config: LaunchConfig) -> int:
@@ -153,9 +178,9 @@ class _Job:
         self.secret = config.secret or secrets.token_hex(32)
         self.port = config.master_port or free_port(config.master_addr)
         self.store_port = config.store_port or (self.port + 1 if config.nnodes > 1 else 0)
-        self.serving_port = self.store_port     # this attempt's (0 above: a free one each time)
+        self.serving_port = self.store_port  # this attempt's (0 above: a free one each time)
         self.node_rank = config.node_rank
-        self.job_id = secrets.token_hex(6)      # this launcher's /dev/shm names: nccl_ddp-<job>-*
+        self.job_id = secrets.token_hex(6)  # this launcher's /dev/shm names: nccl_ddp-<job>-*
         self.shm_prefix = f"nccl_ddp-{self.job_id}-"
         self.reaper = Reaper(os.getpid())
         self.reaper.watch_shm(self.shm_prefix)
@@ -173,11 +198,12 @@ class _Job:
 
     def run(self) -> int:
         c = self.config
-        self.logs = RunLogs(c.log_dir, c.run_id, c.redirects, c.tee, c.local_ranks_filter,
-                            c.duplicate_filters)
+        self.logs = RunLogs(
+            c.log_dir, c.run_id, c.redirects, c.tee, c.local_ranks_filter, c.duplicate_filters
+        )
         restart = 0
         while True:
-            if self.stopped():                 # e.g. Ctrl-C between two attempts
+            if self.stopped():  # e.g. Ctrl-C between two attempts
                 return self._signalled()
             try:
                 outcome, restart, finished_elsewhere = self._attempt(restart)
@@ -196,10 +222,12 @@ class _Job:
                 log.error("cannot restart: another node already finished its workers")
                 return outcome.code
             restart += 1
-            why = (outcome.root.describe() if outcome.root
-                   else outcome.elsewhere or f"exit code {outcome.code}")
-            log.warning("restart %d of %d: %s; restarting all %d worker(s)", restart,
-                        c.max_restarts, why, self.nproc)
+            why = (
+                outcome.root.describe() if outcome.root else outcome.elsewhere or f"exit code {outcome.code}"
+            )
+            log.warning(
+                "restart %d of %d: %s; restarting all %d worker(s)", restart, c.max_restarts, why, self.nproc
+            )
 
     def cleanup(self) -> None:
         """Runs whatever failed before: remove the segments and records, stop the reaper."""
@@ -214,18 +242,19 @@ class _Job:
             return StoreServer(c.master_addr, self.store_port, secret)
         except StoreError as e:
             if not node_rank_known and not c.is_host:
-                return None            # another launcher on the endpoint's host, or not ours
+                return None  # another launcher on the endpoint's host, or not ours
             cause = e.__cause__ or e
             if c.store_port:
                 what = f"--store-port {self.store_port} (NCCL_DDP_STORE_PORT)"
             elif c.nnodes > 1:
-                what = (f"port {self.store_port} (--master-port {self.port} + 1, where node 0 "
-                        f"hosts the store)")
+                what = f"port {self.store_port} (--master-port {self.port} + 1, where node 0 hosts the store)"
             else:
                 what = f"port {self.store_port}"
-            raise ConfigError(f"cannot host the job's store on {c.master_addr}:{self.store_port}"
-                              f": {what} is taken or {c.master_addr} is not an address of this "
-                              f"host ({cause}); pass a free --store-port") from e
+            raise ConfigError(
+                f"cannot host the job's store on {c.master_addr}:{self.store_port}"
+                f": {what} is taken or {c.master_addr} is not an address of this "
+                f"host ({cause}); pass a free --store-port"
+            ) from e
 
     def _meet(self, restart: int) -> tuple:
         """Node 0's store for this attempt (hosted here or joined), and the rendezvous of the
@@ -244,12 +273,20 @@ class _Job:
             if server is not None:
                 store = TCPStore(c.master_addr, server.port, secret, timeout=CLIENT_TIMEOUT)
             else:
-                store, restart = connect(c.master_addr, self.store_port, self.secret, restart,
-                                         c.max_restarts, c.join_timeout, self.stopped)
+                store, restart = connect(
+                    c.master_addr,
+                    self.store_port,
+                    self.secret,
+                    restart,
+                    c.max_restarts,
+                    c.join_timeout,
+                    self.stopped,
+                )
             rdzv = NodeRendezvous(store, c.nnodes, restart)
             try:
-                self.node_rank = rdzv.join(self.node_rank, self.nproc, c.join_timeout,
-                                           self.stopped, hosting=server is not None)
+                self.node_rank = rdzv.join(
+                    self.node_rank, self.nproc, c.join_timeout, self.stopped, hosting=server is not None
+                )
             except BaseException:
                 rdzv.close()
                 raise
@@ -278,8 +315,7 @@ class _Job:
                     if outcome.signal is not None:
                         why = f"its launcher received {signal.Signals(outcome.signal).name}"
                     else:
-                        why = (outcome.root.describe() if outcome.root
-                               else f"exit code {outcome.code}")
+                        why = outcome.root.describe() if outcome.root else f"exit code {outcome.code}"
                     rdzv.fail(f"node {self.node_rank}: {why}")
                     finished_elsewhere = rdzv.others_finished()
             return outcome, restart, finished_elsewhere
@@ -293,10 +329,17 @@ class _Job:
         c, nproc = self.config, self.nproc
         assert self.node_rank is not None and self.logs is not None
         cmd = worker_command(c)
-        log.info("starting %d worker(s) on node %d/%d, store at %s:%d, MASTER_PORT %d%s: %s",
-                 nproc, self.node_rank, c.nnodes, c.master_addr, self.serving_port, self.port,
-                 f", restart {restart}" if restart else "", " ".join(cmd[2:] if cmd[1:2] == ["-u"]
-                                                                     else cmd))
+        log.info(
+            "starting %d worker(s) on node %d/%d, store at %s:%d, MASTER_PORT %d%s: %s",
+            nproc,
+            self.node_rank,
+            c.nnodes,
+            c.master_addr,
+            self.serving_port,
+            self.port,
+            f", restart {restart}" if restart else "",
+            " ".join(cmd[2:] if cmd[1:2] == ["-u"] else cmd),
+        )
         if self.stopped():
             raise Stopped
         secret = attempt_secret(self.secret, restart)
@@ -305,14 +348,23 @@ class _Job:
         for lr, wl in zip(range(nproc), logs):
             rank = self.node_rank * nproc + lr
             record = os.path.join(self.records, f"attempt{restart}_rank{rank}")
-            workers.append(Worker(rank, lr, record + ".json",
-                                  wl.error_file or record + "_torch.json"))
+            workers.append(Worker(rank, lr, record + ".json", wl.error_file or record + "_torch.json"))
         out_lock = threading.Lock()
         try:
             for w, wl in zip(workers, logs):
-                env = worker_env(c, nproc, self.node_rank, w.local_rank, self.port, secret,
-                                 self.serving_port, restart, self.job_id, w.error_file,
-                                 w.torch_error_file)
+                env = worker_env(
+                    c,
+                    nproc,
+                    self.node_rank,
+                    w.local_rank,
+                    self.port,
+                    secret,
+                    self.serving_port,
+                    restart,
+                    self.job_id,
+                    w.error_file,
+                    w.torch_error_file,
+                )
                 w.start(cmd, env, wl, out_lock, self.reaper.watch_group)
         except OSError as e:
             for w in workers:
@@ -322,8 +374,13 @@ class _Job:
                 wl.close()
             self.logs.end_attempt()
             raise ConfigError(f"cannot start {cmd}: {e}") from e
-        outcome = supervise(workers, self.sigs, c.grace_period, c.monitor_interval,
-                            rdzv.failed_elsewhere if rdzv is not None else lambda: None)
+        outcome = supervise(
+            workers,
+            self.sigs,
+            c.grace_period,
+            c.monitor_interval,
+            rdzv.failed_elsewhere if rdzv is not None else lambda: None,
+        )
         for w in workers:
             w.finish()
         self.logs.end_attempt()

@@ -6,6 +6,7 @@ match `--duplicate-stdout/stderr-filters` in `attempt_<N>/filtered_{stdout,stder
 A log file that cannot be written (disk full) is dropped: the launcher says so once, its lines go to
 the console, and the workers' pipes keep draining, so a full disk never stalls a job.
 """
+
 from __future__ import annotations
 
 import logging
@@ -19,8 +20,8 @@ from nccl_ddp.errors import ConfigError
 
 log = logging.getLogger("nccl_ddp.launch")
 
-OUT, ERR = 1, 2                       # torchrun's Std: 0 none, 1 stdout, 2 stderr, 3 both
-StdSpec = Union[int, dict]            # one value for every local rank, or {local_rank: value}
+OUT, ERR = 1, 2  # torchrun's Std: 0 none, 1 stdout, 2 stderr, 3 both
+StdSpec = Union[int, dict]  # one value for every local rank, or {local_rank: value}
 
 
 def parse_std(value: str, flag: str) -> StdSpec:
@@ -39,8 +40,10 @@ def parse_std(value: str, flag: str) -> StdSpec:
                 raise ValueError
         return out
     except ValueError:
-        raise ConfigError(f"{flag}={value!r}: use 0 (none), 1 (stdout), 2 (stderr) or 3 (both), "
-                          f"or per local rank, e.g. 0:3,1:2") from None
+        raise ConfigError(
+            f"{flag}={value!r}: use 0 (none), 1 (stdout), 2 (stderr) or 3 (both), "
+            f"or per local rank, e.g. 0:3,1:2"
+        ) from None
 
 
 def std_of(spec: StdSpec, local_rank: int) -> int:
@@ -53,7 +56,7 @@ class LogFile:
 
     def __init__(self, path: str, notice: FullNotice):
         self.path, self._notice = path, notice
-        self._f: Optional[IO[bytes]] = open(path, "wb", buffering=0)   # nothing left to flush
+        self._f: Optional[IO[bytes]] = open(path, "wb", buffering=0)  # nothing left to flush
 
     def write(self, data: bytes) -> bool:
         if self._f is None:
@@ -88,18 +91,22 @@ class FullNotice:
             if self.said:
                 return
             self.said = True
-        log.error("cannot write the log %s (%s); from now on the output of any rank whose log "
-                  "fails goes to the console only", path, err)
+        log.error(
+            "cannot write the log %s (%s); from now on the output of any rank whose log "
+            "fails goes to the console only",
+            path,
+            err,
+        )
 
 
 @dataclass
 class WorkerLogs:
     """Where one worker's two streams go, and torch's error file for it."""
 
-    console: tuple          # (stdout?, stderr?): forward to the launcher's console
-    files: tuple            # (LogFile | None, LogFile | None)
+    console: tuple  # (stdout?, stderr?): forward to the launcher's console
+    files: tuple  # (LogFile | None, LogFile | None)
     error_file: Optional[str]
-    duplicates: tuple = (None, None)   # per stream: (filters, the attempt's shared LogFile)
+    duplicates: tuple = (None, None)  # per stream: (filters, the attempt's shared LogFile)
 
     def close(self) -> None:
         for f in self.files:
@@ -110,22 +117,30 @@ class WorkerLogs:
 class RunLogs:
     """The job's log directory (created at the first attempt) and each attempt's files."""
 
-    def __init__(self, log_dir: Optional[str], run_id: str, redirects: StdSpec, tee: StdSpec,
-                 ranks_filter: Optional[frozenset], duplicate_filters: tuple = ((), ())):
+    def __init__(
+        self,
+        log_dir: Optional[str],
+        run_id: str,
+        redirects: StdSpec,
+        tee: StdSpec,
+        ranks_filter: Optional[frozenset],
+        duplicate_filters: tuple = ((), ()),
+    ):
         self.redirects, self.tee, self.filter = redirects, tee, ranks_filter
-        self.duplicate_filters = duplicate_filters      # (stdout filters, stderr filters)
+        self.duplicate_filters = duplicate_filters  # (stdout filters, stderr filters)
         self.notice = FullNotice()
         self.run_dir: Optional[str] = None
         self._shared: list = []
-        if log_dir is None and (redirects or tee or any(duplicate_filters)):   # as torchrun
+        if log_dir is None and (redirects or tee or any(duplicate_filters)):  # as torchrun
             log_dir = tempfile.mkdtemp(prefix="nccl-ddp-logs-")
         if log_dir is not None:
             try:
                 os.makedirs(log_dir, exist_ok=True)
                 self.run_dir = tempfile.mkdtemp(prefix=f"{run_id}_", dir=log_dir)
             except OSError as e:
-                raise ConfigError(f"--log-dir={log_dir}: cannot write the rank logs there "
-                                  f"({e}); pass a writable directory") from e
+                raise ConfigError(
+                    f"--log-dir={log_dir}: cannot write the rank logs there ({e}); pass a writable directory"
+                ) from e
             log.info("log directory: %s", self.run_dir)
 
     def attempt(self, attempt: int, nproc: int) -> list:
@@ -133,12 +148,12 @@ class RunLogs:
         opened: list = []
         try:
             dups: list = [None, None]
-            for i, (filters, name) in enumerate(zip(self.duplicate_filters,
-                                                    ("filtered_stdout.log", "filtered_stderr.log"))):
+            for i, (filters, name) in enumerate(
+                zip(self.duplicate_filters, ("filtered_stdout.log", "filtered_stderr.log"))
+            ):
                 if filters and self.run_dir is not None:
                     os.makedirs(os.path.join(self.run_dir, f"attempt_{attempt}"), exist_ok=True)
-                    shared = LogFile(os.path.join(self.run_dir, f"attempt_{attempt}", name),
-                                     self.notice)
+                    shared = LogFile(os.path.join(self.run_dir, f"attempt_{attempt}", name), self.notice)
                     self._shared.append(shared)
                     dups[i] = (tuple(filters), shared)
             for lr in range(nproc):
@@ -148,9 +163,11 @@ class RunLogs:
             for w in opened:
                 w.close()
             self.end_attempt()
-            raise ConfigError(f"--log-dir: cannot write the logs of attempt {attempt} in "
-                              f"{self.run_dir} ({e}); pass a writable directory with free "
-                              f"space") from e
+            raise ConfigError(
+                f"--log-dir: cannot write the logs of attempt {attempt} in "
+                f"{self.run_dir} ({e}); pass a writable directory with free "
+                f"space"
+            ) from e
         return opened
 
     def end_attempt(self) -> None:
@@ -167,7 +184,8 @@ class RunLogs:
             return WorkerLogs(console, (None, None), None)
         rank_dir = os.path.join(self.run_dir, f"attempt_{attempt}", str(lr))
         os.makedirs(rank_dir, exist_ok=True)
-        files = tuple(LogFile(os.path.join(rank_dir, name), self.notice)
-                      if (redirected | teed) & s else None
-                      for s, name in ((OUT, "stdout.log"), (ERR, "stderr.log")))
+        files = tuple(
+            LogFile(os.path.join(rank_dir, name), self.notice) if (redirected | teed) & s else None
+            for s, name in ((OUT, "stdout.log"), (ERR, "stderr.log"))
+        )
         return WorkerLogs(console, files, os.path.join(rank_dir, "error.json"))

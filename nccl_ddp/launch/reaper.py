@@ -7,6 +7,7 @@ of input without `done` means the launcher is gone: the reaper kills every worke
 workers and their children), removes the job's /dev/shm segments and record directory, and says
 so on stderr (the launcher's terminal: the workers' own output died with the launcher's pumps).
 """
+
 from __future__ import annotations
 
 import os
@@ -42,8 +43,10 @@ class Reaper:
     def __init__(self, launcher_pid: int) -> None:
         self._proc: Optional[subprocess.Popen] = subprocess.Popen(
             [sys.executable, "-I", os.path.abspath(__file__), str(launcher_pid)],  # stdlib only
-            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-            start_new_session=True)   # Ctrl-C at the terminal goes to the launcher only
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            start_new_session=True,
+        )  # Ctrl-C at the terminal goes to the launcher only
 
     def _say(self, line: str) -> None:
         stdin = self._proc.stdin if self._proc is not None else None
@@ -102,9 +105,11 @@ def watch(stream: IO[bytes], launcher_pid: int) -> int:
     removed = [n for p in prefixes for n in remove_segments(p)]
     for path in dirs:
         shutil.rmtree(path, ignore_errors=True)
-    sys.stderr.write(f"nccl-ddp-run: the launcher (pid {launcher_pid}) died without stopping its "
-                     f"workers; killed their {len(groups)} process group(s) and removed "
-                     f"{len(removed)} /dev/shm segment(s)\n")
+    sys.stderr.write(
+        f"nccl-ddp-run: the launcher (pid {launcher_pid}) died without stopping its "
+        f"workers; killed their {len(groups)} process group(s) and removed "
+        f"{len(removed)} /dev/shm segment(s)\n"
+    )
     return 1
 
 

@@ -4,6 +4,7 @@ worker count (they must agree), and the attempt number (each attempt's store has
 node that restarted first waits for node 0's store of its attempt). During an attempt a node whose
 workers failed raises a flag that stops the other nodes' workers, so every node restarts together.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -16,11 +17,11 @@ from nccl_ddp.store.client import TCPStore
 
 log = logging.getLogger("nccl_ddp.launch")
 
-CLIENT_TIMEOUT = 60.0       # the launchers' store requests (they never block long)
-POLL = 0.1                  # seconds between looks at the store while waiting for other nodes
-PROBE_TIMEOUT = 2.0         # seconds for one handshake that asks the store which attempt it serves
-CHECK_WAIT = 10.0           # seconds node 0 waits for every node to read the worker counts
-EXIT_BARRIER_TIMEOUT = 300.0   # node 0 keeps the store this long for nodes still running (torchrun)
+CLIENT_TIMEOUT = 60.0  # the launchers' store requests (they never block long)
+POLL = 0.1  # seconds between looks at the store while waiting for other nodes
+PROBE_TIMEOUT = 2.0  # seconds for one handshake that asks the store which attempt it serves
+CHECK_WAIT = 10.0  # seconds node 0 waits for every node to read the worker counts
+EXIT_BARRIER_TIMEOUT = 300.0  # node 0 keeps the store this long for nodes still running (torchrun)
 
 
 class Stopped(Exception):
@@ -48,8 +49,15 @@ def _served_attempt(addr: str, port: int, secret: str, attempts: range) -> Optio
     return None
 
 
-def connect(addr: str, port: int, secret: str, attempt: int, max_restarts: int, timeout: float,
-            stopped: Callable[[], bool]) -> tuple:
+def connect(
+    addr: str,
+    port: int,
+    secret: str,
+    attempt: int,
+    max_restarts: int,
+    timeout: float,
+    stopped: Callable[[], bool],
+) -> tuple:
     """A client of node 0's store for `attempt` (or the later attempt node 0 already runs);
     returns (client, attempt). An earlier attempt's store (node 0 has not restarted yet) is
     waited out until `timeout`."""
@@ -63,32 +71,34 @@ def connect(addr: str, port: int, secret: str, attempt: int, max_restarts: int, 
             raise StoreTimeout(
                 f"could not reach node 0's store at {addr}:{port} for attempt {attempt} within "
                 f"{timeout:g}s; start node 0's launcher, check --master-addr/--master-port (or "
-                f"--rdzv-endpoint), or raise --rdzv-conf join_timeout")
+                f"--rdzv-endpoint), or raise --rdzv-conf join_timeout"
+            )
         if left <= 0:
             raise StoreTimeout(
                 f"attempt mismatch: node 0's store at {addr}:{port} still serves attempt {served} "
                 f"after {timeout:g}s while this node starts attempt {attempt}; node 0 did not "
-                f"restart (see its log), or raise --rdzv-conf join_timeout")
-        try:      # short tries, so that a signal is seen within a second
+                f"restart (see its log), or raise --rdzv-conf join_timeout"
+            )
+        try:  # short tries, so that a signal is seen within a second
             store = TCPStore(addr, port, attempt_secret(secret, attempt), timeout=min(left, 1.0))
             store.timeout = CLIENT_TIMEOUT
             return store, attempt
         except AuthError:
             pass
-        except StoreTimeout:      # nobody listens yet (node 0 between attempts, or starting)
+        except StoreTimeout:  # nobody listens yet (node 0 between attempts, or starting)
             continue
         served = _served_attempt(addr, port, secret, range(max_restarts + 1))
         if served is None:
-            raise AuthError(f"node 0's store at {addr}:{port} refused this node's launcher: "
-                            f"NCCL_DDP_SECRET differs between the nodes; set the same value on "
-                            f"every node")
+            raise AuthError(
+                f"node 0's store at {addr}:{port} refused this node's launcher: "
+                f"NCCL_DDP_SECRET differs between the nodes; set the same value on "
+                f"every node"
+            )
         if served > attempt:
-            log.warning("node 0 already runs attempt %d; this node joins it (it was at %d)",
-                        served, attempt)
+            log.warning("node 0 already runs attempt %d; this node joins it (it was at %d)", served, attempt)
             attempt = served
             continue
-        log.info("node 0's store still serves attempt %d; waiting for attempt %d", served,
-                 attempt)
+        log.info("node 0's store still serves attempt %d; waiting for attempt %d", served, attempt)
         time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
 
@@ -98,19 +108,29 @@ class NodeRendezvous:
     def __init__(self, store: TCPStore, nnodes: int, attempt: int):
         self.store, self.nnodes, self.attempt = store, nnodes, attempt
 
-    def join(self, node_rank: Optional[int], nproc: int, timeout: float,
-             stopped: Callable[[], bool], hosting: bool = False) -> int:
+    def join(
+        self,
+        node_rank: Optional[int],
+        nproc: int,
+        timeout: float,
+        stopped: Callable[[], bool],
+        hosting: bool = False,
+    ) -> int:
         """Register this node (a rank from the rendezvous when `node_rank` is None), wait for all
         nodes, check that they run the same number of workers; returns this node's rank."""
         s = self.store
         if node_rank is None:
-            node_rank = s.add("rdzv/next_node", 1)          # node 0 hosts and never draws
+            node_rank = s.add("rdzv/next_node", 1)  # node 0 hosts and never draws
             if node_rank >= self.nnodes:
-                raise ConfigError(f"more launchers than --nnodes={self.nnodes} joined the "
-                                  f"rendezvous (this one would be node {node_rank})")
+                raise ConfigError(
+                    f"more launchers than --nnodes={self.nnodes} joined the "
+                    f"rendezvous (this one would be node {node_rank})"
+                )
         if s.add(f"rdzv/claimed/{node_rank}", 1) > 1:
-            raise ConfigError(f"two launchers claim node rank {node_rank}; give each node its "
-                              f"own --node-rank (or leave it unset with --rdzv-backend c10d)")
+            raise ConfigError(
+                f"two launchers claim node rank {node_rank}; give each node its "
+                f"own --node-rank (or leave it unset with --rdzv-backend c10d)"
+            )
         s.set(f"rdzv/nproc/{node_rank}", str(nproc))
         s.add("rdzv/joined", 1)
         deadline = time.monotonic() + timeout
@@ -118,21 +138,29 @@ class NodeRendezvous:
             if stopped():
                 raise Stopped
             if time.monotonic() > deadline:
-                raise StoreTimeout(f"rendezvous (attempt {self.attempt}): {joined} of "
-                                   f"{self.nnodes} nodes joined within {timeout:g}s; start the "
-                                   f"launcher on every node (or raise --rdzv-conf join_timeout)")
+                raise StoreTimeout(
+                    f"rendezvous (attempt {self.attempt}): {joined} of "
+                    f"{self.nnodes} nodes joined within {timeout:g}s; start the "
+                    f"launcher on every node (or raise --rdzv-conf join_timeout)"
+                )
             time.sleep(POLL)
         counts = [int(s.get(f"rdzv/nproc/{n}", timeout=timeout)) for n in range(self.nnodes)]
         s.add("rdzv/checked", 1)
-        deadline = time.monotonic() + CHECK_WAIT       # node 0 keeps the store until all read it
-        while (hosting and s.add("rdzv/checked", 0) < self.nnodes
-               and time.monotonic() < deadline and not stopped()):
+        deadline = time.monotonic() + CHECK_WAIT  # node 0 keeps the store until all read it
+        while (
+            hosting
+            and s.add("rdzv/checked", 0) < self.nnodes
+            and time.monotonic() < deadline
+            and not stopped()
+        ):
             time.sleep(POLL)
         for other, theirs in enumerate(counts):
             if theirs != nproc:
-                raise ConfigError(f"--nproc-per-node differs between nodes: node {other} runs "
-                                  f"{theirs} worker(s), node {node_rank} (this one) {nproc}; "
-                                  f"pass the same --nproc-per-node on every node")
+                raise ConfigError(
+                    f"--nproc-per-node differs between nodes: node {other} runs "
+                    f"{theirs} worker(s), node {node_rank} (this one) {nproc}; "
+                    f"pass the same --nproc-per-node on every node"
+                )
         return node_rank
 
     def failed_elsewhere(self) -> Optional[str]:

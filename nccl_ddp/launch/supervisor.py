@@ -1,6 +1,7 @@
 """The launcher's workers: start them, pump their output, stop them all on the first failure, and
 say which rank failed first for a reason of its own (the root cause) and which failed because of it.
 """
+
 from __future__ import annotations
 
 import enum
@@ -22,7 +23,7 @@ from nccl_ddp.launch.logs import LogFile, WorkerLogs
 log = logging.getLogger("nccl_ddp.launch")
 
 POLL_INTERVAL = 0.05
-LINE_CAP = 64 << 10          # bytes of one output line; longer ones are split with a marker
+LINE_CAP = 64 << 10  # bytes of one output line; longer ones are split with a marker
 SPLIT_MARKER = b" [nccl-ddp-run: line split at 64 KiB]\n"
 GATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gate.py")
 
@@ -60,11 +61,16 @@ def describe_exit(code: Optional[int]) -> str:
 class Worker:
     """One worker process in its own process group, with its output pumped through a prefix."""
 
-    def __init__(self, rank: int, local_rank: int, error_file: Optional[str] = None,
-                 torch_error_file: Optional[str] = None):
+    def __init__(
+        self,
+        rank: int,
+        local_rank: int,
+        error_file: Optional[str] = None,
+        torch_error_file: Optional[str] = None,
+    ):
         self.rank, self.local_rank = rank, local_rank
-        self.error_file = error_file      # where the worker records why it failed
-        self.torch_error_file = torch_error_file     # TORCHELASTIC_ERROR_FILE (torch's record)
+        self.error_file = error_file  # where the worker records why it failed
+        self.torch_error_file = torch_error_file  # TORCHELASTIC_ERROR_FILE (torch's record)
         self.state = WorkerState.INIT
         self.returncode: Optional[int] = None
         self.exit_time: Optional[float] = None
@@ -72,16 +78,27 @@ class Worker:
         self._pumps: list[threading.Thread] = []
         self.logs: Optional[WorkerLogs] = None
 
-    def start(self, cmd: list[str], env: dict, logs: WorkerLogs, out_lock: threading.Lock,
-              announce: Callable[[int], None]) -> None:
+    def start(
+        self,
+        cmd: list[str],
+        env: dict,
+        logs: WorkerLogs,
+        out_lock: threading.Lock,
+        announce: Callable[[int], None],
+    ) -> None:
         """Start the worker held at a gate (gate.py), `announce` its process group (to the
         reaper), then release it: no user code runs before the reaper knows the process."""
         read_end, write_end = os.pipe()
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", GATE, str(read_end)] + cmd, env=env,
-                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                pass_fds=(read_end,), start_new_session=True)   # own group: grandchildren too
+                [sys.executable, "-I", "-S", GATE, str(read_end)] + cmd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                pass_fds=(read_end,),
+                start_new_session=True,
+            )  # own group: grandchildren too
         finally:
             os.close(read_end)
         try:
@@ -91,12 +108,19 @@ class Worker:
             os.close(write_end)
         self.logs = logs
         prefix = f"[rank {self.rank}] ".encode()
-        for pipe, sink, shown, file, dup in zip((self.proc.stdout, self.proc.stderr),
-                                                (sys.stdout, sys.stderr), logs.console,
-                                                logs.files, logs.duplicates):
-            t = threading.Thread(target=_pump, args=(pipe, sink, shown, prefix, file, out_lock,
-                                                     dup),
-                                 daemon=True, name=f"nccl-ddp-run-pump-{self.rank}")
+        for pipe, sink, shown, file, dup in zip(
+            (self.proc.stdout, self.proc.stderr),
+            (sys.stdout, sys.stderr),
+            logs.console,
+            logs.files,
+            logs.duplicates,
+        ):
+            t = threading.Thread(
+                target=_pump,
+                args=(pipe, sink, shown, prefix, file, out_lock, dup),
+                daemon=True,
+                name=f"nccl-ddp-run-pump-{self.rank}",
+            )
             t.start()
             self._pumps.append(t)
         self.state = WorkerState.RUNNING
@@ -124,7 +148,7 @@ class Worker:
         try:
             os.killpg(self.proc.pid, sig)
         except (ProcessLookupError, PermissionError):
-            pass                   # the group is already gone
+            pass  # the group is already gone
 
     def finish(self, timeout: float = 2.0) -> None:
         """Wait for the output pumps, then close the logs (never raises)."""
@@ -151,8 +175,15 @@ class Worker:
         return text
 
 
-def _pump(pipe: IO[bytes], sink: IO, shown: bool, prefix: bytes, log_file: Optional[LogFile],
-          lock: threading.Lock, duplicate: Optional[tuple] = None) -> None:
+def _pump(
+    pipe: IO[bytes],
+    sink: IO,
+    shown: bool,
+    prefix: bytes,
+    log_file: Optional[LogFile],
+    lock: threading.Lock,
+    duplicate: Optional[tuple] = None,
+) -> None:
     """Copy one worker stream line by line to the console (when `shown`, or once its log file
     failed), to its log, and to the attempt's `duplicate` file when a filter matches (filters,
     LogFile); never stop draining the pipe, whatever the sinks do."""
@@ -160,7 +191,7 @@ def _pump(pipe: IO[bytes], sink: IO, shown: bool, prefix: bytes, log_file: Optio
     sink_ok = True
     wanted = [f.encode() for f in duplicate[0]] if duplicate else []
     for line in iter(lambda: pipe.readline(LINE_CAP), b""):
-        if not line.endswith(b"\n"):      # a line over the cap (or the last one, unterminated)
+        if not line.endswith(b"\n"):  # a line over the cap (or the last one, unterminated)
             line += SPLIT_MARKER if len(line) == LINE_CAP else b"\n"
         logged = log_file is not None and log_file.write(line)
         if duplicate and any(w in line for w in wanted):
@@ -175,7 +206,7 @@ def _pump(pipe: IO[bytes], sink: IO, shown: bool, prefix: bytes, log_file: Optio
                 else:
                     sink.write((prefix + line).decode(errors="replace"))
                 sink.flush()
-            except (OSError, ValueError):   # our stdout went away: keep draining the worker
+            except (OSError, ValueError):  # our stdout went away: keep draining the worker
                 sink_ok = False
     pipe.close()
 
@@ -202,7 +233,7 @@ def _from_torch_record(rec: Optional[dict]) -> Optional[dict]:
         kind, text = "error", body["message"]
     extra = body.get("extraInfo")
     try:
-        when: Optional[float] = float(extra["timestamp"])    # type: ignore[index]
+        when: Optional[float] = float(extra["timestamp"])  # type: ignore[index]
     except (TypeError, ValueError, KeyError):
         when = None
     out = {"type": kind, "message": text, "blames": blamed_rank(RuntimeError(text))}
@@ -211,7 +242,7 @@ def _from_torch_record(rec: Optional[dict]) -> Optional[dict]:
     return out
 
 
-DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"     # torchrun's --signals-to-handle
+DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torchrun's --signals-to-handle
 
 
 def parse_signals(names: str) -> tuple:
@@ -221,8 +252,10 @@ def parse_signals(names: str) -> tuple:
         full = name if name.startswith("SIG") else f"SIG{name}"
         sig = getattr(signal, full, None)
         if not isinstance(sig, signal.Signals) or sig in (signal.SIGKILL, signal.SIGSTOP):
-            raise ConfigError(f"--signals-to-handle: {name!r} is not a signal the launcher can "
-                              f"catch; use names such as {DEFAULT_SIGNALS}")
+            raise ConfigError(
+                f"--signals-to-handle: {name!r} is not a signal the launcher can "
+                f"catch; use names such as {DEFAULT_SIGNALS}"
+            )
         out.append(sig)
     return tuple(out)
 
@@ -233,14 +266,14 @@ class Signals:
 
     def __init__(self, handled: tuple = (signal.SIGTERM, signal.SIGINT)):
         self.handled = handled
-        self.received: Optional[int] = None      # the first signal
-        self.count = 0                           # a second one skips the grace period
+        self.received: Optional[int] = None  # the first signal
+        self.count = 0  # a second one skips the grace period
         self._old: dict[int, Any] = {}
 
     def __enter__(self) -> Signals:
         if threading.current_thread() is threading.main_thread():
             for sig in self.handled:
-                if signal.getsignal(sig) is signal.SIG_IGN:   # nohup's SIGHUP stays ignored
+                if signal.getsignal(sig) is signal.SIG_IGN:  # nohup's SIGHUP stays ignored
                     continue
                 self._old[sig] = signal.signal(sig, self._on_signal)
         return self
@@ -260,9 +293,9 @@ class Outcome:
     """How one attempt ended: exit code for the launcher, root cause first among the failures."""
 
     code: int
-    failures: list = field(default_factory=list)    # FAILED workers, root cause first
-    signal: Optional[int] = None                    # the signal the launcher got, if any
-    elsewhere: Optional[str] = None                 # why another node ended the attempt
+    failures: list = field(default_factory=list)  # FAILED workers, root cause first
+    signal: Optional[int] = None  # the signal the launcher got, if any
+    elsewhere: Optional[str] = None  # why another node ended the attempt
 
     @property
     def root(self) -> Optional[Worker]:
@@ -287,8 +320,13 @@ def order_failures(failed: list) -> list:
     return sorted(failed, key=key)
 
 
-def supervise(workers: list, signals: Signals, grace: float, interval: float = POLL_INTERVAL,
-              elsewhere: Callable[[], Optional[str]] = lambda: None) -> Outcome:
+def supervise(
+    workers: list,
+    signals: Signals,
+    grace: float,
+    interval: float = POLL_INTERVAL,
+    elsewhere: Callable[[], Optional[str]] = lambda: None,
+) -> Outcome:
     """Wait for the workers, looking every `interval` seconds; stop them all on the first
     failure, signal, or when `elsewhere()` says another node ended the attempt (its reason).
 
@@ -304,39 +342,51 @@ def supervise(workers: list, signals: Signals, grace: float, interval: float = P
                 first = w
         if stop_deadline is None and first is None and signals.received is None:
             remote = elsewhere()
-        if stop_deadline is None and (first is not None or signals.received is not None
-                                      or remote is not None):
+        if stop_deadline is None and (
+            first is not None or signals.received is not None or remote is not None
+        ):
             sig: int
             if remote is not None and first is None and signals.received is None:
                 log.error("%s; stopping this node's workers", remote)
                 sig = signal.SIGTERM
             elif first is not None:
-                log.error("rank %d (local rank %d) exited (%s); stopping the other workers",
-                          first.rank, first.local_rank, describe_exit(first.returncode))
+                log.error(
+                    "rank %d (local rank %d) exited (%s); stopping the other workers",
+                    first.rank,
+                    first.local_rank,
+                    describe_exit(first.returncode),
+                )
                 sig = signal.SIGTERM
             else:
                 sig = int(signals.received or signal.SIGTERM)
-                log.warning("received %s; forwarding it to the workers",
-                            signal.Signals(sig).name)
+                log.warning("received %s; forwarding it to the workers", signal.Signals(sig).name)
             for w in workers:
                 w.signal(sig)
             stop_deadline = time.monotonic() + grace
         if all(w.state not in (WorkerState.RUNNING, WorkerState.STOPPING) for w in workers):
             break
-        if (stop_deadline is not None and not killed
-                and (time.monotonic() > stop_deadline or signals.count > 1)):
+        if (
+            stop_deadline is not None
+            and not killed
+            and (time.monotonic() > stop_deadline or signals.count > 1)
+        ):
             for w in workers:
                 if w.state is WorkerState.STOPPING:
                     w.signal(signal.SIGKILL)
             killed = True
         time.sleep(interval)
     if stop_deadline is not None:
-        for w in workers:                      # grandchildren left in a stopped worker's group
+        for w in workers:  # grandchildren left in a stopped worker's group
             w.signal(signal.SIGKILL, stopping=False)
     # a stopped worker that recorded a failure of its own failed too (before the stop reached it);
     # the root cause is a worker that failed by itself, since its failure started the stop
-    ordered = order_failures([w for w in workers if w.state is WorkerState.FAILED
-                              or (w.state is WorkerState.STOPPED and w.record())])
+    ordered = order_failures(
+        [
+            w
+            for w in workers
+            if w.state is WorkerState.FAILED or (w.state is WorkerState.STOPPED and w.record())
+        ]
+    )
     root = next((w for w in ordered if w.state is WorkerState.FAILED), None)
     failures = ([root] if root else []) + [w for w in ordered if w is not root]
     if root is not None:
@@ -354,5 +404,5 @@ def report(outcome: Outcome) -> None:
     root = outcome.root
     if root is not None:
         log.error("job failed; root cause: %s", root.describe())
-    for w in outcome.failures[1 if root else 0:]:
+    for w in outcome.failures[1 if root else 0 :]:
         log.error("  then %s", w.describe())

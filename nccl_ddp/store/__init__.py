@@ -1,5 +1,6 @@
 """The job's key-value store: an HMAC-authenticated framed TCP server (rendezvous, unique ids,
 cross-rank checks) and its client."""
+
 from nccl_ddp.store.client import DEFAULT_TIMEOUT, PrefixStore, TCPStore, connect_store
 from nccl_ddp.store.server import StoreServer
 from nccl_ddp.store.wire import MAX_FRAME

@@ -11,6 +11,7 @@ Handshake (the secret never crosses the wire):
 An empty secret is allowed (a user-run job without NCCL_DDP_SECRET) but the server warns that it is
 unauthenticated; nccl-ddp-run always sets one.
 """
+
 from __future__ import annotations
 
 import hmac
@@ -50,8 +51,16 @@ class TCPStore:
     this client (rank 0 owns the server it hosts). `rank` only labels error messages.
     """
 
-    def __init__(self, host: str, port: int, secret: str, *, timeout: float = DEFAULT_TIMEOUT,
-                 rank: Optional[int] = None, server: Optional[StoreServer] = None):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        secret: str,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        rank: Optional[int] = None,
+        server: Optional[StoreServer] = None,
+    ):
         self.host, self.port, self.timeout = host, port, timeout
         self._who = f"rank {rank}" if rank is not None else "store client"
         self._server = server
@@ -72,7 +81,8 @@ class TCPStore:
                 raise StoreTimeout(
                     f"{self._who}: could not connect to the store at {self.host}:{self.port} "
                     f"within {self.timeout:g}s ({last}); check that MASTER_ADDR/MASTER_PORT point "
-                    f"at the node of rank 0 and that rank 0 (or the launcher) started")
+                    f"at the node of rank 0 and that rank 0 (or the launcher) started"
+                )
             try:
                 sock = socket.create_connection((self.host, self.port), timeout=left)
             except OSError as e:
@@ -101,8 +111,9 @@ class TCPStore:
         except _Malformed:
             hello = []
         if len(hello) != 2 or hello[0] != MAGIC:
-            raise StoreError(f"{self._who}: {where} is not an nccl_ddp store (bad greeting); "
-                             f"check MASTER_ADDR/MASTER_PORT")
+            raise StoreError(
+                f"{self._who}: {where} is not an nccl_ddp store (bad greeting); check MASTER_ADDR/MASTER_PORT"
+            )
         nonce = os.urandom(32)
         try:
             sock.sendall(_encode([b"auth", nonce, _proof(secret, b"c", hello[1], nonce)]))
@@ -110,21 +121,26 @@ class TCPStore:
         except (OSError, _Malformed) as e:
             raise _HandshakeLost() from e
         if reply[:1] == [b"auth"]:
-            raise AuthError(f"{self._who}: the store at {where} refused this client: wrong or "
-                            f"missing job secret; set NCCL_DDP_SECRET to the job's secret on "
-                            f"every rank (nccl-ddp-run sets it for its workers)")
+            raise AuthError(
+                f"{self._who}: the store at {where} refused this client: wrong or "
+                f"missing job secret; set NCCL_DDP_SECRET to the job's secret on "
+                f"every rank (nccl-ddp-run sets it for its workers)"
+            )
         expected = _proof(secret, b"s", hello[1], nonce)
         if len(reply) != 2 or reply[0] != b"ok" or not hmac.compare_digest(reply[1], expected):
-            raise AuthError(f"{self._who}: the store at {where} could not prove it knows the job "
-                            f"secret; another service may be listening on MASTER_PORT")
+            raise AuthError(
+                f"{self._who}: the store at {where} could not prove it knows the job "
+                f"secret; another service may be listening on MASTER_PORT"
+            )
 
     def _request(self, fields: Sequence[bytes], wait: float = 0.0) -> list[bytes]:
         """Send one request and read its reply; `wait` is how long the server may block on it."""
         frame = _encode(fields)
         limit = wait + self.timeout
         if not self._lock.acquire(timeout=limit):
-            raise StoreTimeout(f"{self._who}: store connection busy for {limit:g}s with another "
-                               f"thread's request")
+            raise StoreTimeout(
+                f"{self._who}: store connection busy for {limit:g}s with another thread's request"
+            )
         try:
             if self._sock is None:
                 raise StoreError(f"{self._who}: store client is closed (or lost its connection)")
@@ -134,17 +150,22 @@ class TCPStore:
                 reply = _recv_frame(self._sock)
             except TimeoutError as e:
                 self._drop()
-                raise StoreTimeout(f"{self._who}: no reply from the store at {self.host}:"
-                                   f"{self.port} within {limit:g}s; is rank 0 alive?") from e
+                raise StoreTimeout(
+                    f"{self._who}: no reply from the store at {self.host}:"
+                    f"{self.port} within {limit:g}s; is rank 0 alive?"
+                ) from e
             except (OSError, _Malformed) as e:
                 self._drop()
-                raise StoreError(f"{self._who}: lost the connection to the store at {self.host}:"
-                                 f"{self.port} ({e}); rank 0 or the launcher probably exited") from e
+                raise StoreError(
+                    f"{self._who}: lost the connection to the store at {self.host}:"
+                    f"{self.port} ({e}); rank 0 or the launcher probably exited"
+                ) from e
         finally:
             self._lock.release()
         if reply[:1] == [b"error"]:
-            raise StoreError(f"{self._who}: store refused {fields[0].decode()}: "
-                             f"{reply[1].decode(errors='replace')}")
+            raise StoreError(
+                f"{self._who}: store refused {fields[0].decode()}: {reply[1].decode(errors='replace')}"
+            )
         return reply
 
     def _drop(self) -> None:
@@ -160,8 +181,10 @@ class TCPStore:
         t = self.timeout if timeout is None else timeout
         reply = self._request([b"get", key.encode(), _ms(t)], wait=t)
         if reply[0] == b"timeout":
-            raise StoreTimeout(f"{self._who}: key {key!r} was not set in the store within {t:g}s; "
-                               f"the rank that sets it may have failed or be far behind")
+            raise StoreTimeout(
+                f"{self._who}: key {key!r} was not set in the store within {t:g}s; "
+                f"the rank that sets it may have failed or be far behind"
+            )
         return reply[1]
 
     def wait(self, keys: Iterable[str], timeout: Optional[float] = None) -> None:
@@ -169,8 +192,10 @@ class TCPStore:
         reply = self._request([b"wait", _ms(t)] + [k.encode() for k in keys], wait=t)
         if reply[0] == b"timeout":
             missing = [k.decode() for k in reply[1:]]
-            raise StoreTimeout(f"{self._who}: keys {missing} were not set in the store within "
-                               f"{t:g}s; the ranks that set them may have failed or be far behind")
+            raise StoreTimeout(
+                f"{self._who}: keys {missing} were not set in the store within "
+                f"{t:g}s; the ranks that set them may have failed or be far behind"
+            )
 
     def add(self, key: str, amount: int = 1) -> int:
         """Atomically add `amount` to the integer at `key` (missing: 0); returns the new value."""
@@ -189,12 +214,13 @@ class TCPStore:
     def barrier(self, name: str, world_size: int, timeout: Optional[float] = None) -> None:
         """Block until `world_size` callers entered barrier `name`; the name can be reused."""
         t = self.timeout if timeout is None else timeout
-        reply = self._request([b"barrier", name.encode(), str(int(world_size)).encode(), _ms(t)],
-                              wait=t)
+        reply = self._request([b"barrier", name.encode(), str(int(world_size)).encode(), _ms(t)], wait=t)
         if reply[0] == b"timeout":
-            raise StoreTimeout(f"{self._who}: barrier {name!r} timed out after {t:g}s with "
-                               f"{reply[1].decode()} of {world_size} ranks arrived; the others "
-                               f"probably failed or are stuck, check their logs")
+            raise StoreTimeout(
+                f"{self._who}: barrier {name!r} timed out after {t:g}s with "
+                f"{reply[1].decode()} of {world_size} ranks arrived; the others "
+                f"probably failed or are stuck, check their logs"
+            )
 
     def close(self) -> None:
         """Close the connection (and the server, if this client owns it)."""
@@ -267,8 +293,7 @@ def connect_store(env: DistEnv, timeout: float = DEFAULT_TIMEOUT) -> TCPStore:
         server = StoreServer(env.master_addr, env.store_port, secret)
         port = server.port
     try:
-        return TCPStore(env.master_addr, port, secret, timeout=timeout, rank=env.rank,
-                        server=server)
+        return TCPStore(env.master_addr, port, secret, timeout=timeout, rank=env.rank, server=server)
     except BaseException:
         if server is not None:
             server.close()

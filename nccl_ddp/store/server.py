@@ -12,6 +12,7 @@ Defences against a local process without the job's secret:
   - running out of file descriptors (EMFILE) pauses accepting briefly, closes the oldest
     unauthenticated connection and logs once; the server keeps accepting afterwards.
 """
+
 from __future__ import annotations
 
 import errno
@@ -31,10 +32,10 @@ from nccl_ddp.store.wire import MAGIC, MAX_FRAME, _decode, _encode, _Malformed, 
 
 log = logging.getLogger("nccl_ddp.store")
 
-HANDSHAKE_DEADLINE = 5.0       # seconds a new connection has to authenticate
-MAX_UNAUTHENTICATED = 256      # connections in their handshake at once; the oldest is dropped
-MAX_HANDSHAKE_FRAME = 512      # bytes; the auth frame is 84
-ACCEPT_PAUSE = 0.1             # seconds without accepting after EMFILE/ENFILE
+HANDSHAKE_DEADLINE = 5.0  # seconds a new connection has to authenticate
+MAX_UNAUTHENTICATED = 256  # connections in their handshake at once; the oldest is dropped
+MAX_HANDSHAKE_FRAME = 512  # bytes; the auth frame is 84
+ACCEPT_PAUSE = 0.1  # seconds without accepting after EMFILE/ENFILE
 _LEN = struct.Struct(">I")
 _RESOURCE_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
@@ -44,22 +45,27 @@ class _Conn:
 
     def __init__(self, sock: socket.socket, who: str, nonce: bytes, deadline: float) -> None:
         self.sock, self.who, self.nonce = sock, who, nonce
-        self.deadline = deadline          # to finish the handshake by
+        self.deadline = deadline  # to finish the handshake by
         self.authenticated = False
-        self.received = False             # sent us at least one byte
+        self.received = False  # sent us at least one byte
         self.inbuf = bytearray()
         self.outbuf = bytearray()
         self.parked: Optional[_Parked] = None
-        self.closing = False          # close once outbuf is flushed
-        self.writing = False          # registered for EVENT_WRITE (outbuf did not fit)
+        self.closing = False  # close once outbuf is flushed
+        self.writing = False  # registered for EVENT_WRITE (outbuf did not fit)
 
 
 class _Parked:
     """A blocking request: `ready()` says when `reply()` can answer; `expire()` answers at the
     deadline."""
 
-    def __init__(self, ready: Callable[[], bool], reply: Callable[[], list],
-                 expire: Callable[[], list], deadline: float) -> None:
+    def __init__(
+        self,
+        ready: Callable[[], bool],
+        reply: Callable[[], list],
+        expire: Callable[[], list],
+        deadline: float,
+    ) -> None:
         self.ready, self.reply, self.expire, self.deadline = ready, reply, expire, deadline
 
 
@@ -70,32 +76,37 @@ class StoreServer:
     back from `.port`. `close()` drops every connection; clients then get StoreError.
     """
 
-    def __init__(self, host: str, port: int, secret: str, *, bind_all: bool = False,
-                 backlog: int = 1024):
+    def __init__(self, host: str, port: int, secret: str, *, bind_all: bool = False, backlog: int = 1024):
         self.host = host
         self._secret = secret.encode()
         self._data: dict[str, bytes] = {}
-        self._barriers: dict[str, list[int]] = {}    # name -> [arrived, generation, world size]
+        self._barriers: dict[str, list[int]] = {}  # name -> [arrived, generation, world size]
         self._conns: dict[socket.socket, _Conn] = {}
         self._pending: OrderedDict[socket.socket, _Conn] = OrderedDict()  # unauthenticated
         self._closed = False
         self._accept_paused_until: Optional[float] = None
         self._resource_logged = False
-        self._dirty = False            # keys changed: parked requests may be ready
-        self._parked: dict[socket.socket, _Conn] = {}   # connections with a parked request
+        self._dirty = False  # keys changed: parked requests may be ready
+        self._parked: dict[socket.socket, _Conn] = {}  # connections with a parked request
         self._rbuf = bytearray(256 << 10)
         self._rview = memoryview(self._rbuf)
         addr = ("0.0.0.0" if bind_all else host, port)
         try:
             self._sock = socket.create_server(addr, family=_family(addr[0]), backlog=backlog)
         except OSError as e:
-            raise StoreError(f"cannot bind the store to {addr[0]}:{port} ({e}); choose another "
-                             f"MASTER_PORT, or check MASTER_ADDR is an address of this host") from e
+            raise StoreError(
+                f"cannot bind the store to {addr[0]}:{port} ({e}); choose another "
+                f"MASTER_PORT, or check MASTER_ADDR is an address of this host"
+            ) from e
         self._sock.setblocking(False)
         self.port: int = self._sock.getsockname()[1]
         if not secret:
-            log.warning("store on %s:%d has no secret (NCCL_DDP_SECRET is empty): any process that "
-                        "can reach it can read and write keys", addr[0], self.port)
+            log.warning(
+                "store on %s:%d has no secret (NCCL_DDP_SECRET is empty): any process that "
+                "can reach it can read and write keys",
+                addr[0],
+                self.port,
+            )
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -103,8 +114,7 @@ class StoreServer:
         self._sel.register(self._sock, selectors.EVENT_READ, "accept")
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._grace = 2.0
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name=f"nccl_ddp-store:{self.port}")
+        self._thread = threading.Thread(target=self._run, daemon=True, name=f"nccl_ddp-store:{self.port}")
         self._thread.start()
 
     def close(self, grace: float = 2.0) -> None:
@@ -152,7 +162,7 @@ class StoreServer:
                 self._settle()
                 self._expire(time.monotonic())
                 self._settle()
-        except Exception:       # a bug here must not leave ranks hanging on a silent store
+        except Exception:  # a bug here must not leave ranks hanging on a silent store
             log.exception("store on port %d stopped serving", self.port)
         finally:
             self._shutdown_all()
@@ -176,7 +186,7 @@ class StoreServer:
             pass
 
     def _accept(self) -> None:
-        for _ in range(64):            # a burst per wakeup, then serve the others
+        for _ in range(64):  # a burst per wakeup, then serve the others
             try:
                 sock, peer = self._sock.accept()
             except BlockingIOError:
@@ -191,9 +201,15 @@ class StoreServer:
     def _out_of_resources(self, e: OSError) -> None:
         if not self._resource_logged:
             self._resource_logged = True
-            log.warning("store on port %d cannot accept (%s; %d connections open, %d not "
-                        "authenticated); dropping the oldest unauthenticated ones and retrying "
-                        "(logged once)", self.port, e, len(self._conns), len(self._pending))
+            log.warning(
+                "store on port %d cannot accept (%s; %d connections open, %d not "
+                "authenticated); dropping the oldest unauthenticated ones and retrying "
+                "(logged once)",
+                self.port,
+                e,
+                len(self._conns),
+                len(self._pending),
+            )
         if self._pending:
             self._drop(self._evictee())
         self._sel.unregister(self._sock)
@@ -228,8 +244,9 @@ class StoreServer:
             c = next(iter(self._pending.values()))
             if c.deadline > now:
                 break
-            log.warning("store closed the connection from %s: no handshake within %gs", c.who,
-                        HANDSHAKE_DEADLINE)
+            log.warning(
+                "store closed the connection from %s: no handshake within %gs", c.who, HANDSHAKE_DEADLINE
+            )
             self._drop(c)
         for c in list(self._parked.values()):
             if c.sock in self._parked and c.parked is not None and c.parked.deadline <= now:
@@ -260,7 +277,7 @@ class StoreServer:
             self._flush(c)
         if mask & selectors.EVENT_READ and c.sock in self._conns:
             try:
-                n = c.sock.recv_into(self._rbuf)   # no 1 MiB allocation per request
+                n = c.sock.recv_into(self._rbuf)  # no 1 MiB allocation per request
             except BlockingIOError:
                 return
             except OSError:
@@ -279,12 +296,14 @@ class StoreServer:
                 (n,) = _LEN.unpack_from(c.inbuf)
                 limit = MAX_FRAME if c.authenticated else MAX_HANDSHAKE_FRAME
                 if n > limit:
-                    raise _Malformed(f"frame of {n} bytes exceeds the {limit}-byte limit"
-                                     + ("" if c.authenticated else " before authentication"))
+                    raise _Malformed(
+                        f"frame of {n} bytes exceeds the {limit}-byte limit"
+                        + ("" if c.authenticated else " before authentication")
+                    )
                 if len(c.inbuf) < 4 + n:
                     return
-                fields = _decode(bytes(c.inbuf[4:4 + n]))
-                del c.inbuf[:4 + n]
+                fields = _decode(bytes(c.inbuf[4 : 4 + n]))
+                del c.inbuf[: 4 + n]
                 if c.authenticated:
                     self._request(c, fields)
                 else:
@@ -352,8 +371,9 @@ class StoreServer:
             raise _Malformed("bad handshake")
         client_nonce, proof = fields[1], fields[2]
         if not hmac.compare_digest(proof, _proof(self._secret, b"c", c.nonce, client_nonce)):
-            log.warning("store refused a client from %s: it did not present the job's secret "
-                        "(NCCL_DDP_SECRET)", c.who)
+            log.warning(
+                "store refused a client from %s: it did not present the job's secret (NCCL_DDP_SECRET)", c.who
+            )
             c.closing = True
             self._pending.pop(c.sock, None)
             self._send(c, [b"auth", b"wrong or missing job secret"])
@@ -395,14 +415,18 @@ class StoreServer:
 
     def _op_get(self, key: bytes, timeout_ms: bytes):
         k = key.decode()
-        return self._park(lambda: k in self._data, lambda: [b"ok", self._data[k]],
-                          lambda: [b"timeout"], timeout_ms)
+        return self._park(
+            lambda: k in self._data, lambda: [b"ok", self._data[k]], lambda: [b"timeout"], timeout_ms
+        )
 
     def _op_wait(self, timeout_ms: bytes, *keys: bytes):
         names = [k.decode() for k in keys]
-        return self._park(lambda: all(k in self._data for k in names), lambda: [b"ok"],
-                          lambda: [b"timeout"] + [k.encode() for k in names
-                                                  if k not in self._data], timeout_ms)
+        return self._park(
+            lambda: all(k in self._data for k in names),
+            lambda: [b"ok"],
+            lambda: [b"timeout"] + [k.encode() for k in names if k not in self._data],
+            timeout_ms,
+        )
 
     def _op_add(self, key: bytes, amount: bytes) -> list[bytes]:
         k = key.decode()
@@ -428,16 +452,19 @@ class StoreServer:
 
     def _op_barrier(self, name: bytes, world: bytes, timeout_ms: bytes):
         n, size = name.decode(), int(world)
-        int(timeout_ms)                  # a malformed timeout fails before the state changes
+        int(timeout_ms)  # a malformed timeout fails before the state changes
         state = self._barriers.setdefault(n, [0, 0, size])
         if state[0] == 0:
             state[2] = size
         elif state[2] != size:
-            return [b"error", f"barrier {n!r} entered with world size {size} while {state[0]} "
-                              f"rank(s) wait with world size {state[2]}".encode()]
+            return [
+                b"error",
+                f"barrier {n!r} entered with world size {size} while {state[0]} "
+                f"rank(s) wait with world size {state[2]}".encode(),
+            ]
         generation = state[1]
         state[0] += 1
-        if state[0] == size:             # last arrival releases everyone; the name is reusable
+        if state[0] == size:  # last arrival releases everyone; the name is reusable
             state[0], state[1] = 0, generation + 1
             self._changed()
             return [b"ok"]

@@ -4,6 +4,7 @@ Frames: a 4-byte big-endian length and a payload; a payload is a list of fields,
 length and bytes. Requests are [op, args...], replies [status, values...] with status b"ok",
 b"timeout" or b"error".
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -15,8 +16,8 @@ from typing import Sequence, Union
 from nccl_ddp.errors import StoreError
 
 MAGIC = b"nccl_ddp-store/1"
-MAX_FRAME = 64 << 20           # bytes per frame; bigger frames close the connection
-HANDSHAKE_TIMEOUT = 10.0       # seconds a client waits for each handshake reply
+MAX_FRAME = 64 << 20  # bytes per frame; bigger frames close the connection
+HANDSHAKE_TIMEOUT = 10.0  # seconds a client waits for each handshake reply
 _LEN = struct.Struct(">I")
 
 Value = Union[bytes, bytearray, memoryview, str]
@@ -29,8 +30,10 @@ class _Malformed(Exception):
 def _encode(fields: Sequence[bytes]) -> bytes:
     payload = b"".join(_LEN.pack(len(f)) + bytes(f) for f in fields)
     if len(payload) > MAX_FRAME:
-        raise StoreError(f"store message of {len(payload)} bytes exceeds the {MAX_FRAME >> 20} MiB "
-                         f"frame limit; store large data elsewhere and put a reference in the store")
+        raise StoreError(
+            f"store message of {len(payload)} bytes exceeds the {MAX_FRAME >> 20} MiB "
+            f"frame limit; store large data elsewhere and put a reference in the store"
+        )
     return _LEN.pack(len(payload)) + payload
 
 
@@ -43,7 +46,7 @@ def _decode(payload: bytes) -> list[bytes]:
         pos += 4
         if pos + n > len(payload):
             raise _Malformed(f"field of {n} bytes runs past the end of its frame")
-        fields.append(payload[pos:pos + n])
+        fields.append(payload[pos : pos + n])
         pos += n
     return fields
 

@@ -1,6 +1,7 @@
 """JAX + optax on sharded optimizer state and grads (nd.ZeroOptimizer, ZeRO-2): 2 ranks with
 their own grads end where unsharded optax ends on the mean grads; non-elementwise transformations
 are refused."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -15,7 +16,7 @@ import nccl_ddp as nd  # noqa: E402
 from nccl_ddp.adapters.jax_zero import check_elementwise  # noqa: E402
 from nccl_ddp.errors import ConfigError  # noqa: E402
 
-pytestmark = pytest.mark.slow   # JAX compiles each op of the probe and the steps (3-25 s here)
+pytestmark = pytest.mark.slow  # JAX compiles each op of the probe and the steps (3-25 s here)
 STEPS = 5
 
 
@@ -23,17 +24,22 @@ def _params():
     """Uneven leaves (shards cut through them), float32 and bfloat16."""
     rng = np.random.default_rng(0)
     import jax.numpy as jnp
-    return {"w1": jnp.asarray(rng.standard_normal((37, 23)).astype(np.float32)),
-            "b1": jnp.asarray(rng.standard_normal(23).astype(np.float32)),
-            "w2": jnp.asarray(rng.standard_normal((23, 5)).astype(np.float32)),
-            "e": jnp.asarray(rng.standard_normal(11).astype(np.float32))}
+
+    return {
+        "w1": jnp.asarray(rng.standard_normal((37, 23)).astype(np.float32)),
+        "b1": jnp.asarray(rng.standard_normal(23).astype(np.float32)),
+        "w2": jnp.asarray(rng.standard_normal((23, 5)).astype(np.float32)),
+        "e": jnp.asarray(rng.standard_normal(11).astype(np.float32)),
+    }
 
 
 def _grads(rank, step):
     import jax.numpy as jnp
+
     rng = np.random.default_rng([rank, step])
     return jax.tree_util.tree_map(
-        lambda p: jnp.asarray(rng.standard_normal(p.shape).astype(np.float32)), _params())
+        lambda p: jnp.asarray(rng.standard_normal(p.shape).astype(np.float32)), _params()
+    )
 
 
 def _tx(kind):
@@ -52,7 +58,7 @@ def _rank(rank, world, kind, cap_mb):
             params, state = zopt.step(params, _grads(rank, step), state)
         nbuckets = len(zopt.zs.master)
         shard = sum(m.size for m in zopt.zs.master)
-        assert sum(g.size for g in zopt.zs.grads) == shard    # only the owned grad slices kept
+        assert sum(g.size for g in zopt.zs.grads) == shard  # only the owned grad slices kept
         zopt.close()
         return jax.tree_util.tree_map(np.asarray, params), nbuckets, shard
     finally:
@@ -79,27 +85,37 @@ def test_two_ranks_equal_unsharded_optax(kind):
     want = _unsharded(kind, 2)
     total = sum(x.size for x in jax.tree_util.tree_leaves(want))
     for params, nbuckets, shard in results:
-        assert nbuckets >= 2 and shard < total      # sharded: each rank holds about half
+        assert nbuckets >= 2 and shard < total  # sharded: each rank holds about half
         for got, ref in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(want)):
             np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-6)
-    for a, b in zip(jax.tree_util.tree_leaves(results[0][0]),
-                    jax.tree_util.tree_leaves(results[1][0])):
+    for a, b in zip(jax.tree_util.tree_leaves(results[0][0]), jax.tree_util.tree_leaves(results[1][0])):
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("tx", [
-    lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)),
-    lambda: optax.lamb(1e-3),
-    lambda: optax.adamw(1e-3, weight_decay=0.1, mask=lambda p: jax.tree_util.tree_map(
-        lambda x: x.ndim > 1, p)),
-], ids=["clip_by_global_norm", "lamb", "adamw-mask-by-ndim"])
+@pytest.mark.parametrize(
+    "tx",
+    [
+        lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)),
+        lambda: optax.lamb(1e-3),
+        lambda: optax.adamw(
+            1e-3, weight_decay=0.1, mask=lambda p: jax.tree_util.tree_map(lambda x: x.ndim > 1, p)
+        ),
+    ],
+    ids=["clip_by_global_norm", "lamb", "adamw-mask-by-ndim"],
+)
 def test_non_elementwise_transformations_are_refused(tx):
     with pytest.raises(ConfigError, match="is not elementwise"):
         check_elementwise(tx())
 
 
-@pytest.mark.parametrize("tx", [lambda: optax.adamw(1e-3), lambda: optax.sgd(0.1, momentum=0.9),
-                                lambda: optax.adam(optax.linear_schedule(1e-3, 1e-4, 10))],
-                         ids=["adamw", "sgd-momentum", "adam-schedule"])
+@pytest.mark.parametrize(
+    "tx",
+    [
+        lambda: optax.adamw(1e-3),
+        lambda: optax.sgd(0.1, momentum=0.9),
+        lambda: optax.adam(optax.linear_schedule(1e-3, 1e-4, 10)),
+    ],
+    ids=["adamw", "sgd-momentum", "adam-schedule"],
+)
 def test_elementwise_transformations_pass_the_probe(tx):
     check_elementwise(tx())

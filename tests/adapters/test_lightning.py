@@ -8,6 +8,7 @@ The processes come from tests/mp.py with torchrun's variables (RANK, LOCAL_RANK,
 MASTER_ADDR/PORT); Lightning's own environment takes LOCAL_RANK and computes the rest, and the
 strategy passes its ranks to nccl_ddp explicitly.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,9 +28,10 @@ def _module_class(manual: bool):
     class Net(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            torch.manual_seed(int(os.environ["RANK"]))    # per rank: DDP broadcasts rank 0's
-            self.net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8),
-                                           torch.nn.Tanh(), torch.nn.Linear(8, 2))
+            torch.manual_seed(int(os.environ["RANK"]))  # per rank: DDP broadcasts rank 0's
+            self.net = torch.nn.Sequential(
+                torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Tanh(), torch.nn.Linear(8, 2)
+            )
             self.automatic_optimization = not manual
 
         def forward(self, x):
@@ -51,18 +53,29 @@ def _module_class(manual: bool):
 
         def train_dataloader(self):
             g = torch.Generator().manual_seed(3)
-            data = torch.utils.data.TensorDataset(torch.randn(64, 6, generator=g),
-                                                  torch.randn(64, 2, generator=g))
+            data = torch.utils.data.TensorDataset(
+                torch.randn(64, 6, generator=g), torch.randn(64, 2, generator=g)
+            )
             return torch.utils.data.DataLoader(data, batch_size=4)
+
     return Net
 
 
 def _fit(strategy, manual: bool, steps: int, ckpt_in=None, ckpt_out=None) -> dict:
     import lightning.pytorch as pl
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps,
-                         accumulate_grad_batches=1 if manual else 2, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, num_sanity_val_steps=0)
+
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=steps,
+        accumulate_grad_batches=1 if manual else 2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
     model = _module_class(manual)()
     trainer.fit(model, ckpt_path=ckpt_in)
     if ckpt_out is not None:
@@ -86,6 +99,7 @@ def _run(rank: int, world: int, tmp: str) -> dict:
             resumed = _fit(make(), manual, 7, ckpt_in=ckpt)
             out[(name, manual)] = (first, resumed)
     import nccl_ddp as nd
+
     out["nd left initialised"] = nd.is_initialized()
     return out
 
@@ -95,7 +109,7 @@ def _run(rank: int, world: int, tmp: str) -> dict:
 def test_lightning_strategy_matches_torch_ddp(tmp_path):
     results = run_ranks(_run, 2, str(tmp_path), timeout=800)
     for rank, res in enumerate(results):
-        assert res["nd left initialised"] is False      # the strategy tore its group down
+        assert res["nd left initialised"] is False  # the strategy tore its group down
         for manual in (False, True):
             ref, ours = res[("torch", manual)], res[("ours", manual)]
             for phase, r, o in (("fit", ref[0], ours[0]), ("resumed", ref[1], ours[1])):
@@ -108,6 +122,6 @@ def test_lightning_strategy_matches_torch_ddp(tmp_path):
             assert not np.array_equal(ours[0][w], ours[1][w])
             # num_batches_tracked counts the resumed steps (a buffer restored from the checkpoint)
             assert int(ours[1]["net.1.num_batches_tracked"]) > int(ours[0]["net.1.num_batches_tracked"])
-    for manual in (False, True):     # DDP: both ranks end with the same parameters
+    for manual in (False, True):  # DDP: both ranks end with the same parameters
         a, b = results[0][("ours", manual)][1], results[1][("ours", manual)][1]
         np.testing.assert_array_equal(a["net.0.weight"], b["net.0.weight"])

@@ -6,6 +6,7 @@ computed once per module: MindSpore takes seconds to start).
 MindSpore 2.10 needs numpy<2, so everything MindSpore runs in the .venv-ms venv made by
 scripts/setup_ms_venv.sh (or $NCCL_DDP_MS_VENV); without it these tests are skipped.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,18 +27,20 @@ TIMEOUT = 150
 def _venv_problem() -> str:
     if not os.path.exists(PY):
         return f"no MindSpore venv at {VENV}: run scripts/setup_ms_venv.sh"
-    probe = subprocess.run([PY, "-c", "import mindspore, nccl_ddp"], capture_output=True,
-                           text=True, timeout=120)
+    probe = subprocess.run(
+        [PY, "-c", "import mindspore, nccl_ddp"], capture_output=True, text=True, timeout=120
+    )
     if probe.returncode != 0:
-        return (f"the venv {VENV} cannot import mindspore and nccl_ddp "
-                f"({probe.stderr.strip().splitlines()[-1:]}): run scripts/setup_ms_venv.sh")
+        return (
+            f"the venv {VENV} cannot import mindspore and nccl_ddp "
+            f"({probe.stderr.strip().splitlines()[-1:]}): run scripts/setup_ms_venv.sh"
+        )
     return ""
 
 
 _problem = _venv_problem()
 # each test starts up to 2 launches of 2 MindSpore processes (150 s bound each): beyond the default
-pytestmark = [pytest.mark.skipif(bool(_problem), reason=_problem), pytest.mark.timeout(420),
-              pytest.mark.slow]
+pytestmark = [pytest.mark.skipif(bool(_problem), reason=_problem), pytest.mark.timeout(420), pytest.mark.slow]
 
 
 def _run(args: list, cwd: str) -> str:
@@ -52,8 +55,18 @@ def _run(args: list, cwd: str) -> str:
 
 
 def _launch(example: str, *args: str, cwd: str) -> str:
-    out = _run([PY, "-m", "nccl_ddp.launch", "--nproc-per-node", "2",
-                os.path.join(ROOT, "examples", example), *args], cwd)
+    out = _run(
+        [
+            PY,
+            "-m",
+            "nccl_ddp.launch",
+            "--nproc-per-node",
+            "2",
+            os.path.join(ROOT, "examples", example),
+            *args,
+        ],
+        cwd,
+    )
     # before: 42 lines over the three examples (dtype_to_nptype, set_context(device_target))
     assert "deprecated" not in out, out
     return out
@@ -63,8 +76,10 @@ def _launch(example: str, *args: str, cwd: str) -> str:
 def reference(tmp_path_factory):
     """name -> the reference parameters (ddp, grad-reducer-{sum,mean}-{docs,scaled})."""
     out = tmp_path_factory.mktemp("ms_reference")
-    _run([PY, os.path.join(SUPPORT, "ms_reference.py"), "all", str(out),
-          "--steps", "4", "--world", "2"], str(out))
+    _run(
+        [PY, os.path.join(SUPPORT, "ms_reference.py"), "all", str(out), "--steps", "4", "--world", "2"],
+        str(out),
+    )
     return lambda name: np.load(out / f"{name}.npz")
 
 
@@ -102,8 +117,7 @@ def test_lenet_graph_mode_equals_pynative(tmp_path, reference):
     runs = {}
     for mode in ("graph", "pynative"):
         save = str(tmp_path / f"{mode}-{{rank}}.npz")
-        out = _launch("ms_lenet_graph.py", "--mode", mode, "--steps", "4", "--save", save,
-                      cwd=str(tmp_path))
+        out = _launch("ms_lenet_graph.py", "--mode", mode, "--steps", "4", "--save", save, cwd=str(tmp_path))
         _check_training_output(out)
         runs[mode] = [np.load(save.format(rank=r)) for r in (0, 1)]
     graph, pynative = runs["graph"], runs["pynative"]
@@ -121,8 +135,7 @@ def test_grad_reducer_example(tmp_path, reference, mode, variant):
     scaled = variant == "scaled-mean"
     flags = ["--scale-by-rank", "--mean"] if scaled else []
     save = str(tmp_path / "weight-{rank}.npz")
-    out = _launch("ms_grad_reducer.py", "--mode", mode, *flags, "--save", save,
-                  cwd=str(tmp_path))
+    out = _launch("ms_grad_reducer.py", "--mode", mode, *flags, "--save", save, cwd=str(tmp_path))
     for rank in (0, 1):
         want = 256.0 * ((rank + 1) ** 2 if scaled else 1)
         assert _rank_lines(out, rank, re.escape(f"{want}")), out
@@ -140,27 +153,30 @@ def test_ms_checks_in_venv(tmp_path):
     assert "ms_checks: all passed" in out, out
 
 
-
 def test_ddp_syncs_frozen_params_and_buffers(tmp_path):
     """The wrapper is an nn.Cell with the wrapped cell's parameter names (a checkpoint of it loads
     into the bare cell). Frozen Parameters, BatchNorm statistics and registered buffers start as
     rank 0's on both ranks; after a step moved the statistics locally, the next forward takes
     rank 0's again."""
-    out = _run([PY, "-m", "nccl_ddp.launch", "--nproc-per-node", "2",
-                os.path.join(SUPPORT, "ms_state_sync.py")], str(tmp_path))
+    out = _run(
+        [PY, "-m", "nccl_ddp.launch", "--nproc-per-node", "2", os.path.join(SUPPORT, "ms_state_sync.py")],
+        str(tmp_path),
+    )
     import json
-    seen = {int(m.group(1)): json.loads(m.group(2))
-            for m in re.finditer(r"\[rank (\d)\] ms_state_sync (.*)", out)}
+
+    seen = {
+        int(m.group(1)): json.loads(m.group(2)) for m in re.finditer(r"\[rank (\d)\] ms_state_sync (.*)", out)
+    }
     assert sorted(seen) == [0, 1], out[-3000:]
     r0, r1 = seen[0], seen[1]
     for r in (r0, r1):
         assert r["cell"] and r["checkpoint"]
-        assert r["names"][0] == r["names"][1] and "w" in r["names"][0]   # no "module." prefix
+        assert r["names"][0] == r["names"][1] and "w" in r["names"][0]  # no "module." prefix
         assert r["names"][2] == ["w", "bn.gamma", "bn.beta"]
     assert r1["built"] == r0["built"] and r0["built"]["frozen"] == [0.0] * 3
     assert r0["built"]["count"] == [10.0] and r0["built"]["mean"] == [0.0] * 3
-    assert r1["after_step"]["mean"] != r0["after_step"]["mean"]   # different data per rank
+    assert r1["after_step"]["mean"] != r0["after_step"]["mean"]  # different data per rank
     assert r1["after_step"]["w"] == r0["after_step"]["w"]
     assert r1["next_forward"]["mean"] == r0["after_step"]["mean"]
-    assert r1["next_forward"]["count"] == [50.0]                  # rank 0's, set before forward
+    assert r1["next_forward"]["count"] == [50.0]  # rank 0's, set before forward
     assert r0["next_forward"] == r1["next_forward"]

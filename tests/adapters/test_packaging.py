@@ -2,6 +2,7 @@
 wrapping a model, must work. ml_dtypes (NumPy's bfloat16) is imported only for bfloat16 data:
 a float32 torch model trains without it (issue 21: dlpack.py imported it on every torch path).
 """
+
 from __future__ import annotations
 
 import os
@@ -47,8 +48,9 @@ JAX_STEP = """
 
 
 def _run(python: str, code: str, cwd: str, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([python, "-c", textwrap.dedent(code)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [python, "-c", textwrap.dedent(code)], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 @pytest.mark.slow
@@ -63,8 +65,9 @@ def test_torch_model_wraps_without_ml_dtypes(tmp_path):
 def test_bfloat16_without_ml_dtypes_says_what_to_install():
     from nccl_ddp.dlpack import bfloat16_dtype
     from nccl_ddp.errors import ConfigError
+
     saved = sys.modules.get("ml_dtypes")
-    sys.modules["ml_dtypes"] = None     # type: ignore[assignment]
+    sys.modules["ml_dtypes"] = None  # type: ignore[assignment]
     try:
         with pytest.raises(ConfigError, match="pip install ml_dtypes"):
             bfloat16_dtype()
@@ -108,13 +111,30 @@ def test_each_extra_alone_in_a_fresh_venv(extra, tmp_path):
     python = os.path.join(env_dir, "bin", "python")
     pins, check = EXTRAS[extra]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    r = subprocess.run([python, "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                        "--no-compile", f"{src}[{extra}]", *pins], env=env, capture_output=True,
-                       text=True, timeout=2200)
-    if r.returncode != 0 and ("No matching distribution" in r.stderr
-                              or "Could not find a version" in r.stderr):
-        pytest.skip(f"the {extra} extra's packages are not available offline here: "
-                    f"{r.stderr.strip().splitlines()[-1]}")
+    r = subprocess.run(
+        [
+            python,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--disable-pip-version-check",
+            "--no-compile",
+            f"{src}[{extra}]",
+            *pins,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=2200,
+    )
+    if r.returncode != 0 and (
+        "No matching distribution" in r.stderr or "Could not find a version" in r.stderr
+    ):
+        pytest.skip(
+            f"the {extra} extra's packages are not available offline here: "
+            f"{r.stderr.strip().splitlines()[-1]}"
+        )
     assert r.returncode == 0, r.stderr[-3000:]
     r = _run(python, check, str(tmp_path), env)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]

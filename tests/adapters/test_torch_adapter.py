@@ -4,6 +4,7 @@ Each rank trains tests/torch_oracle.py's tied-weight / unused-branch model twice
 `torch.nn.parallel.DistributedDataParallel` on gloo, once in ours on the host backend; after
 several SGD-with-momentum steps the parameters must agree to float32 rounding.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -28,8 +29,10 @@ CONFIGS = {
 }
 # name -> (config, extra DDP kwargs); PythonReducer: one all-reduce per grad, grads not views
 CASES = {name: (config, {}) for name, config in CONFIGS.items()}
-CASES["PythonReducer-no_sync"] = (CONFIGS["no_sync-accumulate"],
-                                  {"reducer_mode": "PythonReducer", "bucket_cap_mb": 0})
+CASES["PythonReducer-no_sync"] = (
+    CONFIGS["no_sync-accumulate"],
+    {"reducer_mode": "PythonReducer", "bucket_cap_mb": 0},
+)
 
 
 def _ours_and_torch(rank: int, world: int, cases: dict, store_dir: str) -> dict:
@@ -45,8 +48,11 @@ def _ours_and_torch(rank: int, world: int, cases: dict, store_dir: str) -> dict:
         for name, (config, ddp_kwargs) in cases.items():
             module = make_model(rank)
             ddp = nd.DistributedDataParallel(
-                module, find_unused_parameters=config.find_unused_parameters,
-                static_graph=config.static_graph, **ddp_kwargs)
+                module,
+                find_unused_parameters=config.find_unused_parameters,
+                static_graph=config.static_graph,
+                **ddp_kwargs,
+            )
             ours = train(ddp, module, rank, config)
             grad_is_none = {n: p.grad is None for n, p in module.named_parameters()}
             ddp.close()
@@ -58,8 +64,7 @@ def _ours_and_torch(rank: int, world: int, cases: dict, store_dir: str) -> dict:
 
 @pytest.fixture(scope="module")
 def oracle_results(tmp_path_factory):
-    return run_ranks(_ours_and_torch, WORLD, CASES, str(tmp_path_factory.mktemp("gloo")),
-                     timeout=150)
+    return run_ranks(_ours_and_torch, WORLD, CASES, str(tmp_path_factory.mktemp("gloo")), timeout=150)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -68,15 +73,18 @@ def test_matches_torch_ddp(name, oracle_results):
         reference, ours, grad_is_none = results[name]
         assert set(ours) == set(reference)
         for key in reference:
-            np.testing.assert_allclose(ours[key], reference[key], rtol=1e-6, atol=1e-7,
-                                       err_msg=f"rank {rank} {name}: {key}")
+            np.testing.assert_allclose(
+                ours[key], reference[key], rtol=1e-6, atol=1e-7, err_msg=f"rank {rank} {name}: {key}"
+            )
         # the models were built different on every rank: equality means rank 0's won
-        assert not np.array_equal(reference["hidden.weight"],
-                                  make_model(1 - rank).hidden.weight.detach().numpy())
+        assert not np.array_equal(
+            reference["hidden.weight"], make_model(1 - rank).hidden.weight.detach().numpy()
+        )
         # torch semantics: after optimizer.zero_grad() every .grad is None again
         assert all(grad_is_none.values()), grad_is_none
-    np.testing.assert_array_equal(oracle_results[0][name][1]["embed.weight"],
-                                  oracle_results[1][name][1]["embed.weight"])
+    np.testing.assert_array_equal(
+        oracle_results[0][name][1]["embed.weight"], oracle_results[1][name][1]["embed.weight"]
+    )
 
 
 def _grads_are_bucket_views(rank: int, world: int) -> dict:
@@ -91,18 +99,16 @@ def _grads_are_bucket_views(rank: int, world: int) -> dict:
         torch.nn.functional.mse_loss(ddp(x, use_branch=True), y).backward()
         buffers = ddp.reducer.memory.buffers
         starts = [(b.ctypes.data, b.ctypes.data + b.nbytes) for b in buffers]
-        inside = all(any(lo <= p.grad.data_ptr() < hi for lo, hi in starts)
-                     for p in module.parameters())
+        inside = all(any(lo <= p.grad.data_ptr() < hi for lo, hi in starts) for p in module.parameters())
         grads = {n: p.grad.numpy().copy() for n, p in module.named_parameters()}
-        ddp.zero_grad(set_to_none=False)    # torch's zero_grad: in place, in the buckets
+        ddp.zero_grad(set_to_none=False)  # torch's zero_grad: in place, in the buckets
         zeroed = all(float(p.grad.abs().sum()) == 0.0 for p in module.parameters())
-        ddp.zero_grad()                     # torch's default: set_to_none
+        ddp.zero_grad()  # torch's default: set_to_none
         zeroed = zeroed and all(p.grad is None for p in module.parameters())
         ddp.close()
     finally:
         nd.destroy_process_group()
-    return {"inside": inside, "grads": grads, "zeroed": zeroed,
-            "scale": module.scale.numpy().copy()}
+    return {"inside": inside, "grads": grads, "zeroed": zeroed, "scale": module.scale.numpy().copy()}
 
 
 @pytest.mark.slow
@@ -110,7 +116,7 @@ def test_grads_alias_buckets_and_are_averaged():
     r0, r1 = run_ranks(_grads_are_bucket_views, WORLD, timeout=60)
     assert r0["inside"] and r1["inside"], "p.grad must be a view of the bucket memory"
     assert r0["zeroed"] and r1["zeroed"]
-    np.testing.assert_array_equal(r0["scale"], r1["scale"])          # buffer broadcast from rank 0
+    np.testing.assert_array_equal(r0["scale"], r1["scale"])  # buffer broadcast from rank 0
     np.testing.assert_array_equal(r0["scale"], np.ones(16, np.float32))
     # the mean of both ranks' local grads, computed here without any DDP
     local = []
@@ -138,8 +144,10 @@ def _grad_reducer(rank: int, world: int) -> list:
         grads = [p.grad for p in module.parameters()]
         out = reducer(grads)
         assert isinstance(out, list) and all(isinstance(g, torch.Tensor) for g in out)
-        result = [(tuple(g.shape), g.dtype, g.numpy().copy(), p.grad.numpy().copy())
-                  for g, p in zip(out, module.parameters())]
+        result = [
+            (tuple(g.shape), g.dtype, g.numpy().copy(), p.grad.numpy().copy())
+            for g, p in zip(out, module.parameters())
+        ]
         reducer.close()
     finally:
         nd.destroy_process_group()
@@ -164,11 +172,35 @@ def test_bench_ddp_torch_mode(tmp_path):
 
     script = os.path.join(ROOT, "scripts", "bench_ddp.py")
     out = tmp_path / "bench.csv"
-    r = subprocess.run([sys.executable, script, "--modes", "", "--torch", "--caps", "0.01",
-                        "--hidden", "32", "--layers", "2", "--features", "8", "--steps", "2",
-                        "--warmup", "1", "--profile-steps", "1", "--csv", str(out)],
-                       capture_output=True, text=True, timeout=120,
-                       env=dict(os.environ, NCCL_DDP_NO_PROGRESS="1"))
+    r = subprocess.run(
+        [
+            sys.executable,
+            script,
+            "--modes",
+            "",
+            "--torch",
+            "--caps",
+            "0.01",
+            "--hidden",
+            "32",
+            "--layers",
+            "2",
+            "--features",
+            "8",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--profile-steps",
+            "1",
+            "--csv",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, NCCL_DDP_NO_PROGRESS="1"),
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     (row,) = list(csv.DictReader(open(out)))
     assert row["mode"] == "torch" and row["backend"] == "host/gloo"
@@ -186,14 +218,14 @@ def _torch_on_gpu(rank: int, world: int) -> tuple:
         ref = train(_NoDDP(local), local, rank, config, device="cuda")
         module = make_model(0).cuda()
         # torch's single-GPU spelling: device_ids=[this GPU] (inputs are moved there, as torch does)
-        ddp = nd.DistributedDataParallel(module, find_unused_parameters=True,
-                                         device_ids=[torch.cuda.current_device()])
+        ddp = nd.DistributedDataParallel(
+            module, find_unused_parameters=True, device_ids=[torch.cuda.current_device()]
+        )
         ours = train(ddp, module, rank, config, device="cuda")
         x, y = batches(rank, config)[0]
         torch.nn.functional.mse_loss(ddp(x.cuda()), y.cuda()).backward()
         spans = [(b.data.ptr, b.data.ptr + b.nbytes) for b in ddp.reducer.memory.buffers]
-        inside = all(any(lo <= p.grad.data_ptr() < hi for lo, hi in spans)
-                     for p in module.parameters())
+        inside = all(any(lo <= p.grad.data_ptr() < hi for lo, hi in spans) for p in module.parameters())
         ddp.close()
     finally:
         nd.destroy_process_group()

@@ -6,6 +6,7 @@ model, AdamW with parameter groups + gradient clipping + bf16 autocast, gradient
 no_sync(); every loop also runs an evaluation forward under torch.no_grad() after each step,
 which decides (as in torch) whether the next forward broadcasts the buffers.
 """
+
 from __future__ import annotations
 
 import os
@@ -33,8 +34,7 @@ SCENARIOS = {
     "frozen_backbone": Scenario("frozen_backbone"),
     "tied": Scenario("tied"),
     "adamw-clip-bf16": Scenario("bn_cnn", optimizer="adamw", clip=0.5, bf16_autocast=True),
-    "frozen-adamw-no_sync": Scenario("frozen_backbone", accumulate=2, optimizer="adamw",
-                                     clip=1.0),
+    "frozen-adamw-no_sync": Scenario("frozen_backbone", accumulate=2, optimizer="adamw", clip=1.0),
     "channels_last": Scenario("channels_last"),
 }
 
@@ -60,8 +60,7 @@ def _oracle(rank: int, world: int, scenarios: dict, store_dir: str) -> dict:
 
 @pytest.fixture(scope="module")
 def oracle(tmp_path_factory):
-    return run_ranks(_oracle, WORLD, SCENARIOS, str(tmp_path_factory.mktemp("gloo")),
-                     timeout=240)
+    return run_ranks(_oracle, WORLD, SCENARIOS, str(tmp_path_factory.mktemp("gloo")), timeout=240)
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
@@ -91,16 +90,30 @@ def _contract(rank: int, world: int, store_dir: str) -> dict:
         try:
             # --- a torch.nn.Module
             module = MODELS["bn_cnn"](rank)
-            ddp = nd.DistributedDataParallel(module, device_ids=None, output_device=None, dim=0,
-                                             broadcast_buffers=True, bucket_cap_mb=25,
-                                             gradient_as_bucket_view=True)
-            out["isinstance"] = (isinstance(ddp, torch.nn.Module),
-                                 isinstance(ddp, nd.DistributedDataParallel), ddp.module is module)
-            out["train_eval"] = (ddp.eval() is ddp, ddp.training, module.training,
-                                 ddp.train() is ddp, ddp.training, module.training)
+            ddp = nd.DistributedDataParallel(
+                module,
+                device_ids=None,
+                output_device=None,
+                dim=0,
+                broadcast_buffers=True,
+                bucket_cap_mb=25,
+                gradient_as_bucket_view=True,
+            )
+            out["isinstance"] = (
+                isinstance(ddp, torch.nn.Module),
+                isinstance(ddp, nd.DistributedDataParallel),
+                ddp.module is module,
+            )
+            out["train_eval"] = (
+                ddp.eval() is ddp,
+                ddp.training,
+                module.training,
+                ddp.train() is ddp,
+                ddp.training,
+                module.training,
+            )
             out["param_names"] = [n for n, _ in ddp.named_parameters()]
-            out["same_params"] = all(a is b for a, b in zip(ddp.parameters(),
-                                                            module.parameters()))
+            out["same_params"] = all(a is b for a, b in zip(ddp.parameters(), module.parameters()))
             calls = []
             handle = ddp.register_forward_hook(lambda m, i, o: calls.append(type(m).__name__))
             x, y = scenario_batches(rank, short)[0]
@@ -114,10 +127,11 @@ def _contract(rank: int, world: int, store_dir: str) -> dict:
                 out["to_double"] = None
             except ConfigError as e:
                 out["to_double"] = (str(e), {p.dtype for p in module.parameters()})
-            ddp.to(memory_format=torch.channels_last)   # storage changes: grads must follow
+            ddp.to(memory_format=torch.channels_last)  # storage changes: grads must follow
             out["conv_channels_last"] = not module[0].weight.is_contiguous()
             out["grads_in_buckets"] = all(
-                any(lo <= p.grad.data_ptr() < hi for lo, hi in spans) for p in module.parameters())
+                any(lo <= p.grad.data_ptr() < hi for lo, hi in spans) for p in module.parameters()
+            )
             ddp.close()
 
             # --- state_dict both ways against a real torch-DDP-wrapped model
@@ -129,16 +143,18 @@ def _contract(rank: int, world: int, store_dir: str) -> dict:
             mine = nd.DistributedDataParallel(mine_module)
             mine.load_state_dict(theirs)
             out["keys_torch_to_ours"] = (list(theirs), list(mine.state_dict()))
-            out["loaded_equal"] = all(torch.equal(theirs[k], v)
-                                      for k, v in mine.state_dict().items())
+            out["loaded_equal"] = all(torch.equal(theirs[k], v) for k, v in mine.state_dict().items())
             # both continue from the checkpoint and stay together
-            out["continued"] = (train_scenario(ref, ref_module, rank, short),
-                                train_scenario(mine, mine_module, rank, short))
+            out["continued"] = (
+                train_scenario(ref, ref_module, rank, short),
+                train_scenario(mine, mine_module, rank, short),
+            )
             back_module = MODELS["bn_cnn"](rank + 9)
             back = TorchDDP(back_module)
-            back.load_state_dict(mine.state_dict())          # strict: every key must match
-            out["ours_to_torch"] = all(torch.equal(mine.state_dict()[k], v)
-                                       for k, v in back.state_dict().items())
+            back.load_state_dict(mine.state_dict())  # strict: every key must match
+            out["ours_to_torch"] = all(
+                torch.equal(mine.state_dict()[k], v) for k, v in back.state_dict().items()
+            )
             mine.close()
 
             # --- parameters added or unfrozen after wrapping: refused at the next step
@@ -174,7 +190,8 @@ def test_wrapper_is_a_torch_module(contract):
         assert r["isinstance"] == (True, True, True)
         assert r["train_eval"] == (True, False, False, True, True, True)
         assert r["param_names"][0] == "module.0.weight" and all(
-            n.startswith("module.") for n in r["param_names"])
+            n.startswith("module.") for n in r["param_names"]
+        )
         assert r["same_params"]
         assert r["hook_calls"] == ["TorchDistributedDataParallel"]
 
@@ -195,8 +212,9 @@ def test_state_dict_round_trip_with_torch_ddp(contract):
         assert r["loaded_equal"] and r["ours_to_torch"]
         reference, mine = r["continued"]
         for key in reference:
-            np.testing.assert_allclose(mine[key], reference[key], rtol=1e-6, atol=1e-6,
-                                       err_msg=f"rank {rank} {key}")
+            np.testing.assert_allclose(
+                mine[key], reference[key], rtol=1e-6, atol=1e-6, err_msg=f"rank {rank} {key}"
+            )
 
 
 def test_params_changed_after_wrapping_are_refused(contract):
@@ -219,16 +237,19 @@ def test_uninitialized_lazy_parameter_is_named():
         nd.DistributedDataParallel(model)
 
 
-@pytest.mark.parametrize("kwargs, error, match", [
-    ({"device_ids": [0]}, "ConfigError", "pass device_ids=None for a CPU module"),
-    ({"device_ids": [0, 1]}, "ConfigError", "one process drives one device"),
-    ({"output_device": 0}, "ConfigError", "needs device_ids"),
-    ({"mixed_precision": object()}, "ConfigError", "torch.autocast"),
-    ({"forward_sync_buffers": False}, "ConfigError", "broadcast_buffers=False"),
-    ({"no_such_option": 1}, "ConfigTypeError", "unexpected keyword argument 'no_such_option'"),
-    ({"dim": "0"}, "ConfigTypeError", "dim must be an int"),
-    ({"gradient_as_bucket_view": 1}, "ConfigTypeError", "gradient_as_bucket_view must be a bool"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"device_ids": [0]}, "ConfigError", "pass device_ids=None for a CPU module"),
+        ({"device_ids": [0, 1]}, "ConfigError", "one process drives one device"),
+        ({"output_device": 0}, "ConfigError", "needs device_ids"),
+        ({"mixed_precision": object()}, "ConfigError", "torch.autocast"),
+        ({"forward_sync_buffers": False}, "ConfigError", "broadcast_buffers=False"),
+        ({"no_such_option": 1}, "ConfigTypeError", "unexpected keyword argument 'no_such_option'"),
+        ({"dim": "0"}, "ConfigTypeError", "dim must be an int"),
+        ({"gradient_as_bucket_view": 1}, "ConfigTypeError", "gradient_as_bucket_view must be a bool"),
+    ],
+)
 def test_torch_arguments_we_cannot_honour(kwargs, error, match):
     import nccl_ddp as nd
     from nccl_ddp import errors
@@ -251,12 +272,10 @@ def test_torch_process_group_is_refused(tmp_path):
     import nccl_ddp as nd
     from nccl_ddp.errors import ConfigTypeError
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         with pytest.raises(ConfigTypeError, match="torch.distributed group"):
-            nd.DistributedDataParallel(torch.nn.Linear(2, 2),
-                                       process_group=dist.group.WORLD)
+            nd.DistributedDataParallel(torch.nn.Linear(2, 2), process_group=dist.group.WORLD)
     finally:
         dist.destroy_process_group()
 
@@ -286,9 +305,16 @@ def _compiled(rank: int, world: int) -> dict:
         aot_eager = torch._dynamo.lookup_backend("aot_eager")
         graphs = []
 
-        def backend(gm, example_inputs):     # aot_eager, noting what each graph computes
-            graphs.append(sorted({str(n.target) for n in gm.graph.nodes
-                                  if n.op == "call_module" or n.op == "call_function"}))
+        def backend(gm, example_inputs):  # aot_eager, noting what each graph computes
+            graphs.append(
+                sorted(
+                    {
+                        str(n.target)
+                        for n in gm.graph.nodes
+                        if n.op == "call_module" or n.op == "call_function"
+                    }
+                )
+            )
             return aot_eager(gm, example_inputs)
 
         compiled = train_scenario(torch.compile(ddp, backend=backend), module, rank, scenario)
@@ -306,21 +332,33 @@ def test_torch_compile_matches_eager():
         # does torch DDP's) and compiles the wrapped module's forward beneath it, one graph per
         # grad mode (training forwards, the no_grad evaluation forward); nothing of our
         # bookkeeping is traced (before: breaks on ndarray.flags and _ready.any())
-        assert all("TorchDistributedDataParallel.forward" in reason for reason in r["breaks"]), \
-            list(r["breaks"])
+        assert all("TorchDistributedDataParallel.forward" in reason for reason in r["breaks"]), list(
+            r["breaks"]
+        )
         assert 1 <= len(r["graphs"]) <= 2, r["graphs"]
         assert all(any("conv2d" in op for op in ops) for ops in r["graphs"]), r["graphs"]
         for key, value in r["eager"].items():
-            np.testing.assert_allclose(r["compiled"][key], value, rtol=1e-6, atol=1e-6,
-                                       err_msg=f"rank {rank} {key}")
+            np.testing.assert_allclose(
+                r["compiled"][key], value, rtol=1e-6, atol=1e-6, err_msg=f"rank {rank} {key}"
+            )
 
 
 def _built_config(group):
     import nccl_ddp as nd
 
-    ddp = nd.DistributedDataParallel(torch.nn.Linear(2, 2), True, group, 1.0, True, True, False,
-                                     "PythonReducer", broadcast_buffers=False,
-                                     check_finite="raise", dim=0)
+    ddp = nd.DistributedDataParallel(
+        torch.nn.Linear(2, 2),
+        True,
+        group,
+        1.0,
+        True,
+        True,
+        False,
+        "PythonReducer",
+        broadcast_buffers=False,
+        check_finite="raise",
+        dim=0,
+    )
     return type(ddp).__name__, ddp.config
 
 
@@ -335,12 +373,18 @@ def test_core_options_pass_through_the_torch_wrapper():
     from nccl_ddp.ddp.config import DDPConfig
     from nccl_ddp.ddp.data_parallel import DistributedDataParallel
 
-    (cls, config), = run_threads(_built_config, 1)
+    ((cls, config),) = run_threads(_built_config, 1)
     assert cls == "TorchDistributedDataParallel"
-    assert config == DDPConfig(init_sync=True, bucket_cap_mb=1.0, find_unused_parameters=True,
-                               average_in_collective=True, static_graph=False,
-                               reducer_mode="PythonReducer", broadcast_buffers=False,
-                               check_finite="raise")
+    assert config == DDPConfig(
+        init_sync=True,
+        bucket_cap_mb=1.0,
+        find_unused_parameters=True,
+        average_in_collective=True,
+        static_graph=False,
+        reducer_mode="PythonReducer",
+        broadcast_buffers=False,
+        check_finite="raise",
+    )
     core = set(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self", "module"}
     torch_own = set(inspect.signature(TorchDistributedDataParallel.__init__).parameters)
     assert core & torch_own == set()

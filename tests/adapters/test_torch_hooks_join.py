@@ -4,6 +4,7 @@ same two processes: `register_comm_hook` with torch's `allreduce_hook`, `fp16_co
 torch tensor); `torch.distributed.algorithms.join.Join([model])` with uneven inputs. Also what
 Lightning and Accelerate read from a torch DDP object.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,7 +19,7 @@ STEPS = 5
 
 
 def _model(rank: int):
-    torch.manual_seed(100 + rank)      # different on every rank: DDP broadcasts rank 0's
+    torch.manual_seed(100 + rank)  # different on every rank: DDP broadcasts rank 0's
     return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
 
 
@@ -49,11 +50,12 @@ class _null:
 def _user_hook(state, bucket):
     """A hook as a user writes it for torch: mean over torch's default group, in place."""
     import torch.distributed as dist
+
     t = bucket.buffer()
     assert isinstance(t, torch.Tensor) and t.dim() == 1
     grads = bucket.gradients()
     assert [tuple(g.shape) for g in grads] == [tuple(p.shape) for p in bucket.parameters()]
-    assert all(g.data_ptr() >= t.data_ptr() for g in grads)          # views of the buffer
+    assert all(g.data_ptr() >= t.data_ptr() for g in grads)  # views of the buffer
     assert all(isinstance(p, torch.nn.Parameter) for p in bucket.parameters())
     assert bucket.index() == 0 and bucket.is_last()
     t.div_(dist.get_world_size())
@@ -77,18 +79,24 @@ def _hooks(rank: int, world: int, store_dir: str) -> dict:
         """PowerSGD's random Q by shape only: the same for both DDPs whatever their bucket
         order."""
         n = int(np.prod(shape))
-        return torch.from_numpy(np.cos(np.arange(n) * 0.37 + 0.1).astype(np.float32)
-                                ).reshape(shape).to(dtype)
+        return torch.from_numpy(np.cos(np.arange(n) * 0.37 + 0.1).astype(np.float32)).reshape(shape).to(dtype)
 
     def powersgd():
-        return psgd.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2,
-                                  min_compression_rate=0.1, use_error_feedback=True,
-                                  warm_start=True)
+        return psgd.PowerSGDState(
+            None,
+            matrix_approximation_rank=1,
+            start_powerSGD_iter=2,
+            min_compression_rate=0.1,
+            use_error_feedback=True,
+            warm_start=True,
+        )
 
-    hooks = {"allreduce": lambda: (None, default_hooks.allreduce_hook),
-             "fp16": lambda: (None, default_hooks.fp16_compress_hook),
-             "powersgd": lambda: (powersgd(), psgd.powerSGD_hook),
-             "user": lambda: (None, _user_hook)}
+    hooks = {
+        "allreduce": lambda: (None, default_hooks.allreduce_hook),
+        "fp16": lambda: (None, default_hooks.fp16_compress_hook),
+        "powersgd": lambda: (powersgd(), psgd.powerSGD_hook),
+        "user": lambda: (None, _user_hook),
+    }
     out: dict = {}
     with gloo_group(rank, world, os.path.join(store_dir, "gloo")):
         nd.init_process_group("host")
@@ -103,11 +111,14 @@ def _hooks(rank: int, world: int, store_dir: str) -> dict:
                 out[name] = runs
             # torch's Join with uneven inputs (rank 0: 3 batches, rank 1: 5), then ours
             n = 3 + 2 * rank
-            out["torch Join"] = [_train(TorchDDP(_model(rank)), rank, n, TorchJoin),
-                                 _train(nd.DistributedDataParallel(_model(rank)), rank, n,
-                                        TorchJoin)]
-            out["nd.Join"] = [out["torch Join"][0],
-                              _train(nd.DistributedDataParallel(_model(rank)), rank, n, nd.Join)]
+            out["torch Join"] = [
+                _train(TorchDDP(_model(rank)), rank, n, TorchJoin),
+                _train(nd.DistributedDataParallel(_model(rank)), rank, n, TorchJoin),
+            ]
+            out["nd.Join"] = [
+                out["torch Join"][0],
+                _train(nd.DistributedDataParallel(_model(rank)), rank, n, nd.Join),
+            ]
             ddp = nd.DistributedDataParallel(_model(rank))
             out["joinable"] = (isinstance(ddp, TorchJoinable), str(ddp.join_device))
             out["no torch group"] = _without_torch_dist(rank)
@@ -124,6 +135,7 @@ def _without_torch_dist(rank: int) -> list:
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
     import nccl_ddp as nd
+
     real = dist.is_initialized
     dist.is_initialized = lambda: False
     errors = []
@@ -133,7 +145,7 @@ def _without_torch_dist(rank: int) -> list:
             ddp.register_comm_hook(psgd.PowerSGDState(None), psgd.powerSGD_hook)
         except nd.errors.ConfigError as e:
             errors.append(str(e))
-        errors.append(ddp.join_process_group is ddp.process_group)   # ours, not torch's
+        errors.append(ddp.join_process_group is ddp.process_group)  # ours, not torch's
     finally:
         dist.is_initialized = real
     return errors
@@ -149,9 +161,10 @@ def test_torch_hooks_and_torch_join_match_torch_ddp(tmp_path):
             for k in ref:
                 np.testing.assert_array_equal(ours[k], ref[k], err_msg=f"rank {rank} {name} {k}")
         ref, ours = res["powersgd"]
-        for k in ref:      # the same arithmetic but for the order of P/Q sums: float32 noise
-            np.testing.assert_allclose(ours[k], ref[k], rtol=1e-5, atol=1e-6,
-                                       err_msg=f"rank {rank} powersgd {k}")
+        for k in ref:  # the same arithmetic but for the order of P/Q sums: float32 noise
+            np.testing.assert_allclose(
+                ours[k], ref[k], rtol=1e-5, atol=1e-6, err_msg=f"rank {rank} powersgd {k}"
+            )
         assert res["joinable"] == (True, "cpu")
         hook_error, join_group_is_ours = res["no torch group"]
         assert "torch.distributed" in hook_error and "nccl_ddp.hooks" in hook_error
@@ -168,11 +181,15 @@ def test_torch_hooks_and_torch_join_match_torch_ddp(tmp_path):
 
 def _attributes(rank: int, world: int) -> dict:
     import nccl_ddp as nd
+
     nd.init_process_group("host")
     try:
         ddp = nd.DistributedDataParallel(_model(rank), find_unused_parameters=True)
-        out = {"static_graph": ddp.static_graph, "fup": ddp.find_unused_parameters,
-               "logging": ddp._get_ddp_logging_data()}
+        out = {
+            "static_graph": ddp.static_graph,
+            "fup": ddp.find_unused_parameters,
+            "logging": ddp._get_ddp_logging_data(),
+        }
         # Accelerate's trigger_sync_in_backward: forward under no_sync, then sync the backward
         x, y = _batches(rank, 1)[0]
         with ddp.no_sync():
@@ -206,11 +223,11 @@ def test_torch_future_of_a_new_tensor_from_an_unhashable_hook():
     import nccl_ddp as nd
 
     class Doubler:
-        __hash__ = None     # type: ignore[assignment]
+        __hash__ = None  # type: ignore[assignment]
 
         def __call__(self, state, bucket):
             fut = torch.futures.Future()
-            fut.set_result([bucket.buffer() * 2])      # a collective's future: a list of one
+            fut.set_result([bucket.buffer() * 2])  # a collective's future: a list of one
             return fut
 
     nd.init_process_group("host", rank=0, world_size=1)
@@ -252,8 +269,12 @@ def _cuda_hooks(rank: int, world: int) -> list:
             torch.nn.functional.mse_loss(ddp(x), y).backward()
             torch.nn.functional.mse_loss(ref(x), y).backward()
             torch.cuda.synchronize()
-            out.append(max(float((p.grad - 2 * q.grad).abs().max())
-                           for p, q in zip(model.parameters(), ref.parameters())))
+            out.append(
+                max(
+                    float((p.grad - 2 * q.grad).abs().max())
+                    for p, q in zip(model.parameters(), ref.parameters())
+                )
+            )
             ddp.close()
         return out
     finally:

@@ -1,6 +1,7 @@
 """The torch wrapper's per-step check of the wrapped module (adapters/torch_watch.py): a steady
 step walks no module tree, yet a parameter added, replaced or (un)frozen after wrapping is still
 refused at the next step, and a buffer replaced in any way is still the one broadcast."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -33,22 +34,22 @@ def test_params_unchanged_until_something_changes():
     net.head.bias.requires_grad_(False)
     w = _watch(net)
     assert w.params_unchanged()
-    net.body[0].weight.requires_grad_(False)        # frozen after wrapping
+    net.body[0].weight.requires_grad_(False)  # frozen after wrapping
     assert not w.params_unchanged()
     net.body[0].weight.requires_grad_(True)
     assert w.params_unchanged()
-    net.head.bias.requires_grad_(True)              # unfrozen after wrapping
+    net.head.bias.requires_grad_(True)  # unfrozen after wrapping
     assert not w.params_unchanged()
     net.head.bias.requires_grad_(False)
     assert w.params_unchanged()
-    net.head.weight = torch.nn.Parameter(torch.zeros(2, 4))   # replaced: a registration
+    net.head.weight = torch.nn.Parameter(torch.zeros(2, 4))  # replaced: a registration
     assert not w.params_unchanged()
     w.params_checked()
     assert w.params_unchanged()
-    net.extra = torch.nn.Linear(2, 2)               # a submodule added
+    net.extra = torch.nn.Linear(2, 2)  # a submodule added
     assert not w.params_unchanged()
     w.params_checked()
-    torch.nn.Linear(3, 3)   # any module built anywhere: conservatively a full look next time
+    torch.nn.Linear(3, 3)  # any module built anywhere: conservatively a full look next time
     assert not w.params_unchanged()
 
 
@@ -64,8 +65,8 @@ def test_buffers_are_cached_until_replaced():
     names = [n for n, _ in net.named_buffers()]
     first = w.buffers(convert)
     assert [n for n, _ in first] == names and conversions == names
-    assert w.buffers(convert) is first and len(conversions) == len(names)   # steady: no work
-    net.scale.mul_(3)                               # in place: the cached view sees it
+    assert w.buffers(convert) is first and len(conversions) == len(names)  # steady: no work
+    net.scale.mul_(3)  # in place: the cached view sees it
     assert w.buffers(convert) is first and dict(first)["scale"].tolist() == [3.0, 3.0]
 
     replacements = {
@@ -134,7 +135,7 @@ def _replaced_buffers_are_synced(rank: int, world: int) -> dict:
             "in_place": lambda v: net.scale.fill_(v),
         }
         for how, replace in ways.items():
-            replace(10.0 + rank)            # every rank its own value; forward gives rank 0's
+            replace(10.0 + rank)  # every rank its own value; forward gives rank 0's
             ddp(x).sum().backward()
             out[how] = net.scale.tolist()
         ddp.close()

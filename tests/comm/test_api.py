@@ -1,5 +1,6 @@
 """The functional API (nccl_ddp.init_process_group, all_reduce, ...) on the host backend:
 NumPy and torch CPU arrays through DLPack, in place or new, sync and async, groups, errors."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -18,9 +19,18 @@ HAS_TORCH = importlib.util.find_spec("torch") is not None
 
 @pytest.fixture
 def single_process(monkeypatch):
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-              "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS", "OMPI_COMM_WORLD_RANK",
-              "OMPI_COMM_WORLD_SIZE"):
+    for k in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "SLURM_PROCID",
+        "SLURM_NTASKS",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+    ):
         monkeypatch.delenv(k, raising=False)
     yield
     nd.destroy_process_group()
@@ -75,13 +85,13 @@ def api_body(rank, world):
     nd.all_reduce(z, nd.ReduceOp.AVG)
     np.testing.assert_allclose(z, (world - 1) / 2)
 
-    base = np.zeros((4, 6))                   # a strided view is reduced in place
+    base = np.zeros((4, 6))  # a strided view is reduced in place
     view = base[:, ::2]
     view[...] = rank + 1
     assert nd.all_reduce(view) is view
     assert (base[:, ::2] == total).all() and (base[:, 1::2] == 0).all()
 
-    ro = np.full(4, rank + 1.0)               # read-only: a new array comes back
+    ro = np.full(4, rank + 1.0)  # read-only: a new array comes back
     ro.flags.writeable = False
     out = nd.all_reduce(ro)
     assert out is not ro and (out == total).all() and (ro == rank + 1).all()
@@ -133,8 +143,11 @@ def new_group_body(rank, world):
     g = nd.new_group([0, 2])
     if rank == 1:
         assert not g and g.ranks == (0, 2)
-        with pytest.raises(ConfigError, match="rank 1: all_reduce: this rank is not a member of "
-                                              r"the group of ranks \[0, 2\]"):
+        with pytest.raises(
+            ConfigError,
+            match="rank 1: all_reduce: this rank is not a member of "
+            r"the group of ranks \[0, 2\]",
+        ):
             nd.all_reduce(np.ones(2), group=g)
         with pytest.raises(ConfigError, match="not a member"):
             nd.DistributedDataParallel([np.ones(2, np.float32)], process_group=g)
@@ -160,15 +173,16 @@ def test_new_group_of_three():
 
 def torch_body(rank, world):
     import torch
+
     nd.init_process_group(backend="host", timeout=30)
     total = sum(r + 1 for r in range(world))
     t = torch.full((3, 2), float(rank + 1))
     assert nd.all_reduce(t) is t
     assert torch.equal(t, torch.full((3, 2), float(total)))
-    p = torch.full((4,), float(rank + 1), requires_grad=True)      # a leaf that needs grad
+    p = torch.full((4,), float(rank + 1), requires_grad=True)  # a leaf that needs grad
     assert nd.all_reduce(p, "avg") is p
     assert torch.allclose(p.detach(), torch.full((4,), total / world))
-    bf = torch.full((5,), float(rank + 1), dtype=torch.bfloat16)   # NumPy's DLPack lacks bf16
+    bf = torch.full((5,), float(rank + 1), dtype=torch.bfloat16)  # NumPy's DLPack lacks bf16
     assert nd.all_reduce(bf) is bf and bf.dtype == torch.bfloat16
     assert torch.equal(bf.float(), torch.full((5,), float(total)))
     big = torch.zeros(4, 4)
@@ -195,12 +209,13 @@ def test_torch_cpu_tensors_in_place():
 
 def _sockets() -> int:
     import os
+
     fds = os.listdir("/proc/self/fd")
     links = []
     for fd in fds:
         try:
             links.append(os.readlink(f"/proc/self/fd/{fd}"))
-        except OSError:       # the fd listing itself, closed since
+        except OSError:  # the fd listing itself, closed since
             pass
     return sum(link.startswith("socket:") for link in links)
 
@@ -214,9 +229,10 @@ def destroy_after_peer_died_body(rank, world, dead, out_path):
     import time
 
     from nccl_ddp.errors import CommError
+
     sockets = _sockets()
     nd.init_process_group(backend="host", timeout=20)
-    nd.all_reduce(np.ones(4))                          # the transport is set up and working
+    nd.all_reduce(np.ones(4))  # the transport is set up and working
     if rank == dead:
         os._exit(3)
     try:
@@ -230,28 +246,37 @@ def destroy_after_peer_died_body(rank, world, dead, out_path):
     seconds = time.monotonic() - t0
     threads = [t.name for t in threading.enumerate() if t.name.startswith("nccl_ddp")]
     with open(out_path, "w") as f:
-        json.dump({"caught": caught, "seconds": seconds, "threads": threads,
-                   "sockets": [sockets, _sockets()], "initialized": nd.is_initialized()}, f)
+        json.dump(
+            {
+                "caught": caught,
+                "seconds": seconds,
+                "threads": threads,
+                "sockets": [sockets, _sockets()],
+                "initialized": nd.is_initialized(),
+            },
+            f,
+        )
 
 
 @pytest.mark.parametrize("dead", [1, 0])
 def test_destroy_after_a_peer_died_does_not_wait_for_it(tmp_path, dead):
     import json
+
     out = tmp_path / "survivor.json"
-    failed = run_ranks(destroy_after_peer_died_body, 2, dead, str(out), timeout=60,
-                       expect_fail=True)
+    failed = run_ranks(destroy_after_peer_died_body, 2, dead, str(out), timeout=60, expect_fail=True)
     assert set(failed) == {dead} and "exited with code 3" in failed[dead], failed
     got = json.loads(out.read_text())
     assert "all_reduce" in got["caught"] and f"peer rank {dead}" in got["caught"], got
-    assert got["seconds"] < 5.0, got          # the store barrier would wait min(timeout, 30) s
+    assert got["seconds"] < 5.0, got  # the store barrier would wait min(timeout, 30) s
     assert not got["initialized"] and got["threads"] == [], got
-    assert got["sockets"][1] == got["sockets"][0], got    # store client/server, links: closed
+    assert got["sockets"][1] == got["sockets"][0], got  # store client/server, links: closed
 
 
 def destroy_waits_for_peers_body(rank, world, tmp):
     """Without a failure, rank 0 (the store's host) leaves destroy_process_group only after
     every rank entered it: the store stays up while a peer may still need it."""
     import time
+
     nd.init_process_group(backend="host", timeout=20)
     nd.all_reduce(np.ones(4))
     if rank == 1:

@@ -1,5 +1,6 @@
 """A failing rank during a step: the survivors' error is a `CommError` that names the op, the
 bucket, the group and the ranks, raised in the training thread within the group timeout."""
+
 import os
 import re
 import subprocess
@@ -17,22 +18,21 @@ from nccl_ddp.ddp.buckets import bucket_tag
 from nccl_ddp.device import HostDevice, HostStream
 from nccl_ddp.errors import CommError, CommTimeout, ConfigError, ConfigTypeError, NcclDdpError
 
-N = 1 << 16            # float32 elements per parameter: 256 KiB
-TIMEOUT = 15.0         # group timeout of the multi-process tests
+N = 1 << 16  # float32 elements per parameter: 256 KiB
+TIMEOUT = 15.0  # group timeout of the multi-process tests
 NAMES = ("w0", "w1", "w2", "w3")
 
 
 def _caught(rank, t0, e):
     """Hand the error to the test through run_ranks' failure traceback."""
-    raise RuntimeError(f"rank {rank} got {type(e).__name__} after {time.monotonic() - t0:.1f}s: "
-                       f"{e}") from e
+    raise RuntimeError(f"rank {rank} got {type(e).__name__} after {time.monotonic() - t0:.1f}s: {e}") from e
 
 
 def _survivor_error(failed, rank=0):
     assert "exited with code 3" in failed[1], failed[1]
     m = re.search(rf"rank {rank} got (\w+) after ([\d.]+)s: (.*)", failed[rank])
     assert m, failed[rank]
-    assert float(m.group(2)) < TIMEOUT / 2, failed[rank]    # the peer's death, not a timeout
+    assert float(m.group(2)) < TIMEOUT / 2, failed[rank]  # the peer's death, not a timeout
     return m.group(1), m.group(3)
 
 
@@ -42,13 +42,14 @@ def _survivor_error(failed, rank=0):
 def _ddp_peer_dies(rank, world, mode):
     import nccl_ddp as nd
     from nccl_ddp.adapters.arrays import ArrayModule
+
     nd.init_process_group("host", timeout=TIMEOUT)
     model = ArrayModule({k: np.zeros(N, np.float32) for k in NAMES}, forward=lambda p, x: x)
     ddp = nd.DistributedDataParallel(model, bucket_cap_mb=0.25, reducer_mode=mode)
     for step in range(2):
         ddp(step)
         if step == 1 and rank == 1:
-            os._exit(3)                      # dies after forward, before backward
+            os._exit(3)  # dies after forward, before backward
         t0 = time.monotonic()
         try:
             for k in reversed(NAMES):
@@ -66,8 +67,11 @@ def test_ddp_step_names_bucket_op_and_dead_peer(mode):
     kind, msg = _survivor_error(failed)
     assert kind == "CommError", msg
     grad = r"grad \d \('w\d'\) of " if mode == "PythonReducer" else ""
-    assert re.search(rf"all_reduce #\d+ of {grad}bucket \d \(256\.0 KiB\) on group 'world' "
-                     r"\(rank 0, group rank 0/2\) failed: ", msg), msg
+    assert re.search(
+        rf"all_reduce #\d+ of {grad}bucket \d \(256\.0 KiB\) on group 'world' "
+        r"\(rank 0, group rank 0/2\) failed: ",
+        msg,
+    ), msg
     assert "peer rank 1" in msg, msg
 
 
@@ -78,13 +82,15 @@ def _ddp_after_failed_step(rank, world, mode, unused, out_path):
 
     import nccl_ddp as nd
     from nccl_ddp.adapters.arrays import ArrayModule
+
     nd.init_process_group("host", timeout=TIMEOUT)
     model = ArrayModule({k: np.zeros(N, np.float32) for k in NAMES}, forward=lambda p, x: x)
-    ddp = nd.DistributedDataParallel(model, bucket_cap_mb=0.25, reducer_mode=mode,
-                                     find_unused_parameters=unused)
+    ddp = nd.DistributedDataParallel(
+        model, bucket_cap_mb=0.25, reducer_mode=mode, find_unused_parameters=unused
+    )
     ddp(0)
     if rank == 1:
-        os._exit(3)                          # dies after forward, before backward
+        os._exit(3)  # dies after forward, before backward
     try:
         for k in reversed(NAMES[1:] if unused else NAMES):
             ddp.mark_ready(k, np.ones(N, np.float32))
@@ -95,9 +101,12 @@ def _ddp_after_failed_step(rank, world, mode, unused, out_path):
     else:
         raise AssertionError("rank 0 finished the step without its peer")
     later = {}
-    for name, call in (("forward", lambda: ddp(1)),
-                       ("mark_ready", lambda: ddp.mark_ready("w0", np.ones(N, np.float32))),
-                       ("finalize", ddp.finalize), ("zero_grad", ddp.zero_grad)):
+    for name, call in (
+        ("forward", lambda: ddp(1)),
+        ("mark_ready", lambda: ddp.mark_ready("w0", np.ones(N, np.float32))),
+        ("finalize", ddp.finalize),
+        ("zero_grad", ddp.zero_grad),
+    ):
         t0 = time.monotonic()
         try:
             call()
@@ -105,19 +114,20 @@ def _ddp_after_failed_step(rank, world, mode, unused, out_path):
         except Exception as e:
             later[name] = (type(e).__name__, str(e), e.__cause__ is first, time.monotonic() - t0)
     t0 = time.monotonic()
-    ddp.close()                              # no error again, no wait on the dead peer
+    ddp.close()  # no error again, no wait on the dead peer
     with open(out_path, "w") as f:
         json.dump({"first": str(first), "later": later, "close_s": time.monotonic() - t0}, f)
-    nd.destroy_process_group()               # skips its barrier: the world group failed
+    nd.destroy_process_group()  # skips its barrier: the world group failed
 
 
-@pytest.mark.parametrize("mode,unused", [("CppReducer", False), ("PythonReducer", False),
-                                         ("CppReducer", True)])
+@pytest.mark.parametrize(
+    "mode,unused", [("CppReducer", False), ("PythonReducer", False), ("CppReducer", True)]
+)
 def test_ddp_after_a_failed_step_says_so(tmp_path, mode, unused):
     import json
+
     out = tmp_path / "rank0.json"
-    failed = run_ranks(_ddp_after_failed_step, 2, mode, unused, str(out), timeout=60,
-                       expect_fail=True)
+    failed = run_ranks(_ddp_after_failed_step, 2, mode, unused, str(out), timeout=60, expect_fail=True)
     assert "exited with code 3" in failed[1], failed
     assert out.exists(), failed
     got = json.loads(out.read_text())
@@ -137,9 +147,9 @@ def test_ddp_after_its_group_was_shut_down_says_so():
     from nccl_ddp import DistributedDataParallel
     from nccl_ddp.adapters.arrays import ArrayModule
     from nccl_ddp.errors import ReducerError
+
     g = HostProcessGroup(None, 0, 1)
-    model = ArrayModule({"a": np.zeros(4, np.float32), "b": np.zeros(4, np.float32)},
-                        forward=lambda p, x: x)
+    model = ArrayModule({"a": np.zeros(4, np.float32), "b": np.zeros(4, np.float32)}, forward=lambda p, x: x)
     ddp = DistributedDataParallel(model, process_group=g)
     g.shutdown()
     ddp(0)
@@ -147,8 +157,10 @@ def test_ddp_after_its_group_was_shut_down_says_so():
     with pytest.raises(CommError, match="called after the group was shut down") as first:
         ddp.mark_ready("b", np.ones(4, np.float32))
     for call in (lambda: ddp(1), lambda: ddp.mark_ready("a"), ddp.zero_grad):
-        with pytest.raises(ReducerError, match="rank 0: a previous step failed .CommError: .*shut "
-                                               "down.*process group is unusable") as later:
+        with pytest.raises(
+            ReducerError,
+            match="rank 0: a previous step failed .CommError: .*shut down.*process group is unusable",
+        ) as later:
             call()
         assert later.value.__cause__ is first.value
     ddp.close()
@@ -159,6 +171,7 @@ def test_ddp_after_its_group_was_shut_down_says_so():
 
 def _grad_reducer_peer_dies(rank, world):
     import nccl_ddp as nd
+
     nd.init_process_group("host", timeout=TIMEOUT)
     red = nd.DistributedGradReducer([np.zeros(N, np.float32) for _ in range(3)])
     grads = [np.full(N, rank + 1.0, np.float32) for _ in range(3)]
@@ -179,8 +192,11 @@ def test_grad_reducer_names_bucket_op_and_dead_peer():
     assert set(failed) == {0, 1}, failed
     kind, msg = _survivor_error(failed)
     assert kind == "CommError", msg
-    assert re.search(r"all_reduce #\d+ of bucket 0 \(768\.0 KiB\) on group 'world' \(rank 0, "
-                     r"group rank 0/2\) failed: .*peer rank 1", msg), msg
+    assert re.search(
+        r"all_reduce #\d+ of bucket 0 \(768\.0 KiB\) on group 'world' \(rank 0, "
+        r"group rank 0/2\) failed: .*peer rank 1",
+        msg,
+    ), msg
 
 
 def _grad_reducer_after_failed_call(rank, world, out_path):
@@ -189,6 +205,7 @@ def _grad_reducer_after_failed_call(rank, world, out_path):
     import json
 
     import nccl_ddp as nd
+
     nd.init_process_group("host", timeout=TIMEOUT)
     red = nd.DistributedGradReducer([np.zeros(N, np.float32) for _ in range(3)])
     grads = [np.full(N, rank + 1.0, np.float32) for _ in range(3)]
@@ -217,14 +234,15 @@ def _grad_reducer_after_failed_call(rank, world, out_path):
 
 def test_grad_reducer_after_a_failed_call_says_so(tmp_path):
     import json
+
     out = tmp_path / "rank0.json"
-    failed = run_ranks(_grad_reducer_after_failed_call, 2, str(out), timeout=60,
-                       expect_fail=True)
+    failed = run_ranks(_grad_reducer_after_failed_call, 2, str(out), timeout=60, expect_fail=True)
     assert "exited with code 3" in failed[1], failed
     assert out.exists(), failed
     got = json.loads(out.read_text())
-    assert re.search(r"all_reduce #\d+ of bucket 0 \(768\.0 KiB\) on group 'world'.*peer rank 1",
-                     got["first"]), got
+    assert re.search(
+        r"all_reduce #\d+ of bucket 0 \(768\.0 KiB\) on group 'world'.*peer rank 1", got["first"]
+    ), got
     assert len(got["later"]) == 2, got
     for kind, msg, caused, seconds in got["later"]:
         assert kind == "ReducerError", (kind, msg)
@@ -271,12 +289,28 @@ TRAIN = """
 def test_launcher_exits_naming_the_rank_that_died(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(TRAIN))
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MASTER_ADDR", "MASTER_PORT", "NCCL_DDP_SECRET", "RANK", "WORLD_SIZE")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("MASTER_ADDR", "MASTER_PORT", "NCCL_DDP_SECRET", "RANK", "WORLD_SIZE")
+    }
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "nccl_ddp.launch", "--nproc-per-node", "2",
-                        "--grace-period", "1", str(script)],
-                       capture_output=True, text=True, timeout=90, env=env)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nccl_ddp.launch",
+            "--nproc-per-node",
+            "2",
+            "--grace-period",
+            "1",
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env=env,
+    )
     elapsed = time.monotonic() - t0
     assert r.returncode == 1, r.stderr
     assert "root cause: rank 1 (local rank 1): exit code 1" in r.stderr, r.stderr
@@ -294,8 +328,11 @@ def test_host_messages_carry_the_tag():
     g = HostProcessGroup(None, 0, 1)
     stream = HostStream("blocked")
     try:
-        with pytest.raises(ConfigTypeError, match=r"all_reduce of bucket 2 \(4 B\) on group 'world' "
-                                              r"\(rank 0, group rank 0/1\).*complex64"):
+        with pytest.raises(
+            ConfigTypeError,
+            match=r"all_reduce of bucket 2 \(4 B\) on group 'world' "
+            r"\(rank 0, group rank 0/1\).*complex64",
+        ):
             g.all_reduce(np.zeros(1, np.complex64), tag="bucket 2 (4 B)")
         with pytest.raises(ConfigError, match="all_gather of grad 5 on group 'world'.*group size"):
             g.all_gather(np.empty(5, np.int32), np.zeros(3, np.int32), tag="grad 5")
@@ -305,7 +342,7 @@ def test_host_messages_carry_the_tag():
             w.wait(0.1)
         assert w.wait(10)
         x = np.ones(3, np.float32)
-        g.all_reduce(x, tag="bucket 0").wait()                  # a tag changes nothing else
+        g.all_reduce(x, tag="bucket 0").wait()  # a tag changes nothing else
         np.testing.assert_array_equal(x, 1)
     finally:
         stream.close()
@@ -321,7 +358,7 @@ def test_host_stream_reraises_our_errors_as_they_are():
         with pytest.raises(CommError) as e:
             ev.synchronize(10)
         assert e.value is err
-        with pytest.raises(CommError) as e:       # the next submit raises it too
+        with pytest.raises(CommError) as e:  # the next submit raises it too
             stream.submit(lambda: None)
         assert e.value is err
     finally:
@@ -349,9 +386,9 @@ def test_host_event_is_reached_once_and_times_out():
     with pytest.raises(CommError) as e:
         ev.synchronize(10)
     assert e.value is err
-    ev._set(None)                   # a second set changes nothing (the first error stays)
-    assert ev.error is err and ev.reached(0) and ev.reached(0)   # any number of waiters
-    done = HostDevice().current_stream().record()   # the immediate stream's shared event
+    ev._set(None)  # a second set changes nothing (the first error stays)
+    assert ev.error is err and ev.reached(0) and ev.reached(0)  # any number of waiters
+    done = HostDevice().current_stream().record()  # the immediate stream's shared event
     assert done.query() and done.error is None
     done.synchronize(0)
 
@@ -365,21 +402,20 @@ def test_awaited_host_stream_runs_inline_only_when_idle():
         stream.synchronize(10)
         with stream.awaited():
             stream.submit(lambda: ran.append(("idle", threading.current_thread().name)))
-            assert stream.record().query()              # nothing queued: reached at once
+            assert stream.record().query()  # nothing queued: reached at once
             gate = threading.Event()
             stream.submit(lambda: ran.append(("inline", threading.current_thread().name)))
-            stream.wait(_event_set_by(gate))          # a wait queues: busy from here on
+            stream.wait(_event_set_by(gate))  # a wait queues: busy from here on
             stream.submit(lambda: ran.append(("after the wait", threading.current_thread().name)))
             ev = stream.record()
             assert not ev.query()
             gate.set()
             ev.synchronize(10)
-        assert ran == [("queued", "comm"), ("idle", me), ("inline", me),
-                       ("after the wait", "comm")], ran
+        assert ran == [("queued", "comm"), ("idle", me), ("inline", me), ("after the wait", "comm")], ran
         with stream.awaited(), pytest.raises(ZeroDivisionError):
-            stream.submit(lambda: 1 / 0)                # inline: raised here ...
+            stream.submit(lambda: 1 / 0)  # inline: raised here ...
         with pytest.raises(NcclDdpError, match="division by zero"):
-            stream.submit(lambda: None)                 # ... and kept, as from the worker
+            stream.submit(lambda: None)  # ... and kept, as from the worker
     finally:
         stream.close()
 
@@ -387,14 +423,20 @@ def test_awaited_host_stream_runs_inline_only_when_idle():
 def _event_set_by(gate):
     """A HostEvent reached when `gate` is set."""
     from nccl_ddp.device import HostEvent
+
     ev = HostEvent()
     threading.Thread(target=lambda: (gate.wait(10), ev._set()), daemon=True).start()
     return ev
 
 
-@pytest.mark.parametrize("b,nbytes,want", [(3, 1 << 20, "bucket 3 (1.0 MiB)"),
-                                           (0, 40, "bucket 0 (40 B)"),
-                                           (1, 1536, "bucket 1 (1.5 KiB)"),
-                                           (2, 25 * (1 << 20) + 1, "bucket 2 (25.0 MiB)")])
+@pytest.mark.parametrize(
+    "b,nbytes,want",
+    [
+        (3, 1 << 20, "bucket 3 (1.0 MiB)"),
+        (0, 40, "bucket 0 (40 B)"),
+        (1, 1536, "bucket 1 (1.5 KiB)"),
+        (2, 25 * (1 << 20) + 1, "bucket 2 (25.0 MiB)"),
+    ],
+)
 def test_bucket_tag(b, nbytes, want):
     assert bucket_tag(b, nbytes) == want

@@ -1,5 +1,6 @@
 """The host backend between real processes: every collective and dtype against NumPy, on the
 shared-memory and the TCP transport, with 2 and 3 ranks; ordering, subgroups and failures."""
+
 from __future__ import annotations
 
 import hashlib
@@ -16,7 +17,7 @@ from nccl_ddp.comm.host.backend import HostProcessGroup
 from nccl_ddp.comm.host.reduce import DTYPES
 from nccl_ddp.errors import CommError, CommTimeout, ConfigError, ConfigTypeError
 
-SIZES = (0, 1, 2, 7, 1001, 3000)          # 3000 x 8 bytes spans several 4 KiB chunks
+SIZES = (0, 1, 2, 7, 1001, 3000)  # 3000 x 8 bytes spans several 4 KiB chunks
 OPS = tuple(ReduceOp)
 
 
@@ -31,13 +32,14 @@ def no_shm_leaks():
     assert _shm_entries() - before == set(), "shared-memory segments left in /dev/shm"
 
 
-def _group(rank, world, transport="auto", timeout=30.0, chunk_bytes=None, store=None,
-           prefix="test"):
+def _group(rank, world, transport="auto", timeout=30.0, chunk_bytes=None, store=None, prefix="test"):
     from nccl_ddp.env import resolve_env
     from nccl_ddp.store.client import PrefixStore, connect_store
+
     store = store or connect_store(resolve_env(), timeout=timeout)
-    g = HostProcessGroup(PrefixStore(store, prefix), rank, world, timeout=timeout,
-                         transport=transport, chunk_bytes=chunk_bytes)
+    g = HostProcessGroup(
+        PrefixStore(store, prefix), rank, world, timeout=timeout, transport=transport, chunk_bytes=chunk_bytes
+    )
     return g, store
 
 
@@ -87,8 +89,9 @@ def _check(got, want, what):
         np.testing.assert_array_equal(got, want, err_msg=what)
         return
     tol = {"float16": 1e-2, "bfloat16": 5e-2, "float32": 1e-5, "float64": 1e-12}[want.dtype.name]
-    np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=tol,
-                               atol=tol, err_msg=what)
+    np.testing.assert_allclose(
+        got.astype(np.float64), want.astype(np.float64), rtol=tol, atol=tol, err_msg=what
+    )
 
 
 def _ops_for(dt):
@@ -117,7 +120,7 @@ def collectives_body(rank, world, transport):
                 big = [_data(r, dt, world * n, op) for r in range(world)]
                 out = np.empty(n, dt)
                 g.reduce_scatter(out, big[rank], op).wait()
-                want = _expected(big, op, world)[rank * n:(rank + 1) * n]
+                want = _expected(big, op, world)[rank * n : (rank + 1) * n]
                 _check(out, want, f"reduce_scatter {dt} n={n} {op}")
     # bigger than one default chunk: the pipelined path with real chunk sizes
     g.shutdown()
@@ -138,11 +141,12 @@ def collectives_body(rank, world, transport):
 def test_collectives_match_numpy(world, transport):
     res = run_ranks(collectives_body, world, transport, timeout=150)
     assert {k for k, _ in res} == {transport}
-    assert len({d for _, d in res}) == 1   # every rank holds bitwise the same all_reduce results
+    assert len({d for _, d in res}) == 1  # every rank holds bitwise the same all_reduce results
 
 
 def ordering_body(rank, world):
     from nccl_ddp.device import HostStream
+
     g, store = _group(rank, world)
     # several async ops, waited for in reverse order
     bufs = [np.full(100_000, float(rank + i), np.float64) for i in range(5)]
@@ -170,13 +174,14 @@ def ordering_body(rank, world):
     assert w.is_completed()
     # the caller's immediate stream (synchronous API): runs after what is queued, done on return
     from nccl_ddp.device import HostDevice
+
     stream.submit(time.sleep, 0.3)
     first = g.all_reduce(np.ones(3), stream=stream)
     now = np.full(4, rank + 1)
     w = g.all_reduce(now, stream=HostDevice().current_stream())
     assert first.is_completed() and w.is_completed()
     np.testing.assert_array_equal(now, total)
-    w = g.all_reduce(now, stream=HostDevice().current_stream())   # idle group: runs inline
+    w = g.all_reduce(now, stream=HostDevice().current_stream())  # idle group: runs inline
     assert w.is_completed()
     np.testing.assert_array_equal(now, total * world)
     stream.close()
@@ -199,7 +204,7 @@ def subgroup_body(rank, world):
         np.testing.assert_array_equal(x, 1 + 3)
         sub.shutdown()
     x = np.full(5, rank, np.int64)
-    g.all_reduce(x, ReduceOp.MAX).wait()     # the world group still works
+    g.all_reduce(x, ReduceOp.MAX).wait()  # the world group still works
     np.testing.assert_array_equal(x, world - 1)
     with pytest.raises(ConfigError, match="not members"):
         g.new_subgroup([0, 7])
@@ -214,7 +219,7 @@ def mismatch_body(rank, world):
     g, store = _group(rank, world, timeout=20)
     try:
         g.all_reduce(np.zeros(10 + rank, np.float32)).wait()
-    except CommError as e:   # RankMismatchError is not a CommError: this is a failure
+    except CommError as e:  # RankMismatchError is not a CommError: this is a failure
         raise AssertionError(f"expected a RankMismatchError, got {e!r}") from e
     finally:
         g.shutdown()
@@ -239,8 +244,9 @@ def dying_body(rank, world, transport):
     try:
         g.all_reduce(x).wait()
     except CommError as e:
-        raise RuntimeError(f"rank {rank} got {type(e).__name__} after "
-                           f"{time.monotonic() - t0:.1f}s: {e}") from e
+        raise RuntimeError(
+            f"rank {rank} got {type(e).__name__} after {time.monotonic() - t0:.1f}s: {e}"
+        ) from e
     return "no error"
 
 
@@ -253,13 +259,13 @@ def test_dead_rank_is_named(transport):
     for r in (0, 2):
         assert "CommError" in failed[r] and "peer rank 1" in failed[r], failed[r]
         secs = float(re.search(r"got CommError after ([\d.]+)s", failed[r]).group(1))
-        assert secs < 30, failed[r]    # well within the 60 s group timeout
+        assert secs < 30, failed[r]  # well within the 60 s group timeout
 
 
 def hung_body(rank, world):
     g, store = _group(rank, world, timeout=2.0)
     if rank == 1:
-        time.sleep(4)    # never joins the collective, but stays alive
+        time.sleep(4)  # never joins the collective, but stays alive
         return "slept"
     t0 = time.monotonic()
     try:
@@ -280,14 +286,16 @@ def test_unresponsive_peer_times_out_naming_it():
 def absent_body(rank, world):
     from nccl_ddp.env import resolve_env
     from nccl_ddp.store.client import connect_store
+
     if rank == 2:
         return "never joins"
     store = connect_store(resolve_env(), timeout=30)
     from nccl_ddp.store.client import PrefixStore
+
     try:
         HostProcessGroup(PrefixStore(store, "test"), rank, world, timeout=2.0)
     finally:
-        time.sleep(0.5)      # rank 0 hosts the store: let rank 1 read it first
+        time.sleep(0.5)  # rank 0 hosts the store: let rank 1 read it first
         store.close()
 
 
@@ -324,6 +332,7 @@ def test_single_rank_group_and_argument_errors():
 
 def test_work_wait_times_out():
     from nccl_ddp.device import HostStream
+
     g = HostProcessGroup(None, 0, 1)
     stream = HostStream("blocked")
     stream.submit(time.sleep, 1.0)

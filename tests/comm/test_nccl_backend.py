@@ -1,5 +1,6 @@
 """The NCCL backend: its logic against a fake communicator/runtime (any machine), and real NCCL at
 world size 1 (`gpu`)."""
+
 from __future__ import annotations
 
 import os
@@ -20,11 +21,35 @@ from nccl_ddp.comm.nccl import backend as nb
 from nccl_ddp.errors import CommError, CommTimeout, ConfigError
 
 # ncclDataType_t / ncclRedOp_t values from nccl.h
-NCCL_H = dict(NCCL_INT8=0, NCCL_UINT8=1, NCCL_INT32=2, NCCL_UINT32=3, NCCL_INT64=4, NCCL_UINT64=5,
-              NCCL_FLOAT16=6, NCCL_FLOAT32=7, NCCL_FLOAT64=8, NCCL_BFLOAT16=9,
-              NCCL_SUM=0, NCCL_PROD=1, NCCL_MAX=2, NCCL_MIN=3, NCCL_AVG=4)
-DTYPES = {np.int8: 0, np.uint8: 1, np.int32: 2, np.uint32: 3, np.int64: 4, np.uint64: 5,
-          np.float16: 6, np.float32: 7, np.float64: 8, ml_dtypes.bfloat16: 9}
+NCCL_H = dict(
+    NCCL_INT8=0,
+    NCCL_UINT8=1,
+    NCCL_INT32=2,
+    NCCL_UINT32=3,
+    NCCL_INT64=4,
+    NCCL_UINT64=5,
+    NCCL_FLOAT16=6,
+    NCCL_FLOAT32=7,
+    NCCL_FLOAT64=8,
+    NCCL_BFLOAT16=9,
+    NCCL_SUM=0,
+    NCCL_PROD=1,
+    NCCL_MAX=2,
+    NCCL_MIN=3,
+    NCCL_AVG=4,
+)
+DTYPES = {
+    np.int8: 0,
+    np.uint8: 1,
+    np.int32: 2,
+    np.uint32: 3,
+    np.int64: 4,
+    np.uint64: 5,
+    np.float16: 6,
+    np.float32: 7,
+    np.float64: 8,
+    ml_dtypes.bfloat16: 9,
+}
 OPS = {ReduceOp.SUM: 0, ReduceOp.PROD: 1, ReduceOp.MAX: 2, ReduceOp.MIN: 3, ReduceOp.AVG: 4}
 COMM_STREAM, CURRENT_STREAM = 1000, 1
 
@@ -155,8 +180,21 @@ class DictStore:
 def make_group(rt=None, timeout=30.0, rank=0, size=1, ranks=None, poll=0.01, name="world"):
     rt = rt or FakeRuntime()
     comm = rt.new_comm(size, b"x" * 128, rank)
-    return nb.NcclProcessGroup(comm, rt, rank=rank, size=size, ranks=ranks or range(size),
-                               timeout=timeout, name=name, store=DictStore(), poll=poll), comm, rt
+    return (
+        nb.NcclProcessGroup(
+            comm,
+            rt,
+            rank=rank,
+            size=size,
+            ranks=ranks or range(size),
+            timeout=timeout,
+            name=name,
+            store=DictStore(),
+            poll=poll,
+        ),
+        comm,
+        rt,
+    )
 
 
 def wait_for(pred, limit=5.0):
@@ -208,6 +246,7 @@ def test_cupy_constants_match_nccl_h():
     """Our tables read CuPy's names; check they carry nccl.h's values in the installed CuPy."""
     pytest.importorskip("cupy")
     from cupy.cuda import nccl
+
     if not nccl.available:
         pytest.skip("NCCL library not loadable (pip install nvidia-nccl-cu12)")
     for dtype, code in DTYPES.items():
@@ -225,8 +264,15 @@ def test_all_reduce_orders_on_comm_stream_and_wait_does_not_block():
     w = g.all_reduce(x, "avg", tag="bucket 0")
     # the comm stream waits for an event of the caller's stream, the op runs there, then records
     (r1, s1, ready), (w1, s2, ev1), (r2, s3, done) = rt.calls
-    assert (r1, s1, w1, s2, ev1, r2, s3) == ("record", CURRENT_STREAM, "wait", COMM_STREAM,
-                                             ready, "record", COMM_STREAM)
+    assert (r1, s1, w1, s2, ev1, r2, s3) == (
+        "record",
+        CURRENT_STREAM,
+        "wait",
+        COMM_STREAM,
+        ready,
+        "record",
+        COMM_STREAM,
+    )
     assert comm.calls == [("allReduce", x.ctypes.data, x.ctypes.data, 6, 7, 4, COMM_STREAM)]
     assert w.wait() is True
     assert rt.calls[-1] == ("wait", CURRENT_STREAM, done)
@@ -252,11 +298,13 @@ def test_all_gather_and_reduce_scatter_shapes():
     g.all_gather(out, inp)
     g.reduce_scatter(inp, out, op="max")
     assert comm.calls[0] == ("allGather", inp.ctypes.data, out.ctypes.data, 4, 6, COMM_STREAM)
-    assert comm.calls[1] == ("reduceScatter", out.ctypes.data, inp.ctypes.data, 4, 6, 2,
-                             COMM_STREAM)
-    with pytest.raises(ValueError, match=r"all_gather on group 'world', rank 1 of 2 .*: out must "
-                                         r"hold group size \(2\) x input elements; got out 7, "
-                                         r"input 4"):
+    assert comm.calls[1] == ("reduceScatter", out.ctypes.data, inp.ctypes.data, 4, 6, 2, COMM_STREAM)
+    with pytest.raises(
+        ValueError,
+        match=r"all_gather on group 'world', rank 1 of 2 .*: out must "
+        r"hold group size \(2\) x input elements; got out 7, "
+        r"input 4",
+    ):
         g.all_gather(np.zeros(7, np.float16), inp)
     with pytest.raises(ValueError, match="input is float16 but out is float32; use one dtype"):
         g.reduce_scatter(np.zeros(4, np.float32), out)
@@ -272,9 +320,11 @@ def test_nccl_error_on_launch_becomes_comm_error():
 
     def boom(*a):
         raise FakeNcclError("NCCL_ERROR_INVALID_USAGE")
+
     comm.allReduce = boom
-    with pytest.raises(CommError, match="all_reduce .bucket 2. on group 'world'.*INVALID_USAGE"
-                                        ".*NCCL_DEBUG=INFO") as e:
+    with pytest.raises(
+        CommError, match="all_reduce .bucket 2. on group 'world'.*INVALID_USAGE.*NCCL_DEBUG=INFO"
+    ) as e:
         g.all_reduce(np.zeros(2, np.float32), tag="bucket 2")
     assert isinstance(e.value.__cause__, FakeNcclError)
     g.shutdown()
@@ -285,22 +335,30 @@ def test_nccl_error_on_launch_becomes_comm_error():
 
 def test_watchdog_async_error_aborts_and_next_call_raises():
     g, comm, rt = make_group(size=4, rank=2, ranks=[0, 1, 2, 3])
-    rt.complete = False                    # the op stays in flight, so the error names it
+    rt.complete = False  # the op stays in flight, so the error names it
     g.all_reduce(np.zeros(2, np.float32), tag="bucket 5")
     comm.async_error = FakeNcclError("NCCL_ERROR_REMOTE_ERROR")
     wait_for(lambda: comm.aborted)
     with pytest.raises(CommError) as e:
         g.broadcast(np.zeros(2, np.float32))
     msg = str(e.value)
-    for part in ("asynchronous error", "all_reduce (bucket 5)", "group 'world'", "rank 2 of 4",
-                 "REMOTE_ERROR", "NCCL_DEBUG=INFO", "other ranks' logs", "raised at broadcast"):
+    for part in (
+        "asynchronous error",
+        "all_reduce (bucket 5)",
+        "group 'world'",
+        "rank 2 of 4",
+        "REMOTE_ERROR",
+        "NCCL_DEBUG=INFO",
+        "other ranks' logs",
+        "raised at broadcast",
+    ):
         assert part in msg
     assert not isinstance(e.value, CommTimeout)
     assert isinstance(e.value.__cause__, FakeNcclError)
     n = len(comm.calls)
     with pytest.raises(CommError):
         g.all_reduce(np.zeros(2, np.float32))
-    assert len(comm.calls) == n            # nothing reached the aborted communicator
+    assert len(comm.calls) == n  # nothing reached the aborted communicator
     g.shutdown()
     assert not comm.destroyed
 
@@ -334,16 +392,16 @@ def test_watchdog_abort_waits_for_the_nccl_call_in_progress(monkeypatch, held):
     comm.async_error = FakeNcclError("NCCL_ERROR_REMOTE_ERROR")
     wait_for(lambda: g.failed)
     time.sleep(held)
-    assert not comm.aborted and comm.inside == 1     # still waiting for the call
+    assert not comm.aborted and comm.inside == 1  # still waiting for the call
     comm.gate.set()
     t.join(10)
     wait_for(lambda: comm.aborted)
     assert comm.freed_under == []
     assert comm.order[:2] == [("enter", "allReduce", "train"), ("leave", "allReduce", "train")]
     assert len(comm.order) == 3 and comm.order[2][0] == "abort"
-    if held > 0.8:   # handed over: nobody else could have aborted
+    if held > 0.8:  # handed over: nobody else could have aborted
         assert comm.order[2] == ("abort", "train")
-    assert isinstance(box.get("error"), CommError)   # the op went to a failed communicator
+    assert isinstance(box.get("error"), CommError)  # the op went to a failed communicator
     assert "asynchronous error" in str(box["error"]) and "REMOTE_ERROR" in str(box["error"])
     with pytest.raises(CommError):
         g.all_reduce(np.zeros(2, np.float32))
@@ -368,8 +426,9 @@ def test_a_call_never_returning_bounds_the_next_one():
 
 
 def test_watchdog_timeout_names_op_bucket_and_rank():
-    g, comm, _ = make_group(FakeRuntime(complete=False), timeout=0.2, size=2, rank=1,
-                            ranks=[3, 5], name="group[3, 5]")
+    g, comm, _ = make_group(
+        FakeRuntime(complete=False), timeout=0.2, size=2, rank=1, ranks=[3, 5], name="group[3, 5]"
+    )
     w = g.all_reduce(np.zeros(8, np.float32), tag="bucket 3")
     assert not w.is_completed()
     wait_for(lambda: comm.aborted)
@@ -377,8 +436,15 @@ def test_watchdog_timeout_names_op_bucket_and_rank():
     with pytest.raises(CommTimeout) as e:
         w.wait()
     msg = str(e.value)
-    for part in ("all_reduce (bucket 3)", "group 'group[3, 5]'", "rank 1 of 2", "global rank 5",
-                 "did not complete within 0.2s", "aborted", "NCCL_DEBUG=INFO"):
+    for part in (
+        "all_reduce (bucket 3)",
+        "group 'group[3, 5]'",
+        "rank 1 of 2",
+        "global rank 5",
+        "did not complete within 0.2s",
+        "aborted",
+        "NCCL_DEBUG=INFO",
+    ):
         assert part in msg
     with pytest.raises(CommTimeout, match="raised at all_gather"):
         g.all_gather(np.zeros(4, np.float32), np.zeros(2, np.float32))
@@ -394,7 +460,7 @@ def test_finished_ops_leave_the_watchdog_and_synchronize_times_out():
     t0 = time.monotonic()
     with pytest.raises(CommTimeout, match="host synchronize"):
         w.synchronize(timeout=0.1)
-    assert time.monotonic() - t0 < 30   # not the group's 60 s
+    assert time.monotonic() - t0 < 30  # not the group's 60 s
     w.event.done = True
     w.synchronize(timeout=1)
     g.shutdown()
@@ -424,7 +490,7 @@ def test_init_that_never_finishes_times_out():
     t0 = time.monotonic()
     with pytest.raises(CommTimeout, match="communicator init of group 'world'.*within 0.3s"):
         nb.NcclProcessGroup.create(DictStore(), 0, 1, [0], 0.3, "world", 0, runtime=rt)
-    assert time.monotonic() - t0 < 20   # bounded by the 0.3 s timeout, not hanging
+    assert time.monotonic() - t0 < 20  # bounded by the 0.3 s timeout, not hanging
     never.set()
 
 
@@ -458,7 +524,7 @@ def test_new_subgroup_without_split_exchanges_a_new_id():
     g, comm, rt = make_group(size=2, rank=0, ranks=[0, 1])
     sub = g.new_subgroup([0])
     assert sub.size == 1 and sub.ranks == (0,)
-    (key, uid), = g._store.d.items()
+    ((key, uid),) = g._store.d.items()
     assert key.startswith("nccl_ddp/nccl_uid/group[0]/0/") and rt.uids[-1] == uid
     sub.shutdown()
     g.shutdown()
@@ -468,17 +534,21 @@ def _uid_rank(rank, world):
     """Two groups through a real TCPStore; returns the unique ids this rank's comms were built with."""
     from nccl_ddp.env import resolve_env
     from nccl_ddp.store.client import connect_store
+
     store = connect_store(resolve_env(), timeout=30)
     rt = FakeRuntime()
     try:
         from cupy.cuda import nccl  # real unique ids when the library loads (no GPU needed)
+
         if nccl.available:
             rt.unique_id = nccl.get_unique_id
     except ImportError:
         pass
     try:
-        groups = [nb.NcclProcessGroup.create(store, rank, world, range(world), 30, "world", 0,
-                                             runtime=rt) for _ in range(2)]
+        groups = [
+            nb.NcclProcessGroup.create(store, rank, world, range(world), 30, "world", 0, runtime=rt)
+            for _ in range(2)
+        ]
         for g in groups:
             g.shutdown()
         store.barrier("done", world, timeout=30)
@@ -533,13 +603,13 @@ def test_real_collectives_world_size_1(real_group, dtype):
     g.barrier().synchronize()
 
 
-_SPIN = r'''
+_SPIN = r"""
 extern "C" __global__ void spin_fill(float* x, int n, long long cycles, float v) {
     long long t0 = clock64();
     while (clock64() - t0 < cycles) {}
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] = v;
-}'''
+}"""
 
 
 @pytest.mark.gpu
@@ -554,8 +624,8 @@ def test_real_stream_ordering_without_host_sync(real_group):
     cp.cuda.Device().synchronize()
     with a:
         spin(((n + 255) // 256,), (256,), (x, np.int32(n), np.int64(200_000_000), np.float32(3)))
-        w = g.all_reduce(x, "avg", tag="bucket 0")          # comm stream waits for A's work
-    w.wait(stream=b)                                          # B waits for the collective
+        w = g.all_reduce(x, "avg", tag="bucket 0")  # comm stream waits for A's work
+    w.wait(stream=b)  # B waits for the collective
     with b:
         y = x * 2
     b.synchronize()
@@ -568,7 +638,7 @@ def test_real_stream_ordering_without_host_sync(real_group):
     c.wait_event(ready)
     w = g.all_reduce(x, stream=c)
     with b:
-        w.wait()                                              # current stream is B here
+        w.wait()  # current stream is B here
         y = x + 1
     b.synchronize()
     assert float(y.min()) == 6.0 and float(y.max()) == 6.0
@@ -599,8 +669,11 @@ def test_cupy_runtime_query_reports_cuda_errors_instead_of_not_done():
 
     status = {}
     rt = CupyRuntime.__new__(CupyRuntime)
-    rt.cupy = SimpleNamespace(cuda=SimpleNamespace(runtime=SimpleNamespace(
-        eventQuery=lambda ptr: status[ptr], CUDARuntimeError=CudaError)))
+    rt.cupy = SimpleNamespace(
+        cuda=SimpleNamespace(
+            runtime=SimpleNamespace(eventQuery=lambda ptr: status[ptr], CUDARuntimeError=CudaError)
+        )
+    )
     status.update({1: 0, 2: 600, 3: 700})
     assert rt.query(SimpleNamespace(ptr=1)) is True
     assert rt.query(SimpleNamespace(ptr=2)) is False
@@ -630,17 +703,24 @@ def test_watchdog_reports_a_faulted_kernel_as_an_error_not_a_timeout():
 
 # ---------------------------------------------------------------------------------- blocking init
 
+
 class CupyLikeNccl:
     """cupy.cuda.nccl as CuPy 14.2 binds NCCL (cupy_backends/cuda/libs/nccl.pyx): NCCL reads
     NCCL_COMM_BLOCKING once, at the process's first communicator; non-blocking, init returns
     ncclInProgress (7) and NcclError(7) raises KeyError from its name table (ERROR2 stops at 6)."""
-    ERROR2 = {0: "NCCL_ERROR_SUCCESS", 1: "NCCL_ERROR_UNHANDLED_CUDA_ERROR",
-              2: "NCCL_ERROR_SYSTEM_ERROR", 3: "NCCL_ERROR_INTERNAL_ERROR",
-              4: "NCCL_ERROR_INVALID_ARGUMENT", 5: "NCCL_ERROR_INVALID_USAGE",
-              6: "NCCL_ERROR_REMOTE_ERROR"}
+
+    ERROR2 = {
+        0: "NCCL_ERROR_SUCCESS",
+        1: "NCCL_ERROR_UNHANDLED_CUDA_ERROR",
+        2: "NCCL_ERROR_SYSTEM_ERROR",
+        3: "NCCL_ERROR_INTERNAL_ERROR",
+        4: "NCCL_ERROR_INVALID_ARGUMENT",
+        5: "NCCL_ERROR_INVALID_USAGE",
+        6: "NCCL_ERROR_REMOTE_ERROR",
+    }
 
     def __init__(self):
-        self.blocking = None   # NCCL's cached ncclParamCommBlocking()
+        self.blocking = None  # NCCL's cached ncclParamCommBlocking()
         lib = self
 
         class NcclError(RuntimeError):
@@ -673,9 +753,11 @@ class _Device:
 
 def _cupy_runtime(lib):
     from nccl_ddp.comm.nccl.runtime import CupyRuntime
+
     rt = CupyRuntime.__new__(CupyRuntime)
-    rt.cupy = SimpleNamespace(cuda=SimpleNamespace(
-        Device=_Device, Stream=lambda non_blocking: SimpleNamespace(ptr=COMM_STREAM)))
+    rt.cupy = SimpleNamespace(
+        cuda=SimpleNamespace(Device=_Device, Stream=lambda non_blocking: SimpleNamespace(ptr=COMM_STREAM))
+    )
     rt.lib, rt.device_id, rt.errors = lib, 0, (lib.NcclError,)
     rt.unique_id = lambda: b"u" * 128
     return rt
@@ -685,8 +767,7 @@ def test_nccl_comm_blocking_0_is_overridden_before_init(monkeypatch, caplog):
     """Defect 3 of issue 23: NCCL_COMM_BLOCKING=0 made init raise KeyError: 7 out of CuPy."""
     monkeypatch.setenv("NCCL_COMM_BLOCKING", "0")
     lib = CupyLikeNccl()
-    g = nb.NcclProcessGroup.create(DictStore(), 0, 1, [0], 5, "world", 0,
-                                   runtime=_cupy_runtime(lib))
+    g = nb.NcclProcessGroup.create(DictStore(), 0, 1, [0], 5, "world", 0, runtime=_cupy_runtime(lib))
     assert os.environ["NCCL_COMM_BLOCKING"] == "1" and lib.blocking is True
     assert "NCCL_COMM_BLOCKING=0 replaced by 1" in caplog.text
     g._stop.set()
@@ -696,9 +777,11 @@ def test_nccl_comm_blocking_0_is_overridden_before_init(monkeypatch, caplog):
 def test_nccl_already_non_blocking_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("NCCL_COMM_BLOCKING", "1")
     lib = CupyLikeNccl()
-    lib.blocking = False     # NCCL read 0 before us (another library's communicator)
-    with pytest.raises(CommError, match=r"communicator init of group 'world'.*ncclInProgress "
-                                        r"\(7\).*unset NCCL_COMM_BLOCKING") as e:
-        nb.NcclProcessGroup.create(DictStore(), 0, 1, [0], 5, "world", 0,
-                                   runtime=_cupy_runtime(lib))
+    lib.blocking = False  # NCCL read 0 before us (another library's communicator)
+    with pytest.raises(
+        CommError,
+        match=r"communicator init of group 'world'.*ncclInProgress "
+        r"\(7\).*unset NCCL_COMM_BLOCKING",
+    ) as e:
+        nb.NcclProcessGroup.create(DictStore(), 0, 1, [0], 5, "world", 0, runtime=_cupy_runtime(lib))
     assert isinstance(e.value.__cause__, KeyError)

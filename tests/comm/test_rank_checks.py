@@ -1,6 +1,7 @@
 """Cross-rank checks at construction, on 2 host processes: DistributedGradReducer's parameters and
 options, DistributedDataParallel's settings (init_sync). A mismatch raises RankMismatchError on
 every rank naming the difference; the group stays usable."""
+
 import numpy as np
 from mp import run_ranks
 
@@ -19,11 +20,12 @@ DDP_SETTINGS = [
 def _error_of(fn):
     """The RankMismatchError's message, or what happened instead (the test shows it)."""
     import nccl_ddp as nd
+
     try:
         fn()
     except nd.errors.RankMismatchError as e:
         return str(e)
-    except Exception as e:          # shown by the test's assertion
+    except Exception as e:  # shown by the test's assertion
         return f"unexpected {type(e).__name__}: {e}"
     return "no error"
 
@@ -31,6 +33,7 @@ def _error_of(fn):
 def _checks(rank, world):
     import nccl_ddp as nd
     from nccl_ddp.adapters.arrays import ArrayModule
+
     nd.init_process_group("host", timeout=20.0)
     out = {}
     try:
@@ -44,8 +47,7 @@ def _checks(rank, world):
         out["fusion"] = _error_of(lambda: nd.DistributedGradReducer(ps, fusion_type=rank))
         for name, a, b, _ in DDP_SETTINGS:
             model = ArrayModule({"w": np.zeros(4, f32), "b": np.zeros(2, f32)})
-            out[name] = _error_of(lambda: nd.DistributedDataParallel(
-                model, **{name: a if rank == 0 else b}))
+            out[name] = _error_of(lambda: nd.DistributedDataParallel(model, **{name: a if rank == 0 else b}))
         # init_sync=False skips the check (documented): construction succeeds
         model = ArrayModule({"w": np.zeros(4, f32)})
         nd.DistributedDataParallel(model, init_sync=False, static_graph=rank == 1).close()
@@ -66,6 +68,7 @@ def _checks(rank, world):
 def test_mismatches_raise_on_every_rank_naming_the_difference():
     results = run_ranks(_checks, 2, timeout=90)
     for rank, (out, got) in enumerate(results):
+
         def has(key, *parts):
             msg = out[key]
             assert msg.startswith(f"rank {rank}: "), msg
@@ -76,9 +79,12 @@ def test_mismatches_raise_on_every_rank_naming_the_difference():
         has("count", "parameter 1: rank 0 has no such parameter (only 1), rank 1 has shape (4,)")
         has("mean", "DistributedGradReducer", "mean: rank 0 has True, rank 1 has False")
         has("degree", "degree: rank 0 has 2, rank 1 has 3")
-        has("fusion", "fusion id (fusion_type or comm_fusion) of parameter 0: rank 0 has 0, "
-                      "rank 1 has 1")
+        has("fusion", "fusion id (fusion_type or comm_fusion) of parameter 0: rank 0 has 0, rank 1 has 1")
         for name, _, _, (a, b) in DDP_SETTINGS:
-            has(name, "DistributedDataParallel", f"{name}: rank 0 has {a}, rank {1} has {b}",
-                f"Every rank must pass the same {name}")
+            has(
+                name,
+                "DistributedDataParallel",
+                f"{name}: rank 0 has {a}, rank {1} has {b}",
+                f"Every rank must pass the same {name}",
+            )
         assert got == [[1.5] * 4] * 3 + [[1.0] * 4], got

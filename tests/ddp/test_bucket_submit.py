@@ -1,5 +1,6 @@
 """Bucket submission (nccl_ddp/ddp/bucket_submit.py): what a registered comm hook makes of a
 bucket (`Wire`), and the collective as a choice the reducer's buckets all go through."""
+
 import numpy as np
 import pytest
 from fakegroup import run_threads
@@ -25,21 +26,25 @@ def _hook(state, bucket):
     return hooks.Future.completed(bucket.buffer())
 
 
-@pytest.mark.parametrize("registered, dtype, want", [
-    (None, np.float32, (Wire.OWN, "")),
-    ((None, hooks.allreduce), np.float32, (Wire.OWN, "")),
-    ((None, hooks.bf16_compress), np.float32, (Wire.COMPRESSED, "bfloat16")),
-    ((None, hooks.fp16_compress), np.float32, (Wire.COMPRESSED, "float16")),
-    ((None, hooks.fp16_compress), np.float16, (Wire.OWN, "")),      # already in the wire dtype
-    ((None, hooks.fp16_compress), np.float64, (Wire.HOOK, "")),     # not fusable: the hook runs
-    ((None, _hook), np.float32, (Wire.HOOK, "")),
-    (("group", hooks.allreduce), np.float32, (Wire.OWN, "")),       # state: the DDP's group
-    (("another group", hooks.allreduce), np.float32, (Wire.HOOK, "")),
-])
+@pytest.mark.parametrize(
+    "registered, dtype, want",
+    [
+        (None, np.float32, (Wire.OWN, "")),
+        ((None, hooks.allreduce), np.float32, (Wire.OWN, "")),
+        ((None, hooks.bf16_compress), np.float32, (Wire.COMPRESSED, "bfloat16")),
+        ((None, hooks.fp16_compress), np.float32, (Wire.COMPRESSED, "float16")),
+        ((None, hooks.fp16_compress), np.float16, (Wire.OWN, "")),  # already in the wire dtype
+        ((None, hooks.fp16_compress), np.float64, (Wire.HOOK, "")),  # not fusable: the hook runs
+        ((None, _hook), np.float32, (Wire.HOOK, "")),
+        (("group", hooks.allreduce), np.float32, (Wire.OWN, "")),  # state: the DDP's group
+        (("another group", hooks.allreduce), np.float32, (Wire.HOOK, "")),
+    ],
+)
 def test_wire_says_how_the_hook_runs(registered, dtype, want):
     group = _Group()
-    sub = BucketSubmitter(group, get_device("host"), None, specs=[], params=[],
-                          average_in_collective=False, label=str)
+    sub = BucketSubmitter(
+        group, get_device("host"), None, specs=[], params=[], average_in_collective=False, label=str
+    )
     if registered is not None and registered[0] == "group":
         registered = (group, registered[1])
     sub.hook = registered
@@ -73,8 +78,9 @@ def _chosen_collective(group, hook, mode):
     return recording.calls, {k: np.array(v) for k, v in model.grads.items()}
 
 
-@pytest.mark.parametrize("hook, mode", [(None, "CppReducer"), (hooks.bf16_compress, "CppReducer"),
-                                        (None, "PythonReducer")])
+@pytest.mark.parametrize(
+    "hook, mode", [(None, "CppReducer"), (hooks.bf16_compress, "CppReducer"), (None, "PythonReducer")]
+)
 def test_every_bucket_goes_through_the_chosen_collective(hook, mode):
     for calls, grads in run_threads(_chosen_collective, 2, hook, mode):
         # bucket_cap_mb=0: one bucket per parameter, in reverse order, each reduced once
@@ -82,13 +88,13 @@ def test_every_bucket_goes_through_the_chosen_collective(hook, mode):
         assert len(calls) == 3
         wire = "bfloat16" if hook is not None else "float32"
         assert {c[1] for c in calls} == {wire}
-        assert [c[2].split(" of ")[-1].split(" (")[0] for c in calls] == [
-            "bucket 0", "bucket 1", "bucket 2"]
+        assert [c[2].split(" of ")[-1].split(" (")[0] for c in calls] == ["bucket 0", "bucket 1", "bucket 2"]
         for g in grads.values():
-            np.testing.assert_allclose(g, 1.5)       # mean of 1 and 2
+            np.testing.assert_allclose(g, 1.5)  # mean of 1 and 2
 
 
 def test_all_reduce_is_the_default_collective():
-    sub = BucketSubmitter(_Group(), get_device("host"), None, specs=[], params=[],
-                          average_in_collective=False, label=str)
+    sub = BucketSubmitter(
+        _Group(), get_device("host"), None, specs=[], params=[], average_in_collective=False, label=str
+    )
     assert isinstance(sub.collective, AllReduce) and sub.collective.phase == "allreduce"

@@ -9,6 +9,7 @@ float32(1/3) and round once when packing and once after the sum: there the resul
 most a few ulps of the dtype on the wire (float32 for plain all-reduce), which the test bounds.
 Means in float16's subnormal range are held bitwise too (torch's rounding order: cast, then scale).
 """
+
 from __future__ import annotations
 
 import os
@@ -57,8 +58,10 @@ def torch_bf16_compress_hook():
     """torch's bf16_compress_hook without its check for NCCL >= 2.10 (it refuses gloo; gloo
     reduces bfloat16 all the same), as scripts/bench_ddp_torch.py has it."""
     import sys
+
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     from bench_ddp_torch import torch_bf16_compress_hook as hook
+
     return hook
 
 
@@ -74,20 +77,25 @@ def _Sum(params):
 
         def forward(self, coeffs):
             return sum((c * p).sum() for c, p in zip(coeffs, self.ps))
+
     return Sum()
 
 
-def _our_grads(rank: int, hook_name: str, steps: int, mode: str, state=None,
-               scale: float = 1.0) -> list:
+def _our_grads(rank: int, hook_name: str, steps: int, mode: str, state=None, scale: float = 1.0) -> list:
     import nccl_ddp as nd
     from nccl_ddp import hooks
     from nccl_ddp.adapters.arrays import ArrayModule
 
-    module = ArrayModule([np.zeros(s, np.float32) for s in SHAPES]) if mode == "view" \
+    module = (
+        ArrayModule([np.zeros(s, np.float32) for s in SHAPES])
+        if mode == "view"
         else _PackOnly([np.zeros(s, np.float32) for s in SHAPES])
+    )
     ddp = nd.DistributedDataParallel(module)
-    ddp.register_comm_hook(state() if state else None, hooks.allreduce
-                           if hook_name == "allreduce" else getattr(hooks, f"{hook_name}_compress"))
+    ddp.register_comm_hook(
+        state() if state else None,
+        hooks.allreduce if hook_name == "allreduce" else getattr(hooks, f"{hook_name}_compress"),
+    )
     out = []
     for step in range(steps):
         for i in reversed(range(len(SHAPES))):
@@ -100,7 +108,8 @@ def _our_grads(rank: int, hook_name: str, steps: int, mode: str, state=None,
 
 def _whole_world():
     import nccl_ddp as nd
-    return nd.new_group([0, 1, 2][:nd.get_world_size()])
+
+    return nd.new_group([0, 1, 2][: nd.get_world_size()])
 
 
 def _compare_with_torch(rank: int, world: int, store_dir: str, scale: float = 1.0) -> dict:
@@ -136,6 +145,7 @@ class _PackOnly:
             @property
             def can_install_grads(self) -> bool:
                 return False
+
         return PackOnly(params)
 
 
@@ -144,7 +154,7 @@ class _PackOnly:
 def test_compression_matches_torch_hooks(world, tmp_path):
     pytest.importorskip("torch", reason="PyTorch is not installed")
     results = run_ranks(_compare_with_torch, world, str(tmp_path), timeout=180)
-    ulp = {"allreduce": 2.0 ** -23, "fp16": 2.0 ** -10, "bf16": 2.0 ** -7}
+    ulp = {"allreduce": 2.0**-23, "fp16": 2.0**-10, "bf16": 2.0**-7}
     for rank, res in enumerate(results):
         for (name, mode), ours in res["ours"].items():
             ref = res["refs"][name]
@@ -153,7 +163,7 @@ def test_compression_matches_torch_hooks(world, tmp_path):
                     where = f"rank {rank} {name} {mode} step {step} grad {i}"
                     if world == 2:
                         np.testing.assert_array_equal(o, r, err_msg=where)
-                    else:   # a few wire ulps of the largest summand (see the module doc)
+                    else:  # a few wire ulps of the largest summand (see the module doc)
                         bound = 4 * ulp[name] * float(np.abs(r).max() * world)
                         assert float(np.abs(o - r).max()) <= bound, where
     # compression did happen: fp16/bf16 differ from the float32 all-reduce
@@ -167,17 +177,18 @@ def test_fp16_subnormal_means_round_as_torch(tmp_path):
     fp16_compress_hook rounds to float16 first and divides there; ours (fused pack, pack mode and
     the plain hook) equals it bitwise. Scaling first, then casting, differed in the last ulp."""
     pytest.importorskip("torch", reason="PyTorch is not installed")
-    results = run_ranks(_compare_with_torch, 2, str(tmp_path), 2.0 ** -17, timeout=180)
+    results = run_ranks(_compare_with_torch, 2, str(tmp_path), 2.0**-17, timeout=180)
     subnormal = 0
     for rank, res in enumerate(results):
         for (name, mode), ours in res["ours"].items():
             for step, (o_step, r_step) in enumerate(zip(ours, res["refs"][name])):
                 for i, (o, r) in enumerate(zip(o_step, r_step)):
-                    np.testing.assert_array_equal(o, r, err_msg=f"rank {rank} {name} {mode} "
-                                                                f"step {step} grad {i}")
+                    np.testing.assert_array_equal(
+                        o, r, err_msg=f"rank {rank} {name} {mode} step {step} grad {i}"
+                    )
                     if name == "fp16":
-                        subnormal += int(((r != 0) & (np.abs(r) < 2.0 ** -14)).sum())
-    assert subnormal > 100, subnormal     # the case did reach fp16's subnormal range
+                        subnormal += int(((r != 0) & (np.abs(r) < 2.0**-14)).sum())
+    assert subnormal > 100, subnormal  # the case did reach fp16's subnormal range
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,9 +203,15 @@ def _user_hooks(rank: int, world: int) -> dict:
     seen = []
 
     def mean_into_new_array(state, bucket):
-        seen.append((bucket.index(), [tuple(g.shape) for g in bucket.gradients()],
-                     len(bucket.parameters()), bucket.is_last()))
-        buf = bucket.buffer().copy()       # reduce a copy: the reducer copies the result back
+        seen.append(
+            (
+                bucket.index(),
+                [tuple(g.shape) for g in bucket.gradients()],
+                len(bucket.parameters()),
+                bucket.is_last(),
+            )
+        )
+        buf = bucket.buffer().copy()  # reduce a copy: the reducer copies the result back
         buf *= np.float32(1.0 / world)
         return hooks.all_reduce_fut(bucket.process_group, buf).then(lambda f: f.value())
 
@@ -219,7 +236,7 @@ def _user_hooks(rank: int, world: int) -> dict:
         try:
             for i in reversed(range(len(SHAPES))):
                 ddp.mark_ready(i, _grad(rank, 0, i))
-        except Exception as e:   # noqa: BLE001 - the test reports what was raised
+        except Exception as e:  # noqa: BLE001 - the test reports what was raised
             out["bad"] = f"{type(e).__name__}: {e}"
         return out
     finally:
@@ -234,8 +251,7 @@ def test_user_hook_contract():
             for g, e in zip(res[mode], expected):
                 np.testing.assert_allclose(g, e, rtol=1e-6, atol=1e-7)
         # bucket_cap_mb=0: one bucket per parameter, filled in reverse order
-        assert res["seen"] == [(0, [(2, 3)], 1, False), (1, [(5,)], 1, False),
-                               (2, [(3, 4)], 1, True)]
+        assert res["seen"] == [(0, [(2, 3)], 1, False), (1, [(5,)], 1, False), (2, [(3, 4)], 1, True)]
         assert "ConfigTypeError" in res["bad"] and "bad_return returned ndarray" in res["bad"]
 
 
@@ -243,8 +259,12 @@ def test_register_comm_hook_bad_use():
     from nccl_ddp.errors import ConfigError, ConfigTypeError
 
     results = run_ranks(_bad_registration, 1, timeout=60)[0]
-    assert results == ["ConfigTypeError", "ConfigError: PythonReducer", "ConfigError: twice",
-                       "ConfigError: after a step"]
+    assert results == [
+        "ConfigTypeError",
+        "ConfigError: PythonReducer",
+        "ConfigError: twice",
+        "ConfigError: after a step",
+    ]
     assert ConfigError and ConfigTypeError
 
 
@@ -257,9 +277,10 @@ def _bad_registration(rank: int, world: int) -> list:
     nd.init_process_group("host")
     out = []
     try:
+
         def fresh(**kw):
-            return nd.DistributedDataParallel(
-                ArrayModule([np.zeros(s, np.float32) for s in SHAPES]), **kw)
+            return nd.DistributedDataParallel(ArrayModule([np.zeros(s, np.float32) for s in SHAPES]), **kw)
+
         try:
             fresh().register_comm_hook(None, "not callable")
         except ConfigTypeError:
@@ -305,7 +326,8 @@ def _timeline_wire(rank: int, world: int) -> list:
             ddp.mark_ready(i, _grad(rank, 0, i))
         ddp.close()
         return [ddp.reducer.layout.buckets[0].nbytes] + [
-            (s.phase, s.nbytes, s.dtype) for s in ddp.reducer.prof.spans if s.phase == "allreduce"]
+            (s.phase, s.nbytes, s.dtype) for s in ddp.reducer.prof.spans if s.phase == "allreduce"
+        ]
     finally:
         nd.destroy_process_group()
 
@@ -325,8 +347,7 @@ def _grad_reducer_compress(rank: int, world: int, compress) -> list:
 
     nd.init_process_group("host")
     try:
-        r = nd.DistributedGradReducer([np.zeros(s, np.float32) for s in SHAPES],
-                                      compress=compress)
+        r = nd.DistributedGradReducer([np.zeros(s, np.float32) for s in SHAPES], compress=compress)
         return [np.array(g) for g in r([_grad(rank, 0, i) for i in range(len(SHAPES))])]
     finally:
         nd.destroy_process_group()
@@ -340,8 +361,7 @@ def test_grad_reducer_compress(compress, wire):
     results = run_ranks(_grad_reducer_compress, 2, compress, timeout=60)
     for i in range(len(SHAPES)):
         # each rank packs x * 1/2 into the wire dtype; the sum is rounded once; widened back
-        parts = [(_grad(r, 0, i) * np.float32(0.5)).astype(dt).astype(np.float32)
-                 for r in range(2)]
+        parts = [(_grad(r, 0, i) * np.float32(0.5)).astype(dt).astype(np.float32) for r in range(2)]
         expected = (parts[0] + parts[1]).astype(dt).astype(np.float32)
         for res in results:
             assert res[i].dtype == np.float32
@@ -350,6 +370,7 @@ def test_grad_reducer_compress(compress, wire):
 
 def test_grad_reducer_compress_bad_value():
     from nccl_ddp.errors import ConfigError
+
     run_ranks(_expect_config_error, 1, timeout=60)
     assert ConfigError
 
@@ -360,8 +381,10 @@ def _expect_config_error(rank: int, world: int) -> None:
 
     nd.init_process_group("host")
     try:
-        for kw, text in (({"compress": "int8"}, "compress must be one of"),
-                         ({"check_finite": "yes"}, "check_finite must be")):
+        for kw, text in (
+            ({"compress": "int8"}, "compress must be one of"),
+            ({"check_finite": "yes"}, "check_finite must be"),
+        ):
             with pytest.raises(ConfigError, match=text):
                 nd.DistributedGradReducer([np.zeros(3, np.float32)], **kw)
     finally:
@@ -381,7 +404,7 @@ def _nan_step(rank: int, world: int, kind: str, check) -> dict:
     def grads(step):
         gs = [_grad(rank, step, i) for i in range(len(SHAPES))]
         if step == 1 and rank == 1:
-            gs[1][2] = np.nan       # parameter "b", on rank 1 only
+            gs[1][2] = np.nan  # parameter "b", on rank 1 only
         return gs
 
     nd.init_process_group("host", timeout=60.0)
@@ -389,8 +412,7 @@ def _nan_step(rank: int, world: int, kind: str, check) -> dict:
     try:
         names = ["w", "b", "v"]
         if kind == "grad_reducer":
-            red = nd.DistributedGradReducer([np.zeros(s, np.float32) for s in SHAPES],
-                                            check_finite=check)
+            red = nd.DistributedGradReducer([np.zeros(s, np.float32) for s in SHAPES], check_finite=check)
             for step in range(3):
                 try:
                     red(grads(step))
@@ -401,9 +423,12 @@ def _nan_step(rank: int, world: int, kind: str, check) -> dict:
         params = {n: np.zeros(s, np.float32) for n, s in zip(names, SHAPES)}
         module = ArrayModule(params) if kind != "pack" else _PackOnly(params)
         ddp = nd.DistributedDataParallel(
-            module, check_finite=check, bucket_cap_mb=0,
+            module,
+            check_finite=check,
+            bucket_cap_mb=0,
             reducer_mode="PythonReducer" if kind == "python" else "CppReducer",
-            find_unused_parameters=kind == "unused")
+            find_unused_parameters=kind == "unused",
+        )
         if kind == "bf16":
             ddp.register_comm_hook(None, hooks.bf16_compress)
         for step in range(3):
@@ -439,10 +464,11 @@ def test_check_finite_raise_names_bucket_and_parameter(kind):
         assert [s for s, _ in res["errors"]] == [1], res
         msg = res["errors"][0][1]
         # one check (ddp/finite_check.py) for DDP and the grad reducer: one message
-        assert msg.startswith(f"rank {rank}: step 1 produced non-finite grads (NaN or Inf) on at "
-                              "least one rank: first in bucket "), msg
-        assert msg.endswith("skip the optimizer step and zero the grads, or lower the learning "
-                            "rate"), msg
+        assert msg.startswith(
+            f"rank {rank}: step 1 produced non-finite grads (NaN or Inf) on at "
+            "least one rank: first in bucket "
+        ), msg
+        assert msg.endswith("skip the optimizer step and zero the grads, or lower the learning rate"), msg
         # bucket_cap_mb=0, reverse order: "v" is bucket 0, "b" bucket 1 (the grad reducer
         # fuses all three into bucket 0)
         if kind == "grad_reducer":
@@ -455,8 +481,10 @@ def test_check_finite_raise_names_bucket_and_parameter(kind):
 def test_check_finite_off_refuses_last_step_finite():
     out = run_ranks(_finite_off, 1, timeout=60)[0]
     for owner in ("DistributedDataParallel", "DistributedGradReducer"):
-        assert out[owner] == ("ConfigError", "rank 0: last_step_finite needs check_finite=True "
-                              f"(or \"raise\") when the {owner} is built"), out
+        assert out[owner] == (
+            "ConfigError",
+            f'rank 0: last_step_finite needs check_finite=True (or "raise") when the {owner} is built',
+        ), out
 
 
 def _finite_off(rank: int, world: int) -> dict:
@@ -467,8 +495,10 @@ def _finite_off(rank: int, world: int) -> dict:
     nd.init_process_group("host")
     out = {}
     try:
-        for owner in (nd.DistributedDataParallel(ArrayModule([np.zeros(3, np.float32)])),
-                      nd.DistributedGradReducer([np.zeros(3, np.float32)])):
+        for owner in (
+            nd.DistributedDataParallel(ArrayModule([np.zeros(3, np.float32)])),
+            nd.DistributedGradReducer([np.zeros(3, np.float32)]),
+        ):
             try:
                 _ = owner.last_step_finite
                 out[type(owner).__name__] = "no error"
@@ -508,17 +538,24 @@ def test_cuda_path_compression_and_check_finite(monkeypatch, hook):
     monkeypatch.setattr(ck, "_BACKEND", ck.CudaKernels(cp))
     record = _fake_cupy.FakeEvent.record
 
-    def record_done(ev, stream=None):   # the simulator runs kernels at launch: done at once
+    def record_done(ev, stream=None):  # the simulator runs kernels at launch: done at once
         out = record(ev, stream)
         ev.done = True
         return out
+
     monkeypatch.setattr(_fake_cupy.FakeEvent, "record", record_done)
     counts: collections.Counter = collections.Counter()
     sizes = [12, 5, 6]
     params = [cp.asarray(np.ones(n, np.float32)) for n in sizes]
     grads = [cp.zeros(n, dtype=np.float32) for n in sizes]
-    r = Reducer(params, grads, CountingGroup(counts), D.CudaDevice(0),
-                DDPConfig(check_finite=True), install=lambda i, view: None)
+    r = Reducer(
+        params,
+        grads,
+        CountingGroup(counts),
+        D.CudaDevice(0),
+        DDPConfig(check_finite=True),
+        install=lambda i, view: None,
+    )
     if hook:
         r.set_comm_hook(None, getattr(hooks, f"{hook}_compress"))
     wire = {"bf16": wire_dtype("bfloat16"), "fp16": np.float16, None: np.float32}[hook]
@@ -534,7 +571,7 @@ def test_cuda_path_compression_and_check_finite(monkeypatch, hook):
             np.testing.assert_array_equal(r.grads[i].get(), expected.reshape(-1))
         assert r.last_step_finite is (step == 0)
         r.zero_grad()
-    assert counts["all_reduce"] == 4     # one bucket + the flags, per step
+    assert counts["all_reduce"] == 4  # one bucket + the flags, per step
 
 
 def test_hooks_module_names_each_object_once():

@@ -1,5 +1,6 @@
 """DDP and the grad reducer on CuPy arrays over NCCL (one GPU: world size 1, NCCL refuses two ranks
 on one device). Checks the CUDA path end to end: bucket views, fused pack/scale kernels, streams."""
+
 import os
 import subprocess
 import sys
@@ -18,15 +19,21 @@ def _flags_on_gpu(rank, world):
 
     import nccl_ddp as nd
     from nccl_ddp.adapters.arrays import ArrayModule
+
     nd.init_process_group("nccl", timeout=60.0)
     out = {}
     try:
         for flags in FLAGS:
             avg, mode, static, unused = flags
             model = ArrayModule({k: cp.asarray(v) for k, v in make_params().items()})
-            ddp = nd.DistributedDataParallel(model, bucket_cap_mb=200 / 2**20,
-                                             average_in_collective=avg, reducer_mode=mode,
-                                             static_graph=static, find_unused_parameters=unused)
+            ddp = nd.DistributedDataParallel(
+                model,
+                bucket_cap_mb=200 / 2**20,
+                average_in_collective=avg,
+                reducer_mode=mode,
+                static_graph=static,
+                find_unused_parameters=unused,
+            )
             res = []
             for step in range(2):
                 g = local_grads(rank, step)
@@ -36,8 +43,7 @@ def _flags_on_gpu(rank, world):
                 ddp.zero_grad()
             out[flags] = (res, ddp.reducer.mode)
             ddp.close()
-        red = nd.DistributedGradReducer([cp.asarray(v) for v in make_params().values()],
-                                        degree=4)
+        red = nd.DistributedGradReducer([cp.asarray(v) for v in make_params().values()], degree=4)
         reduced = [cp.asnumpy(r) for r in red([cp.asarray(v) for v in local_grads(0, 0).values()])]
     finally:
         nd.destroy_process_group()
@@ -51,16 +57,18 @@ def test_ddp_flag_matrix_on_gpu():
         for step in range(2):
             for k, _ in zip(res[step], SHAPES):
                 want = local_grads(0, step)[k].astype(np.float64)
-                np.testing.assert_allclose(res[step][k], want, rtol=2e-3, atol=2e-3,
-                                           err_msg=f"{flags} {k}")
+                np.testing.assert_allclose(res[step][k], want, rtol=2e-3, atol=2e-3, err_msg=f"{flags} {k}")
     for r, g in zip(reduced, local_grads(0, 0).values()):
-        np.testing.assert_allclose(r.astype(np.float64), g.astype(np.float64) / 4, rtol=2e-3,
-                                   atol=1e-3)
+        np.testing.assert_allclose(r.astype(np.float64), g.astype(np.float64) / 4, rtol=2e-3, atol=1e-3)
 
 
 def test_train_mlp_on_gpu():
     example = os.path.join(ROOT, "examples", "train_mlp.py")
-    r = subprocess.run([sys.executable, "-m", "nccl_ddp.launch", "--nproc-per-node", "1", example,
-                        "--steps", "20"], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "nccl_ddp.launch", "--nproc-per-node", "1", example, "--steps", "20"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "all 1 ranks hold identical parameters" in r.stdout

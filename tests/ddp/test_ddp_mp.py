@@ -1,4 +1,5 @@
 """DistributedDataParallel / DistributedGradReducer over the real host backend, 2 and 3 processes."""
+
 import time
 
 import numpy as np
@@ -9,6 +10,7 @@ from test_reducer import FLAGS, SHAPES, expected_mean, local_grads, make_params,
 
 def _init():
     import nccl_ddp as nd
+
     nd.init_process_group("host", timeout=60.0)
     return nd
 
@@ -16,14 +18,20 @@ def _init():
 def _flags_matrix(rank, world, steps):
     nd = _init()
     from nccl_ddp.adapters.arrays import ArrayModule
+
     out = {}
     try:
         for flags in FLAGS:
             avg, mode, static, unused = flags
             model = ArrayModule(make_params(seed=rank))
-            ddp = nd.DistributedDataParallel(model, bucket_cap_mb=200 / 2**20,
-                                             average_in_collective=avg, reducer_mode=mode,
-                                             static_graph=static, find_unused_parameters=unused)
+            ddp = nd.DistributedDataParallel(
+                model,
+                bucket_cap_mb=200 / 2**20,
+                average_in_collective=avg,
+                reducer_mode=mode,
+                static_graph=static,
+                find_unused_parameters=unused,
+            )
             res = []
             for step in range(steps):
                 g = local_grads(rank, step)
@@ -50,13 +58,15 @@ def test_flag_matrix_matches_numpy_mean(world):
                 np.testing.assert_array_equal(params[k], p0[k])
             for s in range(steps):
                 for k, (_, d) in zip(want[s], SHAPES):
-                    np.testing.assert_allclose(res[s][k], want[s][k], **tol(d),
-                                               err_msg=f"{flags} step {s} {k}")
+                    np.testing.assert_allclose(
+                        res[s][k], want[s][k], **tol(d), err_msg=f"{flags} step {s} {k}"
+                    )
 
 
 def _mismatch(rank, world):
     nd = _init()
     from nccl_ddp.adapters.arrays import ArrayModule
+
     params = {"a": np.zeros(5, np.float32), "b": np.zeros(4, np.float32)}
     if rank == 2:
         params["b"] = np.zeros(4, np.float64)
@@ -115,8 +125,7 @@ def _overlap(rank, world):
     group = Recording(nd.get_world_group())
     try:
         model = ArrayModule({f"w{i}": np.zeros(4096, np.float32) for i in range(4)})
-        ddp = nd.DistributedDataParallel(model, process_group=group, bucket_cap_mb=0,
-                                         init_sync=False)
+        ddp = nd.DistributedDataParallel(model, process_group=group, bucket_cap_mb=0, init_sync=False)
         for i in (3, 2, 1):
             ddp.mark_ready(i, np.ones(4096, np.float32))
         deadline = time.monotonic() + 20
@@ -141,6 +150,7 @@ def test_allreduce_starts_while_backward_is_still_marking():
 def _subgroup(rank, world):
     nd = _init()
     from nccl_ddp.adapters.arrays import ArrayModule
+
     try:
         group = nd.new_group([0, 2])
         if not group:
@@ -165,8 +175,10 @@ def test_process_group_from_new_group():
 
 def _bfloat16(rank, world):
     import ml_dtypes
+
     nd = _init()
     from nccl_ddp.adapters.arrays import ArrayModule
+
     bf16 = np.dtype(ml_dtypes.bfloat16)
     try:
         out = []

@@ -25,9 +25,16 @@ def _reduce_rank(group, kwargs, container):
     return type(out), [np.array(o) for o in out], unchanged, [b.params for b in red.layout.buckets]
 
 
-@pytest.mark.parametrize("kwargs,factor", [
-    (dict(), 1 / 3), (dict(mean=False), 1.0), (dict(degree=6), 1 / 6),
-    (dict(fusion_type=0), 1 / 3), (dict(fusion_type=7, mean=True, degree=3), 1 / 3)])
+@pytest.mark.parametrize(
+    "kwargs,factor",
+    [
+        (dict(), 1 / 3),
+        (dict(mean=False), 1.0),
+        (dict(degree=6), 1 / 6),
+        (dict(fusion_type=0), 1 / 3),
+        (dict(fusion_type=7, mean=True, degree=3), 1 / 3),
+    ],
+)
 def test_reduces_like_numpy(kwargs, factor):
     res = run_threads(_reduce_rank, 3, kwargs, tuple)
     total = [sum(grads(r)[i].astype(np.float64) for r in range(3)) for i in range(4)]
@@ -66,12 +73,19 @@ def one_group():
     return FakeGroup(_Shared(1, 5.0), 0, 1)
 
 
-@pytest.mark.parametrize("kwargs,exc,match", [
-    (dict(degree=True), TypeError, "degree"), (dict(degree=0), ValueError, "degree"),
-    (dict(degree=-2), ValueError, "degree"), (dict(degree=2.0), TypeError, "degree"),
-    (dict(mean=1), TypeError, "mean"), (dict(fusion_type=-1), ValueError, "fusion_type"),
-    (dict(fusion_type=False), TypeError, "fusion_type"), (dict(group="g"), TypeError, "group"),
-])
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        (dict(degree=True), TypeError, "degree"),
+        (dict(degree=0), ValueError, "degree"),
+        (dict(degree=-2), ValueError, "degree"),
+        (dict(degree=2.0), TypeError, "degree"),
+        (dict(mean=1), TypeError, "mean"),
+        (dict(fusion_type=-1), ValueError, "fusion_type"),
+        (dict(fusion_type=False), TypeError, "fusion_type"),
+        (dict(group="g"), TypeError, "group"),
+    ],
+)
 def test_bad_arguments(kwargs, exc, match):
     kwargs.setdefault("group", one_group())
     with pytest.raises(exc, match=match):

@@ -5,6 +5,7 @@ on the same data: our final parameters must equal torch's to 1e-6 for both divid
 array path and DistributedGradReducer are checked against sums computed here; a rank that raises
 inside the block must make every other rank raise `JoinError` naming it, within a bound.
 """
+
 from __future__ import annotations
 
 import os
@@ -15,7 +16,7 @@ from mp import run_ranks
 from torch_oracle import assert_matches_torch
 
 WORLD = 3
-BATCHES = (5, 7, 9)     # per rank: rank 2 is the last to join
+BATCHES = (5, 7, 9)  # per rank: rank 2 is the last to join
 
 
 # ---------------------------------------------------------------------------------------------
@@ -48,6 +49,7 @@ def _train_torch_join(ddp, module, rank: int, divide: bool, unused: bool, join) 
 
 def _torch_join(ddp, divide):
     from torch.distributed.algorithms.join import Join
+
     return Join([ddp], divide_by_initial_world_size=divide)
 
 
@@ -150,11 +152,15 @@ def test_raw_arrays_join(divide, mode):
     for rank, res in enumerate(results):
         for step, grads in enumerate(res["got"]):
             for i, g in enumerate(grads):
-                np.testing.assert_allclose(g, _expected_sum(step, divide, i), rtol=1e-5,
-                                           atol=1e-6, err_msg=f"rank {rank} step {step} grad {i}")
-    final = [sum(-0.1 * _expected_sum(s, divide, i) for s in range(max(BATCHES)))
-             for i in range(len(SHAPES))]
-    for res in results:   # the last joiner's parameters everywhere
+                np.testing.assert_allclose(
+                    g,
+                    _expected_sum(step, divide, i),
+                    rtol=1e-5,
+                    atol=1e-6,
+                    err_msg=f"rank {rank} step {step} grad {i}",
+                )
+    final = [sum(-0.1 * _expected_sum(s, divide, i) for s in range(max(BATCHES))) for i in range(len(SHAPES))]
+    for res in results:  # the last joiner's parameters everywhere
         for i, p in enumerate(res["params"]):
             np.testing.assert_allclose(p, final[i], rtol=1e-5, atol=1e-6)
             np.testing.assert_array_equal(p, results[2]["params"][i])
@@ -165,13 +171,11 @@ def _grad_reducer_join(rank: int, world: int, divide: bool, compress) -> list:
 
     nd.init_process_group("host")
     try:
-        reducer = nd.DistributedGradReducer([np.zeros(s, np.float32) for s in SHAPES],
-                                            compress=compress)
+        reducer = nd.DistributedGradReducer([np.zeros(s, np.float32) for s in SHAPES], compress=compress)
         out = []
         with nd.Join([reducer], divide_by_initial_world_size=divide):
             for step in range(BATCHES[rank]):
-                out.append([np.array(g) for g in
-                            reducer([_grad(rank, step, i) for i in range(len(SHAPES))])])
+                out.append([np.array(g) for g in reducer([_grad(rank, step, i) for i in range(len(SHAPES))])])
         reducer.close()
         return out
     finally:
@@ -181,13 +185,18 @@ def _grad_reducer_join(rank: int, world: int, divide: bool, compress) -> list:
 @pytest.mark.parametrize("divide,compress", [(True, None), (False, None), (False, "bf16")])
 def test_grad_reducer_join(divide, compress):
     results = run_ranks(_grad_reducer_join, WORLD, divide, compress, timeout=90)
-    tol = 2e-2 if compress else 1e-5    # bf16 keeps 8 significant bits
+    tol = 2e-2 if compress else 1e-5  # bf16 keeps 8 significant bits
     for rank, res in enumerate(results):
         assert len(res) == BATCHES[rank]
         for step, grads in enumerate(res):
             for i, g in enumerate(grads):
-                np.testing.assert_allclose(g, _expected_sum(step, divide, i), rtol=tol, atol=tol,
-                                           err_msg=f"rank {rank} step {step} grad {i}")
+                np.testing.assert_allclose(
+                    g,
+                    _expected_sum(step, divide, i),
+                    rtol=tol,
+                    atol=tol,
+                    err_msg=f"rank {rank} step {step} grad {i}",
+                )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,9 +231,9 @@ def test_rank_raising_inside_join_stops_every_rank(fail_rank, fail_step):
     """Rank 0 fails while the others still train, rank 2 while the others have joined: every
     other rank raises JoinError naming it well before the 120 s collective timeout."""
     import time
+
     t0 = time.monotonic()
-    failures = run_ranks(_raises_inside, WORLD, fail_rank, fail_step, timeout=60,
-                         expect_fail=True)
+    failures = run_ranks(_raises_inside, WORLD, fail_rank, fail_step, timeout=60, expect_fail=True)
     assert time.monotonic() - t0 < 60
     assert sorted(failures) == list(range(WORLD)), failures
     assert "_Boom" in failures[fail_rank] and f"bad batch {fail_step}" in failures[fail_rank]
@@ -261,7 +270,7 @@ def _throws_early(rank: int, world: int) -> str:
 def test_throw_on_early_termination():
     out = run_ranks(_throws_early, WORLD, timeout=60)
     assert out[0].startswith("5: ") and "exhausted all inputs" in out[0], out
-    for r in (1, 2):   # they had finished 5 steps when rank 0 ran out
+    for r in (1, 2):  # they had finished 5 steps when rank 0 ran out
         assert out[r].startswith("5: ") and "detected at least one rank" in out[r], out
 
 
@@ -303,6 +312,7 @@ class _Counting:
 
     def __init__(self, group):
         from nccl_ddp.ddp.join import JoinState
+
         self.group, self.join_state = group, JoinState()
         self.steps, self.shadowed, self.finished, self.divide = 0, 0, None, None
 
@@ -312,12 +322,14 @@ class _Counting:
 
     def join_hook(self, **kwargs):
         from nccl_ddp.ddp.join import ShadowJoinHook
+
         hook = ShadowJoinHook(self, "_Counting", kwargs)
         self.divide = self.join_state.divide_by_initial
         return hook
 
     def step(self):
         from nccl_ddp import Join
+
         self.steps += 1
         return Join.notify_join_context(self)
 
@@ -348,4 +360,4 @@ def test_a_joinable_of_ones_own_is_driven_by_the_shadow_hook():
     assert [o[0] for o in out] == [[3], [3, 2], [3, 2, 1]]
     assert [o[1] for o in out] == [2, 1, 0]
     assert [o[2] for o in out] == [False, False, True]
-    assert all(o[3] is False and o[4] is False for o in out)   # config reset on exit
+    assert all(o[3] is False and o[4] is False for o in out)  # config reset on exit

@@ -7,6 +7,7 @@ shape). Every step's reduced grads must agree to 1e-5, through the switch from a
 PowerSGD, error feedback and warm start. A training run compares convergence with plain
 all-reduce.
 """
+
 from __future__ import annotations
 
 import os
@@ -34,8 +35,13 @@ def _model(rank: int):
 
 def _data(rank: int, steps: int):
     g = np.random.default_rng(50 + rank)
-    return [(torch.from_numpy(g.standard_normal((6, 16), dtype=np.float32)),
-             torch.from_numpy(g.standard_normal((6, 8), dtype=np.float32))) for _ in range(steps)]
+    return [
+        (
+            torch.from_numpy(g.standard_normal((6, 16), dtype=np.float32)),
+            torch.from_numpy(g.standard_normal((6, 8), dtype=np.float32)),
+        )
+        for _ in range(steps)
+    ]
 
 
 def _train(ddp, module, rank: int, steps: int, lr: float = 0.05) -> tuple:
@@ -68,10 +74,9 @@ def _torch_and_ours(rank: int, world: int, store_dir: str, rank_r: int) -> dict:
     with gloo_group(rank, world, os.path.join(store_dir, "gloo")):
         module = _model(rank)
         ddp = DistributedDataParallel(module)
-        state = torch_psgd.PowerSGDState(None, matrix_approximation_rank=rank_r,
-                                         start_powerSGD_iter=START)
+        state = torch_psgd.PowerSGDState(None, matrix_approximation_rank=rank_r, start_powerSGD_iter=START)
         ddp.register_comm_hook(state, torch_psgd.powerSGD_hook)
-        torch_psgd.torch.randn = fixed_randn     # the module's `torch` is the torch package
+        torch_psgd.torch.randn = fixed_randn  # the module's `torch` is the torch package
         try:
             ref, _ = _train(ddp, module, rank, STEPS)
         finally:
@@ -94,8 +99,7 @@ def _torch_and_ours(rank: int, world: int, store_dir: str, rank_r: int) -> dict:
         ddp.close()
     finally:
         nd.destroy_process_group()
-    return {"ref": ref, "ours": ours, "torch_errors": torch_errors, "our_errors": our_errors,
-            "stats": stats}
+    return {"ref": ref, "ours": ours, "torch_errors": torch_errors, "our_errors": our_errors, "stats": stats}
 
 
 @pytest.mark.parametrize("rank_r", [1, 2, 4])
@@ -105,12 +109,13 @@ def test_powersgd_matches_torch(rank_r, tmp_path):
     for rank, res in enumerate(results):
         for step, (ours, ref) in enumerate(zip(res["ours"], res["ref"])):
             for name in ref:
-                np.testing.assert_allclose(ours[name], ref[name], rtol=1e-5, atol=1e-5,
-                                           err_msg=f"rank {rank} step {step} {name}")
+                np.testing.assert_allclose(
+                    ours[name], ref[name], rtol=1e-5, atol=1e-5, err_msg=f"rank {rank} step {step} {name}"
+                )
         # error feedback: the residual each rank keeps (torch's bucket has no padding)
-        (tb, te), = res["torch_errors"].items()
-        (ob, oe), = res["our_errors"].items()
-        assert float(np.abs(te).max()) > 1e-4    # something was lost, and fed back
+        ((tb, te),) = res["torch_errors"].items()
+        ((ob, oe),) = res["our_errors"].items()
+        assert float(np.abs(te).max()) > 1e-4  # something was lost, and fed back
         assert sorted(np.round(np.abs(te), 5))[-5:] == sorted(np.round(np.abs(oe), 5))[-5:]
         rate, before, after = res["stats"]
         assert rate > 1.5 and after < before
@@ -129,8 +134,9 @@ def _converges(rank: int, world: int, hook: str) -> list:
         module = _model(rank)
         ddp = nd.DistributedDataParallel(module)
         if hook == "powersgd":
-            ddp.register_comm_hook(hooks.PowerSGDState(None, matrix_approximation_rank=2,
-                                                       start_powerSGD_iter=10), hooks.powersgd)
+            ddp.register_comm_hook(
+                hooks.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=10), hooks.powersgd
+            )
         # one fixed batch per rank: the loss must go down steadily
         x, y = _data(rank, 1)[0]
         opt = torch.optim.SGD(module.parameters(), lr=0.1)

@@ -1,5 +1,6 @@
 """Reducer / DDP behaviour on N threads with an in-process group (fast; the multi-process versions
 over the real host backend are in test_ddp_mp.py)."""
+
 import itertools
 import time
 
@@ -11,9 +12,15 @@ from nccl_ddp import errors
 from nccl_ddp.adapters.arrays import ArrayModule
 from nccl_ddp.ddp.data_parallel import DistributedDataParallel
 
-SHAPES = [((33, 5), np.float32), ((17,), np.float64), ((9, 3), np.float16), ((130,), np.float32),
-          ((4, 4), np.float64), ((65,), np.float16)]
-CAP_MB = 200 / 2**20          # 200 bytes: several buckets per dtype
+SHAPES = [
+    ((33, 5), np.float32),
+    ((17,), np.float64),
+    ((9, 3), np.float16),
+    ((130,), np.float32),
+    ((4, 4), np.float64),
+    ((65,), np.float16),
+]
+CAP_MB = 200 / 2**20  # 200 bytes: several buckets per dtype
 
 
 def make_params(seed=0):
@@ -37,10 +44,16 @@ def tol(dtype):
 
 def _flags_rank(group, flags, steps):
     avg, mode, static, unused = flags
-    model = ArrayModule(make_params(seed=group.rank))       # init_sync makes them rank 0's
-    ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=CAP_MB,
-                                  average_in_collective=avg, reducer_mode=mode,
-                                  static_graph=static, find_unused_parameters=unused)
+    model = ArrayModule(make_params(seed=group.rank))  # init_sync makes them rank 0's
+    ddp = DistributedDataParallel(
+        model,
+        process_group=group,
+        bucket_cap_mb=CAP_MB,
+        average_in_collective=avg,
+        reducer_mode=mode,
+        static_graph=static,
+        find_unused_parameters=unused,
+    )
     out = []
     for step in range(steps):
         g = local_grads(group.rank, step)
@@ -52,12 +65,12 @@ def _flags_rank(group, flags, steps):
     return out, params, len(ddp.reducer.layout.buckets), ddp.reducer.mode
 
 
-FLAGS = list(itertools.product([False, True], ["CppReducer", "PythonReducer"], [False, True],
-                               [False, True]))
+FLAGS = list(itertools.product([False, True], ["CppReducer", "PythonReducer"], [False, True], [False, True]))
 
 
 @pytest.mark.parametrize(
-    "flags", FLAGS, ids=lambda f: f"avg{f[0]:d}-{f[1][:3]}-static{f[2]:d}-unused{f[3]:d}")
+    "flags", FLAGS, ids=lambda f: f"avg{f[0]:d}-{f[1][:3]}-static{f[2]:d}-unused{f[3]:d}"
+)
 def test_reduced_grads_equal_numpy_mean(flags):
     size, steps = 3, 2
     res = run_threads(_flags_rank, size, flags, steps)
@@ -106,12 +119,13 @@ def small_model(rank=0, n=4, size=8):
 
 def _unused_rank(group, mode):
     model = small_model()
-    ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=0,
-                                  find_unused_parameters=True, reducer_mode=mode)
+    ddp = DistributedDataParallel(
+        model, process_group=group, bucket_cap_mb=0, find_unused_parameters=True, reducer_mode=mode
+    )
     # w3 starts with a rank-specific value and is unused on every rank: left untouched.
     model.grads["w3"][...] = 10.0 + group.rank
     ddp.mark_ready("w2", np.full(8, 1.0 + group.rank, np.float32))
-    if group.rank == 0:                      # w1: used on rank 0 only -> reduced with zeros
+    if group.rank == 0:  # w1: used on rank 0 only -> reduced with zeros
         ddp.mark_ready("w1", np.full(8, 6.0, np.float32))
     ddp.mark_ready("w0", np.full(8, 2.0, np.float32))
     ddp.finalize()
@@ -156,7 +170,7 @@ def test_marked_ready_twice_raises():
 
 
 def _rebuild_rank(group):
-    model = ArrayModule({f"w{i}": np.zeros(64, np.float32) for i in range(6)})   # 256 B each
+    model = ArrayModule({f"w{i}": np.zeros(64, np.float32) for i in range(6)})  # 256 B each
     ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=512 / 2**20)
     before = [b.params for b in ddp.reducer.layout.buckets]
     order = [0, 2, 4, 1, 3, 5] if group.rank == 0 else [5, 4, 3, 2, 1, 0]
@@ -165,7 +179,7 @@ def _rebuild_rank(group):
     after = [b.params for b in ddp.reducer.layout.buckets]
     grads = [np.array(g) for g in ddp.grads]
     ddp.zero_grad()
-    for i in order:                              # step 2 runs on the rebuilt layout
+    for i in order:  # step 2 runs on the rebuilt layout
         ddp.mark_ready(i, np.full(64, float(i + 1), np.float32))
     return before, after, grads, [np.array(g) for g in ddp.grads], model.grads["w0"] is ddp.grads[0]
 
@@ -173,8 +187,8 @@ def _rebuild_rank(group):
 def test_bucket_rebuild_uses_rank0_arrival_order():
     res = run_threads(_rebuild_rank, 2)
     for before, after, grads, grads2, aliased in res:
-        assert before == [(5, 4), (3, 2), (1, 0)]          # 256 B first cap, then 512 B
-        assert after == [(0, 2), (4, 1), (3, 5)]           # rank 0's order, on both ranks
+        assert before == [(5, 4), (3, 2), (1, 0)]  # 256 B first cap, then 512 B
+        assert after == [(0, 2), (4, 1), (3, 5)]  # rank 0's order, on both ranks
         for i in range(6):
             np.testing.assert_array_equal(grads[i], float(i))
             np.testing.assert_array_equal(grads2[i], float(i + 1))
@@ -187,7 +201,7 @@ def _overlap_rank(group):
     for i in (3, 2, 1):
         ddp.mark_ready(i, np.ones(1024, np.float32))
     deadline = time.monotonic() + 10
-    while not group.started and time.monotonic() < deadline:   # bucket 0's all-reduce has begun
+    while not group.started and time.monotonic() < deadline:  # bucket 0's all-reduce has begun
         time.sleep(0.001)
     started_before_last = [t for t, name, _ in group.started if name == "all_reduce"]
     t_last = time.monotonic()
@@ -204,6 +218,7 @@ def _where_buckets_reduce(group):
     """Step 2 (the fast path): every bucket but the last reduced on the comm thread while grads
     still arrive; the last one, with the comm stream idle, on the thread that waits for it."""
     import threading
+
     model = small_model()
     ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=0)
     threads = []
@@ -219,7 +234,7 @@ def _where_buckets_reduce(group):
         threads.clear()
         for i in (3, 2, 1):
             ddp.mark_ready(i, g)
-        ddp.reducer.comm.synchronize(10)        # buckets 0-2 reduced: the comm stream is idle
+        ddp.reducer.comm.synchronize(10)  # buckets 0-2 reduced: the comm stream is idle
         ddp.mark_ready(0, g)
     return threads, threading.current_thread().name, ddp.reducer.comm.name
 
@@ -231,7 +246,7 @@ def test_last_bucket_is_reduced_on_the_waiting_thread():
 
 def test_one_rank_reduces_every_bucket_on_the_calling_thread():
     """World 1: an identity all-reduce is not worth waking the comm thread for."""
-    (threads, mine, _), = run_threads(_where_buckets_reduce, 1)
+    ((threads, mine, _),) = run_threads(_where_buckets_reduce, 1)
     assert threads == [mine] * 4, threads
 
 
@@ -249,7 +264,7 @@ def _no_sync_rank(group, use_no_sync):
     else:
         local = g1
         for i in range(4):
-            ddp.mark_ready(i, g1 + g2)           # one step over the concatenated batches
+            ddp.mark_ready(i, g1 + g2)  # one step over the concatenated batches
     return local, [np.array(g) for g in ddp.grads]
 
 
@@ -257,7 +272,7 @@ def test_no_sync_then_step_equals_one_big_step():
     a = run_threads(_no_sync_rank, 2, True)
     b = run_threads(_no_sync_rank, 2, False)
     for rank in range(2):
-        np.testing.assert_allclose(a[rank][0], b[rank][0], rtol=1e-6)   # no comm inside no_sync
+        np.testing.assert_allclose(a[rank][0], b[rank][0], rtol=1e-6)  # no comm inside no_sync
         for ga, gb in zip(a[rank][1], b[rank][1]):
             np.testing.assert_allclose(ga, gb, rtol=1e-5, atol=1e-6)
     assert not np.allclose(a[0][0], a[1][0])
@@ -285,9 +300,9 @@ def _static_rank(group):
     ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=0, static_graph=True)
     for i in (3, 2, 0):
         ddp.mark_ready(i, np.ones(8, np.float32))
-    ddp.finalize()                               # w1 unused everywhere in step 1
+    ddp.finalize()  # w1 unused everywhere in step 1
     excluded = sorted(ddp.reducer.excluded)
-    for i in (3, 2, 0):                          # step 2 finalizes by itself without w1
+    for i in (3, 2, 0):  # step 2 finalizes by itself without w1
         ddp.mark_ready(i, np.ones(8, np.float32))
     closed = not ddp.reducer._open
     with pytest.raises(errors.ReducerError, match="static_graph"):
@@ -334,7 +349,7 @@ def _wrong_state_rank(group):
     with pytest.raises(errors.ReducerError, match="unknown parameter a ndarray"):
         ddp.mark_ready(np.zeros(3))
     for k in list(g)[:5]:
-        ddp.mark_ready(k, g[k])                  # completes the step
+        ddp.mark_ready(k, g[k])  # completes the step
     with pytest.raises(errors.ReducerError, match="before the next forward"):
         ddp.mark_ready("p0", g["p0"])
 
@@ -378,12 +393,15 @@ def test_bad_arguments_name_the_parameter(kwargs, exc, name):
         DistributedDataParallel(small_model(), **kwargs)
 
 
-@pytest.mark.parametrize("module,match", [
-    (object(), "module must be"),
-    ({"a": [1.0, 2.0]}, "must be a NumPy or CuPy array"),
-    ({"a": np.zeros((4, 4))[:, ::2]}, "C-contiguous"),
-    ({"a": np.zeros(3, np.int32)}, "floating point"),
-])
+@pytest.mark.parametrize(
+    "module,match",
+    [
+        (object(), "module must be"),
+        ({"a": [1.0, 2.0]}, "must be a NumPy or CuPy array"),
+        ({"a": np.zeros((4, 4))[:, ::2]}, "C-contiguous"),
+        ({"a": np.zeros(3, np.int32)}, "floating point"),
+    ],
+)
 def test_bad_modules(module, match):
     with pytest.raises((TypeError, ValueError), match=match):
         DistributedDataParallel(module, process_group=_one_rank_group())
@@ -391,46 +409,56 @@ def test_bad_modules(module, match):
 
 def _one_rank_group():
     from fakegroup import FakeGroup, _Shared
+
     return FakeGroup(_Shared(1, 5.0), 0, 1)
 
 
 def _collective_count_rank(group, mode, unused):
     model = small_model(n=6)
-    ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=64 / 2**20,
-                                  reducer_mode=mode, find_unused_parameters=unused,
-                                  init_sync=False)
+    ddp = DistributedDataParallel(
+        model,
+        process_group=group,
+        bucket_cap_mb=64 / 2**20,
+        reducer_mode=mode,
+        find_unused_parameters=unused,
+        init_sync=False,
+    )
     order = [0, 3, 1, 4, 2, 5]
     for i in order:
         ddp.mark_ready(i, np.ones(8, np.float32))
     if unused:
         ddp.finalize()
-    return (len(ddp.reducer.layout.buckets),
-            sum(1 for _, name, _ in group.started if name == "all_reduce"),
-            [b.params for b in ddp.reducer.layout.buckets])
+    return (
+        len(ddp.reducer.layout.buckets),
+        sum(1 for _, name, _ in group.started if name == "all_reduce"),
+        [b.params for b in ddp.reducer.layout.buckets],
+    )
 
 
-@pytest.mark.parametrize("mode,unused", [("CppReducer", False), ("PythonReducer", False),
-                                         ("CppReducer", True)])
+@pytest.mark.parametrize(
+    "mode,unused", [("CppReducer", False), ("PythonReducer", False), ("CppReducer", True)]
+)
 def test_one_collective_per_bucket_or_per_grad(mode, unused):
     for nbuckets, n_allreduce, layout in run_threads(_collective_count_rank, 2, mode, unused):
         if mode == "PythonReducer":
-            assert n_allreduce == 6                       # one per grad
+            assert n_allreduce == 6  # one per grad
         elif unused:
-            assert n_allreduce == nbuckets + 1            # + the used-parameter bitmap
-            assert layout == [(5, 4), (3, 2), (1, 0)]     # find_unused: never rebuilt (PyTorch)
+            assert n_allreduce == nbuckets + 1  # + the used-parameter bitmap
+            assert layout == [(5, 4), (3, 2), (1, 0)]  # find_unused: never rebuilt (PyTorch)
         else:
-            assert n_allreduce == 3                       # 32 B grads, 64 B buckets
-            assert layout == [(0, 3), (1, 4), (2, 5)]     # rebuilt in arrival order
+            assert n_allreduce == 3  # 32 B grads, 64 B buckets
+            assert layout == [(0, 3), (1, 4), (2, 5)]  # rebuilt in arrival order
 
 
 def _timeline_rank(group):
     from nccl_ddp.profiling import Timeline
+
     model = ArrayModule({f"w{i}": np.zeros(1 << 16, np.float32) for i in range(4)})
     ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=0, init_sync=False)
     ddp.reducer.prof = Timeline(group.rank, timeline=True)
     for i in (3, 2, 1):
         ddp.mark_ready(i, np.ones(1 << 16, np.float32))
-    time.sleep(0.05)                                      # "backward" of the first layer
+    time.sleep(0.05)  # "backward" of the first layer
     ddp.mark_ready(0, np.ones(1 << 16, np.float32))
     return ddp.reducer.prof.steps[-1]
 
@@ -444,13 +472,14 @@ def test_timeline_sees_comm_inside_backward():
 
 def _inline_timeline_rank(group):
     from nccl_ddp.profiling import Timeline
+
     model = ArrayModule({f"w{i}": np.zeros(1 << 16, np.float32) for i in range(4)})
     ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=0, init_sync=False)
-    for _ in range(2):                                    # step 2 takes the fast path
+    for _ in range(2):  # step 2 takes the fast path
         ddp.reducer.prof = Timeline(group.rank, timeline=True)
         for i in (3, 2, 1):
             ddp.mark_ready(i, np.ones(1 << 16, np.float32))
-        ddp.reducer.comm.synchronize(10)                  # idle: the last bucket runs inline
+        ddp.reducer.comm.synchronize(10)  # idle: the last bucket runs inline
         ddp.mark_ready(0, np.ones(1 << 16, np.float32))
     return list(ddp.reducer.prof._spans)
 

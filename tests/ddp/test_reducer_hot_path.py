@@ -3,6 +3,7 @@ tests/_fake_cupy.py) a `mark_ready` that completes no bucket makes no CUDA call 
 switch, event, allocation or launch), and each completed bucket costs the same constant number of
 calls whatever its parameter count. The torch hook enters the reducer's stream scope only per
 bucket. A regression that puts device work back on the per-parameter path fails here."""
+
 import collections
 import sys
 import threading
@@ -21,8 +22,15 @@ from nccl_ddp.kernels import cuda as ck
 # calls per completed bucket in view mode, world 2 (scale by 1/2, then SUM): record the compute
 # stream and make comm wait for it (1 event), scale + all-reduce submitted on comm, record done
 # (1 event); a bucket's cost does not depend on how many grads it holds
-PER_BUCKET = {"stream_enter": 2, "device_ctx": 6, "event": 2, "wait_event": 1, "alloc": 0,
-              "launch": 1, "all_reduce": 1}
+PER_BUCKET = {
+    "stream_enter": 2,
+    "device_ctx": 6,
+    "event": 2,
+    "wait_event": 1,
+    "alloc": 0,
+    "launch": 1,
+    "all_reduce": 1,
+}
 
 
 class _Done(Work):
@@ -38,6 +46,7 @@ class _Done(Work):
 
 class CountingGroup(ProcessGroup):
     """A 'nccl' group of 2 that only counts (rank 0's view; the collectives do nothing)."""
+
     backend, rank, size, ranks, timeout, name = "nccl", 0, 2, (0, 1), 5.0, "fake"
 
     def __init__(self, counts):
@@ -84,19 +93,20 @@ def counted(monkeypatch):
             if after:
                 after(self)
             return out
+
         monkeypatch.setattr(cls, name, wrapper)
 
     counting(_fake_cupy.FakeStream, "__enter__", "stream_enter")
     counting(_fake_cupy.FakeStream, "wait_event", "wait_event")
     counting(_fake_cupy.FakeDeviceCtx, "__init__", "device_ctx")
     counting(_fake_cupy.FakeEvent, "__init__", "event")
-    counting(_fake_cupy.FakeEvent, "record", "event_record",
-             after=lambda ev: setattr(ev, "done", True))
+    counting(_fake_cupy.FakeEvent, "record", "event_record", after=lambda ev: setattr(ev, "done", True))
     empty = cp.empty
 
     def alloc(*a, **kw):
         counts["alloc"] += 1
         return empty(*a, **kw)
+
     cp.empty = cp.zeros = alloc
     return cp, counts
 
@@ -105,8 +115,7 @@ def _reducer(cp, counts, sizes, cap_elems):
     params = [cp.asarray(np.ones(n, np.float32)) for n in sizes]
     grads = [cp.zeros(n, dtype=np.float32) for n in sizes]
     config = DDPConfig(bucket_cap_mb=cap_elems * 4 / 2**20)
-    r = Reducer(params, grads, CountingGroup(counts), D.CudaDevice(0), config,
-                install=lambda i, view: None)
+    r = Reducer(params, grads, CountingGroup(counts), D.CudaDevice(0), config, install=lambda i, view: None)
     scopes = []
 
     class Scope:
@@ -132,7 +141,7 @@ def test_per_grad_no_cuda_calls_per_bucket_constant(counted):
     sizes = [500] * 7 + [1000] * 4 + [4000]
     r, scopes = _reducer(cp, counts, sizes, cap_elems=4000)
     assert [len(b.params) for b in r.layout.buckets] == [1, 4, 7] and r.mode == "view"
-    for i in reversed(range(len(sizes))):      # step 1: the general path, then the rebuild
+    for i in reversed(range(len(sizes))):  # step 1: the general path, then the rebuild
         r.mark_ready(i)
     assert r.steps == 1 and [len(b.params) for b in r.layout.buckets] == [1, 4, 7]
 
@@ -148,17 +157,18 @@ def test_per_grad_no_cuda_calls_per_bucket_constant(counted):
         assert r.steps == 2 + step
         launched = [(i, d, s) for i, d, s in per_call if d["all_reduce"]]
         quiet = [(i, d, s) for i, d, s in per_call if not d["all_reduce"]]
-        assert [i for i, _, _ in launched] == [11, 7, 0]       # the last grad of each bucket
+        assert [i for i, _, _ in launched] == [11, 7, 0]  # the last grad of each bucket
         for i, d, s in quiet:
             assert d == collections.Counter(), f"grad {i} made CUDA calls: {dict(d)}"
             assert s == (1 if i == len(sizes) - 1 else 0), "stream scope entered per grad"
         buckets = [{k: d[k] for k in PER_BUCKET} for _, d, _ in launched]
-        assert buckets[0] == buckets[1] == PER_BUCKET, buckets   # 1 grad and 4 grads alike
+        assert buckets[0] == buckets[1] == PER_BUCKET, buckets  # 1 grad and 4 grads alike
         assert all(s == 1 for _, _, s in launched)
         # the last one also finalizes: the compute stream waits for each bucket's done event
         last = launched[-1][1]
-        assert {k: last[k] for k in PER_BUCKET} == dict(PER_BUCKET, wait_event=1 + 3,
-                                                        device_ctx=6 + 3), dict(last)
+        assert {k: last[k] for k in PER_BUCKET} == dict(PER_BUCKET, wait_event=1 + 3, device_ctx=6 + 3), dict(
+            last
+        )
 
 
 def test_bucket_cost_does_not_grow_with_its_grads(counted):
@@ -194,6 +204,7 @@ def test_torch_hooks_enter_the_compute_stream_per_bucket_not_per_grad(monkeypatc
     def counting(on_cuda):
         entered[threading.get_ident()] += 1
         return real(on_cuda)
+
     monkeypatch.setattr(torch_adapter, "torch_stream_current", counting)
 
     def body(group):
@@ -212,4 +223,4 @@ def test_torch_hooks_enter_the_compute_stream_per_bucket_not_per_grad(monkeypatc
 
     for buckets, n in run_threads(body, 2):
         assert 2 <= buckets <= 5
-        assert buckets <= n <= buckets + 4, (buckets, n)     # 16 grads: per grad would be >= 16
+        assert buckets <= n <= buckets + 4, (buckets, n)  # 16 grads: per grad would be >= 16

@@ -1,5 +1,6 @@
 """The ZeRO shard layout: equal aligned shards cut through the flat bucket, parameters spanning
 shards, and the param-range -> shard-range map covering every element exactly once."""
+
 import numpy as np
 import pytest
 
@@ -22,7 +23,7 @@ def test_shards_equal_aligned_and_cover_every_element_once(world, sizes):
     for b, (old, new) in enumerate(zip(base.buckets, shards.layout.buckets)):
         s = shards.shard_numel[b]
         assert new.padded == world * s >= old.padded
-        assert s * new.dtype.itemsize % 16 == 0           # every shard starts 16-byte aligned
+        assert s * new.dtype.itemsize % 16 == 0  # every shard starts 16-byte aligned
         assert new.padded - old.padded < world * (16 // new.dtype.itemsize) + world
         assert (new.params, new.offsets, new.numels) == (old.params, old.offsets, old.numels)
     # every element of every parameter is owned by exactly one rank, at the right shard offset
@@ -35,7 +36,7 @@ def test_shards_equal_aligned_and_cover_every_element_once(world, sizes):
             assert lo <= piece.bucket_lo and piece.bucket_lo + piece.numel <= hi
             assert piece.bucket_lo == off + piece.param_lo
             assert piece.shard_lo == piece.bucket_lo - lo
-            seen[piece.param_lo:piece.param_hi] += 1
+            seen[piece.param_lo : piece.param_hi] += 1
         assert (seen == 1).all(), (p, seen)
 
 

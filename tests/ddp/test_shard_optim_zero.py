@@ -2,6 +2,7 @@
 flat-shard optimizers (nd.ShardAdamW/ShardSGD, one step per bucket shard, the bfloat16 parameter
 shard written in the same pass), 2 processes on the host backend, against the same optimizer run
 unsharded on the summed grads: bitwise, because the update is elementwise."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -12,7 +13,7 @@ import nccl_ddp as nd
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 BF16 = np.dtype(ml_dtypes.bfloat16)
-SHAPES = [(37, 23), (23,), (23, 5), (11,), (301,)]     # uneven: shards cut through parameters
+SHAPES = [(37, 23), (23,), (23, 5), (11,), (301,)]  # uneven: shards cut through parameters
 STEPS = 4
 WORLD = 2
 
@@ -38,13 +39,15 @@ def _rank(rank, world, kind, dtype):
     from nccl_ddp.ddp.buckets import ParamSpec, assign_buckets
     from nccl_ddp.ddp.shard_layout import shard_layout
     from nccl_ddp.ddp.zero_shards import ZeroShards
+
     nd.init_process_group("host")
     try:
         group = get_world_group()
         device = device_of(group)
         params = _init(dtype)
-        base = assign_buckets([ParamSpec(p.shape, p.dtype) for p in params], 512, 512,
-                              align_bytes=device.align_bytes)
+        base = assign_buckets(
+            [ParamSpec(p.shape, p.dtype) for p in params], 512, 512, align_bytes=device.align_bytes
+        )
         zs = ZeroShards(shard_layout(base, world, device.align_bytes), params, group, device)
         opt = _make(kind)
         states = [opt.init_state(m) for m in zs.master]
@@ -52,17 +55,15 @@ def _rank(rank, world, kind, dtype):
         for step in range(STEPS):
             grads = _grads(rank, step)
             for g in grads:
-                nd.all_reduce(g)                         # sum; 1/world fused into the step
+                nd.all_reduce(g)  # sum; 1/world fused into the step
             zs.collect_full(grads)
             device.current_stream().synchronize()
             for b, (m, g, s) in enumerate(zip(zs.master, zs.grads, states)):
-                opt.step(m, g, s, params_out=zs.owned_params(b) if low else None,
-                         grad_scale=1 / world)
+                opt.step(m, g, s, params_out=zs.owned_params(b) if low else None, grad_scale=1 / world)
             zs.gather(wait=True)
         device.current_stream().synchronize()
         zs.close()
-        return [p.astype(np.float32) for p in params], len(zs.master), sum(m.size for m in
-                                                                            zs.master)
+        return [p.astype(np.float32) for p in params], len(zs.master), sum(m.size for m in zs.master)
     finally:
         nd.destroy_process_group()
 

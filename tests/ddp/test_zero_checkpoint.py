@@ -2,6 +2,7 @@
 consolidated on rank 0 and saved in torch's format, resumed at 3 ranks and at 1 rank for 5 more
 steps: the parameters equal 10 uninterrupted steps of the unsharded torch optimizer (to 1e-6),
 and the saved state loads into a plain torch.optim.AdamW."""
+
 from __future__ import annotations
 
 import os
@@ -22,6 +23,7 @@ def _wrapped(m, stage: int, rank: int, world: int, store: str):
     import torch.distributed as dist
 
     import nccl_ddp as nd
+
     torch.set_num_threads(1)
     nd.init_process_group("host")
     if stage == 2:
@@ -34,6 +36,7 @@ def _close(stage: int) -> None:
     import torch.distributed as dist
 
     import nccl_ddp as nd
+
     nd.destroy_process_group()
     if stage == 1:
         dist.destroy_process_group()
@@ -41,6 +44,7 @@ def _close(stage: int) -> None:
 
 def _save(rank: int, world: int, stage: int, path: str, store: str) -> dict:
     import nccl_ddp as nd
+
     m = make_model()
     wrapped = _wrapped(m, stage, rank, world, store)
     cls, kw = OPTIMIZERS["adamw"]
@@ -55,6 +59,7 @@ def _save(rank: int, world: int, stage: int, path: str, store: str) -> dict:
 
 def _resume(rank: int, world: int, stage: int, path: str, store: str) -> dict:
     import nccl_ddp as nd
+
     m = make_model()
     saved = torch.load(path)
     m.load_state_dict(saved["model"])
@@ -76,7 +81,7 @@ def _unsharded(steps: int, start: int = 0, model=None, opt=None):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)     # three jobs of 2, 3 and 1 ranks
+@pytest.mark.timeout(600)  # three jobs of 2, 3 and 1 ranks
 @pytest.mark.parametrize("stage", STAGES)
 def test_save_at_2_resume_at_3_and_1(stage, tmp_path):
     path = str(tmp_path / "ckpt.pt")
@@ -84,16 +89,22 @@ def test_save_at_2_resume_at_3_and_1(stage, tmp_path):
     m, opt = _unsharded(HALF)
     for rank, params in enumerate(saved):
         for k, v in params_of(m).items():
-            np.testing.assert_allclose(params[k], v, rtol=1e-6, atol=1e-6,
-                                       err_msg=f"rank {rank} after {HALF} steps: {k}")
+            np.testing.assert_allclose(
+                params[k], v, rtol=1e-6, atol=1e-6, err_msg=f"rank {rank} after {HALF} steps: {k}"
+            )
     # the consolidated state is torch's: a plain AdamW loads it and continues like ours
     ck = torch.load(path)
     ref_state = opt.state_dict()
     assert set(ck["optimizer"]["state"]) == set(ref_state["state"])
     for i, s in ref_state["state"].items():
         for key, v in s.items():
-            np.testing.assert_allclose(ck["optimizer"]["state"][i][key].numpy(), v.numpy(),
-                                       rtol=1e-6, atol=1e-7, err_msg=f"state {i} {key}")
+            np.testing.assert_allclose(
+                ck["optimizer"]["state"][i][key].numpy(),
+                v.numpy(),
+                rtol=1e-6,
+                atol=1e-7,
+                err_msg=f"state {i} {key}",
+            )
     _unsharded(HALF, HALF, m, opt)
     expected = params_of(m)
     fresh = make_model()
@@ -104,11 +115,11 @@ def test_save_at_2_resume_at_3_and_1(stage, tmp_path):
     _unsharded(HALF, HALF, fresh, plain)
     for world in (3, 1):
         store = str(tmp_path / f"g{world}")
-        for rank, params in enumerate(run_ranks(_resume, world, stage, path, store,
-                                                timeout=180)):
+        for rank, params in enumerate(run_ranks(_resume, world, stage, path, store, timeout=180)):
             for k, v in expected.items():
-                np.testing.assert_allclose(params[k], v, rtol=1e-6, atol=1e-6,
-                                           err_msg=f"resumed at world {world}, rank {rank}: {k}")
+                np.testing.assert_allclose(
+                    params[k], v, rtol=1e-6, atol=1e-6, err_msg=f"resumed at world {world}, rank {rank}: {k}"
+                )
     for k, v in expected.items():
         np.testing.assert_allclose(params_of(fresh)[k], v, rtol=1e-6, atol=1e-6, err_msg=k)
     assert os.path.exists(path)

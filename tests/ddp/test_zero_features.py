@@ -2,6 +2,7 @@
 no_sync() accumulation and overlap_param_gather (also with a collective of the caller's before
 the next forward) and find_unused_parameters train exactly as torch DDP + unsharded AdamW;
 a comm hook, static_graph, PythonReducer and Join are refused with a ConfigError naming them."""
+
 from __future__ import annotations
 
 import os
@@ -27,8 +28,9 @@ def _features(rank: int, world: int, store_dir: str) -> dict:
     from nccl_ddp.errors import ConfigError
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{os.path.join(store_dir, 'gloo')}",
-                            rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{os.path.join(store_dir, 'gloo')}", rank=rank, world_size=world
+    )
     nd.init_process_group("host")
     cls, kw = OPTIMIZERS["adamw"]
     adamw = getattr(torch.optim, cls)
@@ -69,8 +71,7 @@ def _features(rank: int, world: int, store_dir: str) -> dict:
             z.step()
             nd.all_reduce(torch.ones(1))
         z.zs.wait_all()
-        out["overlap_collective"] = (ref, {n: p.detach().numpy().copy()
-                                           for n, p in m.named_parameters()})
+        out["overlap_collective"] = (ref, {n: p.detach().numpy().copy() for n, p in m.named_parameters()})
         ddp.close()
 
         # find_unused_parameters: gain is unused on odd steps on every rank (its grad stays None,
@@ -82,8 +83,7 @@ def _features(rank: int, world: int, store_dir: str) -> dict:
         for ours_side in (False, True):
             m = make_model()
             if ours_side:
-                wrapped = nd.DistributedDataParallel(m, bucket_cap_mb=SMALL,
-                                                     find_unused_parameters=True)
+                wrapped = nd.DistributedDataParallel(m, bucket_cap_mb=SMALL, find_unused_parameters=True)
                 opt = nd.ZeroRedundancyOptimizer(m.parameters(), adamw, **kw)
             else:
                 wrapped = TorchDDP(m, find_unused_parameters=True)
@@ -100,8 +100,10 @@ def _features(rank: int, world: int, store_dir: str) -> dict:
         out["find_unused"] = tuple(results)
 
         refusals = {}
-        for name, kwargs in (("static_graph", dict(static_graph=True)),
-                             ("PythonReducer", dict(reducer_mode="PythonReducer"))):
+        for name, kwargs in (
+            ("static_graph", dict(static_graph=True)),
+            ("PythonReducer", dict(reducer_mode="PythonReducer")),
+        ):
             m = make_model()
             ddp = nd.DistributedDataParallel(m, **kwargs)
             try:
@@ -147,8 +149,9 @@ def test_matches_torch_ddp_with_unsharded_adamw(results, case):
     for rank, res in enumerate(results):
         reference, ours = res[case]
         for key in reference:
-            np.testing.assert_allclose(ours[key], reference[key], rtol=1e-6, atol=1e-6,
-                                       err_msg=f"rank {rank} {case}: {key}")
+            np.testing.assert_allclose(
+                ours[key], reference[key], rtol=1e-6, atol=1e-6, err_msg=f"rank {rank} {case}: {key}"
+            )
 
 
 @pytest.mark.slow
@@ -157,13 +160,16 @@ def test_overlap_leaves_the_gather_to_the_next_forward(results):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, match", [
-    ("static_graph", "static_graph=True drops parameters"),
-    ("PythonReducer", "reducer_mode='PythonReducer'"),
-    ("hook_before", "comm hook 'bf16_compress_hook'"),
-    ("hook_after", "comm hook 'bf16_compress_hook'"),
-    ("join", "Join with a sharded optimizer"),
-])
+@pytest.mark.parametrize(
+    "name, match",
+    [
+        ("static_graph", "static_graph=True drops parameters"),
+        ("PythonReducer", "reducer_mode='PythonReducer'"),
+        ("hook_before", "comm hook 'bf16_compress_hook'"),
+        ("hook_after", "comm hook 'bf16_compress_hook'"),
+        ("join", "Join with a sharded optimizer"),
+    ],
+)
 def test_conflicts_are_refused_naming_them(results, name, match):
     for rank, res in enumerate(results):
         assert name in res["refusals"], f"rank {rank}: {name} was not refused"

@@ -3,6 +3,7 @@ path of the shard core (CuPy flat buffers as torch CUDA parameters, fp32 master 
 reduce-scatter and the in-place all-gather through NCCL, the global norm for clipping) trains
 as torch's unsharded AdamW on the same GPU does. Prepared on a machine without a GPU: not run
 there."""
+
 import numpy as np
 import pytest
 from mp import run_ranks
@@ -21,6 +22,7 @@ def _train_on_gpu(rank: int, world: int) -> dict:
     adamw = getattr(torch.optim, cls)
     out = {}
     try:
+
         def on_gpu(m):
             return m.cuda()
 

@@ -1,6 +1,7 @@
 """nd.ZeroRedundancyOptimizer on one rank, in this process: what it cannot shard is refused with a
 ConfigError naming it and a refused call changes nothing; add_param_group keeps the state; a bf16
 model's fp32 masters travel in the checkpoint."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -34,14 +35,19 @@ def _step(model, opt, scale=1.0):
 
 
 def _local_state(opt):
-    return {k: {n: v.clone() for n, v in s.items()} for k, s in
-            ((id(t), opt._inner.state[t]) for t in opt._piece_params if t in opt._inner.state)}
+    return {
+        k: {n: v.clone() for n, v in s.items()}
+        for k, s in ((id(t), opt._inner.state[t]) for t in opt._piece_params if t in opt._inner.state)
+    }
 
 
 def test_non_elementwise_optimizer_is_refused(world1):
     m = make_model()
-    with pytest.raises(ConfigError, match=r"torch\.optim\.lbfgs\.LBFGS is not known to be "
-                                          r"elementwise"):
+    with pytest.raises(
+        ConfigError,
+        match=r"torch\.optim\.lbfgs\.LBFGS is not known to be "
+        r"elementwise",
+    ):
         nd.ZeroRedundancyOptimizer(m.parameters(), torch.optim.LBFGS, lr=0.1)
     with pytest.raises(ConfigTypeError, match="optimizer_class must be"):
         nd.ZeroRedundancyOptimizer(m.parameters(), "AdamW", lr=0.1)
@@ -72,8 +78,7 @@ def test_params_not_covered_by_the_wrapper(world1):
     with pytest.raises(ConfigError, match=r"missing \['gain'\]"):
         nd.ZeroRedundancyOptimizer(list(m.parameters())[1:], torch.optim.AdamW, lr=0.1)
     with pytest.raises(ConfigError, match="zero_stage=2|not covered"):
-        nd.ZeroRedundancyOptimizer(make_model().parameters(), torch.optim.AdamW, lr=0.1,
-                                   zero_stage=2)
+        nd.ZeroRedundancyOptimizer(make_model().parameters(), torch.optim.AdamW, lr=0.1, zero_stage=2)
     ddp.close()
 
 
@@ -82,14 +87,21 @@ def test_incompatible_checkpoint_changes_nothing(world1):
     opt = nd.ZeroRedundancyOptimizer(m.parameters(), torch.optim.AdamW, lr=0.01)
     _step(m, opt)
     before = _local_state(opt)
-    other = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.Linear(13, 4),
-                                torch.nn.Linear(4, 3), torch.nn.Linear(1, 1, bias=False))
+    other = torch.nn.Sequential(
+        torch.nn.Linear(7, 13),
+        torch.nn.Linear(13, 4),
+        torch.nn.Linear(4, 3),
+        torch.nn.Linear(1, 1, bias=False),
+    )
     torch_opt = torch.optim.AdamW(other.parameters(), lr=0.01)
     sum(p.sum() for p in other.parameters()).backward()
     torch_opt.step()
     sd = torch_opt.state_dict()
-    with pytest.raises(ConfigError, match=r"state 'exp_avg' of parameter 0 \(shape \(1,\)\) has shape "
-                                          r"\(13, 7\).* another model"):
+    with pytest.raises(
+        ConfigError,
+        match=r"state 'exp_avg' of parameter 0 \(shape \(1,\)\) has shape "
+        r"\(13, 7\).* another model",
+    ):
         opt.load_state_dict(sd)
     after = _local_state(opt)
     assert before.keys() == after.keys()
@@ -125,15 +137,17 @@ def test_non_finite_grads_skip_the_step(world1):
     assert not torch.equal(before["a.weight"], m.a.weight)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(overlap_with_ddp=True), "overlap_with_ddp=True"),
-    (dict(zero_stage=3), "zero_stage must be"),
-    (dict(overlap_param_gather=True), "overlap_param_gather=True needs ZeRO-2"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(overlap_with_ddp=True), "overlap_with_ddp=True"),
+        (dict(zero_stage=3), "zero_stage must be"),
+        (dict(overlap_param_gather=True), "overlap_param_gather=True needs ZeRO-2"),
+    ],
+)
 def test_options_we_cannot_honour(world1, kwargs, match):
     with pytest.raises(ConfigError, match=match):
-        nd.ZeroRedundancyOptimizer(make_model().parameters(), torch.optim.AdamW, lr=0.1,
-                                   **kwargs)
+        nd.ZeroRedundancyOptimizer(make_model().parameters(), torch.optim.AdamW, lr=0.1, **kwargs)
 
 
 def test_clip_reports_the_global_norm(world1):
@@ -157,16 +171,14 @@ def test_add_param_group_after_steps_keeps_state(world1):
     for m, cls in ((ours, nd.ZeroRedundancyOptimizer), (ref, None)):
         first = [m.a.weight, m.a.bias]
         rest = [p for p in m.parameters() if all(p is not q for q in first)]
-        opt = (cls(first, torch.optim.AdamW, lr=0.01) if cls
-               else torch.optim.AdamW(first, lr=0.01))
+        opt = cls(first, torch.optim.AdamW, lr=0.01) if cls else torch.optim.AdamW(first, lr=0.01)
         for step in range(4):
             if step == 2:
                 opt.add_param_group({"params": rest, "lr": 0.03})
             _step(m, opt)
         opts.append(opt)
     for (n, a), b in zip(ours.named_parameters(), ref.parameters()):
-        np.testing.assert_allclose(a.detach().numpy(), b.detach().numpy(), rtol=1e-6, atol=1e-7,
-                                   err_msg=n)
+        np.testing.assert_allclose(a.detach().numpy(), b.detach().numpy(), rtol=1e-6, atol=1e-7, err_msg=n)
     assert opts[0].param_groups[1]["lr"] == 0.03
 
 
@@ -183,10 +195,9 @@ def test_bf16_masters_round_trip_through_the_checkpoint(world1):
     masters = sd["fp32_master"]
     for i, p in enumerate(m.parameters()):
         assert masters[i].dtype == torch.float32 and masters[i].shape == p.shape
-        assert torch.equal(masters[i].to(torch.bfloat16), p.detach())    # p = rounded master
+        assert torch.equal(masters[i].to(torch.bfloat16), p.detach())  # p = rounded master
     # the masters hold what bf16 cannot: a fresh optimizer loads them, not the rounded params
-    assert any(not torch.equal(masters[i], p.detach().float())
-               for i, p in enumerate(m.parameters()))
+    assert any(not torch.equal(masters[i], p.detach().float()) for i, p in enumerate(m.parameters()))
     ddp.close()
     m2 = make_model(torch.bfloat16)
     m2.load_state_dict(m.state_dict())
@@ -206,6 +217,7 @@ def test_reduce_scatter_is_on_the_step_timeline(world1):
     """The timeline counts ZeRO-2's reduce-scatters as the step's communication, one per
     bucket (before: comm 0 ms, 0 buckets)."""
     from nccl_ddp.profiling import Timeline
+
     m = make_model()
     ddp = nd.DistributedDataParallel(m, bucket_cap_mb=400 / (1 << 20))
     opt = nd.ZeroRedundancyOptimizer(m.parameters(), torch.optim.SGD, lr=0.1)

@@ -3,6 +3,7 @@ steps every rank's parameters equal torch DDP + the unsharded torch optimizer's,
 ZeroRedundancyOptimizer's, to 1e-6; ZeRO-2 (our DDP reduce-scatters), ZeRO-1 (torch's DDP),
 AdamW and SGD-momentum, clipping, bf16 parameters with fp32 masters. Shards cut through
 parameters (tests/zero_oracle.py's model, small buckets)."""
+
 from __future__ import annotations
 
 import os
@@ -16,7 +17,7 @@ from mp import run_ranks  # noqa: E402
 from zero_oracle import OPTIMIZERS, make_model, params_of, train, train_masters  # noqa: E402
 
 ZERO2 = True
-SMALL_BUCKETS_MB = 400 / (1 << 20)    # ~100 floats: several buckets, shards cut parameters
+SMALL_BUCKETS_MB = 400 / (1 << 20)  # ~100 floats: several buckets, shards cut parameters
 
 
 def _cases(rank: int, world: int, store_dir: str) -> dict:
@@ -27,8 +28,9 @@ def _cases(rank: int, world: int, store_dir: str) -> dict:
     import nccl_ddp as nd
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{os.path.join(store_dir, 'gloo')}",
-                            rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{os.path.join(store_dir, 'gloo')}", rank=rank, world_size=world
+    )
     nd.init_process_group("host")
     out = {}
     try:
@@ -42,33 +44,28 @@ def _cases(rank: int, world: int, store_dir: str) -> dict:
                     m = make_model()
                     ddp = nd.DistributedDataParallel(m, bucket_cap_mb=SMALL_BUCKETS_MB)
                     z = nd.ZeroRedundancyOptimizer(m.parameters(), cls, **kw)
-                    out[f"zero2-{tag}"] = (ref, train(m, z, ddp, rank, world, clip=clip),
-                                           z._stage)
+                    out[f"zero2-{tag}"] = (ref, train(m, z, ddp, rank, world, clip=clip), z._stage)
                     ddp.close()
                 m = make_model()
                 z = nd.ZeroRedundancyOptimizer(m.parameters(), cls, **kw)
-                out[f"zero1-{tag}"] = (ref, train(m, z, TorchDDP(m), rank, world, clip=clip),
-                                       z._stage)
+                out[f"zero1-{tag}"] = (ref, train(m, z, TorchDDP(m), rank, world, clip=clip), z._stage)
                 if clip is None:
                     m = make_model()
                     tz = TorchZero(m.parameters(), cls, **kw)
                     ours = out[f"zero{2 if ZERO2 else 1}-{tag}"]
-                    out[f"torchzero-{tag}"] = (train(m, tz, TorchDDP(m), rank, world),
-                                               ours[1], ours[2])
+                    out[f"torchzero-{tag}"] = (train(m, tz, TorchDDP(m), rank, world), ours[1], ours[2])
             if not ZERO2:
                 continue
             # bf16 parameters, fp32 masters: our DDP (averaging in the collective, as the
             # reduce-scatter does) with an unsharded master-weight loop is the reference
             m = make_model(torch.bfloat16)
-            ddp = nd.DistributedDataParallel(m, bucket_cap_mb=SMALL_BUCKETS_MB,
-                                             average_in_collective=True)
+            ddp = nd.DistributedDataParallel(m, bucket_cap_mb=SMALL_BUCKETS_MB, average_in_collective=True)
             ref = train_masters(m, ddp, rank, world, name)
             ddp.close()
             m = make_model(torch.bfloat16)
             ddp = nd.DistributedDataParallel(m, bucket_cap_mb=SMALL_BUCKETS_MB)
             z = nd.ZeroRedundancyOptimizer(m.parameters(), cls, **kw)
-            out[f"zero2-bf16-{name}"] = (ref, train(m, z, ddp, rank, world,
-                                                    dtype=torch.bfloat16), z._stage)
+            out[f"zero2-bf16-{name}"] = (ref, train(m, z, ddp, rank, world, dtype=torch.bfloat16), z._stage)
             ddp.close()
     finally:
         nd.destroy_process_group()
@@ -82,8 +79,7 @@ def results(request, tmp_path_factory):
     return world, run_ranks(_cases, world, str(tmp_path_factory.mktemp("gloo")), timeout=300)
 
 
-CASES = [f"{z}-{o}{c}" for z in ("zero2", "zero1")[not ZERO2:] for o in OPTIMIZERS
-         for c in ("", "-clip")]
+CASES = [f"{z}-{o}{c}" for z in ("zero2", "zero1")[not ZERO2 :] for o in OPTIMIZERS for c in ("", "-clip")]
 CASES += [f"torchzero-{o}" for o in OPTIMIZERS]
 CASES += [f"zero2-bf16-{o}" for o in OPTIMIZERS] if ZERO2 else []
 
@@ -97,7 +93,12 @@ def test_params_match_unsharded_torch(results, case):
         assert stage == (1 if case.startswith("zero1") or not ZERO2 else 2)
         assert set(ours) == set(reference)
         for key in reference:
-            np.testing.assert_allclose(ours[key], reference[key], rtol=1e-6, atol=1e-6,
-                                       err_msg=f"world {world} rank {rank} {case}: {key}")
+            np.testing.assert_allclose(
+                ours[key],
+                reference[key],
+                rtol=1e-6,
+                atol=1e-6,
+                err_msg=f"world {world} rank {rank} {case}: {key}",
+            )
         # and the parameters moved: the comparison is not between two untouched models
         assert any(not np.allclose(ours[k], params_of(make_model())[k]) for k in ours)

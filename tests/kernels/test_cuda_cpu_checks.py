@@ -2,6 +2,7 @@
 against NumPy, the translator's refusals, memcheck/racecheck/__ldg/vote/launch-argument errors,
 and a self-check that plants known bugs in copies of bucket.cu and of the launch code
 (nccl_ddp/kernels/cuda.py) and requires every one to be caught."""
+
 import ctypes
 import importlib.util
 import sys
@@ -46,17 +47,45 @@ def _ptx(module, op, a, b=None, out_dtype=np.float32):
     a = np.ascontiguousarray(a)
     b = np.ascontiguousarray(a if b is None else b)
     out = np.empty(a.size, out_dtype)
-    module.lib.cc_ptx(op, a.ctypes.data_as(ctypes.c_void_p), b.ctypes.data_as(ctypes.c_void_p),
-                      out.ctypes.data_as(ctypes.c_void_p), ctypes.c_size_t(a.size))
+    module.lib.cc_ptx(
+        op,
+        a.ctypes.data_as(ctypes.c_void_p),
+        b.ctypes.data_as(ctypes.c_void_p),
+        out.ctypes.data_as(ctypes.c_void_p),
+        ctypes.c_size_t(a.size),
+    )
     return out
 
 
 def _edge_floats(rng, n):
     bits = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
-    special = np.array([0, 0x80000000, 1, 0x80000001, 0x007FFFFF, 0x00800000, 0x7F7FFFFF,
-                        0x7F800000, 0xFF800000, 0x477FEFFF, 0x477FF000, 0x477FF001, 0x33000000,
-                        0x33000001, 0x387FE000, 0x387FF000, 0x38800000, 0x3F808000, 0x3F818000,
-                        0x3F80FFFF, 0x7F7F8000, 0x7F7F7FFF], np.uint32)
+    special = np.array(
+        [
+            0,
+            0x80000000,
+            1,
+            0x80000001,
+            0x007FFFFF,
+            0x00800000,
+            0x7F7FFFFF,
+            0x7F800000,
+            0xFF800000,
+            0x477FEFFF,
+            0x477FF000,
+            0x477FF001,
+            0x33000000,
+            0x33000001,
+            0x387FE000,
+            0x387FF000,
+            0x38800000,
+            0x3F808000,
+            0x3F818000,
+            0x3F80FFFF,
+            0x7F7F8000,
+            0x7F7F7FFF,
+        ],
+        np.uint32,
+    )
     small = (rng.integers(0, 2**23, n // 2) | (rng.integers(0, 2, n // 2) << 31)).astype(np.uint32)
     return np.concatenate([special, bits, small]).view(np.float32)
 
@@ -72,7 +101,7 @@ def test_software_ptx_matches_numpy(module):
             got = _ptx(module, op, x, y)
             nan = np.isnan(ref)
             assert (np.isnan(got) == nan).all()
-            assert (got[nan].view(np.uint32) == 0x7FFFFFFF).all()   # the GPU's canonical NaN
+            assert (got[nan].view(np.uint32) == 0x7FFFFFFF).all()  # the GPU's canonical NaN
             np.testing.assert_array_equal(got[~nan].view(np.uint32), ref[~nan].view(np.uint32))
         bf = _ptx(module, 2, x, out_dtype=np.uint16)
         np.testing.assert_array_equal(bf[fin], x[fin].astype(BF16).view(np.uint16))
@@ -85,32 +114,49 @@ def test_software_ptx_matches_numpy(module):
         ok = ~np.isnan(ref)
         np.testing.assert_array_equal(f[ok].view(np.uint32), ref[ok].view(np.uint32))
         d = rng.standard_normal(100_000) * 2.0 ** rng.integers(-160, 140, 100_000)
-        np.testing.assert_array_equal(_ptx(module, 5, d).view(np.uint32),
-                                      d.astype(np.float32).view(np.uint32))
+        np.testing.assert_array_equal(
+            _ptx(module, 5, d).view(np.uint32), d.astype(np.float32).view(np.uint32)
+        )
         ftz = _ptx(module, 6, np.float32([1e-39, 3.0, 1e-20]), np.float32([1.0, 1e-39, 1e-20]))
-        assert (ftz == 0).all()   # the -ftz=true model flushes inputs and results
+        assert (ftz == 0).all()  # the -ftz=true model flushes inputs and results
 
 
 # ---------------------------------------------------------------------------------------------
 # the translator refuses what it does not model
 
 
-@pytest.mark.parametrize("snippet, message", [
-    ("#include <cuda_fp16.h>\n", "preprocessor directive '#include <cuda_fp16.h>'"),
-    ("#define X 1\n", "preprocessor directive"),
-    (('__device__ float f(float a) { float r; asm("rcp.rn.f32 %0, %1;" : "=f"(r) : "f"(a)); '
-      "return r; }\n"), "inline PTX 'rcp.rn.f32 %0, %1;' is not modelled"),
-    (('__device__ float f(float a) { float r; asm("mul.rn.f32 %0, %1, %2;" : "=r"(r) : '
-      '"f"(a), "f"(a)); return r; }\n'), 'needs one "=f" output'),
-    ("__device__ int f(int a) { return __shfl_sync(0xffffffffu, a, 0); }\n",
-     "__shfl_sync is not modelled"),
-    ("__device__ void f() { __syncthreads(); }\n", "__syncthreads is not modelled"),
-    ("__device__ int f(int* p) { return atomicAdd(p, 1); }\n", "atomicAdd is not modelled"),
-    ("__device__ void f() { asm volatile(\"membar.gl;\"); }\n", "not model"),
-])
+@pytest.mark.parametrize(
+    "snippet, message",
+    [
+        ("#include <cuda_fp16.h>\n", "preprocessor directive '#include <cuda_fp16.h>'"),
+        ("#define X 1\n", "preprocessor directive"),
+        (
+            (
+                '__device__ float f(float a) { float r; asm("rcp.rn.f32 %0, %1;" : "=f"(r) : "f"(a)); '
+                "return r; }\n"
+            ),
+            "inline PTX 'rcp.rn.f32 %0, %1;' is not modelled",
+        ),
+        (
+            (
+                '__device__ float f(float a) { float r; asm("mul.rn.f32 %0, %1, %2;" : "=r"(r) : '
+                '"f"(a), "f"(a)); return r; }\n'
+            ),
+            'needs one "=f" output',
+        ),
+        (
+            "__device__ int f(int a) { return __shfl_sync(0xffffffffu, a, 0); }\n",
+            "__shfl_sync is not modelled",
+        ),
+        ("__device__ void f() { __syncthreads(); }\n", "__syncthreads is not modelled"),
+        ("__device__ int f(int* p) { return atomicAdd(p, 1); }\n", "atomicAdd is not modelled"),
+        ('__device__ void f() { asm volatile("membar.gl;"); }\n', "not model"),
+    ],
+)
 def test_translator_refuses_what_it_does_not_model(snippet, message):
-    with pytest.raises(translate.TranslateError, match=message.replace("(", r"\(")
-                       .replace(")", r"\)").replace("*", r"\*")):
+    with pytest.raises(
+        translate.TranslateError, match=message.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")
+    ):
         translate.translate(SOURCE + snippet, "bucket.cu")
 
 
@@ -118,8 +164,9 @@ def test_translation_maps_every_ptx_statement_and_keeps_lines():
     code, bounds = translate.translate(SOURCE)
     assert "asm" not in code and code.count("\n") == SOURCE.count("\n")
     assert code.count("::cuda_cpu::ptx_") == SOURCE.count("asm(") == 6
-    assert bounds == {n: "kThreads" for n in ("nd_pack", "nd_pack_small", "nd_unpack",
-                                              "nd_unpack_small", "nd_scale")}
+    assert bounds == {
+        n: "kThreads" for n in ("nd_pack", "nd_pack_small", "nd_unpack", "nd_unpack_small", "nd_scale")
+    }
 
 
 TINY = """
@@ -144,8 +191,8 @@ def test_tiny_kernels_faults_and_votes(module):
 
     with pytest.raises(runtime.KernelFault, match="plain dereference of device memory"):
         mod.launch(heap, "plain", 1, 32, [ptr])
-    mod.launch(heap, "vote", 1, 64, [ptr, i32(32)])   # a true vote: every lane sees lane 3
-    assert heap.mem[:256].view(np.int32).tolist() == [1] * 32 + [2] * 32   # warp 1: no lane 3
+    mod.launch(heap, "vote", 1, 64, [ptr, i32(32)])  # a true vote: every lane sees lane 3
+    assert heap.mem[:256].view(np.int32).tolist() == [1] * 32 + [2] * 32  # warp 1: no lane 3
     with pytest.raises(runtime.KernelFault, match="lane 16 exited without joining the vote"):
         mod.launch(heap, "vote", 1, 32, [ptr, i32(16)])
     with pytest.raises(runtime.KernelFault, match="past the end of the allocation"):
@@ -192,8 +239,7 @@ def test_racecheck_overlapping_unpack_destinations_and_ldg_hazard(cp):
     dst = cp.asarray(np.zeros(600, np.float32))
     bucket = cp.asarray(np.ones(1200, np.float32))
     fn = ck.backend().function(0, "nd_unpack_small<float, float, true>")
-    tab, args = _small_table_args(cp, [(dst.data.ptr, 0, 600), (dst.data.ptr + 400, 600, 500)],
-                                  bucket)
+    tab, args = _small_table_args(cp, [(dst.data.ptr, 0, 600), (dst.data.ptr + 400, 600, 500)], bucket)
     with pytest.raises(runtime.KernelFault, match=r"Race \((write-write|read-write|write-read)"):
         fn((tab.grid,), (ck.THREADS,), args + (None,))
     pk = ck.backend().function(0, "nd_pack_small<float, float, false>")
@@ -212,7 +258,7 @@ def test_launch_argument_checks(cp):
         (args[:2] + (np.int64(256),) + args[3:] + (None,), "argument 2 is numpy.int64"),
         (args[:3] + (np.float32(1),) + (None,), "argument 3 is numpy.float32"),
         (args + (None, None), "6 arguments for 5 parameters"),
-        ((tab.small,) + args[1:] + (None,), None),   # size-1 structured ndarray: by value too
+        ((tab.small,) + args[1:] + (None,), None),  # size-1 structured ndarray: by value too
         ((np.zeros(1, [("x", "u1", 5000)]),) + args[1:] + (None,), "5000 bytes, struct"),
     ]
     for a, message in bad:
@@ -223,8 +269,7 @@ def test_launch_argument_checks(cp):
             fn((1,), (ck.THREADS,), a)
     with pytest.raises(runtime.LaunchError, match="__launch_bounds__ allows 256"):
         fn((1,), (512,), args + (None,))
-    big = runtime.load("struct Big { char b[5000]; };\n__global__ void k(Big b) {}\n", ["k"],
-                       False, "big.cu")
+    big = runtime.load("struct Big { char b[5000]; };\n__global__ void k(Big b) {}\n", ["k"], False, "big.cu")
     heap = big.new_heap(1 << 16)
     with pytest.raises(runtime.LaunchError, match="5000 bytes of parameters exceed the 4096"):
         big.launch(heap, "k", 1, 32, [(bytes(5000), "struct", "Big")])
@@ -252,19 +297,20 @@ def _scenario(cp, kb, seed=0):
         K.pack_ref(hosts, want, offs, scale=0.5, nonfinite_flag=fref)
         np.testing.assert_array_equal(bucket.host().view(np.uint32), want.view(np.uint32))
         assert flag.host()[0] == fref[0]
-        for h, d in zip(hosts, devs):      # same pointers, new values: a cached table
+        for h, d in zip(hosts, devs):  # same pointers, new values: a cached table
             h *= 2
             d.host()[...] = h
         kb.pack(devs, bucket, offs, 0.5, None)
         K.pack_ref(hosts, want, offs, scale=0.5)
         np.testing.assert_array_equal(bucket.host().view(np.uint32), want.view(np.uint32))
-        hosts = [h * 3 for h in hosts]     # new arrays, same sizes: a new table
+        hosts = [h * 3 for h in hosts]  # new arrays, same sizes: a new table
         devs = [cp.asarray(h, misalign=4 * (i % 2)) for i, h in enumerate(hosts)]
         kb.pack(devs, bucket, offs, 0.5, None)
         K.pack_ref(hosts, want, offs, scale=0.5)
         np.testing.assert_array_equal(bucket.host().view(np.uint32), want.view(np.uint32))
-        outs = [cp.asarray(np.ones(int(n), np.float32), misalign=4 * (i % 3 == 1))
-                for i, n in enumerate(sizes)]
+        outs = [
+            cp.asarray(np.ones(int(n), np.float32), misalign=4 * (i % 3 == 1)) for i, n in enumerate(sizes)
+        ]
         refs = [np.ones(int(n), np.float32) for n in sizes]
         kb.unpack(outs, bucket, offs, 0.25, True)
         K.unpack_ref(refs, want, offs, scale=0.25, accumulate=True)
@@ -277,54 +323,72 @@ def _scenario(cp, kb, seed=0):
 
 
 KERNEL_BUGS = {
-    "tail index off by one": ("const int t = nvec * kVec + lane;",
-                              "const int t = nvec * kVec + lane + 1;"),
+    "tail index off by one": ("const int t = nvec * kVec + lane;", "const int t = nvec * kVec + lane + 1;"),
     "flush-to-zero multiply": ('asm("mul.rn.f32 %0, %1, %2;"', 'asm("mul.rn.ftz.f32 %0, %1, %2;"'),
     # plain C++ arithmetic compiles to .ftz under CuPy's -ftz=true: caught by its flushes
-    "multiply without its PTX": ('asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));',
-                                 "r = a * b;"),
-    "half the warp skips the vote": ("if (__any_sync(0xffffffffu, bad) && lane == 0)",
-                                     "if (lane < 16 && __any_sync(0xffffffffu, bad) && lane == 0)"),
-    "no vote (lane 0's own flag)": ("if (__any_sync(0xffffffffu, bad) && lane == 0)",
-                                    "if (bad && lane == 0)"),
-    "items done twice (race)": ("item < nitems; item += warps)",
-                                "item < nitems; item += (warps > 1 ? warps / 2 : 1))"),
-    "vectors on 4-byte alignment": ("(reinterpret_cast<u64>(src) % sizeof(RS)) == 0",
-                                    "(reinterpret_cast<u64>(src) % 4) == 0"),
-    "accumulate read through __ldg": ("if constexpr (kAccum) old[k].raw = __ldca(d + i);",
-                                      "if constexpr (kAccum) old[k].raw = __ldg(d + i);"),
-    "small-table lookup off by one": ("if (item >= first_item[k]) {",
-                                      "if (item > first_item[k]) {"),
-    "scale reads past the end": ("for (i64 i = done + tid; i < n; i += stride) {",
-                                 "for (i64 i = done + tid; i <= n; i += stride) {"),
+    "multiply without its PTX": ('asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));', "r = a * b;"),
+    "half the warp skips the vote": (
+        "if (__any_sync(0xffffffffu, bad) && lane == 0)",
+        "if (lane < 16 && __any_sync(0xffffffffu, bad) && lane == 0)",
+    ),
+    "no vote (lane 0's own flag)": (
+        "if (__any_sync(0xffffffffu, bad) && lane == 0)",
+        "if (bad && lane == 0)",
+    ),
+    "items done twice (race)": (
+        "item < nitems; item += warps)",
+        "item < nitems; item += (warps > 1 ? warps / 2 : 1))",
+    ),
+    "vectors on 4-byte alignment": (
+        "(reinterpret_cast<u64>(src) % sizeof(RS)) == 0",
+        "(reinterpret_cast<u64>(src) % 4) == 0",
+    ),
+    "accumulate read through __ldg": (
+        "if constexpr (kAccum) old[k].raw = __ldca(d + i);",
+        "if constexpr (kAccum) old[k].raw = __ldg(d + i);",
+    ),
+    "small-table lookup off by one": ("if (item >= first_item[k]) {", "if (item > first_item[k]) {"),
+    "scale reads past the end": (
+        "for (i64 i = done + tid; i < n; i += stride) {",
+        "for (i64 i = done + tid; i <= n; i += stride) {",
+    ),
 }
 
 LAUNCH_BUGS = {
-    "chunk passed as int64": ("np.int32(chunk), np.float64(scale))",
-                              "np.int64(chunk), np.float64(scale))"),
-    "scale passed as float32": ("np.int32(chunk), np.float64(scale))",
-                                "np.int32(chunk), np.float32(scale))"),
-    "unused small-table slots left 0": ('small["first_item"][0, k + 1:] = nitems',
-                                        'small["first_item"][0, k + 1:] = 0'),
-    "item pointers in elements": ('items["ptr"] = ptrs[seg] + (start * itemsize).astype(np.uint64)',
-                                  'items["ptr"] = ptrs[seg] + start.astype(np.uint64)'),
-    "table cache ignores pointers": ("CHUNK_BYTES, ptrs.tobytes(), sizes.tobytes()",
-                                     "CHUNK_BYTES, sizes.tobytes()"),
+    "chunk passed as int64": ("np.int32(chunk), np.float64(scale))", "np.int64(chunk), np.float64(scale))"),
+    "scale passed as float32": ("np.int32(chunk), np.float64(scale))", "np.int32(chunk), np.float32(scale))"),
+    "unused small-table slots left 0": (
+        'small["first_item"][0, k + 1:] = nitems',
+        'small["first_item"][0, k + 1:] = 0',
+    ),
+    "item pointers in elements": (
+        'items["ptr"] = ptrs[seg] + (start * itemsize).astype(np.uint64)',
+        'items["ptr"] = ptrs[seg] + start.astype(np.uint64)',
+    ),
+    "table cache ignores pointers": (
+        "CHUNK_BYTES, ptrs.tobytes(), sizes.tobytes()",
+        "CHUNK_BYTES, sizes.tobytes()",
+    ),
     "512 threads per block": ("THREADS = 256 ", "THREADS = 512 "),
     "SmallTable mirror one slot too big": ("SMALL_MAX = 32 ", "SMALL_MAX = 33 "),
 }
 
-NAMES = ["nd_pack<float, float, false>", "nd_pack<float, float, true>",
-         "nd_pack_small<float, float, false>", "nd_pack_small<float, float, true>",
-         "nd_unpack<float, float, true>", "nd_unpack_small<float, float, true>",
-         "nd_scale<float>"]
+NAMES = [
+    "nd_pack<float, float, false>",
+    "nd_pack<float, float, true>",
+    "nd_pack_small<float, float, false>",
+    "nd_pack_small<float, float, true>",
+    "nd_unpack<float, float, true>",
+    "nd_unpack_small<float, float, true>",
+    "nd_scale<float>",
+]
 
 
 def _mutant_cuda_module(text):
     spec = importlib.util.spec_from_loader("nccl_ddp.kernels._mutant_cuda", loader=None)
     mod = importlib.util.module_from_spec(spec)
     mod.__file__ = CUDA_PY[0]
-    sys.modules[spec.name] = mod    # dataclasses look their module up while the class is made
+    sys.modules[spec.name] = mod  # dataclasses look their module up while the class is made
     try:
         exec(compile(text, CUDA_PY[0], "exec"), mod.__dict__)  # noqa: S102 (our own source)
     finally:
@@ -379,9 +443,8 @@ def test_build_is_cached_by_source_and_skips_without_a_compiler(module, monkeypa
     assert lib.parent == tmp_path and lib.exists()
     calls = []
     real_run = runtime.subprocess.run
-    monkeypatch.setattr(runtime.subprocess, "run",
-                        lambda cmd, **kw: calls.append(cmd) or real_run(cmd, **kw))
-    assert runtime.build(prog, "k.cu") == lib                # cached: no compile
+    monkeypatch.setattr(runtime.subprocess, "run", lambda cmd, **kw: calls.append(cmd) or real_run(cmd, **kw))
+    assert runtime.build(prog, "k.cu") == lib  # cached: no compile
     assert all("--version" in c for c in calls)
     assert runtime.build(translate.program(src + "\n", ["k"], False, "k.cu"), "k.cu") != lib
     # no compiler: the fake CuPy falls back to the references and says why

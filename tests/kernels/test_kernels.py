@@ -1,6 +1,7 @@
 """Bucket kernels on any machine: NVRTC/nvcc compiles of kernels/bucket.cu, the NumPy references
 (the specification), the launch tables, and the whole CUDA path driven through a fake CuPy whose
 "GPU" executes each launch from its raw arguments (tests/_fake_cupy.py)."""
+
 import re
 import shutil
 import subprocess
@@ -16,16 +17,21 @@ from nccl_ddp.kernels import cuda as ck
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 BF16 = np.dtype(ml_dtypes.bfloat16)
-DT = {"float16": np.dtype(np.float16), "bfloat16": BF16, "float32": np.dtype(np.float32),
-      "float64": np.dtype(np.float64)}
+DT = {
+    "float16": np.dtype(np.float16),
+    "bfloat16": BF16,
+    "float32": np.dtype(np.float32),
+    "float64": np.dtype(np.float64),
+}
 SOURCE = (K.kernel_source_dir() / "bucket.cu").read_text()
-MODULE = ck.module_source()                   # bucket.cu + optim.cu: what NVRTC compiles
-KERNELS = 52 + 18                             # bucket + fused optimizer instantiations
+MODULE = ck.module_source()  # bucket.cu + optim.cu: what NVRTC compiles
+KERNELS = 52 + 18  # bucket + fused optimizer instantiations
 
 
 def _nvrtc():
     try:
         from cupy_backends.cuda.libs import nvrtc
+
         nvrtc.getVersion()
     except Exception as e:  # not installed, or the NVRTC library is missing
         pytest.skip(f"NVRTC not usable ({e}); pip install cupy-cuda12x nvidia-cuda-nvrtc-cu12")
@@ -40,8 +46,7 @@ def _nvrtc_compile(src, arch, names=(), extra=()):
         nvrtc.addNameExpression(prog, n)
     version = tuple(nvrtc.getVersion())
     # --pch is opt-in (CUPY_NVRTC_USE_PCH=1): CuPy's default line has none
-    options = list(cupy_nvrtc_options((*ck.COMPILE_OPTIONS, *extra), arch, version,
-                                      use_pch=False))
+    options = list(cupy_nvrtc_options((*ck.COMPILE_OPTIONS, *extra), arch, version, use_pch=False))
     try:
         nvrtc.compileProgram(prog, list(options))
     except Exception as e:
@@ -65,10 +70,13 @@ def test_nvrtc_compiles_every_kernel_without_warnings(arch):
     entries = re.findall(r"Compiling entry function '(\w+)'", log)
     assert len(entries) == len(names) == KERNELS
     assert "bytes stack frame" in log
-    usage = re.findall(r"Function properties for (\w+)\s*\nptxas\s+\.\s+(\d+) bytes stack "
-                       r"frame, (\d+) bytes spill stores", log)
+    usage = re.findall(
+        r"Function properties for (\w+)\s*\nptxas\s+\.\s+(\d+) bytes stack "
+        r"frame, (\d+) bytes spill stores",
+        log,
+    )
     assert len(usage) == len(names)
-    for fn, stack, spill in usage:   # float64 kernels (cold): ptxas may keep 8 bytes aside
+    for fn, stack, spill in usage:  # float64 kernels (cold): ptxas may keep 8 bytes aside
         limit = 16 if "IddLb" in fn else 0
         assert int(stack) <= limit and int(spill) <= limit, f"{fn}: local memory used"
     lowered = {nvrtc.getLoweredName(prog, n) for n in names}
@@ -79,10 +87,9 @@ def test_nvrtc_compiles_every_kernel_without_warnings(arch):
 def _layout_asserts():
     checks = []
     for cname, dt in (("Seg", ck.SEG_DTYPE), ("SmallTable", ck.SMALL_DTYPE)):
-        checks.append(f"static_assert(sizeof({cname}) == {dt.itemsize}, \"size\");")
+        checks.append(f'static_assert(sizeof({cname}) == {dt.itemsize}, "size");')
         for field, (_, off) in dt.fields.items():
-            checks.append(f"static_assert(offsetof({cname}, {field}) == {off}, "
-                          f"\"{cname}.{field}\");")
+            checks.append(f'static_assert(offsetof({cname}, {field}) == {off}, "{cname}.{field}");')
     return "\n#include <cstddef>\n" + "\n".join(checks) + "\n"
 
 
@@ -95,11 +102,14 @@ def test_struct_sizes_match_the_python_mirrors():
 
 
 def test_aligned_spans_use_16_byte_vectors():
-    names = ["nd_pack<float, float, false>", "nd_pack<float, bf16_t, true>",
-             "nd_unpack<bf16_t, float, true>", "nd_pack_small<f16_t, f16_t, false>"]
+    names = [
+        "nd_pack<float, float, false>",
+        "nd_pack<float, bf16_t, true>",
+        "nd_unpack<bf16_t, float, true>",
+        "nd_pack_small<f16_t, f16_t, false>",
+    ]
     nvrtc, prog = _nvrtc_compile(SOURCE, "compute_90", names)
-    ptx = nvrtc.getPTX(prog).decode() if isinstance(nvrtc.getPTX(prog), bytes) \
-        else nvrtc.getPTX(prog)
+    ptx = nvrtc.getPTX(prog).decode() if isinstance(nvrtc.getPTX(prog), bytes) else nvrtc.getPTX(prog)
     bodies = re.split(r"\.entry ", ptx)[1:]
     assert len(bodies) == len(names)
     for body in bodies:
@@ -127,17 +137,31 @@ def test_no_flush_to_zero_instruction_under_cupys_options():
 def test_nvcc_compiles_with_all_warnings_as_errors(tmp_path):
     inst = tmp_path / "inst.cu"
     refs = ",\n".join(f"  reinterpret_cast<const void*>(&{n})" for n in ck.name_expressions())
-    inst.write_text(MODULE + _layout_asserts() +
-                    f"\nextern const void* const kAll[];\nconst void* const kAll[] = {{\n{refs}\n}};\n")
-    cmd = ["nvcc", "-std=c++17", "-arch=sm_90", "-Werror", "all-warnings", "-Xptxas", "-v",
-           "-c", str(inst), "-o", str(tmp_path / "inst.o")]
+    inst.write_text(
+        MODULE
+        + _layout_asserts()
+        + f"\nextern const void* const kAll[];\nconst void* const kAll[] = {{\n{refs}\n}};\n"
+    )
+    cmd = [
+        "nvcc",
+        "-std=c++17",
+        "-arch=sm_90",
+        "-Werror",
+        "all-warnings",
+        "-Xptxas",
+        "-v",
+        "-c",
+        str(inst),
+        "-o",
+        str(tmp_path / "inst.o"),
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=170)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out
     usage = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores", out)
     assert len(usage) == KERNELS and set(usage) == {("0", "0")}, out
     regs = [int(r) for r in re.findall(r"Used (\d+) registers", out)]
-    assert max(regs) <= 128   # 256-thread blocks keep >= 2 blocks per SM
+    assert max(regs) <= 128  # 256-thread blocks keep >= 2 blocks per SM
 
 
 # ---------------------------------------------------------------------------------------------
@@ -146,8 +170,7 @@ def test_nvcc_compiles_with_all_warnings_as_errors(tmp_path):
 
 def _eq(got, want):
     """Exact equality, NaN == NaN (compared as float64: exact for every dtype here)."""
-    np.testing.assert_array_equal(np.asarray(got).astype(np.float64),
-                                  np.asarray(want).astype(np.float64))
+    np.testing.assert_array_equal(np.asarray(got).astype(np.float64), np.asarray(want).astype(np.float64))
 
 
 def _rand(rng, n, name, lo=-4.0, hi=4.0):
@@ -170,7 +193,7 @@ def _expected_pack(srcs, offs, total, bname, scale, poison):
     out = np.full(total, poison, dtype=DT[bname])
     with np.errstate(over="ignore", invalid="ignore"):
         for x, o in zip(srcs, offs):
-            out[o:o + x.size] = (x.reshape(-1).astype(acc) * acc(scale)).astype(DT[bname])
+            out[o : o + x.size] = (x.reshape(-1).astype(acc) * acc(scale)).astype(DT[bname])
     return out
 
 
@@ -186,9 +209,9 @@ def test_pack_ref_places_scales_and_casts(pair):
     _eq(bucket, want)
     covered = np.zeros(total, bool)
     for o, n in zip(offs, sizes):
-        covered[o:o + n] = True
-    assert np.isnan(bucket[~covered].astype(np.float64)).all()      # gaps untouched
-    assert not np.isnan(bucket[covered].astype(np.float64)).any()   # every element written
+        covered[o : o + n] = True
+    assert np.isnan(bucket[~covered].astype(np.float64)).all()  # gaps untouched
+    assert not np.isnan(bucket[covered].astype(np.float64)).any()  # every element written
 
 
 def test_pack_ref_rounds_once_to_nearest_even():
@@ -199,7 +222,7 @@ def test_pack_ref_rounds_once_to_nearest_even():
     h = np.zeros(5, np.float16)
     flag = np.zeros(1, np.int32)
     K.pack([x], h, [0], nonfinite_flag=flag)
-    assert np.isinf(h[3]) and flag[0] == 1   # 70000 overflows float16: the flag sees the cast
+    assert np.isinf(h[3]) and flag[0] == 1  # 70000 overflows float16: the flag sees the cast
 
 
 @pytest.mark.parametrize("pair", sorted(K.UNPACK_PAIRS))
@@ -214,7 +237,7 @@ def test_unpack_ref_scatters_and_accumulates(pair, accumulate):
     K.unpack(dsts, bucket, offs, scale=0.5, accumulate=accumulate)
     acc = np.float64 if "float64" in pair else np.float32
     for d, b0, o, n in zip(dsts, before, offs, sizes):
-        v = bucket[o:o + n].astype(acc) * acc(0.5)
+        v = bucket[o : o + n].astype(acc) * acc(0.5)
         if accumulate:
             v = b0.astype(acc) + v
         _eq(d, v.astype(DT[pair[1]]))
@@ -274,28 +297,45 @@ def test_nonfinite_flag_set_only_when_seen_and_never_cleared():
     assert flag[0] == 1
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda: K.pack([np.ones(4, np.float16)], np.zeros(8, np.float32), [0]),
-     "dtype pair float16->float32 is not supported"),
-    (lambda: K.unpack([np.ones(4, np.float16)], np.zeros(8, np.float32), [0]),
-     "dtype pair float32->float16 is not supported"),
-    (lambda: K.pack([np.ones(4, np.float32)], np.zeros(8, np.float32), [5]),
-     "ends past the bucket (8 elements)"),
-    (lambda: K.pack([np.ones((4, 4), np.float32)[:, 1]], np.zeros(8, np.float32), [0]),
-     "array 0 (shape (4,), strides (16,)) is not contiguous"),
-    (lambda: K.pack([np.ones(4, np.float32)] * 2, np.zeros(8, np.float32), [0, 3]),
-     "arrays 0 and 1 overlap"),
-    (lambda: K.pack([np.ones(4, np.float32)], np.zeros(8, np.float32), [0, 4]),
-     "1 arrays but 2 offsets"),
-    (lambda: K.pack([np.ones(4, np.float32)], np.zeros(8, np.float32), [-1]),
-     "offset 0 is negative"),
-    (lambda: K.pack([np.ones(4, np.float32), np.ones(2, np.float64)], np.zeros(8, np.float32),
-                    [0, 4]), "array 1 is float64 but array 0 is float32"),
-    (lambda: K.pack([np.ones(4, np.float32)], np.zeros(8, np.float32), [0],
-                    nonfinite_flag=np.zeros(1, np.float32)), "nonfinite_flag must be an int32"),
-    (lambda: K.scale_(np.ones(4, np.int32), 2.0), "scale_: dtype int32 is not supported"),
-    (lambda: K.scale_(np.ones((4, 4), np.float32)[:, 0], 2.0), "is not contiguous"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (
+            lambda: K.pack([np.ones(4, np.float16)], np.zeros(8, np.float32), [0]),
+            "dtype pair float16->float32 is not supported",
+        ),
+        (
+            lambda: K.unpack([np.ones(4, np.float16)], np.zeros(8, np.float32), [0]),
+            "dtype pair float32->float16 is not supported",
+        ),
+        (
+            lambda: K.pack([np.ones(4, np.float32)], np.zeros(8, np.float32), [5]),
+            "ends past the bucket (8 elements)",
+        ),
+        (
+            lambda: K.pack([np.ones((4, 4), np.float32)[:, 1]], np.zeros(8, np.float32), [0]),
+            "array 0 (shape (4,), strides (16,)) is not contiguous",
+        ),
+        (
+            lambda: K.pack([np.ones(4, np.float32)] * 2, np.zeros(8, np.float32), [0, 3]),
+            "arrays 0 and 1 overlap",
+        ),
+        (lambda: K.pack([np.ones(4, np.float32)], np.zeros(8, np.float32), [0, 4]), "1 arrays but 2 offsets"),
+        (lambda: K.pack([np.ones(4, np.float32)], np.zeros(8, np.float32), [-1]), "offset 0 is negative"),
+        (
+            lambda: K.pack([np.ones(4, np.float32), np.ones(2, np.float64)], np.zeros(8, np.float32), [0, 4]),
+            "array 1 is float64 but array 0 is float32",
+        ),
+        (
+            lambda: K.pack(
+                [np.ones(4, np.float32)], np.zeros(8, np.float32), [0], nonfinite_flag=np.zeros(1, np.float32)
+            ),
+            "nonfinite_flag must be an int32",
+        ),
+        (lambda: K.scale_(np.ones(4, np.int32), 2.0), "scale_: dtype int32 is not supported"),
+        (lambda: K.scale_(np.ones((4, 4), np.float32)[:, 0], 2.0), "is not contiguous"),
+    ],
+)
 def test_errors_name_the_kernel_and_argument(call, message):
     with pytest.raises(KernelError, match=re.escape(message)):
         call()
@@ -310,14 +350,16 @@ def test_unpack_allows_overlapping_bucket_ranges():
 
 def test_kernel_source_dir_env_override(tmp_path, monkeypatch):
     monkeypatch.setenv("NCCL_DDP_KERNEL_DIR", str(tmp_path))
-    assert K.kernel_source_dir() != tmp_path            # no bucket.cu there: fall through
+    assert K.kernel_source_dir() != tmp_path  # no bucket.cu there: fall through
     (tmp_path / "bucket.cu").write_text("//")
     assert K.kernel_source_dir() == tmp_path
 
 
 def test_importing_kernels_and_device_does_not_import_cupy():
-    code = ("import sys, nccl_ddp.kernels, nccl_ddp.device, nccl_ddp.kernels.cuda;"
-            "assert 'cupy' not in sys.modules, 'cupy imported'")
+    code = (
+        "import sys, nccl_ddp.kernels, nccl_ddp.device, nccl_ddp.kernels.cuda;"
+        "assert 'cupy' not in sys.modules, 'cupy imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
@@ -334,8 +376,11 @@ def _cover(tab, chunk, itemsize):
             s = tab.small[0]
             t = max(k for k in range(ck.SMALL_MAX) if item >= s["first_item"][k])
             start = (item - int(s["first_item"][t])) * chunk
-            ptr, off, n = int(s["ptr"][t]) + start * itemsize, int(s["off"][t]) + start, \
-                min(chunk, int(s["n"][t]) - start)
+            ptr, off, n = (
+                int(s["ptr"][t]) + start * itemsize,
+                int(s["off"][t]) + start,
+                min(chunk, int(s["n"][t]) - start),
+            )
         else:
             it = tab.items[item]
             ptr, off, n = int(it["ptr"]), int(it["off"]), int(it["n"])
@@ -367,19 +412,20 @@ def test_build_table_covers_every_element_once(count, small):
         assert [s for s, _ in got] == list(range(0, int(sizes[i]), chunk))
 
 
-@pytest.mark.parametrize("sizes", [[6_553_600], [65_536] * 100, [1] * 4000 + [2_000_000],
-                                   list(range(1, 3000)), [7, 0, 5]])
+@pytest.mark.parametrize(
+    "sizes", [[6_553_600], [65_536] * 100, [1] * 4000 + [2_000_000], list(range(1, 3000)), [7, 0, 5]]
+)
 def test_choose_chunk_fills_one_wave(sizes):
     sizes = np.array(sizes, np.int64)
     warps = 132 * 4 * 8
     chunk = ck.choose_chunk(sizes, ("float32", "float32"), warps)
     items = int((-(-sizes // chunk)).sum())
     assert chunk % 16 == 0 and chunk >= ck.MIN_CHUNK
-    assert items <= warps                                  # one wave
-    if chunk > ck.MIN_CHUNK:                               # and the smallest such chunk
+    assert items <= warps  # one wave
+    if chunk > ck.MIN_CHUNK:  # and the smallest such chunk
         assert int((-(-sizes // (chunk - 16))).sum()) > warps
     if len(sizes) == 1:
-        assert items > 0.97 * warps                        # one tensor: spread on every warp
+        assert items > 0.97 * warps  # one tensor: spread on every warp
 
 
 def test_choose_chunk_many_tensors_and_fixed(monkeypatch):
@@ -390,21 +436,27 @@ def test_choose_chunk_many_tensors_and_fixed(monkeypatch):
 
 
 def test_small_table_bytes_are_what_the_kernel_reads():
-    tab = ck.build_table(np.array([0x1000, 0x2004], np.uint64), np.array([3, 5000], np.int64),
-                         np.array([0, 16], np.int64), 2048, 4)
+    tab = ck.build_table(
+        np.array([0x1000, 0x2004], np.uint64),
+        np.array([3, 5000], np.int64),
+        np.array([0, 16], np.int64),
+        2048,
+        4,
+    )
     raw = tab.small.tobytes()
     assert len(raw) == 24 * ck.SMALL_MAX + 4 * (ck.SMALL_MAX + 2)
-    words = np.frombuffer(raw[:24 * ck.SMALL_MAX], "<u8")
-    assert words[0] == 0x1000 and words[1] == 0x2004                       # ptr[]
-    assert words[ck.SMALL_MAX + 1] == 16 and words[2 * ck.SMALL_MAX + 1] == 5000   # off[], n[]
-    ints = np.frombuffer(raw[24 * ck.SMALL_MAX:], "<i4")
-    assert ints[:4].tolist() == [0, 1, 4, 4] and ints[-1] == 2              # first_item, nseg
+    words = np.frombuffer(raw[: 24 * ck.SMALL_MAX], "<u8")
+    assert words[0] == 0x1000 and words[1] == 0x2004  # ptr[]
+    assert words[ck.SMALL_MAX + 1] == 16 and words[2 * ck.SMALL_MAX + 1] == 5000  # off[], n[]
+    ints = np.frombuffer(raw[24 * ck.SMALL_MAX :], "<i4")
+    assert ints[:4].tolist() == [0, 1, 4, 4] and ints[-1] == 2  # first_item, nseg
 
 
 def test_kernel_names():
-    assert ck.kernel_name("pack", ("float32", "bfloat16"), True, False) == \
-        "nd_pack<float, bf16_t, true>"
-    assert ck.kernel_name("unpack", ("float16", "float32"), False, True) == \
-        "nd_unpack_small<f16_t, float, false>"
+    assert ck.kernel_name("pack", ("float32", "bfloat16"), True, False) == "nd_pack<float, bf16_t, true>"
+    assert (
+        ck.kernel_name("unpack", ("float16", "float32"), False, True)
+        == "nd_unpack_small<f16_t, float, false>"
+    )
     assert len(set(ck.name_expressions())) == KERNELS
     assert ck.optim_kernel_name("adamw", "bfloat16", "float16") == "nd_adamw<bf16_t, f16_t>"

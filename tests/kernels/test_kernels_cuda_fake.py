@@ -1,5 +1,6 @@
 """The CUDA path of nccl_ddp.kernels and the "cuda" device, on a fake CuPy (tests/_fake_cupy.py):
 launch count, tables passed by value or uploaded and cached, argument types, streams, events."""
+
 import sys
 import time
 from types import SimpleNamespace
@@ -39,8 +40,7 @@ def cp_ref(monkeypatch):
 def _case(cp, rng, sizes, sdtype, misalign_every=3):
     """Host sources, their fake-device copies (some misaligned by 4 bytes), packed offsets."""
     hosts = [rng.standard_normal(int(n)).astype(sdtype) for n in sizes]
-    devs = [cp.asarray(h, misalign=4 if i % misalign_every == 1 else 0)
-            for i, h in enumerate(hosts)]
+    devs = [cp.asarray(h, misalign=4 if i % misalign_every == 1 else 0) for i, h in enumerate(hosts)]
     offs = (np.cumsum(sizes) - sizes).tolist()
     return hosts, devs, offs, int(np.sum(sizes))
 
@@ -68,11 +68,10 @@ def test_pack_then_unpack_one_launch_each_matches_reference(cp, count, bucket_dt
     np.testing.assert_array_equal(bucket.host().astype(np.float64), want.astype(np.float64))
     assert flag.host()[0] == want_flag[0] == 0
 
-    outs = [cp.asarray(np.full(h.shape, -7.0, np.float32), misalign=4 * (i % 2))
-            for i, h in enumerate(hosts)]
+    outs = [cp.asarray(np.full(h.shape, -7.0, np.float32), misalign=4 * (i % 2)) for i, h in enumerate(hosts)]
     K.unpack(outs, bucket, offs, scale=2.0, accumulate=True)
     assert len(cp.launches) == 2
-    assert len(cp.uploads) == (0 if small else 2)   # outs have other pointers: own table
+    assert len(cp.uploads) == (0 if small else 2)  # outs have other pointers: own table
     ref_outs = [np.full(h.shape, -7.0, np.float32) for h in hosts]
     K.unpack_ref(ref_outs, want, offs, scale=2.0, accumulate=True)
     for o, r in zip(outs, ref_outs):
@@ -102,13 +101,15 @@ def test_table_cache_reused_for_same_pointers_rebuilt_when_they_change(cp):
         K.pack(devs, bucket, offs)
     assert kb.stats["table_builds"] == 1 and kb.stats["table_uploads"] == 1
     assert kb.stats["launches"] == 3
-    assert kb._resident == {(0, "nd_pack<float, float, false>"): 4 * 132 * 8,
-                            (0, "nd_pack<float, float, true>"): 4 * 132 * 8}
+    assert kb._resident == {
+        (0, "nd_pack<float, float, false>"): 4 * 132 * 8,
+        (0, "nd_pack<float, float, true>"): 4 * 132 * 8,
+    }
     # unpack has its own table (its kernel's occupancy may differ), cached the same way
     K.unpack(devs, bucket, offs)
     K.unpack(devs, bucket, offs)
     assert kb.stats["table_builds"] == 2
-    devs[5] = cp.asarray(hosts[5])   # one pointer changes
+    devs[5] = cp.asarray(hosts[5])  # one pointer changes
     K.pack(devs, bucket, offs)
     assert kb.stats["table_builds"] == 3 and kb.stats["table_uploads"] == 3
     # another stream: a table is never shared across streams (pool reuse is stream-ordered)
@@ -158,8 +159,7 @@ def test_cuda_errors(cp):
     nc.flags.c_contiguous = False
     with pytest.raises(KernelError, match="array 0 .* is not contiguous"):
         K.unpack([nc], bucket, [0])
-    with pytest.raises(KernelError, match="array 0 is a numpy.ndarray but the bucket is a "
-                                          "_fake_cupy array"):
+    with pytest.raises(KernelError, match="array 0 is a numpy.ndarray but the bucket is a _fake_cupy array"):
         K.pack([np.ones(4, np.float32)], bucket, [0])
     with pytest.raises(KernelError, match="nonfinite_flag is a numpy array but the bucket"):
         K.pack([cp.empty(4, np.float32)], bucket, [0], nonfinite_flag=np.zeros(1, np.int32))
@@ -173,7 +173,7 @@ def test_cuda_errors(cp):
 
 
 def test_cuda_stream_submit_makes_it_current_and_restores(cp):
-    dev = D.get_device("cuda", local_rank=3)    # one visible GPU: local rank -> GPU 0
+    dev = D.get_device("cuda", local_rank=3)  # one visible GPU: local rank -> GPU 0
     assert isinstance(dev, D.CudaDevice) and dev.kind == "cuda" and dev.device_id == 0
     s = dev.new_stream()
     assert s.stream.non_blocking
@@ -194,7 +194,7 @@ def test_cuda_events_record_wait_and_bounded_synchronize(cp):
     t0 = time.monotonic()
     with pytest.raises(CommTimeout, match="CUDA event not reached within 0.1s"):
         ev.synchronize(timeout=0.1)
-    assert time.monotonic() - t0 < 30   # not the 300 s default
+    assert time.monotonic() - t0 < 30  # not the 300 s default
     ev.event.done = True
     ev.synchronize(timeout=0.1)
     assert ev.query()
@@ -233,9 +233,9 @@ def test_nccl_world_group_runs_on_the_gpu_ddp_uses(cp, monkeypatch):
 
     from nccl_ddp.comm import api
     from nccl_ddp.comm.nccl.backend import NcclProcessGroup
+
     seen = {}
-    monkeypatch.setattr(NcclProcessGroup, "create",
-                        classmethod(lambda cls, *a, **kw: seen.update(kw)))
+    monkeypatch.setattr(NcclProcessGroup, "create", classmethod(lambda cls, *a, **kw: seen.update(kw)))
     api._create_group("nccl", None, SimpleNamespace(rank=1, world_size=2, local_rank=1), 5.0)
     assert seen["device_id"] == 0 == D.get_device("cuda", 1).device_id
 
@@ -246,6 +246,7 @@ def test_nccl_world_group_runs_on_the_gpu_ddp_uses(cp, monkeypatch):
 
 def _bench_module(monkeypatch):
     import importlib.util
+
     path = ROOT / "scripts" / "bench_kernels.py"
     spec = importlib.util.spec_from_file_location("bench_kernels", path)
     bench = importlib.util.module_from_spec(spec)
@@ -257,17 +258,39 @@ def _bench_module(monkeypatch):
 @pytest.mark.slow
 def test_bench_kernels_runs_and_writes_csv(cp_ref, monkeypatch, tmp_path, capsys):
     import csv
+
     cp = cp_ref
     bench = _bench_module(monkeypatch)
     out = tmp_path / "k.csv"
-    rc = bench.main(["--sizes", "1", "--counts", "1,40", "--chunk-bytes", "4096,0",
-                     "--reps", "2", "--batch", "2", "--naive-reps", "1", "--rotate-mib", "1",
-                     "--csv", str(out), "--png", str(tmp_path / "k.png"), "--ops", "pack,unpack"])
+    rc = bench.main(
+        [
+            "--sizes",
+            "1",
+            "--counts",
+            "1,40",
+            "--chunk-bytes",
+            "4096,0",
+            "--reps",
+            "2",
+            "--batch",
+            "2",
+            "--naive-reps",
+            "1",
+            "--rotate-mib",
+            "1",
+            "--csv",
+            str(out),
+            "--png",
+            str(tmp_path / "k.png"),
+            "--ops",
+            "pack,unpack",
+        ]
+    )
     assert rc == 0
     pytest.importorskip("matplotlib")
     assert (tmp_path / "k.png").stat().st_size > 1000
     rows = list(csv.DictReader(out.open()))
-    assert len(rows) == 2 * 2 * 2 * 2      # chunks x ops x pairs x counts
+    assert len(rows) == 2 * 2 * 2 * 2  # chunks x ops x pairs x counts
     assert {r["fixed_B"] for r in rows} == {"4096", "auto"} and ck.CHUNK_BYTES is None
     assert {r["chunk"] for r in rows if r["fixed_B"] == "4096"} == {"1024"}
     for r in rows:
@@ -283,20 +306,47 @@ def test_bench_kernels_fused_optimizer_rows(cp_ref, monkeypatch, tmp_path):
     """sgd/adamw: one row per (op, pair, size) whatever the chunk sweep and tensor counts, each
     pair's grad/parameter dtypes launched."""
     import csv
+
     bench = _bench_module(monkeypatch)
     out = tmp_path / "k.csv"
-    rc = bench.main(["--sizes", "1", "--counts", "1,40", "--chunk-bytes", "4096,0", "--reps",
-                     "2", "--batch", "2", "--rotate-mib", "1", "--csv", str(out), "--png",
-                     str(tmp_path / "k.png"), "--ops", "sgd,adamw"])
+    rc = bench.main(
+        [
+            "--sizes",
+            "1",
+            "--counts",
+            "1,40",
+            "--chunk-bytes",
+            "4096,0",
+            "--reps",
+            "2",
+            "--batch",
+            "2",
+            "--rotate-mib",
+            "1",
+            "--csv",
+            str(out),
+            "--png",
+            str(tmp_path / "k.png"),
+            "--ops",
+            "sgd,adamw",
+        ]
+    )
     assert rc == 0
     rows = list(csv.DictReader(out.open()))
-    assert [(r["op"], r["pair"]) for r in rows] == [("sgd", "f32"), ("sgd", "f32-bf16"),
-                                                    ("adamw", "f32"), ("adamw", "f32-bf16")]
+    assert [(r["op"], r["pair"]) for r in rows] == [
+        ("sgd", "f32"),
+        ("sgd", "f32-bf16"),
+        ("adamw", "f32"),
+        ("adamw", "f32-bf16"),
+    ]
     for r in rows:
         assert float(r["ratio"]) > 0 and float(r["kernel_GBps"]) > 0 and float(r["call_us"]) > 0
     assert {n for n, _, _ in cp_ref.launches} == {
-        "nd_sgd<float, float>", "nd_sgd<bf16_t, bf16_t>", "nd_adamw<float, float>",
-        "nd_adamw<bf16_t, bf16_t>"}
+        "nd_sgd<float, float>",
+        "nd_sgd<bf16_t, bf16_t>",
+        "nd_adamw<float, float>",
+        "nd_adamw<bf16_t, bf16_t>",
+    }
 
 
 def test_small_table_can_be_switched_off(cp, monkeypatch):
@@ -309,9 +359,9 @@ def test_small_table_can_be_switched_off(cp, monkeypatch):
     np.testing.assert_array_equal(bucket.host()[4:14], 2 * x)
 
 
-def test_bench_kernels_keeps_going_after_a_failed_measurement(cp_ref, monkeypatch, tmp_path,
-                                                             capsys):
+def test_bench_kernels_keeps_going_after_a_failed_measurement(cp_ref, monkeypatch, tmp_path, capsys):
     import csv
+
     bench = _bench_module(monkeypatch)
     real = bench.Bench.measure
 
@@ -322,9 +372,28 @@ def test_bench_kernels_keeps_going_after_a_failed_measurement(cp_ref, monkeypatc
 
     monkeypatch.setattr(bench.Bench, "measure", measure)
     out = tmp_path / "k.csv"
-    rc = bench.main(["--sizes", "1", "--counts", "3", "--reps", "1", "--batch", "1",
-                     "--naive-reps", "1", "--rotate-mib", "1", "--csv", str(out), "--png", "",
-                     "--ops", "pack,unpack"])
+    rc = bench.main(
+        [
+            "--sizes",
+            "1",
+            "--counts",
+            "3",
+            "--reps",
+            "1",
+            "--batch",
+            "1",
+            "--naive-reps",
+            "1",
+            "--rotate-mib",
+            "1",
+            "--csv",
+            str(out),
+            "--png",
+            "",
+            "--ops",
+            "pack,unpack",
+        ]
+    )
     assert rc == 1
     assert [r["pair"] for r in csv.DictReader(out.open())] == ["f32", "f32"]
     assert "pack f32-bf16 1 MiB x3: FAILED TypeError: no bfloat16 here" in capsys.readouterr().err
@@ -352,8 +421,10 @@ def test_one_raw_kernel_per_device_and_name(cp):
     assert len(cp.launches) == 6 and cp.compiles == 1
     # pack's occupancy query looks up both variants once; nothing more after the first round
     assert sorted(ck.backend()._functions) == [
-        (0, "nd_pack_small<float, float, false>"), (0, "nd_pack_small<float, float, true>"),
-        (0, "nd_scale<float>")]
+        (0, "nd_pack_small<float, float, false>"),
+        (0, "nd_pack_small<float, float, true>"),
+        (0, "nd_scale<float>"),
+    ]
     assert cp.get_function_calls == 3
 
 
@@ -363,8 +434,9 @@ def test_inputs_the_gpu_cannot_take_are_refused(cp):
     reports a misaligned access, a race and an __ldg hazard for them)."""
     bucket = cp.empty(64, np.float32)
     x = cp.asarray(np.ones(9, np.float32), misalign=2)
-    with pytest.raises(KernelError, match="array 1 starts at 0x[0-9a-f]+, not a multiple of its "
-                                          "4-byte element size"):
+    with pytest.raises(
+        KernelError, match="array 1 starts at 0x[0-9a-f]+, not a multiple of its 4-byte element size"
+    ):
         K.pack([cp.asarray(np.ones(3, np.float32)), x], bucket, [0, 8])
     with pytest.raises(KernelError, match="the bucket starts at .* not a multiple"):
         K.unpack([cp.empty(4, np.float32)], cp.empty(8, np.float32, misalign=1), [0])
@@ -393,7 +465,7 @@ class _CudaView:
         return self
 
     def __dlpack_device__(self):
-        return (2, 0)   # kDLCUDA
+        return (2, 0)  # kDLCUDA
 
 
 def _cupy_from_dlpack(cp, seen):
@@ -402,6 +474,7 @@ def _cupy_from_dlpack(cp, seen):
         assert kind == 2
         seen.append(x)
         return cp.asarray(np.asarray(x.x).view(BF16) if x.x.dtype != BF16 else x.x)
+
     return from_dlpack
 
 
@@ -412,6 +485,7 @@ def frameworks():
     jax = pytest.importorskip("jax")
     from nccl_ddp.adapters import jax as jax_adapter
     from nccl_ddp.adapters import torch as torch_adapter
+
     return torch, jax, torch_adapter, jax_adapter
 
 
@@ -453,21 +527,24 @@ def test_fake_nvrtc_options_follow_cupy_14_2(monkeypatch):
     """--pch is opt-in in CuPy 14.2 (CUPY_NVRTC_USE_PCH=1, NVRTC >= 12.8), and with it NVRTC
     writes a line to the program log."""
     from _fake_cupy import cupy_nvrtc_options, nvrtc_log
+
     monkeypatch.delenv("CUPY_NVRTC_USE_PCH", raising=False)
     base = cupy_nvrtc_options(("-std=c++17",))
-    assert base == ("-std=c++17", "-ftz=true", "-arch=sm_90",
-                    "--device-as-default-execution-space") and nvrtc_log(base) == ""
+    assert (
+        base == ("-std=c++17", "-ftz=true", "-arch=sm_90", "--device-as-default-execution-space")
+        and nvrtc_log(base) == ""
+    )
     monkeypatch.setenv("CUPY_NVRTC_USE_PCH", "1")
     assert cupy_nvrtc_options(("-std=c++17",))[-1] == "--pch"
     assert "--pch" not in cupy_nvrtc_options(("-std=c++17",), nvrtc=(12, 6))
     try:
         from cupy_backends.cuda.libs import nvrtc
+
         nvrtc.getVersion()
     except Exception as e:
         pytest.skip(f"NVRTC not usable ({e})")
-    for opts in (base, base + ("--pch",)):   # the real NVRTC's log for the same options
-        prog = nvrtc.createProgram('extern "C" __global__ void k(float* x) { x[0] = 1.f; }',
-                                   "k.cu", [], [])
+    for opts in (base, base + ("--pch",)):  # the real NVRTC's log for the same options
+        prog = nvrtc.createProgram('extern "C" __global__ void k(float* x) { x[0] = 1.f; }', "k.cu", [], [])
         nvrtc.compileProgram(prog, list(opts))
         assert nvrtc.getProgramLog(prog).replace("\x00", "") == nvrtc_log(opts, "k.cu")
 
@@ -482,6 +559,7 @@ def test_device_table_outlives_its_launch_under_the_async_pool(monkeypatch, evic
     import gc
 
     from _fake_cupy import FakeEvent
+
     fake = FakeCupy(cpu=False, async_pool=True)
     monkeypatch.setitem(sys.modules, "cupy", fake)
     kb = ck.CudaKernels(fake)
@@ -502,7 +580,7 @@ def test_device_table_outlives_its_launch_under_the_async_pool(monkeypatch, evic
 
     def drop(k):
         with side:
-            if evict:   # another table (other pointers, on the side stream) pushes it out
+            if evict:  # another table (other pointers, on the side stream) pushes it out
                 K.pack(srcs[k:] + srcs[:k], bucket, [4 * i for i in range(len(srcs))])
             else:
                 kb.clear_cache()
@@ -510,8 +588,8 @@ def test_device_table_outlives_its_launch_under_the_async_pool(monkeypatch, evic
 
     drop(1)
     assert fake.hazards == []
-    assert table_ptr not in [p for p, _ in fake.frees]   # still held: its launch may be queued
-    for ev in list(FakeEvent.registry.values()):          # the GPU ran the launch stream's work
+    assert table_ptr not in [p for p, _ in fake.frees]  # still held: its launch may be queued
+    for ev in list(FakeEvent.registry.values()):  # the GPU ran the launch stream's work
         if getattr(ev, "on_ptr", None) == 0xABC0:
             ev.done = True
     drop(2)

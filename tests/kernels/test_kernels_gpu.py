@@ -1,6 +1,7 @@
 """Bucket kernels on a real GPU against their NumPy references: fresh random data, outputs
 poisoned first, every dtype pair, 1/100/10,000 tensors, misaligned sources, the table cache,
 one launch per call, and stream ordering through events (no host sync in between)."""
+
 import io
 
 import numpy as np
@@ -13,8 +14,12 @@ pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 ml_dtypes = pytest.importorskip("ml_dtypes")
 BF16 = np.dtype(ml_dtypes.bfloat16)
-DT = {"float16": np.dtype(np.float16), "bfloat16": BF16, "float32": np.dtype(np.float32),
-      "float64": np.dtype(np.float64)}
+DT = {
+    "float16": np.dtype(np.float16),
+    "bfloat16": BF16,
+    "float32": np.dtype(np.float32),
+    "float64": np.dtype(np.float64),
+}
 
 
 def to_dev(h):
@@ -35,8 +40,7 @@ def to_host(d):
 
 def eq(got, want):
     """Exact, NaN == NaN (as float64, exact for every dtype here)."""
-    np.testing.assert_array_equal(np.asarray(got).astype(np.float64),
-                                  np.asarray(want).astype(np.float64))
+    np.testing.assert_array_equal(np.asarray(got).astype(np.float64), np.asarray(want).astype(np.float64))
 
 
 def make_sources(rng, count, dtype, misalign):
@@ -53,14 +57,14 @@ def make_sources(rng, count, dtype, misalign):
         pos += int(n)
     flat = np.zeros(pos + 1, DT[dtype])
     for h, s in zip(hosts, starts):
-        flat[s:s + h.size] = h
+        flat[s : s + h.size] = h
     base = to_dev(flat)
-    devs = [base[s:s + h.size] for h, s in zip(hosts, starts)]
+    devs = [base[s : s + h.size] for h, s in zip(hosts, starts)]
     align = 16 // DT[dtype].itemsize
     offs, pos = [], 0
     for n in sizes:
         offs.append(pos)
-        pos += -(-int(n) // align) * align   # 16-byte aligned bucket offsets
+        pos += -(-int(n) // align) * align  # 16-byte aligned bucket offsets
     return hosts, devs, offs, pos + align
 
 
@@ -127,11 +131,11 @@ def test_checked_unpack_and_flag_nonfinite_match_reference(pair, count):
             eq(to_host(d), h)
         assert int(to_host(flag)[0]) == int(want[0]) == int(bad)
         if pair[0] == pair[1]:
-            views = [bucket[o:o + h.size] for o, h in zip(offs, hosts)]
+            views = [bucket[o : o + h.size] for o, h in zip(offs, hosts)]
             flag2 = cp.zeros(1, np.int32)
             K.flag_nonfinite(views, bucket, offs, flag2)
             assert int(to_host(flag2)[0]) == int(bad)
-            eq(to_host(bucket), bucket_h)          # the check does not write the bucket
+            eq(to_host(bucket), bucket_h)  # the check does not write the bucket
 
 
 @pytest.mark.parametrize("dtype", sorted(K.SCALE_DTYPES))
@@ -168,18 +172,19 @@ def test_table_cache_reused_then_rebuilt_when_pointers_change():
     for _ in range(3):
         K.pack(devs, bucket, offs)
     assert (kb.stats["table_builds"], kb.stats["table_uploads"]) == (builds, uploads)
-    devs = [cp.asarray(h) + 1 for h in hosts]   # new arrays, new pointers, new values
+    devs = [cp.asarray(h) + 1 for h in hosts]  # new arrays, new pointers, new values
     K.pack(devs, bucket, offs)
     assert kb.stats["table_builds"] == builds + 1 and kb.stats["table_uploads"] == uploads + 1
     want = np.zeros(total, np.float32)
     K.pack_ref([h + np.float32(1) for h in hosts], want, offs)
     got = to_host(bucket)
     for o, h in zip(offs, hosts):
-        eq(got[o:o + h.size], want[o:o + h.size])
+        eq(got[o : o + h.size], want[o : o + h.size])
 
 
 def test_stream_ordering_through_events_without_host_sync():
     from nccl_ddp.device import get_device
+
     dev = get_device("cuda")
     producer, consumer = dev.new_stream(), dev.new_stream()
     n = 1 << 22
@@ -189,14 +194,14 @@ def test_stream_ordering_through_events_without_host_sync():
     cp.cuda.Device().synchronize()
 
     def produce():
-        for _ in range(20):                       # keep the producer busy for a while
+        for _ in range(20):  # keep the producer busy for a while
             cp.multiply(scratch, 1.0000001, out=scratch)
         for i, s in enumerate(srcs):
             s.fill(i + 1)
 
     producer.submit(produce)
     ready = producer.record()
-    consumer.wait(ready)                          # no host block
+    consumer.wait(ready)  # no host block
     consumer.submit(K.pack, srcs, bucket, [i * n for i in range(40)], scale=2.0)
     done = consumer.record()
     done.synchronize(timeout=60)
@@ -207,8 +212,7 @@ def test_stream_ordering_through_events_without_host_sync():
 
 def test_module_compiles_without_warnings_and_bf16_arrays_work():
     src = (K.kernel_source_dir() / "bucket.cu").read_text()
-    mod = cp.RawModule(code=src, options=ck.COMPILE_OPTIONS,
-                       name_expressions=tuple(ck.name_expressions()))
+    mod = cp.RawModule(code=src, options=ck.COMPILE_OPTIONS, name_expressions=tuple(ck.name_expressions()))
     log = io.StringIO()
     mod.compile(log_stream=log)
     assert log.getvalue().strip() == ""
@@ -234,15 +238,17 @@ def test_occupancy_query_and_one_wave_chunk():
 
 def test_float32_subnormals_survive_cupys_ftz_on_the_gpu():
     """CuPy compiles with -ftz=true: pack/unpack/scale keep float32 subnormals bit for bit."""
-    x = np.array([2.0 ** -149 * 3, -1e-40, 1e-39, 2.0 ** -127, 1e-30, -0.0] * 50, np.float32)
+    x = np.array([2.0**-149 * 3, -1e-40, 1e-39, 2.0**-127, 1e-30, -0.0] * 50, np.float32)
     for bdt in (np.dtype(np.float32), BF16):
         bucket = cp.empty(x.size, dtype=bdt)
         poison(bucket)
         K.pack([to_dev(x)], bucket, [0], scale=0.5)
         want = np.empty(x.size, bdt)
         K.pack_ref([x], want, [0], scale=0.5)
-        np.testing.assert_array_equal(to_host(bucket).view(np.uint16 if bdt == BF16 else np.uint32),
-                                      want.view(np.uint16 if bdt == BF16 else np.uint32))
+        np.testing.assert_array_equal(
+            to_host(bucket).view(np.uint16 if bdt == BF16 else np.uint32),
+            want.view(np.uint16 if bdt == BF16 else np.uint32),
+        )
     out = to_dev(np.full(x.size, 1e-39, np.float32))
     K.unpack([out], to_dev(x), [0], scale=0.25, accumulate=True)
     ref = np.full(x.size, 1e-39, np.float32)
@@ -256,6 +262,7 @@ def test_torch_bfloat16_cuda_tensors_pack_and_unpack():
     if not torch.cuda.is_available():
         pytest.skip("this torch has no CUDA")
     from nccl_ddp.adapters import torch as torch_adapter
+
     t = torch.randn(1001, device="cuda").to(torch.bfloat16)
     native = torch_adapter.to_native(t)
     assert native.dtype == BF16 and native.data.ptr == t.data_ptr()
@@ -282,8 +289,9 @@ def _optim_case(rng, op, gt, pt, n, offset):
     """Host arrays (full-range values, subnormals, -0.0, NaN/Inf grads) and device views that
     start `offset` elements past a 256-byte boundary (a shard cut anywhere in a bucket)."""
     from test_kernels_cpu_exec import values
+
     host = {"master": values(rng, n, "float32"), "grad": values(rng, n, gt, nonfinite=True)}
-    for name in (("a",) if op == "sgd" else ("a", "b", "c")):
+    for name in ("a",) if op == "sgd" else ("a", "b", "c"):
         x = values(rng, n, "float32")
         x[~np.isfinite(x)] = 1.0
         host[name] = x if name == "a" else np.abs(x)
@@ -291,7 +299,7 @@ def _optim_case(rng, op, gt, pt, n, offset):
     dev = {}
     for k, h in host.items():
         base = cp.empty(n + offset + 8, dtype=h.dtype)
-        view = base[offset:offset + n]
+        view = base[offset : offset + n]
         view.set(h)
         dev[k] = view
     poison(dev["out"])
@@ -307,11 +315,31 @@ def test_fused_optimizer_step_matches_reference(op, gt, pt):
         host, dev = _optim_case(rng, op, gt, pt, n, offset)
         for a in (dev, host):
             if op == "sgd":
-                K.sgd_step(a["master"], a["grad"], a["a"], a["out"], lr=0.1, momentum=0.9,
-                           nesterov=True, weight_decay=1e-2, grad_scale=0.5)
+                K.sgd_step(
+                    a["master"],
+                    a["grad"],
+                    a["a"],
+                    a["out"],
+                    lr=0.1,
+                    momentum=0.9,
+                    nesterov=True,
+                    weight_decay=1e-2,
+                    grad_scale=0.5,
+                )
             else:
-                K.adamw_step(a["master"], a["grad"], a["a"], a["b"], a["c"], a["out"], step=5,
-                             lr=1e-3, weight_decay=0.1, amsgrad=True, grad_scale=1 / 3)
+                K.adamw_step(
+                    a["master"],
+                    a["grad"],
+                    a["a"],
+                    a["b"],
+                    a["c"],
+                    a["out"],
+                    step=5,
+                    lr=1e-3,
+                    weight_decay=0.1,
+                    amsgrad=True,
+                    grad_scale=1 / 3,
+                )
         cp.cuda.Device().synchronize()
         for k, h in host.items():
             eq(to_host(dev[k]), h)
@@ -319,6 +347,7 @@ def test_fused_optimizer_step_matches_reference(op, gt, pt):
 
 def test_shard_adamw_on_cupy_equals_numpy_over_steps():
     import nccl_ddp as nd
+
     rng = np.random.default_rng()
     n = 3_000_001
     m_h = rng.standard_normal(n).astype(np.float32)

@@ -2,6 +2,7 @@
 memory and race checks) through the project's launch path on the fake CuPy: every nd_sgd/nd_adamw
 instantiation bit for bit against the NumPy references (nccl_ddp.kernels.optim_spec), on random
 shards of any length and alignment with subnormals, -0.0, huge values and NaN/Inf grads."""
+
 import _fake_cupy
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from nccl_ddp.kernels import cuda as ck
 from nccl_ddp.kernels import cuda_optim
 from nccl_ddp.kernels.optim_spec import GRAD_DTYPES, PARAM_DTYPES
 
-cp = test_kernels_cpu_exec.cp   # the fixture: the fake CuPy running the CPU build
+cp = test_kernels_cpu_exec.cp  # the fixture: the fake CuPy running the CPU build
 PAIRS = [(g, p) for g in sorted(GRAD_DTYPES) for p in sorted(PARAM_DTYPES)]
 LENGTHS = [1, 2, 3, 4, 5, 7, 31, 64, 129, 1000, 3001]
 
@@ -45,17 +46,28 @@ def _shard(cp, rng, n, gt, pt, names, out, same_offset):
 def _sgd_kwargs(rng):
     momentum = float(rng.choice([0.0, 0.9, 0.5]))
     nesterov = bool(momentum and rng.integers(0, 2))
-    return dict(lr=float(rng.choice([0.1, 1e-3, 3.0])), momentum=momentum,
-                dampening=0.0 if nesterov else float(rng.choice([0.0, 0.1])),
-                weight_decay=float(rng.choice([0.0, 1e-2])), nesterov=nesterov,
-                fresh_buffer=bool(rng.integers(0, 2)), grad_scale=float(rng.choice(SCALES)))
+    return dict(
+        lr=float(rng.choice([0.1, 1e-3, 3.0])),
+        momentum=momentum,
+        dampening=0.0 if nesterov else float(rng.choice([0.0, 0.1])),
+        weight_decay=float(rng.choice([0.0, 1e-2])),
+        nesterov=nesterov,
+        fresh_buffer=bool(rng.integers(0, 2)),
+        grad_scale=float(rng.choice(SCALES)),
+    )
 
 
 def _adamw_kwargs(rng):
-    return dict(step=int(rng.choice([1, 2, 7, 1000])), lr=float(rng.choice([1e-3, 0.1])),
-                beta1=float(rng.choice([0.9, 0.3, 0.0])), beta2=float(rng.choice([0.999, 0.95])),
-                eps=float(rng.choice([1e-8, 1e-40])), weight_decay=float(rng.choice([0.0, 0.1])),
-                amsgrad=bool(rng.integers(0, 2)), grad_scale=float(rng.choice(SCALES)))
+    return dict(
+        step=int(rng.choice([1, 2, 7, 1000])),
+        lr=float(rng.choice([1e-3, 0.1])),
+        beta1=float(rng.choice([0.9, 0.3, 0.0])),
+        beta2=float(rng.choice([0.999, 0.95])),
+        eps=float(rng.choice([1e-8, 1e-40])),
+        weight_decay=float(rng.choice([0.0, 0.1])),
+        amsgrad=bool(rng.integers(0, 2)),
+        grad_scale=float(rng.choice(SCALES)),
+    )
 
 
 def _run(cp, rng, op, gt, pt, n, same_offset, out=True):
@@ -71,8 +83,10 @@ def _run(cp, rng, op, gt, pt, n, same_offset, out=True):
         if op == "sgd":
             K.sgd_step(a["master"], a["grad"], a.get("buf"), a.get("out"), **kw)
         else:
-            K.adamw_step(a["master"], a["grad"], a["exp_avg"], a["exp_avg_sq"], a.get("vmax"),
-                         a.get("out"), **kw)
+            K.adamw_step(
+                a["master"], a["grad"], a["exp_avg"], a["exp_avg_sq"], a.get("vmax"), a.get("out"), **kw
+            )
+
     before = len(cp.launches)
     call(dev)
     call(host)
@@ -108,20 +122,33 @@ def test_one_block_strides_over_a_long_shard(cp, monkeypatch, op):
 def test_subnormals_and_signed_zeros_survive_cupys_ftz(cp):
     """CuPy compiles with -ftz=true: the float32 updates must keep subnormal grads, states and
     results (inline PTX without .ftz), and -0.0 where torch keeps it."""
-    tiny = np.array([2.0 ** -149, -(2.0 ** -140), 1e-39, -1e-40, -0.0, 0.0, 1e-30, 3e-38] * 5,
-                    np.float32)
+    tiny = np.array([2.0**-149, -(2.0**-140), 1e-39, -1e-40, -0.0, 0.0, 1e-30, 3e-38] * 5, np.float32)
     n = tiny.size
     for op in ("sgd", "adamw"):
-        host = {"master": tiny[::-1].copy(), "grad": tiny.copy(), "a": np.abs(tiny),
-                "b": np.abs(tiny[::-1]), "out": np.zeros(n, np.float32)}
+        host = {
+            "master": tiny[::-1].copy(),
+            "grad": tiny.copy(),
+            "a": np.abs(tiny),
+            "b": np.abs(tiny[::-1]),
+            "out": np.zeros(n, np.float32),
+        }
         dev = {k: cp.asarray(v) for k, v in host.items()}
         for a in (dev, host):
             if op == "sgd":
-                K.sgd_step(a["master"], a["grad"], a["a"], a["out"], lr=0.5, momentum=0.5,
-                           weight_decay=0.25)
+                K.sgd_step(a["master"], a["grad"], a["a"], a["out"], lr=0.5, momentum=0.5, weight_decay=0.25)
             else:
-                K.adamw_step(a["master"], a["grad"], a["a"], a["b"], None, a["out"], step=3,
-                             lr=1e-38, eps=1e-45, weight_decay=0.0)
+                K.adamw_step(
+                    a["master"],
+                    a["grad"],
+                    a["a"],
+                    a["b"],
+                    None,
+                    a["out"],
+                    step=3,
+                    lr=1e-38,
+                    eps=1e-45,
+                    weight_decay=0.0,
+                )
         for k in host:
             assert_bits_equal(dev[k].host(), host[k], f"{op} {k}")
         u = host["out"].view(np.uint32)
@@ -138,8 +165,10 @@ def test_bad_shards_are_refused_before_any_write(cp):
         ((m, g[: n - 1], a, v), "grad has 63 elements but master has 64"),
         ((m, cp.asarray(np.ones(n, np.float64)), a, v), "grad dtype float64"),
         ((cp.asarray(np.ones(n, np.float16)), g, a, v), "master is float16"),
-        ((m, cp.asarray(np.ones(n + 1, np.float32)).view(np.uint8)[2:2 + 4 * n].view(np.float32),
-          a, v), "not a multiple of its 4-byte"),
+        (
+            (m, cp.asarray(np.ones(n + 1, np.float32)).view(np.uint8)[2 : 2 + 4 * n].view(np.float32), a, v),
+            "not a multiple of its 4-byte",
+        ),
     ]
     for args, message in cases:
         with pytest.raises(KernelError, match=message):

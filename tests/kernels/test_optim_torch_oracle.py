@@ -2,22 +2,26 @@
 i.e. nccl_ddp.kernels.optim_spec) against torch.optim.SGD/AdamW on float32, several steps: SGD
 bitwise; AdamW's states bitwise and its parameters bitwise too once torch's CPU sqrt (MKL's, not
 correctly rounded) is replaced by an IEEE one."""
+
 import numpy as np
 import pytest
 
 import nccl_ddp as nd
 
 torch = pytest.importorskip("torch")
-pytestmark = pytest.mark.slow   # torch.optim's first step imports torch._dynamo (10-20 s here)
+pytestmark = pytest.mark.slow  # torch.optim's first step imports torch._dynamo (10-20 s here)
 
 
 # ---------------------------------------------------------------------------------------------
 # the references against torch.optim on float32
 
 
-SGD_SETTINGS = [dict(lr=0.1), dict(lr=0.1, momentum=0.9),
-                dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=1e-3),
-                dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)]
+SGD_SETTINGS = [
+    dict(lr=0.1),
+    dict(lr=0.1, momentum=0.9),
+    dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=1e-3),
+    dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
+]
 
 
 @pytest.mark.parametrize("kw", SGD_SETTINGS, ids=str)
@@ -53,14 +57,17 @@ def _adamw_pair(n, kw, steps=6, clip=None):
         g = (rng.standard_normal(n) * (1.0 if t % 2 else 1e-3)).astype(np.float32)
         tp.grad = torch.tensor(g)
         if clip is not None:
-            tp.grad.mul_(torch.tensor(clip, dtype=torch.float32))   # clip_grad_norm_'s multiply
+            tp.grad.mul_(torch.tensor(clip, dtype=torch.float32))  # clip_grad_norm_'s multiply
         topt.step()
         opt.step(master, g, state, grad_scale=1.0 if clip is None else clip)
     return master, state, tp.detach().numpy(), topt.state[tp]
 
 
-ADAMW_SETTINGS = [dict(lr=1e-2, weight_decay=0.1), dict(lr=1e-3, amsgrad=True),
-                  dict(lr=3e-3, betas=(0.3, 0.9), eps=1e-6, weight_decay=0.0)]
+ADAMW_SETTINGS = [
+    dict(lr=1e-2, weight_decay=0.1),
+    dict(lr=1e-3, amsgrad=True),
+    dict(lr=3e-3, betas=(0.3, 0.9), eps=1e-6, weight_decay=0.0),
+]
 
 
 @pytest.mark.parametrize("kw", ADAMW_SETTINGS, ids=str)
@@ -77,9 +84,9 @@ def test_shard_adamw_matches_torch_adamw(kw):
 def test_shard_adamw_equals_torch_adamw_bitwise_with_an_ieee_sqrt(monkeypatch):
     """The only difference is torch's CPU sqrt: with Tensor.sqrt correctly rounded (as the GPU's
     sqrt.rn and NumPy's), every parameter is bitwise equal."""
-    ieee = lambda self: torch.from_numpy(np.sqrt(self.detach().numpy()))   # noqa: E731
+    ieee = lambda self: torch.from_numpy(np.sqrt(self.detach().numpy()))  # noqa: E731
     master, _, tparam, _ = _adamw_pair(20000, ADAMW_SETTINGS[0])
-    assert (master != tparam).any()          # torch's own sqrt: some ulps apart
+    assert (master != tparam).any()  # torch's own sqrt: some ulps apart
     monkeypatch.setattr(torch.Tensor, "sqrt", ieee)
     for kw in ADAMW_SETTINGS:
         master, _, tparam, _ = _adamw_pair(20000, kw)

@@ -23,8 +23,14 @@ def _run(args, timeout=60, env=None, **kw):
     full_env = dict(os.environ, **(env or {}))
     for var in ("MASTER_ADDR", "MASTER_PORT", "NCCL_DDP_SECRET", "RANK", "WORLD_SIZE"):
         full_env.pop(var, None)
-    return subprocess.run([sys.executable, "-m", "nccl_ddp.launch", *args], capture_output=True,
-                          text=True, timeout=timeout, env=full_env, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "nccl_ddp.launch", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+        **kw,
+    )
 
 
 def _alive(pid):
@@ -61,8 +67,7 @@ TORCHRUN_STYLE = """
 def test_two_ranks_prefixed_output_and_logs(tmp_path):
     # torchrun's layout: LOG_DIR/<run id>_<random>/attempt_0/<local rank>/{stdout,stderr}.log
     script = _script(tmp_path, TORCHRUN_STYLE)
-    r = _run(["--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"), "--rdzv-id", "job",
-              script])
+    r = _run(["--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"), "--rdzv-id", "job", script])
     assert r.returncode == 0, r.stderr
     (run_dir,) = (tmp_path / "logs").glob("job_*")
     for rank in (0, 1):
@@ -76,8 +81,7 @@ def test_two_ranks_prefixed_output_and_logs(tmp_path):
 
 def test_module_entrypoint_and_args(tmp_path):
     _script(tmp_path, "import sys, os; print(os.environ['RANK'], sys.argv[1:])", "mymod.py")
-    r = _run(["--nproc-per-node", "2", "-m", "mymod", "--lr", "0.1"],
-             env={"PYTHONPATH": str(tmp_path)})
+    r = _run(["--nproc-per-node", "2", "-m", "mymod", "--lr", "0.1"], env={"PYTHONPATH": str(tmp_path)})
     assert r.returncode == 0, r.stderr
     assert "[rank 1] 1 ['--lr', '0.1']" in r.stdout
 
@@ -114,7 +118,9 @@ def test_failing_rank_stops_the_others(tmp_path, mode):
 
 @pytest.mark.parametrize("mode", ["plain", "ignore-term"])
 def test_sigterm_to_launcher_stops_everything(tmp_path, mode):
-    script = _script(tmp_path, """
+    script = _script(
+        tmp_path,
+        """
         import os, signal, subprocess, sys, time
         if sys.argv[2] == "ignore-term":
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -122,11 +128,27 @@ def test_sigterm_to_launcher_stops_everything(tmp_path, mode):
         rank = os.environ["RANK"]
         open(os.path.join(sys.argv[1], "pids" + rank), "w").write(f"{os.getpid()} {child.pid}")
         time.sleep(120)
-    """)
+    """,
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "NCCL_DDP_SECRET")}
-    proc = subprocess.Popen([sys.executable, "-m", "nccl_ddp.launch", "--nproc-per-node", "2",
-                             "--grace-period", "60", script, str(tmp_path), mode],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "nccl_ddp.launch",
+            "--nproc-per-node",
+            "2",
+            "--grace-period",
+            "60",
+            script,
+            str(tmp_path),
+            mode,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         deadline = time.monotonic() + 30
         files = [tmp_path / "pids0", tmp_path / "pids1"]
@@ -135,7 +157,7 @@ def test_sigterm_to_launcher_stops_everything(tmp_path, mode):
             time.sleep(0.05)
         pids = [int(p) for f in files for p in f.read_text().split()]
         proc.send_signal(signal.SIGTERM)
-        if mode == "ignore-term":        # workers ignore it: a second signal skips the grace period
+        if mode == "ignore-term":  # workers ignore it: a second signal skips the grace period
             time.sleep(0.5)
             assert proc.poll() is None
             proc.send_signal(signal.SIGTERM)
@@ -150,11 +172,14 @@ def test_sigterm_to_launcher_stops_everything(tmp_path, mode):
 
 
 def test_killed_by_signal_is_reported(tmp_path):
-    script = _script(tmp_path, """
+    script = _script(
+        tmp_path,
+        """
         import os, signal
         if os.environ["RANK"] == "0":
             os.kill(os.getpid(), signal.SIGKILL)
-    """)
+    """,
+    )
     r = _run(["--nproc-per-node", "2", script])
     assert r.returncode == 128 + signal.SIGKILL
     assert "root cause: rank 0 (local rank 0): killed by signal SIGKILL" in r.stderr
@@ -163,10 +188,11 @@ def test_killed_by_signal_is_reported(tmp_path):
 def test_two_standalone_jobs_do_not_collide(tmp_path):
     script = _script(tmp_path, TORCHRUN_STYLE)
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "NCCL_DDP_SECRET")}
-    cmd = [sys.executable, "-m", "nccl_ddp.launch", "--standalone", "--nproc-per-node", "2",
-           script]
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=env) for _ in range(2)]
+    cmd = [sys.executable, "-m", "nccl_ddp.launch", "--standalone", "--nproc-per-node", "2", script]
+    procs = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for _ in range(2)
+    ]
     outs = []
     try:
         for p in procs:
@@ -183,6 +209,7 @@ def test_two_standalone_jobs_do_not_collide(tmp_path):
 
 # ---- configuration ----------------------------------------------------------------------------
 
+
 def test_env_fallbacks(monkeypatch):
     monkeypatch.setenv("NCCL_DDP_NPROC_PER_NODE", "3")
     monkeypatch.setenv("NCCL_DDP_GRACE_PERIOD", "0.5")
@@ -194,16 +221,19 @@ def test_env_fallbacks(monkeypatch):
     assert (cfg.master_addr, cfg.master_port) == ("127.0.0.1", 0)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(nproc_per_node=0), "nproc-per-node"),
-    (dict(nproc_per_node="many"), "nproc-per-node"),
-    (dict(nnodes=2, node_rank=2, master_addr="n0", master_port=5, secret="s"), "node-rank"),
-    (dict(nnodes=2, node_rank=1, master_addr="n0", master_port=5), "NCCL_DDP_SECRET"),
-    (dict(nnodes=2, node_rank=1, master_addr="n0", secret="s"), "master-port"),
-    (dict(nnodes=2, node_rank=1, master_port=5, secret="s"), "master-addr"),
-    (dict(master_port=70000), "master-port"),
-    (dict(entrypoint=""), "no script"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(nproc_per_node=0), "nproc-per-node"),
+        (dict(nproc_per_node="many"), "nproc-per-node"),
+        (dict(nnodes=2, node_rank=2, master_addr="n0", master_port=5, secret="s"), "node-rank"),
+        (dict(nnodes=2, node_rank=1, master_addr="n0", master_port=5), "NCCL_DDP_SECRET"),
+        (dict(nnodes=2, node_rank=1, master_addr="n0", secret="s"), "master-port"),
+        (dict(nnodes=2, node_rank=1, master_port=5, secret="s"), "master-addr"),
+        (dict(master_port=70000), "master-port"),
+        (dict(entrypoint=""), "no script"),
+    ],
+)
 def test_invalid_config(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         LaunchConfig(**dict(dict(entrypoint="train.py"), **kwargs))
@@ -222,13 +252,15 @@ def test_auto_nproc(monkeypatch):
     assert resolve_nproc(5) == 5
 
 
-
 def test_auto_nproc_counts_gpus_with_nvml(monkeypatch):
     import types
+
     calls = []
-    fake = types.SimpleNamespace(nvmlInit=lambda: calls.append("init"),
-                                 nvmlDeviceGetCount=lambda: 4,
-                                 nvmlShutdown=lambda: calls.append("shutdown"))
+    fake = types.SimpleNamespace(
+        nvmlInit=lambda: calls.append("init"),
+        nvmlDeviceGetCount=lambda: 4,
+        nvmlShutdown=lambda: calls.append("shutdown"),
+    )
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     assert resolve_nproc("auto") == 4
@@ -236,6 +268,7 @@ def test_auto_nproc_counts_gpus_with_nvml(monkeypatch):
 
     def broken():
         raise RuntimeError("NVML Shared Library Not Found")
+
     monkeypatch.setitem(sys.modules, "pynvml", types.SimpleNamespace(nvmlInit=broken))
     assert resolve_nproc("auto") == 2
 
@@ -278,21 +311,54 @@ def test_torch_distributed_script_runs_unchanged(tmp_path):
 
 def test_torchrun_spellings_are_accepted():
     # before: exit 2 on --nproc_per_node, --rdzv_id, --rdzv_endpoint, --rdzv-backend, --max-restarts
-    cfg = parse_args(["--nnodes", "1:1", "--nproc_per_node", "2", "--rdzv_id", "job7",
-                      "--rdzv_backend", "c10d", "--rdzv_endpoint", "10.1.2.3:29511",
-                      "--max_restarts", "3", "--node_rank", "0", "--log_dir", "/tmp/x",
-                      "--grace_period", "1.5", "train.py", "--lr", "1"])
+    cfg = parse_args(
+        [
+            "--nnodes",
+            "1:1",
+            "--nproc_per_node",
+            "2",
+            "--rdzv_id",
+            "job7",
+            "--rdzv_backend",
+            "c10d",
+            "--rdzv_endpoint",
+            "10.1.2.3:29511",
+            "--max_restarts",
+            "3",
+            "--node_rank",
+            "0",
+            "--log_dir",
+            "/tmp/x",
+            "--grace_period",
+            "1.5",
+            "train.py",
+            "--lr",
+            "1",
+        ]
+    )
     assert (cfg.nproc_per_node, cfg.nnodes, cfg.node_rank, cfg.max_restarts) == (2, 1, 0, 3)
     assert (cfg.master_addr, cfg.master_port, cfg.run_id) == ("10.1.2.3", 29511, "job7")
     assert (cfg.log_dir, cfg.grace_period, cfg.args) == ("/tmp/x", 1.5, ("--lr", "1"))
-    dashed = parse_args(["--nproc-per-node", "gpu", "--rdzv-backend", "static", "--rdzv-endpoint",
-                         "node0", "--max-restarts", "1", "--master_addr", "ignored", "t.py"])
-    assert (dashed.nproc_per_node, dashed.master_addr, dashed.master_port) == ("auto", "node0",
-                                                                               29400)
+    dashed = parse_args(
+        [
+            "--nproc-per-node",
+            "gpu",
+            "--rdzv-backend",
+            "static",
+            "--rdzv-endpoint",
+            "node0",
+            "--max-restarts",
+            "1",
+            "--master_addr",
+            "ignored",
+            "t.py",
+        ]
+    )
+    assert (dashed.nproc_per_node, dashed.master_addr, dashed.master_port) == ("auto", "node0", 29400)
     with pytest.raises(ConfigError, match="--rdzv-backend='etcd'"):
         parse_args(["--rdzv-backend", "etcd", "t.py"])
     with pytest.raises(SystemExit):
-        parse_args(["--nnodes", "1:4", "t.py"])        # elastic ranges: a clear argparse error
+        parse_args(["--nnodes", "1:4", "t.py"])  # elastic ranges: a clear argparse error
     with pytest.raises(ConfigError, match="--max-restarts=-1"):
         parse_args(["--max-restarts", "-1", "t.py"])
 
@@ -316,15 +382,17 @@ CRASH_ONCE = """
 @pytest.mark.parametrize("restarts", [0, 1])
 def test_max_restarts_restarts_every_worker_after_a_failure(tmp_path, restarts):
     script = _script(tmp_path, CRASH_ONCE)
-    r = _run(["--nproc_per_node", "2", "--max-restarts", str(restarts), "--grace-period", "2",
-              script], timeout=120)
+    r = _run(
+        ["--nproc_per_node", "2", "--max-restarts", str(restarts), "--grace-period", "2", script], timeout=120
+    )
     if restarts == 0:
         assert r.returncode == 5, r.stderr
         assert "restart 1 of" not in r.stderr, r.stderr
         return
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "restart 1 of 1: rank 1 (local rank 1): exit code 5; restarting all 2 worker(s)" \
-        in r.stderr, r.stderr
+    assert "restart 1 of 1: rank 1 (local rank 1): exit code 5; restarting all 2 worker(s)" in r.stderr, (
+        r.stderr
+    )
     for rank in (0, 1):
         assert f"[rank {rank}] attempt 1 sum 3.0" in r.stdout, r.stdout
     assert "[rank 1] attempt 0" not in r.stdout
@@ -333,23 +401,69 @@ def test_max_restarts_restarts_every_worker_after_a_failure(tmp_path, restarts):
 # -- every torchrun flag and variable (issue 21) -------------------------------------------------
 
 ALL_TORCHRUN_FLAGS = [
-    "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-    "localhost:0", "--rdzv-id", "j1", "--rdzv-conf", "join_timeout=900,last_call_timeout=5",
-    "--max-restarts", "1", "--monitor-interval", "0.5", "--start-method", "fork",
-    "--event-log-handler", "null", "--role", "trainer", "--log-dir", "/tmp/l", "-r", "0:1",
-    "-t", "1:2", "--local-ranks-filter", "0,1", "--duplicate-stdout-filters", "a,b",
-    "--duplicate-stderr-filters", "c", "--node-rank", "0", "--master-addr", "127.0.0.1",
-    "--master-port", "29511", "--local-addr", "10.0.0.1", "--logs-specs", "mine",
-    "--numa-binding", "node", "--signals-to-handle", "SIGTERM,SIGUSR1", "--shutdown-timeout",
-    "7", "--virtual-local-rank", "--no-python", "train.sh", "--lr", "1"]
+    "--nnodes",
+    "1",
+    "--nproc-per-node",
+    "2",
+    "--rdzv-backend",
+    "c10d",
+    "--rdzv-endpoint",
+    "localhost:0",
+    "--rdzv-id",
+    "j1",
+    "--rdzv-conf",
+    "join_timeout=900,last_call_timeout=5",
+    "--max-restarts",
+    "1",
+    "--monitor-interval",
+    "0.5",
+    "--start-method",
+    "fork",
+    "--event-log-handler",
+    "null",
+    "--role",
+    "trainer",
+    "--log-dir",
+    "/tmp/l",
+    "-r",
+    "0:1",
+    "-t",
+    "1:2",
+    "--local-ranks-filter",
+    "0,1",
+    "--duplicate-stdout-filters",
+    "a,b",
+    "--duplicate-stderr-filters",
+    "c",
+    "--node-rank",
+    "0",
+    "--master-addr",
+    "127.0.0.1",
+    "--master-port",
+    "29511",
+    "--local-addr",
+    "10.0.0.1",
+    "--logs-specs",
+    "mine",
+    "--numa-binding",
+    "node",
+    "--signals-to-handle",
+    "SIGTERM,SIGUSR1",
+    "--shutdown-timeout",
+    "7",
+    "--virtual-local-rank",
+    "--no-python",
+    "train.sh",
+    "--lr",
+    "1",
+]
 
 
 def test_every_torchrun_flag_is_accepted(caplog):
     # before: "unrecognized arguments" (exit 2) for --tee, --redirects, --role, --rdzv-conf, ...
     caplog.set_level("WARNING", logger="nccl_ddp.launch")
     cfg = parse_args(ALL_TORCHRUN_FLAGS)
-    assert (cfg.role, cfg.monitor_interval, cfg.run_id, cfg.join_timeout) == ("trainer", 0.5,
-                                                                              "j1", 900.0)
+    assert (cfg.role, cfg.monitor_interval, cfg.run_id, cfg.join_timeout) == ("trainer", 0.5, "j1", 900.0)
     assert (cfg.redirects, cfg.tee, cfg.local_ranks_filter) == ({0: 1}, {1: 2}, {0, 1})
     assert (cfg.grace_period, cfg.no_python, cfg.virtual_local_rank) == (7.0, True, True)
     assert [s.name for s in cfg.signals] == ["SIGTERM", "SIGUSR1"]
@@ -357,17 +471,20 @@ def test_every_torchrun_flag_is_accepted(caplog):
     notices = " | ".join(r.getMessage() for r in caplog.records)
     for flag in ("last_call_timeout", "--logs-specs", "--numa-binding", "--local-addr"):
         assert flag in notices, notices
-    assert len(caplog.records) == 4, notices                  # one line each
+    assert len(caplog.records) == 4, notices  # one line each
     assert cfg.duplicate_filters == (("a", "b"), ("c",))
 
 
 def test_torchrun_flag_values_are_checked_and_pet_variables_read(monkeypatch):
-    for bad, match in ((["--tee", "4"], "--tee='4'"), (["--redirects", "0:x"], "--redirects"),
-                       (["--local-ranks-filter", "a"], "local-ranks-filter"),
-                       (["--rdzv-conf", "join_timeout"], "key=value"),
-                       (["--signals-to-handle", "SIGKILL"], "SIGKILL"),
-                       (["--monitor-interval", "0"], "monitor-interval"),
-                       (["--run-path", "rel.py"], "absolute path")):
+    for bad, match in (
+        (["--tee", "4"], "--tee='4'"),
+        (["--redirects", "0:x"], "--redirects"),
+        (["--local-ranks-filter", "a"], "local-ranks-filter"),
+        (["--rdzv-conf", "join_timeout"], "key=value"),
+        (["--signals-to-handle", "SIGKILL"], "SIGKILL"),
+        (["--monitor-interval", "0"], "monitor-interval"),
+        (["--run-path", "rel.py"], "absolute path"),
+    ):
         with pytest.raises(ConfigError, match=match):
             parse_args(bad + ["rel.py"] if bad[0] != "--run-path" else bad)
     monkeypatch.setenv("PET_NPROC_PER_NODE", "3")
@@ -376,19 +493,24 @@ def test_torchrun_flag_values_are_checked_and_pet_variables_read(monkeypatch):
     assert cfg.nproc_per_node == 3 and cfg.standalone and cfg.run_id not in ("", "none")
     monkeypatch.delenv("PET_STANDALONE")
     monkeypatch.setenv("NCCL_DDP_SECRET", "s")
-    assert parse_args(["--log-dir", "d", "t.py"]).tee == 3      # --log-dir alone: tee both
+    assert parse_args(["--log-dir", "d", "t.py"]).tee == 3  # --log-dir alone: tee both
     assert parse_args(["--log-dir", "d", "-r", "3", "t.py"]).tee == 0
-    assert parse_args(["--nnodes", "2", "--rdzv-backend", "c10d", "--master-addr", "n0",
-                       "--master-port", "5", "t.py"]).node_rank is None
+    assert (
+        parse_args(
+            ["--nnodes", "2", "--rdzv-backend", "c10d", "--master-addr", "n0", "--master-port", "5", "t.py"]
+        ).node_rank
+        is None
+    )
 
 
 def test_redirects_tee_and_filter_route_each_stream(tmp_path):
     from nccl_ddp.launch.logs import RunLogs
+
     logs = RunLogs(str(tmp_path), "r", {0: 3, 1: 1}, {1: 2}, frozenset({0, 1}))
     w0, w1, w2 = logs.attempt(0, 3)
     assert w0.console == (False, False) and all(f is not None for f in w0.files)  # redirected
-    assert w1.console == (False, True) and all(f is not None for f in w1.files)   # 1 out, tee err
-    assert w2.console == (False, False) and w2.files == (None, None)              # filtered out
+    assert w1.console == (False, True) and all(f is not None for f in w1.files)  # 1 out, tee err
+    assert w2.console == (False, False) and w2.files == (None, None)  # filtered out
     assert w2.error_file.endswith(os.path.join("attempt_0", "2", "error.json"))
     for w in (w0, w1, w2):
         w.close()
@@ -410,24 +532,52 @@ def test_torchtitan_run_train_line_runs(tmp_path):
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
     _script(pkg, TORCHTITAN, "train.py")
-    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
-           "TMPDIR": str(tmp_path), "PYTORCH_ALLOC_CONF": "expandable_segments:True"}
+    env = {
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+        "TMPDIR": str(tmp_path),
+        "PYTORCH_ALLOC_CONF": "expandable_segments:True",
+    }
     env.pop("OMP_NUM_THREADS", None)
     full = dict(os.environ, **env)
     full.pop("OMP_NUM_THREADS", None)
     r = subprocess.run(
-        [sys.executable, "-m", "nccl_ddp.launch", "--nproc_per_node=2", "--rdzv_backend", "c10d",
-         "--rdzv_endpoint=localhost:0", "--local-ranks-filter", "0", "--role", "rank", "--tee",
-         "3", "-m", "torchtitan.train", "--module", "llama3", "--config", "llama3_debugmodel"],
-        capture_output=True, text=True, timeout=60, env=full, cwd=tmp_path)
+        [
+            sys.executable,
+            "-m",
+            "nccl_ddp.launch",
+            "--nproc_per_node=2",
+            "--rdzv_backend",
+            "c10d",
+            "--rdzv_endpoint=localhost:0",
+            "--local-ranks-filter",
+            "0",
+            "--role",
+            "rank",
+            "--tee",
+            "3",
+            "-m",
+            "torchtitan.train",
+            "--module",
+            "llama3",
+            "--config",
+            "llama3_debugmodel",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=full,
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr
-    (line,) = r.stdout.splitlines()                     # rank 1 is filtered off the console
-    assert line.startswith("[rank 0] RANK=0 LOCAL_RANK=0 ROLE_NAME=rank ROLE_RANK=0 "
-                           "ROLE_WORLD_SIZE=2 GROUP_RANK=0 GROUP_WORLD_SIZE=1 "
-                           "TORCHELASTIC_RUN_ID=none OMP_NUM_THREADS=1 "), line
+    (line,) = r.stdout.splitlines()  # rank 1 is filtered off the console
+    assert line.startswith(
+        "[rank 0] RANK=0 LOCAL_RANK=0 ROLE_NAME=rank ROLE_RANK=0 "
+        "ROLE_WORLD_SIZE=2 GROUP_RANK=0 GROUP_WORLD_SIZE=1 "
+        "TORCHELASTIC_RUN_ID=none OMP_NUM_THREADS=1 "
+    ), line
     assert line.endswith("['--module', 'llama3', '--config', 'llama3_debugmodel']")
     assert "Setting OMP_NUM_THREADS environment variable for each process to be 1" in r.stderr
-    (run_dir,) = tmp_path.glob("nccl-ddp-logs-*/none_*")        # --tee without --log-dir
+    (run_dir,) = tmp_path.glob("nccl-ddp-logs-*/none_*")  # --tee without --log-dir
     out1 = (run_dir / "attempt_0" / "1" / "stdout.log").read_text()
     assert out1.startswith("RANK=1 LOCAL_RANK=1 ROLE_NAME=rank ROLE_RANK=1 ")
     err0 = (run_dir / "attempt_0" / "0" / "stderr.log").read_text()
@@ -436,26 +586,40 @@ def test_torchtitan_run_train_line_runs(tmp_path):
 
 @pytest.mark.slow
 def test_standalone_run_id_and_omp_left_alone_when_set(tmp_path):
-    script = _script(tmp_path, "import os; print(os.environ['TORCHELASTIC_RUN_ID'], "
-                               "os.environ['OMP_NUM_THREADS'])")
+    script = _script(
+        tmp_path, "import os; print(os.environ['TORCHELASTIC_RUN_ID'], os.environ['OMP_NUM_THREADS'])"
+    )
     r = _run(["--standalone", "--nproc-per-node", "2", script], env={"OMP_NUM_THREADS": "3"})
     assert r.returncode == 0, r.stderr
     ids = {line.split()[2] for line in r.stdout.splitlines()}
-    assert len(ids) == 1 and len(ids.pop()) == 36                         # one uuid4 per job
+    assert len(ids) == 1 and len(ids.pop()) == 36  # one uuid4 per job
     assert {line.split()[3] for line in r.stdout.splitlines()} == {"3"}
     assert "OMP_NUM_THREADS" not in r.stderr
 
 
 @pytest.mark.slow
 def test_duplicate_filters_copy_matching_lines(tmp_path):
-    script = _script(tmp_path, """
+    script = _script(
+        tmp_path,
+        """
         import sys
         print("step 1 loss 3.5"); print("noise"); print("a,b")
         print("step 1 on stderr", file=sys.stderr)
-    """)
-    r = _run(["--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"),
-              "--duplicate-stdout-filters", "step,a,,b", "--duplicate-stderr-filters", "stderr",
-              script])
+    """,
+    )
+    r = _run(
+        [
+            "--nproc-per-node",
+            "2",
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--duplicate-stdout-filters",
+            "step,a,,b",
+            "--duplicate-stderr-filters",
+            "stderr",
+            script,
+        ]
+    )
     assert r.returncode == 0, r.stderr
     (attempt,) = (tmp_path / "logs").glob("*/attempt_0")
     out = sorted((attempt / "filtered_stdout.log").read_text().splitlines())
@@ -484,16 +648,23 @@ def test_summary_reads_torch_record_error_file(tmp_path):
     pytest.importorskip("torch")
     r = _run(["--nproc-per-node", "2", _script(tmp_path, TORCH_RECORD)], timeout=120)
     assert r.returncode == 1, r.stderr
-    assert ("root cause: rank 1 (local rank 1): exit code 1: ValueError: bad batch 17 (lost "
-            "peer rank 0 earlier) [blames rank 0]") in r.stderr, r.stderr
+    assert (
+        "root cause: rank 1 (local rank 1): exit code 1: ValueError: bad batch 17 (lost "
+        "peer rank 0 earlier) [blames rank 0]"
+    ) in r.stderr, r.stderr
 
 
 @pytest.mark.slow
 def test_run_path_no_python_and_virtual_local_rank(tmp_path):
-    script = _script(tmp_path, "import os, sys; print(__name__, sys.argv, os.environ['LOCAL_RANK'],"
-                               " os.environ['CUDA_VISIBLE_DEVICES'])")
-    r = _run(["--nproc-per-node", "2", "--run-path", "--virtual-local-rank", script, "x"],
-             env={"CUDA_VISIBLE_DEVICES": "3,5"})
+    script = _script(
+        tmp_path,
+        "import os, sys; print(__name__, sys.argv, os.environ['LOCAL_RANK'],"
+        " os.environ['CUDA_VISIBLE_DEVICES'])",
+    )
+    r = _run(
+        ["--nproc-per-node", "2", "--run-path", "--virtual-local-rank", script, "x"],
+        env={"CUDA_VISIBLE_DEVICES": "3,5"},
+    )
     assert r.returncode == 0, r.stderr
     assert f"[rank 1] __main__ ['{script}', 'x'] 0 5" in r.stdout, r.stdout
     prog = tmp_path / "prog.sh"
@@ -507,6 +678,7 @@ def test_run_path_no_python_and_virtual_local_rank(tmp_path):
 def test_signals_ignored_at_start_stay_ignored():
     """Under nohup SIGHUP is ignored: the launcher must not start handling it (and stop the job)."""
     from nccl_ddp.launch.supervisor import Signals
+
     old = signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
         with Signals((signal.SIGHUP, signal.SIGUSR1)) as sigs:

@@ -1,4 +1,5 @@
 """scripts/bench_ddp.py runs end to end (tiny model, 2 host ranks) and writes its CSV."""
+
 import csv
 import os
 import subprocess
@@ -13,11 +14,32 @@ SCRIPT = os.path.join(ROOT, "scripts", "bench_ddp.py")
 @pytest.mark.slow
 def test_bench_ddp_smoke(tmp_path):
     out = tmp_path / "bench.csv"
-    r = subprocess.run([sys.executable, SCRIPT, "--caps", "0.01,1", "--hidden", "64", "--layers",
-                        "2", "--features", "16", "--steps", "2", "--warmup", "1",
-                        "--profile-steps", "1", "--csv", str(out)],
-                       capture_output=True, text=True, timeout=120,
-                       env=dict(os.environ, NCCL_DDP_NO_PROGRESS="1"))
+    r = subprocess.run(
+        [
+            sys.executable,
+            SCRIPT,
+            "--caps",
+            "0.01,1",
+            "--hidden",
+            "64",
+            "--layers",
+            "2",
+            "--features",
+            "16",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--profile-steps",
+            "1",
+            "--csv",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, NCCL_DDP_NO_PROGRESS="1"),
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     rows = list(csv.DictReader(open(out)))
     assert [float(row["cap_MiB"]) for row in rows] == [0.01, 1.0]
@@ -32,6 +54,7 @@ def test_slowest_reduces_the_backends_array_type(monkeypatch):
     import types
 
     import numpy as np
+
     sys.path.insert(0, os.path.dirname(SCRIPT))
     import benchlib
 
@@ -48,7 +71,8 @@ def test_slowest_reduces_the_backends_array_type(monkeypatch):
             seen.append((type(t), op))
             t[0] = 7.5
 
-        nd = types.SimpleNamespace(all_reduce=all_reduce, get_world_group=lambda: types.
-                                   SimpleNamespace(backend=backend))
+        nd = types.SimpleNamespace(
+            all_reduce=all_reduce, get_world_group=lambda: types.SimpleNamespace(backend=backend)
+        )
         assert benchlib.slowest(nd, 1.5) == 7.5
         assert seen == [(kind, "max")]

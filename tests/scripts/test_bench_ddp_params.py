@@ -1,5 +1,6 @@
 """scripts/bench_ddp.py --many-params runs end to end (tiny stack, worlds 1 and 2, with and without
 the competing busy process) and writes one CSV row per (world, load)."""
+
 import csv
 import os
 import subprocess
@@ -15,11 +16,30 @@ SCRIPT = os.path.join(ROOT, "scripts", "bench_ddp.py")
 def test_many_params_smoke(tmp_path):
     pytest.importorskip("torch")
     out = tmp_path / "params.csv"
-    r = subprocess.run([sys.executable, SCRIPT, "--many-params", "--linears", "3", "--width", "8",
-                        "--rounds", "2", "--warmup", "1", "--load", "--params-csv", str(out),
-                        "--params-png", ""],
-                       capture_output=True, text=True, timeout=240,
-                       env=dict(os.environ, NCCL_DDP_NO_PROGRESS="1"))
+    r = subprocess.run(
+        [
+            sys.executable,
+            SCRIPT,
+            "--many-params",
+            "--linears",
+            "3",
+            "--width",
+            "8",
+            "--rounds",
+            "2",
+            "--warmup",
+            "1",
+            "--load",
+            "--params-csv",
+            str(out),
+            "--params-png",
+            "",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=dict(os.environ, NCCL_DDP_NO_PROGRESS="1"),
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     rows = list(csv.DictReader(open(out)))
     assert [(int(x["world"]), int(x["load"])) for x in rows] == [(1, 0), (2, 0), (1, 1), (2, 1)]

@@ -1,4 +1,5 @@
 """scripts/overlap_report.py against small SQLite files in nsys's export schema with known intervals."""
+
 from __future__ import annotations
 
 import contextlib
@@ -39,7 +40,7 @@ CREATE TABLE NVTX_EVENTS (start INTEGER NOT NULL, end INTEGER, eventType INTEGER
 
 
 def gpid(pid):
-    return (7 << 48) | (pid << 24)       # serialized: high bits (host/vm ids), then the pid
+    return (7 << 48) | (pid << 24)  # serialized: high bits (host/vm ids), then the pid
 
 
 class Report:
@@ -55,16 +56,30 @@ class Report:
         return self.names[value]
 
     def kernel(self, pid, device, start, end, short, demangled=None, stream=7):
-        d = self.sid(demangled) if demangled else 999_999      # dangling id: shortName is used
-        self.conn.execute("INSERT INTO CUPTI_ACTIVITY_KIND_KERNEL VALUES (?,?,?,?,?,?,?,?,?,?)",
-                          (start * MS, end * MS, device, 1, stream, 0, gpid(pid), d,
-                           self.sid(short), None))
+        d = self.sid(demangled) if demangled else 999_999  # dangling id: shortName is used
+        self.conn.execute(
+            "INSERT INTO CUPTI_ACTIVITY_KIND_KERNEL VALUES (?,?,?,?,?,?,?,?,?,?)",
+            (start * MS, end * MS, device, 1, stream, 0, gpid(pid), d, self.sid(short), None),
+        )
 
     def nvtx(self, pid, start, end, text, registered=False, event_type=59):
         text_id = self.sid(text) if registered else None
-        self.conn.execute("INSERT INTO NVTX_EVENTS VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-                          (start * MS, None if end is None else end * MS, event_type, None, None,
-                           None, None if registered else text, gpid(pid) | 12345, None, text_id, 0))
+        self.conn.execute(
+            "INSERT INTO NVTX_EVENTS VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+            (
+                start * MS,
+                None if end is None else end * MS,
+                event_type,
+                None,
+                None,
+                None,
+                None if registered else text,
+                gpid(pid) | 12345,
+                None,
+                text_id,
+                0,
+            ),
+        )
 
     def close(self):
         self.conn.commit()
@@ -91,9 +106,9 @@ def reports(tmp_path):
     r0.nvtx(100, 90, 100, "pack bucket 0 4.00 MiB", registered=True)
     r0.nvtx(100, 100, 300, "allreduce bucket 0 4.00 MiB", registered=True)
     r0.nvtx(100, 450, 500, "allreduce bucket 1 1.00 MiB")
-    r0.nvtx(100, 700, 720, "finalize", event_type=60)          # start/end range
-    r0.nvtx(100, 10, None, "backward", event_type=34)         # a mark: no end, ignored
-    r0.nvtx(100, 0, 1000, "forward")                          # not one of our phases
+    r0.nvtx(100, 700, 720, "finalize", event_type=60)  # start/end range
+    r0.nvtx(100, 10, None, "backward", event_type=34)  # a mark: no end, ignored
+    r0.nvtx(100, 0, 1000, "forward")  # not one of our phases
     r0.close()
     r1 = Report(str(tmp_path / "profile_rank1.sqlite"))
     r1.kernel(200, 1, 0, 20, "conv2d_fprop")
@@ -106,12 +121,17 @@ def reports(tmp_path):
 def test_overlap_numbers_exact(orep, reports):
     (row0,) = orep.report(str(reports[0]))
     assert (row0["rank"], row0["pid"], row0["device"], row0["nccl_kernels"]) == (0, 100, 0, 5)
-    assert row0["nccl_ms"] == 350.0            # [100,300] + [450,500] + [600,700]
-    assert row0["compute_ms"] == 300.0         # [0,150] + [300,450]
-    assert row0["overlap_ms"] == 50.0          # [100,150]; [450,500] only touches [300,450]
+    assert row0["nccl_ms"] == 350.0  # [100,300] + [450,500] + [600,700]
+    assert row0["compute_ms"] == 300.0  # [0,150] + [300,450]
+    assert row0["overlap_ms"] == 50.0  # [100,150]; [450,500] only touches [300,450]
     assert row0["overlap_pct"] == 100.0 * 50 / 350
-    assert (row0["backward_ms"], row0["pack_ms"], row0["allreduce_ms"], row0["unpack_ms"],
-            row0["finalize_ms"]) == (400.0, 10.0, 250.0, 0.0, 20.0)
+    assert (
+        row0["backward_ms"],
+        row0["pack_ms"],
+        row0["allreduce_ms"],
+        row0["unpack_ms"],
+        row0["finalize_ms"],
+    ) == (400.0, 10.0, 250.0, 0.0, 20.0)
     (row1,) = orep.report(str(reports[1]))
     assert (row1["rank"], row1["pid"], row1["device"]) == (1, 200, 1)
     assert (row1["nccl_ms"], row1["overlap_ms"], row1["overlap_pct"]) == (10.0, 10.0, 100.0)
@@ -123,8 +143,17 @@ def test_main_prints_table_and_writes_csv(orep, reports, tmp_path, capsys):
     assert orep.main([str(reports[0]), str(reports[1]), "--csv", str(out_csv)]) == 0
     text = capsys.readouterr().out.splitlines()
     assert text[0].split() == orep.COLUMNS
-    assert text[1].split()[:9] == ["profile_rank0.sqlite", "0", "100", "0", "5", "350.000",
-                                   "300.000", "50.000", "14.3"]
+    assert text[1].split()[:9] == [
+        "profile_rank0.sqlite",
+        "0",
+        "100",
+        "0",
+        "5",
+        "350.000",
+        "300.000",
+        "50.000",
+        "14.3",
+    ]
     rows = list(csv.DictReader(out_csv.open()))
     assert [r["rank"] for r in rows] == ["0", "1"] and float(rows[1]["overlap_pct"]) == 100.0
 
@@ -169,32 +198,38 @@ def _fake_nsys(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     nsys = bin_dir / "nsys"
-    nsys.write_text(FAKE_NSYS.replace("PYTHON", sys.executable).replace(
-        "SCHEMA", repr(SCHEMA)))
+    nsys.write_text(FAKE_NSYS.replace("PYTHON", sys.executable).replace("SCHEMA", repr(SCHEMA)))
     nsys.chmod(0o755)
     return str(bin_dir)
 
 
 def test_profile_script_syntax_and_missing_nsys(tmp_path):
     subprocess.run(["bash", "-n", PROFILE_SH], check=True, timeout=30)
-    r = subprocess.run(["bash", PROFILE_SH, "train.py"], capture_output=True, text=True,
-                       timeout=30, env=dict(os.environ, PATH="/usr/bin:/bin"))
+    r = subprocess.run(
+        ["bash", PROFILE_SH, "train.py"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=dict(os.environ, PATH="/usr/bin:/bin"),
+    )
     assert r.returncode == 2 and "nsys (Nsight Systems CLI) is not on PATH" in r.stderr
 
 
 def test_profile_script_end_to_end_with_fake_nsys(tmp_path):
     script = tmp_path / "train.py"
-    script.write_text("import os\nprint('nvtx', os.environ['NCCL_DDP_NVTX'], 'rank',"
-                      " os.environ['RANK'])\n")
+    script.write_text("import os\nprint('nvtx', os.environ['NCCL_DDP_NVTX'], 'rank', os.environ['RANK'])\n")
     out = tmp_path / "prof"
-    env = dict(os.environ, PATH=_fake_nsys(tmp_path) + os.pathsep + os.environ["PATH"],
-               PYTHON=sys.executable)
-    r = subprocess.run(["bash", PROFILE_SH, "-o", str(out), "-n", "2", str(script)],
-                       capture_output=True, text=True, timeout=120, env=env)
+    env = dict(os.environ, PATH=_fake_nsys(tmp_path) + os.pathsep + os.environ["PATH"], PYTHON=sys.executable)
+    r = subprocess.run(
+        ["bash", PROFILE_SH, "-o", str(out), "-n", "2", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert r.returncode == 0, r.stderr + r.stdout
     assert "nvtx 1 rank 0" in r.stdout and "nvtx 1 rank 1" in r.stdout
-    assert sorted(p.name for p in out.glob("*.sqlite")) == ["profile_rank0.sqlite",
-                                                            "profile_rank1.sqlite"]
+    assert sorted(p.name for p in out.glob("*.sqlite")) == ["profile_rank0.sqlite", "profile_rank1.sqlite"]
     rows = list(csv.DictReader((out / "overlap.csv").open()))
     assert [r["rank"] for r in rows] == ["0", "1"]
     assert all(float(r["nccl_ms"]) == 4.0 and float(r["overlap_pct"]) == 25.0 for r in rows)
@@ -202,10 +237,18 @@ def test_profile_script_end_to_end_with_fake_nsys(tmp_path):
 
 # ---------------------------------------------------------------------------------- Chrome traces
 
+
 def _kernel(name, start, end, stream, device=0):
-    return {"ph": "X", "cat": "kernel", "name": name, "pid": device, "tid": stream,
-            "ts": float(start), "dur": float(end - start),
-            "args": {"device": device, "stream": stream, "correlation": 1}}
+    return {
+        "ph": "X",
+        "cat": "kernel",
+        "name": name,
+        "pid": device,
+        "tid": stream,
+        "ts": float(start),
+        "dur": float(end - start),
+        "args": {"device": device, "stream": stream, "correlation": 1},
+    }
 
 
 @pytest.fixture
@@ -217,19 +260,33 @@ def trace(tmp_path):
         _kernel("void at::native::elementwise(float*)", 150, 250, 7),
         # comm stream 13: pack, NCCL, unpack twice -> [80,140] + [240,305] = 125 us,
         # of which [80,100] and [240,250] run beside stream 7's kernels: 30 us hidden
-        _kernel("void nd_pack<float, float, false>(Seg const*, int, float*, int, double, int*)",
-                80, 90, 13),
+        _kernel("void nd_pack<float, float, false>(Seg const*, int, float*, int, double, int*)", 80, 90, 13),
         _kernel(nccl, 90, 130, 13),
-        _kernel("void nd_unpack<float, float, false>(Seg const*, int, float*, int, double)",
-                130, 140, 13),
+        _kernel("void nd_unpack<float, float, false>(Seg const*, int, float*, int, double)", 130, 140, 13),
         _kernel("_Z13nd_pack_smallIffLb1EEv10SmallTablePfid", 240, 245, 13),
         _kernel(nccl, 245, 300, 13),
         _kernel("_Z15nd_unpack_smallIffLb0EEv10SmallTablePKfid", 300, 305, 13),
         _kernel("void at::native::reduce(float*)", 0, 10, 7, device=1),
-        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD", "pid": 0, "tid": 7,
-         "ts": 100.0, "dur": 200.0, "args": {"device": 0, "stream": 7}},
-        {"ph": "X", "cat": "cpu_op", "name": "aten::add_", "pid": 1234, "tid": 1,
-         "ts": 0.0, "dur": 1000.0, "args": {}},
+        {
+            "ph": "X",
+            "cat": "gpu_memcpy",
+            "name": "Memcpy DtoD",
+            "pid": 0,
+            "tid": 7,
+            "ts": 100.0,
+            "dur": 200.0,
+            "args": {"device": 0, "stream": 7},
+        },
+        {
+            "ph": "X",
+            "cat": "cpu_op",
+            "name": "aten::add_",
+            "pid": 1234,
+            "tid": 1,
+            "ts": 0.0,
+            "dur": 1000.0,
+            "args": {},
+        },
         {"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "GPU 0"}},
     ]
     path = tmp_path / "trace.json"
@@ -240,10 +297,15 @@ def trace(tmp_path):
 def test_trace_streams_and_hidden_share_exact(orep, trace):
     streams, summary = orep.trace_report(str(trace))
     s7, s13, d1 = streams
-    assert (s7["device"], s7["stream"], s7["comm"], s7["kernels"], s7["busy_ms"]) == \
-        (0, 7, False, 2, 0.2)
-    assert (s13["stream"], s13["comm"], s13["kernels"], s13["nccl_kernels"], s13["pack"],
-            s13["unpack"]) == (13, True, 6, 2, 2, 2)
+    assert (s7["device"], s7["stream"], s7["comm"], s7["kernels"], s7["busy_ms"]) == (0, 7, False, 2, 0.2)
+    assert (s13["stream"], s13["comm"], s13["kernels"], s13["nccl_kernels"], s13["pack"], s13["unpack"]) == (
+        13,
+        True,
+        6,
+        2,
+        2,
+        2,
+    )
     assert s13["busy_ms"] == pytest.approx(0.125) and s13["nccl_ms"] == pytest.approx(0.095)
     assert (d1["device"], d1["comm"], d1["kernels"]) == (1, False, 1)
     g0, g1 = summary
@@ -267,8 +329,9 @@ def test_trace_main_prints_tables_and_writes_csv_json(orep, trace, tmp_path, cap
 
 def test_trace_without_kernels_and_mixed_inputs(orep, tmp_path, reports, capsys):
     empty = tmp_path / "empty.json"
-    empty.write_text(json.dumps({"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "x",
-                                                  "ts": 0, "dur": 1}]}))
+    empty.write_text(
+        json.dumps({"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "x", "ts": 0, "dur": 1}]})
+    )
     assert orep.main([str(empty)]) == 1
     assert "no kernel events" in capsys.readouterr().err
     with pytest.raises(SystemExit):

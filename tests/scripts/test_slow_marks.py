@@ -1,5 +1,6 @@
 """The conftest check that keeps `--fast` fast: unmarked tests over the limit are listed, and fail
 the run under NCCL_DDP_STRICT_SLOW=1."""
+
 import os
 import shutil
 import subprocess
@@ -24,9 +25,14 @@ def _run(tmp_path: Path, strict: bool) -> subprocess.CompletedProcess:
     (tmp_path / "test_sample.py").write_text(SAMPLE)
     (tmp_path / "pytest.ini").write_text(INI)
     env = dict(os.environ, NCCL_DDP_SLOW_LIMIT_S="0.2", NCCL_DDP_STRICT_SLOW="1" if strict else "0")
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           "test_sample.py"], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_sample.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @pytest.mark.slow

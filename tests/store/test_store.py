@@ -27,6 +27,7 @@ def client(server):
 
 # ---- multi-process: every op across ranks through connect_store --------------------------------
 
+
 def _ops(rank, world_size):
     store = connect_store(resolve_env(), timeout=30)
     try:
@@ -37,7 +38,7 @@ def _ops(rank, world_size):
         store.barrier("after-add", world_size)
         total = int(store.get("counter"))
         won = store.compare_set("leader", "", str(rank)) == str(rank).encode()
-        store.barrier("after-add", world_size)          # same name again
+        store.barrier("after-add", world_size)  # same name again
         leader = store.get("leader")
         group = PrefixStore(store, "group1")
         group.set("x", str(rank))
@@ -51,7 +52,7 @@ def _ops(rank, world_size):
 
 def test_ops_across_three_processes():
     results = run_ranks(_ops, 3, timeout=60)
-    assert sum(r[3] for r in results) == 1               # one rank won the compare_set
+    assert sum(r[3] for r in results) == 1  # one rank won the compare_set
     for got, counts, total, _won, leader, prefixed in results:
         assert got == [b"from 0", b"from 1", b"from 2"]
         assert counts == sorted(counts) and len(set(counts)) == 50
@@ -60,7 +61,7 @@ def test_ops_across_three_processes():
         assert prefixed in (b"0", b"1", b"2")
     assert sum(won for *_, won, _, _ in results) == 1
     all_counts = [c for r in results for c in r[1]]
-    assert sorted(all_counts) == list(range(1, 151))      # add is atomic: no value handed out twice
+    assert sorted(all_counts) == list(range(1, 151))  # add is atomic: no value handed out twice
 
 
 def _hosted_externally(rank, world_size):
@@ -83,6 +84,7 @@ def test_store_hosted_by_someone_else():
 
 # ---- single-process semantics -----------------------------------------------------------------
 
+
 def test_blocking_get_wakes_up_and_times_out_naming_the_key(client, server):
     other = TCPStore("127.0.0.1", server.port, "secret", timeout=10)
     threading.Timer(0.2, other.set, args=("late", b"v")).start()
@@ -90,7 +92,7 @@ def test_blocking_get_wakes_up_and_times_out_naming_the_key(client, server):
     t0 = time.monotonic()
     with pytest.raises(StoreTimeout, match="'never'"):
         client.get("never", timeout=0.3)
-    assert time.monotonic() - t0 < 8   # the client's own timeout is 10 s
+    assert time.monotonic() - t0 < 8  # the client's own timeout is 10 s
     with pytest.raises(StoreTimeout, match="missing-1"):
         client.wait(["late", "missing-1"], timeout=0.2)
     other.close()
@@ -115,8 +117,8 @@ def test_add_is_atomic_under_threads(server):
 
 
 def test_compare_set_and_delete(client):
-    assert client.compare_set("k", "", "a") == b"a"       # missing + expected "" -> set
-    assert client.compare_set("k", "zz", "b") == b"a"     # mismatch -> unchanged, current back
+    assert client.compare_set("k", "", "a") == b"a"  # missing + expected "" -> set
+    assert client.compare_set("k", "zz", "b") == b"a"  # mismatch -> unchanged, current back
     assert client.compare_set("k", "a", "b") == b"b"
     assert client.compare_set("absent", "x", "y") == b""  # missing + expected non-empty -> not set
     assert client.delete("k") is True
@@ -125,7 +127,7 @@ def test_compare_set_and_delete(client):
     assert client.get("text") == "é".encode()
     with pytest.raises(StoreError, match="not an integer"):
         client.add("text", 1)
-    assert client.add("fresh", 5) == 5                     # connection still usable
+    assert client.add("fresh", 5) == 5  # connection still usable
 
 
 def test_barrier_reused_and_times_out(server, client):
@@ -157,6 +159,7 @@ def test_thread_safe_client(client):
 
 # ---- authentication and robustness ------------------------------------------------------------
 
+
 @pytest.mark.parametrize("secret", ["", "wrong"])
 def test_auth_refused_while_good_client_keeps_working(server, client, secret, caplog):
     client.set("k", b"v")
@@ -171,6 +174,7 @@ def test_auth_refused_while_good_client_keeps_working(server, client, secret, ca
 def _raw_authenticated_socket(port, secret=b"secret"):
     """A socket past the handshake, for sending hand-made frames."""
     from nccl_ddp.store.wire import _encode, _proof, _recv_frame
+
     sock = socket.create_connection(("127.0.0.1", port), timeout=5)
     hello = _recv_frame(sock)
     sock.sendall(_encode([b"auth", b"n" * 32, _proof(secret, b"c", hello[1], b"n" * 32)]))
@@ -178,16 +182,20 @@ def _raw_authenticated_socket(port, secret=b"secret"):
     return sock
 
 
-@pytest.mark.parametrize("frame", [
-    struct.pack(">I", MAX_FRAME + 1),                          # oversized
-    struct.pack(">I", 8) + struct.pack(">I", 100) + b"abcd",   # field longer than its frame
-    struct.pack(">I", 7) + struct.pack(">I", 3) + b"zap",      # unknown op
-    struct.pack(">I", 7) + struct.pack(">I", 3) + b"set",      # wrong argument count
-], ids=["oversized", "truncated-field", "unknown-op", "bad-arity"])
+@pytest.mark.parametrize(
+    "frame",
+    [
+        struct.pack(">I", MAX_FRAME + 1),  # oversized
+        struct.pack(">I", 8) + struct.pack(">I", 100) + b"abcd",  # field longer than its frame
+        struct.pack(">I", 7) + struct.pack(">I", 3) + b"zap",  # unknown op
+        struct.pack(">I", 7) + struct.pack(">I", 3) + b"set",  # wrong argument count
+    ],
+    ids=["oversized", "truncated-field", "unknown-op", "bad-arity"],
+)
 def test_bad_frame_closes_only_that_connection(server, client, frame):
     sock = _raw_authenticated_socket(server.port)
     sock.sendall(frame)
-    assert sock.recv(16) == b""                                  # server closed it
+    assert sock.recv(16) == b""  # server closed it
     sock.close()
     client.set("still", b"fine")
     assert client.get("still") == b"fine"
@@ -198,7 +206,7 @@ def test_garbage_before_handshake_is_dropped(server, client):
     with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
         sock.sendall(b"\xff" * 64)
         sock.settimeout(5)
-        data = sock.recv(4096)                                   # greeting, then EOF
+        data = sock.recv(4096)  # greeting, then EOF
         while data:
             data = sock.recv(4096)
     assert client.add("y", 2) == 2

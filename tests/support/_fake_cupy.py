@@ -5,6 +5,7 @@ from the raw arguments the launch path packs, checked like cuLaunchKernel. So th
 (tables, cache, chunking, argument packing, streams) drives the CUDA code end to end. Where no C++
 compiler is available (`CPU_KERNELS_MISSING` says why) launches fall back to executing the NumPy
 references on each work item the way bucket.cu reads its tables."""
+
 import os
 import re
 import struct
@@ -16,14 +17,14 @@ import numpy as np
 from nccl_ddp import kernels as K
 from nccl_ddp.kernels import cuda as ck
 
-BASE = 0x7F00_0000_0000   # device addresses when the kernels run as references
-C_DTYPE = {"float": np.dtype(np.float32), "double": np.dtype(np.float64),
-           "f16_t": np.dtype(np.float16)}
+BASE = 0x7F00_0000_0000  # device addresses when the kernels run as references
+C_DTYPE = {"float": np.dtype(np.float32), "double": np.dtype(np.float64), "f16_t": np.dtype(np.float16)}
 
 
 def _c_dtype(name):
     if name == "bf16_t":
         import ml_dtypes
+
         return np.dtype(ml_dtypes.bfloat16)
     return C_DTYPE[name]
 
@@ -36,12 +37,16 @@ def cpu_kernels():
         return None
     try:
         from cuda_cpu import runtime
+
         if runtime.compiler() is None:
             CPU_KERNELS_MISSING = "no C++ compiler (g++ or clang++) to build kernels/*.cu"
             return None
-        return runtime.load(ck.module_source(), ck.name_expressions(),
-                            runtime.effective_ftz(cupy_nvrtc_options(ck.COMPILE_OPTIONS)))
-    except Exception as e:   # a build failure is a test failure: report it, do not fall back
+        return runtime.load(
+            ck.module_source(),
+            ck.name_expressions(),
+            runtime.effective_ftz(cupy_nvrtc_options(ck.COMPILE_OPTIONS)),
+        )
+    except Exception as e:  # a build failure is a test failure: report it, do not fall back
         raise RuntimeError(f"building kernels/*.cu for the CPU failed: {e}") from e
 
 
@@ -74,7 +79,7 @@ def nvrtc_log(options, cu_name="kern.cu"):
 
 class Heap:
     def __init__(self, nbytes=256 << 20, cpu=None):
-        self.cpu = cpu   # the CPU kernel module, or None
+        self.cpu = cpu  # the CPU kernel module, or None
         if cpu is not None:
             self.dev = cpu.new_heap(nbytes)
             self.mem, self.base = self.dev.mem, self.dev.base
@@ -94,7 +99,7 @@ class Heap:
         dtype = np.dtype(dtype)
         off = addr - self.base
         assert 0 <= off and off + n * dtype.itemsize <= self.top, "access outside allocations"
-        return self.mem[off:off + n * dtype.itemsize].view(dtype)
+        return self.mem[off : off + n * dtype.itemsize].view(dtype)
 
 
 class Allocation:
@@ -115,11 +120,12 @@ class Allocation:
 class FakeArray:
     def __init__(self, cp, addr, shape, dtype, device_id=0, contiguous=True, owner=None):
         self.cp, self.dtype, self.shape = cp, np.dtype(dtype), tuple(shape)
-        self.owner = owner   # the Allocation (kept alive by every view of it)
+        self.owner = owner  # the Allocation (kept alive by every view of it)
         self.size = int(np.prod(self.shape, dtype=np.int64))
         self.nbytes = self.size * self.dtype.itemsize
-        self.strides = tuple(int(np.prod(self.shape[i + 1:])) * self.dtype.itemsize
-                             for i in range(len(self.shape)))
+        self.strides = tuple(
+            int(np.prod(self.shape[i + 1 :])) * self.dtype.itemsize for i in range(len(self.shape))
+        )
         self.flags = types.SimpleNamespace(c_contiguous=contiguous)
         self.data = FakeMemPtr(cp, addr)
         self.device = types.SimpleNamespace(id=device_id)
@@ -128,7 +134,7 @@ class FakeArray:
         """A writable NumPy view of the array's bytes in the heap."""
         return self.cp.heap.view(self.data.ptr, self.size, self.dtype).reshape(self.shape)
 
-    def set(self, arr, stream=None):   # CuPy keeps no reference to `stream`: only its pointer
+    def set(self, arr, stream=None):  # CuPy keeps no reference to `stream`: only its pointer
         self.cp.uploads.append(None if stream is None else stream.ptr)
         self.host()[...] = arr
 
@@ -136,8 +142,14 @@ class FakeArray:
     def __getitem__(self, key):
         start, stop, step = key.indices(self.size)
         assert step == 1 and len(self.shape) == 1
-        return FakeArray(self.cp, self.data.ptr + start * self.dtype.itemsize,
-                         (max(0, stop - start),), self.dtype, self.device.id, owner=self.owner)
+        return FakeArray(
+            self.cp,
+            self.data.ptr + start * self.dtype.itemsize,
+            (max(0, stop - start),),
+            self.dtype,
+            self.device.id,
+            owner=self.owner,
+        )
 
     def __setitem__(self, key, value):
         self.host()[key] = value.host() if isinstance(value, FakeArray) else value
@@ -158,8 +170,9 @@ class FakeArray:
 
     def view(self, dtype):
         dtype = np.dtype(dtype)
-        return FakeArray(self.cp, self.data.ptr, (self.nbytes // dtype.itemsize,), dtype,
-                         self.device.id, owner=self.owner)
+        return FakeArray(
+            self.cp, self.data.ptr, (self.nbytes // dtype.itemsize,), dtype, self.device.id, owner=self.owner
+        )
 
     def get(self):
         return self.host().copy()
@@ -173,8 +186,7 @@ class FakeMemPtr:
         self.cp, self.ptr = cp, ptr
 
     def copy_from_device_async(self, src, nbytes, stream=None):
-        self.cp.heap.view(self.ptr, nbytes, np.uint8)[...] = \
-            self.cp.heap.view(src.ptr, nbytes, np.uint8)
+        self.cp.heap.view(self.ptr, nbytes, np.uint8)[...] = self.cp.heap.view(src.ptr, nbytes, np.uint8)
 
 
 class FakeStream:
@@ -222,8 +234,9 @@ def _tick():
 class FakeEvent:
     """cupy.cuda.Event; `status` is what cudaEventQuery returns (0 done, 600 not ready, else a
     CUDA error)."""
+
     _next = 0xE000
-    registry: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()   # ptr -> event
+    registry: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()  # ptr -> event
 
     def __init__(self, block=False, disable_timing=False, interprocess=False):
         self.recorded_on, self.recorded_at = None, 0
@@ -233,14 +246,14 @@ class FakeEvent:
         FakeEvent.registry[self.ptr] = self
 
     @property
-    def done(self):   # CuPy 14: eventQuery(...) == 0, errors read as "not done"
+    def done(self):  # CuPy 14: eventQuery(...) == 0, errors read as "not done"
         return self.status == 0
 
     @done.setter
     def done(self, value):
         self.status = 0 if value else 600
 
-    def record(self, stream=None):   # CuPy: None records on the current stream
+    def record(self, stream=None):  # CuPy: None records on the current stream
         self.recorded_on, self.recorded_at = stream, _tick()
         self.on_ptr = (stream or FAKE_STATE["current"]).ptr
         self.status = 600
@@ -250,8 +263,10 @@ class FakeEvent:
 
 
 class FakeCUDARuntimeError(RuntimeError):
-    NAMES = {700: "cudaErrorIllegalAddress: an illegal memory access was encountered",
-             716: "cudaErrorMisalignedAddress: misaligned address"}
+    NAMES = {
+        700: "cudaErrorIllegalAddress: an illegal memory access was encountered",
+        716: "cudaErrorMisalignedAddress: misaligned address",
+    }
 
     def __init__(self, status):
         self.status = status
@@ -285,6 +300,7 @@ def cupy_arg(a):
     Python int an int64 (uint64 from 2**63), a float a double, a NumPy scalar keeps its type, a
     CNumpyArray (or a size-1 structured ndarray) passes its bytes by value."""
     from cuda_cpu.runtime import LaunchError
+
     if isinstance(a, FakeArray):
         return struct.pack("<Q", a.data.ptr), "pointer", f"a cupy.ndarray of {a.dtype}"
     if a is None:
@@ -298,7 +314,7 @@ def cupy_arg(a):
     if isinstance(a, (bool, np.bool_)):
         return bytes([bool(a)]), "integer", "bool"
     if isinstance(a, int):
-        if -2**63 <= a < 2**63:
+        if -(2**63) <= a < 2**63:
             return struct.pack("<q", a), "integer", "a Python int (int64)"
         if 0 <= a < 2**64:
             return struct.pack("<Q", a), "integer", "a Python int (uint64)"
@@ -323,13 +339,15 @@ class FakeFunction:
         on = (stream or FAKE_STATE["current"]).ptr
         self.cp.launches.append((self.name, grid[0], on))
         seq = _tick()
-        for a in args:   # what this launch reads, for the async pool's free check
+        for a in args:  # what this launch reads, for the async pool's free check
             if isinstance(a, FakeArray):
                 self.cp.reads.setdefault(a.owner.ptr if a.owner else a.data.ptr, []).append(
-                    (on, seq, self.name))
+                    (on, seq, self.name)
+                )
         if self.cpu is not None:
-            self.cpu.launch(self.cp.heap.dev, self.cpu_name, int(grid[0]), int(block[0]),
-                            [cupy_arg(a) for a in args])
+            self.cpu.launch(
+                self.cp.heap.dev, self.cpu_name, int(grid[0]), int(block[0]), [cupy_arg(a) for a in args]
+            )
             return
         assert block == (ck.THREADS,) and grid[0] >= 1
         m = re.fullmatch(r"nd_(sgd|adamw)<(\w+), (\w+)>", self.name)
@@ -348,15 +366,15 @@ class FakeFunction:
         ts, td = _c_dtype(ts), _c_dtype(td)
         if small:
             tab, rest = args[0], args[1:]
-            assert isinstance(tab, FakeCNumpyArray)   # a pointer to the bytes, as in CuPy
+            assert isinstance(tab, FakeCNumpyArray)  # a pointer to the bytes, as in CuPy
             tab = tab.val
             assert isinstance(tab, np.ndarray) and tab.dtype == ck.SMALL_DTYPE and tab.size == 1
-            raw = np.frombuffer(tab.tobytes(), ck.SMALL_DTYPE)[0]   # only the bytes travel
+            raw = np.frombuffer(tab.tobytes(), ck.SMALL_DTYPE)[0]  # only the bytes travel
             k, first = int(raw["nseg"]), raw["first_item"]
             nitems = int(first[k])
             segs = [(int(raw["ptr"][t]), int(raw["off"][t]), int(raw["n"][t])) for t in range(k)]
 
-            def find(item):   # bucket.cu SmallTable::find: the last slot whose first <= item
+            def find(item):  # bucket.cu SmallTable::find: the last slot whose first <= item
                 t = max(s for s in range(ck.SMALL_MAX) if item >= first[s])
                 return segs[t], item - int(first[t])
         else:
@@ -364,14 +382,15 @@ class FakeFunction:
             assert isinstance(items_arr, FakeArray) and isinstance(nitems, np.int32)
             items = self.cp.heap.view(items_arr.data.ptr, int(nitems), ck.SEG_DTYPE)
 
-            def find(item):   # bucket.cu TableRef::find: one pre-chunked item, j = 0
+            def find(item):  # bucket.cu TableRef::find: one pre-chunked item, j = 0
                 s = items[item]
                 return (int(s["ptr"]), int(s["off"]), int(s["n"])), 0
+
         bucket, chunk, scale = rest[:3]
         assert isinstance(chunk, np.int32) and isinstance(scale, np.float64)
         assert grid[0] * ck.WARPS_PER_BLOCK >= int(nitems)
         flag = None
-        assert len(rest) == 4     # pack: a flag exactly when checked; unpack: a flag or None
+        assert len(rest) == 4  # pack: a flag exactly when checked; unpack: a flag or None
         assert op == "unpack" or (rest[3] is not None) == (variant == "true")
         if rest[3] is not None:
             flag = rest[3].host().reshape(-1)[:1]
@@ -388,20 +407,21 @@ class FakeFunction:
             else:
                 src = heap.view(bucket + (off + start) * ts.itemsize, length, ts)
                 dst = heap.view(ptr + start * td.itemsize, length, td)
-                K.unpack_ref([dst], src, [0], scale=float(scale), accumulate=variant == "true",
-                             nonfinite_flag=flag)
+                K.unpack_ref(
+                    [dst], src, [0], scale=float(scale), accumulate=variant == "true", nonfinite_flag=flag
+                )
 
 
 def _optim_arrays(fn, args, dtypes):
     """The arrays of an nd_sgd/nd_adamw launch as heap views (None for a NULL pointer)."""
     n = int(args[len(dtypes)])
-    return [None if a is None else fn.cp.heap.view(a.data.ptr, n, dt)
-            for a, dt in zip(args, dtypes)]
+    return [None if a is None else fn.cp.heap.view(a.data.ptr, n, dt) for a, dt in zip(args, dtypes)]
 
 
 def _fake_optim_ref(fn, op, tg, tp, args):
     """Without a C++ compiler: an nd_sgd/nd_adamw launch executed by its reference."""
     from nccl_ddp.kernels import optim_spec as S
+
     f32 = np.dtype(np.float32)
     if op == "sgd":
         g, m, buf, out = _optim_arrays(fn, args, (tg, f32, f32, tp))
@@ -442,14 +462,16 @@ class FakeRawModule:
             self.module, self.prefix = self.cp.cpu_override
         if self.module is None and self.cp.cpu is not None:
             from cuda_cpu import runtime
-            names = self.cp.kernel_names or self.names   # a subset: quicker mutant builds
-            self.module = runtime.load(self.code, names, runtime.effective_ftz(
-                cupy_nvrtc_options(self.options)))
+
+            names = self.cp.kernel_names or self.names  # a subset: quicker mutant builds
+            self.module = runtime.load(
+                self.code, names, runtime.effective_ftz(cupy_nvrtc_options(self.options))
+            )
 
     def _module(self, log_stream=None):
         key = (FAKE_STATE["device"], self.code, self.options, self.names, log_stream)
         if key not in self.cp.modules:
-            if log_stream is not None:   # only a compile writes the log; a disk-cache hit none
+            if log_stream is not None:  # only a compile writes the log; a disk-cache hit none
                 log_stream.write(nvrtc_log(cupy_nvrtc_options(self.options)))
             self._build()
             self.cp.module_loads += 1
@@ -483,9 +505,9 @@ class FakeCupy:
         self.launches, self.uploads, self.memsets = [], [], []
         self.async_pool, self.reads, self.frees, self.hazards = async_pool, {}, [], []
         self.compiles = self.get_function_calls = self.module_loads = 0
-        self.modules = {}          # CuPy's memo of _get_raw_module
-        self.kernel_names = None   # build only these instantiations (tests of planted bugs)
-        self.cpu_override = None   # (Module, namespace): run that build's kernels instead
+        self.modules = {}  # CuPy's memo of _get_raw_module
+        self.kernel_names = None  # build only these instantiations (tests of planted bugs)
+        self.cpu_override = None  # (Module, namespace): run that build's kernels instead
         FAKE_STATE["current"] = FakeStream(null=True)
         FAKE_STATE["sms"], FAKE_STATE["device"] = sms, 0
         FAKE_STATE["synced"] = {}
@@ -495,23 +517,29 @@ class FakeCupy:
             getDeviceProperties=lambda dev: {"name": b"Fake GPU"},
             runtimeGetVersion=lambda: 12090,
             eventQuery=lambda ptr: FakeEvent.registry[ptr].status,
-            CUDARuntimeError=FakeCUDARuntimeError)
+            CUDARuntimeError=FakeCUDARuntimeError,
+        )
         self.cuda = types.SimpleNamespace(
-            is_available=lambda: devices > 0, runtime=runtime, Device=FakeDeviceCtx,
-            Stream=FakeStream, Event=FakeEvent,
+            is_available=lambda: devices > 0,
+            runtime=runtime,
+            Device=FakeDeviceCtx,
+            Stream=FakeStream,
+            Event=FakeEvent,
             get_current_stream=lambda device_id=-1: FAKE_STATE["current"],
             function=types.SimpleNamespace(CNumpyArray=FakeCNumpyArray),
             driver=types.SimpleNamespace(
-                occupancyMaxActiveBlocksPerMultiprocessor=lambda func, block, smem: 4),
-            get_elapsed_time=lambda start, end: 1.0)
+                occupancyMaxActiveBlocksPerMultiprocessor=lambda func, block, smem: 4
+            ),
+            get_elapsed_time=lambda start, end: 1.0,
+        )
         rng = np.random.default_rng(0)
         self.random = types.SimpleNamespace(
-            standard_normal=lambda n, dtype=np.float64: self.asarray(
-                rng.standard_normal(n).astype(dtype)))
-        self.get_default_memory_pool = lambda: types.SimpleNamespace(
-            free_all_blocks=lambda: None)
+            standard_normal=lambda n, dtype=np.float64: self.asarray(rng.standard_normal(n).astype(dtype))
+        )
+        self.get_default_memory_pool = lambda: types.SimpleNamespace(free_all_blocks=lambda: None)
         self.RawModule = lambda code, options, name_expressions: FakeRawModule(
-            self, code, options, name_expressions)
+            self, code, options, name_expressions
+        )
 
     def free_async(self, ptr, stream_ref):
         """MemoryAsync.__dealloc__: cudaFreeAsync on the allocation stream if its object is alive,
@@ -521,15 +549,19 @@ class FakeCupy:
         self.frees.append((ptr, stream.ptr))
         for on, seq, name in self.reads.pop(ptr, []):
             if on != stream.ptr and not self.passed(on, seq):
-                self.hazards.append(f"{ptr:#x} freed on stream {stream.ptr:#x} while {name} on "
-                                    f"stream {on:#x} may still read it")
+                self.hazards.append(
+                    f"{ptr:#x} freed on stream {stream.ptr:#x} while {name} on "
+                    f"stream {on:#x} may still read it"
+                )
 
     def passed(self, stream_ptr, seq):
         """Whether stream `stream_ptr` is known to have run everything queued up to `seq`."""
         if FAKE_STATE["synced"].get(stream_ptr, 0) >= seq:
             return True
-        return any(getattr(ev, "on_ptr", None) == stream_ptr and ev.recorded_at >= seq
-                   and ev.status == 0 for ev in list(FakeEvent.registry.values()))
+        return any(
+            getattr(ev, "on_ptr", None) == stream_ptr and ev.recorded_at >= seq and ev.status == 0
+            for ev in list(FakeEvent.registry.values())
+        )
 
     def _memset(self, ptr, value, size, stream):
         self.memsets.append((ptr, size, stream))
@@ -541,7 +573,7 @@ class FakeCupy:
         a = Allocation(self.heap, nbytes, misalign, cp=self)
         return FakeArray(self, a.ptr, shape, dtype, device_id, owner=a)
 
-    zeros = empty   # the heap starts zeroed and is never reused
+    zeros = empty  # the heap starts zeroed and is never reused
 
     def abs(self, a):
         return self.asarray(np.abs(a.host()))

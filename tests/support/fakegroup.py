@@ -4,6 +4,7 @@
 `FakeGroup`, and returns the results in rank order (the first exception is re-raised). Each group
 records when its collectives start (`group.started`: (time.monotonic(), op name, nbytes)).
 """
+
 from __future__ import annotations
 
 import threading
@@ -37,8 +38,13 @@ class FakeWork(Work):
         return self._result
 
 
-_OPS = {ReduceOp.SUM: np.sum, ReduceOp.AVG: np.sum, ReduceOp.MAX: np.max, ReduceOp.MIN: np.min,
-        ReduceOp.PROD: np.prod}
+_OPS = {
+    ReduceOp.SUM: np.sum,
+    ReduceOp.AVG: np.sum,
+    ReduceOp.MAX: np.max,
+    ReduceOp.MIN: np.min,
+    ReduceOp.PROD: np.prod,
+}
 
 
 class FakeGroup(ProcessGroup):
@@ -63,6 +69,7 @@ class FakeGroup(ProcessGroup):
         def task():
             self.started.append((time.monotonic(), name, nbytes))
             fn()
+
         s = stream or self._stream
         s.submit(task)
         return FakeWork(s.record(), result)
@@ -77,16 +84,19 @@ class FakeGroup(ProcessGroup):
             if op is ReduceOp.AVG:
                 red = red / self.size
             buf[...] = red.astype(buf.dtype)
+
         return self._run("all_reduce", buf.nbytes, fn, stream, buf)
 
     def broadcast(self, buf, root=0, stream=None, *, tag=None):
         def fn():
             buf[...] = self._exchange(buf.copy())[root]
+
         return self._run("broadcast", buf.nbytes, fn, stream, buf)
 
     def all_gather(self, out, inp, stream=None, *, tag=None):
         def fn():
             out[...] = np.concatenate([x.reshape(-1) for x in self._exchange(inp.copy())])
+
         return self._run("all_gather", inp.nbytes, fn, stream, out)
 
     def reduce_scatter(self, out, inp, op=ReduceOp.SUM, stream=None, *, tag=None):

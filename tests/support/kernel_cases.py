@@ -8,6 +8,7 @@ the reference's or the dtype's canonical NaN (all exponent and mantissa bits set
 NVIDIA GPUs' float arithmetic and conversions produce); any other payload, or a NaN where the
 reference has a number, is a mismatch.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -19,19 +20,24 @@ from nccl_ddp.kernels import cuda as ck
 from nccl_ddp.kernels.optim_spec import GRAD_DTYPES, PARAM_DTYPES
 from nccl_ddp.kernels.spec import PACK_PAIRS, SCALE_DTYPES, UNPACK_PAIRS
 
-OPTIM_OPS = ("sgd", "adamw")   # kernels/optim.cu; the other ops are bucket.cu's
+OPTIM_OPS = ("sgd", "adamw")  # kernels/optim.cu; the other ops are bucket.cu's
 
 
 def _bf16() -> np.dtype:
     import ml_dtypes
+
     return np.dtype(ml_dtypes.bfloat16)
 
 
-DT = {"float16": np.dtype(np.float16), "bfloat16": _bf16(), "float32": np.dtype(np.float32),
-      "float64": np.dtype(np.float64)}
+DT = {
+    "float16": np.dtype(np.float16),
+    "bfloat16": _bf16(),
+    "float32": np.dtype(np.float32),
+    "float64": np.dtype(np.float64),
+}
 UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 CANONICAL_NAN = {2: 0x7FFF, 4: 0x7FFF_FFFF, 8: 0x7FFF_FFFF_FFFF_FFFF}
-SCALES = [1.0, 0.5, 1 / 3, 0.125, 3.0, 1e-3, 2.0 ** -20]
+SCALES = [1.0, 0.5, 1 / 3, 0.125, 3.0, 1e-3, 2.0**-20]
 
 
 def values(rng, n, dtype, special=True, nonfinite=False):
@@ -41,14 +47,16 @@ def values(rng, n, dtype, special=True, nonfinite=False):
     if dtype == "float64":
         x = rng.standard_normal(n) * 2.0 ** rng.integers(-60, 60, n)
     else:
-        x = rng.standard_normal(n).astype(np.float32) * np.float32(2.0) ** rng.integers(
-            -20, 20, n).astype(np.float32)
+        x = rng.standard_normal(n).astype(np.float32) * np.float32(2.0) ** rng.integers(-20, 20, n).astype(
+            np.float32
+        )
     x = x.astype(dt)
     if special and n:
         k = max(1, n // 8)
         idx = rng.integers(0, n, (6, k))
-        tiny = {"float16": 2.0 ** -24, "bfloat16": 2.0 ** -133, "float32": 2.0 ** -149,
-                "float64": 2.0 ** -1074}[dtype]
+        tiny = {"float16": 2.0**-24, "bfloat16": 2.0**-133, "float32": 2.0**-149, "float64": 2.0**-1074}[
+            dtype
+        ]
         x[idx[0]] = (rng.integers(1, 1000, k) * tiny * rng.choice([-1, 1], k)).astype(dt)
         x[idx[1]] = dt.type(-0.0)
         x[idx[2]] = dt.type(0.0)
@@ -74,8 +82,11 @@ def compare_bytes(got, want) -> dict:
     """Raw-byte comparison under the module's policy: {"mismatches", "canonical_nans", "first"}."""
     got, want = np.asarray(got).reshape(-1), np.asarray(want).reshape(-1)
     if got.dtype != want.dtype or got.shape != want.shape:
-        return {"mismatches": max(got.size, want.size), "canonical_nans": 0,
-                "first": f"dtype/shape {got.dtype}{got.shape} vs {want.dtype}{want.shape}"}
+        return {
+            "mismatches": max(got.size, want.size),
+            "canonical_nans": 0,
+            "first": f"dtype/shape {got.dtype}{got.shape} vs {want.dtype}{want.shape}",
+        }
     u = UINT[got.dtype.itemsize]
     gb, wb = got.view(u), want.view(u)
     sign = u(1) << u(8 * got.dtype.itemsize - 1)
@@ -85,8 +96,7 @@ def compare_bytes(got, want) -> dict:
     first = ""
     if bad.size:
         i = bad[:4]
-        first = (f"at {i.tolist()}: got {[hex(int(x)) for x in gb[i]]} "
-                 f"want {[hex(int(x)) for x in wb[i]]}")
+        first = f"at {i.tolist()}: got {[hex(int(x)) for x in gb[i]]} want {[hex(int(x)) for x in wb[i]]}"
     return {"mismatches": int(bad.size), "canonical_nans": int(canon.sum()), "first": first}
 
 
@@ -120,14 +130,27 @@ def _optim_case(put, get, rng, op: str, pair: tuple, add: Callable[[dict], None]
     gt, pt = pair
     for n, mis in ((3001, 0), (37, 1)):
         if op == "sgd":
-            kw = dict(lr=float(rng.choice([0.1, 1e-3])), momentum=0.9, dampening=0.0,
-                      weight_decay=float(rng.choice([0.0, 1e-2])), nesterov=bool(rng.integers(2)),
-                      fresh_buffer=False, grad_scale=float(rng.choice(SCALES)))
+            kw = dict(
+                lr=float(rng.choice([0.1, 1e-3])),
+                momentum=0.9,
+                dampening=0.0,
+                weight_decay=float(rng.choice([0.0, 1e-2])),
+                nesterov=bool(rng.integers(2)),
+                fresh_buffer=False,
+                grad_scale=float(rng.choice(SCALES)),
+            )
             names = ["buf"]
         else:
-            kw = dict(step=int(rng.choice([1, 7, 1000])), lr=1e-3, beta1=0.9, beta2=0.999,
-                      eps=float(rng.choice([1e-8, 1e-40])), weight_decay=0.1,
-                      amsgrad=bool(rng.integers(2)), grad_scale=float(rng.choice(SCALES)))
+            kw = dict(
+                step=int(rng.choice([1, 7, 1000])),
+                lr=1e-3,
+                beta1=0.9,
+                beta2=0.999,
+                eps=float(rng.choice([1e-8, 1e-40])),
+                weight_decay=0.1,
+                amsgrad=bool(rng.integers(2)),
+                grad_scale=float(rng.choice(SCALES)),
+            )
             names = ["exp_avg", "exp_avg_sq"] + (["vmax"] if kw["amsgrad"] else [])
         host = {"master": values(rng, n, "float32"), "grad": values(rng, n, gt, nonfinite=True)}
         for name in names:
@@ -136,12 +159,13 @@ def _optim_case(put, get, rng, op: str, pair: tuple, add: Callable[[dict], None]
             host[name] = x if name == "exp_avg" else np.abs(x)
         host["out"] = np.full(n, np.nan, DT[pt])
         dev = {k: put(h, mis * h.dtype.itemsize) for k, h in host.items()}
-        for a in (dev, host):   # the device step, then the reference on the host arrays
+        for a in (dev, host):  # the device step, then the reference on the host arrays
             if op == "sgd":
                 K.sgd_step(a["master"], a["grad"], a["buf"], a["out"], **kw)
             else:
-                K.adamw_step(a["master"], a["grad"], a["exp_avg"], a["exp_avg_sq"], a.get("vmax"),
-                             a["out"], **kw)
+                K.adamw_step(
+                    a["master"], a["grad"], a["exp_avg"], a["exp_avg_sq"], a.get("vmax"), a["out"], **kw
+                )
         for k in ["master", "out"] + names:
             add(compare_bytes(get(dev[k]), host[k]))
 
@@ -151,16 +175,24 @@ def seed_of(name: str, seed: int) -> list:
     return [seed, *name.encode()]
 
 
-def run_case(put: Callable[[np.ndarray, int], Any], get: Callable[[Any], np.ndarray],
-             case: tuple, seed: int) -> dict:
+def run_case(
+    put: Callable[[np.ndarray, int], Any], get: Callable[[Any], np.ndarray], case: tuple, seed: int
+) -> dict:
     """Run one case through nccl_ddp.kernels on arrays made by `put(host, misalign_bytes)` and
     read back by `get`; compare with the NumPy references. Returns compare_bytes' dict plus the
     flag check and the case's description."""
     name, op, pair, variant, count = case
     rng = np.random.default_rng(seed_of(name, seed))
     scale = float(rng.choice(SCALES))
-    res = {"name": name, "seed": seed, "count": count, "scale": scale, "mismatches": 0,
-           "canonical_nans": 0, "first": ""}
+    res = {
+        "name": name,
+        "seed": seed,
+        "count": count,
+        "scale": scale,
+        "mismatches": 0,
+        "canonical_nans": 0,
+        "first": "",
+    }
 
     def add(r):
         res["mismatches"] += r["mismatches"]
@@ -185,8 +217,7 @@ def run_case(put: Callable[[np.ndarray, int], Any], get: Callable[[Any], np.ndar
     total = int(offs[-1] + s[-1] + 5)
     if op == "pack":
         src_t, bkt_t = pair
-        hosts = [values(rng, int(n), src_t, nonfinite=variant and i % 5 == 1)
-                 for i, n in enumerate(s)]
+        hosts = [values(rng, int(n), src_t, nonfinite=variant and i % 5 == 1) for i, n in enumerate(s)]
         devs = [put(h, DT[src_t].itemsize * (i % 3)) for i, h in enumerate(hosts)]
         fill = np.full(total, np.nan, DT[bkt_t])
         bucket, want = put(fill, 0), fill.copy()

@@ -9,6 +9,7 @@ died, before the ranks whose errors blame a peer), then the ranks that failed be
 with its traceback. A run that exceeds `timeout` kills every process and fails naming the ranks
 that had not finished. `fn` must be importable (a module-level function in a test module).
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -24,7 +25,7 @@ from typing import Optional
 
 from nccl_ddp.launch.supervisor import order_failures
 
-GRACE = 5.0      # seconds to collect the other ranks' failures after the first one
+GRACE = 5.0  # seconds to collect the other ranks' failures after the first one
 
 
 def free_port() -> int:
@@ -39,8 +40,14 @@ def _child(fn, rank, world_size, args, env, results):
         results.put((rank, True, fn(rank, world_size, *args), None))
     except BaseException as e:
         from nccl_ddp.env import blamed_rank
-        record = {"rank": rank, "time": time.time(), "type": type(e).__name__,
-                  "message": str(e)[:4000], "blames": blamed_rank(e)}
+
+        record = {
+            "rank": rank,
+            "time": time.time(),
+            "type": type(e).__name__,
+            "message": str(e)[:4000],
+            "blames": blamed_rank(e),
+        }
         results.put((rank, False, traceback.format_exc(), record))
 
 
@@ -53,8 +60,8 @@ class _Failure:
     """One failed rank, shaped like the launcher's Worker for `order_failures`."""
 
     rank: int
-    text: str                      # the traceback, or how the process ended
-    rec: Optional[dict] = None     # the failure record the rank sent (None: it died)
+    text: str  # the traceback, or how the process ended
+    rec: Optional[dict] = None  # the failure record the rank sent (None: it died)
     exit_time: float = 0.0
 
     def record(self) -> Optional[dict]:
@@ -79,8 +86,11 @@ def blame_report(failed: dict) -> str:
     text += f":\n{root.text}"
     for f in then:
         blames = (f.rec or {}).get("blames")
-        text += f"\n--- then rank {f.rank}" + (f" [blames rank {blames}]" if blames is not None
-                                              else "") + f":\n{f.text}"
+        text += (
+            f"\n--- then rank {f.rank}"
+            + (f" [blames rank {blames}]" if blames is not None else "")
+            + f":\n{f.text}"
+        )
     return text
 
 
@@ -90,8 +100,10 @@ def run_ranks(fn, world_size, *args, timeout=60.0, env=None, expect_fail=False):
     results = ctx.Queue()
     port = free_port()
     base = {
-        "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
         "NCCL_DDP_SECRET": secrets.token_hex(16),
     }
     base.update(env or {})
@@ -104,7 +116,7 @@ def run_ranks(fn, world_size, *args, timeout=60.0, env=None, expect_fail=False):
     out: dict = {}
     failed: dict = {}
     deadline = time.monotonic() + timeout
-    grace_end: Optional[float] = None     # after the first failure: the others' reasons
+    grace_end: Optional[float] = None  # after the first failure: the others' reasons
     try:
         while len(out) + len(failed) < world_size:
             now = time.monotonic()
@@ -112,9 +124,10 @@ def run_ranks(fn, world_size, *args, timeout=60.0, env=None, expect_fail=False):
                 break
             if now >= deadline:
                 missing = sorted(set(range(world_size)) - set(out) - set(failed))
-                raise RankFailed(f"timed out after {timeout}s; ranks {missing} did not finish"
-                                 + (f"; failures so far: {blame_report(failed)}"
-                                    if failed else ""))
+                raise RankFailed(
+                    f"timed out after {timeout}s; ranks {missing} did not finish"
+                    + (f"; failures so far: {blame_report(failed)}" if failed else "")
+                )
             try:
                 rank, ok, val, rec = results.get(timeout=min(deadline - now, 0.5))
             except queue.Empty:
@@ -136,18 +149,18 @@ def run_ranks(fn, world_size, *args, timeout=60.0, env=None, expect_fail=False):
         return {r: f.text for r, f in failed.items()}
     if failed:
         unfinished = sorted(set(range(world_size)) - set(out) - set(failed))
-        raise RankFailed(blame_report(failed) + (
-            f"\n--- ranks {unfinished} had not finished {GRACE:g}s later (killed)"
-            if unfinished else ""))
+        raise RankFailed(
+            blame_report(failed)
+            + (f"\n--- ranks {unfinished} had not finished {GRACE:g}s later (killed)" if unfinished else "")
+        )
     return [out[r] for r in range(world_size)]
 
 
 def _collect_dead(procs, results, out: dict, failed: dict) -> None:
     """Ranks whose process ended without reporting (os._exit, a signal) fail with their exit."""
-    dead = [r for r, p in enumerate(procs)
-            if p.exitcode is not None and r not in out and r not in failed]
+    dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in out and r not in failed]
     for r in dead:
-        time.sleep(0.2)                # a report it made may still be in the queue's pipe
+        time.sleep(0.2)  # a report it made may still be in the queue's pipe
         try:
             while True:
                 rk, ok, val, rec = results.get_nowait()

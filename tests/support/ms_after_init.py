@@ -7,6 +7,7 @@ once), then init() runs, then the example's main(). In msrun's scheduler process
 (MS_ROLE=MS_SCHED) init() runs MindSpore's scheduler and exits the process; in a worker it joins
 MindSpore's cluster, then the example joins ours.
 """
+
 import importlib.util
 import sys
 

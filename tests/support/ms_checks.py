@@ -2,6 +2,7 @@
 tests/test_mindspore_adapter.py (a job of one: the collectives are identities, the plumbing is not).
 Prints "ms_checks: all passed" or raises.
 """
+
 import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
@@ -31,7 +32,7 @@ class Mixed(nn.Cell):
 
     def construct(self, x):
         y = ops.matmul(x, self.w) + ops.cast(self.h, ms.float32)
-        return (y ** 2).sum() * self.s
+        return (y**2).sum() * self.s
 
 
 class ReducedGrads(nn.Cell):
@@ -54,11 +55,12 @@ def graph_mode_reducer_cell():
     fusion ids; it divides by degree when mean; PyNative gives the same numbers."""
     net = Mixed()
     x = Tensor(np.array([[1.0, -2.0], [0.5, 3.0]], np.float32))
-    plain = [np.asarray(g.asnumpy()) for g in ops.GradOperation(get_by_list=True)(
-        net, ms.ParameterTuple(net.trainable_params()))(x)]
+    plain = [
+        np.asarray(g.asnumpy())
+        for g in ops.GradOperation(get_by_list=True)(net, ms.ParameterTuple(net.trainable_params()))(x)
+    ]
     for fusion_type, mean, buckets in ((1, True, 2), (0, False, 3)):
-        reducer = nd.DistributedGradReducer(net.trainable_params(), mean, 4,
-                                            fusion_type=fusion_type)
+        reducer = nd.DistributedGradReducer(net.trainable_params(), mean, 4, fusion_type=fusion_type)
         assert isinstance(reducer, nn.Cell), type(reducer)
         assert len(reducer.bucket_ops) == buckets, (fusion_type, reducer.bucket_ops)
         want = [np.asarray(g / 4 if mean else g, g.dtype) for g in plain]
@@ -98,7 +100,7 @@ def jit_step_uses_the_bucket_ops():
         return reducer(grads)
 
     x, y = Tensor(np.ones((4, 3), np.float32)), Tensor(np.zeros((4, 2), np.float32))
-    reduced = [g.asnumpy() for g in step(x, y)]    # (PyNative runs the compiled step async)
+    reduced = [g.asnumpy() for g in step(x, y)]  # (PyNative runs the compiled step async)
     assert ran == [0], ran
     for g, p in zip(reduced, grad_fn(x, y)[1]):
         np.testing.assert_allclose(g, p.asnumpy() / 4, rtol=1e-6)
@@ -115,9 +117,14 @@ def jit_step_uses_the_bucket_ops():
 def comm_fusion_ids_as_in_mindspore():
     """Parameters' comm_fusion ids (every MindSpore Parameter has one, 1 by default) override
     fusion_type only when they differ, as in MindSpore's reducer."""
-    net = Tiny()                          # two float32 parameters
-    for fusion_type, ids, buckets in ((1, (1, 1), 1), (0, (1, 1), 2), (0, (2, 2), 2),
-                                      (1, (1, 2), 2), (5, (3, 3), 1)):
+    net = Tiny()  # two float32 parameters
+    for fusion_type, ids, buckets in (
+        (1, (1, 1), 1),
+        (0, (1, 1), 2),
+        (0, (2, 2), 2),
+        (1, (1, 2), 2),
+        (5, (3, 3), 1),
+    ):
         net.w.comm_fusion, net.b.comm_fusion = ids
         reducer = nd.DistributedGradReducer(net.trainable_params(), fusion_type=fusion_type)
         assert len(reducer.bucket_ops) == buckets, (fusion_type, ids, reducer.bucket_ops)
@@ -138,9 +145,11 @@ def graph_mode_reducer_rejects_wrong_grads():
             return self.grad_reducer((a, b))
 
     try:
-        fails_in_graph_mode(lambda: TwoGrads()(Tensor(np.ones((2, 3), np.float32)),
-                                               Tensor(np.ones(3, np.float16))),
-                            ValueError, "2 grads for 3 parameters")
+        fails_in_graph_mode(
+            lambda: TwoGrads()(Tensor(np.ones((2, 3), np.float32)), Tensor(np.ones(3, np.float16))),
+            ValueError,
+            "2 grads for 3 parameters",
+        )
     finally:
         reducer.close()
 
@@ -169,11 +178,11 @@ def ddp_accumulates_until_zero_grad():
     _, g1 = grad_fn(x)
     first = [g.asnumpy().copy() for g in g1]
     assert np.abs(first[0]).sum() > 0
-    _, g2 = grad_fn(x)                   # no zero_grad: DDP accumulates (MindSpore semantics)
+    _, g2 = grad_fn(x)  # no zero_grad: DDP accumulates (MindSpore semantics)
     for a, b in zip(first, g2):
         np.testing.assert_allclose(b.asnumpy(), 2 * a, rtol=1e-6)
     net.zero_grad()
-    for g in g2:                         # the returned grads alias our bucket memory
+    for g in g2:  # the returned grads alias our bucket memory
         assert not g.asnumpy().any(), "value_and_grad's grads do not alias the buckets"
     _, g3 = grad_fn(x)
     for a, b in zip(first, g3):
@@ -199,12 +208,22 @@ def grad_reducer_names_the_parameter():
     reducer = nd.DistributedGradReducer(net.trainable_params(), mean=True)
     good = Tensor(np.ones((2, 3), np.float32))
     for grads, error, text in (
-            ((good, Tensor(np.ones(3, np.float32)).astype(ms.bfloat16)), ConfigError,
-             "grad 'b' (grads[1]): dtype differs: the grad is bfloat16, its parameter float32"),
-            ((good, Tensor(np.ones(4, np.float32))), ConfigError,
-             "grad 'b' (grads[1]): shape differs: the grad has (4,), its parameter (3,)"),
-            ((good, np.ones(3, np.float32)), TypeError,
-             "grads[1] is a numpy.ndarray, but this reducer was built on MindSpore parameters")):
+        (
+            (good, Tensor(np.ones(3, np.float32)).astype(ms.bfloat16)),
+            ConfigError,
+            "grad 'b' (grads[1]): dtype differs: the grad is bfloat16, its parameter float32",
+        ),
+        (
+            (good, Tensor(np.ones(4, np.float32))),
+            ConfigError,
+            "grad 'b' (grads[1]): shape differs: the grad has (4,), its parameter (3,)",
+        ),
+        (
+            (good, np.ones(3, np.float32)),
+            TypeError,
+            "grads[1] is a numpy.ndarray, but this reducer was built on MindSpore parameters",
+        ),
+    ):
         try:
             reducer(grads)
         except error as e:

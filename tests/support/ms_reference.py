@@ -12,6 +12,7 @@ tests/test_mindspore_adapter.py; no nccl_ddp involved).
         all of them in one process (MindSpore is slow to start): OUT_DIR/ddp.npz and
         OUT_DIR/grad-reducer-{sum,mean}-{docs,scaled}.npz.
 """
+
 import argparse
 import importlib.util
 import os
@@ -80,11 +81,15 @@ def main():
         for mean in (False, True):
             for scaled in (False, True):
                 name = f"grad-reducer-{'mean' if mean else 'sum'}-{'scaled' if scaled else 'docs'}"
-                np.savez(os.path.join(args.out, name + ".npz"),
-                         **grad_reducer_reference(args.world, scaled, mean))
+                np.savez(
+                    os.path.join(args.out, name + ".npz"), **grad_reducer_reference(args.world, scaled, mean)
+                )
         return
-    result = (ddp_reference(args.steps, args.world) if args.which == "ddp"
-              else grad_reducer_reference(args.world, args.scale_by_rank, args.mean))
+    result = (
+        ddp_reference(args.steps, args.world)
+        if args.which == "ddp"
+        else grad_reducer_reference(args.world, args.scale_by_rank, args.mean)
+    )
     np.savez(args.out, **result)
 
 

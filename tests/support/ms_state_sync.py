@@ -3,6 +3,7 @@ every rank rank 0's frozen Parameters, BatchNorm statistics and registered buffe
 construction, and rank 0's buffers again at the start of each forward after a synchronised one.
 Prints one line per rank: "ms_state_sync <json of the values seen>".
 """
+
 import json
 
 import mindspore as ms
@@ -17,8 +18,9 @@ class Net(nn.Cell):
 
     def __init__(self, rank: int):
         super().__init__()
-        self.frozen = Parameter(Tensor(np.full(3, float(rank), np.float32)), name="frozen",
-                                requires_grad=False)
+        self.frozen = Parameter(
+            Tensor(np.full(3, float(rank), np.float32)), name="frozen", requires_grad=False
+        )
         self.w = Parameter(Tensor(np.full(3, 1.0 + rank, np.float32)), name="w")
         self.bn = nn.BatchNorm1d(3, moving_mean_init=float(rank))
         self.register_buffer("count", Tensor(np.array([10.0 + rank], np.float32)))
@@ -28,9 +30,12 @@ class Net(nn.Cell):
 
 
 def values(net) -> dict:
-    return {"frozen": net.frozen.asnumpy().tolist(), "w": net.w.asnumpy().tolist(),
-            "mean": net.bn.moving_mean.asnumpy().tolist(),
-            "count": net.count.asnumpy().tolist()}
+    return {
+        "frozen": net.frozen.asnumpy().tolist(),
+        "w": net.w.asnumpy().tolist(),
+        "mean": net.bn.moving_mean.asnumpy().tolist(),
+        "count": net.count.asnumpy().tolist(),
+    }
 
 
 def main():
@@ -43,22 +48,25 @@ def main():
         seen = {"built": values(net.module)}
         # the wrapper is a Cell whose parameter names (and checkpoint) are the wrapped cell's
         seen["cell"] = isinstance(net, nn.Cell)
-        seen["names"] = [list(net.parameters_dict()), list(Net(rank).parameters_dict()),
-                         [p.name for p in net.trainable_params()]]
+        seen["names"] = [
+            list(net.parameters_dict()),
+            list(Net(rank).parameters_dict()),
+            [p.name for p in net.trainable_params()],
+        ]
         path = f"ddp_rank{rank}.ckpt"
         ms.save_checkpoint(net, path)
         bare = Net(rank + 5)
         ms.load_param_into_net(bare, ms.load_checkpoint(path))
-        params = ("frozen", "w", "mean")           # (a checkpoint holds Parameters, not buffers)
+        params = ("frozen", "w", "mean")  # (a checkpoint holds Parameters, not buffers)
         seen["checkpoint"] = all(values(bare)[k] == values(net.module)[k] for k in params)
         x = Tensor(np.random.default_rng(rank).standard_normal((4, 3)).astype(np.float32))
         grad_fn = ms.value_and_grad(lambda x: net(x), None, net.trainable_params())
         net.set_train(True)
-        grad_fn(x)                                   # a synchronised step: stats move locally
+        grad_fn(x)  # a synchronised step: stats move locally
         seen["after_step"] = values(net.module)
         net.module.count.assign_value(Tensor(np.array([50.0 + rank], np.float32)))
-        net.set_train(False)                         # eval: this forward updates nothing
-        net(x)                                       # ... but first takes rank 0's buffers
+        net.set_train(False)  # eval: this forward updates nothing
+        net(x)  # ... but first takes rank 0's buffers
         seen["next_forward"] = values(net.module)
         net.close()
     finally:

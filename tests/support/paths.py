@@ -1,4 +1,5 @@
 """Where things are, for tests in any folder under tests/."""
+
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,6 +8,7 @@ data per rank, `no_sync()` on all but the last micro-batch of a step, SGD with m
 `zero_grad()` (set_to_none, torch's default) after each step. `run_torch_ddp` is the oracle:
 `torch.nn.parallel.DistributedDataParallel` on gloo.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,8 +26,9 @@ def assert_matches_torch(per_rank: list, name: str) -> None:
         reference, ours = results[name]
         assert set(ours) == set(reference)
         for key in reference:
-            np.testing.assert_allclose(ours[key], reference[key], rtol=1e-6, atol=1e-6,
-                                       err_msg=f"rank {rank} {name}: {key}")
+            np.testing.assert_allclose(
+                ours[key], reference[key], rtol=1e-6, atol=1e-6, err_msg=f"rank {rank} {name}: {key}"
+            )
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,7 @@ def make_model(rank: int):
     class TiedNet(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.embed = torch.nn.Linear(IN, HIDDEN, bias=False)   # weight (HIDDEN, IN), tied
+            self.embed = torch.nn.Linear(IN, HIDDEN, bias=False)  # weight (HIDDEN, IN), tied
             self.hidden = torch.nn.Linear(HIDDEN, HIDDEN)
             self.branch = torch.nn.Linear(HIDDEN, HIDDEN)
             self.register_buffer("scale", torch.full((HIDDEN,), 1.0 + 0.25 * rank))
@@ -69,7 +71,7 @@ def make_model(rank: int):
             h = torch.tanh(self.hidden(h))
             if use_branch:
                 h = h + torch.tanh(self.branch(h))
-            return h @ self.embed.weight          # the tied output layer
+            return h @ self.embed.weight  # the tied output layer
 
     torch.manual_seed(1234 + rank)
     return TiedNet()
@@ -81,9 +83,13 @@ def batches(rank: int, config: OracleConfig):
 
     g = np.random.default_rng(100 + rank)
     n = config.steps * config.accumulate
-    return [(torch.from_numpy(g.standard_normal((config.batch, IN), dtype=np.float32)),
-             torch.from_numpy(g.standard_normal((config.batch, IN), dtype=np.float32)))
-            for _ in range(n)]
+    return [
+        (
+            torch.from_numpy(g.standard_normal((config.batch, IN), dtype=np.float32)),
+            torch.from_numpy(g.standard_normal((config.batch, IN), dtype=np.float32)),
+        )
+        for _ in range(n)
+    ]
 
 
 def train(ddp_model, module, rank: int, config: OracleConfig, device: str = "cpu") -> dict:
@@ -116,8 +122,7 @@ def gloo_group(rank: int, world_size: int, store_file: str):
     stays free for ours). One per process: re-initialising it per scenario hung now and then."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank,
-                            world_size=world_size)
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world_size)
     try:
         yield
     finally:
@@ -133,8 +138,7 @@ def run_torch_ddp(rank: int, config: OracleConfig) -> dict:
     # past that, stops all-reducing (pytorch/pytorch#143580, #187732). static_graph changes
     # only scheduling, not the result, so with accumulation the oracle runs without it.
     static = config.static_graph and config.accumulate == 1
-    ddp = DistributedDataParallel(module, find_unused_parameters=not static,
-                                  static_graph=static)
+    ddp = DistributedDataParallel(module, find_unused_parameters=not static, static_graph=static)
     return train(ddp, module, rank, config)
 
 
@@ -150,8 +154,14 @@ def make_bn_cnn(rank: int):
     from torch import nn
 
     torch.manual_seed(2000 + rank)
-    return nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(),
-                         nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(24, CLASSES))
+    return nn.Sequential(
+        nn.Conv2d(3, 6, 3, padding=1),
+        nn.BatchNorm2d(6),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(2),
+        nn.Flatten(),
+        nn.Linear(24, CLASSES),
+    )
 
 
 def make_frozen_backbone(rank: int):
@@ -161,8 +171,14 @@ def make_frozen_backbone(rank: int):
     from torch import nn
 
     torch.manual_seed(3000 + rank)
-    model = nn.Sequential(nn.Linear(IN, HIDDEN), nn.BatchNorm1d(HIDDEN), nn.Tanh(),
-                          nn.Linear(HIDDEN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, CLASSES))
+    model = nn.Sequential(
+        nn.Linear(IN, HIDDEN),
+        nn.BatchNorm1d(HIDDEN),
+        nn.Tanh(),
+        nn.Linear(HIDDEN, HIDDEN),
+        nn.Tanh(),
+        nn.Linear(HIDDEN, CLASSES),
+    )
     for layer in list(model)[:4]:
         layer.requires_grad_(False)
     return model
@@ -207,9 +223,13 @@ def make_cnn_class(rank: int):
     return Net()
 
 
-MODELS = {"bn_cnn": make_bn_cnn, "cnn_class": make_cnn_class,
-          "frozen_backbone": make_frozen_backbone, "tied": make_tied,
-          "channels_last": make_channels_last}
+MODELS = {
+    "bn_cnn": make_bn_cnn,
+    "cnn_class": make_cnn_class,
+    "frozen_backbone": make_frozen_backbone,
+    "tied": make_tied,
+    "channels_last": make_channels_last,
+}
 
 
 @dataclass(frozen=True)
@@ -234,9 +254,13 @@ def scenario_batches(rank: int, scenario: Scenario):
     images = scenario.model in ("bn_cnn", "cnn_class", "channels_last")
     shape = (scenario.batch, 3, 6, 6) if images else (scenario.batch, IN)
     n = scenario.steps * scenario.accumulate + 1
-    return [(torch.from_numpy(g.standard_normal(shape, dtype=np.float32)),
-             torch.from_numpy(g.integers(0, CLASSES, scenario.batch)))
-            for _ in range(n)]
+    return [
+        (
+            torch.from_numpy(g.standard_normal(shape, dtype=np.float32)),
+            torch.from_numpy(g.integers(0, CLASSES, scenario.batch)),
+        )
+        for _ in range(n)
+    ]
 
 
 def _optimizer(module, scenario: Scenario):
@@ -246,8 +270,9 @@ def _optimizer(module, scenario: Scenario):
     if scenario.optimizer == "adamw":
         decay = [p for p in params if p.dim() >= 2]
         rest = [p for p in params if p.dim() < 2]
-        return torch.optim.AdamW([{"params": decay, "weight_decay": 0.05},
-                                  {"params": rest, "weight_decay": 0.0}], lr=0.01)
+        return torch.optim.AdamW(
+            [{"params": decay, "weight_decay": 0.05}, {"params": rest, "weight_decay": 0.0}], lr=0.01
+        )
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
@@ -262,8 +287,11 @@ def train_scenario(ddp_model, module, rank: int, scenario: Scenario) -> dict:
             x, y = next(data)
             last = k == scenario.accumulate - 1
             sync = contextlib.nullcontext() if last else ddp_model.no_sync()
-            cast = (torch.autocast("cpu", dtype=torch.bfloat16) if scenario.bf16_autocast
-                    else contextlib.nullcontext())
+            cast = (
+                torch.autocast("cpu", dtype=torch.bfloat16)
+                if scenario.bf16_autocast
+                else contextlib.nullcontext()
+            )
             with sync:
                 with cast:
                     loss = torch.nn.functional.cross_entropy(ddp_model(x), y)
@@ -272,7 +300,7 @@ def train_scenario(ddp_model, module, rank: int, scenario: Scenario) -> dict:
             torch.nn.utils.clip_grad_norm_(module.parameters(), scenario.clip)
         opt.step()
         opt.zero_grad()
-        with torch.no_grad():              # an evaluation forward between steps
+        with torch.no_grad():  # an evaluation forward between steps
             ddp_model(next(iter(scenario_batches(rank, scenario)))[0])
     state = {n: t.detach().cpu().numpy().copy() for n, t in module.named_parameters()}
     state.update({n: t.detach().cpu().numpy().copy() for n, t in module.named_buffers()})

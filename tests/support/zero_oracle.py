@@ -2,6 +2,7 @@
 uneven parameter sizes (shards cut through parameters, a 1-element parameter, several buckets),
 rank-dependent data, 10 steps; torch DDP on gloo with an unsharded torch optimizer (or torch's own
 ZeroRedundancyOptimizer) against ours."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -15,9 +16,9 @@ def make_model(dtype=None):
     class Uneven(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.a = torch.nn.Linear(IN, 13)          # 91 + 13
-            self.b = torch.nn.Linear(13, 11)          # 143 + 11
-            self.c = torch.nn.Linear(11, OUT)         # 33 + 3
+            self.a = torch.nn.Linear(IN, 13)  # 91 + 13
+            self.b = torch.nn.Linear(13, 11)  # 143 + 11
+            self.c = torch.nn.Linear(11, OUT)  # 33 + 3
             self.gain = torch.nn.Parameter(torch.tensor([1.5]))
 
         def forward(self, x, use_gain: bool = True):
@@ -31,16 +32,21 @@ def make_model(dtype=None):
 
 def global_batches(steps: int = STEPS):
     import torch
+
     g = np.random.default_rng(3)
-    return [(torch.from_numpy(g.standard_normal((BATCH, IN), dtype=np.float32)),
-             torch.from_numpy(g.standard_normal((BATCH, OUT), dtype=np.float32)))
-            for _ in range(steps)]
+    return [
+        (
+            torch.from_numpy(g.standard_normal((BATCH, IN), dtype=np.float32)),
+            torch.from_numpy(g.standard_normal((BATCH, OUT), dtype=np.float32)),
+        )
+        for _ in range(steps)
+    ]
 
 
 def local(batch, rank: int, world: int):
     """This rank's equal share of a global batch (so every world size trains the same)."""
     n = BATCH // world
-    return tuple(t[rank * n:(rank + 1) * n] for t in batch)
+    return tuple(t[rank * n : (rank + 1) * n] for t in batch)
 
 
 OPTIMIZERS = {
@@ -49,13 +55,25 @@ OPTIMIZERS = {
 }
 
 
-def train(model, opt, wrapped, rank: int, world: int, *, clip=None, steps=None, start=0,
-          dtype=None, accumulate: int = 1) -> dict:
+def train(
+    model,
+    opt,
+    wrapped,
+    rank: int,
+    world: int,
+    *,
+    clip=None,
+    steps=None,
+    start=0,
+    dtype=None,
+    accumulate: int = 1,
+) -> dict:
     """`accumulate` > 1: the local batch in that many micro-batches, all but the last under
     `no_sync()`."""
     import contextlib
 
     import torch
+
     data = global_batches()
     for step in range(start, STEPS if steps is None else start + steps):
         x, y = local(data[step], rank, world)
@@ -84,6 +102,7 @@ def train_masters(model, wrapped, rank: int, world: int, name: str) -> dict:
     """The unsharded bf16 reference: an fp32 master copy per parameter stepped by the torch
     optimizer on the reduced grads widened to fp32, written back rounded to the model's dtype."""
     import torch
+
     cls, kw = OPTIMIZERS[name]
     masters = [p.detach().float().clone() for p in model.parameters()]
     opt = getattr(torch.optim, cls)(masters, **kw)

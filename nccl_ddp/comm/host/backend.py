@@ -8,6 +8,7 @@ is: "bucket 3 (1.0 MiB)"), the group and the rank. After a failure the group is 
 every peer why and ends its side of each connection (so peers fail fast, naming the cause,
 instead of timing out), and every later call raises the same error.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -38,7 +39,7 @@ from nccl_ddp.errors import CommError, CommTimeout, ConfigError, NcclDdpError, R
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CHUNK_BYTES = 2 << 20   # per shm slot (3 per rank) and per TCP piece
+DEFAULT_CHUNK_BYTES = 2 << 20  # per shm slot (3 per rank) and per TCP piece
 _REDOPS = list(ReduceOp)
 
 
@@ -57,8 +58,10 @@ class HostWork(Work):
     def wait(self, timeout: Optional[float] = None) -> bool:
         t = self._timeout if timeout is None else timeout
         if not self.event.reached(t):
-            raise CommTimeout(f"{self.what} did not complete within {t:.1f}s; a peer may be stuck "
-                              f"or slow (raise the timeout, or check the other ranks' logs)")
+            raise CommTimeout(
+                f"{self.what} did not complete within {t:.1f}s; a peer may be stuck "
+                f"or slow (raise the timeout, or check the other ranks' logs)"
+            )
         if self.event.error is not None:
             raise self.event.error
         return True
@@ -73,8 +76,10 @@ class HostWork(Work):
 
 def _flat(a: np.ndarray, what: str, writable: bool) -> np.ndarray:
     if not isinstance(a, np.ndarray):
-        raise ConfigError(f"{what}: the host backend takes NumPy arrays, got {type(a).__name__}; "
-                          f"use nccl_ddp.all_reduce & co., which convert DLPack arrays")
+        raise ConfigError(
+            f"{what}: the host backend takes NumPy arrays, got {type(a).__name__}; "
+            f"use nccl_ddp.all_reduce & co., which convert DLPack arrays"
+        )
     if not a.flags.c_contiguous:
         raise ConfigError(f"{what}: buffer must be C-contiguous")
     if writable and not a.flags.writeable:
@@ -91,50 +96,64 @@ class HostProcessGroup(ProcessGroup):
 
     backend = "host"
 
-    def __init__(self, store: Any, rank: int, size: int, ranks: Optional[Sequence[int]] = None,
-                 timeout: float = DEFAULT_TIMEOUT, name: str = "world", *,
-                 transport: Optional[str] = None, chunk_bytes: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        size: int,
+        ranks: Optional[Sequence[int]] = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        name: str = "world",
+        *,
+        transport: Optional[str] = None,
+        chunk_bytes: Optional[int] = None,
+    ) -> None:
         self.rank, self.size, self.timeout, self.name = rank, size, float(timeout), name
         self.ranks = tuple(range(size) if ranks is None else ranks)
         if len(self.ranks) != size or not 0 <= rank < size:
-            raise ConfigError(f"group {name!r}: rank {rank} / size {size} do not match the "
-                              f"member list {list(self.ranks)}")
+            raise ConfigError(
+                f"group {name!r}: rank {rank} / size {size} do not match the member list {list(self.ranks)}"
+            )
         self._store = store
         self._where = f"group {name!r} (rank {self.ranks[rank]}, group rank {rank}/{size})"
         self._subgroups = itertools.count(1)
         self._seq = itertools.count(1)
-        self._reductions: dict = {}     # (dtype, op) -> Reduction
+        self._reductions: dict = {}  # (dtype, op) -> Reduction
         self._error: Optional[BaseException] = None
         self._closed = False
         self._transport = self._connect(
             transport or os.environ.get("NCCL_DDP_HOST_TRANSPORT", "auto"),
-            int(chunk_bytes or env_int("NCCL_DDP_HOST_CHUNK_BYTES", DEFAULT_CHUNK_BYTES)))
+            int(chunk_bytes or env_int("NCCL_DDP_HOST_CHUNK_BYTES", DEFAULT_CHUNK_BYTES)),
+        )
         self._cv = threading.Condition()
-        self._items: deque = deque()     # queued (work, fn, ready); None stops the worker
-        self._running = False            # an op is executing (on the worker or inline)
-        self._worker = threading.Thread(target=self._loop, name=f"nccl_ddp-host-{name}-{rank}",
-                                        daemon=True)
+        self._items: deque = deque()  # queued (work, fn, ready); None stops the worker
+        self._running = False  # an op is executing (on the worker or inline)
+        self._worker = threading.Thread(target=self._loop, name=f"nccl_ddp-host-{name}-{rank}", daemon=True)
         self._worker.start()
 
     @classmethod
-    def create(cls, store: Any, rank: int, size: int, ranks: Sequence[int], timeout: float,
-               name: str) -> HostProcessGroup:
+    def create(
+        cls, store: Any, rank: int, size: int, ranks: Sequence[int], timeout: float, name: str
+    ) -> HostProcessGroup:
         return cls(store, rank, size, ranks, timeout, name)
 
     # -- setup ---------------------------------------------------------------------------------
 
-    def _connect(self, transport: str,
-                 chunk_bytes: int) -> Union[SelfTransport, ShmTransport, RingTransport]:
+    def _connect(self, transport: str, chunk_bytes: int) -> Union[SelfTransport, ShmTransport, RingTransport]:
         if transport not in ("auto", "shm", "tcp"):
-            raise ConfigError(f"{self._where}: NCCL_DDP_HOST_TRANSPORT={transport!r}; use auto, "
-                              f"shm or tcp")
+            raise ConfigError(f"{self._where}: NCCL_DDP_HOST_TRANSPORT={transport!r}; use auto, shm or tcp")
         self._links: list = []
         if self.size == 1:
             self.transport_kind = "self"
             return SelfTransport()
-        rdv = Rendezvous(self._store, self.rank, list(self.ranks), self.timeout, self._where,
-                         {"host": host_id(), "transport": transport, "chunk": chunk_bytes,
-                          "members": list(self.ranks)})
+        rdv = Rendezvous(
+            self._store,
+            self.rank,
+            list(self.ranks),
+            self.timeout,
+            self._where,
+            {"host": host_id(), "transport": transport, "chunk": chunk_bytes, "members": list(self.ranks)},
+        )
         infos = rdv.infos
         for r, info in enumerate(infos):
             if info["members"] != list(self.ranks):
@@ -142,32 +161,35 @@ class HostProcessGroup(ProcessGroup):
                 raise RankMismatchError(
                     f"{self._where}: this rank's group has members {list(self.ranks)} but group "
                     f"rank {r} (rank {info['members'][r]}) joined with members {info['members']}; "
-                    f"every member must create the group from the same ranks")
-        chunk = infos[0]["chunk"]           # every rank must chunk alike
+                    f"every member must create the group from the same ranks"
+                )
+        chunk = infos[0]["chunk"]  # every rank must chunk alike
         same_host = len({i["host"] for i in infos}) == 1
         if any(i["transport"] == "shm" for i in infos) and not same_host:
             rdv.listener.close()
-            raise ConfigError(f"{self._where}: shm transport requested but the members run on "
-                              f"several hosts; use NCCL_DDP_HOST_TRANSPORT=auto or tcp")
+            raise ConfigError(
+                f"{self._where}: shm transport requested but the members run on "
+                f"several hosts; use NCCL_DDP_HOST_TRANSPORT=auto or tcp"
+            )
         t: Callable[[], Any]
         if same_host and all(i["transport"] != "tcp" for i in infos):
             links = rdv.connect(range(self.size))
             kind, t = "shm", lambda: ShmTransport(links, self.rank, self.size, chunk, "host")
         else:
             links = rdv.connect({(self.rank - 1) % self.size, (self.rank + 1) % self.size})
-            kind, t = "tcp", lambda: RingTransport(links, self.rank, self.size, chunk,
-                                                   self.timeout)
+            kind, t = "tcp", lambda: RingTransport(links, self.rank, self.size, chunk, self.timeout)
         self._links = list(links.values())
         try:
             out = t()
         except NcclDdpError as e:
-            err: NcclDdpError = type(e)(f"{self._where}: setting up the {kind} transport failed: "
-                                        f"{e}")
+            err: NcclDdpError = type(e)(f"{self._where}: setting up the {kind} transport failed: {e}")
             self._give_up_setup(err)
             raise err from e
         except OSError as e:
-            err = CommError(f"{self._where}: setting up the {kind} transport failed ({e}); set "
-                            f"NCCL_DDP_HOST_TRANSPORT=tcp if /dev/shm is not shared")
+            err = CommError(
+                f"{self._where}: setting up the {kind} transport failed ({e}); set "
+                f"NCCL_DDP_HOST_TRANSPORT=tcp if /dev/shm is not shared"
+            )
             self._give_up_setup(err)
             raise err from e
         log.debug("%s: %s transport, %d-byte chunks", self._where, kind, chunk)
@@ -187,8 +209,9 @@ class HostProcessGroup(ProcessGroup):
 
     # -- the worker ----------------------------------------------------------------------------
 
-    def _submit(self, opname: str, tag: Optional[str], fn: Callable[[], None], result: Any,
-                stream: Any) -> HostWork:
+    def _submit(
+        self, opname: str, tag: Optional[str], fn: Callable[[], None], result: Any, stream: Any
+    ) -> HostWork:
         """Queue `fn` on the worker; with a stream, order it after the stream's submitted work
         and make the stream's later work wait for it:
 
@@ -200,8 +223,7 @@ class HostProcessGroup(ProcessGroup):
         idle (in order, and without two thread switches per small op), else it waits its turn.
         """
         if self._closed:
-            raise CommError(f"{self._where}: {self._on(opname, tag)} called after the group was "
-                            f"shut down")
+            raise CommError(f"{self._where}: {self._on(opname, tag)} called after the group was shut down")
         work = HostWork(self._on(f"{opname} #{next(self._seq)}", tag), result, self.timeout)
         immediate = isinstance(stream, ImmediateStream)
         ready = stream.record() if stream is not None and not immediate else None
@@ -215,7 +237,7 @@ class HostProcessGroup(ProcessGroup):
         if inline:
             self._execute((work, fn, None))
         elif immediate:
-            work.event.reached(self.timeout)   # errors surface in work.wait()
+            work.event.reached(self.timeout)  # errors surface in work.wait()
         elif stream is not None:
             stream.wait(work.event)
         return work
@@ -243,22 +265,22 @@ class HostProcessGroup(ProcessGroup):
         work, fn, ready = item
         try:
             if self._error is not None:
-                work._finish(type(self._error)(f"{work.what}: not run, the group failed "
-                                               f"earlier: {self._error}"))
+                work._finish(
+                    type(self._error)(f"{work.what}: not run, the group failed earlier: {self._error}")
+                )
                 return
             try:
                 if ready is not None:
                     ready.synchronize(self.timeout)
-                with np.errstate(over="ignore", invalid="ignore"):   # wraps like NCCL, silently
+                with np.errstate(over="ignore", invalid="ignore"):  # wraps like NCCL, silently
                     fn()
                 work._finish(None)
             except BaseException as e:  # handed to whoever waits on the work
-                err = (type(e) if isinstance(e, NcclDdpError) else CommError)(
-                    f"{work.what} failed: {e}")
+                err = (type(e) if isinstance(e, NcclDdpError) else CommError)(f"{work.what} failed: {e}")
                 err.__cause__ = e
                 self._error = err
                 log.error("%s", err)
-                for link in self._links:   # peers blocked on us fail fast, with our reason
+                for link in self._links:  # peers blocked on us fail fast, with our reason
                     link.abort(str(err))
                 work._finish(err)
         finally:
@@ -269,56 +291,68 @@ class HostProcessGroup(ProcessGroup):
 
     # -- collectives ---------------------------------------------------------------------------
 
-    def _desc(self, what: str, op: int, a: np.ndarray, redop: Optional[ReduceOp] = None,
-              root: int = 0) -> tuple:
+    def _desc(
+        self, what: str, op: int, a: np.ndarray, redop: Optional[ReduceOp] = None, root: int = 0
+    ) -> tuple:
         return (op, dtype_code(a.dtype, what), _REDOPS.index(redop) if redop else 0, root, a.size)
 
     def _reduction(self, what: str, a: np.ndarray, op: Any) -> Reduction:
         op = ReduceOp.parse(op)
-        key = (a.dtype, op)     # (a DDP step reduces a few dtypes with one op, bucket by bucket)
+        key = (a.dtype, op)  # (a DDP step reduces a few dtypes with one op, bucket by bucket)
         red = self._reductions.get(key)
         if red is None:
             red = self._reductions[key] = Reduction(a.dtype, op, self.size, what)
         return red
 
-    def all_reduce(self, buf: Any, op: ReduceOp = ReduceOp.SUM, stream: Any=None, *,
-                   tag: Optional[str] = None) -> HostWork:
+    def all_reduce(
+        self, buf: Any, op: ReduceOp = ReduceOp.SUM, stream: Any = None, *, tag: Optional[str] = None
+    ) -> HostWork:
         what = self._on("all_reduce", tag)
         flat = _flat(buf, what, True)
         red = self._reduction(what, flat, op)
         desc = self._desc(what, ALL_REDUCE, flat, red.op)
-        return self._submit("all_reduce", tag,
-                            lambda: self._transport.all_reduce(flat, red, desc), buf, stream)
+        return self._submit(
+            "all_reduce", tag, lambda: self._transport.all_reduce(flat, red, desc), buf, stream
+        )
 
-    def broadcast(self, buf: Any, root: int = 0, stream: Any=None, *,
-                  tag: Optional[str] = None) -> HostWork:
+    def broadcast(
+        self, buf: Any, root: int = 0, stream: Any = None, *, tag: Optional[str] = None
+    ) -> HostWork:
         what = self._on("broadcast", tag)
         flat = _flat(buf, what, True)
         if not 0 <= root < self.size:
             raise ConfigError(f"{what}: root {root} is not a group rank (0..{self.size - 1})")
         desc = self._desc(what, BROADCAST, flat, root=root)
-        return self._submit("broadcast", tag,
-                            lambda: self._transport.broadcast(flat, root, desc), buf, stream)
+        return self._submit(
+            "broadcast", tag, lambda: self._transport.broadcast(flat, root, desc), buf, stream
+        )
 
-    def all_gather(self, out: Any, inp: Any, stream: Any=None, *, tag: Optional[str] = None) -> HostWork:
+    def all_gather(self, out: Any, inp: Any, stream: Any = None, *, tag: Optional[str] = None) -> HostWork:
         what = self._on("all_gather", tag)
         o, i = _flat(out, what, True), _flat(inp, what, False)
         check_gather_buffers(what, self.size, o, i, "out", "input")
         desc = self._desc(what, ALL_GATHER, i)
-        return self._submit("all_gather", tag,
-                            lambda: self._transport.all_gather(o, i, desc), out, stream)
+        return self._submit("all_gather", tag, lambda: self._transport.all_gather(o, i, desc), out, stream)
 
-    def reduce_scatter(self, out: Any, inp: Any, op: ReduceOp = ReduceOp.SUM, stream: Any=None, *,
-                       tag: Optional[str] = None) -> HostWork:
+    def reduce_scatter(
+        self,
+        out: Any,
+        inp: Any,
+        op: ReduceOp = ReduceOp.SUM,
+        stream: Any = None,
+        *,
+        tag: Optional[str] = None,
+    ) -> HostWork:
         what = self._on("reduce_scatter", tag)
         o, i = _flat(out, what, True), _flat(inp, what, False)
         check_gather_buffers(what, self.size, i, o, "input", "out")
         red = self._reduction(what, o, op)
         desc = self._desc(what, REDUCE_SCATTER, o, red.op)
-        return self._submit("reduce_scatter", tag,
-                            lambda: self._transport.reduce_scatter(o, i, red, desc), out, stream)
+        return self._submit(
+            "reduce_scatter", tag, lambda: self._transport.reduce_scatter(o, i, red, desc), out, stream
+        )
 
-    def barrier(self, stream: Any=None, *, tag: Optional[str] = None) -> HostWork:
+    def barrier(self, stream: Any = None, *, tag: Optional[str] = None) -> HostWork:
         desc = (BARRIER, 0, 0, 0, 0)
         return self._submit("barrier", tag, lambda: self._transport.barrier(desc), None, stream)
 
@@ -331,20 +365,24 @@ class HostProcessGroup(ProcessGroup):
     def new_subgroup(self, ranks: Sequence[int]) -> Optional[HostProcessGroup]:
         """Collective over this group (every member calls it, in the same order)."""
         from nccl_ddp.store.client import PrefixStore
+
         n = next(self._subgroups)
         members = sorted(set(int(r) for r in ranks))
         bad = [r for r in members if r not in self.ranks]
         if bad or not members:
-            raise ConfigError(f"new_group on {self._where}: ranks {bad or members} are not members "
-                              f"of this group ({list(self.ranks)})")
+            raise ConfigError(
+                f"new_group on {self._where}: ranks {bad or members} are not members "
+                f"of this group ({list(self.ranks)})"
+            )
         me = self.ranks[self.rank]
         if me not in members:
             return None
         name = f"group{members}" if self.name == "world" else f"{self.name}/group{members}"
         # keyed by the members too: ranks that disagree on them never share rendezvous keys
         keys = PrefixStore(self._store, f"sub{n}/{'-'.join(map(str, members))}")
-        return HostProcessGroup(keys, members.index(me),
-                                len(members), members, self.timeout, name.replace(" ", ""))
+        return HostProcessGroup(
+            keys, members.index(me), len(members), members, self.timeout, name.replace(" ", "")
+        )
 
     @property
     def failed(self) -> bool:
@@ -356,7 +394,7 @@ class HostProcessGroup(ProcessGroup):
     def abort(self, reason: str) -> None:
         if self._error is None:
             self._error = CommError(f"{self._where}: aborted: {reason}")
-        for link in self._links:   # peers blocked on us fail at once, with the reason
+        for link in self._links:  # peers blocked on us fail at once, with the reason
             link.abort(reason)
 
     def shutdown(self) -> None:
@@ -367,7 +405,7 @@ class HostProcessGroup(ProcessGroup):
             self._items.append(None)
             self._cv.notify_all()
         self._worker.join(timeout=self.timeout)
-        if self._worker.is_alive():   # stuck in a collective: unblock it by closing its sockets
+        if self._worker.is_alive():  # stuck in a collective: unblock it by closing its sockets
             self._close_links()
             self._worker.join(timeout=5.0)
         self._transport.close()

@@ -4,6 +4,7 @@ float16 / bfloat16 accumulate in float32 while several inputs are combined at on
 sum by the number of ranks; on integer dtypes it truncates toward zero, like NCCL's ncclAvg
 (sum, then C integer division). bool supports only MAX (any) and MIN (all).
 """
+
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -19,6 +20,7 @@ def _dtypes() -> tuple:
     out = [np.dtype(n) for n in names]
     try:
         import ml_dtypes
+
         out.append(np.dtype(ml_dtypes.bfloat16))
     except ImportError:  # bfloat16 arrays cannot exist without ml_dtypes either
         pass
@@ -29,8 +31,13 @@ DTYPES: tuple = _dtypes()
 """Supported dtypes; a dtype's index here is its code in wire headers."""
 
 _HALF = {"float16", "bfloat16"}
-_UFUNC = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.PROD: np.multiply,
-          ReduceOp.MAX: np.maximum, ReduceOp.MIN: np.minimum}
+_UFUNC = {
+    ReduceOp.SUM: np.add,
+    ReduceOp.AVG: np.add,
+    ReduceOp.PROD: np.multiply,
+    ReduceOp.MAX: np.maximum,
+    ReduceOp.MIN: np.minimum,
+}
 _BOOL_UFUNC = {ReduceOp.MAX: np.logical_or, ReduceOp.MIN: np.logical_and}
 
 
@@ -40,8 +47,9 @@ def dtype_code(dtype: Any, where: str) -> int:
     try:
         return DTYPES.index(dt)
     except ValueError:
-        raise ConfigTypeError(f"{where}: dtype {dt} is not supported by the host backend; use one of "
-                          f"{[d.name for d in DTYPES]}") from None
+        raise ConfigTypeError(
+            f"{where}: dtype {dt} is not supported by the host backend; use one of {[d.name for d in DTYPES]}"
+        ) from None
 
 
 class Reduction:

@@ -9,6 +9,7 @@ previous rank and reduces each as it lands, so the wire and the NumPy reduction 
 all_reduce = reduce-scatter (rank r ends with the full reduction of part r) + all-gather (parts
 are copied verbatim), so every rank ends with the same bits.
 """
+
 from __future__ import annotations
 
 import threading
@@ -22,7 +23,7 @@ from nccl_ddp.comm.host.reduce import Reduction
 from nccl_ddp.comm.host.wire import Header, PeerLink
 from nccl_ddp.errors import CommTimeout
 
-STAGED, DATA = 1, 3   # message kinds (see wire.KIND_NAMES)
+STAGED, DATA = 1, 3  # message kinds (see wire.KIND_NAMES)
 
 
 class _Sender:
@@ -78,7 +79,7 @@ class _Sender:
 
 def _part(a: np.ndarray, j: int, n: int) -> np.ndarray:
     """Part j of `a` split into n nearly equal parts (the same split on every rank)."""
-    return a[a.size * j // n:a.size * (j + 1) // n]
+    return a[a.size * j // n : a.size * (j + 1) // n]
 
 
 class RingTransport:
@@ -95,16 +96,16 @@ class RingTransport:
     def _pieces(self, a: np.ndarray) -> Iterator[Any]:
         pe = max(1, self.chunk // a.itemsize)
         for lo in range(0, max(a.size, 1), pe):
-            yield a[lo:lo + pe]
+            yield a[lo : lo + pe]
 
     def _send(self, a: np.ndarray, desc: tuple) -> None:
         for p in self._pieces(a):
             self.send_seq += 1
-            self.sender.put(self.next, Header(self.send_seq, DATA, *desc),
-                            memoryview(p.view(np.uint8)))
+            self.sender.put(self.next, Header(self.send_seq, DATA, *desc), memoryview(p.view(np.uint8)))
 
-    def _recv(self, a: np.ndarray, desc: tuple, red: Optional[Reduction] = None,
-              forward: bool = False) -> None:
+    def _recv(
+        self, a: np.ndarray, desc: tuple, red: Optional[Reduction] = None, forward: bool = False
+    ) -> None:
         """Receive `a` from the previous rank: into it, or reduced into it with `red`; `forward`
         passes each piece on to the next rank as soon as it has arrived."""
         tmp = np.empty(min(a.size, self.chunk // a.itemsize) if red else 0, a.dtype)
@@ -115,13 +116,12 @@ class RingTransport:
             if red is None:
                 self.prev.recv_into(memoryview(p.view(np.uint8)))
             else:
-                t = tmp[:p.size]
+                t = tmp[: p.size]
                 self.prev.recv_into(t.view(np.uint8).data)
                 red.combine(p, [t], final=False)
             if forward:
                 self.send_seq += 1
-                self.sender.put(self.next, Header(self.send_seq, DATA, *desc),
-                                memoryview(p.view(np.uint8)))
+                self.sender.put(self.next, Header(self.send_seq, DATA, *desc), memoryview(p.view(np.uint8)))
 
     def _reduce_scatter(self, buf: np.ndarray, red: Reduction, desc: tuple) -> np.ndarray:
         """In place on `buf`; returns part `rank`, fully reduced (AVG divided)."""
@@ -168,14 +168,12 @@ class RingTransport:
         self._all_gather(out, desc)
         self.sender.drain(self.timeout)
 
-    def reduce_scatter(self, out: np.ndarray, inp: np.ndarray, red: Reduction,
-                       desc: tuple) -> None:
+    def reduce_scatter(self, out: np.ndarray, inp: np.ndarray, red: Reduction, desc: tuple) -> None:
         np.copyto(out, self._reduce_scatter(inp.copy(), red, desc))
         self.sender.drain(self.timeout)
 
     def barrier(self, desc: tuple) -> None:
-        self.all_reduce(np.zeros(1, np.uint8), Reduction(np.uint8, ReduceOp.MAX, self.size, ""),
-                        desc)
+        self.all_reduce(np.zeros(1, np.uint8), Reduction(np.uint8, ReduceOp.MAX, self.size, ""), desc)
 
     def close(self) -> None:
         self.sender.close()

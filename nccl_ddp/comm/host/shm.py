@@ -4,6 +4,7 @@ The owner unlinks its segment as soon as every peer has mapped it, so a crash af
 nothing behind in /dev/shm. A segment's pages are allocated when it is created: a /dev/shm too
 small for it is a `CommError` at setup, not a SIGBUS at the first collective that touches it.
 """
+
 from __future__ import annotations
 
 import errno
@@ -35,8 +36,7 @@ class Segment:
                 os.ftruncate(fd, nbytes)
                 _allocate(fd, nbytes, sharers)
             elif os.fstat(fd).st_size != nbytes:
-                raise OSError(f"segment {self.path} has {os.fstat(fd).st_size} bytes, "
-                              f"expected {nbytes}")
+                raise OSError(f"segment {self.path} has {os.fstat(fd).st_size} bytes, expected {nbytes}")
             self._map: Optional[mmap.mmap] = mmap.mmap(fd, nbytes)
         except BaseException:
             if create:
@@ -52,8 +52,9 @@ class Segment:
         nccl-ddp-run, which removes `nccl_ddp-<job>-*` when it exits) or `tag`. `sharers`: how
         many processes of this host create one alike (for the error when /dev/shm is full)."""
         job = os.environ.get("NCCL_DDP_JOB_ID") or tag
-        return cls(f"nccl_ddp-{job}-{os.getpid()}-{secrets.token_hex(4)}", nbytes, create=True,
-                   sharers=sharers)
+        return cls(
+            f"nccl_ddp-{job}-{os.getpid()}-{secrets.token_hex(4)}", nbytes, create=True, sharers=sharers
+        )
 
     def unlink(self) -> None:
         """Remove the name (mappings stay valid). Idempotent."""
@@ -71,7 +72,7 @@ class Segment:
             del self.array
             try:
                 self._map.close()
-            except BufferError:   # a view is still alive; the map is freed with it
+            except BufferError:  # a view is still alive; the map is freed with it
                 pass
             self._map = None
 
@@ -93,16 +94,17 @@ def _allocate(fd: int, nbytes: int, sharers: int) -> None:
             f"{SHM_DIR} is too small for the shm transport: a segment of {_mib(nbytes)} does not "
             f"fit ({e.strerror}); {sharers} rank(s) on this host need {_mib(nbytes * sharers)} "
             f"in all, {SHM_DIR} has {free}. Set NCCL_DDP_HOST_TRANSPORT=tcp, enlarge {SHM_DIR} "
-            f"(docker run --shm-size), or lower NCCL_DDP_HOST_CHUNK_BYTES") from e
+            f"(docker run --shm-size), or lower NCCL_DDP_HOST_CHUNK_BYTES"
+        ) from e
 
 
 def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB ({n} bytes)"
 
 
-STAGED, REDUCED = 1, 2      # signal kinds (see _wire.KIND_NAMES)
+STAGED, REDUCED = 1, 2  # signal kinds (see _wire.KIND_NAMES)
 _SLOTS = 3
-_SMALL = 64 << 10    # all_reduce up to this many bytes: every rank reduces the whole message
+_SMALL = 64 << 10  # all_reduce up to this many bytes: every rank reduces the whole message
 _NAME_BYTES = 128
 
 
@@ -130,8 +132,8 @@ class ShmTransport:
         self.rank, self.size = rank, size
         self.chunk = max(4096, chunk_bytes // 64 * 64)
         self.links = [links[j] for j in range(size) if j != rank]
-        self.seq = 0          # signals exchanged so far
-        self.chunks = 0       # chunks staged so far: chunk c uses slot c % _SLOTS
+        self.seq = 0  # signals exchanged so far
+        self.chunks = 0  # chunks staged so far: chunk c uses slot c % _SLOTS
         nbytes = _SLOTS * self.chunk
         self._own = Segment.create(nbytes, tag, sharers=size)
         segments = {}
@@ -145,7 +147,7 @@ class ShmTransport:
                 raw = bytearray(_NAME_BYTES)
                 link.recv_into(memoryview(raw))
                 segments[j] = Segment(bytes(raw).rstrip(b"\0").decode(), nbytes, False)
-            self._exchange((SETUP, 0, 0, 0, 0), REDUCED)   # everyone mapped everything: unlink
+            self._exchange((SETUP, 0, 0, 0, 0), REDUCED)  # everyone mapped everything: unlink
         except BaseException:
             for seg in segments.values():
                 seg.close()
@@ -154,8 +156,10 @@ class ShmTransport:
         self._own.unlink()
         segments[rank] = self._own
         self._segments = segments
-        self.slots = [[segments[j].array[i * self.chunk:(i + 1) * self.chunk]
-                       for i in range(_SLOTS)] for j in range(size)]
+        self.slots = [
+            [segments[j].array[i * self.chunk : (i + 1) * self.chunk] for i in range(_SLOTS)]
+            for j in range(size)
+        ]
 
     def _step(self) -> int:
         """The slot of the next chunk."""
@@ -172,7 +176,7 @@ class ShmTransport:
 
     def _slot(self, j: int, s: int, a: int, b: int, dtype: Any) -> np.ndarray:
         it = dtype.itemsize
-        return self.slots[j][s][a * it:b * it].view(dtype)
+        return self.slots[j][s][a * it : b * it].view(dtype)
 
     def all_reduce(self, buf: np.ndarray, red: Reduction, desc: tuple) -> None:
         n, dt, r, size = buf.size, buf.dtype, self.rank, self.size
@@ -191,8 +195,8 @@ class ShmTransport:
             hi, s = min(n, lo + ce), self._step()
             a, b = _bounds(hi - lo, r, size)
             # peers need every part but mine, which I reduce straight from my buffer
-            np.copyto(self._slot(r, s, 0, a, dt), buf[lo:lo + a])
-            np.copyto(self._slot(r, s, b, hi - lo, dt), buf[lo + b:hi])
+            np.copyto(self._slot(r, s, 0, a, dt), buf[lo : lo + a])
+            np.copyto(self._slot(r, s, b, hi - lo, dt), buf[lo + b : hi])
             return lo, hi, s
 
         cur = stage(0)
@@ -200,7 +204,7 @@ class ShmTransport:
         for k in range(len(starts)):
             lo, hi, s = cur
             a, b = _bounds(hi - lo, r, size)
-            mine = buf[lo + a:lo + b]
+            mine = buf[lo + a : lo + b]
             red.combine(mine, [self._slot(j, s, a, b, dt) for j in range(size) if j != r], True)
             np.copyto(self._slot(r, s, a, b, dt), mine)
             if k + 1 < len(starts):
@@ -209,7 +213,7 @@ class ShmTransport:
             for j in range(size):
                 if j != r:
                     a, b = _bounds(hi - lo, j, size)
-                    np.copyto(buf[lo + a:lo + b], self._slot(j, s, a, b, dt))
+                    np.copyto(buf[lo + a : lo + b], self._slot(j, s, a, b, dt))
 
     def broadcast(self, buf: np.ndarray, root: int, desc: tuple) -> None:
         n, dt = buf.size, buf.dtype
@@ -232,7 +236,7 @@ class ShmTransport:
             np.copyto(self._slot(self.rank, s, 0, hi - lo, dt), inp[lo:hi])
             self._exchange(desc, STAGED)
             for j in range(self.size):
-                np.copyto(out[j * n + lo:j * n + hi], self._slot(j, s, 0, hi - lo, dt))
+                np.copyto(out[j * n + lo : j * n + hi], self._slot(j, s, 0, hi - lo, dt))
 
     def reduce_scatter(self, out: np.ndarray, inp: np.ndarray, red: Reduction, desc: tuple) -> None:
         n, dt, r, size = out.size, out.dtype, self.rank, self.size

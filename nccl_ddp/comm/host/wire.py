@@ -4,6 +4,7 @@ Every message starts with a `Header` naming the collective it belongs to, so ran
 different collectives (or the same one with different sizes) fail at once with a
 `RankMismatchError` instead of exchanging garbage.
 """
+
 from __future__ import annotations
 
 import hmac
@@ -28,11 +29,11 @@ OP_NAMES = ("", "all_reduce", "broadcast", "all_gather", "reduce_scatter", "barr
 ALL_REDUCE, BROADCAST, ALL_GATHER, REDUCE_SCATTER, BARRIER, SETUP = range(1, 7)
 KIND_NAMES = ("", "staged", "reduced", "data", "abort")
 ABORT = 4
-_HEADER = struct.Struct("<QBBBBIQ")   # seq, kind, op, dtype code, reduce op code, root, count
-_HANDSHAKE = struct.Struct("<32sI")   # acceptor's token, connector's group rank
-_ACCEPTED = b"\x01"                   # the acceptor's confirmation of a valid handshake
-HANDSHAKE_DEADLINE = 5.0              # seconds a connection to the listener has to identify
-MAX_UNAUTHENTICATED = 64              # handshakes in progress at once; then one is evicted
+_HEADER = struct.Struct("<QBBBBIQ")  # seq, kind, op, dtype code, reduce op code, root, count
+_HANDSHAKE = struct.Struct("<32sI")  # acceptor's token, connector's group rank
+_ACCEPTED = b"\x01"  # the acceptor's confirmation of a valid handshake
+HANDSHAKE_DEADLINE = 5.0  # seconds a connection to the listener has to identify
+MAX_UNAUTHENTICATED = 64  # handshakes in progress at once; then one is evicted
 
 
 @dataclass(frozen=True)
@@ -49,8 +50,7 @@ class Header:
     count: int = 0
 
     def pack(self) -> bytes:
-        return _HEADER.pack(self.seq, self.kind, self.op, self.dtype, self.redop, self.root,
-                            self.count)
+        return _HEADER.pack(self.seq, self.kind, self.op, self.dtype, self.redop, self.root, self.count)
 
     @classmethod
     def unpack(cls, raw: bytes) -> Header:
@@ -67,7 +67,7 @@ class PeerLink:
 
     def __init__(self, sock: socket.socket, peer: int, timeout: float) -> None:
         self.sock = sock
-        self.peer = peer          # the peer's global rank, for messages
+        self.peer = peer  # the peer's global rank, for messages
         self.timeout = timeout
         sock.settimeout(timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -80,14 +80,16 @@ class PeerLink:
             else:
                 self.sock.sendall(header.pack())
         except TimeoutError as e:
-            raise CommTimeout(f"peer rank {self.peer} did not accept data for {self.timeout:.1f}s "
-                              f"(is it stuck or dead?)") from e
+            raise CommTimeout(
+                f"peer rank {self.peer} did not accept data for {self.timeout:.1f}s (is it stuck or dead?)"
+            ) from e
         except OSError as e:
             reason = self._abort_waiting()
-            if reason is not None:      # it gave up and closed before reading what we sent
+            if reason is not None:  # it gave up and closed before reading what we sent
                 raise CommError(f"peer rank {self.peer} gave up: {reason}") from e
-            raise CommError(f"lost the connection to peer rank {self.peer} ({e}); "
-                            f"did it die? check its log") from e
+            raise CommError(
+                f"lost the connection to peer rank {self.peer} ({e}); did it die? check its log"
+            ) from e
 
     def _abort_waiting(self) -> Optional[str]:
         """The reason of an abort message the peer sent next, if it is already here."""
@@ -99,7 +101,7 @@ class PeerLink:
                 return None
             n = _HEADER.size + min(Header.unpack(raw).count, 4096)
             raw = self.sock.recv(n, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-            return raw[_HEADER.size:].decode(errors="replace") if len(raw) == n else None
+            return raw[_HEADER.size :].decode(errors="replace") if len(raw) == n else None
         except (OSError, ValueError):
             return None
 
@@ -109,17 +111,21 @@ class PeerLink:
             while got < n:
                 k = self.sock.recv_into(view[got:], n - got)
                 if k == 0:
-                    raise CommError(f"peer rank {self.peer} closed the connection (did it die or "
-                                    f"fail? check its log)")
+                    raise CommError(
+                        f"peer rank {self.peer} closed the connection (did it die or fail? check its log)"
+                    )
                 got += k
         except TimeoutError as e:
-            raise CommTimeout(f"peer rank {self.peer} sent nothing for {self.timeout:.1f}s "
-                              f"(is it stuck, dead, or running a different collective?)") from e
+            raise CommTimeout(
+                f"peer rank {self.peer} sent nothing for {self.timeout:.1f}s "
+                f"(is it stuck, dead, or running a different collective?)"
+            ) from e
         except CommError:
             raise
         except OSError as e:
-            raise CommError(f"lost the connection to peer rank {self.peer} ({e}); "
-                            f"did it die? check its log") from e
+            raise CommError(
+                f"lost the connection to peer rank {self.peer} ({e}); did it die? check its log"
+            ) from e
 
     def expect(self, want: Header) -> None:
         """Receive the next header and check it is `want`."""
@@ -135,7 +141,8 @@ class PeerLink:
                 f"peer rank {self.peer} sent {KIND_NAMES[got.kind] if got.kind < 5 else got.kind} "
                 f"for {got.describe()} while this rank expected {KIND_NAMES[want.kind]} for "
                 f"{want.describe()}; every rank must call the same collectives, in the same order, "
-                f"with the same sizes and dtypes")
+                f"with the same sizes and dtypes"
+            )
 
     def closed_by_peer(self) -> bool:
         """True if the peer closed its end (it exited or shut the group down); never blocks.
@@ -144,11 +151,11 @@ class PeerLink:
         that timeout for data, so a live, quiet peer cost a whole timeout and then looked lost."""
         try:
             if not _readable(self.sock):
-                return False                 # nothing to read, no hang-up: the peer is there
+                return False  # nothing to read, no hang-up: the peer is there
             return self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
         except (BlockingIOError, InterruptedError, TimeoutError):
             return False
-        except (OSError, ValueError):        # reset, or our own socket already closed
+        except (OSError, ValueError):  # reset, or our own socket already closed
             return True
 
     def abort(self, reason: str) -> None:
@@ -204,7 +211,7 @@ def host_id() -> str:
             boot = f.read().strip()
         st = os.stat("/dev/shm")
     except OSError:
-        return f"{socket.gethostname()}:{os.getpid()}"   # no /dev/shm: never shared
+        return f"{socket.gethostname()}:{os.getpid()}"  # no /dev/shm: never shared
     return f"{socket.gethostname()}:{boot}:{st.st_dev}:{st.st_ino}"
 
 
@@ -212,19 +219,21 @@ class Rendezvous:
     """Publishes this rank's listening address in the store, reads the others', and connects the
     links a transport asks for (the higher group rank dials, the lower one accepts)."""
 
-    def __init__(self, store: Any, rank: int, ranks: List[int], timeout: float, where: str,
-                 extra: dict) -> None:
-        self.store, self.rank, self.ranks, self.timeout, self.where = (
-            store, rank, ranks, timeout, where)
+    def __init__(
+        self, store: Any, rank: int, ranks: List[int], timeout: float, where: str, extra: dict
+    ) -> None:
+        self.store, self.rank, self.ranks, self.timeout, self.where = (store, rank, ranks, timeout, where)
         self.deadline = time.monotonic() + timeout
         self.token = secrets.token_hex(16)
         host = advertise_host()
         try:
             self.listener = socket.create_server((host, 0), backlog=max(8, len(ranks)))
         except OSError as e:
-            raise ConfigError(f"{where}: cannot listen for peers on {host!r} ({e}); set "
-                              f"NCCL_DDP_SOCKET_ADDR to an address of this machine (or unset it "
-                              f"to use the route to MASTER_ADDR)") from e
+            raise ConfigError(
+                f"{where}: cannot listen for peers on {host!r} ({e}); set "
+                f"NCCL_DDP_SOCKET_ADDR to an address of this machine (or unset it "
+                f"to use the route to MASTER_ADDR)"
+            ) from e
         self.listener.settimeout(timeout)
         info = dict(extra, addr=host, port=self.listener.getsockname()[1], token=self.token)
         try:
@@ -243,12 +252,14 @@ class Rendezvous:
             try:
                 infos[r] = json.loads(self.store.get(f"peer/{r}", timeout=self._left()))
             except StoreTimeout as e:
-                missing = [self.ranks[q] for q in range(len(self.ranks))
-                           if q not in infos and not self._present(q)]
+                missing = [
+                    self.ranks[q] for q in range(len(self.ranks)) if q not in infos and not self._present(q)
+                ]
                 raise CommTimeout(
                     f"{self.where}: ranks {missing} did not join within {self.timeout:.1f}s "
                     f"(they never published their address; did they start, crash, or call "
-                    f"init_process_group/new_group with different arguments?)") from e
+                    f"init_process_group/new_group with different arguments?)"
+                ) from e
         return [infos[r] for r in range(len(self.ranks))]
 
     def _present(self, r: int) -> bool:
@@ -284,14 +295,15 @@ class Rendezvous:
         delay = 0.05
         while True:
             try:
-                sock = socket.create_connection((info["addr"], info["port"]),
-                                                timeout=self._left())
+                sock = socket.create_connection((info["addr"], info["port"]), timeout=self._left())
             except OSError as e:
                 # "peer rank N": the launcher blames that rank (a refused connection at setup is
                 # usually a peer that died after publishing its address)
-                raise CommError(f"{self.where}: cannot connect to peer rank {self.ranks[p]} at "
-                                f"{info['addr']}:{info['port']} ({e}); check that the address "
-                                f"is reachable or set NCCL_DDP_SOCKET_ADDR") from e
+                raise CommError(
+                    f"{self.where}: cannot connect to peer rank {self.ranks[p]} at "
+                    f"{info['addr']}:{info['port']} ({e}); check that the address "
+                    f"is reachable or set NCCL_DDP_SOCKET_ADDR"
+                ) from e
             try:
                 sock.sendall(_HANDSHAKE.pack(info["token"].encode(), self.rank))
                 sock.settimeout(self._left())
@@ -300,14 +312,17 @@ class Rendezvous:
                 why = "closed the connection during the handshake"
             except TimeoutError as e:
                 sock.close()
-                raise CommTimeout(f"{self.where}: peer rank {self.ranks[p]} did not confirm "
-                                  f"the connection within {self.timeout:.1f}s") from e
+                raise CommTimeout(
+                    f"{self.where}: peer rank {self.ranks[p]} did not confirm "
+                    f"the connection within {self.timeout:.1f}s"
+                ) from e
             except OSError as e:
                 why = f"dropped the connection during the handshake ({e})"
             sock.close()
             if time.monotonic() + delay >= self.deadline:
-                raise CommError(f"{self.where}: peer rank {self.ranks[p]} {why} until the "
-                                f"{self.timeout:.1f}s timeout")
+                raise CommError(
+                    f"{self.where}: peer rank {self.ranks[p]} {why} until the {self.timeout:.1f}s timeout"
+                )
             log.debug("%s: peer rank %d %s; dialing again", self.where, self.ranks[p], why)
             time.sleep(delay)
             delay = min(2 * delay, 1.0)
@@ -321,7 +336,7 @@ class Rendezvous:
         that sent nothing, else the oldest). So a process that connects and stays silent costs
         a peer nothing, instead of the whole timeout."""
         sel = selectors.DefaultSelector()
-        pending: Dict[socket.socket, _Handshake] = {}    # insertion order: oldest first
+        pending: Dict[socket.socket, _Handshake] = {}  # insertion order: oldest first
         links: Dict[int, PeerLink] = {}
         self.listener.setblocking(False)
         sel.register(self.listener, selectors.EVENT_READ)
@@ -329,23 +344,22 @@ class Rendezvous:
             while expected:
                 now = time.monotonic()
                 if now >= self.deadline:
-                    raise CommTimeout(f"{self.where}: ranks "
-                                      f"{[self.ranks[p] for p in sorted(expected)]} did not "
-                                      f"connect within {self.timeout:.1f}s")
+                    raise CommTimeout(
+                        f"{self.where}: ranks "
+                        f"{[self.ranks[p] for p in sorted(expected)]} did not "
+                        f"connect within {self.timeout:.1f}s"
+                    )
                 wake = min([self.deadline] + [h.deadline for h in pending.values()])
                 for key, _ in sel.select(max(0.0, wake - now)):
                     # a peer sends its handshake with its connect: read at once what came
-                    sock = self._admit(sel, pending) if key.fileobj is self.listener \
-                        else key.fileobj
-                    got = None if sock is None else \
-                        self._read_handshake(sel, pending, sock, expected)
+                    sock = self._admit(sel, pending) if key.fileobj is self.listener else key.fileobj
+                    got = None if sock is None else self._read_handshake(sel, pending, sock, expected)
                     if got is not None:
                         links[got[0]] = got[1]
                 now = time.monotonic()
                 for sock, h in list(pending.items()):
                     if h.deadline <= now:
-                        self._drop(sel, pending, sock, f"no handshake within "
-                                                       f"{HANDSHAKE_DEADLINE:g}s")
+                        self._drop(sel, pending, sock, f"no handshake within {HANDSHAKE_DEADLINE:g}s")
         except BaseException:
             for link in links.values():
                 link.close()
@@ -356,13 +370,14 @@ class Rendezvous:
             sel.close()
         return links
 
-    def _admit(self, sel: selectors.BaseSelector, pending: Dict[socket.socket, _Handshake]
-               ) -> Optional[socket.socket]:
+    def _admit(
+        self, sel: selectors.BaseSelector, pending: Dict[socket.socket, _Handshake]
+    ) -> Optional[socket.socket]:
         try:
             sock, addr = self.listener.accept()
         except (BlockingIOError, InterruptedError):
             return None
-        except OSError as e:           # out of descriptors: make room, the peer's dial waits
+        except OSError as e:  # out of descriptors: make room, the peer's dial waits
             log.warning("%s: cannot accept a peer connection (%s)", self.where, e)
             if pending:
                 self._drop(sel, pending, _evictee(pending), "evicted to accept others")
@@ -371,14 +386,13 @@ class Rendezvous:
         if len(pending) >= MAX_UNAUTHENTICATED:
             self._drop(sel, pending, _evictee(pending), "evicted: too many handshakes at once")
         sock.setblocking(False)
-        pending[sock] = _Handshake(f"{addr[0]}:{addr[1]}",
-                                   time.monotonic() + HANDSHAKE_DEADLINE)
+        pending[sock] = _Handshake(f"{addr[0]}:{addr[1]}", time.monotonic() + HANDSHAKE_DEADLINE)
         sel.register(sock, selectors.EVENT_READ)
         return sock
 
-    def _read_handshake(self, sel: selectors.BaseSelector,
-                        pending: Dict[socket.socket, _Handshake], sock: Any,
-                        expected: set) -> Optional[Tuple[int, PeerLink]]:
+    def _read_handshake(
+        self, sel: selectors.BaseSelector, pending: Dict[socket.socket, _Handshake], sock: Any, expected: set
+    ) -> Optional[Tuple[int, PeerLink]]:
         """(group rank, link) once `sock` sent a valid handshake; None while it has not."""
         h = pending[sock]
         try:
@@ -401,17 +415,21 @@ class Rendezvous:
         sel.unregister(sock)
         del pending[sock]
         try:
-            sock.send(_ACCEPTED)         # one byte into an empty buffer: never blocks
+            sock.send(_ACCEPTED)  # one byte into an empty buffer: never blocks
         except OSError as e:
             sock.close()
-            log.warning("%s: peer rank %d left during the handshake (%s)", self.where,
-                        self.ranks[peer], e)
+            log.warning("%s: peer rank %d left during the handshake (%s)", self.where, self.ranks[peer], e)
             return None
         expected.discard(peer)
         return peer, PeerLink(sock, self.ranks[peer], self.timeout)
 
-    def _drop(self, sel: selectors.BaseSelector, pending: Dict[socket.socket, _Handshake],
-              sock: socket.socket, why: Optional[str]) -> None:
+    def _drop(
+        self,
+        sel: selectors.BaseSelector,
+        pending: Dict[socket.socket, _Handshake],
+        sock: socket.socket,
+        why: Optional[str],
+    ) -> None:
         h = pending.pop(sock)
         sel.unregister(sock)
         sock.close()

@@ -2,6 +2,7 @@
 CUDA/NCCL call surface (`CupyRuntime`, replaced by a fake in tests) and the translation of NCCL and
 CUDA failures into our exceptions. CuPy is imported only inside functions.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -15,20 +16,34 @@ from nccl_ddp.errors import CommError, CommTimeout, ConfigTypeError
 
 log = logging.getLogger(__name__)
 
-NCCL_IN_PROGRESS = 7   # ncclInProgress: CuPy 14.2's NcclError has no name for it (KeyError: 7)
-ADVICE = ("Rerun with NCCL_DEBUG=INFO (NCCL_DEBUG_SUBSYS=INIT,COLL narrows it) and check the other "
-          "ranks' logs for the first error.")
+NCCL_IN_PROGRESS = 7  # ncclInProgress: CuPy 14.2's NcclError has no name for it (KeyError: 7)
+ADVICE = (
+    "Rerun with NCCL_DEBUG=INFO (NCCL_DEBUG_SUBSYS=INIT,COLL narrows it) and check the other "
+    "ranks' logs for the first error."
+)
 
 # numpy dtype name -> cupy.cuda.nccl attribute; float8: NCCL >= 2.24 enum values CuPy does not name.
 _DTYPES = {
-    "int8": "NCCL_INT8", "uint8": "NCCL_UINT8", "int32": "NCCL_INT32", "uint32": "NCCL_UINT32",
-    "int64": "NCCL_INT64", "uint64": "NCCL_UINT64", "float16": "NCCL_FLOAT16",
-    "float32": "NCCL_FLOAT32", "float64": "NCCL_FLOAT64", "bfloat16": "NCCL_BFLOAT16",
+    "int8": "NCCL_INT8",
+    "uint8": "NCCL_UINT8",
+    "int32": "NCCL_INT32",
+    "uint32": "NCCL_UINT32",
+    "int64": "NCCL_INT64",
+    "uint64": "NCCL_UINT64",
+    "float16": "NCCL_FLOAT16",
+    "float32": "NCCL_FLOAT32",
+    "float64": "NCCL_FLOAT64",
+    "bfloat16": "NCCL_BFLOAT16",
 }
 _FP8 = {"float8_e4m3fn": 10, "float8_e5m2": 11}
 _FP8_MIN_VERSION = 22400
-_OPS = {ReduceOp.SUM: "NCCL_SUM", ReduceOp.PROD: "NCCL_PROD", ReduceOp.MAX: "NCCL_MAX",
-        ReduceOp.MIN: "NCCL_MIN", ReduceOp.AVG: "NCCL_AVG"}
+_OPS = {
+    ReduceOp.SUM: "NCCL_SUM",
+    ReduceOp.PROD: "NCCL_PROD",
+    ReduceOp.MAX: "NCCL_MAX",
+    ReduceOp.MIN: "NCCL_MIN",
+    ReduceOp.AVG: "NCCL_AVG",
+}
 
 
 def is_available() -> bool:
@@ -37,6 +52,7 @@ def is_available() -> bool:
         import warnings
 
         import cupy
+
         if not cupy.cuda.is_available() or cupy.cuda.runtime.getDeviceCount() < 1:
             return False
         with warnings.catch_warnings():
@@ -54,8 +70,10 @@ def nccl_dtype(dtype: Any, lib: Any) -> int:
         return int(getattr(lib, _DTYPES[name]))
     if name in _FP8 and lib.get_version() >= _FP8_MIN_VERSION:
         return _FP8[name]
-    raise ConfigTypeError(f"NCCL cannot reduce dtype {name}; use one of "
-                    f"{sorted(_DTYPES) + sorted(_FP8)} (float8 needs NCCL >= 2.24)")
+    raise ConfigTypeError(
+        f"NCCL cannot reduce dtype {name}; use one of "
+        f"{sorted(_DTYPES) + sorted(_FP8)} (float8 needs NCCL >= 2.24)"
+    )
 
 
 def nccl_op(op: ReduceOp | str, lib: Any) -> int:
@@ -79,6 +97,7 @@ class CupyRuntime:
     def __init__(self, device_id: int) -> None:
         import cupy
         from cupy.cuda import nccl
+
         self.cupy, self.lib, self.device_id = cupy, nccl, device_id
         self.errors: tuple = (nccl.NcclError, cupy.cuda.runtime.CUDARuntimeError)
 
@@ -116,7 +135,7 @@ class CupyRuntime:
         status = int(rt.eventQuery(event.ptr))
         if status == 0:
             return True
-        if status == 600:   # cudaErrorNotReady
+        if status == 600:  # cudaErrorNotReady
             return False
         raise rt.CUDARuntimeError(status)
 
@@ -146,9 +165,11 @@ def force_blocking_init() -> None:
     a value read before this runs is reported by `check` instead."""
     old = os.environ.get("NCCL_COMM_BLOCKING")
     if old is not None and old.strip() != "1":
-        log.warning("NCCL_COMM_BLOCKING=%s replaced by 1: nccl_ddp's communicators are blocking "
-                    "(CuPy cannot complete a non-blocking init); the watchdog bounds every op",
-                    old)
+        log.warning(
+            "NCCL_COMM_BLOCKING=%s replaced by 1: nccl_ddp's communicators are blocking "
+            "(CuPy cannot complete a non-blocking init); the watchdog bounds every op",
+            old,
+        )
     os.environ["NCCL_COMM_BLOCKING"] = "1"
 
 
@@ -159,14 +180,15 @@ def check(errors: tuple, what: str) -> Iterator[None]:
         yield
     except errors as e:
         raise CommError(f"NCCL {what} failed: {e}. {ADVICE}") from e
-    except KeyError as e:   # CuPy's NcclError(7) looks its name up in a table without 7
+    except KeyError as e:  # CuPy's NcclError(7) looks its name up in a table without 7
         if e.args != (NCCL_IN_PROGRESS,):
             raise
         raise CommError(
             f"NCCL {what} returned ncclInProgress (7): the communicator is non-blocking "
             f"(NCCL_COMM_BLOCKING=0 or NCCL_CONF_FILE, read by NCCL before nccl_ddp set "
             f"NCCL_COMM_BLOCKING=1: another library made a communicator first?), which CuPy "
-            f"cannot drive; unset NCCL_COMM_BLOCKING in the job's environment. {ADVICE}") from e
+            f"cannot drive; unset NCCL_COMM_BLOCKING in the job's environment. {ADVICE}"
+        ) from e
 
 
 def bounded(fn: Callable[[], Any], timeout: float, what: str) -> Any:
@@ -184,8 +206,10 @@ def bounded(fn: Callable[[], Any], timeout: float, what: str) -> Any:
     t.start()
     t.join(timeout)
     if t.is_alive():
-        raise CommTimeout(f"{what} did not finish within {timeout:g}s: some rank of the group has "
-                          f"not joined (crashed, or called a different collective). {ADVICE}")
+        raise CommTimeout(
+            f"{what} did not finish within {timeout:g}s: some rank of the group has "
+            f"not joined (crashed, or called a different collective). {ADVICE}"
+        )
     if "error" in box:
         raise box["error"]
     return box["value"]

@@ -3,6 +3,7 @@ library by source hash, and launches its kernels with the checks of cuLaunchKern
 count, each argument's byte size and kind against the C++ parameter (by-value structs included),
 the 4 KiB parameter limit and the kernel's __launch_bounds__. Memory/race/vote errors found while
 a kernel runs raise `KernelFault` with compute-sanitizer-like messages."""
+
 from __future__ import annotations
 
 import ctypes
@@ -20,10 +21,20 @@ import numpy as np
 
 from cuda_cpu import translate
 
-PARAM_LIMIT = 4096                    # bytes of kernel parameters (cuLaunchKernel, pre-12.1)
-FLAGS = ("-std=c++17", "-O1", "-fPIC", "-shared", "-ffp-contract=off", "-fno-strict-aliasing",
-         "-fno-fast-math", "-U_FORTIFY_SOURCE", "-D_FORTIFY_SOURCE=0", "-Wall",
-         "-Wno-unused-function")
+PARAM_LIMIT = 4096  # bytes of kernel parameters (cuLaunchKernel, pre-12.1)
+FLAGS = (
+    "-std=c++17",
+    "-O1",
+    "-fPIC",
+    "-shared",
+    "-ffp-contract=off",
+    "-fno-strict-aliasing",
+    "-fno-fast-math",
+    "-U_FORTIFY_SOURCE",
+    "-D_FORTIFY_SOURCE=0",
+    "-Wall",
+    "-Wno-unused-function",
+)
 KINDS = ("pointer", "integer", "float", "struct")
 
 
@@ -73,28 +84,32 @@ def build(prog: str, path: str = "bucket.cu") -> Path:
     cxx = compiler()
     if cxx is None:
         raise BuildError("no C++ compiler (g++ or clang++; or set CXX)")
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
-                             check=False).stdout
-    key = hashlib.sha256("\0".join([prog, translate.HEADER.read_text(), version, *FLAGS])
-                         .encode()).hexdigest()[:24]
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
+    key = hashlib.sha256(
+        "\0".join([prog, translate.HEADER.read_text(), version, *FLAGS]).encode()
+    ).hexdigest()[:24]
     out_dir = cache_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     lib = out_dir / f"bucket_{key}.so"
     if lib.exists():
         return lib
     with open(out_dir / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)   # one build at a time; another may have finished it
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one build at a time; another may have finished it
         if lib.exists():
             return lib
         with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
             cpp = Path(tmp) / "bucket_cpu.cpp"
             cpp.write_text(prog)
             so = Path(tmp) / "lib.so"
-            r = subprocess.run([cxx, *FLAGS, "-o", str(so), str(cpp)], capture_output=True,
-                               text=True, timeout=600, check=False)
+            r = subprocess.run(
+                [cxx, *FLAGS, "-o", str(so), str(cpp)],
+                capture_output=True,
+                text=True,
+                timeout=600,
+                check=False,
+            )
             if r.returncode != 0:
-                raise BuildError(f"{Path(cxx).name} failed on {path} (translated):\n"
-                                 f"{r.stderr[-6000:]}")
+                raise BuildError(f"{Path(cxx).name} failed on {path} (translated):\n{r.stderr[-6000:]}")
             os.replace(so, lib)
     return lib
 
@@ -119,8 +134,15 @@ class Module:
         lib.cc_free.restype = ctypes.c_int
         lib.cc_kernel_name.restype = ctypes.c_char_p
         lib.cc_launch.restype = ctypes.c_long
-        lib.cc_launch.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint,
-                                  ctypes.c_uint, ctypes.c_char_p, ctypes.c_size_t]
+        lib.cc_launch.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_int,
+            ctypes.c_char_p,
+            ctypes.c_uint,
+            ctypes.c_uint,
+            ctypes.c_char_p,
+            ctypes.c_size_t,
+        ]
         self.kernels = {}
         for k in range(lib.cc_kernel_count()):
             params = []
@@ -144,31 +166,39 @@ class Module:
         buf = bytearray()
         for i, ((data, kind, what), (size, align, pkind)) in enumerate(zip(args, params)):
             ok = len(data) == size and (
-                kind == pkind or (pkind == "pointer" and kind == "integer" and size == 8)
-                or (pkind == "integer" and kind == "pointer" and size == 8))
+                kind == pkind
+                or (pkind == "pointer" and kind == "integer" and size == 8)
+                or (pkind == "integer" and kind == "pointer" and size == 8)
+            )
             if not ok:
-                raise LaunchError(f"{name}: argument {i} is {what} ({len(data)} bytes, {kind}) "
-                                  f"but parameter {i} is a {size}-byte {pkind}")
+                raise LaunchError(
+                    f"{name}: argument {i} is {what} ({len(data)} bytes, {kind}) "
+                    f"but parameter {i} is a {size}-byte {pkind}"
+                )
             buf += bytes(-len(buf) % align) + data
         if len(buf) > PARAM_LIMIT:
-            raise LaunchError(f"{name}: {len(buf)} bytes of parameters exceed the "
-                              f"{PARAM_LIMIT}-byte limit of a kernel launch")
+            raise LaunchError(
+                f"{name}: {len(buf)} bytes of parameters exceed the "
+                f"{PARAM_LIMIT}-byte limit of a kernel launch"
+            )
         return bytes(buf)
 
-    def launch(self, heap: Heap, name: str, grid: int, block: int,
-               args: Sequence[tuple]) -> None:
+    def launch(self, heap: Heap, name: str, grid: int, block: int, args: Sequence[tuple]) -> None:
         params = self.pack(name, args)
         k, bounds, _ = self.kernels[name]
         if not 1 <= block <= min(bounds, 1024):
-            raise LaunchError(f"{name}: block of {block} threads; __launch_bounds__ allows "
-                              f"{bounds} (cudaErrorInvalidValue)")
+            raise LaunchError(
+                f"{name}: block of {block} threads; __launch_bounds__ allows {bounds} (cudaErrorInvalidValue)"
+            )
         if not 1 <= grid < 2**31:
             raise LaunchError(f"{name}: grid of {grid} blocks")
         err = ctypes.create_string_buffer(8192)
         n = self.lib.cc_launch(heap.handle, k, params, grid, block, err, len(err))
         if n:
-            raise KernelFault(f"{name} (grid {grid}, block {block}): {n} error(s) found by the CPU "
-                              f"sanitizer:\n{err.value.decode(errors='replace').rstrip()}")
+            raise KernelFault(
+                f"{name} (grid {grid}, block {block}): {n} error(s) found by the CPU "
+                f"sanitizer:\n{err.value.decode(errors='replace').rstrip()}"
+            )
 
 
 class Heap:
@@ -194,8 +224,8 @@ class Heap:
         self.module.lib.cc_free(self.handle, addr)
 
 
-_LOADED: dict = {}   # library path -> Module
-_BUILT: dict = {}    # hash of the translation unit -> Module (skips the compiler --version)
+_LOADED: dict = {}  # library path -> Module
+_BUILT: dict = {}  # hash of the translation unit -> Module (skips the compiler --version)
 
 
 def load(src: str, names: Sequence[str], ftz: bool, path: str = "bucket.cu") -> Module:
@@ -203,8 +233,7 @@ def load(src: str, names: Sequence[str], ftz: bool, path: str = "bucket.cu") -> 
     return _load(translate.program(src, names, ftz, path), path)
 
 
-def load_variants(variants: dict, names: Sequence[str], ftz: bool,
-                  path: str = "bucket.cu") -> Module:
+def load_variants(variants: dict, names: Sequence[str], ftz: bool, path: str = "bucket.cu") -> Module:
     """Several versions of a source in one library: kernel "prefix::name" of each."""
     return _load(translate.program_variants(variants, names, ftz, path), path)
 

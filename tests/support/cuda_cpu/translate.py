@@ -3,6 +3,7 @@ statement becomes a call of the software function of the same semantics, `#pragm
 and anything the CPU build does not model (an unknown `asm`, intrinsic or preprocessor directive)
 is refused with a `TranslateError` naming the line, so a kernel change cannot escape the check.
 Line numbers are kept (`#line`), so compiler errors point into bucket.cu."""
+
 from __future__ import annotations
 
 import re
@@ -28,10 +29,24 @@ PTX = {
 
 # CUDA names the header implements; any other __name, atomic*, *_sync or asm is refused.
 KNOWN = {
-    "__device__", "__global__", "__forceinline__", "__restrict__", "__grid_constant__",
-    "__launch_bounds__", "__ldg", "__ldca", "__stwb", "__any_sync", "__float_as_uint",
-    "__uint_as_float", "__double_as_longlong", "__fmul_rn", "__fadd_rn", "__dmul_rn",
-    "__dadd_rn", "atomicExch",
+    "__device__",
+    "__global__",
+    "__forceinline__",
+    "__restrict__",
+    "__grid_constant__",
+    "__launch_bounds__",
+    "__ldg",
+    "__ldca",
+    "__stwb",
+    "__any_sync",
+    "__float_as_uint",
+    "__uint_as_float",
+    "__double_as_longlong",
+    "__fmul_rn",
+    "__fadd_rn",
+    "__dmul_rn",
+    "__dadd_rn",
+    "atomicExch",
 }
 _CUDA_NAME = re.compile(r"\b(__\w+|atomic\w+|\w+_sync|__syncthreads\w*)\b")
 
@@ -105,27 +120,31 @@ _OPERAND = re.compile(r'^\s*"([=+]?)(\w)"\s*\((.*)\)\s*$', re.DOTALL)
 
 def _asm(stmt: str, line: int, path: str) -> str:
     """One `asm(...)` statement -> `out = ::cuda_cpu::fn(in...);`."""
-    inner = stmt[stmt.index("(") + 1: stmt.rindex(")")]
+    inner = stmt[stmt.index("(") + 1 : stmt.rindex(")")]
     parts = _split_top(inner, ":")
     where = f"{path}:{line}"
     if len(parts) not in (3, 4) or (len(parts) == 4 and parts[3].strip()):
-        raise TranslateError(f"{where}: asm statement the CPU build does not model (it takes "
-                             f"exactly `\"template\" : output : inputs`, no clobbers): {stmt!r}")
+        raise TranslateError(
+            f"{where}: asm statement the CPU build does not model (it takes "
+            f'exactly `"template" : output : inputs`, no clobbers): {stmt!r}'
+        )
     template = "".join(re.findall(r'"((?:[^"\\]|\\.)*)"', parts[0]))
     m = re.fullmatch(r"\s*([\w.]+)\s+%0\s*,\s*%1\s*(?:,\s*%2\s*(?:,\s*%3\s*)?)?;?\s*", template)
     if not m or m.group(1) not in PTX:
         raise TranslateError(
             f"{where}: inline PTX {template.strip()!r} is not modelled by the CPU build; add its "
             f"software semantics to tests/cuda_cpu/cuda_cpu.h and translate.PTX (known: "
-            f"{', '.join(sorted(PTX))})")
+            f"{', '.join(sorted(PTX))})"
+        )
     fn, out_c, in_cs = PTX[m.group(1)]
     outs = [_OPERAND.match(o) for o in _split_top(parts[1], ",") if o.strip()]
     ins = [_OPERAND.match(o) for o in _split_top(parts[2], ",") if o.strip()]
     if len(outs) != 1 or not outs[0] or outs[0].group(1) != "=" or outs[0].group(2) != out_c:
-        raise TranslateError(f"{where}: {m.group(1)} needs one \"={out_c}\" output: {stmt!r}")
+        raise TranslateError(f'{where}: {m.group(1)} needs one "={out_c}" output: {stmt!r}')
     if len(ins) != len(in_cs) or any(not x or x.group(2) != c for x, c in zip(ins, in_cs)):
-        raise TranslateError(f"{where}: {m.group(1)} needs inputs "
-                             f"{', '.join(repr(c) for c in in_cs)}: {stmt!r}")
+        raise TranslateError(
+            f"{where}: {m.group(1)} needs inputs {', '.join(repr(c) for c in in_cs)}: {stmt!r}"
+        )
     if template.count("%") != 1 + len(in_cs):
         raise TranslateError(f"{where}: operand count of {template.strip()!r} does not match")
     args = ", ".join(x.group(3) for x in ins)
@@ -139,34 +158,33 @@ def translate(src: str, path: str = "bucket.cu") -> tuple:
     for m in re.finditer(r"^[ \t]*#[^\n]*", bare, re.MULTILINE):
         directive = m.group(0).strip()
         if re.fullmatch(r"#\s*pragma\s+unroll(\s+\d+)?", directive):
-            code = code[:m.start()] + " " * (m.end() - m.start()) + code[m.end():]
+            code = code[: m.start()] + " " * (m.end() - m.start()) + code[m.end() :]
             continue
-        if re.fullmatch(r'#\s*line\s+\d+\s+"[^"\n]*"', directive):   # module_source's file marks
+        if re.fullmatch(r'#\s*line\s+\d+\s+"[^"\n]*"', directive):  # module_source's file marks
             continue
         raise TranslateError(
             f"{path}:{_line(bare, m.start())}: preprocessor directive {directive!r} is not "
             "supported by the CPU build (tests/cuda_cpu): the kernel must not include headers "
-            "or define macros the CPU model does not know")
+            "or define macros the CPU model does not know"
+        )
     # inline PTX (replaced back to front so that positions stay valid)
-    stmts = list(re.finditer(r"\basm\s*(?:volatile\s*)?\((?:[^;]|;(?=[^)]*\"))*?\)\s*;", code,
-                             re.DOTALL))
+    stmts = list(re.finditer(r"\basm\s*(?:volatile\s*)?\((?:[^;]|;(?=[^)]*\"))*?\)\s*;", code, re.DOTALL))
     for m in reversed(stmts):
         repl = _asm(m.group(0), _line(code, m.start()), path)
-        code = code[:m.start()] + repl + code[m.end():]
-        bare = bare[:m.start()] + " " * len(repl) + bare[m.end():]
+        code = code[: m.start()] + repl + code[m.end() :]
+        bare = bare[: m.start()] + " " * len(repl) + bare[m.end() :]
     for m in re.finditer(r"\basm\b", bare):
-        raise TranslateError(f"{path}:{_line(bare, m.start())}: an asm statement the CPU build "
-                             "cannot parse")
+        raise TranslateError(f"{path}:{_line(bare, m.start())}: an asm statement the CPU build cannot parse")
     for m in _CUDA_NAME.finditer(bare):
         if m.group(1) not in KNOWN:
             raise TranslateError(
                 f"{path}:{_line(bare, m.start())}: {m.group(1)} is not modelled by the CPU build "
                 "(tests/cuda_cpu/cuda_cpu.h); add it there, with its semantics and checks, and "
-                "to translate.KNOWN")
+                "to translate.KNOWN"
+            )
     # __launch_bounds__(X) of each __global__ function: recorded, then removed
     bounds = {}
-    for m in re.finditer(r"__global__\s+void\s+(?:__launch_bounds__\s*\(([^()]*)\)\s*)?(\w+)\s*\(",
-                         code):
+    for m in re.finditer(r"__global__\s+void\s+(?:__launch_bounds__\s*\(([^()]*)\)\s*)?(\w+)\s*\(", code):
         bounds[m.group(2)] = m.group(1) or "1024"
     code = re.sub(r"__launch_bounds__\s*\([^()]*\)", lambda m: " " * len(m.group(0)), code)
     return code, bounds
@@ -182,8 +200,7 @@ def _entries(prefix: str, names, bounds: dict) -> str:
             raise TranslateError(f"kernel {name!r}: no __global__ function {base} in the source")
         full = f"{prefix}::{name}" if prefix else name
         rows.append(f'  e.push_back(::cuda_cpu::make_entry("{full}", ({bounds[base]}), &{name}));')
-    return ("inline void cuda_cpu_register(std::vector<::cuda_cpu::Entry>& e) {\n"
-            + "\n".join(rows) + "\n}\n")
+    return "inline void cuda_cpu_register(std::vector<::cuda_cpu::Entry>& e) {\n" + "\n".join(rows) + "\n}\n"
 
 
 def program(src: str, names, ftz: bool, path: str = "bucket.cu") -> str:
@@ -194,14 +211,16 @@ def program(src: str, names, ftz: bool, path: str = "bucket.cu") -> str:
 def program_variants(variants: dict, names, ftz: bool, path: str = "bucket.cu") -> str:
     """One translation unit holding several versions of the source (planted bugs), each in its
     namespace (its kernels are named "prefix::name"); prefix "" is the global namespace."""
-    out = [f"#define CUDA_CPU_FTZ {int(ftz)}\n#include \"{HEADER}\"\n"]
+    out = [f'#define CUDA_CPU_FTZ {int(ftz)}\n#include "{HEADER}"\n']
     for prefix, src in variants.items():
         code, bounds = translate(src, path)
-        body = f"#line 1 \"{path}\"\n{code}\n#line 1 \"glue\"\n" + _entries(prefix, names,
-                                                                              bounds)
+        body = f'#line 1 "{path}"\n{code}\n#line 1 "glue"\n' + _entries(prefix, names, bounds)
         out.append(f"namespace {prefix} {{\n{body}}}\n" if prefix else body)
     calls = "\n".join(f"  {p + '::' if p else '::'}cuda_cpu_register(e);" for p in variants)
-    out.append("namespace cuda_cpu {\nstd::vector<Entry>& entries() {\n"
-               "  static std::vector<Entry> e = [] {\n    std::vector<Entry> e;\n" + calls +
-               "\n    return e;\n  }();\n  return e;\n}\n}\n")
+    out.append(
+        "namespace cuda_cpu {\nstd::vector<Entry>& entries() {\n"
+        "  static std::vector<Entry> e = [] {\n    std::vector<Entry> e;\n"
+        + calls
+        + "\n    return e;\n  }();\n  return e;\n}\n}\n"
+    )
     return "".join(out)
