@@ -358,8 +358,8 @@ LAUNCH_BUGS = {
     "chunk passed as int64": ("np.int32(chunk), np.float64(scale))", "np.int64(chunk), np.float64(scale))"),
     "scale passed as float32": ("np.int32(chunk), np.float64(scale))", "np.int32(chunk), np.float32(scale))"),
     "unused small-table slots left 0": (
-        'small["first_item"][0, k + 1:] = nitems',
-        'small["first_item"][0, k + 1:] = 0',
+        'small["first_item"][0, k + 1 :] = nitems',
+        'small["first_item"][0, k + 1 :] = 0',
     ),
     "item pointers in elements": (
         'items["ptr"] = ptrs[seg] + (start * itemsize).astype(np.uint64)',
