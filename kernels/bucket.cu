@@ -130,7 +130,7 @@ template <typename T, int N> union VecOf {
 // Global-memory access of any T through its raw word. The addresses come from tables (not kernel
 // pointer parameters), so plain dereferences would compile to generic ld/st: these pin them to
 // ld.global.nc (read-only sources), ld.global and st.global. Every global access of this file
-// goes through them (the CPU build in tests/cuda_cpu checks each one; a plain dereference of a
+// goes through them (the CPU build in tests/support/cuda_cpu checks each one; a plain dereference of a
 // device pointer faults there).
 template <typename T> __device__ __forceinline__ T ld_nc(const T* p) {
   VecOf<T, 1> u;

@@ -3,10 +3,10 @@
 
     python scripts/gpu_kernel_cases.py [--seed N] [--json out.json] [--once] [--only NAME]
 
-Cases come from tests/kernel_cases.py, the generator of the CPU execution tests: the seed of a
+Cases come from tests/support/kernel_cases.py, the generator of the CPU execution tests: the seed of a
 case is (--seed, instantiation name), so a failure printed here replays on the CPU with
-`NCCL_DDP_CASE='NAME' NCCL_DDP_CASE_SEED=N pytest tests/test_gpu_check.py -k replay`. Comparison
-policy: tests/kernel_cases.py's docstring (-0.0 != +0.0; a NaN must keep the reference's payload
+`NCCL_DDP_CASE='NAME' NCCL_DDP_CASE_SEED=N pytest tests/scripts/test_gpu_check.py -k replay`. Comparison
+policy: tests/support/kernel_cases.py's docstring (-0.0 != +0.0; a NaN must keep the reference's payload
 or be the canonical NaN). Inputs cover subnormals, -0.0, near-overflow values and inf/NaN.
 
 --once launches each instantiation once on a small case (the compute-sanitizer driver). Every
@@ -149,7 +149,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if res["failed"]:
         print(
             "replay on the CPU: NCCL_DDP_CASE='<name>' NCCL_DDP_CASE_SEED="
-            f"{args.seed} pytest tests/test_gpu_check.py -k replay"
+            f"{args.seed} pytest tests/scripts/test_gpu_check.py -k replay"
         )
     return 1 if res["failed"] else 0
 

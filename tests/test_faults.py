@@ -1,6 +1,6 @@
 """Faults found by attacking the runtime (issue 13), each kept fixed by a test that failed before.
 
-Multi-process cases run on loopback with a hard bound (tests/mp.py); the slow variants are
+Multi-process cases run on loopback with a hard bound (tests/support/mp.py); the slow variants are
 marked `slow`.
 """
 

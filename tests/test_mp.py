@@ -1,4 +1,4 @@
-"""tests/mp.py names the root cause first, like the launcher (issue 22 item 13)."""
+"""tests/support/mp.py names the root cause first, like the launcher (issue 22 item 13)."""
 
 import os
 import signal

@@ -2,7 +2,7 @@
 average_in_collective=True, static_graph=True, value_and_grad, net.zero_grad()) with 2 workers on
 this CPU machine: the workers join one job (before: each trained alone as rank 0 of 1) and end
 where one process applying the mean of both ranks' grads ends. Once with the example as it is,
-once after mindspore.communication.init() (tests/ms_after_init.py). msrun also runs the script
+once after mindspore.communication.init() (tests/support/ms_after_init.py). msrun also runs the script
 as its scheduler process: that one leaves at init (ours or MindSpore's).
 
 Needs the MindSpore venv (scripts/setup_ms_venv.sh, or $NCCL_DDP_MS_VENV); skipped without it.

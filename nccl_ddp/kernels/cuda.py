@@ -252,7 +252,7 @@ class CudaKernels:
                 )
                 # No log_stream: CuPy memoizes the module on every argument, log_stream too, and
                 # get_function reads it with None: a log stream would load it twice per device.
-                # The NVRTC log is checked empty by tests/test_kernels.py instead.
+                # The NVRTC log is checked empty by tests/kernels/test_kernels.py instead.
                 mod.compile()
             except Exception as e:
                 raise KernelError(

@@ -1,4 +1,4 @@
-"""MindSpore DDP inside `nccl_ddp.Join` (tests/ms_join.py, 2 ranks in the MindSpore venv): uneven
+"""MindSpore DDP inside `nccl_ddp.Join` (tests/support/ms_join.py, 2 ranks in the MindSpore venv): uneven
 batches, grads divided by the ranks still training, the bf16 comm hook, check_finite, and every
 rank ending with the last joiner's parameters (failed before the final sync read fresh copies of
 MindSpore's parameters: rank 0 kept its own)."""

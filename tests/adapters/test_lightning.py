@@ -4,7 +4,7 @@ accumulation (no_sync), manual optimization, BatchNorm buffers; a checkpoint sav
 and resumed in a new Trainer continues as torch DDP's does. Parameters, buffers and the resumed
 run equal torch DDP's exactly (2 ranks: the same arithmetic).
 
-The processes come from tests/mp.py with torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE,
+The processes come from tests/support/mp.py with torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE,
 MASTER_ADDR/PORT); Lightning's own environment takes LOCAL_RANK and computes the rest, and the
 strategy passes its ranks to nccl_ddp explicitly.
 """

@@ -1,6 +1,6 @@
 """The MindSpore adapter: the two examples from MindSpore's docs (the grad reducer's in GRAPH_MODE
 as documented, and in PyNative mode) and the LeNet training in GRAPH_MODE, run on CPU with 2
-processes through nccl-ddp-run, checked against single-process references (tests/ms_reference.py,
+processes through nccl-ddp-run, checked against single-process references (tests/support/ms_reference.py,
 computed once per module: MindSpore takes seconds to start).
 
 MindSpore 2.10 needs numpy<2, so everything MindSpore runs in the .venv-ms venv made by
@@ -145,7 +145,7 @@ def test_grad_reducer_example(tmp_path, reference, mode, variant):
 
 
 def test_ms_checks_in_venv(tmp_path):
-    """Single-process behaviours (tests/ms_checks.py): DDP's graph-mode refusal, zero-copy out,
+    """Single-process behaviours (tests/support/ms_checks.py): DDP's graph-mode refusal, zero-copy out,
     accumulation until zero_grad; the reducer Cell in a compiled construct (buckets per dtype and
     fusion id, mean/degree) against PyNative, a PyNative `@ms.jit` step, our ReducerError out of a
     compiled step."""

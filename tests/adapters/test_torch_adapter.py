@@ -1,6 +1,6 @@
 """The PyTorch adapter against torch's own DDP (gloo, CPU, 2 ranks, different data per rank).
 
-Each rank trains tests/torch_oracle.py's tied-weight / unused-branch model twice: once wrapped in
+Each rank trains tests/support/torch_oracle.py's tied-weight / unused-branch model twice: once wrapped in
 `torch.nn.parallel.DistributedDataParallel` on gloo, once in ours on the host backend; after
 several SGD-with-momentum steps the parameters must agree to float32 rounding.
 """

@@ -1,7 +1,7 @@
 """Ours as a drop-in for torch's DistributedDataParallel (gloo, CPU, 2 ranks): the same models and
 training loops under both must end with the same parameters AND buffers on every rank.
 
-Scenarios (tests/torch_oracle.py): a BatchNorm CNN, a frozen-backbone fine-tune, a tied-weight
+Scenarios (tests/support/torch_oracle.py): a BatchNorm CNN, a frozen-backbone fine-tune, a tied-weight
 model, AdamW with parameter groups + gradient clipping + bf16 autocast, gradient accumulation with
 no_sync(); every loop also runs an evaluation forward under torch.no_grad() after each step,
 which decides (as in torch) whether the next forward broadcasts the buffers.

@@ -510,7 +510,7 @@ def _finite_off(rank: int, world: int) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
-# the CUDA path, on the fake CuPy (tests/_fake_cupy.py: the kernels run on the CPU simulator)
+# the CUDA path, on the fake CuPy (tests/support/_fake_cupy.py: the kernels run on the CPU simulator)
 
 
 @pytest.mark.parametrize("hook", ["bf16", "fp16", None])

@@ -1,5 +1,5 @@
 """The reducer's per-grad hot path does no device work: on the CUDA device (fake CuPy, see
-tests/_fake_cupy.py) a `mark_ready` that completes no bucket makes no CUDA call at all (no stream
+tests/support/_fake_cupy.py) a `mark_ready` that completes no bucket makes no CUDA call at all (no stream
 switch, event, allocation or launch), and each completed bucket costs the same constant number of
 calls whatever its parameter count. The torch hook enters the reducer's stream scope only per
 bucket. A regression that puts device work back on the per-parameter path fails here."""

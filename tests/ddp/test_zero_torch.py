@@ -2,7 +2,7 @@
 steps every rank's parameters equal torch DDP + the unsharded torch optimizer's, and torch's own
 ZeroRedundancyOptimizer's, to 1e-6; ZeRO-2 (our DDP reduce-scatters), ZeRO-1 (torch's DDP),
 AdamW and SGD-momentum, clipping, bf16 parameters with fp32 masters. Shards cut through
-parameters (tests/zero_oracle.py's model, small buckets)."""
+parameters (tests/support/zero_oracle.py's model, small buckets)."""
 
 from __future__ import annotations
 

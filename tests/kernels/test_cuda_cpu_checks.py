@@ -1,4 +1,4 @@
-"""The CPU build of the CUDA kernels (tests/cuda_cpu) checks what it claims to: the software PTX
+"""The CPU build of the CUDA kernels (tests/support/cuda_cpu) checks what it claims to: the software PTX
 against NumPy, the translator's refusals, memcheck/racecheck/__ldg/vote/launch-argument errors,
 and a self-check that plants known bugs in copies of bucket.cu and of the launch code
 (nccl_ddp/kernels/cuda.py) and requires every one to be caught."""

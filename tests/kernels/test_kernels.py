@@ -1,6 +1,6 @@
 """Bucket kernels on any machine: NVRTC/nvcc compiles of kernels/bucket.cu, the NumPy references
 (the specification), the launch tables, and the whole CUDA path driven through a fake CuPy whose
-"GPU" executes each launch from its raw arguments (tests/_fake_cupy.py)."""
+"GPU" executes each launch from its raw arguments (tests/support/_fake_cupy.py)."""
 
 import re
 import shutil

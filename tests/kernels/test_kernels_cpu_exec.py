@@ -1,4 +1,4 @@
-"""The real kernels/bucket.cu executed on the CPU (tests/cuda_cpu) through the project's launch path
+"""The real kernels/bucket.cu executed on the CPU (tests/support/cuda_cpu) through the project's launch path
 on the fake CuPy: randomised cases bit for bit against pack_ref/unpack_ref/scale_ref for every
 kernel instantiation, the memory/race/vote/launch checks of the CPU build, and the software PTX
 against NumPy."""

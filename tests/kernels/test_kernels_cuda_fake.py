@@ -1,4 +1,4 @@
-"""The CUDA path of nccl_ddp.kernels and the "cuda" device, on a fake CuPy (tests/_fake_cupy.py):
+"""The CUDA path of nccl_ddp.kernels and the "cuda" device, on a fake CuPy (tests/support/_fake_cupy.py):
 launch count, tables passed by value or uploaded and cached, argument types, streams, events."""
 
 import sys

@@ -1,4 +1,4 @@
-"""The real kernels/optim.cu executed on the CPU (tests/cuda_cpu: software PTX, warps as fibers,
+"""The real kernels/optim.cu executed on the CPU (tests/support/cuda_cpu: software PTX, warps as fibers,
 memory and race checks) through the project's launch path on the fake CuPy: every nd_sgd/nd_adamw
 instantiation bit for bit against the NumPy references (nccl_ddp.kernels.optim_spec), on random
 shards of any length and alignment with subnormals, -0.0, huge values and NaN/Inf grads."""

@@ -1,5 +1,5 @@
 """A fake CuPy for machines without a GPU: arrays live in one byte heap at fake device addresses,
-and every kernel launch runs the REAL kernels/bucket.cu, compiled for the CPU (tests/cuda_cpu:
+and every kernel launch runs the REAL kernels/bucket.cu, compiled for the CPU (tests/support/cuda_cpu:
 PTX mapped to software of the same semantics, warps as fibers, memcheck/racecheck-like checks),
 from the raw arguments the launch path packs, checked like cuLaunchKernel. So the Python launch path
 (tables, cache, chunking, argument packing, streams) drives the CUDA code end to end. Where no C++

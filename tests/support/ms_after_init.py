@@ -1,6 +1,6 @@
 """Run an example after `mindspore.communication.init()` (tests/test_msrun.py, under msrun):
 
-    msrun ... tests/ms_after_init.py examples/ms_ddp_lenet.py ARGS...
+    msrun ... tests/support/ms_after_init.py examples/ms_ddp_lenet.py ARGS...
 
 The example is imported first (it sets the device and mode, which MindSpore lets a process set
 once), then init() runs, then the example's main(). In msrun's scheduler process

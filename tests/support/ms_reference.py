@@ -1,14 +1,14 @@
 """Single-process references for the MindSpore examples (run in the MindSpore venv by
-tests/test_mindspore_adapter.py; no nccl_ddp involved).
+tests/adapters/test_mindspore_adapter.py; no nccl_ddp involved).
 
-    python tests/ms_reference.py ddp OUT.npz --steps N --world W
+    python tests/support/ms_reference.py ddp OUT.npz --steps N --world W
         examples/ms_ddp_lenet.py's training, with each step's grad the mean of the W ranks' grads
         computed one after the other here: what data parallelism must produce.
-    python tests/ms_reference.py grad-reducer OUT.npz --world W
+    python tests/support/ms_reference.py grad-reducer OUT.npz --world W
         examples/ms_grad_reducer.py's Net after one Momentum step on the SUM of the ranks' grads
         (mean=False, as the example's auto-parallel context says); --mean: on their mean;
         --scale-by-rank as there.
-    python tests/ms_reference.py all OUT_DIR --steps N --world W
+    python tests/support/ms_reference.py all OUT_DIR --steps N --world W
         all of them in one process (MindSpore is slow to start): OUT_DIR/ddp.npz and
         OUT_DIR/grad-reducer-{sum,mean}-{docs,scaled}.npz.
 """

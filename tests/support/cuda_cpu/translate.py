@@ -164,7 +164,7 @@ def translate(src: str, path: str = "bucket.cu") -> tuple:
             continue
         raise TranslateError(
             f"{path}:{_line(bare, m.start())}: preprocessor directive {directive!r} is not "
-            "supported by the CPU build (tests/cuda_cpu): the kernel must not include headers "
+            "supported by the CPU build (tests/support/cuda_cpu): the kernel must not include headers "
             "or define macros the CPU model does not know"
         )
     # inline PTX (replaced back to front so that positions stay valid)
