@@ -6,6 +6,7 @@ The reducer's side of it (everything is off by default and then costs one `if`):
     prof.submit(stream, "allreduce", bucket, nbytes, fn, *args)  # off: stream.submit(fn, *args)
     prof.mark("backward", "start", stream)            # compute side; stream None = host time now
     prof.mark("backward", "end", stream)
+    with prof.enqueued(stream, "allgather", bucket, nbytes): group.all_gather(..., stream=stream)
     with prof.range("finalize"): ...                  # an NVTX range on the calling thread
     summary = prof.end_step()                         # StepSummary (and one log line), or None
     prof.write_chrome_trace("trace_rank0.json")       # one track per stream; opens in Perfetto
@@ -21,7 +22,11 @@ one host wait, at the step boundary, and only with the timeline on). CUDA times 
 host clock through the first event recorded, so mark the backward span on the compute stream too.
 
 Per step: comm time = length of the union of pack/allreduce/unpack intervals; overlap = the part of
-it inside the backward interval(s); ratio = overlap / comm. Phases and NVTX colours: see PHASES.
+it inside the backward interval(s); ratio = overlap / comm. ZeRO's parameter all-gathers ("allgather",
+one span per bucket, queued by the previous step's optimizer) are counted apart: their union, the
+part of it inside the "forward" span(s) (hidden behind the next forward), and that share. A step
+runs from one `end_step` to the next, so it holds the previous optimizer step's gathers and this
+forward. Phases and NVTX colours: see PHASES.
 NVTX comes from the `nvtx` package if installed, else `cupy.cuda.nvtx`; neither is imported if off.
 """
 
@@ -35,7 +40,7 @@ import logging
 import os
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 from nccl_ddp.device import HostStream, ImmediateStream
 from nccl_ddp.errors import ConfigError, NcclDdpError
@@ -43,9 +48,12 @@ from nccl_ddp.errors import ConfigError, NcclDdpError
 log = logging.getLogger(__name__)
 
 PHASES = {  # phase -> NVTX colour (ARGB)
+    "forward": 0xFF64B5CD,
     "backward": 0xFF4C72B0,
     "pack": 0xFFDD8452,
     "allreduce": 0xFF55A868,
+    "reducescatter": 0xFF55A868,
+    "allgather": 0xFFCCB974,
     "unpack": 0xFFC44E52,
     "finalize": 0xFF8172B3,
 }
@@ -169,14 +177,24 @@ class StepSummary:
     step_s: float  # first to last recorded instant of the step
     buckets: int
     nbytes: int
+    gather_s: float = 0.0  # union of the parameter all-gathers (ZeRO) in this step
+    gather_hidden_s: float = 0.0  # the part of gather_s inside forward
+    gather_hidden_ratio: float = 0.0  # gather_hidden_s / gather_s (0 when there was no gather)
+    forward_s: float = 0.0
 
     def line(self) -> str:
-        return (
+        text = (
             f"rank {self.rank} step {self.step}: comm {self.comm_s * 1e3:.3f} ms, overlapped "
             f"with backward {self.overlap_s * 1e3:.3f} ms ({self.overlap_ratio:.0%}), "
             f"backward {self.backward_s * 1e3:.3f} ms, step {self.step_s * 1e3:.3f} ms, "
             f"{self.buckets} buckets {self.nbytes / 2**20:.2f} MiB"
         )
+        if self.gather_s > 0:
+            text += (
+                f", param all-gather {self.gather_s * 1e3:.3f} ms, hidden behind forward "
+                f"{self.gather_hidden_s * 1e3:.3f} ms ({self.gather_hidden_ratio:.0%})"
+            )
+        return text
 
 
 def summarize(rank: int, step: int, spans: Sequence[Span]) -> StepSummary:
@@ -186,6 +204,10 @@ def summarize(rank: int, step: int, spans: Sequence[Span]) -> StepSummary:
     comm_s = union_length(comm)
     overlap = overlap_length(comm, backward)
     ar = [s for s in spans if s.phase in REDUCE_PHASES]
+    gather = [(s.start, s.end) for s in spans if s.phase == "allgather"]
+    forward = [(s.start, s.end) for s in spans if s.phase == "forward"]
+    gather_s = union_length(gather)
+    gather_hidden = overlap_length(gather, forward)
     return StepSummary(
         rank=rank,
         step=step,
@@ -196,6 +218,10 @@ def summarize(rank: int, step: int, spans: Sequence[Span]) -> StepSummary:
         step_s=(max(s.end for s in spans) - min(s.start for s in spans)) if spans else 0.0,
         buckets=len({s.bucket for s in ar}),
         nbytes=sum(s.nbytes for s in ar),
+        gather_s=gather_s,
+        gather_hidden_s=gather_hidden,
+        gather_hidden_ratio=gather_hidden / gather_s if gather_s > 0 else 0.0,
+        forward_s=union_length(forward),
     )
 
 
@@ -369,20 +395,39 @@ class Timeline:
                 self._nvtx.pop()
         if not self.timeline:
             return
-        if stream is None:
-            point: Any = time.perf_counter()
-        elif _is_host(stream):
-            point = _Stamp()
-            stream.submit(point.set)
-            self._host_streams[id(stream)] = stream
-        else:
-            point = self._cuda_event(stream)
+        point = self._point(stream)
         if edge == "start":
             self._open[phase] = point
         elif phase in self._open:
             self._pending.append(("compute", phase, None, 0, self._open.pop(phase), point, ""))
         else:
             log.warning("profiling: mark(%r, 'end') without a start; ignored", phase)
+
+    @contextlib.contextmanager
+    def enqueued(self, stream: Any, phase: str, bucket: Optional[int], nbytes: int) -> Iterator[None]:
+        """Time the work the block itself enqueues on `stream` (a collective given `stream=`,
+        which must be issued from this thread, in program order, not as a submitted task):
+        points on `stream` before and after it. NVTX: a range around the enqueueing."""
+        if not self._on:
+            yield
+            return
+        with self.range(phase, bucket, nbytes):
+            start = self._point(stream) if self.timeline else None
+            yield
+            end = self._point(stream) if self.timeline else None
+        if self.timeline:
+            self._pending.append((self._track(stream), phase, bucket, nbytes, start, end, ""))
+
+    def _point(self, stream: Any) -> Any:
+        """This instant (stream None) or this point of `stream`'s work, resolved in end_step."""
+        if stream is None:
+            return time.perf_counter()
+        if _is_host(stream):
+            point = _Stamp()
+            stream.submit(point.set)
+            self._host_streams[id(stream)] = stream
+            return point
+        return self._cuda_event(stream)
 
     def _time(self, point: Any) -> Optional[float]:
         if point is None or isinstance(point, float):

@@ -16,7 +16,9 @@ ZeRO-2: the buckets, holding local grads; torch: the .grad tensors, its DDP's ow
 not counted); `total` = state + master + every grad byte. Step time is the slowest rank's mean
 over `--steps` after `--warmup`; `ratio` = mode / ddp_adamw in the same world. Our modes then
 run `--profile-steps` with the reducer's timeline on: `hidden_pct` is the share of the bucket
-communication (all-reduce or reduce-scatter) that ran before backward ended.
+communication (all-reduce or reduce-scatter) that ran before backward ended, `gather_hidden_pct`
+(ZeRO-2) the share of the parameter all-gathers that ran inside the next step's forward (hidden
+behind it; the first profiled step has none, its gathers were queued before the timeline).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ COLUMNS = (
     "step_ms",
     "ratio",
     "hidden_pct",
+    "gather_hidden_pct",
 )
 FORMATS = {
     "params_M": ".1f",
@@ -66,6 +69,7 @@ FORMATS = {
     "step_ms": ".0f",
     "ratio": ".2f",
     "hidden_pct": ".0f",
+    "gather_hidden_pct": ".0f",
 }
 MiB = float(1 << 20)
 
@@ -153,7 +157,7 @@ def worker(args) -> None:
         step()
     nd.barrier()
     ms = (time.perf_counter() - t0) / args.steps * 1e3
-    hidden = -1.0
+    hidden = gather_hidden = -1.0
     if args.mode != "torch_zero" and args.profile_steps:
         from nccl_ddp.profiling import Timeline
 
@@ -162,12 +166,16 @@ def worker(args) -> None:
             step()
         steps = list(wrapped.reducer.prof.steps)
         hidden = 100.0 * sum(s.overlap_s for s in steps) / max(1e-12, sum(s.comm_s for s in steps))
+        gather_s = sum(s.gather_s for s in steps)
+        if gather_s > 0:
+            gather_hidden = 100.0 * sum(s.gather_hidden_s for s in steps) / gather_s
     row = dict(
         world=world,
         mode=args.mode,
         params_M=sum(p.numel() for p in m.parameters()) / 1e6,
         step_ms=ms,
         hidden_pct=hidden,
+        gather_hidden_pct=gather_hidden,
     )
     if args.mode.startswith("zero2"):
         zs = opt.zs
@@ -211,7 +219,17 @@ def _gather_rows(nd, row: dict) -> list:
     """Every rank's numbers on rank 0: the slowest step time, the largest byte counts."""
     import numpy as np
 
-    keys = ("step_ms", "state", "master", "reduced", "grad_buf", "total_grads", "peak_rss", "hidden_pct")
+    keys = (
+        "step_ms",
+        "state",
+        "master",
+        "reduced",
+        "grad_buf",
+        "total_grads",
+        "peak_rss",
+        "hidden_pct",
+        "gather_hidden_pct",
+    )
     mine = np.array([row[k] for k in keys], np.float64)
     nd.all_reduce(mine, op="max")
     return [dict(row, **{k: float(v) for k, v in zip(keys, mine)})]
@@ -246,6 +264,7 @@ def table_rows(raw: list) -> list:
                 step_ms=r["step_ms"],
                 ratio="" if b is None else r["step_ms"] / b["step_ms"],
                 hidden_pct="" if r["hidden_pct"] < 0 else r["hidden_pct"],
+                gather_hidden_pct="" if r["gather_hidden_pct"] < 0 else r["gather_hidden_pct"],
             )
         )
     return out

@@ -71,6 +71,27 @@ def test_summarize_synthetic_step():
     assert pf.summarize(0, 1, []).overlap_ratio == 0.0
 
 
+def test_summarize_param_gather_hidden_behind_forward():
+    """ZeRO's parameter all-gathers are counted apart from the bucket reductions: their union,
+    and the part inside forward (the share hidden behind it)."""
+    S = pf.Span
+    spans = [
+        S(0, "comm", "allgather", 0, MiB, 0.0, 2.0),  # before forward
+        S(0, "comm", "allgather", 1, MiB, 2.0, 5.0),  # 2 s inside forward
+        S(0, "compute", "forward", None, 0, 3.0, 6.0),
+        S(0, "compute", "backward", None, 0, 6.0, 9.0),
+        S(0, "comm", "reducescatter", 0, MiB, 7.0, 8.0),
+    ]
+    s = pf.summarize(0, 0, spans)
+    assert (s.gather_s, s.gather_hidden_s, s.forward_s) == (5.0, 2.0, 3.0)
+    assert s.gather_hidden_ratio == 2.0 / 5.0
+    assert (s.comm_s, s.overlap_s, s.buckets) == (1.0, 1.0, 1)  # the gathers are not bucket comm
+    assert "param all-gather 5000.000 ms, hidden behind forward 2000.000 ms (40%)" in s.line()
+    no_forward = pf.summarize(0, 0, [sp for sp in spans if sp.phase != "forward"])
+    assert (no_forward.gather_s, no_forward.gather_hidden_ratio) == (5.0, 0.0)
+    assert "all-gather" not in pf.summarize(0, 0, spans[3:]).line()
+
+
 # ---------------------------------------------------------------------------------- host timeline
 
 

@@ -151,6 +151,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             install=install,
             comm=None if reducer is None else reducer.comm,
             shard_grads=None if reducer is None else reducer.sharding.outputs,
+            timeline=None if reducer is None else (lambda: reducer.prof),
         )
         self._reducer = reducer
         group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}

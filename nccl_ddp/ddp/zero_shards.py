@@ -6,7 +6,9 @@ owned slice of the parameter buffer itself, so no copy), and an fp32 grad shard.
 `collect_*` (the owned slice of the reduced grad into the fp32 grad shard), `global_norm`
 (one all-reduce of the shard's squared norm: clipping and the non-finite skip), the
 framework's optimizer stepping the master shard, then `gather` (master -> parameter shard, an
-all-gather per bucket on the comm stream, waited on at once or per bucket by `wait_bucket`).
+all-gather per bucket on the comm stream, waited on at once or per bucket by `wait_bucket`;
+each one an "allgather" span on the step timeline, so its share hidden behind the next forward
+is measured).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from nccl_ddp.comm.group import ProcessGroup, ReduceOp
 from nccl_ddp.ddp.bucket_memory import BucketBuffers, to_host
 from nccl_ddp.ddp.shard_layout import Piece, ShardLayout
 from nccl_ddp.errors import ConfigError
+from nccl_ddp.profiling import Timeline
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +33,8 @@ class ZeroShards:
     """The shard memory of one rank. `params`: native arrays, one per parameter of the layout;
     with `install(i, view)` they are moved into the flat parameter buffers (the framework's
     parameter i aliases `view` from then on), without it the gathered values are copied back
-    into them after every all-gather."""
+    into them after every all-gather. `timeline()`: the step timeline the all-gathers are timed
+    on (read at each gather: the reducer's `prof`, which a user may replace); None: a quiet one."""
 
     def __init__(
         self,
@@ -42,12 +46,15 @@ class ZeroShards:
         install: Optional[Callable[[int, Any], None]] = None,
         comm: Any = None,
         shard_grads: Optional[Sequence[Any]] = None,
+        timeline: Optional[Callable[[], Timeline]] = None,
     ) -> None:
         if group.size != shards.world:
             raise ConfigError(
                 f"rank {group.rank}: shard layout is for {shards.world} ranks, the group has {group.size}"
             )
         self.shards, self.group, self.device = shards, group, device
+        quiet = Timeline(group.rank, timeline=False, nvtx=False)
+        self.timeline: Callable[[], Timeline] = timeline if timeline is not None else lambda: quiet
         self.rank = group.rank
         self.layout = shards.layout
         self.params = list(params)
@@ -170,15 +177,15 @@ class ZeroShards:
         # comes after them on every rank, however far each rank's comm stream has got.
         self.comm.wait(compute.record())
         self._events = []
+        prof = self.timeline()
         for b in range(len(self.master)):
-            self.group.all_gather(
-                self.param_buffers.buffers[b],
-                self.owned_params(b),
-                stream=self.comm,
-                tag=f"parameter bucket {b}",
-            )
-            if self._copy_back:
-                self.comm.submit(self._copy_back_bucket, b)
+            buf = self.param_buffers.buffers[b]
+            with prof.enqueued(self.comm, "allgather", b, buf.nbytes):
+                self.group.all_gather(
+                    buf, self.owned_params(b), stream=self.comm, tag=f"parameter bucket {b}"
+                )
+                if self._copy_back:
+                    self.comm.submit(self._copy_back_bucket, b)
             self._events.append(self.comm.record())
         if wait:
             self.wait_all()

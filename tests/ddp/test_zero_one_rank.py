@@ -232,6 +232,43 @@ def test_reduce_scatter_is_on_the_step_timeline(world1):
     ddp.close()
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_param_gather_is_on_the_step_timeline(world1, overlap):
+    """Each bucket's parameter all-gather is an "allgather" span in the next step (beside that
+    step's forward), and the share hidden behind forward is measured from those spans: without
+    overlap_param_gather, step() waits for the gathers, so none is hidden; with it, forward
+    starts while the gathers are still queued (held back here by a task on the comm stream),
+    and its modules wait for them inside forward."""
+    import time
+
+    from nccl_ddp.profiling import Timeline
+
+    m = make_model()
+    ddp = nd.DistributedDataParallel(m, bucket_cap_mb=400 / (1 << 20))
+    opt = nd.ZeroRedundancyOptimizer(
+        m.parameters(), torch.optim.SGD, lr=0.1, overlap_param_gather=overlap, skip_nonfinite=False
+    )  # (the non-finite check's norm would wait for the comm stream inside step())
+    ddp.reducer.prof = Timeline(0, timeline=True)
+    nbuckets = len(opt.zs.layout.buckets)
+    assert nbuckets > 1
+    for _ in range(3):
+        opt.zero_grad()
+        ddp(torch.ones(2, 7)).square().sum().backward()
+        opt.zs.comm.submit(time.sleep, 0.3)  # the gathers start 0.3 s after step() returns
+        opt.step()
+    steps = list(ddp.reducer.prof.steps)
+    assert steps[0].gather_s == 0 and steps[0].forward_s > 0  # no optimizer step before it
+    for st in steps[1:]:
+        gathers = [s for s in ddp.reducer.prof.spans if s.step == st.step and s.phase == "allgather"]
+        assert sorted(s.bucket for s in gathers) == list(range(nbuckets))
+        assert st.gather_s > 0 and st.forward_s > 0
+        if overlap:
+            assert st.gather_hidden_ratio > 0.5, st.line()
+        else:
+            assert (st.gather_hidden_s, st.gather_hidden_ratio) == (0.0, 0.0), st.line()
+    ddp.close()
+
+
 def test_check_finite_flags_reach_through_the_reduce_scatter(world1):
     """ZeRO-2 keeps the wrapper's check_finite: the pack kernel raises the bucket's flag on the
     way into the reduce-scatter, and the optimizer skips the step."""
