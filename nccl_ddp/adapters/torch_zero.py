@@ -15,6 +15,7 @@ import logging
 import math
 from typing import Any, Dict, List, Optional
 
+import numpy as np
 import torch
 
 from nccl_ddp.adapters.torch import from_native, owner_of, to_native
@@ -63,7 +64,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     Ours beyond torch's: `zero_stage` (None: 2 with an nccl_ddp DDP model, else 1),
     `overlap_param_gather` (ZeRO-2: wait for each bucket's all-gather at its modules' next
     forward), `skip_nonfinite` (skip the step on every rank when any grad is NaN/Inf),
-    `clip_grad_norm_`, `last_step_skipped`.
+    `clip_grad_norm_`, `last_step_skipped`, `reduce_dtype` (ZeRO-2: None reduces the grads in
+    their own dtype, torch.float32 / "float32" reduce-scatters bf16/fp16 buckets in fp32).
     """
 
     def __init__(
@@ -77,6 +79,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         zero_stage: Optional[int] = None,
         overlap_param_gather: bool = False,
         skip_nonfinite: bool = True,
+        reduce_dtype: Any = None,
         **defaults: Any,
     ) -> None:
         _check_class(optimizer_class)
@@ -94,6 +97,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self.group = resolve_group(_nd_group(process_group), "process_group")
         self.optimizer_class, self.skip_nonfinite = optimizer_class, skip_nonfinite
         self.overlap_param_gather = overlap_param_gather
+        self.reduce_dtype = _reduce_dtype(reduce_dtype)
         self._zero_stage = zero_stage
         self._built = False
         self._inner: Any = None
@@ -117,11 +121,17 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                     f"ZeroRedundancyOptimizer steps dense floating-point parameters; got {p.dtype} {p.layout}"
                 )
         self._stage, wrapper = self._pick_stage(params)
+        if self._stage == 1 and self.reduce_dtype is not None:
+            raise ConfigError(
+                f"reduce_dtype={self.reduce_dtype} needs ZeRO-2 (the parameters of an nccl_ddp "
+                "DistributedDataParallel model, whose buckets it reduce-scatters); under ZeRO-1 "
+                "the grads arrive reduced: drop reduce_dtype"
+            )
         self.device = device_of(self.group)
         if self._stage == 2:
             order = wrapper.params  # the reducer's indices
             reducer = wrapper._ddp.reducer
-            shards = reducer.enable_sharding()
+            shards = reducer.enable_sharding(self.reduce_dtype)
             names = list(wrapper.names)
         else:
             order = params
@@ -374,6 +384,24 @@ def _waiter(zs: ZeroShards, buckets: List[int]) -> Any:
                 zs.wait_bucket(b)
 
     return hook
+
+
+def _reduce_dtype(value: Any) -> Any:
+    """None (the grads' own dtype) or float32, given as torch.float32, "float32" or NumPy's."""
+    if value is None:
+        return None
+    if value is torch.float32 or (isinstance(value, str) and value == "float32"):
+        return np.dtype(np.float32)
+    try:
+        ok = not isinstance(value, (str, torch.dtype)) and np.dtype(value) == np.float32
+    except TypeError:
+        ok = False
+    if ok:
+        return np.dtype(np.float32)
+    raise ConfigError(
+        f"reduce_dtype must be None (reduce the grads in their own dtype) or torch.float32 / "
+        f"'float32', got {value!r}"
+    )
 
 
 def _check_class(cls: Any) -> None:

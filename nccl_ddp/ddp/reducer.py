@@ -143,11 +143,17 @@ class Reducer:
             refuse_unshardable(self.group.rank, "", False, (state, hook))
         self.submitter.hook = (state, hook)
 
-    def enable_sharding(self) -> ShardLayout:
+    def enable_sharding(self, reduce_dtype: Any = None) -> ShardLayout:
         """ZeRO-2: from the next step each bucket is reduce-scattered (averaged in the
         collective; the local grads stay as they are) into this rank's shard of it
-        (`sharding.outputs`); the layout is padded for the group and no longer rebuilt."""
+        (`sharding.outputs`); the layout is padded for the group and no longer rebuilt.
+        `reduce_dtype`: None reduces in the grads' dtype, float32 widens bf16/fp16 buckets."""
         if self.sharding is not None:
+            if self.sharding.reduce_dtype != reduce_dtype:
+                raise ConfigError(
+                    f"rank {self.group.rank}: this model is already sharded with reduce_dtype="
+                    f"{self.sharding.reduce_dtype}; a second sharded optimizer asked for {reduce_dtype}"
+                )
             return self.sharding.shards
         refuse_unshardable(
             self.group.rank, self.config.reducer_mode, self.config.static_graph, self.submitter.hook
@@ -160,7 +166,7 @@ class Reducer:
         shards = shard_layout(self.layout, self.group.size, self.device.align_bytes)
         self._set_layout(shards.layout)
         assert self.memory is not None  # CppReducer (refused above otherwise)
-        self.sharding = ReduceScatter(self.group, self.device, shards, self.memory)
+        self.sharding = ReduceScatter(self.group, self.device, shards, self.memory, reduce_dtype)
         self.submitter.collective = self.sharding
         self.submitter.average_in_collective = True
         return shards

@@ -4,12 +4,16 @@ The reducer's submission path (bucket_submit.py) calls it in place of the all-re
 comm-stream order while backward goes on. It averages in the collective, so the bucket itself
 (the framework's `.grad` views) keeps this rank's local grads: accumulation across `no_sync()`
 steps and without `zero_grad()` stays what an all-reduce DDP gives, and only the owned slice of
-the reduced grad is kept (`outputs[b]`, `shard_numel[b]` elements in the bucket's dtype).
+the reduced grad is kept (`outputs[b]`, `shard_numel[b]` elements in the bucket's dtype, or in
+`reduce_dtype` when one is asked: a bf16/fp16 bucket is then widened into one scratch buffer,
+reused by every bucket in comm-stream order, and reduced there).
 """
 
 from __future__ import annotations
 
-from typing import Any, List
+from typing import Any, List, Optional
+
+import numpy as np
 
 from nccl_ddp.comm.group import ProcessGroup, ReduceOp
 from nccl_ddp.ddp.bucket_memory import BucketBuffers
@@ -22,14 +26,26 @@ class ReduceScatter:
 
     phase = "reducescatter"
 
-    def __init__(self, group: ProcessGroup, device: Any, shards: ShardLayout, memory: BucketBuffers) -> None:
+    def __init__(
+        self,
+        group: ProcessGroup,
+        device: Any,
+        shards: ShardLayout,
+        memory: BucketBuffers,
+        reduce_dtype: Optional[np.dtype] = None,
+    ) -> None:
         if memory.layout != shards.layout:
             raise ConfigError(f"rank {group.rank}: bucket memory is not laid out for the shards")
         self.group, self.device, self.shards = group, device, shards
-        self.outputs: List[Any] = [
-            device.zeros(s, b.dtype) for s, b in zip(shards.shard_numel, shards.layout.buckets)
+        self.reduce_dtype = reduce_dtype
+        wire = [
+            np.dtype(b.dtype) if reduce_dtype is None else np.dtype(reduce_dtype)
+            for b in shards.layout.buckets
         ]
+        self.outputs: List[Any] = [device.zeros(s, w) for s, w in zip(shards.shard_numel, wire)]
         self._index = {id(buf): b for b, buf in enumerate(memory.buffers)}
+        widened = [buf.size for buf, w in zip(memory.buffers, wire) if np.dtype(buf.dtype) != w]
+        self._scratch = device.zeros(max(widened), reduce_dtype) if widened else None
 
     def __call__(self, buf: Any, op: ReduceOp, tag: str) -> None:
         b = self._index.get(id(buf))
@@ -38,9 +54,15 @@ class ReduceScatter:
                 f"rank {self.group.rank}: {tag} is not one of the sharded "
                 "buckets (a comm hook or Join cannot reduce-scatter)"
             )
-        self.group.reduce_scatter(
-            self.outputs[b], buf, op, stream=self.device.current_stream(), tag=tag
-        ).wait(self.group.timeout)
+        out = self.outputs[b]
+        if np.dtype(buf.dtype) != np.dtype(out.dtype):  # widen into the scratch (stream order)
+            assert self._scratch is not None
+            wide = self._scratch[: buf.size]
+            wide[...] = buf.astype(out.dtype, copy=False)
+            buf = wide
+        self.group.reduce_scatter(out, buf, op, stream=self.device.current_stream(), tag=tag).wait(
+            self.group.timeout
+        )
 
 
 def refuse_unshardable(rank: int, reducer_mode: str, static_graph: bool, hook: Any) -> None:

@@ -143,6 +143,9 @@ def test_non_finite_grads_skip_the_step(world1):
         (dict(overlap_with_ddp=True), "overlap_with_ddp=True"),
         (dict(zero_stage=3), "zero_stage must be"),
         (dict(overlap_param_gather=True), "overlap_param_gather=True needs ZeRO-2"),
+        (dict(reduce_dtype=torch.float16), "reduce_dtype must be None"),
+        (dict(reduce_dtype="bfloat16"), "reduce_dtype must be None"),
+        (dict(reduce_dtype="float32"), "reduce_dtype=float32 needs ZeRO-2"),
     ],
 )
 def test_options_we_cannot_honour(world1, kwargs, match):

@@ -5,6 +5,9 @@ ZeroRedundancyOptimizer) against ours."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import numpy as np
 
 STEPS, BATCH, IN, OUT = 10, 6, 7, 3
@@ -98,9 +101,11 @@ def params_of(model) -> dict:
     return {n: p.detach().float().numpy().copy() for n, p in model.named_parameters()}
 
 
-def train_masters(model, wrapped, rank: int, world: int, name: str) -> dict:
+def train_masters(model, wrapped, rank: int, world: int, name: str, reduce_fp32: bool = False) -> dict:
     """The unsharded bf16 reference: an fp32 master copy per parameter stepped by the torch
-    optimizer on the reduced grads widened to fp32, written back rounded to the model's dtype."""
+    optimizer on the reduced grads widened to fp32, written back rounded to the model's dtype.
+    `reduce_fp32`: `wrapped` is the bare model, each rank's grads are widened first and then
+    averaged by a torch.distributed all-reduce (the reference of reduce_dtype=float32)."""
     import torch
 
     cls, kw = OPTIMIZERS[name]
@@ -115,8 +120,31 @@ def train_masters(model, wrapped, rank: int, world: int, name: str) -> dict:
         loss.backward()
         for m, p in zip(masters, model.parameters()):
             m.grad = p.grad.float()
+            if reduce_fp32:
+                torch.distributed.all_reduce(m.grad)
+                m.grad /= world
         opt.step()
         with torch.no_grad():
             for m, p in zip(masters, model.parameters()):
                 p.copy_(m)
     return params_of(model)
+
+
+@contextlib.contextmanager
+def gloo_and_host(rank: int, world: int, store_dir: str):
+    """torch.distributed on gloo (the reference's) and nccl_ddp's host group, both torn down."""
+    import torch
+    import torch.distributed as dist
+
+    import nccl_ddp as nd
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{os.path.join(store_dir, 'gloo')}", rank=rank, world_size=world
+    )
+    nd.init_process_group("host")
+    try:
+        yield
+    finally:
+        nd.destroy_process_group()
+        dist.destroy_process_group()
