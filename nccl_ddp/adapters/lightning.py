@@ -58,6 +58,8 @@ class NcclDDPStrategy(DDPStrategy):
 
     strategy_name = "nccl_ddp"
 
+    model: Any  # Lightning's attribute: the wrapped model (ours once set up)
+
     def __init__(self, *args: Any, nccl_backend: Optional[str] = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._forward_redirection = _Redirection()
