@@ -465,6 +465,7 @@ def _two_rank_cases(rank, world_size):
     return got, float(x), strided.tolist()
 
 
+@pytest.mark.slow
 def test_two_ranks_mismatches_are_named_and_nothing_is_lost():
     results = run_ranks(_two_rank_cases, 2, timeout=90)
     assert results[0] == results[1]

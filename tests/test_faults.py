@@ -45,6 +45,7 @@ def _disagree_on_members(rank, world, transport):
         nd.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_new_group_with_different_members_raises_instead_of_wrong_sums(transport):
     # before: rank 0's all_reduce returned 101.0 (it met rank 1 as "group rank 0"'s peer)
@@ -66,6 +67,7 @@ def _broadcast_src_mismatch(rank, world, transport):
         nd.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_broadcast_src_mismatch_fails_at_once_on_every_rank(transport):
     # before (tcp): every rank returned without error; the next collective failed under its name
@@ -87,6 +89,7 @@ def _params_in_another_order(rank, world):
         nd.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_ddp_same_shapes_in_another_order_names_both_parameters():
     # before: init_sync passed and rank 0's 'a' was averaged with rank 1's 'b'
     for rank, (kind, msg) in enumerate(run_ranks(_params_in_another_order, 2, timeout=60)):
@@ -428,6 +431,7 @@ HOLDS_SHM = """
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
 def test_launcher_killed_leaves_no_worker_and_no_segment(tmp_path, how):
     # before: SIGTERM left each worker's segment in /dev/shm; SIGKILL also left the workers
@@ -473,6 +477,7 @@ KILLED_MID_ALL_REDUCE = """
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_launcher_names_the_killed_rank_not_the_survivor(tmp_path, transport):
     # before: 6 of 16 runs said rank 0 (which raised CommError naming rank 1) "failed first"
@@ -650,6 +655,7 @@ def _exit_without_destroy(rank, world):
     return time.monotonic() - t0
 
 
+@pytest.mark.slow
 def test_destroy_does_not_wait_for_a_rank_that_exited():
     # before: rank 0 waited for the destroy barrier until its timeout (20 s here, 30 s at most)
     elapsed = run_ranks(_exit_without_destroy, 2, timeout=60)[0]
@@ -770,6 +776,7 @@ def _desync(rank, world, cases, debug):
 DESYNCS = ["op", "count", "root", "dtype"]
 
 
+@pytest.mark.slow
 def test_nccl_debug_detail_catches_a_desync_on_every_rank():
     # before: NCCL ran whatever it was given (a real GPU hangs or reduces garbage)
     world = 3
@@ -783,6 +790,7 @@ def test_nccl_debug_detail_catches_a_desync_on_every_rank():
             assert launched == 0, (case, launched)  # the mismatch never reached NCCL
 
 
+@pytest.mark.slow
 def test_nccl_debug_off_by_default_runs_mismatches_unchecked():
     for results in run_ranks(_desync, 2, ["op"], False, timeout=90):
         got, _, launched = results["op"]
@@ -811,6 +819,7 @@ def _shared_gpu(rank, world):
     return "ok", "", len(rt.comms)
 
 
+@pytest.mark.slow
 def test_two_ranks_on_one_gpu_is_a_config_error_before_the_communicator():
     # before: NCCL itself refused them with an unhelpful message (or hung)
     for rank, (kind, msg, comms) in enumerate(run_ranks(_shared_gpu, 3, timeout=90)):
@@ -871,6 +880,7 @@ def _finals(out):
     return sorted(ln.split("] ", 1)[1] for ln in out.splitlines() if "] final " in ln)
 
 
+@pytest.mark.slow
 def test_two_launchers_as_two_nodes_train_like_one_node(tmp_path):
     import subprocess
     import sys

@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from paths import ROOT
 
 EXAMPLE = os.path.join(ROOT, "examples", "train_mlp.py")
@@ -20,6 +21,7 @@ def _launch(*args, timeout=120):
     )
 
 
+@pytest.mark.slow
 def test_train_mlp_two_ranks_end_identical_and_loss_goes_down():
     r = _launch("--steps", "12")
     assert r.returncode == 0, r.stdout + r.stderr

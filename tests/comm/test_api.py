@@ -134,6 +134,7 @@ def api_body(rank, world):
     assert not nd.is_initialized()
 
 
+@pytest.mark.slow
 def test_api_two_ranks():
     run_ranks(api_body, 2, timeout=90)
 
@@ -167,6 +168,7 @@ def new_group_body(rank, world):
     nd.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_new_group_of_three():
     run_ranks(new_group_body, 3, timeout=90)
 
@@ -258,6 +260,7 @@ def destroy_after_peer_died_body(rank, world, dead, out_path):
         )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dead", [1, 0])
 def test_destroy_after_a_peer_died_does_not_wait_for_it(tmp_path, dead):
     import json

@@ -60,6 +60,7 @@ def _ddp_peer_dies(rank, world, mode):
     return "no error"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["CppReducer", "PythonReducer"])
 def test_ddp_step_names_bucket_op_and_dead_peer(mode):
     failed = run_ranks(_ddp_peer_dies, 2, mode, timeout=60, expect_fail=True)
@@ -120,6 +121,7 @@ def _ddp_after_failed_step(rank, world, mode, unused, out_path):
     nd.destroy_process_group()  # skips its barrier: the world group failed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "mode,unused", [("CppReducer", False), ("PythonReducer", False), ("CppReducer", True)]
 )
@@ -187,6 +189,7 @@ def _grad_reducer_peer_dies(rank, world):
     return "no error"
 
 
+@pytest.mark.slow
 def test_grad_reducer_names_bucket_op_and_dead_peer():
     failed = run_ranks(_grad_reducer_peer_dies, 2, timeout=60, expect_fail=True)
     assert set(failed) == {0, 1}, failed
@@ -232,6 +235,7 @@ def _grad_reducer_after_failed_call(rank, world, out_path):
         json.dump({"first": str(first), "later": later, "close_s": time.monotonic() - t0}, f)
 
 
+@pytest.mark.slow
 def test_grad_reducer_after_a_failed_call_says_so(tmp_path):
     import json
 
@@ -286,6 +290,7 @@ TRAIN = """
 """
 
 
+@pytest.mark.slow
 def test_launcher_exits_naming_the_rank_that_died(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(TRAIN))

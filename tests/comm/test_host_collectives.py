@@ -188,6 +188,7 @@ def ordering_body(rank, world):
     _close(g, store)
 
 
+@pytest.mark.slow
 def test_async_and_stream_ordering():
     run_ranks(ordering_body, 2, timeout=60)
 
@@ -211,6 +212,7 @@ def subgroup_body(rank, world):
     _close(g, store)
 
 
+@pytest.mark.slow
 def test_subgroup():
     run_ranks(subgroup_body, 3, timeout=60)
 
@@ -226,6 +228,7 @@ def mismatch_body(rank, world):
         store.close()
 
 
+@pytest.mark.slow
 def test_mismatched_sizes_name_the_peer():
     failed = run_ranks(mismatch_body, 2, timeout=60, expect_fail=True)
     assert set(failed) == {0, 1}

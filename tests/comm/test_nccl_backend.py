@@ -557,6 +557,7 @@ def _uid_rank(rank, world):
         store.close()
 
 
+@pytest.mark.slow
 def test_unique_id_exchange_through_store_two_processes():
     a, b = run_ranks(_uid_rank, 2, timeout=90)
     assert a == b and len(a) == 2 and a[0] != a[1]

@@ -3,6 +3,7 @@ options, DistributedDataParallel's settings (init_sync). A mismatch raises RankM
 every rank naming the difference; the group stays usable."""
 
 import numpy as np
+import pytest
 from mp import run_ranks
 
 f32 = np.float32
@@ -65,6 +66,7 @@ def _checks(rank, world):
     return out, got
 
 
+@pytest.mark.slow
 def test_mismatches_raise_on_every_rank_naming_the_difference():
     results = run_ranks(_checks, 2, timeout=90)
     for rank, (out, got) in enumerate(results):

@@ -243,6 +243,7 @@ def _user_hooks(rank: int, world: int) -> dict:
         nd.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_user_hook_contract():
     results = run_ranks(_user_hooks, 2, timeout=60)
     expected = [(_grad(0, 0, i) + _grad(1, 0, i)) / 2 for i in range(len(SHAPES))]
@@ -255,6 +256,7 @@ def test_user_hook_contract():
         assert "ConfigTypeError" in res["bad"] and "bad_return returned ndarray" in res["bad"]
 
 
+@pytest.mark.slow
 def test_register_comm_hook_bad_use():
     from nccl_ddp.errors import ConfigError, ConfigTypeError
 
@@ -332,6 +334,7 @@ def _timeline_wire(rank: int, world: int) -> list:
         nd.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_timeline_shows_wire_dtype():
     f32_bytes, *spans = run_ranks(_timeline_wire, 2, timeout=60)[0]
     # one float32 bucket; on the wire in bfloat16: half its bytes
@@ -353,6 +356,7 @@ def _grad_reducer_compress(rank: int, world: int, compress) -> list:
         nd.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compress,wire", [("bf16", "bfloat16"), ("fp16", "float16")])
 def test_grad_reducer_compress(compress, wire):
     from nccl_ddp.ddp.comm_hooks import wire_dtype
@@ -368,6 +372,7 @@ def test_grad_reducer_compress(compress, wire):
             np.testing.assert_array_equal(res[i], expected)
 
 
+@pytest.mark.slow
 def test_grad_reducer_compress_bad_value():
     from nccl_ddp.errors import ConfigError
 
@@ -449,6 +454,7 @@ def _nan_step(rank: int, world: int, kind: str, check) -> dict:
         nd.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["view", "pack", "python", "bf16", "unused", "grad_reducer"])
 def test_check_finite_flags_every_rank(kind):
     results = run_ranks(_nan_step, 2, kind, True, timeout=60)
@@ -457,6 +463,7 @@ def test_check_finite_flags_every_rank(kind):
         assert res["errors"] == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["view", "bf16", "grad_reducer"])
 def test_check_finite_raise_names_bucket_and_parameter(kind):
     results = run_ranks(_nan_step, 2, kind, "raise", timeout=60)
@@ -513,6 +520,7 @@ def _finite_off(rank: int, world: int) -> dict:
 # the CUDA path, on the fake CuPy (tests/support/_fake_cupy.py: the kernels run on the CPU simulator)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hook", ["bf16", "fp16", None])
 def test_cuda_path_compression_and_check_finite(monkeypatch, hook):
     """View mode on the CUDA device: a float32 bucket is packed into the wire dtype with the 1/2

@@ -46,6 +46,7 @@ def _flags_matrix(rank, world, steps):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_flag_matrix_matches_numpy_mean(world):
     steps = 2
@@ -79,6 +80,7 @@ def _mismatch(rank, world):
     return None
 
 
+@pytest.mark.slow
 def test_init_sync_mismatch_raises_on_every_rank():
     msgs = run_ranks(_mismatch, 3, timeout=60)
     for rank, msg in enumerate(msgs):
@@ -141,6 +143,7 @@ def _overlap(rank, world):
     return before, t_last, reduced
 
 
+@pytest.mark.slow
 def test_allreduce_starts_while_backward_is_still_marking():
     for before, t_last, reduced in run_ranks(_overlap, 2, timeout=60):
         assert before and before[0] < t_last
@@ -165,6 +168,7 @@ def _subgroup(rank, world):
         nd.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_process_group_from_new_group():
     res = run_ranks(_subgroup, 3, timeout=60)
     assert res[1] is None
@@ -194,6 +198,7 @@ def _bfloat16(rank, world):
         nd.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_bfloat16_grads():
     for out in run_ranks(_bfloat16, 2, timeout=60):
         for grads, is_bf16 in out:

@@ -145,6 +145,7 @@ def _arrays_join(rank: int, world: int, divide: bool, mode: str) -> dict:
         nd.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("divide", [True, False])
 @pytest.mark.parametrize("mode", ["CppReducer", "PythonReducer"])
 def test_raw_arrays_join(divide, mode):
@@ -182,6 +183,7 @@ def _grad_reducer_join(rank: int, world: int, divide: bool, compress) -> list:
         nd.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("divide,compress", [(True, None), (False, None), (False, "bf16")])
 def test_grad_reducer_join(divide, compress):
     results = run_ranks(_grad_reducer_join, WORLD, divide, compress, timeout=90)
@@ -226,6 +228,7 @@ def _raises_inside(rank: int, world: int, fail_rank: int, fail_step: int) -> Non
         nd.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fail_rank,fail_step", [(0, 3), (2, 7)])
 def test_rank_raising_inside_join_stops_every_rank(fail_rank, fail_step):
     """Rank 0 fails while the others still train, rank 2 while the others have joined: every
@@ -267,6 +270,7 @@ def _throws_early(rank: int, world: int) -> str:
         nd.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_throw_on_early_termination():
     out = run_ranks(_throws_early, WORLD, timeout=60)
     assert out[0].startswith("5: ") and "exhausted all inputs" in out[0], out
@@ -292,6 +296,7 @@ def _disabled(rank: int, world: int) -> int:
         nd.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_enable_false_is_plain_ddp():
     assert run_ranks(_disabled, WORLD, timeout=60) == [5, 5, 5]
 

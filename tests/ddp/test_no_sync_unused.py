@@ -67,6 +67,7 @@ def results():
     return run_ranks(_accumulate_then_sync, 2, timeout=90)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_grad_from_no_sync_step_is_reduced(results, mode):
     acc = {

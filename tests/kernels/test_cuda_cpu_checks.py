@@ -405,6 +405,7 @@ def _caught(fake, kb, monkeypatch, mod=ck):
     return None
 
 
+@pytest.mark.slow
 def test_planted_bugs_are_caught(module, monkeypatch):
     """Every planted bug makes the scenario fail (a sanitizer error, a refused launch or a wrong
     bit); the unmodified code passes it. The kernel copies are built in one library."""

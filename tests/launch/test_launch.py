@@ -379,6 +379,7 @@ CRASH_ONCE = """
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("restarts", [0, 1])
 def test_max_restarts_restarts_every_worker_after_a_failure(tmp_path, restarts):
     script = _script(tmp_path, CRASH_ONCE)
