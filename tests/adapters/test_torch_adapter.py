@@ -67,6 +67,7 @@ def oracle_results(tmp_path_factory):
     return run_ranks(_ours_and_torch, WORLD, CASES, str(tmp_path_factory.mktemp("gloo")), timeout=150)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_torch_ddp(name, oracle_results):
     for rank, results in enumerate(oracle_results):

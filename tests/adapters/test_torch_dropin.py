@@ -63,6 +63,7 @@ def oracle(tmp_path_factory):
     return run_ranks(_oracle, WORLD, SCENARIOS, str(tmp_path_factory.mktemp("gloo")), timeout=240)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_params_and_buffers_match_torch_ddp(name, oracle):
     assert_matches_torch(oracle, name)
@@ -185,6 +186,7 @@ def contract(tmp_path_factory):
     return run_ranks(_contract, WORLD, str(tmp_path_factory.mktemp("gloo")), timeout=180)
 
 
+@pytest.mark.slow
 def test_wrapper_is_a_torch_module(contract):
     for r in contract:
         assert r["isinstance"] == (True, True, True)

@@ -144,6 +144,7 @@ def _replaced_buffers_are_synced(rank: int, world: int) -> dict:
         nd.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_replaced_buffers_are_broadcast():
     for rank, r in enumerate(run_ranks(_replaced_buffers_are_synced, 2, timeout=90)):
         for how, values in r.items():

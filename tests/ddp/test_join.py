@@ -91,6 +91,7 @@ def torch_results(tmp_path_factory):
     return run_ranks(_torch_and_ours, WORLD, str(tmp_path_factory.mktemp("gloo")), timeout=240)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_join_matches_torch(name, torch_results):
     assert_matches_torch(torch_results, name)

@@ -161,6 +161,7 @@ def test_unpack_flags_finite_values_it_overflows(cp, dtype):
     assert int(ok.host()[0]) == 0 and int(flag.host()[0]) == 1  # set only, never cleared
 
 
+@pytest.mark.slow
 def test_thousands_of_tensors_both_table_kinds_and_cached_tables(cp):
     rng = np.random.default_rng(7)
     for count in (3000, 31):

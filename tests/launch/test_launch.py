@@ -273,6 +273,7 @@ def test_auto_nproc_counts_gpus_with_nvml(monkeypatch):
     assert resolve_nproc("auto") == 2
 
 
+@pytest.mark.slow
 def test_allreduce_demo_through_the_launcher():
     demo = os.path.join(ROOT, "examples", "allreduce_demo.py")
     r = _run(["--nproc-per-node", "2", demo])
