@@ -198,6 +198,7 @@ def test_wrapper_is_a_torch_module(contract):
         assert r["hook_calls"] == ["TorchDistributedDataParallel"]
 
 
+@pytest.mark.slow
 def test_to_keeps_or_refuses(contract):
     for r in contract:
         assert r["to_same"]
@@ -207,6 +208,7 @@ def test_to_keeps_or_refuses(contract):
         assert r["conv_channels_last"] and r["grads_in_buckets"]
 
 
+@pytest.mark.slow
 def test_state_dict_round_trip_with_torch_ddp(contract):
     for rank, r in enumerate(contract):
         theirs, ours = r["keys_torch_to_ours"]
@@ -219,6 +221,7 @@ def test_state_dict_round_trip_with_torch_ddp(contract):
             )
 
 
+@pytest.mark.slow
 def test_params_changed_after_wrapping_are_refused(contract):
     for rank, r in enumerate(contract):
         assert f"rank {rank}" in r["unfrozen"] and "'0.weight'" in r["unfrozen"]

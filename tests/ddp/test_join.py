@@ -100,6 +100,7 @@ def test_join_matches_torch(name, torch_results):
         np.testing.assert_array_equal(torch_results[0][name][1][key], torch_results[2][name][1][key])
 
 
+@pytest.mark.slow
 def test_divide_modes_differ(torch_results):
     """The two divide modes must give different numbers (else the test above proves little)."""
     a, b = torch_results[2]["divide-initial"][1], torch_results[2]["divide-active"][1]

@@ -135,6 +135,7 @@ def _snapshot(cp, counts):
     return c
 
 
+@pytest.mark.slow
 def test_per_grad_no_cuda_calls_per_bucket_constant(counted):
     cp, counts = counted
     # reverse order visit: bucket 0 = [11] (1 grad), bucket 1 = [10..7] (4), bucket 2 = [6..0] (7)
