@@ -896,39 +896,8 @@ def test_two_launchers_as_two_nodes_train_like_one_node(tmp_path):
         timeout=120,
     )
     assert single.returncode == 0, single.stderr
-    port = str(_free_pair())
-    nodes = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "nccl_ddp.launch",
-                "--nnodes",
-                "2",
-                "--node-rank",
-                str(n),
-                "--nproc-per-node",
-                "1",
-                "--master-addr",
-                "127.0.0.2",
-                "--master-port",
-                port,
-                script,
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for n in (0, 1)
-    ]
-    try:
-        outs = [p.communicate(timeout=120) for p in nodes]
-    finally:
-        for p in nodes:
-            if p.poll() is None:
-                p.kill()
-                p.wait(5)
+    per_node = [["--node-rank", str(n), "--nproc-per-node", "1"] for n in (0, 1)]
+    nodes, outs, _ = _nodes(tmp_path, script, per_node)
     assert [p.returncode for p in nodes] == [0, 0], [e for _, e in outs]
     assert "node 1/2" in outs[1][1] and "[rank 1] final" in outs[1][0]
     multi = _finals(outs[0][0] + outs[1][0])
@@ -1087,40 +1056,33 @@ def test_chaos_matrix(tmp_path, world, transport, point, sig):
 # -- the launcher under stress (issue 22, items 3, 4, 7, 8, 10, 11, 12) and c10d node ranks --------
 
 
-def _nodes(tmp_path, script, per_node, *extra, port=None, env=None, timeout=120):
-    """Two launchers as two nodes on 127.0.0.2; per_node: each one's flags; returns (procs,
-    outputs, seconds)."""
+def _start_nodes(script, per_node, *extra, script_args=(), port=None, env=None):
+    """Two launchers as two nodes on 127.0.0.2 (TCP transport, a shared secret), started and
+    running; per_node: each one's flags."""
     import subprocess
     import sys
 
     full = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR")}
     full.update(NCCL_DDP_HOST_TRANSPORT="tcp", NCCL_DDP_SECRET="multi-node-test", **(env or {}))
     port = str(port or _free_pair())
-    t0 = time.monotonic()
-    procs = []
-    for flags in per_node:
-        procs.append(
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "nccl_ddp.launch",
-                    "--nnodes",
-                    "2",
-                    "--master-addr",
-                    "127.0.0.2",
-                    "--master-port",
-                    port,
-                    *flags,
-                    *extra,
-                    script,
-                ],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                env=full,
-            )
+    launch = [sys.executable, "-m", "nccl_ddp.launch", "--nnodes", "2"]
+    launch += ["--master-addr", "127.0.0.2", "--master-port", port]
+    return [
+        subprocess.Popen(
+            [*launch, *flags, *extra, script, *script_args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=full,
         )
+        for flags in per_node
+    ]
+
+
+def _nodes(tmp_path, script, per_node, *extra, port=None, env=None, timeout=120):
+    """_start_nodes, then wait for both; returns (procs, outputs, seconds)."""
+    t0 = time.monotonic()
+    procs = _start_nodes(script, per_node, *extra, port=port, env=env)
     try:
         outs = [p.communicate(timeout=timeout) for p in procs]
     finally:
@@ -1248,8 +1210,6 @@ def test_multi_node_restart_agrees_on_the_attempt(tmp_path):
 @pytest.mark.slow
 def test_ctrl_c_on_one_node_stops_the_other_nodes_workers(tmp_path):
     import signal
-    import subprocess
-    import sys
 
     script = _script(
         tmp_path,
@@ -1259,35 +1219,8 @@ def test_ctrl_c_on_one_node_stops_the_other_nodes_workers(tmp_path):
         time.sleep(100)
     """,
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR")}
-    env["NCCL_DDP_SECRET"] = "multi-node-test"
-    port = str(_free_pair())
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "nccl_ddp.launch",
-                "--nnodes",
-                "2",
-                "--node-rank",
-                str(n),
-                "--nproc-per-node",
-                "1",
-                "--master-addr",
-                "127.0.0.2",
-                "--master-port",
-                port,
-                script,
-                str(tmp_path),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for n in (0, 1)
-    ]
+    per_node = [["--node-rank", str(n), "--nproc-per-node", "1"] for n in (0, 1)]
+    procs = _start_nodes(script, per_node, script_args=[str(tmp_path)])
     try:
         deadline = time.monotonic() + 60
         while not all((tmp_path / f"up{r}").exists() for r in (0, 1)):
