@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import sys
 import time
 from typing import Any, Callable, Optional
 
@@ -23,8 +25,28 @@ def _cupy() -> Any:
     return cupy
 
 
+_DRIVER_LIBS = ("libcuda.so.1", "libcuda.so", "nvcuda.dll")
+
+
+def driver_present() -> bool:
+    """Whether a GPU could be here at all: CuPy is already loaded, or the CUDA driver library
+    loads. A CPU machine answers no without importing CuPy (which imports ml_dtypes: seconds per
+    process), so choosing the host backend costs nothing there. Never raises."""
+    if "cupy" in sys.modules:
+        return True
+    for name in _DRIVER_LIBS:
+        try:
+            ctypes.CDLL(name)
+            return True
+        except OSError:
+            continue
+    return False
+
+
 def cuda_available() -> bool:
     """True when CuPy is installed and sees at least one GPU (never raises)."""
+    if not driver_present():
+        return False
     try:
         cp = _cupy()
         return bool(cp.cuda.is_available()) and cp.cuda.runtime.getDeviceCount() > 0

@@ -14,8 +14,10 @@ from mp import run_ranks
 
 from nccl_ddp.comm.group import ReduceOp
 from nccl_ddp.comm.host.backend import HostProcessGroup
-from nccl_ddp.comm.host.reduce import DTYPES
+from nccl_ddp.comm.host.reduce import dtypes
 from nccl_ddp.errors import CommError, CommTimeout, ConfigError, ConfigTypeError
+
+DTYPES = dtypes()
 
 SIZES = (0, 1, 2, 7, 1001, 3000)  # 3000 x 8 bytes spans several 4 KiB chunks
 OPS = tuple(ReduceOp)

@@ -14,21 +14,34 @@ import numpy as np
 from nccl_ddp.comm.group import ReduceOp
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 
+DTYPE_NAMES: tuple = (
+    "float16",
+    "float32",
+    "float64",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "bool",
+    "bfloat16",
+)
+"""Supported dtypes by name; a dtype's index here is its code in wire headers. Names, not dtypes:
+bfloat16 is ml_dtypes' (a 0.6-4 s import), and a job that never sees a bfloat16 array never loads it."""
 
-def _dtypes() -> tuple:
-    names = ["float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool"]
-    out = [np.dtype(n) for n in names]
+
+def dtypes() -> tuple:
+    """The supported dtypes as NumPy dtypes (bfloat16 only where ml_dtypes is installed); this
+    imports ml_dtypes, so only tests and diagnostics call it."""
+    out = [np.dtype(n) for n in DTYPE_NAMES if n != "bfloat16"]
     try:
-        import ml_dtypes
+        from nccl_ddp.dlpack import bfloat16_dtype
 
-        out.append(np.dtype(ml_dtypes.bfloat16))
-    except ImportError:  # bfloat16 arrays cannot exist without ml_dtypes either
+        out.append(bfloat16_dtype())
+    except ConfigError:  # bfloat16 arrays cannot exist without ml_dtypes either
         pass
     return tuple(out)
 
-
-DTYPES: tuple = _dtypes()
-"""Supported dtypes; a dtype's index here is its code in wire headers."""
 
 _HALF = {"float16", "bfloat16"}
 _UFUNC = {
@@ -45,10 +58,10 @@ def dtype_code(dtype: Any, where: str) -> int:
     """The wire code of `dtype`; `ConfigTypeError` naming `where` (rank, op) if unsupported."""
     dt = np.dtype(dtype)
     try:
-        return DTYPES.index(dt)
+        return DTYPE_NAMES.index(dt.name)
     except ValueError:
         raise ConfigTypeError(
-            f"{where}: dtype {dt} is not supported by the host backend; use one of {[d.name for d in DTYPES]}"
+            f"{where}: dtype {dt} is not supported by the host backend; use one of {list(DTYPE_NAMES)}"
         ) from None
 
 

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-from nccl_ddp.comm.host.reduce import DTYPES
+from nccl_ddp.comm.host.reduce import DTYPE_NAMES
 from nccl_ddp.errors import CommError, CommTimeout, ConfigError, RankMismatchError, StoreTimeout
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ class Header:
 
     def describe(self) -> str:
         op = OP_NAMES[self.op] if self.op < len(OP_NAMES) else f"op{self.op}"
-        dt = DTYPES[self.dtype].name if self.dtype < len(DTYPES) else f"dtype{self.dtype}"
+        dt = DTYPE_NAMES[self.dtype] if self.dtype < len(DTYPE_NAMES) else f"dtype{self.dtype}"
         return f"{op}({dt} x {self.count}, root/op {self.root}/{self.redop}, step {self.seq})"
 
 

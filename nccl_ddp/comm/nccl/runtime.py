@@ -12,6 +12,7 @@ import threading
 from typing import Any, Callable, Iterator
 
 from nccl_ddp.comm.group import ReduceOp
+from nccl_ddp.device.cuda import driver_present
 from nccl_ddp.errors import CommError, CommTimeout, ConfigTypeError
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,10 @@ _OPS = {
 
 
 def is_available() -> bool:
-    """True when CuPy imports, sees a GPU, and loads NCCL. Never raises."""
+    """True when CuPy imports, sees a GPU, and loads NCCL. Never raises; never imports CuPy
+    where no CUDA driver is installed."""
+    if not driver_present():
+        return False
     try:
         import warnings
 
