@@ -23,8 +23,8 @@ from nccl_ddp.comm.group import ProcessGroup, ReduceOp, Work
 from nccl_ddp.ddp.data_parallel import DistributedDataParallel
 from nccl_ddp.ddp.grad_reducer import DistributedGradReducer
 from nccl_ddp.ddp.join import Join
-from nccl_ddp.ddp.shard_optim import ShardAdamW, ShardSGD
 from nccl_ddp.errors import NcclDdpError
+from nccl_ddp.zero.optim import ShardAdamW, ShardSGD
 
 __version__ = "0.1.0"
 

@@ -5,9 +5,9 @@
     params, state = zopt.step(params, grads, state)      # grads: this rank's, unreduced
 
 Rank r keeps the float32 master weights, the optax state and the reduced grads of its slice of
-every flat bucket (ddp/shard_layout.py) and nothing else; a step packs the grads into the flat
-buckets and reduce-scatters each (mean, ddp/shard_grads.py), runs the optax transformation on the
-rank's flat shards, and all-gathers the parameters (ddp/zero_shards.py). Sharding is exact only
+every flat bucket (zero/layout.py) and nothing else; a step packs the grads into the flat
+buckets and reduce-scatters each (mean, zero/grads.py), runs the optax transformation on the
+rank's flat shards, and all-gathers the parameters (zero/shards.py). Sharding is exact only
 for elementwise transformations (adam, adamw, sgd, schedules, ...): the constructor probes the
 transformation and refuses one whose update of a shard differs from its update of the whole
 (global-norm clipping, LAMB, adafactor, masks that depend on a leaf's shape).
@@ -25,10 +25,10 @@ from nccl_ddp.comm.api import broadcast, device_of, get_world_group
 from nccl_ddp.comm.group import ProcessGroup, ReduceOp
 from nccl_ddp.ddp.bucket_memory import BucketBuffers
 from nccl_ddp.ddp.buckets import DEFAULT_CAP_BYTES, FIRST_CAP_BYTES, ParamSpec, assign_buckets
-from nccl_ddp.ddp.shard_grads import ReduceScatter
-from nccl_ddp.ddp.shard_layout import shard_layout
-from nccl_ddp.ddp.zero_shards import ZeroShards
 from nccl_ddp.errors import ConfigError, ConfigTypeError
+from nccl_ddp.zero.grads import ReduceScatter
+from nccl_ddp.zero.layout import shard_layout
+from nccl_ddp.zero.shards import ZeroShards
 
 
 def check_elementwise(tx: Any, steps: int = 3) -> None:

@@ -1,6 +1,6 @@
 """`ZeroRedundancyOptimizer` for PyTorch: torch's class's contract over our shard core.
 
-Rank r steps only its slice of every flat bucket (ddp/shard_layout.py): the wrapped torch
+Rank r steps only its slice of every flat bucket (zero/layout.py): the wrapped torch
 optimizer gets one fp32 1-D tensor per (parameter, shard) piece, a view of our master shard, with
 a view of our fp32 grad shard as its `.grad`; it must be elementwise. Parameters become views of
 flat parameter buffers, all-gathered after every step. With the parameters of an
@@ -27,11 +27,11 @@ from nccl_ddp.adapters.torch_zero_state import (
 )
 from nccl_ddp.comm.api import device_of, resolve_group
 from nccl_ddp.ddp.buckets import DEFAULT_CAP_BYTES, FIRST_CAP_BYTES, ParamSpec, assign_buckets
-from nccl_ddp.ddp.shard_layout import shard_layout
-from nccl_ddp.ddp.zero_checkpoint import consolidate, reshard
-from nccl_ddp.ddp.zero_shards import ZeroShards
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 from nccl_ddp.validate import check_bool
+from nccl_ddp.zero.checkpoint import consolidate, reshard
+from nccl_ddp.zero.layout import shard_layout
+from nccl_ddp.zero.shards import ZeroShards
 
 log = logging.getLogger(__name__)
 

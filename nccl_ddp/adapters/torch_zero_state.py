@@ -3,7 +3,7 @@
 torch's format (an unsharded optimizer's `state_dict()`): {"state": {id: {key: tensor shaped like
 the parameter, or a 0-dim tensor}}, "param_groups": [{hyperparameters..., "params": [ids]}]}, ids
 numbering the parameters across the groups. Low-precision parameters add "fp32_master": {id:
-fp32 tensor}, which torch's own optimizers ignore. The core's (ddp/zero_checkpoint.py): per piece
+fp32 tensor}, which torch's own optimizers ignore. The core's (zero/checkpoint.py): per piece
 {key: flat array or float}, per layout index for the full state.
 """
 

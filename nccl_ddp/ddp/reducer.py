@@ -31,11 +31,11 @@ from nccl_ddp.ddp.bucket_submit import BucketSubmitter, Mode, all_reduce_here
 from nccl_ddp.ddp.buckets import BucketLayout, ParamSpec, assign_buckets
 from nccl_ddp.ddp.config import DDPConfig
 from nccl_ddp.ddp.finite_check import FiniteCheck, require_check
-from nccl_ddp.ddp.shard_grads import ReduceScatter, refuse_unshardable
-from nccl_ddp.ddp.shard_layout import ShardLayout, shard_layout
 from nccl_ddp.ddp.step_failure import StepFailure
 from nccl_ddp.errors import ConfigError, ReducerError
 from nccl_ddp.profiling import Timeline
+from nccl_ddp.zero.grads import ReduceScatter, refuse_unshardable
+from nccl_ddp.zero.layout import ShardLayout, shard_layout
 
 log = logging.getLogger(__name__)
 

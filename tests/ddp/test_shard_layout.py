@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from nccl_ddp.ddp.buckets import ParamSpec, assign_buckets
-from nccl_ddp.ddp.shard_layout import shard_layout
 from nccl_ddp.errors import ConfigError
+from nccl_ddp.zero.layout import shard_layout
 
 F32, BF16ISH = np.dtype(np.float32), np.dtype(np.float16)
 

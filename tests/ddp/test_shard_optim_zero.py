@@ -37,8 +37,8 @@ def _grads(rank, step):
 def _rank(rank, world, kind, dtype):
     from nccl_ddp.comm.api import device_of, get_world_group
     from nccl_ddp.ddp.buckets import ParamSpec, assign_buckets
-    from nccl_ddp.ddp.shard_layout import shard_layout
-    from nccl_ddp.ddp.zero_shards import ZeroShards
+    from nccl_ddp.zero.layout import shard_layout
+    from nccl_ddp.zero.shards import ZeroShards
 
     nd.init_process_group("host")
     try:

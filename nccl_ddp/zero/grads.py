@@ -17,8 +17,8 @@ import numpy as np
 
 from nccl_ddp.comm.group import ProcessGroup, ReduceOp
 from nccl_ddp.ddp.bucket_memory import BucketBuffers
-from nccl_ddp.ddp.shard_layout import ShardLayout
 from nccl_ddp.errors import ConfigError, ReducerError
+from nccl_ddp.zero.layout import ShardLayout
 
 
 class ReduceScatter:

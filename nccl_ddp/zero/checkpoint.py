@@ -18,9 +18,9 @@ import numpy as np
 
 from nccl_ddp.comm.group import ReduceOp
 from nccl_ddp.ddp.bucket_memory import to_host
-from nccl_ddp.ddp.shard_layout import ShardLayout
-from nccl_ddp.ddp.zero_shards import ZeroShards
 from nccl_ddp.errors import ConfigError
+from nccl_ddp.zero.layout import ShardLayout
+from nccl_ddp.zero.shards import ZeroShards
 
 PieceState = Dict[str, Any]  # key -> 1-D array (elementwise) or float (scalar)
 FullState = Dict[int, Dict[str, Any]]  # param -> key -> flat array of the param's numel or float

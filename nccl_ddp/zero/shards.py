@@ -20,9 +20,9 @@ import numpy as np
 
 from nccl_ddp.comm.group import ProcessGroup, ReduceOp
 from nccl_ddp.ddp.bucket_memory import BucketBuffers, to_host
-from nccl_ddp.ddp.shard_layout import Piece, ShardLayout
 from nccl_ddp.errors import ConfigError
 from nccl_ddp.profiling import Timeline
+from nccl_ddp.zero.layout import Piece, ShardLayout
 
 log = logging.getLogger(__name__)
 
