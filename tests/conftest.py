@@ -1,18 +1,7 @@
 import os
 
 import pytest
-
-
-def _has_gpu() -> bool:
-    try:
-        import cupy
-
-        return cupy.cuda.is_available() and cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
-
-
-HAS_GPU = _has_gpu()
+from gpu_probe import HAS_GPU
 
 
 def pytest_collection_modifyitems(config, items):

@@ -4,7 +4,7 @@ names the argument."""
 
 import numpy as np
 import pytest
-from test_nccl_backend import make_group
+from fake_nccl import make_group
 
 from nccl_ddp.comm.host import HostProcessGroup
 from nccl_ddp.errors import ConfigError, ConfigTypeError, NcclDdpError

@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+from launch_run import alive, run_launcher, wait_gone, write_script
 from mp import run_ranks
 
 import nccl_ddp as nd
@@ -377,8 +378,6 @@ def test_rendezvous_caps_handshakes_evicting_silent_strangers(store_server, monk
 
 # -- the launcher: nothing of a job outlives it, and the right rank is blamed ---------------------
 
-from test_launch import _alive, _run, _script, _wait_gone  # noqa: E402
-
 
 def _shm_names():
     return {n for n in os.listdir("/dev/shm") if n.startswith("nccl_ddp-")}
@@ -438,7 +437,7 @@ def test_launcher_killed_leaves_no_worker_and_no_segment(tmp_path, how):
     # running (still alive 40 s later), and the /tmp/nccl-ddp-run-* record directory
     import signal
 
-    proc = _start_launcher(tmp_path, _script(tmp_path, HOLDS_SHM))
+    proc = _start_launcher(tmp_path, write_script(tmp_path, HOLDS_SHM))
     try:
         files = [tmp_path / "pids0", tmp_path / "pids1"]
         _wait_files(proc, files)
@@ -453,7 +452,7 @@ def test_launcher_killed_leaves_no_worker_and_no_segment(tmp_path, how):
         if proc.poll() is None:
             proc.kill()
             proc.wait(5)
-    assert _wait_gone(pids, timeout=10) == [], "workers or their children outlived the launcher"
+    assert wait_gone(pids, timeout=10) == [], "workers or their children outlived the launcher"
     deadline = time.monotonic() + 5
     while segments & _shm_names() and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -481,8 +480,8 @@ KILLED_MID_ALL_REDUCE = """
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_launcher_names_the_killed_rank_not_the_survivor(tmp_path, transport):
     # before: 6 of 16 runs said rank 0 (which raised CommError naming rank 1) "failed first"
-    r = _run(
-        ["--nproc-per-node", "2", "--grace-period", "2", _script(tmp_path, KILLED_MID_ALL_REDUCE)],
+    r = run_launcher(
+        ["--nproc-per-node", "2", "--grace-period", "2", write_script(tmp_path, KILLED_MID_ALL_REDUCE)],
         env={"NCCL_DDP_HOST_TRANSPORT": transport},
         timeout=90,
     )
@@ -558,7 +557,7 @@ def test_dialing_peer_retries_a_handshake_the_acceptor_dropped():
 
 def test_launcher_splits_an_endless_line(tmp_path):
     # before: a line without a newline was buffered whole (two 300 MiB lines: 1.46 GiB)
-    script = _script(
+    script = write_script(
         tmp_path,
         """
         import sys
@@ -567,7 +566,7 @@ def test_launcher_splits_an_endless_line(tmp_path):
         print("end")
     """,
     )
-    r = _run(["--nproc-per-node", "1", script])
+    r = run_launcher(["--nproc-per-node", "1", script])
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert max(len(ln) for ln in lines) <= (64 << 10) + 100
@@ -735,7 +734,7 @@ def _launched(rt):
 
 def _desync(rank, world, cases, debug):
     """{case: (what the mismatched call did, what the next matching call did, NCCL calls made)}."""
-    from test_nccl_backend import FakeRuntime
+    from fake_nccl import FakeRuntime
 
     if debug:
         os.environ["NCCL_DDP_DEBUG"] = "DETAIL"
@@ -806,7 +805,7 @@ def test_nccl_debug_detail_names_a_rank_that_skipped_a_collective():
 
 
 def _shared_gpu(rank, world):
-    from test_nccl_backend import FakeRuntime
+    from fake_nccl import FakeRuntime
 
     rt = FakeRuntime()
     rt.device_uuid = lambda: "gpu-b" if rank in (0, 2) else f"gpu-{rank}"
@@ -885,7 +884,7 @@ def test_two_launchers_as_two_nodes_train_like_one_node(tmp_path):
     import subprocess
     import sys
 
-    script = _script(tmp_path, TRAIN)
+    script = write_script(tmp_path, TRAIN)
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR")}
     env.update(NCCL_DDP_HOST_TRANSPORT="tcp", NCCL_DDP_SECRET="multi-node-test")
     single = subprocess.run(
@@ -984,7 +983,7 @@ def _chaos(tmp_path, world, transport, point, sig, seed):
             str(world),
             "--grace-period",
             "8",
-            _script(tmp_path, CHAOS),
+            write_script(tmp_path, CHAOS),
             str(tmp_path),
             point,
             sig,
@@ -1024,7 +1023,7 @@ def _chaos(tmp_path, world, transport, point, sig, seed):
             "RankMismatchError",
         ), (rep, where)
     pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(world) if (tmp_path / f"pid{r}").exists()]
-    assert _wait_gone(pids, timeout=10) == [], where
+    assert wait_gone(pids, timeout=10) == [], where
     job = (tmp_path / "job").read_text()  # other jobs on this machine may hold segments
     assert {n for n in _shm_names() if n.startswith(f"nccl_ddp-{job}-")} == set(), where
 
@@ -1104,7 +1103,13 @@ NODE_RANKS = """
 def test_c10d_rendezvous_assigns_node_ranks(tmp_path):
     # before: without --node-rank both launchers took node 0: the second failed, the first hung
     procs, outs, _ = _nodes(
-        tmp_path, _script(tmp_path, NODE_RANKS), [[], []], "--rdzv-backend", "c10d", "--nproc-per-node", "1"
+        tmp_path,
+        write_script(tmp_path, NODE_RANKS),
+        [[], []],
+        "--rdzv-backend",
+        "c10d",
+        "--nproc-per-node",
+        "1",
     )
     assert [p.returncode for p in procs] == [0, 0], [e for _, e in outs]
     lines = sorted(ln.split("] ", 1)[1] for out, _ in outs for ln in out.splitlines())
@@ -1116,7 +1121,7 @@ def test_nproc_per_node_differing_between_nodes_fails_at_once(tmp_path):
     # before: 30 s later "ranks [2] did not join"
     procs, outs, took = _nodes(
         tmp_path,
-        _script(tmp_path, NODE_RANKS),
+        write_script(tmp_path, NODE_RANKS),
         [["--node-rank", "0", "--nproc-per-node", "2"], ["--node-rank", "1", "--nproc-per-node", "1"]],
     )
     assert [p.returncode for p in procs] == [2, 2], [e for _, e in outs]
@@ -1192,7 +1197,7 @@ def test_multi_node_restart_agrees_on_the_attempt(tmp_path):
     # burned its restarts in seconds, and node 0's worker slept on: the job failed
     procs, outs, _ = _nodes(
         tmp_path,
-        _script(tmp_path, RESTART_ACROSS_NODES),
+        write_script(tmp_path, RESTART_ACROSS_NODES),
         [["--node-rank", "0"], ["--node-rank", "1"]],
         "--nproc-per-node",
         "1",
@@ -1211,7 +1216,7 @@ def test_multi_node_restart_agrees_on_the_attempt(tmp_path):
 def test_ctrl_c_on_one_node_stops_the_other_nodes_workers(tmp_path):
     import signal
 
-    script = _script(
+    script = write_script(
         tmp_path,
         """
         import os, sys, time
@@ -1269,7 +1274,9 @@ def test_taken_store_port_names_the_flag(tmp_path):
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        r = _run(["--nproc-per-node", "1", "--store-port", str(port), _script(tmp_path, "print('ran')")])
+        r = run_launcher(
+            ["--nproc-per-node", "1", "--store-port", str(port), write_script(tmp_path, "print('ran')")]
+        )
     assert r.returncode == 2, r.stderr
     assert f"--store-port {port} (NCCL_DDP_STORE_PORT) is taken" in r.stderr
     assert "MASTER_PORT" not in r.stderr.replace("MASTER_PORT 0", "") and "ran" not in r.stdout
@@ -1300,7 +1307,7 @@ def test_sigint_between_two_attempts_stops_cleanly_with_130(tmp_path):
     # before: a KeyboardInterrupt traceback from the store's constructor, exit -2
     import subprocess
 
-    script = _script(
+    script = write_script(
         tmp_path, "import os, sys; print('attempt', os.environ['TORCHELASTIC_RESTART_COUNT']); sys.exit(3)"
     )
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "NCCL_DDP_SECRET")}
@@ -1336,7 +1343,7 @@ def test_full_log_dir_keeps_draining_to_the_console(tmp_path, redirect):
     # and the job hung forever (the worker blocked on a full pipe)
     import subprocess
 
-    script = _script(
+    script = write_script(
         tmp_path,
         """
         import sys
@@ -1399,7 +1406,7 @@ def test_launcher_killed_while_starting_workers_orphans_none(tmp_path):
     import subprocess
     import sys
 
-    script = _script(tmp_path, STARTS_SLOWLY)
+    script = write_script(tmp_path, STARTS_SLOWLY)
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "NCCL_DDP_SECRET")}
 
     def ours():
@@ -1411,7 +1418,7 @@ def test_launcher_killed_while_starting_workers_orphans_none(tmp_path):
                         found.append(int(pid))
             except (FileNotFoundError, ProcessLookupError, NotADirectoryError, PermissionError):
                 continue
-        return [p for p in found if _alive(p)]
+        return [p for p in found if alive(p)]
 
     for attempt in range(3):
         proc = subprocess.Popen(
@@ -1467,7 +1474,7 @@ REDUCER_OVERFLOWS = [("grad reducer sum", 3e38, None, False), ("grad reducer fp1
 
 
 def _overflowing_steps(rank, world, transport, check):
-    from test_comm_hooks import _PackOnly
+    from counting_group import PackOnly
 
     from nccl_ddp import hooks
     from nccl_ddp.adapters.arrays import ArrayModule
@@ -1479,7 +1486,7 @@ def _overflowing_steps(rank, world, transport, check):
     try:
         for name, dtype, value, hook, state, mode, avg in OVERFLOWS:
             params = {"w": np.zeros(8, dtype), "b": np.zeros(3, dtype)}
-            module = _PackOnly(params) if mode == "pack" else ArrayModule(params)
+            module = PackOnly(params) if mode == "pack" else ArrayModule(params)
             ddp = nd.DistributedDataParallel(
                 module,
                 check_finite=check,
@@ -1573,7 +1580,7 @@ def test_check_finite_on_the_cuda_path_sees_an_overflowing_reduction(monkeypatch
 
     import _fake_cupy
     from _fake_cupy import FakeCupy
-    from test_reducer_hot_path import CountingGroup, _Done
+    from counting_group import CountingGroup, Done
 
     from nccl_ddp import device as D
     from nccl_ddp.ddp.config import DDPConfig
@@ -1588,7 +1595,7 @@ def test_check_finite_on_the_cuda_path_sees_an_overflowing_reduction(monkeypatch
             if np.dtype(buf.dtype).kind == "f":
                 h = buf.host()
                 h[...] = h + h
-            return _Done()
+            return Done()
 
     cp = FakeCupy()
     monkeypatch.setitem(sys.modules, "cupy", cp)

@@ -10,6 +10,7 @@ import logging
 import numpy as np
 import pytest
 from mp import run_ranks
+from ports import free_port_beside
 
 import nccl_ddp as nd
 from nccl_ddp.comm import api
@@ -138,23 +139,6 @@ def _msrun_rank(rank: int, world: int, sched_port: int) -> tuple:
         return nd.get_rank(), nd.get_world_size(), nd.get_local_rank(), x.tolist()
     finally:
         nd.destroy_process_group()
-
-
-def free_port_beside(offset: int) -> int:
-    """A free port P with P + offset free too when it was checked (our store's port beside
-    another store's: + 1 beside torch's, - 1 below msrun's scheduler)."""
-    import socket
-
-    for _ in range(50):
-        with socket.socket() as s, socket.socket() as beside:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-            try:
-                beside.bind(("127.0.0.1", port + offset))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free pair of ports P, P + {offset}")
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from paths import ROOT as REPO
 from paths import SUPPORT
-from test_launcher_envs import free_port_beside
+from ports import free_port_beside
 
 ROOT = str(REPO)
 VENV = os.environ.get("NCCL_DDP_MS_VENV", os.path.join(ROOT, ".venv-ms"))

@@ -6,14 +6,18 @@ MindSpore's parameters: rank 0 kept its own)."""
 import os
 
 import pytest
+from ms_venv import PY, VENV_PROBLEM, run_ms
 from paths import SUPPORT
-from test_mindspore_adapter import PY, _problem, _run
 
-pytestmark = [pytest.mark.skipif(bool(_problem), reason=_problem), pytest.mark.timeout(300), pytest.mark.slow]
+pytestmark = [
+    pytest.mark.skipif(bool(VENV_PROBLEM), reason=VENV_PROBLEM),
+    pytest.mark.timeout(300),
+    pytest.mark.slow,
+]
 
 
 def test_mindspore_ddp_join_with_bf16_hook(tmp_path):
-    out = _run(
+    out = run_ms(
         [PY, "-m", "nccl_ddp.launch", "--nproc-per-node", "2", os.path.join(SUPPORT, "ms_join.py")],
         str(tmp_path),
     )

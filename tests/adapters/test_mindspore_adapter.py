@@ -11,51 +11,24 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 
 import numpy as np
 import pytest
+from ms_venv import PY, VENV_PROBLEM, run_ms
 from paths import ROOT as REPO
 from paths import SUPPORT
 
 ROOT = str(REPO)
-VENV = os.environ.get("NCCL_DDP_MS_VENV", os.path.join(ROOT, ".venv-ms"))
-PY = os.path.join(VENV, "bin", "python")
-TIMEOUT = 150
-
-
-def _venv_problem() -> str:
-    if not os.path.exists(PY):
-        return f"no MindSpore venv at {VENV}: run scripts/setup_ms_venv.sh"
-    probe = subprocess.run(
-        [PY, "-c", "import mindspore, nccl_ddp"], capture_output=True, text=True, timeout=120
-    )
-    if probe.returncode != 0:
-        return (
-            f"the venv {VENV} cannot import mindspore and nccl_ddp "
-            f"({probe.stderr.strip().splitlines()[-1:]}): run scripts/setup_ms_venv.sh"
-        )
-    return ""
-
-
-_problem = _venv_problem()
 # each test starts up to 2 launches of 2 MindSpore processes (150 s bound each): beyond the default
-pytestmark = [pytest.mark.skipif(bool(_problem), reason=_problem), pytest.mark.timeout(420), pytest.mark.slow]
-
-
-def _run(args: list, cwd: str) -> str:
-    """Run `args` (python of the venv first) with a hard timeout; return stdout+stderr."""
-    env = dict(os.environ, GLOG_v="3", PYTHONUNBUFFERED="1")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    proc = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=TIMEOUT, env=env)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{' '.join(args)} exited {proc.returncode}:\n{out[-4000:]}"
-    return out
+pytestmark = [
+    pytest.mark.skipif(bool(VENV_PROBLEM), reason=VENV_PROBLEM),
+    pytest.mark.timeout(420),
+    pytest.mark.slow,
+]
 
 
 def _launch(example: str, *args: str, cwd: str) -> str:
-    out = _run(
+    out = run_ms(
         [
             PY,
             "-m",
@@ -76,7 +49,7 @@ def _launch(example: str, *args: str, cwd: str) -> str:
 def reference(tmp_path_factory):
     """name -> the reference parameters (ddp, grad-reducer-{sum,mean}-{docs,scaled})."""
     out = tmp_path_factory.mktemp("ms_reference")
-    _run(
+    run_ms(
         [PY, os.path.join(SUPPORT, "ms_reference.py"), "all", str(out), "--steps", "4", "--world", "2"],
         str(out),
     )
@@ -149,7 +122,7 @@ def test_ms_checks_in_venv(tmp_path):
     accumulation until zero_grad; the reducer Cell in a compiled construct (buckets per dtype and
     fusion id, mean/degree) against PyNative, a PyNative `@ms.jit` step, our ReducerError out of a
     compiled step."""
-    out = _run([PY, os.path.join(SUPPORT, "ms_checks.py")], str(tmp_path))
+    out = run_ms([PY, os.path.join(SUPPORT, "ms_checks.py")], str(tmp_path))
     assert "ms_checks: all passed" in out, out
 
 
@@ -158,7 +131,7 @@ def test_ddp_syncs_frozen_params_and_buffers(tmp_path):
     into the bare cell). Frozen Parameters, BatchNorm statistics and registered buffers start as
     rank 0's on both ranks; after a step moved the statistics locally, the next forward takes
     rank 0's again."""
-    out = _run(
+    out = run_ms(
         [PY, "-m", "nccl_ddp.launch", "--nproc-per-node", "2", os.path.join(SUPPORT, "ms_state_sync.py")],
         str(tmp_path),
     )

@@ -9,7 +9,7 @@ import logging
 import numpy as np
 import pytest
 from mp import run_ranks
-from test_host_collectives import no_shm_leaks  # noqa: F401  (autouse: /dev/shm stays clean)
+from shm import no_shm_leaks  # noqa: F401  (autouse: /dev/shm stays clean)
 
 import nccl_ddp as nd
 from nccl_ddp.errors import ConfigError, ConfigTypeError

@@ -11,6 +11,7 @@ import time
 import numpy as np
 import pytest
 from mp import run_ranks
+from shm import no_shm_leaks  # noqa: F401  (autouse: /dev/shm stays clean)
 
 from nccl_ddp.comm.group import ReduceOp
 from nccl_ddp.comm.host.backend import HostProcessGroup
@@ -21,17 +22,6 @@ DTYPES = dtypes()
 
 SIZES = (0, 1, 2, 7, 1001, 3000)  # 3000 x 8 bytes spans several 4 KiB chunks
 OPS = tuple(ReduceOp)
-
-
-def _shm_entries() -> set:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("nccl_ddp-")}
-
-
-@pytest.fixture(autouse=True)
-def no_shm_leaks():
-    before = _shm_entries()
-    yield
-    assert _shm_entries() - before == set(), "shared-memory segments left in /dev/shm"
 
 
 def _group(rank, world, transport="auto", timeout=30.0, chunk_bytes=None, store=None, prefix="test"):

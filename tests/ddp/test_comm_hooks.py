@@ -16,6 +16,7 @@ import os
 
 import numpy as np
 import pytest
+from counting_group import PackOnly
 from mp import run_ranks
 from paths import ROOT
 
@@ -89,7 +90,7 @@ def _our_grads(rank: int, hook_name: str, steps: int, mode: str, state=None, sca
     module = (
         ArrayModule([np.zeros(s, np.float32) for s in SHAPES])
         if mode == "view"
-        else _PackOnly([np.zeros(s, np.float32) for s in SHAPES])
+        else PackOnly([np.zeros(s, np.float32) for s in SHAPES])
     )
     ddp = nd.DistributedDataParallel(module)
     ddp.register_comm_hook(
@@ -133,20 +134,6 @@ def _compare_with_torch(rank: int, world: int, store_dir: str, scale: float = 1.
         return {"refs": refs, "ours": out}
     finally:
         nd.destroy_process_group()
-
-
-class _PackOnly:
-    """An ArrayModule whose grads cannot become bucket views (the reducer packs/unpacks)."""
-
-    def __new__(cls, params):
-        from nccl_ddp.adapters.arrays import ArrayModule
-
-        class PackOnly(ArrayModule):
-            @property
-            def can_install_grads(self) -> bool:
-                return False
-
-        return PackOnly(params)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -223,7 +210,7 @@ def _user_hooks(rank: int, world: int) -> dict:
         out = {}
         for mode in ("view", "pack"):
             params = [np.zeros(s, np.float32) for s in SHAPES]
-            module = ArrayModule(params) if mode == "view" else _PackOnly(params)
+            module = ArrayModule(params) if mode == "view" else PackOnly(params)
             ddp = nd.DistributedDataParallel(module, bucket_cap_mb=0)
             ddp.register_comm_hook(None, mean_into_new_array)
             for i in reversed(range(len(SHAPES))):
@@ -426,7 +413,7 @@ def _nan_step(rank: int, world: int, kind: str, check) -> dict:
                 out["finite"].append(red.last_step_finite)
             return out
         params = {n: np.zeros(s, np.float32) for n, s in zip(names, SHAPES)}
-        module = ArrayModule(params) if kind != "pack" else _PackOnly(params)
+        module = ArrayModule(params) if kind != "pack" else PackOnly(params)
         ddp = nd.DistributedDataParallel(
             module,
             check_finite=check,
@@ -532,7 +519,7 @@ def test_cuda_path_compression_and_check_finite(monkeypatch, hook):
 
     import _fake_cupy
     from _fake_cupy import FakeCupy
-    from test_reducer_hot_path import CountingGroup
+    from counting_group import CountingGroup
 
     from nccl_ddp import device as D
     from nccl_ddp import hooks

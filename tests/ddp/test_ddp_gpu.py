@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from mp import run_ranks
 from paths import ROOT
-from test_reducer import FLAGS, SHAPES, local_grads, make_params
+from reducer_cases import FLAGS, SHAPES, local_grads, make_params
 
 pytestmark = pytest.mark.gpu
 

@@ -5,7 +5,7 @@ import time
 import numpy as np
 import pytest
 from mp import run_ranks
-from test_reducer import FLAGS, SHAPES, expected_mean, local_grads, make_params, tol
+from reducer_cases import FLAGS, SHAPES, expected_mean, local_grads, make_params, tol
 
 
 def _init():

@@ -1,45 +1,18 @@
 """Reducer / DDP behaviour on N threads with an in-process group (fast; the multi-process versions
 over the real host backend are in test_ddp_mp.py)."""
 
-import itertools
 import time
 
 import numpy as np
 import pytest
 from fakegroup import run_threads
+from reducer_cases import FLAGS, SHAPES, expected_mean, local_grads, make_params, tol
 
 from nccl_ddp import errors
 from nccl_ddp.adapters.arrays import ArrayModule
 from nccl_ddp.ddp.data_parallel import DistributedDataParallel
 
-SHAPES = [
-    ((33, 5), np.float32),
-    ((17,), np.float64),
-    ((9, 3), np.float16),
-    ((130,), np.float32),
-    ((4, 4), np.float64),
-    ((65,), np.float16),
-]
 CAP_MB = 200 / 2**20  # 200 bytes: several buckets per dtype
-
-
-def make_params(seed=0):
-    rng = np.random.default_rng(seed)
-    return {f"p{i}": rng.standard_normal(s).astype(d) for i, (s, d) in enumerate(SHAPES)}
-
-
-def local_grads(rank, step):
-    rng = np.random.default_rng(1000 * step + rank)
-    return {f"p{i}": rng.standard_normal(s).astype(d) for i, (s, d) in enumerate(SHAPES)}
-
-
-def expected_mean(size, step, keys=None):
-    gs = [local_grads(r, step) for r in range(size)]
-    return {k: np.mean([g[k].astype(np.float64) for g in gs], axis=0) for k in gs[0]}
-
-
-def tol(dtype):
-    return dict(rtol=5e-3, atol=5e-3) if np.dtype(dtype) == np.float16 else dict(rtol=1e-5, atol=1e-6)
 
 
 def _flags_rank(group, flags, steps):
@@ -63,9 +36,6 @@ def _flags_rank(group, flags, steps):
         ddp.zero_grad()
     params = {k: np.array(v) for k, v in model.params.items()}
     return out, params, len(ddp.reducer.layout.buckets), ddp.reducer.mode
-
-
-FLAGS = list(itertools.product([False, True], ["CppReducer", "PythonReducer"], [False, True], [False, True]))
 
 
 @pytest.mark.parametrize(

@@ -12,9 +12,9 @@ import _fake_cupy
 import numpy as np
 import pytest
 from _fake_cupy import FakeCupy
+from counting_group import CountingGroup
 
 from nccl_ddp import device as D
-from nccl_ddp.comm.group import ProcessGroup, Work
 from nccl_ddp.ddp.config import DDPConfig
 from nccl_ddp.ddp.reducer import Reducer
 from nccl_ddp.kernels import cuda as ck
@@ -31,48 +31,6 @@ PER_BUCKET = {
     "launch": 1,
     "all_reduce": 1,
 }
-
-
-class _Done(Work):
-    def wait(self, timeout=None):
-        return True
-
-    def is_completed(self):
-        return True
-
-    def result(self):
-        return None
-
-
-class CountingGroup(ProcessGroup):
-    """A 'nccl' group of 2 that only counts (rank 0's view; the collectives do nothing)."""
-
-    backend, rank, size, ranks, timeout, name = "nccl", 0, 2, (0, 1), 5.0, "fake"
-
-    def __init__(self, counts):
-        self.counts = counts
-
-    def all_reduce(self, buf, op=None, stream=None, *, tag=None):
-        self.counts["all_reduce"] += 1
-        return _Done()
-
-    def broadcast(self, buf, root=0, stream=None, *, tag=None):
-        return _Done()
-
-    def all_gather(self, out, inp, stream=None, *, tag=None):
-        raise NotImplementedError
-
-    def reduce_scatter(self, out, inp, op=None, stream=None, *, tag=None):
-        raise NotImplementedError
-
-    def barrier(self, stream=None, *, tag=None):
-        return _Done()
-
-    def new_subgroup(self, ranks):
-        raise NotImplementedError
-
-    def shutdown(self):
-        return None
 
 
 @pytest.fixture

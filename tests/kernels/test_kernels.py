@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 from _fake_cupy import cupy_nvrtc_options
+from kernel_checks import nvrtc_or_skip
 
 from nccl_ddp import kernels as K
 from nccl_ddp.errors import KernelError
@@ -28,19 +29,9 @@ MODULE = ck.module_source()  # bucket.cu + optim.cu: what NVRTC compiles
 KERNELS = 52 + 18  # bucket + fused optimizer instantiations
 
 
-def _nvrtc():
-    try:
-        from cupy_backends.cuda.libs import nvrtc
-
-        nvrtc.getVersion()
-    except Exception as e:  # not installed, or the NVRTC library is missing
-        pytest.skip(f"NVRTC not usable ({e}); pip install cupy-cuda12x nvidia-cuda-nvrtc-cu12")
-    return nvrtc
-
-
 def _nvrtc_compile(src, arch, names=(), extra=()):
     """Compile as CuPy 14.2 does: its exact NVRTC option list (-ftz=true after ours)."""
-    nvrtc = _nvrtc()
+    nvrtc = nvrtc_or_skip()
     prog = nvrtc.createProgram(src, "bucket.cu", [], [])
     for n in names:
         nvrtc.addNameExpression(prog, n)

@@ -3,12 +3,9 @@ on the fake CuPy: randomised cases bit for bit against pack_ref/unpack_ref/scale
 kernel instantiation, the memory/race/vote/launch checks of the CPU build, and the software PTX
 against NumPy."""
 
-import sys
-
 import _fake_cupy
 import numpy as np
 import pytest
-from _fake_cupy import FakeCupy
 
 from nccl_ddp import kernels as K
 from nccl_ddp.kernels import cuda as ck
@@ -16,45 +13,11 @@ from nccl_ddp.kernels.spec import PACK_PAIRS, SCALE_DTYPES, UNPACK_PAIRS
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 # the generator the GPU check uses too (scripts/gpu_kernel_cases.py): a GPU failure replays here
-from kernel_cases import DT, SCALES, UINT, values  # noqa: E402
+from kernel_cases import DT, SCALES, values  # noqa: E402
 from kernel_cases import sizes as _sizes  # noqa: E402
+from kernel_checks import assert_bits_equal, fake_cupy_installed  # noqa: E402
 
 BF16 = DT["bfloat16"]
-
-
-def _cpu_or_skip():
-    if _fake_cupy.cpu_kernels() is None:
-        pytest.skip(_fake_cupy.CPU_KERNELS_MISSING)
-
-
-@pytest.fixture
-def cp(monkeypatch):
-    return _fake_cupy_installed(monkeypatch)
-
-
-def _fake_cupy_installed(monkeypatch):
-    _cpu_or_skip()
-    fake = FakeCupy()
-    monkeypatch.setitem(sys.modules, "cupy", fake)
-    monkeypatch.setattr(ck, "_BACKEND", ck.CudaKernels(fake))
-    return fake
-
-
-def assert_bits_equal(got, want, what=""):
-    """Bit for bit, NaN compared as NaN (payloads are not preserved, see the README)."""
-    got, want = np.asarray(got).reshape(-1), np.asarray(want).reshape(-1)
-    assert got.dtype == want.dtype and got.shape == want.shape
-    u = UINT[got.dtype.itemsize]
-    gb, wb = got.view(u), want.view(u)
-    both_nan = np.isnan(got.astype(np.float64)) & np.isnan(want.astype(np.float64))
-    bad = np.flatnonzero((gb != wb) & ~both_nan)
-    if bad.size:
-        i = bad[:5]
-        pytest.fail(
-            f"{what}: {bad.size} of {got.size} elements differ, first at {i.tolist()}: "
-            f"got {got[i].tolist()} ({[hex(int(x)) for x in gb[i]]}) want "
-            f"{want[i].tolist()} ({[hex(int(x)) for x in wb[i]]})"
-        )
 
 
 def _pack_case(cp, rng, pair, flag, count, misalign):
@@ -269,7 +232,7 @@ def test_narrowing_pack_rounds_as_torch_compress_hooks(monkeypatch, wire, world)
     then divide in it). Means in float16's subnormal range (and past its largest finite value)
     round as torch's do, in the kernel and in the reference (both scaled-then-cast before)."""
     torch = pytest.importorskip("torch")  # before the fake CuPy (torch probes cupyx)
-    cp = _fake_cupy_installed(monkeypatch)
+    cp = fake_cupy_installed(monkeypatch)
     rng = np.random.default_rng(world)
     x = (rng.standard_normal(4096) * 2.0 ** rng.integers(-27, -12, 4096)).astype(np.float32)
     x[:4] = [70000.0, -65519.0, 2.0**-25 * 3, 2.0**-24 * 1.5]

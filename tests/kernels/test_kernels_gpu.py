@@ -288,7 +288,7 @@ def test_torch_bfloat16_cuda_tensors_pack_and_unpack():
 def _optim_case(rng, op, gt, pt, n, offset):
     """Host arrays (full-range values, subnormals, -0.0, NaN/Inf grads) and device views that
     start `offset` elements past a 256-byte boundary (a shard cut anywhere in a bucket)."""
-    from test_kernels_cpu_exec import values
+    from kernel_cases import values
 
     host = {"master": values(rng, n, "float32"), "grad": values(rng, n, gt, nonfinite=True)}
     for name in ("a",) if op == "sgd" else ("a", "b", "c"):

@@ -6,16 +6,14 @@ import re
 
 import numpy as np
 import pytest
-import test_kernels_cpu_exec
 from _fake_cupy import cupy_nvrtc_options
-from test_kernels import _nvrtc
+from kernel_checks import nvrtc_or_skip
 
 import nccl_ddp as nd
 from nccl_ddp.errors import ConfigError, ConfigTypeError, KernelError
 from nccl_ddp.kernels import cuda as ck
 from nccl_ddp.kernels import optim_spec as S
 
-cp = test_kernels_cpu_exec.cp  # the fixture: the fake CuPy running the CPU build
 ml_dtypes = pytest.importorskip("ml_dtypes")
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -148,7 +146,7 @@ def test_shard_optimizer_on_cupy_runs_one_launch_per_step_and_equals_numpy(cp, m
 
 @pytest.mark.slow
 def test_fused_kernels_ptx_vectors_no_ftz_no_local_memory():
-    nvrtc = _nvrtc()
+    nvrtc = nvrtc_or_skip()
     names = [
         ck.optim_kernel_name(op, g, p)
         for op in ("sgd", "adamw")

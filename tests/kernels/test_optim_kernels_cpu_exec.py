@@ -6,8 +6,8 @@ shards of any length and alignment with subnormals, -0.0, huge values and NaN/In
 import _fake_cupy
 import numpy as np
 import pytest
-import test_kernels_cpu_exec
-from test_kernels_cpu_exec import DT, SCALES, assert_bits_equal, values
+from kernel_cases import DT, SCALES, values
+from kernel_checks import assert_bits_equal
 
 from nccl_ddp import kernels as K
 from nccl_ddp.errors import KernelError
@@ -15,7 +15,6 @@ from nccl_ddp.kernels import cuda as ck
 from nccl_ddp.kernels import cuda_optim
 from nccl_ddp.kernels.optim_spec import GRAD_DTYPES, PARAM_DTYPES
 
-cp = test_kernels_cpu_exec.cp  # the fixture: the fake CuPy running the CPU build
 PAIRS = [(g, p) for g in sorted(GRAD_DTYPES) for p in sorted(PARAM_DTYPES)]
 LENGTHS = [1, 2, 3, 4, 5, 7, 31, 64, 129, 1000, 3001]
 

@@ -2,51 +2,15 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 
 import pytest
+from launch_run import run_launcher, wait_gone, write_script
 from paths import ROOT
 
 from nccl_ddp.errors import ConfigError
 from nccl_ddp.launch.cli import parse_args
 from nccl_ddp.launch.launcher import LaunchConfig, local_device_count, resolve_nproc
-
-
-def _script(tmp_path, body, name="worker.py"):
-    path = tmp_path / name
-    path.write_text(textwrap.dedent(body))
-    return str(path)
-
-
-def _run(args, timeout=60, env=None, **kw):
-    full_env = dict(os.environ, **(env or {}))
-    for var in ("MASTER_ADDR", "MASTER_PORT", "NCCL_DDP_SECRET", "RANK", "WORLD_SIZE"):
-        full_env.pop(var, None)
-    return subprocess.run(
-        [sys.executable, "-m", "nccl_ddp.launch", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=full_env,
-        **kw,
-    )
-
-
-def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def _wait_gone(pids, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
-        time.sleep(0.05)
-    return [p for p in pids if _alive(p)]
-
 
 # Uses the job's store through the plain torchrun variables: nothing nccl_ddp-specific is passed.
 TORCHRUN_STYLE = """
@@ -66,8 +30,10 @@ TORCHRUN_STYLE = """
 
 def test_two_ranks_prefixed_output_and_logs(tmp_path):
     # torchrun's layout: LOG_DIR/<run id>_<random>/attempt_0/<local rank>/{stdout,stderr}.log
-    script = _script(tmp_path, TORCHRUN_STYLE)
-    r = _run(["--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"), "--rdzv-id", "job", script])
+    script = write_script(tmp_path, TORCHRUN_STYLE)
+    r = run_launcher(
+        ["--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"), "--rdzv-id", "job", script]
+    )
     assert r.returncode == 0, r.stderr
     (run_dir,) = (tmp_path / "logs").glob("job_*")
     for rank in (0, 1):
@@ -80,8 +46,10 @@ def test_two_ranks_prefixed_output_and_logs(tmp_path):
 
 
 def test_module_entrypoint_and_args(tmp_path):
-    _script(tmp_path, "import sys, os; print(os.environ['RANK'], sys.argv[1:])", "mymod.py")
-    r = _run(["--nproc-per-node", "2", "-m", "mymod", "--lr", "0.1"], env={"PYTHONPATH": str(tmp_path)})
+    write_script(tmp_path, "import sys, os; print(os.environ['RANK'], sys.argv[1:])", "mymod.py")
+    r = run_launcher(
+        ["--nproc-per-node", "2", "-m", "mymod", "--lr", "0.1"], env={"PYTHONPATH": str(tmp_path)}
+    )
     assert r.returncode == 0, r.stderr
     assert "[rank 1] 1 ['--lr', '0.1']" in r.stdout
 
@@ -105,20 +73,20 @@ FAIL_FAST = """
 
 @pytest.mark.parametrize("mode", ["plain", "ignore-term"])
 def test_failing_rank_stops_the_others(tmp_path, mode):
-    script = _script(tmp_path, FAIL_FAST)
+    script = write_script(tmp_path, FAIL_FAST)
     t0 = time.monotonic()
-    r = _run(["--nproc-per-node", "2", "--grace-period", "1", script, str(tmp_path), "3", mode])
+    r = run_launcher(["--nproc-per-node", "2", "--grace-period", "1", script, str(tmp_path), "3", mode])
     elapsed = time.monotonic() - t0
     assert r.returncode == 3, r.stderr
     assert "root cause: rank 1 (local rank 1): exit code 3" in r.stderr
     assert elapsed < 15
     pids = [int((tmp_path / f).read_text()) for f in ("pid0", "child0")]
-    assert _wait_gone(pids) == []
+    assert wait_gone(pids) == []
 
 
 @pytest.mark.parametrize("mode", ["plain", "ignore-term"])
 def test_sigterm_to_launcher_stops_everything(tmp_path, mode):
-    script = _script(
+    script = write_script(
         tmp_path,
         """
         import os, signal, subprocess, sys, time
@@ -168,11 +136,11 @@ def test_sigterm_to_launcher_stops_everything(tmp_path, mode):
             proc.wait(5)
     assert proc.returncode == 128 + signal.SIGTERM
     assert "received SIGTERM" in err
-    assert _wait_gone(pids) == []
+    assert wait_gone(pids) == []
 
 
 def test_killed_by_signal_is_reported(tmp_path):
-    script = _script(
+    script = write_script(
         tmp_path,
         """
         import os, signal
@@ -180,13 +148,13 @@ def test_killed_by_signal_is_reported(tmp_path):
             os.kill(os.getpid(), signal.SIGKILL)
     """,
     )
-    r = _run(["--nproc-per-node", "2", script])
+    r = run_launcher(["--nproc-per-node", "2", script])
     assert r.returncode == 128 + signal.SIGKILL
     assert "root cause: rank 0 (local rank 0): killed by signal SIGKILL" in r.stderr
 
 
 def test_two_standalone_jobs_do_not_collide(tmp_path):
-    script = _script(tmp_path, TORCHRUN_STYLE)
+    script = write_script(tmp_path, TORCHRUN_STYLE)
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "NCCL_DDP_SECRET")}
     cmd = [sys.executable, "-m", "nccl_ddp.launch", "--standalone", "--nproc-per-node", "2", script]
     procs = [
@@ -240,7 +208,7 @@ def test_invalid_config(kwargs, match):
 
 
 def test_bad_config_exits_2_with_message(tmp_path):
-    r = _run(["--nnodes", "2", "--master-addr", "n0", "--master-port", "5", "x.py"])
+    r = run_launcher(["--nnodes", "2", "--master-addr", "n0", "--master-port", "5", "x.py"])
     assert r.returncode == 2 and "NCCL_DDP_SECRET" in r.stderr
 
 
@@ -276,7 +244,7 @@ def test_auto_nproc_counts_gpus_with_nvml(monkeypatch):
 @pytest.mark.slow
 def test_allreduce_demo_through_the_launcher():
     demo = os.path.join(ROOT, "examples", "allreduce_demo.py")
-    r = _run(["--nproc-per-node", "2", demo])
+    r = run_launcher(["--nproc-per-node", "2", demo])
     assert r.returncode == 0, r.stdout + r.stderr
     assert "[rank 1] rank 1/2" in r.stdout and "expected 3.0" in r.stdout
 
@@ -301,7 +269,7 @@ def test_torch_distributed_script_runs_unchanged(tmp_path):
     """MASTER_PORT is left to the script: torch.distributed's own store binds it while ours
     listens on NCCL_DDP_STORE_PORT, so a torchrun script can use both."""
     pytest.importorskip("torch")
-    res = _run(["--nproc-per-node", "2", _script(tmp_path, TORCH_GLOO_AND_OURS)], timeout=120)
+    res = run_launcher(["--nproc-per-node", "2", write_script(tmp_path, TORCH_GLOO_AND_OURS)], timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
     for r in (0, 1):
         assert f"[rank {r}] ours [3.0, 3.0, 3.0] torch [3.0, 3.0, 3.0]" in res.stdout
@@ -383,8 +351,8 @@ CRASH_ONCE = """
 @pytest.mark.slow
 @pytest.mark.parametrize("restarts", [0, 1])
 def test_max_restarts_restarts_every_worker_after_a_failure(tmp_path, restarts):
-    script = _script(tmp_path, CRASH_ONCE)
-    r = _run(
+    script = write_script(tmp_path, CRASH_ONCE)
+    r = run_launcher(
         ["--nproc_per_node", "2", "--max-restarts", str(restarts), "--grace-period", "2", script], timeout=120
     )
     if restarts == 0:
@@ -533,7 +501,7 @@ def test_torchtitan_run_train_line_runs(tmp_path):
     pkg = tmp_path / "torchtitan"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
-    _script(pkg, TORCHTITAN, "train.py")
+    write_script(pkg, TORCHTITAN, "train.py")
     env = {
         "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
         "TMPDIR": str(tmp_path),
@@ -588,10 +556,10 @@ def test_torchtitan_run_train_line_runs(tmp_path):
 
 @pytest.mark.slow
 def test_standalone_run_id_and_omp_left_alone_when_set(tmp_path):
-    script = _script(
+    script = write_script(
         tmp_path, "import os; print(os.environ['TORCHELASTIC_RUN_ID'], os.environ['OMP_NUM_THREADS'])"
     )
-    r = _run(["--standalone", "--nproc-per-node", "2", script], env={"OMP_NUM_THREADS": "3"})
+    r = run_launcher(["--standalone", "--nproc-per-node", "2", script], env={"OMP_NUM_THREADS": "3"})
     assert r.returncode == 0, r.stderr
     ids = {line.split()[2] for line in r.stdout.splitlines()}
     assert len(ids) == 1 and len(ids.pop()) == 36  # one uuid4 per job
@@ -601,7 +569,7 @@ def test_standalone_run_id_and_omp_left_alone_when_set(tmp_path):
 
 @pytest.mark.slow
 def test_duplicate_filters_copy_matching_lines(tmp_path):
-    script = _script(
+    script = write_script(
         tmp_path,
         """
         import sys
@@ -609,7 +577,7 @@ def test_duplicate_filters_copy_matching_lines(tmp_path):
         print("step 1 on stderr", file=sys.stderr)
     """,
     )
-    r = _run(
+    r = run_launcher(
         [
             "--nproc-per-node",
             "2",
@@ -648,7 +616,7 @@ def test_summary_reads_torch_record_error_file(tmp_path):
     # before: TORCHELASTIC_ERROR_FILE unset: torch's record only logged; the summary said
     # "rank 1 (local rank 1): exit code 1" with no reason
     pytest.importorskip("torch")
-    r = _run(["--nproc-per-node", "2", _script(tmp_path, TORCH_RECORD)], timeout=120)
+    r = run_launcher(["--nproc-per-node", "2", write_script(tmp_path, TORCH_RECORD)], timeout=120)
     assert r.returncode == 1, r.stderr
     assert (
         "root cause: rank 1 (local rank 1): exit code 1: ValueError: bad batch 17 (lost "
@@ -658,12 +626,12 @@ def test_summary_reads_torch_record_error_file(tmp_path):
 
 @pytest.mark.slow
 def test_run_path_no_python_and_virtual_local_rank(tmp_path):
-    script = _script(
+    script = write_script(
         tmp_path,
         "import os, sys; print(__name__, sys.argv, os.environ['LOCAL_RANK'],"
         " os.environ['CUDA_VISIBLE_DEVICES'])",
     )
-    r = _run(
+    r = run_launcher(
         ["--nproc-per-node", "2", "--run-path", "--virtual-local-rank", script, "x"],
         env={"CUDA_VISIBLE_DEVICES": "3,5"},
     )
@@ -672,7 +640,7 @@ def test_run_path_no_python_and_virtual_local_rank(tmp_path):
     prog = tmp_path / "prog.sh"
     prog.write_text("#!/bin/sh\necho shell $RANK $1\n")
     prog.chmod(0o755)
-    r = _run(["--nproc-per-node", "2", "--no-python", str(prog), "y"])
+    r = run_launcher(["--nproc-per-node", "2", "--no-python", str(prog), "y"])
     assert r.returncode == 0, r.stderr
     assert "[rank 1] shell 1 y" in r.stdout
 

@@ -1,0 +1,44 @@
+"""Running the launcher in tests (tests/launch, test_faults): `run_launcher` runs `python -m nccl_ddp.launch
+ARGS` without the caller's job variables, `write_script` writes a worker script, `alive`/`wait_gone`
+watch the processes it started."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+
+def write_script(tmp_path, body, name="worker.py"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def run_launcher(args, timeout=60, env=None, **kw):
+    full_env = dict(os.environ, **(env or {}))
+    for var in ("MASTER_ADDR", "MASTER_PORT", "NCCL_DDP_SECRET", "RANK", "WORLD_SIZE"):
+        full_env.pop(var, None)
+    return subprocess.run(
+        [sys.executable, "-m", "nccl_ddp.launch", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+        **kw,
+    )
+
+
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_gone(pids, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.05)
+    return [p for p in pids if alive(p)]
