@@ -294,6 +294,19 @@ def _rdzv_conf(value: str) -> dict:
     return conf
 
 
+def _conf_bool(conf: dict, key: str) -> Optional[bool]:
+    """An `--rdzv-conf` flag as torchrun's `RendezvousParameters.get_as_bool` reads it: 1, true,
+    t, yes, y or 0, false, f, no, n (any case); anything else is an error, never a silent False."""
+    value = conf.get(key)
+    if value is None:
+        return None
+    if value.lower() in ("1", "true", "t", "yes", "y"):
+        return True
+    if value.lower() in ("0", "false", "f", "no", "n"):
+        return False
+    raise ConfigError(f"--rdzv-conf {key}={value!r} is not a boolean; use {key}=1 or {key}=0 (true/false)")
+
+
 def _notices(a: argparse.Namespace) -> None:
     """One line per accepted torchrun flag that changes nothing here."""
     if a.logs_specs:
@@ -337,9 +350,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> LaunchConfig:
     tee = parse_std(a.tee, "--tee") if a.tee is not None else (3 if a.log_dir and not redirects else 0)
     try:
         ranks = frozenset(int(r) for r in a.local_ranks_filter.split(",")) if a.local_ranks_filter else None
+        if ranks is not None and min(ranks) < 0:
+            raise ValueError
     except ValueError:
         raise ConfigError(
-            f"--local-ranks-filter={a.local_ranks_filter!r}: use comma-separated local ranks, e.g. 0 or 0,1"
+            f"--local-ranks-filter={a.local_ranks_filter!r}: use comma-separated local ranks (0 or "
+            "more), e.g. 0 or 0,1"
         ) from None
     try:
         join_timeout = float(conf.get("join_timeout", 600))
@@ -347,7 +363,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> LaunchConfig:
         raise ConfigError(
             f"--rdzv-conf join_timeout={conf['join_timeout']!r}: use seconds, e.g. join_timeout=900"
         ) from None
-    is_host = conf.get("is_host")
+    is_host = _conf_bool(conf, "is_host")
     return LaunchConfig(
         entrypoint=a.entrypoint,
         args=tuple(a.args),
@@ -366,7 +382,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> LaunchConfig:
         secret=os.environ.get("NCCL_DDP_SECRET") or None,
         rdzv_backend=a.rdzv_backend,
         join_timeout=join_timeout,
-        is_host=None if is_host is None else is_host.lower() in ("1", "true", "yes", "y"),
+        is_host=is_host,
         role=a.role,
         monitor_interval=a.monitor_interval,
         no_python=a.no_python,

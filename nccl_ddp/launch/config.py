@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from nccl_ddp.errors import ConfigError
 log = logging.getLogger("nccl_ddp.launch")
 
 HOST_FALLBACK_NPROC = 2  # `auto` without a GPU: enough ranks to exercise the collectives
+MAX_MONITOR_INTERVAL = 3600.0  # seconds; the launcher looks at least this often (and sleeps in slices)
 
 
 @dataclass(frozen=True)
@@ -77,12 +79,29 @@ class LaunchConfig:
             raise ConfigError(f"--master-port={self.master_port} is not a port (0..65535)")
         if not 0 <= self.store_port <= 65535:
             raise ConfigError(f"--store-port={self.store_port} is not a port (0..65535)")
+        for flag, seconds in (
+            ("--grace-period", self.grace_period),
+            ("--monitor-interval", self.monitor_interval),
+            ("--rdzv-conf join_timeout", self.join_timeout),
+        ):
+            if (
+                isinstance(seconds, bool)
+                or not isinstance(seconds, (int, float))
+                or not math.isfinite(seconds)
+            ):
+                raise ConfigError(
+                    f"{flag}={seconds!r}: use a finite number of seconds (NaN and infinity would "
+                    "leave a wait unbounded)"
+                )
         if self.grace_period < 0:
             raise ConfigError(f"--grace-period={self.grace_period} must be >= 0")
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts={self.max_restarts} must be >= 0 (0: no restart)")
-        if not self.monitor_interval > 0:
-            raise ConfigError(f"--monitor-interval={self.monitor_interval} must be > 0 seconds")
+        if not 0 < self.monitor_interval <= MAX_MONITOR_INTERVAL:
+            raise ConfigError(
+                f"--monitor-interval={self.monitor_interval}: use seconds > 0 and at most "
+                f"{MAX_MONITOR_INTERVAL:g} (torchrun's default is 0.1)"
+            )
         if not self.join_timeout > 0:
             raise ConfigError(f"--rdzv-conf join_timeout={self.join_timeout} must be > 0 seconds")
         if self.module and (self.no_python or self.run_path):

@@ -30,7 +30,7 @@ from typing import Optional
 
 from nccl_ddp.errors import ConfigError, StoreError
 from nccl_ddp.launch.config import LaunchConfig, local_device_count, resolve_nproc
-from nccl_ddp.launch.logs import RunLogs
+from nccl_ddp.launch.logs import RunLogs, check_local_ranks
 from nccl_ddp.launch.reaper import Reaper, remove_segments
 from nccl_ddp.launch.rendezvous import (
     CLIENT_TIMEOUT,
@@ -160,6 +160,7 @@ def launch(config: LaunchConfig) -> int:
     """Run the job described by `config` on this node; returns the exit code for the launcher."""
     _check_entrypoint(config)
     nproc = resolve_nproc(config.nproc_per_node)
+    check_local_ranks(nproc, config.redirects, config.tee, config.local_ranks_filter)
     if "OMP_NUM_THREADS" not in os.environ and nproc > 1:
         log.warning("%s", OMP_NOTICE)
     with Signals(config.signals) as sigs:

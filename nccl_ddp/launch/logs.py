@@ -32,18 +32,55 @@ def parse_std(value: str, flag: str) -> StdSpec:
             if not 0 <= std <= 3:
                 raise ValueError
             return std
-        out = {}
+        out: dict = {}
         for item in value.split(","):
             rank, _, each = item.partition(":")
-            out[int(rank)] = int(each)
-            if not 0 <= out[int(rank)] <= 3:
+            r, std = int(rank), int(each)
+            if r < 0 or not 0 <= std <= 3:
                 raise ValueError
+            if r in out:  # torchrun lets the last one win, silently
+                raise ConfigError(
+                    f"{flag}={value!r}: local rank {r} is given twice ({r}:{out[r]} and {r}:{std}); "
+                    "give each local rank once"
+                )
+            out[r] = std
         return out
+    except ConfigError:
+        raise
     except ValueError:
         raise ConfigError(
             f"{flag}={value!r}: use 0 (none), 1 (stdout), 2 (stderr) or 3 (both), "
             f"or per local rank, e.g. 0:3,1:2"
         ) from None
+
+
+def check_local_ranks(
+    nproc: int, redirects: StdSpec, tee: StdSpec, ranks_filter: Optional[frozenset]
+) -> None:
+    """Once the node's worker count is known: `--local-ranks-filter` must show some worker
+    (a filter naming no local rank of this node hides every worker's output: refused); ranks it or
+    a per-rank `--redirects`/`--tee` names that this node does not run are named in a warning."""
+    if ranks_filter is not None:
+        absent = sorted(r for r in ranks_filter if not 0 <= r < nproc)
+        if len(absent) == len(ranks_filter):
+            raise ConfigError(
+                f"--local-ranks-filter={','.join(map(str, sorted(ranks_filter)))}: this node runs "
+                f"local ranks 0..{nproc - 1}, so no worker's output would reach the console; "
+                "name local ranks in that range (e.g. --local-ranks-filter=0), or drop the flag"
+            )
+        if absent:
+            log.warning(
+                "--local-ranks-filter: local ranks %s do not exist on this node (0..%d); showing %s",
+                absent,
+                nproc - 1,
+                sorted(set(ranks_filter) - set(absent)),
+            )
+    for flag, spec in (("--redirects", redirects), ("--tee", tee)):
+        absent = sorted(r for r in spec if r >= nproc) if isinstance(spec, dict) else []
+        if absent:
+            log.warning(
+                "%s: local ranks %s do not exist on this node (0..%d); ignored", flag, absent, nproc - 1
+            )
 
 
 def std_of(spec: StdSpec, local_rank: int) -> int:

@@ -374,7 +374,7 @@ def supervise(
                 if w.state is WorkerState.STOPPING:
                     w.signal(signal.SIGKILL)
             killed = True
-        time.sleep(interval)
+        _pause(workers, signals, interval)
     if stop_deadline is not None:
         for w in workers:  # grandchildren left in a stopped worker's group
             w.signal(signal.SIGKILL, stopping=False)
@@ -397,6 +397,23 @@ def supervise(
     if remote is not None:
         return Outcome(1, failures, elsewhere=remote)
     return Outcome(0)
+
+
+def _pause(workers: list, signals: Signals, interval: float) -> None:
+    """Sleep up to `interval` seconds in slices of `POLL_INTERVAL`, ending early when a signal
+    arrives or a worker exits: a long --monitor-interval never delays the launcher's answer to
+    either (`time.sleep` itself resumes after a signal's handler, and would sleep on)."""
+    end, count = time.monotonic() + interval, signals.count
+    while True:
+        left = end - time.monotonic()
+        if left <= 0 or signals.count != count:
+            return
+        if any(w.proc is not None and w.proc.poll() is not None for w in workers if w.state in _LIVE):
+            return
+        time.sleep(min(left, POLL_INTERVAL))
+
+
+_LIVE = (WorkerState.RUNNING, WorkerState.STOPPING)
 
 
 def report(outcome: Outcome) -> None:

@@ -659,3 +659,105 @@ def test_signals_ignored_at_start_stay_ignored():
         assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGHUP, old)
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["--grace-period", "nan"], r"--grace-period=nan: use a finite number"),
+        (["--shutdown-timeout", "inf"], r"--grace-period=inf: use a finite number"),
+        (["--monitor-interval", "inf"], r"--monitor-interval=inf: use a finite number"),
+        (["--monitor-interval", "1e9"], r"--monitor-interval=1000000000.0: use seconds > 0 and at most 3600"),
+        (["--rdzv-conf", "join_timeout=nan"], r"join_timeout=nan: use a finite number"),
+        (["--rdzv-conf", "join_timeout=inf"], r"join_timeout=inf: use a finite number"),
+        (["--rdzv-conf", "is_host=maybe"], r"is_host='maybe' is not a boolean"),
+        (
+            ["--local-ranks-filter=-1"],
+            r"--local-ranks-filter='-1': use comma-separated local ranks \(0 or",
+        ),
+        (["--redirects", "0:1,0:2"], r"local rank 0 is given twice \(0:1 and 0:2\)"),
+        (["--tee", "1:3,1:0"], r"--tee='1:3,1:0': local rank 1 is given twice"),
+        (["--redirects=-1:3"], r"--redirects=.-1:3.: use 0"),
+    ],
+)
+def test_non_finite_and_ambiguous_launcher_values_are_refused(args, match):
+    """Before: nan/inf seconds were accepted (a grace period of nan never escalated to SIGKILL,
+    an interval of inf crashed in time.sleep), is_host=maybe meant False, -1 hid every worker's
+    output and a local rank given twice let the last value win, all silently."""
+    with pytest.raises(ConfigError, match=match):
+        parse_args([*args, "t.py"])
+
+
+def test_rdzv_conf_booleans_read_as_torchrun_reads_them(monkeypatch):
+    for text, want in (("1", True), ("T", True), ("yes", True), ("0", False), ("f", False), ("No", False)):
+        assert parse_args(["--rdzv-conf", f"is_host={text}", "t.py"]).is_host is want
+    monkeypatch.setenv("NCCL_DDP_GRACE_PERIOD", "nan")  # the environment fallback is checked too
+    with pytest.raises(ConfigError, match="--grace-period=nan"):
+        parse_args(["t.py"])
+
+
+def test_local_ranks_this_node_lacks_are_refused_or_named(caplog):
+    from nccl_ddp.launch.logs import check_local_ranks
+
+    caplog.set_level("WARNING", logger="nccl_ddp.launch")
+    with pytest.raises(ConfigError, match=r"--local-ranks-filter=2,5: this node runs local ranks 0..1"):
+        check_local_ranks(2, 0, 0, frozenset({2, 5}))  # would hide every worker's output
+    assert not caplog.records
+    check_local_ranks(2, {0: 1, 3: 2}, 0, frozenset({0, 5}))
+    text = " | ".join(r.getMessage() for r in caplog.records)
+    assert "--local-ranks-filter: local ranks [5] do not exist on this node (0..1); showing [0]" in text
+    assert "--redirects: local ranks [3] do not exist on this node (0..1); ignored" in text
+    caplog.clear()
+    check_local_ranks(2, 3, {0: 1, 1: 2}, frozenset({0, 1}))
+    assert not caplog.records
+
+
+def test_local_ranks_filter_beyond_the_node_exits_2_before_starting(tmp_path):
+    script = _script(tmp_path, "raise SystemExit('worker started')\n")
+    r = _run(["--nproc-per-node", "2", "--local-ranks-filter", "2", script])
+    assert r.returncode == 2, r.stderr
+    assert "no worker's output would reach the console" in r.stderr
+    assert "worker started" not in r.stderr
+
+
+@pytest.mark.slow
+def test_long_monitor_interval_still_sees_exits_and_signals(tmp_path):
+    """--monitor-interval 3600: the launcher sleeps in slices, so it returns as soon as its
+    workers exit and stops them at once on SIGTERM. Before: it slept the whole interval in one
+    time.sleep, which resumes after the signal handler (only SIGKILL ended it)."""
+    quick = _script(tmp_path, "print('done')\n", name="quick.py")
+    r = _run(["--nproc-per-node", "1", "--monitor-interval", "3600", quick], timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "[rank 0] done" in r.stdout
+    sleeper = _script(
+        tmp_path,
+        """
+        import os, sys, time
+        open(os.path.join(sys.argv[1], "pid"), "w").write(str(os.getpid()))
+        time.sleep(120)
+        """,
+        name="sleeper.py",
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "NCCL_DDP_SECRET")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "nccl_ddp.launch", "--nproc-per-node", "1", "--monitor-interval", "3600"]
+        + [sleeper, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        pid_file = tmp_path / "pid"
+        while not (pid_file.exists() and pid_file.read_text()):
+            assert time.monotonic() < deadline and proc.poll() is None, "the worker did not start"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert _wait_gone([int(pid_file.read_text())]) == []
