@@ -24,6 +24,7 @@ from nccl_ddp.ddp.data_parallel import DistributedDataParallel
 from nccl_ddp.ddp.grad_reducer import DistributedGradReducer
 from nccl_ddp.ddp.join import Join
 from nccl_ddp.errors import NcclDdpError
+from nccl_ddp.zero.config import ZeroConfig
 from nccl_ddp.zero.optim import ShardAdamW, ShardSGD
 
 __version__ = "0.1.0"
@@ -53,6 +54,7 @@ __all__ = [
     "ShardAdamW",
     "ShardSGD",
     "Work",
+    "ZeroConfig",
     "ZeroOptimizer",
     "ZeroRedundancyOptimizer",
     "__version__",

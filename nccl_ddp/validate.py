@@ -32,3 +32,16 @@ def check_float_dtype(label: str, dtype) -> None:
             "float32, float64, bfloat16) can be reduced: leave integer, complex and "
             "other buffers out"
         )
+
+
+def check_mib(name: str, value, *, allow_zero: bool = False) -> None:
+    """A size in MiB (bucket_cap_mb, broadcast_chunk_mb): an int or float, finite and > 0 (or
+    >= 0 where 0 means "one parameter per bucket"). NaN, inf and negatives are refused."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigTypeError(
+            f"{name} must be a number of MiB (int or float), got {type(value).__name__} {value!r}"
+        )
+    if not 0 <= value < float("inf") or (value == 0 and not allow_zero):
+        raise ConfigError(
+            f"{name} must be a finite number {'>= 0' if allow_zero else '> 0'} MiB, got {value}"
+        )

@@ -7,7 +7,7 @@ from typing import Any, Literal, Optional, Type, TypeVar, Union
 
 from nccl_ddp.ddp.buckets import DEFAULT_CAP_BYTES, FIRST_CAP_BYTES, MiB
 from nccl_ddp.errors import ConfigError, ConfigTypeError
-from nccl_ddp.validate import check_bool, check_positive_int
+from nccl_ddp.validate import check_bool, check_mib, check_positive_int
 
 ReducerMode = Literal["CppReducer", "PythonReducer"]
 REDUCER_MODES = ("CppReducer", "PythonReducer")
@@ -55,19 +55,9 @@ class DDPConfig:
             "broadcast_buffers",
         ):
             check_bool(name, getattr(self, name))
-        for name in ("bucket_cap_mb", "broadcast_chunk_mb"):
-            v = getattr(self, name)
-            if v is None and name == "bucket_cap_mb":
-                continue
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise ConfigTypeError(
-                    f"{name} must be a number of MiB (int or float), got {type(v).__name__} {v!r}"
-                )
-            if not 0 <= v < float("inf") or (name == "broadcast_chunk_mb" and v == 0):
-                raise ConfigError(
-                    f"{name} must be a finite number "
-                    f"{'> 0' if name == 'broadcast_chunk_mb' else '>= 0'} MiB, got {v}"
-                )
+        if self.bucket_cap_mb is not None:
+            check_mib("bucket_cap_mb", self.bucket_cap_mb, allow_zero=True)
+        check_mib("broadcast_chunk_mb", self.broadcast_chunk_mb)
         check_finite_option("check_finite", self.check_finite)
         if not isinstance(self.reducer_mode, str) or self.reducer_mode not in REDUCER_MODES:
             raise ConfigError(f"reducer_mode must be one of {REDUCER_MODES}, got {self.reducer_mode!r}")
