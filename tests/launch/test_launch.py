@@ -713,8 +713,8 @@ def test_local_ranks_this_node_lacks_are_refused_or_named(caplog):
 
 
 def test_local_ranks_filter_beyond_the_node_exits_2_before_starting(tmp_path):
-    script = _script(tmp_path, "raise SystemExit('worker started')\n")
-    r = _run(["--nproc-per-node", "2", "--local-ranks-filter", "2", script])
+    script = write_script(tmp_path, "raise SystemExit('worker started')\n")
+    r = run_launcher(["--nproc-per-node", "2", "--local-ranks-filter", "2", script])
     assert r.returncode == 2, r.stderr
     assert "no worker's output would reach the console" in r.stderr
     assert "worker started" not in r.stderr
@@ -725,11 +725,11 @@ def test_long_monitor_interval_still_sees_exits_and_signals(tmp_path):
     """--monitor-interval 3600: the launcher sleeps in slices, so it returns as soon as its
     workers exit and stops them at once on SIGTERM. Before: it slept the whole interval in one
     time.sleep, which resumes after the signal handler (only SIGKILL ended it)."""
-    quick = _script(tmp_path, "print('done')\n", name="quick.py")
-    r = _run(["--nproc-per-node", "1", "--monitor-interval", "3600", quick], timeout=60)
+    quick = write_script(tmp_path, "print('done')\n", name="quick.py")
+    r = run_launcher(["--nproc-per-node", "1", "--monitor-interval", "3600", quick], timeout=60)
     assert r.returncode == 0, r.stderr
     assert "[rank 0] done" in r.stdout
-    sleeper = _script(
+    sleeper = write_script(
         tmp_path,
         """
         import os, sys, time
@@ -760,4 +760,4 @@ def test_long_monitor_interval_still_sees_exits_and_signals(tmp_path):
             proc.kill()
             proc.wait(5)
     assert proc.returncode == 128 + signal.SIGTERM, err
-    assert _wait_gone([int(pid_file.read_text())]) == []
+    assert wait_gone([int(pid_file.read_text())]) == []
