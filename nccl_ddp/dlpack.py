@@ -2,8 +2,11 @@
 the one module that speaks DLPack for the functional API and the framework adapters.
 
 Writable inputs become zero-copy views, so a collective writes into the caller's own object.
-Read-only or immutable inputs (JAX) are copied, and `from_native` hands back a new array of the
-caller's framework. Frameworks are imported only when such an array shows up.
+Read-only or immutable inputs (JAX, TensorFlow, any read-only DLPack export) are copied, and
+`from_native` hands back a new array of the caller's framework: through its adapter, or for a
+framework without one through its own `from_dlpack` (`nccl_ddp.adapters.base`). Framework dtypes
+(`tf.float32`, `paddle.float32`, names) become NumPy's in `numpy_dtype`. Frameworks are imported
+only when such an array shows up.
 """
 
 from __future__ import annotations
@@ -32,13 +35,29 @@ _DEVICE_NAMES = {
 
 def _dlpack_source(x: Any, where: str) -> Any:
     if not hasattr(x, "__dlpack__"):
-        raise ConfigTypeError(
-            f"{where}: expected an array that supports DLPack (NumPy, CuPy, torch, "
-            f"JAX), got {type(x).__module__}.{type(x).__name__}"
-        )
+        name = frameworks.framework_of(x)
+        source = None if name is None else getattr(frameworks.adapter(name), "dlpack_source", None)
+        if source is not None:  # TensorFlow: its own export function, not the protocol
+            return source(x)
+        raise ConfigTypeError(cannot_exchange(x, where))
     if getattr(x, "requires_grad", False) and hasattr(x, "detach"):
         return x.detach()  # torch: same storage, no autograd tracking
     return x
+
+
+def cannot_exchange(x: Any, where: str) -> str:
+    """Why `x` cannot go through DLPack, and the ways out."""
+    what = f"{type(x).__module__}.{type(x).__name__}"
+    root = type(x).__module__.split(".")[0]
+    if root == "builtins":
+        return f"{where}: expected an array that supports DLPack (NumPy, CuPy, torch, JAX, ...), got {what}"
+    numpy = "x.numpy()" if hasattr(x, "numpy") else "numpy.asarray(x)"
+    return (
+        f"{where}: expected an array that supports DLPack, got {what}: {root} arrays have no "
+        f"__dlpack__, and nccl_ddp exchanges arrays through DLPack. Pass their values as NumPy "
+        f"arrays ({numpy}) and copy the result back, or use a framework that speaks DLPack "
+        f"(NumPy, CuPy, torch, JAX, TensorFlow, MindSpore, or any whose module has from_dlpack)"
+    )
 
 
 def _device_type(x: Any) -> int:
@@ -73,9 +92,10 @@ def _to_numpy(x: Any, where: str) -> np.ndarray:
     return arr
 
 
-def _numpy_view(x: Any, where: str) -> np.ndarray:
-    """A NumPy array over the memory of a CPU DLPack array (may be read-only)."""
-    src = _dlpack_source(x, where)
+def _numpy_view(x: Any, where: str, src: Any = None) -> np.ndarray:
+    """A NumPy array over the memory of a CPU DLPack array (may be read-only); `src`: what
+    `_dlpack_source(x)` gave already (a capsule can be consumed only once)."""
+    src = _dlpack_source(x, where) if src is None else src
     dev = _device_type(src)
     if dev not in (KDL_CPU, KDL_CUDA_HOST):
         raise ConfigError(
@@ -92,6 +112,16 @@ def _numpy_view(x: Any, where: str) -> np.ndarray:
         if arr is None:
             raise ConfigError(f"{where}: cannot view {type(x).__name__} through DLPack ({e})") from e
         return arr
+
+
+def native_view(x: Any, where: str) -> Any:
+    """A native array over `x`'s memory, never a copy: NumPy for CPU memory (read-only when the
+    producer says so), CuPy for CUDA memory. For readers that never write it (the grad reducer)."""
+    src = _dlpack_source(x, where)
+    dev = _device_type(src)
+    if dev in (KDL_CPU, KDL_CUDA_HOST):
+        return _numpy_view(x, where, src)
+    return native_from_dlpack(src, dev)
 
 
 def _bfloat16_view(src: Any) -> Optional[np.ndarray]:
@@ -129,14 +159,23 @@ def _to_cupy(x: Any, where: str) -> Any:
 
 def from_native(native: Any, like: Any) -> Any:
     """What a collective returns for the caller's `like`: `like` itself when `native` is a view
-    of it, a native array for NumPy/CuPy callers, a new framework array for immutable ones."""
+    of it (written in place), a native array for NumPy/CuPy callers, else a new array of the
+    caller's framework (immutable or read-only inputs, which were copied), or what its adapter
+    makes of the result (a TensorFlow variable is assigned it)."""
     if native is like:
         return like
-    if is_immutable(like):
-        return frameworks.adapter("jax").array_from_native(native)
-    if type(like).__module__.split(".")[0] in ("numpy", "cupy") or not _shares(native, like):
-        return native  # a read-only input got a new array
-    return like  # a DLPack view of a writable framework array: written in place
+    if type(like).__module__.split(".")[0] in frameworks.NATIVE:
+        return native  # a read-only NumPy input got a new array
+    if not is_immutable(like) and _shares(native, like):
+        return like  # a DLPack view of a writable framework array: written in place
+    name = frameworks.framework_of(like)
+    if name is None:
+        return native
+    adapter = frameworks.adapter(name)
+    make = getattr(adapter, "array_from_native", None)
+    if make is None:  # an adapter without its own: the framework's from_dlpack
+        make = frameworks.generic_adapter(name).array_from_native
+    return make(native, like)
 
 
 def _shares(native: Any, like: Any) -> bool:
@@ -157,6 +196,37 @@ def native_from_dlpack(x: Any, device_type: int) -> Any:
 
         return cupy.from_dlpack(x)
     raise ConfigTypeError(f"arrays on DLPack device type {device_type} are not supported (CPU or CUDA only)")
+
+
+_DTYPE_ALIASES = {"fp16": "float16", "fp32": "float32", "fp64": "float64", "bf16": "bfloat16"}
+
+
+def numpy_dtype(dtype: Any) -> np.dtype:
+    """The NumPy dtype of a framework's dtype object or name: NumPy's own, `tf.float32` (its
+    `as_numpy_dtype`), `paddle.float32` / `DataType.FLOAT32` / `torch.bfloat16` / "float32" (by
+    name). Raises `ConfigTypeError` for a dtype no NumPy dtype matches."""
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        pass
+    as_numpy = getattr(dtype, "as_numpy_dtype", None)  # TensorFlow's DType
+    if as_numpy is not None:
+        try:
+            return np.dtype(as_numpy)
+        except TypeError:
+            pass
+    text = dtype if isinstance(dtype, str) else str(getattr(dtype, "name", None) or dtype)
+    name = text.strip("<>").split(":")[-1].strip(" '\"").split(".")[-1].lower()
+    name = _DTYPE_ALIASES.get(name, name)
+    if name == "bfloat16":
+        return bfloat16_dtype()
+    try:
+        return np.dtype(name)
+    except TypeError as e:
+        raise ConfigTypeError(
+            f"dtype {dtype!r} ({type(dtype).__module__}.{type(dtype).__name__}) has no NumPy "
+            f"equivalent nccl_ddp can reduce; use a float, int or bool dtype"
+        ) from e
 
 
 def bfloat16_dtype() -> np.dtype:

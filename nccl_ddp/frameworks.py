@@ -1,61 +1,107 @@
-"""Which framework an object belongs to, and its adapter module: the one place that decides.
+"""Which framework an object belongs to, and its adapter: the one place that decides.
 
 Nothing here imports a framework: the decision is made from the classes' modules, and the adapter
 (nccl_ddp/adapters/<name>.py, which does import its framework) is loaded only when needed.
+
+`ADAPTERS` is the whole table. A framework that is not in it but whose arrays speak DLPack
+(`__dlpack__`) goes through the generic adapter (`nccl_ddp.adapters.base`), which finds the
+framework's own `from_dlpack`; NumPy and CuPy arrays are the backends' own and need no adapter.
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
-from types import ModuleType
-from typing import Any, Mapping, Optional
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Tuple
 
 from nccl_ddp.errors import ConfigTypeError
 
-# top-level module of a class in an object's MRO -> adapter module under nccl_ddp.adapters
-# (a user's model subclasses the framework's own class, and MindSpore's Parameter lives in "abc")
-_ADAPTERS = {"torch": "torch", "mindspore": "mindspore", "jax": "jax", "jaxlib": "jax", "flax": "jax"}
 
-# framework -> (adapter module, class) of the DDP wrapper for its models, which is also one of
-# the framework's own module classes (torch.nn.Module, nn.Cell); frameworks not listed use the
-# core class
-_WRAPPERS = {
-    "torch": ("torch_ddp", "TorchDistributedDataParallel"),
-    "mindspore": ("mindspore_ddp", "MindSporeDistributedDataParallel"),
+@dataclass(frozen=True)
+class Framework:
+    """One row of the table: a framework with its own adapter module."""
+
+    name: str  # how messages name it, and the key of the adapter it shares (jaxlib -> jax)
+    adapter: str  # module under nccl_ddp.adapters (imports the framework itself)
+    immutable: bool = False  # its arrays are never written in place: a new array comes back
+    wrapper: Optional[Tuple[str, str]] = None  # (adapter module, class) of its models' DDP wrapper
+
+
+_TORCH = Framework("torch", "torch", wrapper=("torch_ddp", "TorchDistributedDataParallel"))
+_MS_DDP = ("mindspore_ddp", "MindSporeDistributedDataParallel")
+_MINDSPORE = Framework("mindspore", "mindspore", wrapper=_MS_DDP)
+_JAX = Framework("jax", "jax", immutable=True)
+
+# top-level module of a class in an object's MRO -> its framework (a user's model subclasses the
+# framework's own class, and MindSpore's Parameter lives in "abc"); the whole list of adapters
+ADAPTERS: Mapping[str, Framework] = {
+    "torch": _TORCH,
+    "mindspore": _MINDSPORE,
+    "jax": _JAX,
+    "jaxlib": _JAX,
+    "flax": _JAX,
 }
+
+NATIVE = ("numpy", "cupy")  # the backends' own arrays: no adapter
+GENERIC = "base"  # the adapter module for any other framework whose arrays speak DLPack
 
 
 def framework_of(obj: Any) -> Optional[str]:
-    """ "torch", "mindspore" or "jax" for an object of that framework; None for anything else
-    (NumPy and CuPy arrays need no adapter)."""
+    """The framework of an array, parameter or model: a name of `ADAPTERS` ("torch", "jax", ...),
+    the top-level module of any other array-like object ("paddle", "tinygrad": the generic
+    adapter's), or None for NumPy / CuPy arrays and for anything that is no array (a list)."""
     for cls in type(obj).__mro__:
-        name = _ADAPTERS.get(cls.__module__.split(".")[0])
-        if name is not None:
-            return name
+        base = cls.__module__.split(".")[0]
+        entry = ADAPTERS.get(base)
+        if entry is not None:
+            return entry.name
+        if base in NATIVE:  # a NumPy / CuPy array, or a subclass of one
+            return None
+    root = type(obj).__module__.split(".")[0]
+    if root in ("builtins", "nccl_ddp"):
+        return None
+    if hasattr(obj, "__dlpack__") or (hasattr(obj, "shape") and hasattr(obj, "dtype")):
+        return root
     return None
 
 
 def is_immutable(x: Any) -> bool:
-    """True for arrays that must never be written in place (JAX)."""
-    return framework_of(x) == "jax"
+    """True for arrays that must never be written in place (JAX, TensorFlow tensors)."""
+    name = framework_of(x)
+    entry = None if name is None else ADAPTERS.get(name)
+    return entry is not None and entry.immutable
 
 
-def adapter(name: str) -> ModuleType:
-    """The adapter module `nccl_ddp.adapters.<name>`, imported now (it imports its framework)."""
+def adapter(name: str) -> Any:
+    """The adapter of framework `name`, imported now (it imports its framework): the module
+    `nccl_ddp.adapters.<adapter>` for a framework of `ADAPTERS`, else `generic_adapter(name)`.
+    Both offer `grads_adapter()` and `adapt(module)`; most offer `array_from_native(native,
+    like)` (see `nccl_ddp.dlpack.from_native`)."""
+    entry = ADAPTERS.get(name)
+    return _load(entry.adapter, name) if entry is not None else generic_adapter(name)
+
+
+def generic_adapter(name: str) -> Any:
+    """The generic DLPack adapter (`nccl_ddp.adapters.base.GenericAdapter`) for framework `name`."""
+    return _load(GENERIC, name).GenericAdapter(name)
+
+
+def wrapper_class(name: str) -> Any:
+    """The DDP wrapper class for models of framework `name` (None: the core class itself)."""
+    entry = ADAPTERS.get(name)
+    wrapper = None if entry is None else entry.wrapper
+    return None if wrapper is None else getattr(_load(wrapper[0], name), wrapper[1])
+
+
+def _load(module: str, name: str) -> Any:
     try:
-        return importlib.import_module(f"nccl_ddp.adapters.{name}")
+        return importlib.import_module(f"nccl_ddp.adapters.{module}")
     except ImportError as e:
         raise ConfigTypeError(
             f"the nccl_ddp adapter for {name} could not be loaded ({e}); install "
             f"{name}, or pass NumPy / CuPy arrays instead"
         ) from e
-
-
-def wrapper_class(name: str) -> Any:
-    """The DDP wrapper class for models of framework `name` (None: the core class itself)."""
-    entry = _WRAPPERS.get(name)
-    return None if entry is None else getattr(adapter(entry[0]), entry[1])
 
 
 def first_leaf(obj: Any) -> Any:
@@ -83,14 +129,15 @@ def grads_adapter(obj: Any) -> Any:
 
 def module_adapter(module: Any) -> Any:
     """The `GradModule` that `DistributedDataParallel` drives for `module`: an `ArrayModule` for
-    a list/tuple/dict of NumPy/CuPy arrays, else the adapter of the module's framework."""
+    a list/tuple/dict of arrays (NumPy/CuPy, or any framework's writable DLPack arrays), else the
+    adapter of the module's framework."""
     if isinstance(module, (list, tuple, dict)):
-        return adapter("arrays").ArrayModule(module)
+        return _load("arrays", "arrays").ArrayModule(module)
     name = framework_of(module)
     if name is None:
         raise ConfigTypeError(
             f"module must be a model of a supported framework (torch.nn.Module, MindSpore nn.Cell), "
-            f"an nccl_ddp ArrayModule or a list/dict of NumPy/CuPy arrays, got "
+            f"an nccl_ddp ArrayModule or a list/dict of arrays, got "
             f"{type(module).__module__}.{type(module).__name__}"
         )
     return adapter(name).adapt(module)

@@ -253,7 +253,7 @@ def test_ddp_refuses_bad_options(world1, kwargs, exc, match):
         ([np.ones(3, np.complex64)], TypeError, "parameter 0 has dtype complex64; only floating"),
         ({"w": np.ones(6, np.float32)[::2]}, ValueError, r"params\['w'\] must be C-contiguous"),
         ([_read_only(np.ones(3, np.float32))], ValueError, r"params\[0\] is read-only.*x.copy"),
-        ([[1.0, 2.0]], TypeError, "must be a NumPy or CuPy array, got builtins.list.*torch.nn.Module"),
+        ([[1.0, 2.0]], TypeError, "must be an array .NumPy, CuPy or any.*got builtins.list.*torch.nn.Module"),
         ({1: np.ones(3, np.float32)}, TypeError, "dict keys must be str"),
     ],
 )

@@ -28,7 +28,19 @@ LAYERS = [
     ["adapters"],
     ["", "launch", "hooks", "lightning", "accelerate"],  # "" is the package (__init__.py)
 ]
-FRAMEWORKS = {"torch", "jax", "jaxlib", "flax", "mindspore", "lightning", "pytorch_lightning", "accelerate"}
+FRAMEWORKS = {
+    "torch",
+    "jax",
+    "jaxlib",
+    "flax",
+    "mindspore",
+    "lightning",
+    "pytorch_lightning",
+    "accelerate",
+    "tensorflow",
+    "keras",
+    "tf_keras",
+}
 
 
 def layer_of(module: str) -> int:

@@ -16,6 +16,13 @@ Instead of passing `grad=` you may write into `model.grads[k]` in place and call
 `ddp.mark_ready(k)`. With the default CppReducer, `model.grads[k]` are views of the bucket buffers
 (assigned when DDP is built): keep reading them through `model.grads`, never hold on to an old one.
 
+The arrays may also be any framework's writable DLPack arrays (all of one framework: Paddle
+tensors, torch tensors outside a module): the parameters stay the caller's objects, the core works
+on zero-copy DLPack views of them, grads given to `mark_ready` are read through DLPack, and
+`model.grads[k]` are that framework's arrays over the bucket views (its `from_dlpack`, which must
+not copy). Immutable or read-only arrays (JAX, TensorFlow) are refused: the initial broadcast and
+the optimizer write parameters in place; reduce their grads with `DistributedGradReducer`.
+
 The contract with the core (what an adapter for another framework provides,
 `nccl_ddp.ddp.interfaces.GradModule`):
 native arrays (NumPy/CuPy) for parameters and grads, a callback to make the framework's grads alias
@@ -28,12 +35,15 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
+from nccl_ddp import frameworks
 from nccl_ddp.ddp.interfaces import GradModule
+from nccl_ddp.dlpack import native_view
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 
 
 class ArrayModule(GradModule):
-    """Parameters as a list or dict of NumPy / CuPy arrays; `grads` has the same structure.
+    """Parameters as a list or dict of NumPy / CuPy arrays (or one framework's writable DLPack
+    arrays); `grads` has the same structure.
 
     `forward(params, *args, **kwargs)` (optional) is what calling the DDP wrapper runs.
     """
@@ -56,35 +66,50 @@ class ArrayModule(GradModule):
             raise ConfigTypeError(
                 f"ArrayModule params must be a list, tuple or dict of arrays, got {type(params).__name__}"
             )
-        for k in self.keys:
-            _check_array(f"params[{k!r}]", self.params[k])
+        self._framework = _framework_of_params(self.params, self.keys)
+        self._natives = [_check_array(f"params[{k!r}]", self.params[k], self._framework) for k in self.keys]
         if forward is not None and not callable(forward):
             raise ConfigTypeError(f"ArrayModule forward must be callable, got {type(forward).__name__}")
         self._forward = forward
-        self.grads: Any = type(self.params)() if isinstance(self.params, dict) else []
-        for k in self.keys:
-            p = self.params[k]
-            z = _xp(p).zeros(p.shape, dtype=p.dtype)
-            if isinstance(self.grads, dict):
-                self.grads[k] = z
-            else:
-                self.grads.append(z)
+        self._native_grads = [_xp(p).zeros(p.shape, dtype=p.dtype) for p in self._natives]
+        grads = [self._user_grad(g) for g in self._native_grads]
+        self.grads: Any = dict(zip(self.keys, grads)) if isinstance(self.params, dict) else grads
 
     def __len__(self) -> int:
         return len(self.keys)
 
     def native_params(self) -> List[Any]:
-        return [self.params[k] for k in self.keys]
+        return list(self._natives)
 
     def native_grads(self) -> List[Any]:
-        return [self.grads[k] for k in self.keys]
+        return list(self._native_grads)
 
     @property
     def can_install_grads(self) -> bool:
         return True
 
     def install_grad(self, i: int, view: Any) -> None:
-        self.grads[self.keys[i]] = view
+        self._native_grads[i] = view
+        self.grads[self.keys[i]] = self._user_grad(view)
+
+    def _user_grad(self, native: Any) -> Any:
+        """What `grads[k]` holds for a native grad: itself, or the framework's array over it."""
+        if self._framework is None:
+            return native
+        grad = self._framework.array_from_native(native)
+        if not _shares(native_view(grad, "grads"), native):
+            raise ConfigError(
+                f"{self._framework.name}'s from_dlpack copies the grad buffers nccl_ddp reduces "
+                f"into, so ArrayModule.grads could not show the reduced grads; reduce the grads "
+                f"with DistributedGradReducer instead"
+            )
+        return grad
+
+    def to_native(self, i: int, grad: Any) -> Any:
+        """A grad given to mark_ready: a native array, or a DLPack view of the framework's."""
+        if self._framework is None or type(grad).__module__.split(".")[0] in frameworks.NATIVE:
+            return grad
+        return native_view(grad, f"the grad of params[{self.keys[i]!r}]")
 
     def index_of(self, key: Any) -> int:
         """Index of a parameter given by dict key (str) or the array object itself."""
@@ -114,18 +139,47 @@ def _xp(a: Any):
     return cupy
 
 
-def _check_array(what: str, a: Any) -> None:
-    mod = type(a).__module__.split(".")[0]
-    if mod not in ("numpy", "cupy") or not hasattr(a, "shape"):
+def _framework_of_params(params: Any, keys: list) -> Any:
+    """The generic adapter of the parameters' framework (None for NumPy / CuPy); all must share it."""
+    names = {frameworks.framework_of(params[k]) for k in keys}
+    if len(names) > 1:
+        shown = sorted(n or "numpy/cupy" for n in names)
         raise ConfigTypeError(
-            f"ArrayModule {what} must be a NumPy or CuPy array, got "
-            f"{type(a).__module__}.{type(a).__name__}; pass a torch.nn.Module or "
-            "MindSpore Cell itself, or for JAX use DistributedGradReducer"
+            f"ArrayModule params mix frameworks ({', '.join(shown)}): pass arrays of one framework"
         )
-    if not a.flags.c_contiguous:
+    name = names.pop() if names else None
+    return None if name is None else frameworks.generic_adapter(name)
+
+
+def _shares(a: Any, b: Any) -> bool:
+    return bool(_xp(a).may_share_memory(a, b))
+
+
+def _check_array(what: str, a: Any, framework: Any) -> Any:
+    """The native array the core uses for parameter `a` (itself, or a DLPack view of it)."""
+    if frameworks.is_immutable(a):
+        raise ConfigError(
+            f"ArrayModule {what} is a {type(a).__module__}.{type(a).__name__}, whose arrays are "
+            "immutable, but the initial broadcast and the optimizer write parameters in place: "
+            "reduce the grads with DistributedGradReducer(params) instead"
+        )
+    if framework is not None:
+        native = native_view(a, f"ArrayModule {what}")
+    else:
+        native = a
+        mod = type(a).__module__.split(".")[0]
+        if mod not in ("numpy", "cupy") or not hasattr(a, "shape"):
+            raise ConfigTypeError(
+                f"ArrayModule {what} must be an array (NumPy, CuPy or any framework's writable "
+                f"DLPack array), got {type(a).__module__}.{type(a).__name__}; pass a "
+                "torch.nn.Module or MindSpore Cell itself, or for JAX use DistributedGradReducer"
+            )
+    if not native.flags.c_contiguous:
         raise ConfigError(f"ArrayModule {what} must be C-contiguous (collectives write it in place)")
-    if not getattr(a.flags, "writeable", True):
+    if not getattr(native.flags, "writeable", True):
         raise ConfigError(
             f"ArrayModule {what} is read-only, but the initial broadcast and the "
-            "optimizer write it in place; pass a writable array (x.copy())"
+            "optimizer write it in place; pass a writable array (x.copy()), or for an immutable "
+            "framework's arrays (JAX, TensorFlow) reduce the grads with DistributedGradReducer"
         )
+    return native

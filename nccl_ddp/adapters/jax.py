@@ -54,7 +54,7 @@ def first_leaf(obj: Any) -> Any:
     return leaves[0] if leaves else None
 
 
-def array_from_native(native: Any) -> Any:
+def array_from_native(native: Any, like: Any = None) -> Any:
     """A new JAX array holding a native (NumPy / CuPy) array's values: what a collective returns
     to a JAX caller, whose arrays are immutable."""
     import numpy

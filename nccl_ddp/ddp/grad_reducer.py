@@ -23,7 +23,6 @@ the same id (and dtype) share buckets, different ids never do, id 0 is never fus
 
 from __future__ import annotations
 
-import collections
 import functools
 from typing import Any, Optional, Sequence
 
@@ -45,6 +44,7 @@ from nccl_ddp.ddp.finite_check import FiniteCheck, require_check
 from nccl_ddp.ddp.join import Join, JoinHook, JoinState, ShadowJoinHook
 from nccl_ddp.ddp.param_sync import check_same_params
 from nccl_ddp.ddp.step_failure import StepFailure
+from nccl_ddp.dlpack import numpy_dtype
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 from nccl_ddp.validate import check_float_dtype, check_positive_int
 
@@ -302,8 +302,8 @@ class DistributedGradReducer:
     def _native(self, i: int, g: Any) -> Any:
         xp = self.device.xp.__name__
         if type(g).__module__.split(".")[0] != xp:
-            theirs = _SHOWN.get(frameworks.framework_of(g) or type(g).__module__.split(".")[0])
-            built_on = _SHOWN.get(self._framework or xp)
+            theirs = _shown(frameworks.framework_of(g) or type(g).__module__.split(".")[0])
+            built_on = _shown(self._framework or xp)
             raise ConfigTypeError(
                 f"{self._leaf(i)} is a {type(g).__module__}.{type(g).__name__} ({theirs}), but "
                 f"this reducer was built on {built_on} parameters and the {self.group.backend} "
@@ -333,20 +333,19 @@ class DistributedGradReducer:
             close()
 
 
-_SHOWN = collections.defaultdict(
-    lambda: "another framework's",
-    {"jax": "JAX", "torch": "torch", "mindspore": "MindSpore", "numpy": "NumPy", "cupy": "CuPy"},
-)
+_SHOWN = {"jax": "JAX", "torch": "torch", "mindspore": "MindSpore", "numpy": "NumPy", "cupy": "CuPy"}
+
+
+def _shown(framework: str) -> str:
+    """How a message names a framework (its module's name when we have no nicer one)."""
+    return _SHOWN.get(framework, framework)
 
 
 def _param_dtype(p: Any, i: int) -> np.dtype:
     try:
-        return np.dtype(p.dtype)
-    except TypeError as e:
-        raise ConfigTypeError(
-            f"parameters[{i}] has dtype {p.dtype!r}, not a NumPy/CuPy dtype; pass "
-            "NumPy/CuPy arrays or the parameters of a framework with an adapter"
-        ) from e
+        return numpy_dtype(p.dtype)
+    except ConfigTypeError as e:
+        raise ConfigTypeError(f"parameters[{i}]: {e}") from e
 
 
 def _split_names(parameters: Any) -> tuple:

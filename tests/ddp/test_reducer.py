@@ -367,7 +367,7 @@ def test_bad_arguments_name_the_parameter(kwargs, exc, name):
     "module,match",
     [
         (object(), "module must be"),
-        ({"a": [1.0, 2.0]}, "must be a NumPy or CuPy array"),
+        ({"a": [1.0, 2.0]}, "must be an array .NumPy, CuPy"),
         ({"a": np.zeros((4, 4))[:, ::2]}, "C-contiguous"),
         ({"a": np.zeros(3, np.int32)}, "floating point"),
     ],
