@@ -6,11 +6,13 @@ against torch DDP + torch's ZeroRedundancyOptimizer on gloo, on an MLP of about 
     python scripts/bench_zero.py --worlds 2 --steps 5 --hidden 1024
 
 One job per (world, mode) through nccl-ddp-run, so each peak RSS is that mode's alone. Modes:
-`ddp_adamw` (our DDP + torch.optim.AdamW), `zero2` (our DDP + nd.ZeroRedundancyOptimizer(AdamW)),
+`ddp_adamw` (our DDP + torch.optim.AdamW), `zero1` (our DDP + nd.ZeroRedundancyOptimizer(AdamW),
+the default: full grads in p.grad, the state sharded), `zero2` (the same with zero_stage=2),
 `zero2_overlap` (the same with overlap_param_gather=True), `torch_zero` (torch DDP + torch
 ZeroRedundancyOptimizer(AdamW), gloo). Bytes per rank (the largest over the ranks): optimizer
 state, fp32 masters, reduced grads kept for the optimizer (DDP and torch: the whole grads;
-ZeRO-2: the reduce-scattered shard and its fp32 copy), `kept` = their sum; `grad_buf` = the
+ZeRO-2: the reduce-scattered shard and its fp32 copy; ZeRO-1: the whole grads, which it reads
+as views), `kept` = their sum; `grad_buf` = the
 full-size grad memory backward accumulates into (DDP: the same buckets as its reduced grads;
 ZeRO-2: the buckets, holding local grads; torch: the .grad tensors, its DDP's own bucket copies
 not counted); `total` = state + master + every grad byte. Step time is the slowest rank's mean
@@ -36,7 +38,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from benchlib import format_table, run_ranks, write_csv  # noqa: E402
 
-MODES = ("ddp_adamw", "zero2", "zero2_overlap", "torch_zero")
+MODES = ("ddp_adamw", "zero1", "zero2", "zero2_overlap", "torch_zero")
 COLUMNS = (
     "world",
     "mode",
@@ -138,9 +140,13 @@ def worker(args) -> None:
         wrapped = nd.DistributedDataParallel(m)
         opt = (
             nd.ZeroRedundancyOptimizer(
-                m.parameters(), torch.optim.AdamW, lr=1e-4, overlap_param_gather=args.mode == "zero2_overlap"
+                m.parameters(),
+                torch.optim.AdamW,
+                lr=1e-4,
+                zero_stage=2 if args.mode.startswith("zero2") else 1,
+                overlap_param_gather=args.mode == "zero2_overlap",
             )
-            if args.mode.startswith("zero2")
+            if args.mode.startswith("zero")
             else torch.optim.AdamW(m.parameters(), lr=1e-4)
         )
 
@@ -196,12 +202,13 @@ def worker(args) -> None:
             if args.mode == "torch_zero"
             else wrapped.reducer.memory.nbytes
         )
+        widened = opt.zs.nbytes["grad_shards"] if args.mode == "zero1" else 0  # bf16 grads only
         row.update(
-            state=state_bytes(opt.optim if args.mode == "torch_zero" else opt),
-            master=0,
-            reduced=grads,
+            state=state_bytes(opt.optim if args.mode in ("torch_zero", "zero1") else opt),
+            master=opt.zs.nbytes["master"] if args.mode == "zero1" else 0,
+            reduced=grads + widened,
             grad_buf=grads,
-            total_grads=grads,
+            total_grads=grads + widened,
         )
     row["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     gathered = _gather_rows(nd, row)

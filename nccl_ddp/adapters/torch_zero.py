@@ -2,11 +2,12 @@
 
 Rank r steps only its slice of every flat bucket (zero/layout.py): the wrapped torch
 optimizer gets one fp32 1-D tensor per (parameter, shard) piece, a view of our master shard, with
-a view of our fp32 grad shard as its `.grad`; it must be elementwise. Parameters become views of
-flat parameter buffers, all-gathered after every step. With the parameters of an
-`nccl_ddp.DistributedDataParallel` model the wrapper reduce-scatters its buckets (ZeRO-2); with
-any other grads (torch's DDP) the grads are all-reduced already and only the optimizer is sharded
-(ZeRO-1).
+its grad as `.grad`; it must be elementwise. Parameters become views of flat parameter buffers,
+all-gathered after every step. By default (ZeRO-1, torch's contract) the grads arrive whole and
+reduced in `p.grad` (torch's DDP or ours), so every torch tool reading them works; the optimizer
+reads the owned ranges of `p.grad` as views and shards only its state. `zero_stage=2` (the
+parameters of an `nccl_ddp.DistributedDataParallel` model): the wrapper reduce-scatters its
+buckets and the reduced grads exist only as this rank's fp32 shards.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def register_elementwise(optimizer_class: type) -> type:
 class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     """torch.distributed.optim.ZeroRedundancyOptimizer's constructor and methods.
 
-    Ours beyond torch's: `zero_stage` (None: 2 with an nccl_ddp DDP model, else 1),
+    Ours beyond torch's: `zero_stage` (None or 1: ZeRO-1, torch's; 2: ZeRO-2 over an nccl_ddp
+    DistributedDataParallel model),
     `overlap_param_gather` (ZeRO-2: wait for each bucket's all-gather at its modules' next
     forward), `skip_nonfinite` (skip the step on every rank when any grad is NaN/Inf),
     `clip_grad_norm_`, `last_step_skipped`, `reduce_dtype` (ZeRO-2: None reduces the grads in
@@ -103,10 +105,16 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._inner: Any = None
         self._consolidated: Optional[dict] = None
         self.last_step_skipped = False
-        self._collected = False  # this step's grads are in the fp32 shards
+        self._collected = False  # this step's grads are collected in _step_grads
+        self._step_grads: List[Any] = []
         self._norm: Optional[float] = None  # this step's global grad norm, once computed
         super().__init__(params, defaults)
         self._build()
+
+    @property
+    def optim(self) -> torch.optim.Optimizer:
+        """The local optimizer stepping this rank's shards (torch's class's `.optim`)."""
+        return self._inner
 
     # ------------------------------------------------------------------ layout
 
@@ -152,6 +160,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             p.data = from_native(view)
             if reducer is not None:
                 reducer.params[i] = view
+            elif (owner := owner_of(p)) is not None:  # ZeRO-1 over our DDP: its reducer's too
+                owner._ddp.reducer.params[owner.index_of(p)] = view
 
         self.zs = ZeroShards(
             shards,
@@ -162,12 +172,16 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             comm=None if reducer is None else reducer.comm,
             shard_grads=None if reducer is None else reducer.sharding.outputs,
             timeline=None if reducer is None else (lambda: reducer.prof),
+            fp32_grad_shards=reducer is not None,
         )
         self._reducer = reducer
         group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
         self._pieces = self.zs.pieces
         self._piece_params = [from_native(self.zs.master_piece(pc)) for pc in self._pieces]
-        self._piece_grads = [from_native(self.zs.grad_piece(pc)) for pc in self._pieces]
+        self._piece_grads = [
+            None if self.zs.grads[pc.bucket] is None else from_native(self.zs.grad_piece(pc))
+            for pc in self._pieces
+        ]
         inner_groups = []
         for gi, g in enumerate(self.param_groups):
             ps = [
@@ -193,33 +207,28 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         )
 
     def _pick_stage(self, params: List[Any]) -> tuple:
-        owners = {id(owner_of(p)) for p in params}
-        owner = owner_of(params[0])
-        if len(owners) > 1 or (owner is None and self._zero_stage == 2):
-            covered = [i for i, p in enumerate(params) if owner_of(p) is not None]
-            missing = [i for i, p in enumerate(params) if owner_of(p) is None]
-            if self._zero_stage == 1 and owner_of(params[0]) is None and not covered:
-                return 1, None
-            raise ConfigError(
-                "ZeRO-2 needs every parameter of the optimizer to belong to one nccl_ddp "
-                f"DistributedDataParallel model; parameters {missing[:10] or covered[:10]} (by "
-                "position in the param groups) are not covered by the same wrapper. Pass only "
-                "that model's parameters, or zero_stage=1 (shard only the optimizer)"
-            )
-        if owner is None or self._zero_stage == 1:
+        """ZeRO-1 unless `zero_stage=2`: the grads arrive whole in `p.grad` (torch's DDP, or
+        ours all-reducing), as torch's class expects. ZeRO-2 needs one nccl_ddp
+        DistributedDataParallel model holding every parameter."""
+        if self._zero_stage != 2:
             if self.overlap_param_gather:
                 raise ConfigError(
-                    "overlap_param_gather=True needs ZeRO-2 (the parameters of an "
-                    "nccl_ddp DistributedDataParallel model), whose modules' "
-                    "forward waits for their bucket's all-gather"
-                )
-            if owner is not None and self._zero_stage == 1:
-                raise ConfigError(
-                    "zero_stage=1 with an nccl_ddp DistributedDataParallel model "
-                    "is not supported (its wrapper reduce-scatters); use the "
-                    "default (ZeRO-2) or torch's DDP for ZeRO-1"
+                    "overlap_param_gather=True needs ZeRO-2 (zero_stage=2 with the parameters "
+                    "of an nccl_ddp DistributedDataParallel model), whose modules' forward "
+                    "waits for their bucket's all-gather"
                 )
             return 1, None
+        owners = {id(owner_of(p)) for p in params}
+        owner = owner_of(params[0])
+        if len(owners) > 1 or owner is None:
+            covered = [i for i, p in enumerate(params) if owner_of(p) is not None]
+            missing = [i for i, p in enumerate(params) if owner_of(p) is None]
+            raise ConfigError(
+                "zero_stage=2 needs every parameter of the optimizer to belong to one nccl_ddp "
+                f"DistributedDataParallel model; parameters {missing[:10] or covered[:10]} (by "
+                "position in the param groups) are not covered by the same wrapper. Pass only "
+                "that model's parameters, or drop zero_stage (ZeRO-1: shard only the optimizer)"
+            )
         ddp_params = {id(p) for p in owner.params}
         extra = [n for n, p in zip(owner.names, owner.params) if id(p) not in {id(q) for q in params}]
         if extra or len(ddp_params) != len(params):
@@ -250,30 +259,62 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _collect(self) -> None:
+        """This step's fp32 grad of every piece. ZeRO-2: the reduced shards. ZeRO-1: views of
+        the owned ranges of `p.grad` (full and reduced, as torch's contract has it), widened
+        into the piece's fp32 buffer only for low-precision grads."""
         if self._collected:
             return
         if self._stage == 2:
             self.zs.collect_reduced()
+            self._step_grads = list(self._piece_grads)
         else:
-            self.zs.collect_full([None if p.grad is None else to_native(p.grad) for p in self._order])
+            self._step_grads = []
+            for pc, buf in zip(self._pieces, self._piece_grads):
+                g = self._order[pc.param].grad
+                if g is None:
+                    self._step_grads.append(None)
+                    continue
+                flat = g.reshape(-1)[pc.param_lo : pc.param_hi]
+                if buf is None and flat.dtype == torch.float32:
+                    self._step_grads.append(flat)
+                else:
+                    assert buf is not None  # low-precision buckets keep an fp32 grad buffer
+                    buf.copy_(flat)
+                    self._step_grads.append(buf)
         self._collected, self._norm = True, None
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the (sharded) grads by their global 2-norm, as torch.nn.utils.clip_grad_norm_
-        on the full grads would; one all-reduce. Call between backward and `step()`."""
+        """Clip the grads by their global 2-norm, as torch.nn.utils.clip_grad_norm_ on the full
+        grads would (ZeRO-1: `p.grad` itself is scaled; ZeRO-2: the reduced shards); one
+        all-reduce. Call between backward and `step()`; returns the total norm."""
         if float(norm_type) != 2.0:
             raise ConfigError(f"clip_grad_norm_ supports norm_type=2 only, got {norm_type!r}")
         self._collect()
         total = self._global_norm()
         coef = float(max_norm) / (total + 1e-6)
         if coef < 1.0 and math.isfinite(total):
-            self.zs.scale_grads(coef)
+            if self._stage == 2:
+                self.zs.scale_grads(coef)
+            else:
+                full = [p.grad for p in self._order if p.grad is not None]
+                torch._foreach_mul_(full, coef)
+                pairs = zip(self._step_grads, self._piece_grads)
+                copies = [g for g, buf in pairs if g is buf and g is not None]  # widened
+                if copies:
+                    torch._foreach_mul_(copies, coef)
         return torch.tensor(total)
 
     def _global_norm(self) -> float:
         if self._norm is None:
-            self._norm = self.zs.global_norm()
+            if self._stage == 2:
+                self._norm = self.zs.global_norm()
+            else:
+                present = [g for g in self._step_grads if g is not None]
+                sq = (
+                    float(torch.stack(torch._foreach_norm(present)).double().pow(2).sum()) if present else 0.0
+                )
+                self._norm = self.zs.global_norm(local_sq=sq)
         return self._norm
 
     @torch.no_grad()
@@ -286,18 +327,20 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._collect()
         self._collected = False
         self.last_step_skipped = self.skip_nonfinite and not math.isfinite(self._global_norm())
+        self._norm = None
         if self.last_step_skipped:
             log.warning(
-                "rank %d: non-finite grads (global norm %s): step skipped on every rank",
+                "rank %d: non-finite grads: step skipped on every rank",
                 self.group.rank,
-                self._norm,
             )
             return loss
         for ours, theirs in zip(self.param_groups, self._inner.param_groups):
             theirs.update({k: v for k, v in ours.items() if k != "params"})
-        for pc, t, g in zip(self._pieces, self._piece_params, self._piece_grads):
+        for pc, t, g in zip(self._pieces, self._piece_params, self._step_grads):
             t.grad = None if self._order[pc.param].grad is None else g
         self._inner.step()
+        for t in self._piece_params:
+            t.grad = None  # no reference to this step's grads is kept
         self.zs.gather(wait=not self.overlap_param_gather)
         return loss
 
@@ -369,6 +412,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
+        self._collected, self._norm = False, None
 
     def __repr__(self) -> str:
         return (

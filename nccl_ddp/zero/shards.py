@@ -3,7 +3,8 @@
 Per bucket of a `ShardLayout`: a flat parameter buffer in the model's dtype (the parameters become
 views of it, as Megatron's param buffer), this rank's fp32 master shard (for an fp32 bucket the
 owned slice of the parameter buffer itself, so no copy), and an fp32 grad shard. A step is
-`collect_*` (the owned slice of the reduced grad into the fp32 grad shard), `global_norm`
+`collect_*` (the owned slice of the reduced grad into the fp32 grad shard; the torch optimizer
+under ZeRO-1 reads the owned ranges of its full reduced grads as views instead), `global_norm`
 (one all-reduce of the shard's squared norm: clipping and the non-finite skip), the
 framework's optimizer stepping the master shard, then `gather` (master -> parameter shard, an
 all-gather per bucket on the comm stream, waited on at once or per bucket by `wait_bucket`;
@@ -34,7 +35,10 @@ class ZeroShards:
     with `install(i, view)` they are moved into the flat parameter buffers (the framework's
     parameter i aliases `view` from then on), without it the gathered values are copied back
     into them after every all-gather. `timeline()`: the step timeline the all-gathers are timed
-    on (read at each gather: the reducer's `prof`, which a user may replace); None: a quiet one."""
+    on (read at each gather: the reducer's `prof`, which a user may replace); None: a quiet one.
+    `fp32_grad_shards=False` (ZeRO-1 over a framework that keeps the full reduced grads, which
+    the optimizer reads as views): no grad shard is allocated for an fp32 bucket (`grads[b]` is
+    None there), only the fp32 widening of low-precision buckets."""
 
     def __init__(
         self,
@@ -47,6 +51,7 @@ class ZeroShards:
         comm: Any = None,
         shard_grads: Optional[Sequence[Any]] = None,
         timeline: Optional[Callable[[], Timeline]] = None,
+        fp32_grad_shards: bool = True,
     ) -> None:
         if group.size != shards.world:
             raise ConfigError(
@@ -71,7 +76,7 @@ class ZeroShards:
         if not self._copy_back:
             self.params = views
         self.master: List[Any] = []
-        self.grads: List[Any] = []  # fp32 grad shards
+        self.grads: List[Any] = []  # fp32 grad shards (None: the framework's full grads, ZeRO-1)
         self._reduced = list(shard_grads) if shard_grads is not None else None  # ZeRO-2
         for b, bucket in enumerate(self.layout.buckets):
             own = self.owned_params(b)
@@ -82,9 +87,12 @@ class ZeroShards:
                 compute.submit(_cast_into, m, own)
                 self.master.append(m)
             red = None if self._reduced is None else self._reduced[b]
-            self.grads.append(
-                red if red is not None and np.dtype(red.dtype) == F32 else device.zeros(len(own), F32)
-            )
+            if red is not None and np.dtype(red.dtype) == F32:
+                self.grads.append(red)
+            elif np.dtype(bucket.dtype) == F32 and not fp32_grad_shards:
+                self.grads.append(None)
+            else:
+                self.grads.append(device.zeros(len(own), F32))
         self._events: List[Any] = []
 
     # ------------------------------------------------------------------ views
@@ -111,13 +119,14 @@ class ZeroShards:
             "param_buffers": self.param_buffers.nbytes,
             "owned_params": own,
             "master": master,
-            "grad_shards": sum(g.nbytes for g in self.grads),
+            "grad_shards": sum(g.nbytes for g in self.grads if g is not None),
         }
 
     # ------------------------------------------------------------------ grads in
 
     def collect_full(self, grads: Sequence[Any]) -> None:
-        """ZeRO-1: the owned ranges of full (already reduced) grads; a None grad reads as zero."""
+        """ZeRO-1 into the fp32 grad shards: the owned ranges of full (already reduced) grads;
+        a None grad reads as zero (the torch optimizer reads its full grads as views instead)."""
         compute = self.device.current_stream()
         for piece in self.pieces:
             g = grads[piece.param]
@@ -140,12 +149,16 @@ class ZeroShards:
             if g is not red:
                 compute.submit(_cast_into, g, red)
 
-    def global_norm(self) -> float:
-        """The 2-norm of the whole (sharded) grad: one all-reduce of the shards' squared norms.
-        NaN or Inf when any rank's shard holds one."""
+    def global_norm(self, local_sq: Optional[float] = None) -> float:
+        """The 2-norm of the whole (sharded) grad: one all-reduce of the shards' squared norms
+        (`local_sq`: this rank's, computed by the caller; None: over `grads`). NaN or Inf when
+        any rank's shard holds one."""
         local = np.zeros(1, np.float64)
-        for g in self.grads:
-            local[0] += float(to_host(self.device.xp.dot(g, g)))
+        if local_sq is not None:
+            local[0] = local_sq
+        for g in self.grads if local_sq is None else ():
+            if g is not None:
+                local[0] += float(to_host(self.device.xp.dot(g, g)))
         buf = self.device.xp.asarray(local)
         self.blocking(
             lambda s: self.group.all_reduce(
@@ -157,7 +170,8 @@ class ZeroShards:
     def scale_grads(self, factor: float) -> None:
         compute = self.device.current_stream()
         for g in self.grads:
-            compute.submit(_scale, g, factor)
+            if g is not None:
+                compute.submit(_scale, g, factor)
 
     # ------------------------------------------------------------------ params out
 

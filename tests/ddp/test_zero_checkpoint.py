@@ -48,7 +48,7 @@ def _save(rank: int, world: int, stage: int, path: str, store: str) -> dict:
     m = make_model()
     wrapped = _wrapped(m, stage, rank, world, store)
     cls, kw = OPTIMIZERS["adamw"]
-    z = nd.ZeroRedundancyOptimizer(m.parameters(), getattr(torch.optim, cls), **kw)
+    z = nd.ZeroRedundancyOptimizer(m.parameters(), getattr(torch.optim, cls), zero_stage=stage, **kw)
     train(m, z, wrapped, rank, world, steps=HALF)
     z.consolidate_state_dict(to=0)
     if rank == 0:
@@ -65,7 +65,7 @@ def _resume(rank: int, world: int, stage: int, path: str, store: str) -> dict:
     m.load_state_dict(saved["model"])
     wrapped = _wrapped(m, stage, rank, world, store)
     cls, kw = OPTIMIZERS["adamw"]
-    z = nd.ZeroRedundancyOptimizer(m.parameters(), getattr(torch.optim, cls), **kw)
+    z = nd.ZeroRedundancyOptimizer(m.parameters(), getattr(torch.optim, cls), zero_stage=stage, **kw)
     z.load_state_dict(saved["optimizer"])
     out = train(m, z, wrapped, rank, world, steps=HALF, start=HALF)
     _close(stage)

@@ -40,7 +40,7 @@ def _features(rank: int, world: int, store_dir: str) -> dict:
         ref_acc = train(m, adamw(m.parameters(), **kw), TorchDDP(m), rank, world, accumulate=2)
         m = make_model()
         ddp = nd.DistributedDataParallel(m, bucket_cap_mb=SMALL)
-        z = nd.ZeroRedundancyOptimizer(m.parameters(), adamw, **kw)
+        z = nd.ZeroRedundancyOptimizer(m.parameters(), adamw, zero_stage=2, **kw)
         out["no_sync"] = (ref_acc, train(m, z, ddp, rank, world, accumulate=2))
         ddp.close()
 
@@ -48,7 +48,7 @@ def _features(rank: int, world: int, store_dir: str) -> dict:
         ref = train(m, adamw(m.parameters(), **kw), TorchDDP(m), rank, world)
         m = make_model()
         ddp = nd.DistributedDataParallel(m, bucket_cap_mb=SMALL)
-        z = nd.ZeroRedundancyOptimizer(m.parameters(), adamw, overlap_param_gather=True, **kw)
+        z = nd.ZeroRedundancyOptimizer(m.parameters(), adamw, zero_stage=2, overlap_param_gather=True, **kw)
         ours = train(m, z, ddp, rank, world)
         out["overlap_pending_after_step"] = z.zs.gather_pending
         z.zs.wait_all()
@@ -60,7 +60,7 @@ def _features(rank: int, world: int, store_dir: str) -> dict:
         # rank 1's comm stream lags: the all-gathers still come first on every rank
         m = make_model()
         ddp = nd.DistributedDataParallel(m, bucket_cap_mb=SMALL)
-        z = nd.ZeroRedundancyOptimizer(m.parameters(), adamw, overlap_param_gather=True, **kw)
+        z = nd.ZeroRedundancyOptimizer(m.parameters(), adamw, zero_stage=2, overlap_param_gather=True, **kw)
         data = global_batches()
         for step in range(STEPS):
             x, y = local(data[step], rank, world)
@@ -84,7 +84,7 @@ def _features(rank: int, world: int, store_dir: str) -> dict:
             m = make_model()
             if ours_side:
                 wrapped = nd.DistributedDataParallel(m, bucket_cap_mb=SMALL, find_unused_parameters=True)
-                opt = nd.ZeroRedundancyOptimizer(m.parameters(), adamw, **kw)
+                opt = nd.ZeroRedundancyOptimizer(m.parameters(), adamw, zero_stage=2, **kw)
             else:
                 wrapped = TorchDDP(m, find_unused_parameters=True)
                 opt = adamw(m.parameters(), **kw)
@@ -107,7 +107,7 @@ def _features(rank: int, world: int, store_dir: str) -> dict:
             m = make_model()
             ddp = nd.DistributedDataParallel(m, **kwargs)
             try:
-                nd.ZeroRedundancyOptimizer(m.parameters(), adamw, **kw)
+                nd.ZeroRedundancyOptimizer(m.parameters(), adamw, zero_stage=2, **kw)
             except ConfigError as e:
                 refusals[name] = str(e)
             ddp.close()
@@ -115,13 +115,13 @@ def _features(rank: int, world: int, store_dir: str) -> dict:
         ddp = nd.DistributedDataParallel(m)
         ddp.register_comm_hook(None, nd.hooks.bf16_compress)
         try:
-            nd.ZeroRedundancyOptimizer(m.parameters(), adamw, **kw)
+            nd.ZeroRedundancyOptimizer(m.parameters(), adamw, zero_stage=2, **kw)
         except ConfigError as e:
             refusals["hook_before"] = str(e)
         ddp.close()
         m = make_model()
         ddp = nd.DistributedDataParallel(m)
-        nd.ZeroRedundancyOptimizer(m.parameters(), adamw, **kw)
+        nd.ZeroRedundancyOptimizer(m.parameters(), adamw, zero_stage=2, **kw)
         try:
             ddp.register_comm_hook(None, nd.hooks.bf16_compress)
         except ConfigError as e:

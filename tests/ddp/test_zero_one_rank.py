@@ -74,9 +74,9 @@ def test_params_not_covered_by_the_wrapper(world1):
     ddp = nd.DistributedDataParallel(m)
     extra = torch.nn.Parameter(torch.zeros(3))
     with pytest.raises(ConfigError, match="not covered by the same wrapper"):
-        nd.ZeroRedundancyOptimizer([*m.parameters(), extra], torch.optim.AdamW, lr=0.1)
+        nd.ZeroRedundancyOptimizer([*m.parameters(), extra], torch.optim.AdamW, lr=0.1, zero_stage=2)
     with pytest.raises(ConfigError, match=r"missing \['gain'\]"):
-        nd.ZeroRedundancyOptimizer(list(m.parameters())[1:], torch.optim.AdamW, lr=0.1)
+        nd.ZeroRedundancyOptimizer(list(m.parameters())[1:], torch.optim.AdamW, lr=0.1, zero_stage=2)
     with pytest.raises(ConfigError, match="zero_stage=2|not covered"):
         nd.ZeroRedundancyOptimizer(make_model().parameters(), torch.optim.AdamW, lr=0.1, zero_stage=2)
     ddp.close()
@@ -188,7 +188,7 @@ def test_add_param_group_after_steps_keeps_state(world1):
 def test_bf16_masters_round_trip_through_the_checkpoint(world1):
     m = make_model(torch.bfloat16)
     ddp = nd.DistributedDataParallel(m)
-    opt = nd.ZeroRedundancyOptimizer(m.parameters(), torch.optim.AdamW, lr=0.01)
+    opt = nd.ZeroRedundancyOptimizer(m.parameters(), torch.optim.AdamW, lr=0.01, zero_stage=2)
     for _ in range(2):
         opt.zero_grad()
         ddp(torch.ones(2, 7, dtype=torch.bfloat16)).float().square().sum().backward()
@@ -205,7 +205,7 @@ def test_bf16_masters_round_trip_through_the_checkpoint(world1):
     m2 = make_model(torch.bfloat16)
     m2.load_state_dict(m.state_dict())
     ddp2 = nd.DistributedDataParallel(m2)
-    opt2 = nd.ZeroRedundancyOptimizer(m2.parameters(), torch.optim.AdamW, lr=0.01)
+    opt2 = nd.ZeroRedundancyOptimizer(m2.parameters(), torch.optim.AdamW, lr=0.01, zero_stage=2)
     opt2.load_state_dict(sd)
     opt2.consolidate_state_dict(0)
     again = opt2.state_dict()
@@ -223,7 +223,7 @@ def test_reduce_scatter_is_on_the_step_timeline(world1):
 
     m = make_model()
     ddp = nd.DistributedDataParallel(m, bucket_cap_mb=400 / (1 << 20))
-    opt = nd.ZeroRedundancyOptimizer(m.parameters(), torch.optim.SGD, lr=0.1)
+    opt = nd.ZeroRedundancyOptimizer(m.parameters(), torch.optim.SGD, lr=0.1, zero_stage=2)
     ddp.reducer.prof = Timeline(0, timeline=True)
     for _ in range(2):
         opt.zero_grad()
@@ -249,7 +249,12 @@ def test_param_gather_is_on_the_step_timeline(world1, overlap):
     m = make_model()
     ddp = nd.DistributedDataParallel(m, bucket_cap_mb=400 / (1 << 20))
     opt = nd.ZeroRedundancyOptimizer(
-        m.parameters(), torch.optim.SGD, lr=0.1, overlap_param_gather=overlap, skip_nonfinite=False
+        m.parameters(),
+        torch.optim.SGD,
+        lr=0.1,
+        zero_stage=2,
+        overlap_param_gather=overlap,
+        skip_nonfinite=False,
     )  # (the non-finite check's norm would wait for the comm stream inside step())
     ddp.reducer.prof = Timeline(0, timeline=True)
     nbuckets = len(opt.zs.layout.buckets)
@@ -277,7 +282,7 @@ def test_check_finite_flags_reach_through_the_reduce_scatter(world1):
     way into the reduce-scatter, and the optimizer skips the step."""
     m = make_model()
     ddp = nd.DistributedDataParallel(m, check_finite=True)
-    opt = nd.ZeroRedundancyOptimizer(m.parameters(), torch.optim.AdamW, lr=0.01)
+    opt = nd.ZeroRedundancyOptimizer(m.parameters(), torch.optim.AdamW, lr=0.01, zero_stage=2)
     for scale, finite in ((1.0, True), (float("inf"), False), (1.0, True)):
         before = m.a.weight.detach().clone()
         opt.zero_grad()

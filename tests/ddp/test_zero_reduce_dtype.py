@@ -29,7 +29,7 @@ def _run(rank: int, world: int, store_dir: str) -> dict:
             m = make_model(torch.bfloat16)
             ddp = nd.DistributedDataParallel(m, bucket_cap_mb=SMALL)
             z = nd.ZeroRedundancyOptimizer(
-                m.parameters(), getattr(torch.optim, cls), reduce_dtype=reduce_dtype, **kw
+                m.parameters(), getattr(torch.optim, cls), zero_stage=2, reduce_dtype=reduce_dtype, **kw
             )
             out[name] = train(m, z, ddp, rank, world, dtype=torch.bfloat16)
             outputs = ddp.reducer.sharding.outputs

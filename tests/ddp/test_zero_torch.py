@@ -1,6 +1,7 @@
 """nd.ZeroRedundancyOptimizer against torch (host backend, gloo, CPU; 2 and 3 ranks): after 10
 steps every rank's parameters equal torch DDP + the unsharded torch optimizer's, and torch's own
-ZeroRedundancyOptimizer's, to 1e-6; ZeRO-2 (our DDP reduce-scatters), ZeRO-1 (torch's DDP),
+ZeroRedundancyOptimizer's, to 1e-6; ZeRO-2 (zero_stage=2: our DDP reduce-scatters), ZeRO-1 (the
+default: torch's DDP, or ours all-reducing into p.grad),
 AdamW and SGD-momentum, clipping, bf16 parameters with fp32 masters. Shards cut through
 parameters (tests/support/zero_oracle.py's model, small buckets)."""
 
@@ -43,9 +44,15 @@ def _cases(rank: int, world: int, store_dir: str) -> dict:
                 if ZERO2:
                     m = make_model()
                     ddp = nd.DistributedDataParallel(m, bucket_cap_mb=SMALL_BUCKETS_MB)
-                    z = nd.ZeroRedundancyOptimizer(m.parameters(), cls, **kw)
+                    z = nd.ZeroRedundancyOptimizer(m.parameters(), cls, zero_stage=2, **kw)
                     out[f"zero2-{tag}"] = (ref, train(m, z, ddp, rank, world, clip=clip), z._stage)
                     ddp.close()
+                # the default with our DDP: ZeRO-1, the wrapper all-reduces into p.grad
+                m = make_model()
+                ddp = nd.DistributedDataParallel(m, bucket_cap_mb=SMALL_BUCKETS_MB)
+                z = nd.ZeroRedundancyOptimizer(m.parameters(), cls, **kw)
+                out[f"zero1nd-{tag}"] = (ref, train(m, z, ddp, rank, world, clip=clip), z._stage)
+                ddp.close()
                 m = make_model()
                 z = nd.ZeroRedundancyOptimizer(m.parameters(), cls, **kw)
                 out[f"zero1-{tag}"] = (ref, train(m, z, TorchDDP(m), rank, world, clip=clip), z._stage)
@@ -64,7 +71,7 @@ def _cases(rank: int, world: int, store_dir: str) -> dict:
             ddp.close()
             m = make_model(torch.bfloat16)
             ddp = nd.DistributedDataParallel(m, bucket_cap_mb=SMALL_BUCKETS_MB)
-            z = nd.ZeroRedundancyOptimizer(m.parameters(), cls, **kw)
+            z = nd.ZeroRedundancyOptimizer(m.parameters(), cls, zero_stage=2, **kw)
             out[f"zero2-bf16-{name}"] = (ref, train(m, z, ddp, rank, world, dtype=torch.bfloat16), z._stage)
             ddp.close()
     finally:
@@ -79,7 +86,12 @@ def results(request, tmp_path_factory):
     return world, run_ranks(_cases, world, str(tmp_path_factory.mktemp("gloo")), timeout=300)
 
 
-CASES = [f"{z}-{o}{c}" for z in ("zero2", "zero1")[not ZERO2 :] for o in OPTIMIZERS for c in ("", "-clip")]
+CASES = [
+    f"{z}-{o}{c}"
+    for z in ("zero2", "zero1", "zero1nd")[not ZERO2 :]
+    for o in OPTIMIZERS
+    for c in ("", "-clip")
+]
 CASES += [f"torchzero-{o}" for o in OPTIMIZERS]
 CASES += [f"zero2-bf16-{o}" for o in OPTIMIZERS] if ZERO2 else []
 
@@ -90,7 +102,7 @@ def test_params_match_unsharded_torch(results, case):
     world, per_rank = results
     for rank, res in enumerate(per_rank):
         reference, ours, stage = res[case]
-        assert stage == (1 if case.startswith("zero1") or not ZERO2 else 2)
+        assert stage == (2 if ZERO2 and not case.startswith("zero1") else 1)
         assert set(ours) == set(reference)
         for key in reference:
             np.testing.assert_allclose(
