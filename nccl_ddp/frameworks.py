@@ -32,6 +32,8 @@ _TORCH = Framework("torch", "torch", wrapper=("torch_ddp", "TorchDistributedData
 _MS_DDP = ("mindspore_ddp", "MindSporeDistributedDataParallel")
 _MINDSPORE = Framework("mindspore", "mindspore", wrapper=_MS_DDP)
 _JAX = Framework("jax", "jax", immutable=True)
+_TENSORFLOW = Framework("tensorflow", "tensorflow", immutable=True)
+_KERAS = Framework("keras", "keras")  # Keras 3 variables; their grads are the backend's tensors
 
 # top-level module of a class in an object's MRO -> its framework (a user's model subclasses the
 # framework's own class, and MindSpore's Parameter lives in "abc"); the whole list of adapters
@@ -41,6 +43,9 @@ ADAPTERS: Mapping[str, Framework] = {
     "jax": _JAX,
     "jaxlib": _JAX,
     "flax": _JAX,
+    "tensorflow": _TENSORFLOW,
+    "tf_keras": _TENSORFLOW,  # Keras 2: TensorFlow variables and tensors
+    "keras": _KERAS,
 }
 
 NATIVE = ("numpy", "cupy")  # the backends' own arrays: no adapter

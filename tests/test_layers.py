@@ -26,7 +26,7 @@ LAYERS = [
     # they may import each other (never in a circle: test_no_import_circles)
     ["ddp", "zero"],
     ["adapters"],
-    ["", "launch", "hooks", "lightning", "accelerate"],  # "" is the package (__init__.py)
+    ["", "launch", "hooks", "lightning", "accelerate", "keras"],  # "" is the package (__init__.py)
 ]
 FRAMEWORKS = {
     "torch",

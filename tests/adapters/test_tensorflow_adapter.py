@@ -1,0 +1,98 @@
+"""The TensorFlow 2 / Keras 3 adapter on 2 ranks under nccl-ddp-run, against one process on the
+full batch (tests/support/tf_checks.py computes both; float64, so only the order of additions can
+differ): GradientTape + DistributedGradReducer eagerly and inside tf.function, Keras model.fit with
+DistributedOptimizer(Adam(clipnorm=...)) + BroadcastGlobalVariablesCallback from different initial
+weights, the functional collectives on tensors and variables, and bad inputs named by parameter.
+
+TensorFlow runs only in .venv-tf (scripts/setup_tf_venv.sh, or $NCCL_DDP_TF_VENV), never in this
+process; without it these tests skip, saying why. One launch (about 20 s) serves every test."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+from paths import SUPPORT
+from tf_venv import PY, run_tf, venv_problem
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """[rank 0's results, rank 1's] of one 2-rank launch of tf_checks.py."""
+    problem = venv_problem()
+    if problem:
+        pytest.skip(problem)
+    out = tmp_path_factory.mktemp("tf_checks")
+    script = os.path.join(SUPPORT, "tf_checks.py")
+    run_tf([PY, "-m", "nccl_ddp.launch", "--nproc-per-node", "2", script, str(out)], str(out))
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def _close(a, b, rtol=1e-12, atol=1e-12):
+    for x, y in zip(a, b):
+        np.testing.assert_allclose(np.array(x, dtype=float), np.array(y, dtype=float), rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_tape_and_reducer_equal_one_process_on_the_full_batch(ranks, mode):
+    for res in ranks:
+        w, b, kinds = res[mode]
+        ref_w, ref_b, _ = res["ref_tape"]
+        _close([w, b], [ref_w, ref_b])
+        assert kinds == ["EagerTensor"]  # TensorFlow tensors come back, not NumPy arrays
+    assert ranks[0][mode][:2] == ranks[1][mode][:2]  # bitwise equal across ranks
+
+
+def test_keras_fit_with_distributed_optimizer_equals_one_process(ranks):
+    """Ranks start from different weights (the callback gives rank 0's) and fit half batches
+    with Adam(clipnorm=0.05); the result is one process fitting the whole batches, so the clip
+    saw the mean grads (clipping is active: the unclipped run ends elsewhere)."""
+    for res in ranks:
+        *weights, iterations = res["fit"]
+        *ref, ref_iterations = res["ref_fit"]
+        assert iterations == ref_iterations == 6
+        _close(weights, ref)
+        unclipped = res["ref_fit_unclipped"][:-1]
+        assert max(np.max(np.abs(np.array(a) - np.array(b))) for a, b in zip(unclipped, ref)) > 1e-3
+    assert ranks[0]["fit"] == ranks[1]["fit"]
+
+
+def test_collectives_on_tensors_and_variables(ranks):
+    for rank, res in enumerate(ranks):
+        c = res["collectives"]
+        assert c["tensor"] == ["EagerTensor", [3.0, 6.0], [1.0 * (rank + 1), 2.0 * (rank + 1)]]
+        assert c["variable"] == [True, [1.0, 11.0]]  # max over ranks, assigned to the variable
+        assert c["keras_variable"] == [True, [6.0, 6.0, 6.0]]  # rank 1's, broadcast
+        assert c["float64_dtype"] == "float64"
+
+
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        ("numpy", r"ConfigTypeError: grads\[0\] is a numpy.ndarray .*built on TensorFlow variables"),
+        (
+            "dtype",
+            r"ConfigError: grad 'w:0' \(grads\[0\]\): dtype differs: the grad is float64, "
+            "its parameter float32",
+        ),
+        ("shape", r"ConfigError: grad 'w:0' \(grads\[0\]\): shape differs"),
+        ("none", r"ConfigError: grads\[0\] is None: .*tf.zeros_like"),
+        ("mixed_params", r"ConfigTypeError: parameters\[1\] is a numpy.ndarray"),
+        ("xla", r"XLA cannot call back into Python.*jit_compile=False"),
+        ("ddp", r"ConfigTypeError: Keras models have no DistributedDataParallel.*DistributedOptimizer"),
+    ],
+)
+def test_bad_inputs_are_refused_naming_the_parameter(ranks, case, match):
+    for res in ranks:
+        assert re.search(match, res["bad"][case], re.S), res["bad"][case]
+        assert res["bad"]["after"] == [[[1.0, 1.0]] * 3, [1.0, 1.0]]  # the reducer still works
+
+
+def test_keras_jit_compile_is_refused(ranks):
+    for res in ranks:
+        assert res["keras_jit"].startswith("ConfigError: DistributedGradReducer was traced inside an XLA")
