@@ -57,3 +57,8 @@ class JoinError(NcclDdpError):
 
 class NonFiniteGradError(NcclDdpError):
     """`check_finite="raise"`: a step's grads held NaN or Inf (raised on every rank)."""
+
+
+class FrameworkVersionError(NcclDdpError, ImportError):
+    """A glue library (Lightning, Accelerate) lacks a private name our glue relies on: a version
+    newer than the one we test. The message names the name and the tested version."""

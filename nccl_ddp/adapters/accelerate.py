@@ -16,17 +16,34 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import inspect
 import threading
-from typing import Any, Iterator, cast
+from typing import Any, Dict, Iterator, cast
 
 import accelerate
 import torch
 
+from nccl_ddp.adapters import private_names
 from nccl_ddp.adapters.torch_ddp import TorchDistributedDataParallel, TorchReducer
 from nccl_ddp.adapters.torch_dist import init_beside_torch
 from nccl_ddp.comm import api
 
 _PATCH = threading.Lock()
+_TORCH_DDP = "torch.nn.parallel.DistributedDataParallel"
+
+
+def private_names_present() -> Dict[str, bool]:
+    """What the swap relies on -> whether this accelerate has it: `Accelerator.prepare_model` looks
+    torch's DDP up by its full name when it wraps a model (a module-level import would keep
+    torch's class, and prepare would silently build torch's DDP)."""
+    try:
+        source = inspect.getsource(accelerate.Accelerator.prepare_model)
+    except (OSError, TypeError):  # no source installed: nothing to check against
+        return {}
+    return {f"the lookup of {_TORCH_DDP} inside Accelerator.prepare_model": f"{_TORCH_DDP}(" in source}
+
+
+private_names.require("accelerate", private_names_present())
 
 
 class Accelerator(accelerate.Accelerator):

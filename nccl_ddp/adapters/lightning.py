@@ -15,16 +15,45 @@ prepare_for_backward, teardown) asks about ours here. Imported only by `nccl_ddp
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+from typing import Any, Dict, Iterator, Optional
 
 from lightning.pytorch.overrides.distributed import prepare_for_backward
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.strategies.ddp import _DDPForwardRedirection
+from lightning.pytorch.strategies import ddp as _lightning_ddp
 
+from nccl_ddp.adapters import private_names
 from nccl_ddp.adapters.torch_ddp import TorchDistributedDataParallel
 from nccl_ddp.adapters.torch_dist import init_beside_torch
 from nccl_ddp.comm import api
 from nccl_ddp.errors import ConfigError
+
+# DDPStrategy's private attributes that its __init__ sets and the strategy reads or replaces
+INSTANCE_ATTRS = (
+    "_ddp_kwargs",
+    "_timeout",
+    "_ddp_comm_hook",
+    "_ddp_comm_wrapper",
+    "_ddp_comm_state",
+    "_forward_redirection",
+)
+
+
+def private_names_present() -> Dict[str, bool]:
+    """Lightning's private names the strategy relies on -> whether this Lightning has them (a
+    method we override that Lightning no longer calls would silently bring torch's DDP back)."""
+    redirection = getattr(_lightning_ddp, "_DDPForwardRedirection", None)
+    own = vars(redirection) if redirection is not None else {}
+    return {  # defined by the class itself (Strategy has a _setup_model of its own that is no DDP)
+        "lightning.pytorch.strategies.ddp._DDPForwardRedirection": redirection is not None,
+        "_DDPForwardRedirection.on_after_inner_forward": "on_after_inner_forward" in own,
+        "_DDPForwardRedirection.on_after_outer_forward": "on_after_outer_forward" in own,
+        "DDPStrategy._setup_model": "_setup_model" in vars(DDPStrategy),
+        "DDPStrategy._register_ddp_hooks": "_register_ddp_hooks" in vars(DDPStrategy),
+    }
+
+
+private_names.require("lightning", private_names_present())
+_DDPForwardRedirection: Any = _lightning_ddp._DDPForwardRedirection
 
 
 class _Redirection(_DDPForwardRedirection):
@@ -62,6 +91,7 @@ class NcclDDPStrategy(DDPStrategy):
 
     def __init__(self, *args: Any, nccl_backend: Optional[str] = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        private_names.require("lightning", {f"DDPStrategy.{a}": hasattr(self, a) for a in INSTANCE_ATTRS})
         self._forward_redirection = _Redirection()
         self._nccl_backend = nccl_backend
         self._owns_group = False
