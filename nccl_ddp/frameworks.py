@@ -34,6 +34,7 @@ _MINDSPORE = Framework("mindspore", "mindspore", wrapper=_MS_DDP)
 _JAX = Framework("jax", "jax", immutable=True)
 _TENSORFLOW = Framework("tensorflow", "tensorflow", immutable=True)
 _KERAS = Framework("keras", "keras")  # Keras 3 variables; their grads are the backend's tensors
+_PADDLE = Framework("paddle", "paddle", wrapper=("paddle_ddp", "PaddleDistributedDataParallel"))
 
 # top-level module of a class in an object's MRO -> its framework (a user's model subclasses the
 # framework's own class, and MindSpore's Parameter lives in "abc"); the whole list of adapters
@@ -46,6 +47,7 @@ ADAPTERS: Mapping[str, Framework] = {
     "tensorflow": _TENSORFLOW,
     "tf_keras": _TENSORFLOW,  # Keras 2: TensorFlow variables and tensors
     "keras": _KERAS,
+    "paddle": _PADDLE,
 }
 
 NATIVE = ("numpy", "cupy")  # the backends' own arrays: no adapter
@@ -54,7 +56,7 @@ GENERIC = "base"  # the adapter module for any other framework whose arrays spea
 
 def framework_of(obj: Any) -> Optional[str]:
     """The framework of an array, parameter or model: a name of `ADAPTERS` ("torch", "jax", ...),
-    the top-level module of any other array-like object ("paddle", "tinygrad": the generic
+    the top-level module of any other array-like object ("tinygrad", "mxnet": the generic
     adapter's), or None for NumPy / CuPy arrays and for anything that is no array (a list)."""
     for cls in type(obj).__mro__:
         base = cls.__module__.split(".")[0]
@@ -141,8 +143,8 @@ def module_adapter(module: Any) -> Any:
     name = framework_of(module)
     if name is None:
         raise ConfigTypeError(
-            f"module must be a model of a supported framework (torch.nn.Module, MindSpore nn.Cell), "
-            f"an nccl_ddp ArrayModule or a list/dict of arrays, got "
+            f"module must be a model of a supported framework (torch.nn.Module, MindSpore nn.Cell, "
+            f"paddle.nn.Layer), an nccl_ddp ArrayModule or a list/dict of arrays, got "
             f"{type(module).__module__}.{type(module).__name__}"
         )
     return adapter(name).adapt(module)

@@ -5,8 +5,10 @@
 # (each under 2 s, setup included; pytest lists unmarked ones that take longer); without it, the
 # whole suite. Environments (created once, reused): .venv (NumPy 2,
 # torch CPU, JAX CPU, CuPy + NVRTC + NCCL wheels for the kernel compile checks), .venv-ms
-# (MindSpore 2.10, which needs numpy<2; the MindSpore tests run their examples in it) and .venv-tf
-# (tensorflow-cpu 2.21 + Keras 3.15, ~100 s to install; the TensorFlow tests run their ranks in it).
+# (MindSpore 2.10, which needs numpy<2; the MindSpore tests run their examples in it), .venv-tf
+# (tensorflow-cpu 2.21 + Keras 3.15, ~100 s to install; the TensorFlow tests run their ranks in it)
+# and .venv-paddle (PaddlePaddle 3.3 CPU, ~30 s to install; Paddle's tests run in it: TensorFlow
+# and Paddle segfault in one process).
 # NCCL_DDP_SKIP_FRAMEWORKS=1 skips the framework installs (their tests then skip, saying why).
 set -euo pipefail
 source "$(dirname "$0")/_venv.sh"
@@ -26,6 +28,9 @@ if [[ ${NCCL_DDP_SKIP_FRAMEWORKS:-0} != 1 ]]; then
   fi
   if [[ -f scripts/setup_tf_venv.sh ]]; then
     bash scripts/setup_tf_venv.sh
+  fi
+  if [[ -f scripts/setup_paddle_venv.sh ]]; then
+    bash scripts/setup_paddle_venv.sh
   fi
 fi
 echo "== lint and format (ruff)"

@@ -40,6 +40,7 @@ FRAMEWORKS = {
     "tensorflow",
     "keras",
     "tf_keras",
+    "paddle",
 }
 
 

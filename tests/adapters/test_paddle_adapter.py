@@ -1,0 +1,126 @@
+"""The PaddlePaddle adapter against `paddle.DataParallel` (gloo on the CPU), 2 ranks under
+nccl-ddp-run: our DistributedDataParallel of a `paddle.nn.Layer` and our DistributedGradReducer on
+Paddle's grads end bitwise equal to Paddle's own data parallelism from the same seeds, no_sync()
+steps included; state_dict keys and parameter names are Paddle's; BatchNorm statistics come from
+rank 0. The job runs once per module (tests/support/paddle_checks.py); the single-process checks
+cover bad inputs.
+
+Paddle runs in the .venv-paddle venv made by scripts/setup_paddle_venv.sh (or
+$NCCL_DDP_PADDLE_VENV), apart from TensorFlow (importing both in one process segfaults); without
+it these tests are skipped.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+
+import numpy as np
+import pytest
+from paths import ROOT as REPO
+from paths import SUPPORT
+
+ROOT = str(REPO)
+VENV = os.environ.get("NCCL_DDP_PADDLE_VENV", os.path.join(ROOT, ".venv-paddle"))
+PY = os.path.join(VENV, "bin", "python")
+TIMEOUT = 150
+STATS = ("1._mean", "1._variance")  # BatchNorm's running statistics; the rest are parameters
+
+_missing = not glob.glob(os.path.join(VENV, "lib", "python*", "site-packages", "paddle", "__init__.py"))
+pytestmark = [
+    pytest.mark.skipif(_missing, reason=f"no Paddle venv at {VENV}: run scripts/setup_paddle_venv.sh"),
+    pytest.mark.slow,
+    pytest.mark.timeout(2 * TIMEOUT + 60),
+]
+
+
+def _run(args: list, cwd) -> str:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=ROOT)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    proc = subprocess.run(args, cwd=str(cwd), capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{' '.join(args)} exited {proc.returncode}:\n{out[-4000:]}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """rank -> (arrays, names) of the 2-rank job."""
+    out = tmp_path_factory.mktemp("paddle")
+    log = _run(
+        [
+            PY,
+            "-m",
+            "nccl_ddp.launch",
+            "--nproc-per-node",
+            "2",
+            os.path.join(SUPPORT, "paddle_checks.py"),
+            "train",
+            str(out),
+        ],
+        out,
+    )
+    assert log.count("paddle_checks: rank") == 2, log[-3000:]
+    return {
+        r: (np.load(out / f"rank{r}.npz"), json.loads((out / f"rank{r}.json").read_text())) for r in (0, 1)
+    }
+
+
+def _keys(arrays, prefix: str) -> list:
+    return sorted(k.split("/", 1)[1] for k in arrays.files if k.startswith(prefix + "/"))
+
+
+def test_ddp_bitwise_equal_to_paddle_data_parallel(trained):
+    """Every parameter of our DDP equals paddle.DataParallel's bit for bit on both ranks, after 6
+    Momentum steps with two no_sync() steps; both moved away from the initial weights."""
+    for rank in (0, 1):
+        a, _ = trained[rank]
+        params = [k for k in _keys(a, "ours") if k not in STATS]
+        assert len(params) == 6, params
+        for k in params:
+            np.testing.assert_array_equal(a[f"ours/{k}"], a[f"paddle/{k}"], err_msg=f"rank {rank} {k}")
+            assert not np.array_equal(a[f"ours/{k}"], a[f"init/{k}"]), k
+        other, _ = trained[1 - rank]
+        for k in params:
+            np.testing.assert_array_equal(a[f"ours/{k}"], other[f"ours/{k}"], err_msg=k)
+
+
+def test_grad_reducer_bitwise_equal_to_paddle_data_parallel(trained):
+    """DistributedGradReducer on [p.grad ...] (grads accumulated over the no_sync() steps, reduced
+    at step 4) gives the same parameters and, each rank keeping its own BatchNorm statistics as
+    Paddle does, the same statistics as paddle.DataParallel."""
+    for rank in (0, 1):
+        a, _ = trained[rank]
+        for k in _keys(a, "reducer"):
+            np.testing.assert_array_equal(a[f"reducer/{k}"], a[f"paddle/{k}"], err_msg=f"rank {rank} {k}")
+
+
+def test_state_dict_keys_and_parameter_names_are_paddles(trained):
+    for rank in (0, 1):
+        _, names = trained[rank]
+        assert names["ours_state_dict"] == names["paddle_state_dict"]
+        assert names["ours_state_dict"][:2] == ["0.weight", "0.bias"]
+        assert names["ours_named_parameters"] == names["paddle_named_parameters"]
+        assert names["ours_named_parameters"][0] == "_layers.0.weight"
+
+
+def test_buffers_come_from_rank_0(trained):
+    """Construction gives rank 1 rank 0's BatchNorm statistics (both DDPs); after training, the
+    evaluation forward gives it rank 0's again with ours (broadcast_buffers), while Paddle's
+    keeps rank 1's own, so the ranks' statistics really differed."""
+    (a0, _), (a1, _) = trained[0], trained[1]
+    for k in STATS:
+        np.testing.assert_array_equal(a0[f"ours/{k}"], a0[f"paddle/{k}"], err_msg=k)
+        np.testing.assert_array_equal(a1[f"ours/{k}"], a0[f"ours/{k}"], err_msg=k)
+        assert not np.array_equal(a1[f"paddle/{k}"], a0[f"paddle/{k}"]), k
+
+
+def test_single_process_checks(tmp_path):
+    """tests/support/paddle_checks.py single: mixed frameworks, dtypes and shapes refused naming
+    the parameter, paddle.DataParallel's options we cannot honour, an error raised inside
+    backward, find_unused_parameters, float16/float64/bfloat16 kept."""
+    out = _run([PY, os.path.join(SUPPORT, "paddle_checks.py"), "single"], tmp_path)
+    assert "paddle_checks: all passed" in out, out[-3000:]
