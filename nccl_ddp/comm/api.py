@@ -247,6 +247,11 @@ def get_local_rank() -> int:
     return _require("get_local_rank").env.local_rank
 
 
+def get_local_world_size() -> int:
+    """The number of ranks on this node (the launcher's LOCAL_WORLD_SIZE or equivalent)."""
+    return _require("get_local_world_size").env.local_world_size
+
+
 def get_store() -> Any:
     """The job's key-value store (coordination beside the collectives, e.g. Join's error report)."""
     return _require("get_store").store

@@ -1,0 +1,473 @@
+"""What every Horovod framework API shares, framework-free: init and the ranks, process sets over
+our groups, the handles of asynchronous ops, object collectives, and Horovod's settings.
+
+Horovod's names and meanings (horovod/common/basics.py, process_sets.py): `cross_rank` is this
+process's rank among the processes with its local rank, `cross_size` their number; a
+`ProcessSet(ranks)` is an `nccl_ddp.new_group(ranks)` once registered (at `init(process_sets=...)`
+or by `add_process_set`, which every rank calls, as in Horovod).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import pickle
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+import nccl_ddp as nd
+from nccl_ddp.comm.api import get_local_world_size
+from nccl_ddp.errors import CommError, ConfigError, ConfigTypeError
+
+log = logging.getLogger(__name__)
+
+# Horovod's op constants (the values of horovod.common.basics' enum)
+Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
+OP_NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "Max", Product: "Product"}
+
+HorovodInternalError = CommError
+"""What Horovod raises when a collective fails (a peer died): here our `CommError`, so
+`except hvd.HorovodInternalError` catches it."""
+
+# HOROVOD_* variables of Horovod's runtime that have no meaning here: said once, never ignored silently
+_NOT_APPLICABLE = {
+    "HOROVOD_CYCLE_TIME": "buckets launch as soon as their grads are ready",
+    "HOROVOD_HIERARCHICAL_ALLREDUCE": "NCCL picks its own algorithms",
+    "HOROVOD_HIERARCHICAL_ALLGATHER": "NCCL picks its own algorithms",
+    "HOROVOD_CACHE_CAPACITY": "there is no response cache to size",
+    "HOROVOD_AUTOTUNE": "bucket sizes come from HOROVOD_FUSION_THRESHOLD (or our 25 MiB default)",
+    "HOROVOD_TIMELINE": "use nccl_ddp's timeline (docs/profiling.md)",
+}
+# Horovod's launcher variables -> the ones nccl_ddp.env reads
+_LAUNCHER_VARS = {
+    "HOROVOD_RANK": "RANK",
+    "HOROVOD_SIZE": "WORLD_SIZE",
+    "HOROVOD_LOCAL_RANK": "LOCAL_RANK",
+    "HOROVOD_LOCAL_SIZE": "LOCAL_WORLD_SIZE",
+}
+
+
+def resolve_op(op: Any, average: Any, where: str) -> int:
+    """Horovod's `op` (None: Average) with its deprecated `average=` flag; Adasum is refused."""
+    if average is not None:
+        if op is not None:
+            raise ConfigError(f"{where}: pass op= or the deprecated average=, not both")
+        if not isinstance(average, bool):
+            raise ConfigTypeError(
+                f"{where}: average must be a bool, got {type(average).__name__} {average!r}"
+            )
+        return Average if average else Sum
+    if op is None:
+        return Average
+    if isinstance(op, bool) or not isinstance(op, (int, np.integer)) or int(op) not in OP_NAMES:
+        raise ConfigError(
+            f"{where}: unknown op {op!r}; use hvd.Average, hvd.Sum, hvd.Min, hvd.Max or hvd.Product"
+        )
+    if op == Adasum:
+        raise ConfigError(
+            f"{where}: op=hvd.Adasum is not supported by nccl_ddp (Horovod's adaptive summation "
+            "has no implementation here); use op=hvd.Average (the default) or hvd.Sum"
+        )
+    return int(op)
+
+
+def check_scale(where: str, name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+        raise ConfigTypeError(f"{where}: {name} must be a number, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+# ---------------------------------------------------------------------------------------------
+# init and the ranks
+
+
+class _State:
+    owns_group = False  # init() created nccl_ddp's process group (shutdown destroys it)
+    local_size = 1
+    cross_rank = 0
+    cross_size = 1
+
+
+_state = _State()
+
+
+def init(comm: Any = None, process_sets: Optional[Sequence[ProcessSet]] = None) -> None:
+    """Join the job (nccl_ddp.init_process_group: the launcher's variables, Horovod's
+    HOROVOD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE too) and register `process_sets`. Collective."""
+    if comm is not None:
+        raise ConfigError(
+            "hvd.init(comm=...): an MPI communicator or a subset of ranks is not supported; every "
+            "process of the job takes part (use process_sets=[hvd.ProcessSet(ranks)] for subsets)"
+        )
+    if not nd.is_initialized():
+        _map_horovod_launcher_vars()
+        nd.init_process_group()
+        _state.owns_group = True
+    _warn_not_applicable()
+    me, local = nd.get_rank(), nd.get_local_rank()
+    _state.local_size = get_local_world_size()
+    global_process_set._register(nd.get_world_group())
+    locals_ = allgather_object(local)
+    mine = [r for r, lr in enumerate(locals_) if lr == local]
+    _state.cross_rank, _state.cross_size = mine.index(me), len(mine)
+    for k, v in (
+        ("HOROVOD_RANK", me),
+        ("HOROVOD_SIZE", nd.get_world_size()),
+        ("HOROVOD_LOCAL_RANK", local),
+        ("HOROVOD_LOCAL_SIZE", _state.local_size),
+        ("HOROVOD_CROSS_RANK", _state.cross_rank),
+        ("HOROVOD_CROSS_SIZE", _state.cross_size),
+    ):
+        os.environ.setdefault(k, str(v))  # what Horovod's launcher gives its workers
+    for ps in process_sets or ():
+        add_process_set(ps)
+
+
+def _map_horovod_launcher_vars() -> None:
+    """Started by Horovod's own launcher in gloo mode: read its variables as ours."""
+    if "RANK" in os.environ or "HOROVOD_RANK" not in os.environ:
+        return
+    for theirs, ours in _LAUNCHER_VARS.items():
+        if theirs in os.environ:
+            os.environ.setdefault(ours, os.environ[theirs])
+    log.info("nccl_ddp.horovod: rank and size from HOROVOD_RANK / HOROVOD_SIZE")
+
+
+_warned = False
+
+
+def _warn_not_applicable() -> None:
+    global _warned
+    if _warned:
+        return
+    _warned = True
+    for name, why in _NOT_APPLICABLE.items():
+        if os.environ.get(name, "").strip():
+            log.warning("nccl_ddp.horovod: %s is set but has no effect here: %s", name, why)
+
+
+def fusion_threshold_mb() -> Optional[float]:
+    """HOROVOD_FUSION_THRESHOLD (bytes) as a bucket cap in MiB; None: our default (25 MiB)."""
+    raw = os.environ.get("HOROVOD_FUSION_THRESHOLD", "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(
+            f"HOROVOD_FUSION_THRESHOLD={raw!r} is not a whole number of bytes; set e.g. 67108864 "
+            "(64 MiB) or unset it"
+        ) from None
+    if value < 0:
+        raise ConfigError(f"HOROVOD_FUSION_THRESHOLD={value} is negative; set a number of bytes >= 0")
+    return value / 2**20
+
+
+def shutdown() -> None:
+    """Leave the job (destroys nccl_ddp's process group if init() created it)."""
+    for ps in list(_registered):
+        ps._invalidate()
+    _registered.clear()
+    global_process_set._invalidate()
+    if _state.owns_group:
+        _state.owns_group = False
+        nd.destroy_process_group()
+
+
+def is_initialized() -> bool:
+    return nd.is_initialized() and global_process_set._group is not None
+
+
+def _check_init(what: str) -> None:
+    if global_process_set._group is None:
+        raise ConfigError(f"hvd.{what}(): Horovod has not been initialized; call hvd.init() first")
+
+
+def size() -> int:
+    _check_init("size")
+    return nd.get_world_size()
+
+
+def rank() -> int:
+    _check_init("rank")
+    return nd.get_rank()
+
+
+def local_rank() -> int:
+    _check_init("local_rank")
+    return nd.get_local_rank()
+
+
+def local_size() -> int:
+    _check_init("local_size")
+    return _state.local_size
+
+
+def cross_rank() -> int:
+    _check_init("cross_rank")
+    return _state.cross_rank
+
+
+def cross_size() -> int:
+    _check_init("cross_size")
+    return _state.cross_size
+
+
+def is_homogeneous() -> bool:
+    return size() == local_size() * cross_size()
+
+
+def mpi_threads_supported() -> bool:
+    return False
+
+
+def mpi_enabled() -> bool:
+    return False
+
+
+def mpi_built() -> bool:
+    return False
+
+
+def gloo_enabled() -> bool:
+    return False
+
+
+def gloo_built() -> bool:
+    return False
+
+
+def nccl_built() -> bool:
+    return True
+
+
+def ddl_built() -> bool:
+    return False
+
+
+def ccl_built() -> bool:
+    return False
+
+
+def cuda_built() -> bool:
+    return True
+
+
+def rocm_built() -> bool:
+    return False
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    raise ConfigError(
+        "hvd.start_timeline: Horovod's timeline is not available; nccl_ddp records its own "
+        "per-step timeline (docs/profiling.md)"
+    )
+
+
+def stop_timeline() -> None:
+    start_timeline("")
+
+
+# ---------------------------------------------------------------------------------------------
+# process sets
+
+
+class ProcessSet:
+    """Horovod's process set: a sorted list of global ranks, an nccl_ddp group once registered."""
+
+    def __init__(self, ranks_or_comm: Any) -> None:
+        if isinstance(ranks_or_comm, (str, bytes)) or not hasattr(ranks_or_comm, "__iter__"):
+            raise ConfigTypeError(
+                f"ProcessSet takes a list of global ranks, got {type(ranks_or_comm).__name__} "
+                f"{ranks_or_comm!r} (MPI communicators are not supported)"
+            )
+        self.ranks: List[int] = sorted(int(r) for r in ranks_or_comm)
+        self.process_set_id: Optional[int] = None
+        self._group: Any = None
+
+    def _register(self, group: Any, set_id: int = 0) -> None:
+        self._group, self.process_set_id = group, set_id
+        if not self.ranks:  # the global set
+            self.ranks = list(range(nd.get_world_size()))
+
+    def _invalidate(self) -> None:
+        self._group, self.process_set_id = None, None
+
+    def size(self) -> Optional[int]:
+        return None if self.process_set_id is None else len(self.ranks)
+
+    def rank(self) -> Optional[int]:
+        if self.process_set_id is None or not self.included():
+            return None
+        return self.ranks.index(nd.get_rank())
+
+    def included(self) -> Optional[bool]:
+        return None if self.process_set_id is None else nd.get_rank() in self.ranks
+
+    def group(self, where: str) -> Any:
+        """The nccl_ddp group of this set (this rank must be a member)."""
+        if self._group is None:
+            raise ConfigError(
+                f"{where}: process set {self.ranks or 'global'} is not registered; call hvd.init() "
+                "first, and hvd.add_process_set(ranks) (on every rank) for a new set"
+            )
+        if not self._group:
+            raise ConfigError(
+                f"rank {nd.get_rank()}: {where}: this rank is not in process set {self.ranks}; "
+                "call it on the set's ranks only"
+            )
+        return self._group
+
+    def __str__(self) -> str:
+        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
+
+    __repr__ = __str__
+
+
+global_process_set = ProcessSet([])
+_registered: List[ProcessSet] = []
+_set_ids = itertools.count(1)
+
+
+def add_process_set(process_set: Any) -> ProcessSet:
+    """Register a process set (a ProcessSet or a list of ranks); every rank calls it, in the
+    same order (nccl_ddp.new_group)."""
+    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
+    if ps.process_set_id is not None:
+        raise ConfigError(f"hvd.add_process_set: {ps} is registered already")
+    if any(p.ranks == ps.ranks for p in _registered) or ps.ranks == global_process_set.ranks:
+        raise ConfigError(f"hvd.add_process_set: a process set with ranks {ps.ranks} exists already")
+    ps._register(nd.new_group(ps.ranks), next(_set_ids))
+    _registered.append(ps)
+    return ps
+
+
+def remove_process_set(process_set: ProcessSet) -> bool:
+    if process_set is global_process_set or process_set not in _registered:
+        return False
+    _registered.remove(process_set)
+    process_set._invalidate()
+    return True
+
+
+def group_of(process_set: Any, where: str) -> Any:
+    if not isinstance(process_set, ProcessSet):
+        raise ConfigTypeError(
+            f"{where}: process_set must be an hvd.ProcessSet (hvd.global_process_set or one from "
+            f"hvd.add_process_set), got {type(process_set).__name__}"
+        )
+    return process_set.group(where)
+
+
+# ---------------------------------------------------------------------------------------------
+# handles of asynchronous ops
+
+
+class _Pending:
+    def __init__(self, work: Any, finish: Callable[[], Any]) -> None:
+        self.work, self.finish = work, finish
+
+
+_handles: Dict[int, _Pending] = {}
+_handle_ids = itertools.count(1)
+
+
+def new_handle(work: Any, finish: Callable[[], Any]) -> int:
+    """A Horovod handle for `work` (a Work, or None when the op already ran); `finish()` waits
+    for it and returns the op's output."""
+    h = next(_handle_ids)
+    _handles[h] = _Pending(work, finish)
+    return h
+
+
+def poll(handle: int) -> bool:
+    pending = _lookup(handle, "poll")
+    return pending.work is None or bool(pending.work.is_completed())
+
+
+def synchronize(handle: int) -> Any:
+    pending = _handles.pop(handle, None)
+    if pending is None:
+        return None  # Horovod's answer for an unknown (or already synchronized) handle
+    return pending.finish()
+
+
+def _lookup(handle: Any, where: str) -> _Pending:
+    pending = _handles.get(handle)
+    if pending is None:
+        raise ConfigError(
+            f"hvd.{where}: unknown handle {handle!r}; pass the handle an *_async op returned, "
+            "before synchronize() consumed it"
+        )
+    return pending
+
+
+# ---------------------------------------------------------------------------------------------
+# objects, barrier, join
+
+
+def _xp(group: Any) -> Any:
+    if group.backend == "host":
+        return np
+    import cupy
+
+    return cupy
+
+
+def _host(a: Any) -> np.ndarray:
+    return a if isinstance(a, np.ndarray) else a.get()
+
+
+def allgather_object(obj: Any, name: Optional[str] = None, process_set: Any = None) -> List[Any]:
+    """Every member's `obj` (pickled), in rank order."""
+    g = group_of(process_set or global_process_set, "allgather_object")
+    xp = _xp(g)
+    data = np.frombuffer(pickle.dumps(obj), np.uint8)
+    sizes = xp.zeros(g.size, np.int64)
+    nd.all_gather(sizes, xp.asarray([data.size], np.int64), group=g)
+    sizes_h = _host(sizes)
+    longest = int(sizes_h.max())
+    mine = xp.zeros(longest, np.uint8)
+    mine[: data.size] = xp.asarray(data)
+    out = xp.zeros(g.size * longest, np.uint8)
+    nd.all_gather(out, mine, group=g)
+    host = _host(out)
+    return [pickle.loads(host[i * longest : i * longest + int(n)].tobytes()) for i, n in enumerate(sizes_h)]
+
+
+def broadcast_object(
+    obj: Any, root_rank: int = 0, name: Optional[str] = None, process_set: Any = None
+) -> Any:
+    """`root_rank`'s `obj` (pickled) on every member."""
+    g = group_of(process_set or global_process_set, "broadcast_object")
+    xp = _xp(g)
+    data = np.frombuffer(pickle.dumps(obj), np.uint8) if g.rank == g.ranks.index(root_rank) else None
+    size = xp.asarray([0 if data is None else data.size], np.int64)
+    nd.broadcast(size, src=root_rank, group=g)
+    buf = xp.zeros(int(_host(size)[0]), np.uint8)
+    if data is not None:
+        buf[...] = xp.asarray(data)
+    nd.broadcast(buf, src=root_rank, group=g)
+    return obj if data is not None else pickle.loads(_host(buf).tobytes())
+
+
+def barrier(process_set: Any = None) -> None:
+    nd.barrier(group=group_of(process_set or global_process_set, "barrier"))
+
+
+def join(device: int = -1) -> int:
+    """Every rank has finished its data: returns the last rank to join (the highest rank, as all
+    join together). Ranks with uneven batch counts: use `nccl_ddp.Join` (docs/horovod.md); a
+    rank still training while another joined fails at the group's timeout naming the op."""
+    g = global_process_set.group("join")
+    last = _xp(g).asarray([g.rank], np.int64)
+    nd.all_reduce(last, op="max", group=g)
+    return int(_host(last)[0])
+
+
+def split_counts(total: int, parts: int) -> Tuple[int, ...]:
+    """Horovod's split of `total` rows over `parts` ranks: the first `total % parts` get one more."""
+    base, extra = divmod(total, parts)
+    return tuple(base + (1 if i < extra else 0) for i in range(parts))

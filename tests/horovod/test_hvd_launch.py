@@ -1,0 +1,63 @@
+"""horovodrun's command line mapped onto nccl-ddp-run (nccl_ddp/launch/horovodrun.py), and the
+Horovod op/scale argument checks; no processes are started here."""
+
+import socket
+
+import pytest
+
+from nccl_ddp.errors import ConfigError
+from nccl_ddp.horovod.common import Adasum, Average, Max, Sum, resolve_op, split_counts
+from nccl_ddp.launch.horovodrun import to_nccl_ddp_run
+
+
+def test_np_and_local_hosts_become_nproc_per_node():
+    args, env = to_nccl_ddp_run(["-np", "2", "-H", "localhost:4", "python", "train.py", "--lr", "1"])
+    assert args == ["--nproc-per-node", "2", "--nnodes", "1", "train.py", "--lr", "1"]
+    assert env == {}
+    args, _ = to_nccl_ddp_run(["-np", "1", "python3", "-m", "pkg.train"])
+    assert args[-2:] == ["-m", "pkg.train"]
+    args, _ = to_nccl_ddp_run(["-np", "2", "./train.sh", "x"])
+    assert args[-3:] == ["--no-python", "./train.sh", "x"]
+
+
+def test_hostfile_and_fusion_threshold(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text(f"# comment\nlocalhost slots=1\n{socket.gethostname()}:2\n")
+    args, env = to_nccl_ddp_run(
+        ["-np", "3", "--hostfile", str(hosts), "--fusion-threshold-mb", "8", "python", "t.py"]
+    )
+    assert args[:2] == ["--nproc-per-node", "3"]
+    assert env == {"HOROVOD_FUSION_THRESHOLD": str(8 * 2**20)}
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["-np", "2", "-H", "otherhost:2", "python", "t.py"], r"\['otherhost'\] are not this machine"),
+        (["-np", "5", "-H", "localhost:4", "python", "t.py"], "-np 5 is more than the 4 slots"),
+        (["-np", "0", "python", "t.py"], "-np must be >= 1"),
+        (["-np", "2"], "no command given"),
+        (["-np", "2", "-H", "localhost:x", "python", "t.py"], "is not host:slots"),
+    ],
+)
+def test_bad_command_lines_are_named(argv, match):
+    with pytest.raises(ConfigError, match=match):
+        to_nccl_ddp_run(argv)
+
+
+def test_ops_and_their_refusals():
+    assert resolve_op(None, None, "w") == Average
+    assert resolve_op(None, False, "w") == Sum
+    assert resolve_op(Max, None, "w") == Max
+    with pytest.raises(ConfigError, match="Adasum is not supported"):
+        resolve_op(Adasum, None, "hvd.allreduce")
+    with pytest.raises(ConfigError, match="unknown op 42"):
+        resolve_op(42, None, "hvd.allreduce")
+    with pytest.raises(ConfigError, match="not both"):
+        resolve_op(Sum, True, "hvd.allreduce")
+
+
+def test_reducescatter_split_is_horovods():
+    assert split_counts(5, 2) == (3, 2)
+    assert split_counts(7, 3) == (3, 2, 2)
+    assert split_counts(1, 2) == (1, 0)
