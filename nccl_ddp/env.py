@@ -20,6 +20,10 @@ from typing import Mapping, Optional
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 
 LOOPBACK = "127.0.0.1"
+DEFAULT_TIMEOUT = 300.0
+"""Seconds any blocking wait gives up after unless told otherwise: `init_process_group(timeout=)`,
+the store, a device stream's synchronize, the Lightning/Accelerate glue's group, the profiler's
+end of step. One number, so a job has one default bound."""
 
 # Launcher -> (rank, world size, local rank, local world size) variable names.
 _TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")

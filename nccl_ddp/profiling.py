@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 from nccl_ddp.device import HostStream, ImmediateStream
+from nccl_ddp.env import DEFAULT_TIMEOUT
 from nccl_ddp.errors import ConfigError, NcclDdpError
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ REDUCE_PHASES = frozenset({"allreduce", "reducescatter"})  # one per bucket (ZeR
 OTHER_COLOUR = 0xFF999999
 MAX_SPANS = 200_000  # spans kept for the Chrome trace (the oldest are dropped)
 MAX_STEPS = 10_000  # step summaries kept in `Timeline.steps`
-SYNC_TIMEOUT = 300.0  # seconds end_step waits for a step's work to finish
+SYNC_TIMEOUT = DEFAULT_TIMEOUT  # seconds end_step waits for a step's work to finish
 
 
 def _env_on(name: str) -> bool:
@@ -309,10 +310,6 @@ class Timeline:
     @property
     def enabled(self) -> bool:
         return self._on
-
-    def name_stream(self, stream: Any, name: str) -> None:
-        """Name the Chrome-trace track of `stream` (default: "comm", "comm 2", ...)."""
-        self._tracks[id(stream)] = (stream, name)
 
     def _track(self, stream: Any) -> str:
         entry = self._tracks.get(id(stream))

@@ -27,6 +27,7 @@ from nccl_ddp.adapters import private_names
 from nccl_ddp.adapters.torch_ddp import TorchDistributedDataParallel, TorchReducer
 from nccl_ddp.adapters.torch_dist import init_beside_torch
 from nccl_ddp.comm import api
+from nccl_ddp.env import DEFAULT_TIMEOUT
 
 _PATCH = threading.Lock()
 _TORCH_DDP = "torch.nn.parallel.DistributedDataParallel"
@@ -67,7 +68,7 @@ class Accelerator(accelerate.Accelerator):
 
     def _join_group(self) -> None:
         backend = self._nccl_backend or ("nccl" if self.device.type == "cuda" else "host")
-        if init_beside_torch(backend, self.process_index, self.num_processes, 300.0, "Accelerate"):
+        if init_beside_torch(backend, self.process_index, self.num_processes, DEFAULT_TIMEOUT, "Accelerate"):
             self._owns_group = True
             atexit.register(self._destroy_group)
 

@@ -25,6 +25,7 @@ from nccl_ddp.adapters import private_names
 from nccl_ddp.adapters.torch_ddp import TorchDistributedDataParallel
 from nccl_ddp.adapters.torch_dist import init_beside_torch
 from nccl_ddp.comm import api
+from nccl_ddp.env import DEFAULT_TIMEOUT
 from nccl_ddp.errors import ConfigError
 
 # DDPStrategy's private attributes that its __init__ sets and the strategy reads or replaces
@@ -100,7 +101,7 @@ class NcclDDPStrategy(DDPStrategy):
     def setup_distributed(self) -> None:
         super().setup_distributed()
         backend = self._nccl_backend or ("nccl" if self.root_device.type == "cuda" else "host")
-        timeout = self._timeout.total_seconds() if self._timeout else 300.0
+        timeout = self._timeout.total_seconds() if self._timeout else DEFAULT_TIMEOUT
         self._owns_group = init_beside_torch(backend, self.global_rank, self.world_size, timeout, "Lightning")
 
     def _setup_model(self, model: Any) -> TorchDistributedDataParallel:

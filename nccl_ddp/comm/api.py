@@ -21,7 +21,7 @@ import numpy as np
 from nccl_ddp import dlpack
 from nccl_ddp.comm.group import NonMemberGroup, ProcessGroup, ReduceOp, Work
 from nccl_ddp.device import CudaDevice, Device, HostDevice, get_device
-from nccl_ddp.env import DistEnv, install_failure_hook, resolve_env
+from nccl_ddp.env import DEFAULT_TIMEOUT, DistEnv, install_failure_hook, resolve_env
 from nccl_ddp.errors import (
     CommTimeout,
     ConfigError,
@@ -92,7 +92,7 @@ def _create_group(backend: str, store: Any, env: DistEnv, timeout: float) -> Pro
 def init_process_group(
     backend: Optional[str] = None,
     *,
-    timeout: float = 300.0,
+    timeout: float = DEFAULT_TIMEOUT,
     rank: Optional[int] = None,
     world_size: Optional[int] = None,
     store: Any = None,

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-from nccl_ddp.device.base import DEFAULT_TIMEOUT, Device, Event, Stream
+from nccl_ddp.device.base import Device, Event, Stream
 from nccl_ddp.device.cuda import CudaDevice, CudaEvent, CudaStream, RawStream, cuda_available
 from nccl_ddp.device.host import HostDevice, HostEvent, HostStream, ImmediateStream, aligned_empty
+from nccl_ddp.env import DEFAULT_TIMEOUT
 from nccl_ddp.errors import ConfigError
 
 __all__ = [

@@ -9,8 +9,6 @@ import abc
 import contextlib
 from typing import Any, Callable, ContextManager, Optional
 
-DEFAULT_TIMEOUT = 300.0
-
 
 class Event(abc.ABC):
     """Marks a point in a stream's work."""

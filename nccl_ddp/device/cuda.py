@@ -8,8 +8,9 @@ import sys
 import time
 from typing import Any, Callable, Optional
 
-from nccl_ddp.device.base import DEFAULT_TIMEOUT, Device, Event, Stream
-from nccl_ddp.errors import CommTimeout, ConfigError, ConfigTypeError, KernelError, NcclDdpError
+from nccl_ddp.device.base import Device, Event, Stream
+from nccl_ddp.env import DEFAULT_TIMEOUT
+from nccl_ddp.errors import CommTimeout, ConfigError, KernelError, NcclDdpError
 
 CUDA_SUCCESS = 0
 CUDA_ERROR_NOT_READY = 600  # cudaErrorNotReady: the event's work is still pending
@@ -157,22 +158,9 @@ class CudaDevice(Device):
             return CudaStream(self.xp.cuda.Stream(non_blocking=True), self.device_id)
 
     def current_stream(self) -> CudaStream:
-        """CuPy's current stream on this device (set it, or use stream_from_external, to match
-        the framework's compute stream)."""
+        """CuPy's current stream on this device (the adapters make it the framework's compute
+        stream)."""
         return CudaStream(self.xp.cuda.get_current_stream(self.device_id), self.device_id)
-
-    def stream_from_external(self, obj: Any) -> CudaStream:
-        """Wrap a framework's stream: an object with `__cuda_stream__` (torch.cuda.Stream, ...)
-        or a raw cudaStream_t pointer (int)."""
-        if isinstance(obj, int):
-            obj = RawStream(obj)
-        elif not hasattr(obj, "__cuda_stream__"):
-            raise ConfigTypeError(
-                f"expected an object with __cuda_stream__ or a raw stream pointer "
-                f"(int), got {type(obj).__name__}"
-            )
-        with self.xp.cuda.Device(self.device_id):
-            return CudaStream(self.xp.cuda.Stream.from_external(obj), self.device_id)
 
     def empty(self, n: int, dtype) -> Any:
         with self.xp.cuda.Device(self.device_id):

@@ -27,15 +27,6 @@ log = logging.getLogger("nccl_ddp.launch")
 RDZV_BACKENDS = ("c10d", "static")
 TORCHRUN_RDZV_PORT = 29400  # torchrun's port when --rdzv-endpoint names a host only
 NUMA_MODES = ("node", "socket", "exclusive", "core-complex")
-RDZV_CONF_IGNORED = (
-    "last_call_timeout",
-    "close_timeout",
-    "timeout",
-    "read_timeout",
-    "keep_alive_interval",
-    "keep_alive_max_attempt",
-    "use_libuv",
-)
 
 
 def _nproc(value: str) -> int | str:

@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Iterable, Optional, Sequence
 
-from nccl_ddp.env import DistEnv
+from nccl_ddp.env import DEFAULT_TIMEOUT, DistEnv
 from nccl_ddp.errors import AuthError, StoreError, StoreTimeout
 from nccl_ddp.store.server import StoreServer
 from nccl_ddp.store.wire import (
@@ -39,8 +39,6 @@ from nccl_ddp.store.wire import (
 )
 
 __all__ = ["StoreServer", "TCPStore", "PrefixStore", "connect_store", "MAX_FRAME"]
-
-DEFAULT_TIMEOUT = 300.0
 
 
 class TCPStore:

@@ -11,7 +11,7 @@ optimizer steps, what a checkpoint slices. Plain, frozen data: memory and schedu
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Tuple
+from typing import List, Tuple
 
 from nccl_ddp.ddp.buckets import ALIGN_BYTES, BucketLayout, aligned
 from nccl_ddp.errors import ConfigError
@@ -53,16 +53,6 @@ class ShardLayout:
     def pieces(self, rank: int) -> List[Piece]:
         """Every parameter range `rank` owns, bucket by bucket, in bucket offset order."""
         return [p for b in range(len(self.layout.buckets)) for p in self._bucket_pieces(b, rank)]
-
-    def pieces_by_param(self) -> Dict[int, List[Piece]]:
-        """Every rank's pieces of every parameter, in element order: param -> [Piece]."""
-        out: Dict[int, List[Piece]] = {}
-        for r in range(self.world):
-            for p in self.pieces(r):
-                out.setdefault(p.param, []).append(p)
-        for ps in out.values():
-            ps.sort(key=lambda q: q.param_lo)
-        return out
 
     def _bucket_pieces(self, b: int, rank: int) -> List[Piece]:
         bucket = self.layout.buckets[b]

@@ -31,7 +31,7 @@ def test_shards_equal_aligned_and_cover_every_element_once(world, sizes):
         seen = np.zeros(n, np.int64)
         b, slot = shards.layout.locate(p)
         off = shards.layout.buckets[b].offsets[slot]
-        for piece in shards.pieces_by_param().get(p, []):
+        for piece in (q for r in range(world) for q in shards.pieces(r) if q.param == p):
             lo, hi = shards.owned(piece.bucket, piece.rank)
             assert lo <= piece.bucket_lo and piece.bucket_lo + piece.numel <= hi
             assert piece.bucket_lo == off + piece.param_lo

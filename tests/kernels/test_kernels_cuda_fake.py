@@ -200,19 +200,6 @@ def test_cuda_events_record_wait_and_bounded_synchronize(cp):
     assert ev.query()
 
 
-def test_stream_from_external(cp):
-    dev = D.CudaDevice(0)
-
-    class TorchLike:
-        def __cuda_stream__(self):
-            return (0, 0xABC0)
-
-    assert dev.stream_from_external(TorchLike()).ptr == 0xABC0
-    assert dev.stream_from_external(0xDEF0).ptr == 0xDEF0
-    with pytest.raises(TypeError, match="__cuda_stream__"):
-        dev.stream_from_external("stream")
-
-
 def test_get_device_kinds(cp, monkeypatch):
     assert isinstance(D.get_device(), D.CudaDevice)
     assert isinstance(D.get_device("host"), D.HostDevice)
