@@ -20,7 +20,7 @@ fi
 pip_install -e ".[test,plot,lint]"
 if [[ ${NCCL_DDP_SKIP_FRAMEWORKS:-0} != 1 ]]; then
   # torch 2.13.0 is a CPU wheel on local disk; a plain "torch" would fetch a CUDA build of several GB.
-  # Lightning/Accelerate/optax (the test-frameworks extra) in the same call, so torch stays 2.13.0.
+  # Lightning/Accelerate/optax/Keras (the test-frameworks extra) in the same call, so torch stays 2.13.0.
   pip_install "torch==2.13.0" jax jaxlib cupy-cuda12x nvidia-cuda-nvrtc-cu12 nvidia-nccl-cu12 \
     -e ".[test-frameworks]"
   if [[ -f scripts/setup_ms_venv.sh ]]; then

@@ -114,7 +114,8 @@ def _backend_value(v: Any, name: str) -> Any:
     if name == "jax":
         import jax
 
-        return jax.ShapeDtypeStruct(tuple(v.shape), np.dtype(v.dtype))
+        # the value's dtype: without jax_enable_x64 a float64 variable holds float32
+        return jax.ShapeDtypeStruct(tuple(v.shape), np.dtype(v.value.dtype))
     return v.value
 
 

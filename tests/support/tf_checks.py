@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Optional
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
@@ -19,20 +18,10 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from keras_fit import GLOBAL_BATCH, STEPS, X, Y, fit_and_reference, make_model, shard  # noqa: E402
 
 import nccl_ddp as nd  # noqa: E402
 import nccl_ddp.keras as ndk  # noqa: E402
-
-GLOBAL_BATCH, STEPS = 8, 3
-X = np.random.default_rng(7).standard_normal((GLOBAL_BATCH * STEPS, 5))
-Y = np.random.default_rng(8).standard_normal((GLOBAL_BATCH * STEPS, 2))
-
-
-def shard(a: np.ndarray, rank: int, world: int) -> np.ndarray:
-    """Rank `rank`'s part of every global batch, in step order."""
-    per = GLOBAL_BATCH // world
-    steps = [a[s * GLOBAL_BATCH + rank * per : s * GLOBAL_BATCH + (rank + 1) * per] for s in range(STEPS)]
-    return np.concatenate(steps)
 
 
 def error_of(fn) -> str:
@@ -106,27 +95,7 @@ def collectives(rank: int) -> dict:
     }
 
 
-# -- Keras 3 model.fit ----------------------------------------------------------------------------
-
-
-def make_model(seed: int) -> keras.Model:
-    keras.utils.set_random_seed(seed)
-    return keras.Sequential(
-        [keras.Input((5,)), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(2)]
-    )
-
-
-def fit(rank: int, world: int, distributed: bool, clipnorm: Optional[float]) -> list:
-    model = make_model(100 + rank)  # different initial weights: the callback gives rank 0's
-    opt = keras.optimizers.Adam(learning_rate=0.05, clipnorm=clipnorm)
-    callbacks = []
-    if distributed:
-        opt = ndk.DistributedOptimizer(opt)
-        callbacks = [ndk.BroadcastGlobalVariablesCallback(0)]
-    model.compile(optimizer=opt, loss="mse", jit_compile=False)
-    x, y = shard(X, rank, world), shard(Y, rank, world)
-    model.fit(x, y, batch_size=GLOBAL_BATCH // world, epochs=2, shuffle=False, verbose=0, callbacks=callbacks)
-    return [w.tolist() for w in model.get_weights()] + [int(opt.iterations.numpy())]
+# -- Keras 3 ------------------------------------------------------------------------------------
 
 
 def keras_jit_refused() -> str:
@@ -143,15 +112,13 @@ def main() -> None:
     res = {
         "eager": tape_training(rank, world, graph=False),
         "graph": tape_training(rank, world, graph=True),
-        "fit": fit(rank, world, True, clipnorm=0.05),
         "collectives": collectives(rank),
         "bad": bad_inputs(rank),
         "keras_jit": keras_jit_refused(),
     }
     # the oracle: one process, the whole batch, the plain optimizer
     res["ref_tape"] = tape_training(0, 1, graph=False)
-    res["ref_fit"] = fit(0, 1, False, clipnorm=0.05)
-    res["ref_fit_unclipped"] = fit(0, 1, False, clipnorm=None)  # clipnorm is active in these steps
+    res.update(fit_and_reference(rank, world, jit_compile=False))
     nd.destroy_process_group()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(res, f)
