@@ -7,8 +7,8 @@
 # torch CPU, JAX CPU, CuPy + NVRTC + NCCL wheels for the kernel compile checks), .venv-ms
 # (MindSpore 2.10, which needs numpy<2; the MindSpore tests run their examples in it), .venv-tf
 # (tensorflow-cpu 2.21 + Keras 3.15, ~100 s to install; the TensorFlow tests run their ranks in it)
-# and .venv-paddle (PaddlePaddle 3.3 CPU, ~30 s to install; Paddle's tests run in it: TensorFlow
-# and Paddle segfault in one process).
+# and .venv-paddle (PaddlePaddle 3.3 CPU and tinygrad, 30 s to 2 min to install; Paddle's tests run
+# in it: TensorFlow and Paddle segfault in one process).
 # NCCL_DDP_SKIP_FRAMEWORKS=1 skips the framework installs (their tests then skip, saying why).
 set -euo pipefail
 source "$(dirname "$0")/_venv.sh"
