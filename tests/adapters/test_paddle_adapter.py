@@ -15,6 +15,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import subprocess
 
 import numpy as np
@@ -124,3 +125,23 @@ def test_single_process_checks(tmp_path):
     backward, find_unused_parameters, float16/float64/bfloat16 kept."""
     out = _run([PY, os.path.join(SUPPORT, "paddle_checks.py"), "single"], tmp_path)
     assert "paddle_checks: all passed" in out, out[-3000:]
+
+
+def test_paddle_data_parallel_docs_example(tmp_path):
+    """examples/paddle_ddp.py, paddle.DataParallel's documented example with two lines changed:
+    both ranks end with the same parameters from different initial layers and data."""
+    out = _run(
+        [
+            PY,
+            "-m",
+            "nccl_ddp.launch",
+            "--nproc-per-node",
+            "2",
+            os.path.join(ROOT, "examples", "paddle_ddp.py"),
+        ],
+        tmp_path,
+    )
+    sums = re.findall(r"rank (\d): param checksum (\S+)", out)
+    assert sorted(r for r, _ in sums) == ["0", "1"] and len({c for _, c in sums}) == 1, out[-3000:]
+    losses = re.findall(r"\[rank (\d)\] step 0: loss (\S+)", out)
+    assert len({loss for _, loss in losses}) == 2, out[-3000:]  # each rank trained on its own data
