@@ -57,8 +57,15 @@ def dlpack_source(x: Any) -> Any:
     value (a tensor: copied in by the collectives, as every immutable input)."""
     import tensorflow as tf
 
-    if isinstance(x, tf.Variable):
+    if isinstance(x, tf.Variable) and tf.executing_eagerly():
         return x.read_value()
+    if isinstance(x, (tf.Tensor, tf.Variable)):  # inside tf.function: no memory to exchange yet
+        raise ConfigError(
+            f"a symbolic {type(x).__name__} (inside tf.function) cannot go through a collective: "
+            "nccl_ddp's functional collectives run on concrete values. Reduce grads with "
+            "DistributedGradReducer (it bridges tf.function), or call the collective at run time: "
+            "tf.numpy_function(lambda a: nd.all_reduce(a), [x], x.dtype, stateful=True)"
+        )
     raise ConfigTypeError(f"cannot exchange a {type(x).__module__}.{type(x).__name__} through DLPack")
 
 

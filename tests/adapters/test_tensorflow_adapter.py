@@ -69,6 +69,7 @@ def test_collectives_on_tensors_and_variables(ranks):
         assert c["variable"] == [True, [1.0, 11.0]]  # max over ranks, assigned to the variable
         assert c["keras_variable"] == [True, [6.0, 6.0, 6.0]]  # rank 1's, broadcast
         assert c["float64_dtype"] == "float64"
+        assert c["in_graph"] == [3.0]  # tf.numpy_function around nd.all_reduce, in tf.function
 
 
 @pytest.mark.parametrize(
@@ -84,6 +85,7 @@ def test_collectives_on_tensors_and_variables(ranks):
         ("none", r"ConfigError: grads\[0\] is None: .*tf.zeros_like"),
         ("mixed_params", r"ConfigTypeError: parameters\[1\] is a numpy.ndarray"),
         ("xla", r"XLA cannot call back into Python.*jit_compile=False"),
+        ("symbolic", r"symbolic .*inside tf.function.* cannot go through a collective.*tf.numpy_function"),
         ("ddp", r"ConfigTypeError: Keras models have no DistributedDataParallel.*DistributedOptimizer"),
     ],
 )

@@ -73,11 +73,18 @@ def bad_inputs(rank: int) -> dict:
         "none": error_of(lambda: reducer([None, tf.ones(2)])),
         "mixed_params": error_of(lambda: nd.DistributedGradReducer([w, np.zeros(2, np.float32)])),
         "xla": error_of(lambda: tf.function(lambda g: reducer(g), jit_compile=True)(good)),
+        "symbolic": error_of(lambda: tf.function(lambda t: nd.all_reduce(t))(tf.ones(2))),
         "ddp": error_of(lambda: nd.DistributedDataParallel(keras.Sequential([keras.layers.Dense(2)]))),
     }
     after = reducer(good)  # still works: the same all-reduce on every rank
     out["after"] = [a.numpy().tolist() for a in after]
     return out
+
+
+@tf.function
+def in_graph(t):
+    """The documented way to run a functional collective inside tf.function."""
+    return tf.numpy_function(lambda a: nd.all_reduce(a), [t], t.dtype, stateful=True)
 
 
 def collectives(rank: int) -> dict:
@@ -92,6 +99,7 @@ def collectives(rank: int) -> dict:
         "variable": [got_v is v, v.numpy().tolist()],
         "keras_variable": [got_kv is kv, kv.numpy().tolist()],
         "float64_dtype": str(nd.all_reduce(tf.constant([1.0], tf.float64)).dtype.name),
+        "in_graph": in_graph(tf.constant([rank + 1.0])).numpy().tolist(),
     }
 
 
