@@ -99,6 +99,20 @@ def test_grad_reducer_bitwise_equal_to_paddle_data_parallel(trained):
             np.testing.assert_array_equal(a[f"reducer/{k}"], a[f"paddle/{k}"], err_msg=f"rank {rank} {k}")
 
 
+def test_find_unused_parameters_bitwise_equal_to_paddle(trained):
+    """find_unused_parameters=True (ours with finalize() after backward), the ranks using different
+    heads of one model: step 1 each head used by one rank, step 2 the other way round, step 3 one
+    head unused by every rank; the parameters equal paddle.DataParallel's bit for bit."""
+    for rank in (0, 1):
+        a, _ = trained[rank]
+        keys = _keys(a, "unused_ours")
+        assert len(keys) == 6, keys
+        for k in keys:
+            np.testing.assert_array_equal(
+                a[f"unused_ours/{k}"], a[f"unused_paddle/{k}"], err_msg=f"rank {rank} {k}"
+            )
+
+
 def test_state_dict_keys_and_parameter_names_are_paddles(trained):
     for rank in (0, 1):
         _, names = trained[rank]

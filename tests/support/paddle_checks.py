@@ -8,7 +8,8 @@ variables, its store on a port rank 0 picked and broadcast through ours), then t
 model from the same seeds three ways: our DistributedDataParallel, our DistributedGradReducer on
 Paddle's grads, and `paddle.DataParallel` (the oracle). Steps 2 and 3 run under no_sync(), step 4
 reduces what they accumulated. The model starts from a different seed and BatchNorm statistics on
-each rank: both DDPs broadcast rank 0's. After training, one evaluation forward. Writes
+each rank: both DDPs broadcast rank 0's. After training, one evaluation forward. Then
+find_unused_parameters=True, ours against Paddle's, on a two-headed model. Writes
 OUT/rank{r}.npz (every parameter and BatchNorm statistic of each run, and rank 0's initial ones)
 and OUT/rank{r}.json (state_dict keys and parameter names of both wrappers).
 
@@ -110,6 +111,33 @@ def state(model, prefix: str) -> dict:
     return {f"{prefix}/{k}": v.numpy() for k, v in model.state_dict().items()}
 
 
+# which head each rank uses per step: both used by one rank each, then the other way, then c unused
+# by every rank
+HEADS = ((False, True), (True, False), (False, False))
+
+
+def unused_parameters(rank: int) -> dict:
+    """find_unused_parameters=True, ours (finalize() after backward) and Paddle's, on a model
+    whose ranks use different heads: the parameters of both after 3 Momentum steps."""
+    out = {}
+    for name, wrap in (
+        ("unused_ours", lambda m: nd.DistributedDataParallel(m, find_unused_parameters=True)),
+        ("unused_paddle", lambda m: paddle.DataParallel(m, find_unused_parameters=True)),
+    ):
+        paddle.seed(7)
+        model = wrap(Branches())
+        opt = paddle.optimizer.Momentum(0.05, momentum=0.9, parameters=model.parameters())
+        for step, heads in enumerate(HEADS):
+            x, _ = batch(rank, step)
+            (model(x, use_c=heads[rank]) ** 2).mean().backward()
+            if name == "unused_ours":
+                model.finalize()
+            opt.step()
+            opt.clear_grad()
+        out.update(state(model, name))
+    return out
+
+
 def train(out: str) -> None:
     nd.init_process_group()
     rank, world = nd.get_rank(), nd.get_world_size()
@@ -142,6 +170,7 @@ def train(out: str) -> None:
             model(x)
 
     arrays = {
+        **unused_parameters(rank),
         **state(ours, "ours"),
         **state(theirs, "paddle"),
         **state(plain, "reducer"),
