@@ -94,6 +94,14 @@ class PaddleDistributedDataParallel(paddle.nn.Layer, DistributedDataParallel):
     def grad_need_sync(self, value: bool) -> None:
         self.reducer.sync_enabled = bool(value)
 
+    def scale_loss(self, loss: Any) -> Any:
+        """`loss` as it is: Paddle's own has done nothing since Paddle 2.0 (deprecated), grads
+        are averaged in the all-reduce."""
+        return loss
+
+    def apply_collective_grads(self) -> None:
+        """Nothing, as Paddle's own since 2.0 (deprecated): backward's hooks all-reduce."""
+
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped layer's state dict (`paddle.DataParallel`'s keys: no prefix)."""
         return self._layers.state_dict(*args, **kwargs)

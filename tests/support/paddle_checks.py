@@ -249,6 +249,10 @@ def single() -> None:
         nd.DistributedDataParallel(build(1), strategy=object())
     # a grad given by hand that does not fit its parameter
     ddp = nd.DistributedDataParallel(build(1))
+    loss = ((ddp(x) - y) ** 2).mean()
+    # Paddle 1.x's calls, no-ops in Paddle's own since 2.0, are no-ops here too
+    assert ddp.scale_loss(loss) is loss and ddp.apply_collective_grads() is None
+    ddp.zero_grad()
     ddp(x)
     with expect(ConfigError, "parameter 0", "'0.weight'", "(16, 32)"):
         ddp.mark_ready(0, paddle.zeros([16, 31]))
