@@ -37,7 +37,7 @@ def _bfloat16_job(rank, world):
 
 @pytest.mark.slow
 def test_float32_host_job_never_imports_ml_dtypes_or_cupy():
-    out = run_ranks(_float32_job, 2, timeout=120)
+    out = run_ranks(_float32_job, 2, timeout=120, fresh=True)
     if "driver" in out:
         pytest.skip("a CUDA driver is installed: the auto backend asks CuPy for a GPU")
     assert out == [(3.0, False, False)] * 2
@@ -46,4 +46,4 @@ def test_float32_host_job_never_imports_ml_dtypes_or_cupy():
 @pytest.mark.slow
 def test_bfloat16_host_job_loads_ml_dtypes_when_it_needs_it():
     pytest.importorskip("ml_dtypes")
-    assert run_ranks(_bfloat16_job, 2, timeout=120) == [3.0, 3.0]
+    assert run_ranks(_bfloat16_job, 2, timeout=120, fresh=True) == [3.0, 3.0]
