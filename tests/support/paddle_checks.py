@@ -13,7 +13,8 @@ find_unused_parameters=True, ours against Paddle's, on a two-headed model. Write
 OUT/rank{r}.npz (every parameter and BatchNorm statistic of each run, and rank 0's initial ones)
 and OUT/rank{r}.json (state_dict keys and parameter names of both wrappers).
 
-single: bad inputs, each named by parameter; errors raised inside backward; find_unused_parameters;
+single: bad inputs, each named by parameter; errors raised inside backward; a tied parameter and
+accumulation across backward calls; find_unused_parameters;
 dtypes read from Paddle. Prints "paddle_checks: all passed" or raises.
 """
 
@@ -60,6 +61,17 @@ class Branches(paddle.nn.Layer):
     def forward(self, x, use_c=False):
         h = self.a(x)
         return self.c(h) if use_c else self.b(h)
+
+
+class Tied(paddle.nn.Layer):
+    """One Linear applied twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.l = paddle.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.l(self.l(x))
 
 
 def batch(rank: int, step: int) -> tuple:
@@ -275,6 +287,18 @@ def single() -> None:
             e = e.__cause__ or e.__context__
         assert isinstance(chain[-1], ReducerError), chain
         assert "marked ready after the step was finalized" in str(chain[-1]), chain[-1]
+    ddp.close()
+
+    # a parameter used twice in a forward is marked ready once per backward; grads accumulate
+    # across backward calls until clear_grad(), as a bare Paddle layer's (a job of one: equal)
+    paddle.seed(3)
+    tied, bare = Tied(), Tied()
+    bare.set_state_dict(tied.state_dict())
+    ddp = nd.DistributedDataParallel(tied)
+    for _ in range(2):
+        ddp(x).sum().backward()
+        bare(x).sum().backward()
+    np.testing.assert_array_equal(tied.l.weight.grad.numpy(), bare.l.weight.grad.numpy())
     ddp.close()
 
     # find_unused_parameters: a branch unused in this step keeps Paddle's grad (None); finalize()
