@@ -2,10 +2,11 @@
 full batch (tests/support/tf_checks.py computes both; float64, so only the order of additions can
 differ): GradientTape + DistributedGradReducer eagerly and inside tf.function, Keras model.fit with
 DistributedOptimizer(Adam(clipnorm=...)) + BroadcastGlobalVariablesCallback from different initial
-weights, the functional collectives on tensors and variables, and bad inputs named by parameter.
+weights, the functional collectives on tensors and variables, and bad inputs named by parameter;
+and Keras model.fit against TensorFlow's own MultiWorkerMirroredStrategy (tf_keras, tf_mwms.py).
 
 TensorFlow runs only in .venv-tf (scripts/setup_tf_venv.sh, or $NCCL_DDP_TF_VENV), never in this
-process; without it these tests skip, saying why. One launch (about 20 s) serves every test."""
+process; without it these tests skip, saying why. Two launches (about 25 and 35 s) serve every test."""
 
 from __future__ import annotations
 
@@ -98,3 +99,24 @@ def test_bad_inputs_are_refused_naming_the_parameter(ranks, case, match):
 def test_keras_jit_compile_is_refused(ranks):
     for res in ranks:
         assert res["keras_jit"].startswith("ConfigError: DistributedGradReducer was traced inside an XLA")
+
+
+@pytest.fixture(scope="module")
+def mwms(tmp_path_factory):
+    """[rank 0's, rank 1's] results of one 2-rank launch of tf_mwms.py."""
+    problem = venv_problem()
+    if problem:
+        pytest.skip(problem)
+    out = tmp_path_factory.mktemp("tf_mwms")
+    script = os.path.join(SUPPORT, "tf_mwms.py")
+    run_tf([PY, "-m", "nccl_ddp.launch", "--nproc-per-node", "2", script, str(out)], str(out))
+    return [json.loads((out / f"mwms{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.mark.parametrize("clip", ["", "_unclipped"], ids=["clipnorm", "unclipped"])
+def test_keras_fit_equals_multi_worker_mirrored_strategy(mwms, clip):
+    """TensorFlow's own data parallelism as the oracle: tf_keras model.fit under
+    MultiWorkerMirroredStrategy on the same ranks, shards and initial weights (bitwise equal here)."""
+    for res in mwms:
+        _close(res["ours" + clip], res["mwms" + clip])
+    assert mwms[0]["mwms"] != mwms[0]["mwms_unclipped"]  # the clip is active
