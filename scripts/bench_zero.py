@@ -7,8 +7,8 @@ against torch DDP + torch's ZeroRedundancyOptimizer on gloo, on an MLP of about 
 
 One job per (world, mode) through nccl-ddp-run, so each peak RSS is that mode's alone. Modes:
 `ddp_adamw` (our DDP + torch.optim.AdamW), `zero1` (our DDP + nd.ZeroRedundancyOptimizer(AdamW),
-the default: full grads in p.grad, the state sharded), `zero2` (the same with zero_stage=2),
-`zero2_overlap` (the same with overlap_param_gather=True), `torch_zero` (torch DDP + torch
+the default: full grads in p.grad, the state sharded), `zero2` (our DDP built with zero=ZeroConfig(stage=2)),
+`zero2_overlap` (the same with ZeroConfig(overlap_param_gather=True)), `torch_zero` (torch DDP + torch
 ZeroRedundancyOptimizer(AdamW), gloo). Bytes per rank (the largest over the ranks): optimizer
 state, fp32 masters, reduced grads kept for the optimizer (DDP and torch: the whole grads;
 ZeRO-2: the reduce-scattered shard and its fp32 copy; ZeRO-1: the whole grads, which it reads
@@ -137,15 +137,12 @@ def worker(args) -> None:
         wrapped = torch.nn.parallel.DistributedDataParallel(m)
         opt = ZeroRedundancyOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-4)
     else:
-        wrapped = nd.DistributedDataParallel(m)
+        zero2 = args.mode.startswith("zero2")
+        overlap = args.mode == "zero2_overlap"
+        zero = nd.ZeroConfig(stage=2, overlap_param_gather=overlap) if zero2 else None
+        wrapped = nd.DistributedDataParallel(m, zero=zero)
         opt = (
-            nd.ZeroRedundancyOptimizer(
-                m.parameters(),
-                torch.optim.AdamW,
-                lr=1e-4,
-                zero_stage=2 if args.mode.startswith("zero2") else 1,
-                overlap_param_gather=args.mode == "zero2_overlap",
-            )
+            nd.ZeroRedundancyOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-4)  # follows the model
             if args.mode.startswith("zero")
             else torch.optim.AdamW(m.parameters(), lr=1e-4)
         )

@@ -23,12 +23,9 @@ from nccl_ddp import kernels
 from nccl_ddp.adapters.jax import from_native, to_native
 from nccl_ddp.comm.api import broadcast, device_of, get_world_group
 from nccl_ddp.comm.group import ProcessGroup, ReduceOp
-from nccl_ddp.ddp.bucket_memory import BucketBuffers
-from nccl_ddp.ddp.buckets import DEFAULT_CAP_BYTES, FIRST_CAP_BYTES, ParamSpec, assign_buckets
 from nccl_ddp.errors import ConfigError, ConfigTypeError
-from nccl_ddp.zero.grads import ReduceScatter
-from nccl_ddp.zero.layout import shard_layout
-from nccl_ddp.zero.shards import ZeroShards
+from nccl_ddp.zero.config import ZeroConfig
+from nccl_ddp.zero.core import build_core
 
 
 def check_elementwise(tx: Any, steps: int = 3) -> None:
@@ -114,13 +111,13 @@ class ZeroOptimizer:
         natives = [xp.array(to_native(x)) for x in leaves]  # writable copies, ours
         for x in natives:
             broadcast(x, 0, self.group)
-        cap = DEFAULT_CAP_BYTES if bucket_cap_mb is None else int(bucket_cap_mb * 2**20)
-        specs = [ParamSpec(tuple(x.shape), x.dtype) for x in natives]
-        base = assign_buckets(specs, cap, min(FIRST_CAP_BYTES, cap), align_bytes=self.device.align_bytes)
-        shards = shard_layout(base, self.group.size, self.device.align_bytes)
-        self._grad_buckets = BucketBuffers(shards.layout, self.device)  # padding stays zero
-        self._reduce = ReduceScatter(self.group, self.device, shards, self._grad_buckets)
-        self.zs = ZeroShards(shards, natives, self.group, self.device, shard_grads=self._reduce.outputs)
+        # the same validated config and factory as the torch forms; the core holds its own
+        # grad buckets (JAX hands the grads over whole, after backward)
+        self.core = build_core(
+            ZeroConfig(stage=2, bucket_cap_mb=bucket_cap_mb), natives, self.group, self.device
+        )
+        self.zs = self.core.zs
+        self._reduce, self._grad_buckets = self.core.reduce, self.core.grad_memory
 
     def init(self, params: Any) -> Any:
         """The optax state of this rank's shards (a list of flat float32 arrays, one per
@@ -138,6 +135,7 @@ class ZeroOptimizer:
         self._check_tree(params, "params")
         self._check_tree(grads, "grads")
         natives = [to_native(g) for g in jax.tree_util.tree_leaves(grads)]
+        assert self._reduce is not None and self._grad_buckets is not None  # stage 2
         for b, (bucket, buf) in enumerate(zip(self.zs.layout.buckets, self._grad_buckets.buffers)):
             kernels.pack([natives[i] for i in bucket.params], buf, list(bucket.offsets))
             self._reduce(buf, ReduceOp.AVG, f"grad bucket {b}")
@@ -154,7 +152,7 @@ class ZeroOptimizer:
         return jax.tree_util.tree_unflatten(self.treedef, out), state
 
     def close(self) -> None:
-        self.zs.close()
+        self.core.close()
 
     def _master_jax(self) -> List[Any]:
         return [from_native(self.device.xp.array(m), self._jax_devices[0]) for m in self.zs.master]

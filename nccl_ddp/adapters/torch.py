@@ -65,14 +65,17 @@ def from_native(a: Any) -> Any:
     return torch.from_dlpack(a)
 
 
-_OWNERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-"""id(parameter) -> the TorchModule of the DistributedDataParallel that reduces its grad."""
+OWNER_ATTR = "_nccl_ddp_owner"
+"""The attribute our DistributedDataParallel sets on each parameter it reduces, as torch's FSDP
+marks its own: a weak reference to the wrapper's TorchModule (and through it the model's shard
+core, `zero=`). How `ZeroRedundancyOptimizer` finds the model of its parameters."""
 
 
 def owner_of(param: Any) -> Optional[TorchModule]:
     """The TorchModule (of an nccl_ddp DistributedDataParallel) whose reducer reduces `param`'s
-    grad, or None (ZeroRedundancyOptimizer: ZeRO-2 with it, ZeRO-1 without)."""
-    owner = _OWNERS.get(id(param))
+    grad, or None: read from the parameter's own mark (`OWNER_ATTR`)."""
+    ref = getattr(param, OWNER_ATTR, None)
+    owner = ref() if isinstance(ref, weakref.ref) else None
     if owner is None or owner._ddp is None:
         return None
     i = owner._index.get(id(param))
@@ -182,6 +185,26 @@ class TorchModule(GradModule):
             if p.grad is not None:
                 p.grad = mine
 
+    @property
+    def can_install_params(self) -> bool:
+        return True
+
+    def install_param(self, i: int, view: Any) -> None:
+        """The shard core (zero=) moved parameter i into its flat buffer: `p.data` is that view
+        (the Parameter object, its hooks and its mark stay)."""
+        self.params[i].data = from_native(view)
+
+    def param_moved(self, param: Any, view: Any) -> None:
+        """A shard core built outside the wrapper (the optimizer's ZeRO-1) moved `param` into
+        its flat buffer: the reducer's array and `p.data` follow."""
+        self._ddp.reducer.param_moved(self.index_of(param), view)
+
+    @property
+    def zero(self) -> Any:
+        """The model's shard core (`DistributedDataParallel(..., zero=ZeroConfig(...))`), or
+        None: what ZeroRedundancyOptimizer steps."""
+        return None if self._ddp is None else self._ddp.reducer.zero
+
     def index_of(self, param: Any) -> int:
         if isinstance(param, str):
             return self.names.index(param) if param in self.names else _missing(param)
@@ -193,7 +216,7 @@ class TorchModule(GradModule):
         self._ddp = ddp
         for i, p in enumerate(self.params):
             self._hooks.append(p.register_post_accumulate_grad_hook(self._hook_for(i)))
-            _OWNERS[id(p)] = self
+            setattr(p, OWNER_ATTR, weakref.ref(self))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.before_forward()

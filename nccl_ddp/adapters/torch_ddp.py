@@ -72,7 +72,7 @@ class TorchReducer(Reducer):
         forward opened the step already: one opened under no_sync() that has no grad yet
         switches to syncing, and the reverse. Unused parameters are found when the step ends,
         so `outputs` is not searched."""
-        if not self._open or self._count or self._step_syncs == self.sync_enabled:
+        if not self.step.open or self.step.count or self.step.syncs == self.sync_enabled:
             return
         if self.wrapper is not None and self.wrapper.join_state.config.enable:
             raise ConfigError(
@@ -81,7 +81,7 @@ class TorchReducer(Reducer):
             )
         self._open_step()
         if self.wrapper is not None:
-            self.wrapper._torch_module._syncing = self._step_syncs
+            self.wrapper._torch_module._syncing = self.step.syncs
 
     def _rebuild_buckets(self) -> bool:
         """torch rebuilds its buckets here after the first step; ours are rebuilt when the

@@ -2,12 +2,12 @@
 
 Rank r steps only its slice of every flat bucket (zero/layout.py): the wrapped torch
 optimizer gets one fp32 1-D tensor per (parameter, shard) piece, a view of our master shard, with
-its grad as `.grad`; it must be elementwise. Parameters become views of flat parameter buffers,
-all-gathered after every step. By default (ZeRO-1, torch's contract) the grads arrive whole and
-reduced in `p.grad` (torch's DDP or ours), so every torch tool reading them works; the optimizer
-reads the owned ranges of `p.grad` as views and shards only its state. `zero_stage=2` (the
-parameters of an `nccl_ddp.DistributedDataParallel` model): the wrapper reduce-scatters its
-buckets and the reduced grads exist only as this rank's fp32 shards.
+a view of our fp32 grad shard as its `.grad`; it must be elementwise. Parameters become views of
+flat parameter buffers, all-gathered after every step. The stage follows the model: parameters of
+an `nccl_ddp.DistributedDataParallel` built with `zero=ZeroConfig(...)` carry its shard core
+(found through the mark the wrapper sets on each, adapters/torch.py `owner_of`), which this
+optimizer steps (stage 2: its buckets are reduce-scattered); any other parameters get a ZeRO-1
+core built here by the same factory (zero/core.py), over grads all-reduced whole.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import logging
 import math
 from typing import Any, Dict, List, Optional
 
-import numpy as np
 import torch
 
 from nccl_ddp.adapters.torch import from_native, owner_of, to_native
@@ -27,11 +26,11 @@ from nccl_ddp.adapters.torch_zero_state import (
     torch_to_full,
 )
 from nccl_ddp.comm.api import device_of, resolve_group
-from nccl_ddp.ddp.buckets import DEFAULT_CAP_BYTES, FIRST_CAP_BYTES, ParamSpec, assign_buckets
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 from nccl_ddp.validate import check_bool
 from nccl_ddp.zero.checkpoint import consolidate, reshard
-from nccl_ddp.zero.layout import shard_layout
+from nccl_ddp.zero.config import ZeroConfig, wire_dtype
+from nccl_ddp.zero.core import build_core
 from nccl_ddp.zero.shards import ZeroShards
 
 log = logging.getLogger(__name__)
@@ -79,14 +78,15 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         overlap_with_ddp: bool = False,
         *,
         zero_stage: Optional[int] = None,
-        overlap_param_gather: bool = False,
+        overlap_param_gather: Optional[bool] = None,
         skip_nonfinite: bool = True,
         reduce_dtype: Any = None,
         **defaults: Any,
     ) -> None:
         _check_class(optimizer_class)
         check_bool("parameters_as_bucket_view", parameters_as_bucket_view)
-        check_bool("overlap_param_gather", overlap_param_gather)
+        if overlap_param_gather is not None:
+            check_bool("overlap_param_gather", overlap_param_gather)
         check_bool("skip_nonfinite", skip_nonfinite)
         if overlap_with_ddp:
             raise ConfigError(
@@ -98,8 +98,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             raise ConfigError(f"zero_stage must be None, 1 or 2, got {zero_stage!r}")
         self.group = resolve_group(_nd_group(process_group), "process_group")
         self.optimizer_class, self.skip_nonfinite = optimizer_class, skip_nonfinite
-        self.overlap_param_gather = overlap_param_gather
-        self.reduce_dtype = _reduce_dtype(reduce_dtype)
+        self._asked = {"overlap_param_gather": overlap_param_gather, "reduce_dtype": wire_dtype(reduce_dtype)}
+        self.overlap_param_gather = False  # the model's ZeroConfig's, once built
+        self.reduce_dtype: Any = None
         self._zero_stage = zero_stage
         self._built = False
         self._inner: Any = None
@@ -119,7 +120,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ layout
 
     def _build(self) -> None:
-        """Cut the shards, move the parameters into flat buffers, build the inner optimizer."""
+        """Find or build the shard core, build the inner optimizer over its pieces. Frozen
+        parameters (requires_grad=False) are skipped, as torch's class skips them."""
         params = [p for g in self.param_groups for p in g["params"]]
         if len({id(p) for p in params}) != len(params):
             raise ConfigError("a parameter appears twice in the optimizer's param groups")
@@ -128,53 +130,36 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 raise ConfigError(
                     f"ZeroRedundancyOptimizer steps dense floating-point parameters; got {p.dtype} {p.layout}"
                 )
-        self._stage, wrapper = self._pick_stage(params)
-        if self._stage == 1 and self.reduce_dtype is not None:
-            raise ConfigError(
-                f"reduce_dtype={self.reduce_dtype} needs ZeRO-2 (the parameters of an nccl_ddp "
-                "DistributedDataParallel model, whose buckets it reduce-scatters); under ZeRO-1 "
-                "the grads arrive reduced: drop reduce_dtype"
-            )
+        trainable = [p for p in params if p.requires_grad]
+        if not trainable:
+            raise ConfigError("ZeroRedundancyOptimizer: no parameter requires grad")
+        self._stage, owner = self._pick_stage(trainable)
+        self._adopt_options(None if owner is None else owner.zero.config)
         self.device = device_of(self.group)
-        if self._stage == 2:
-            order = wrapper.params  # the reducer's indices
-            reducer = wrapper._ddp.reducer
-            shards = reducer.enable_sharding(self.reduce_dtype)
-            names = list(wrapper.names)
-        else:
-            order = params
-            reducer = None
-            specs = [ParamSpec(tuple(p.shape), to_native(p).dtype) for p in params]
-            base = assign_buckets(
-                specs, DEFAULT_CAP_BYTES, FIRST_CAP_BYTES, align_bytes=self.device.align_bytes
+        if owner is not None:  # the model's core, built with it (zero=)
+            order, names, core = owner.params, list(owner.names), owner.zero
+        else:  # ZeRO-1 over grads all-reduced by anyone: a core of our own
+            order = trainable
+            names = [f"{i} (shape {tuple(p.shape)})" for i, p in enumerate(trainable)]
+
+            def install(i: int, view: Any) -> None:
+                model = owner_of(order[i])
+                if model is not None:  # our DDP without zero=: its reducer moves it (and p.data)
+                    model.param_moved(order[i], view)
+                else:
+                    order[i].data = from_native(view)
+
+            natives = [to_native(p) for p in order]
+            core = build_core(
+                ZeroConfig(stage=1), natives, self.group, self.device, install=install, fp32_grad_shards=False
             )
-            shards = shard_layout(base, self.group.size, self.device.align_bytes)
-            names = [f"{i} (shape {tuple(p.shape)})" for i, p in enumerate(params)]
+        self._own_core = owner is None
+        self.core = core
+        self.zs = core.zs
         self._order: List[Any] = list(order)
         self._names = [str(n) for n in names]
         self._index = {id(p): i for i, p in enumerate(self._order)}
-        self._global = [self._index[id(p)] for p in params]  # state_dict id -> layout index
-
-        def install(i: int, view: Any) -> None:
-            p = self._order[i]
-            p.data = from_native(view)
-            if reducer is not None:
-                reducer.params[i] = view
-            elif (owner := owner_of(p)) is not None:  # ZeRO-1 over our DDP: its reducer's too
-                owner._ddp.reducer.params[owner.index_of(p)] = view
-
-        self.zs = ZeroShards(
-            shards,
-            [to_native(p) for p in self._order],
-            self.group,
-            self.device,
-            install=install,
-            comm=None if reducer is None else reducer.comm,
-            shard_grads=None if reducer is None else reducer.sharding.outputs,
-            timeline=None if reducer is None else (lambda: reducer.prof),
-            fp32_grad_shards=reducer is not None,
-        )
-        self._reducer = reducer
+        self._global = [self._index.get(id(p), -1) for p in params]  # state_dict id -> layout index
         group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
         self._pieces = self.zs.pieces
         self._piece_params = [from_native(self.zs.master_piece(pc)) for pc in self._pieces]
@@ -196,53 +181,79 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 if k != "params":
                     ours.setdefault(k, v)
         if self.overlap_param_gather:
-            self._hook_modules(wrapper)
+            self._hook_modules(owner)
         self._built = True
         log.info(
             "rank %d: ZeRO-%d over %d parameters, %s",
             self.group.rank,
             self._stage,
             len(self._order),
-            shards.summary(),
+            core.shards.summary(),
         )
 
-    def _pick_stage(self, params: List[Any]) -> tuple:
-        """ZeRO-1 unless `zero_stage=2`: the grads arrive whole in `p.grad` (torch's DDP, or
-        ours all-reducing), as torch's class expects. ZeRO-2 needs one nccl_ddp
-        DistributedDataParallel model holding every parameter."""
-        if self._zero_stage != 2:
-            if self.overlap_param_gather:
+    def _pick_stage(self, trainable: List[Any]) -> tuple:
+        """(stage, the TorchModule of the sharded model or None). The model decides: its
+        parameters carry the wrapper's mark, and a wrapper built with zero= holds the core."""
+        owners = [owner_of(p) for p in trainable]
+        sharded = {id(o): o for o in owners if o is not None and o.zero is not None}
+        if not sharded:
+            if self._zero_stage == 2:
                 raise ConfigError(
-                    "overlap_param_gather=True needs ZeRO-2 (zero_stage=2 with the parameters "
-                    "of an nccl_ddp DistributedDataParallel model), whose modules' forward "
-                    "waits for their bucket's all-gather"
+                    "zero_stage=2 needs the parameters of a model built for ZeRO-2: wrap it as "
+                    "nccl_ddp.DistributedDataParallel(module, zero=nccl_ddp.ZeroConfig(stage=2)) "
+                    "(the reduce-scatter is part of the model, chosen when it is built) and pass "
+                    "model.parameters(); or drop zero_stage for ZeRO-1 (grads all-reduced whole)"
                 )
             return 1, None
-        owners = {id(owner_of(p)) for p in params}
-        owner = owner_of(params[0])
-        if len(owners) > 1 or owner is None:
-            covered = [i for i, p in enumerate(params) if owner_of(p) is not None]
-            missing = [i for i, p in enumerate(params) if owner_of(p) is None]
+        owner = next(iter(sharded.values()))
+        stray = [i for i, o in enumerate(owners) if o is not owner]
+        if len(sharded) > 1 or stray:
             raise ConfigError(
-                "zero_stage=2 needs every parameter of the optimizer to belong to one nccl_ddp "
-                f"DistributedDataParallel model; parameters {missing[:10] or covered[:10]} (by "
-                "position in the param groups) are not covered by the same wrapper. Pass only "
-                "that model's parameters, or drop zero_stage (ZeRO-1: shard only the optimizer)"
+                f"trainable parameters {stray[:10]} (by position in the param groups, frozen ones "
+                "left out) do not belong to the sharded model (zero=) the others belong to; pass "
+                "that model's parameters (model.parameters()) alone"
             )
-        ddp_params = {id(p) for p in owner.params}
-        extra = [n for n, p in zip(owner.names, owner.params) if id(p) not in {id(q) for q in params}]
-        if extra or len(ddp_params) != len(params):
+        held = {id(p) for p in trainable}
+        missing = [n for n, p in zip(owner.names, owner.params) if id(p) not in held]
+        if missing:
             raise ConfigError(
-                f"ZeRO-2: the optimizer must hold every trainable parameter of the nccl_ddp "
-                f"DistributedDataParallel model (its buckets are reduce-scattered); missing "
-                f"{extra[:10]}. Pass model.parameters()"
+                "the optimizer must hold every trainable parameter of the sharded model (its "
+                f"shards cut all of them); missing {missing[:10]}. Pass model.parameters()"
+            )
+        stage = owner.zero.stage
+        if self._zero_stage is not None and self._zero_stage != stage:
+            raise ConfigError(
+                f"zero_stage={self._zero_stage}, but the model was built with "
+                f"zero=ZeroConfig(stage={stage}); the model decides the stage: build it with "
+                f"zero=nccl_ddp.ZeroConfig(stage={self._zero_stage}), or drop zero_stage"
             )
         if owner._ddp.process_group is not self.group:
             raise ConfigError(
-                "ZeRO-2: the optimizer's process_group differs from the "
+                "ZeRO: the optimizer's process_group differs from the "
                 "DistributedDataParallel model's; pass the same group (or None)"
             )
-        return 2, owner
+        return stage, owner
+
+    def _adopt_options(self, model: Optional[ZeroConfig]) -> None:
+        """overlap_param_gather and reduce_dtype are the model's ZeroConfig's (ZeRO-2); given
+        here they must agree with it. ZeRO-1 has neither."""
+        for name, asked in self._asked.items():
+            if model is not None and model.stage == 2:
+                have = getattr(model, name)
+                if asked is not None and asked != have:
+                    raise ConfigError(
+                        f"{name}={asked} differs from the model's zero=ZeroConfig({name}={have}); "
+                        f"ZeRO-2 options are the model's: build it with ZeroConfig({name}=...) and "
+                        "leave it unset here"
+                    )
+                setattr(self, name, have)
+            elif asked not in (None, False):
+                raise ConfigError(
+                    f"{name}={asked} needs ZeRO-2 (a model built with "
+                    f"nccl_ddp.DistributedDataParallel(module, zero=nccl_ddp.ZeroConfig(stage=2, "
+                    f"{name}=...))); under ZeRO-1 the grads arrive all-reduced and step() gathers "
+                    "the parameters before it returns"
+                )
 
     def _hook_modules(self, wrapper: Any) -> None:
         """A forward pre-hook per module that holds parameters: wait for their buckets."""
@@ -358,7 +369,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         saved = self._full_state(to=None)
         assert saved is not None
         super().add_param_group(param_group)
-        old = self.zs
+        old = self.core
         self._build()
         old.close()
         new = self.param_groups[-1]
@@ -428,24 +439,6 @@ def _waiter(zs: ZeroShards, buckets: List[int]) -> Any:
                 zs.wait_bucket(b)
 
     return hook
-
-
-def _reduce_dtype(value: Any) -> Any:
-    """None (the grads' own dtype) or float32, given as torch.float32, "float32" or NumPy's."""
-    if value is None:
-        return None
-    if value is torch.float32 or (isinstance(value, str) and value == "float32"):
-        return np.dtype(np.float32)
-    try:
-        ok = not isinstance(value, (str, torch.dtype)) and np.dtype(value) == np.float32
-    except TypeError:
-        ok = False
-    if ok:
-        return np.dtype(np.float32)
-    raise ConfigError(
-        f"reduce_dtype must be None (reduce the grads in their own dtype) or torch.float32 / "
-        f"'float32', got {value!r}"
-    )
 
 
 def _check_class(cls: Any) -> None:

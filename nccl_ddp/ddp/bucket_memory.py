@@ -62,3 +62,15 @@ def to_host(x: Any) -> Any:
     """A NumPy array of `x` (CuPy: copied to the host, which waits for its stream)."""
     get = getattr(x, "get", None)
     return get() if get is not None else x
+
+
+def accumulate_into(dst: Any, src: Any) -> None:
+    """dst += src (a framework's grad for a parameter, any shape of the same size)."""
+    dst += src.reshape(dst.shape)
+
+
+def copy_of(device: Device, stream: Stream, x: Any) -> Any:
+    """A new array holding `x`'s values once `stream` gets there."""
+    out = device.xp.empty_like(x)
+    stream.submit(copy_into, out, x)
+    return out

@@ -122,6 +122,15 @@ class BucketSubmitter:
             return Wire.COMPRESSED, wire
         return Wire.HOOK, ""
 
+    def submit_zeros(self, layout: BucketLayout, python: bool, flags: Any, divisor: Optional[int]) -> None:
+        """Every bucket of `layout` on zeros, in order (a joined rank's stand-in for the others'
+        step); `flags`: the step's non-finite flags or None."""
+        for b, bucket in enumerate(layout.buckets):
+            buf = self.device.zeros(bucket.padded, bucket.dtype)
+            grads = [buf[o : o + n] for o, n in zip(bucket.offsets, bucket.numels)]
+            flag = None if flags is None else flags[b : b + 1]
+            self.submit(layout, b, "python" if python else "view", grads, buf, flag, divisor)
+
     def submit(
         self,
         layout: BucketLayout,

@@ -8,6 +8,7 @@ from typing import Any, Literal, Optional, Type, TypeVar, Union
 from nccl_ddp.ddp.buckets import DEFAULT_CAP_BYTES, FIRST_CAP_BYTES, MiB
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 from nccl_ddp.validate import check_bool, check_mib, check_positive_int
+from nccl_ddp.zero.config import ZeroConfig, check_zero_config
 
 ReducerMode = Literal["CppReducer", "PythonReducer"]
 REDUCER_MODES = ("CppReducer", "PythonReducer")
@@ -45,6 +46,10 @@ class DDPConfig:
     check_finite: CheckFinite = False
     """True: the pack kernels flag NaN/Inf grads, `last_step_finite` says whether a step had any
     (on any rank). "raise": `NonFiniteGradError` on every rank at the end of such a step."""
+    zero: Optional[ZeroConfig] = None
+    """Sharding (docs/zero.md): the reducer builds the shard core at construction. Stage 2
+    reduce-scatters every bucket (averaged in the collective, whatever average_in_collective
+    says) into this rank's shard; stage 1 all-reduces as without it. None: plain DDP."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -61,6 +66,13 @@ class DDPConfig:
         check_finite_option("check_finite", self.check_finite)
         if not isinstance(self.reducer_mode, str) or self.reducer_mode not in REDUCER_MODES:
             raise ConfigError(f"reducer_mode must be one of {REDUCER_MODES}, got {self.reducer_mode!r}")
+        zero = check_zero_config(self.zero)
+        if zero is not None:
+            if zero.bucket_cap_mb is not None:
+                raise ConfigError(
+                    f"zero=ZeroConfig(bucket_cap_mb={zero.bucket_cap_mb}): a model's shards are cut "
+                    "from its own buckets; pass bucket_cap_mb to DistributedDataParallel instead"
+                )
 
     @property
     def cap_bytes(self) -> int:
@@ -85,6 +97,7 @@ class DDPConfig:
             "broadcast_buffers": self.broadcast_buffers,
             "check_finite": self.check_finite,
             "bucket_cap_mb": self.cap_bytes / MiB,
+            "zero": None if self.zero is None else repr(self.zero),
         }
 
 

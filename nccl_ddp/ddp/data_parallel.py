@@ -27,6 +27,7 @@ from nccl_ddp.ddp.reducer import Reducer
 from nccl_ddp.device.base import Device
 from nccl_ddp.errors import ConfigError, ConfigTypeError, ReducerError
 from nccl_ddp.validate import check_float_dtype
+from nccl_ddp.zero.config import ZeroConfig
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ class DistributedDataParallel:
         *,
         broadcast_buffers: bool = True,
         check_finite: CheckFinite = False,
+        zero: Optional[ZeroConfig] = None,
         config: Optional[DDPConfig] = None,
     ) -> None:
         self.config = config_from(
@@ -80,6 +82,7 @@ class DistributedDataParallel:
             reducer_mode=reducer_mode,
             broadcast_buffers=broadcast_buffers,
             check_finite=check_finite,
+            zero=zero,
         )
         self.module = module
         self._adapter = module if isinstance(module, GradModule) else frameworks.module_adapter(module)
@@ -92,6 +95,8 @@ class DistributedDataParallel:
         grads = self._adapter.native_grads()
         _check_native(grads, self.device, "grad", self._adapter.names)
         install = self._adapter.install_grad if self._adapter.can_install_grads else None
+        if self.config.init_sync:  # before a shard core (zero=) moves the parameters
+            self._init_sync(params)
         self.reducer = self._reducer_class(
             params,
             grads,
@@ -100,13 +105,12 @@ class DistributedDataParallel:
             self.config,
             names=self._adapter.names,
             install=install,
+            install_param=self._adapter.install_param if self._adapter.can_install_params else None,
             stream_scope=self._adapter.on_compute_stream,
         )
         self._sync_buffers_next = True  # torch: the first forward syncs buffers
         self.join_state = JoinState()
         self.reducer.on_open = self._on_step_open
-        if self.config.init_sync:
-            self._init_sync(params)
         self._adapter.attach(self)
 
     def _init_sync(self, params: List[Any]) -> None:
@@ -124,7 +128,8 @@ class DistributedDataParallel:
             floats_only=False,
             contiguous=False,
         )
-        specs = list(self.reducer.specs) + [ParamSpec(tuple(a.shape), np.dtype(a.dtype), n) for n, a in state]
+        specs = [ParamSpec(tuple(p.shape), np.dtype(p.dtype), n) for p, n in zip(params, self._adapter.names)]
+        specs += [ParamSpec(tuple(a.shape), np.dtype(a.dtype), n) for n, a in state]
         check_same_params(specs, self.process_group, self.device, self.config.rank_settings)
         with self._adapter.on_compute_stream():
             broadcast_coalesced(
@@ -245,7 +250,7 @@ class DistributedDataParallel:
     def untouched_last_step(self) -> frozenset:
         """Parameters the last synchronised step left as they were: unused on every rank
         (find_unused_parameters) or excluded from the buckets (static_graph)."""
-        return self.reducer.unused_last_step | self.reducer.excluded
+        return self.reducer.used.unused_last_step | self.reducer.used.excluded
 
     def zero_grad(self) -> None:
         """Zero the accumulated grads (DDP keeps accumulating across steps until this is called)."""
@@ -270,7 +275,7 @@ class DistributedDataParallel:
             )
         if r.comm_hook is not None:
             raise ConfigError(f"{where}: a comm hook is registered already; register one hook, once")
-        if r.steps or r._open:
+        if r.steps or r.step.open:
             raise ConfigError(f"{where}: call it before the first forward/backward")
         r.set_comm_hook(state, hook)
 

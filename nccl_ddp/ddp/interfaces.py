@@ -32,6 +32,17 @@ class GradModule(abc.ABC):
         """Whether `install_grad` works for this module (grads may become bucket views)."""
         return False
 
+    def install_param(self, i: int, view: Any) -> None:
+        """Make the framework's parameter i alias `view` (a slice of a shard core's flat
+        parameter buffer, zero=), keeping its identity (torch: `p.data = view`)."""
+        raise NotImplementedError
+
+    @property
+    def can_install_params(self) -> bool:
+        """Whether `install_param` works; without it a shard core copies the gathered
+        parameters back into `native_params()` after every step."""
+        return False
+
     def to_native(self, i: int, grad: Any) -> Any:
         """A native array for a grad of parameter i produced by the framework."""
         return grad

@@ -7,12 +7,9 @@ how a bucket is reduced `bucket_submit.BucketSubmitter`, the non-finite flags
 `finite_check.FiniteCheck`; this module schedules (Megatron's bucket group: start_grad_sync /
 finish_grad_sync).
 
-The mode (`DDPConfig.reducer_mode` and the module) says how grads relate to the buckets:
-- "view":   CppReducer, grads are views of the bucket (zero copy, PyTorch's
-            gradient_as_bucket_view).
-- "pack":   CppReducer, the grads live elsewhere: packed into the bucket and unpacked back.
-- "python": PythonReducer, one all-reduce per grad, no fused kernels.
-All three give the same numbers.
+The mode ("view", "pack", "python": grad_buckets.py) says how grads relate to the buckets; all
+three give the same numbers. One step's counts are `step_state.StepState`, the small collectives
+at its end `step_collectives.py`; with `DDPConfig.zero` the shard core is built here (zero/core.py).
 """
 
 from __future__ import annotations
@@ -23,28 +20,27 @@ from typing import Any, Callable, ContextManager, List, Optional, Sequence, Tupl
 
 import numpy as np
 
-from nccl_ddp import kernels
-from nccl_ddp.comm.group import ProcessGroup, ReduceOp
+from nccl_ddp.comm.group import ProcessGroup
 from nccl_ddp.ddp import comm_hooks
-from nccl_ddp.ddp.bucket_memory import BucketBuffers, copy_into, to_host
-from nccl_ddp.ddp.bucket_submit import BucketSubmitter, Mode, all_reduce_here
+from nccl_ddp.ddp.bucket_memory import BucketBuffers, accumulate_into, copy_into, copy_of
+from nccl_ddp.ddp.bucket_submit import BucketSubmitter, Mode
 from nccl_ddp.ddp.buckets import BucketLayout, ParamSpec, assign_buckets
 from nccl_ddp.ddp.config import DDPConfig
 from nccl_ddp.ddp.finite_check import FiniteCheck, require_check
+from nccl_ddp.ddp.grad_buckets import GradBuckets, InstallFn
+from nccl_ddp.ddp.step_collectives import UsedParams, rank0_order
 from nccl_ddp.ddp.step_failure import StepFailure
+from nccl_ddp.ddp.step_state import StepState
 from nccl_ddp.errors import ConfigError, ReducerError
 from nccl_ddp.profiling import Timeline
+from nccl_ddp.zero.core import ZeroCore, build_core, plan
 from nccl_ddp.zero.grads import ReduceScatter, refuse_unshardable
-from nccl_ddp.zero.layout import ShardLayout, shard_layout
 
 log = logging.getLogger(__name__)
 
-InstallFn = Callable[[int, Any], None]
-"""install(i, view): make the framework's grad of parameter i alias `view` from now on."""
-
 StreamScope = Callable[[], ContextManager[Any]]
-"""stream_scope(): a context in which `device.current_stream()` is the framework's compute stream
-(torch: its current CUDA stream made CuPy's). Entered only around work that touches streams."""
+"""stream_scope(): a context whose current stream is the framework's compute stream (torch: its
+current CUDA stream made CuPy's); entered only around work that touches streams."""
 
 
 class Reducer:
@@ -68,6 +64,7 @@ class Reducer:
         *,
         names: Optional[Sequence[Optional[str]]] = None,
         install: Optional[InstallFn] = None,
+        install_param: Optional[InstallFn] = None,
         stream_scope: StreamScope = contextlib.nullcontext,
     ) -> None:
         self.params = list(params)
@@ -77,50 +74,68 @@ class Reducer:
         self.specs = [
             ParamSpec(tuple(p.shape), np.dtype(p.dtype), n) for p, n in zip(self.params, self.names)
         ]
-        self._install = install
+        python = config.reducer_mode == "PythonReducer"
+        self.buckets = GradBuckets(self.specs, grads, device, group.rank, python=python, install=install)
         self.stream_scope = stream_scope
         self.comm = device.new_stream()
+        sharded = config.zero is not None and config.zero.stage == 2
+        if sharded:
+            refuse_unshardable(group.rank, config.reducer_mode, config.static_graph, None)
+        self.sync_enabled = True  # False inside no_sync()
+        self.steps = 0  # synchronised steps finished
+        self.used = UsedParams(len(self.params), config.find_unused_parameters, config.static_graph)
+        self._arrival: List[int] = []
+        self.step = StepState(len(self.params))  # ready bitmap, pending counts, done events
+        self._uses_prepare = False
+        self._failure = StepFailure(group.rank, "DistributedDataParallel")  # what broke a step
+        self.on_open: Optional[Callable[[bool], None]] = None  # Join: on_open(syncs) per step
+        self.step_divisor: Optional[int] = None  # Join: divide by the active ranks this step
+        self._finite = (
+            FiniteCheck(config.check_finite, device, group.rank, self._settle, self._label)
+            if config.check_finite
+            else None
+        )
+        base = assign_buckets(self.specs, config.cap_bytes, config.first_cap_bytes)
+        self.zero: Optional[ZeroCore] = None  # the shard core (config.zero), built here once
+        shards = None if config.zero is None else plan(base, group, device)
+        self.buckets.set(shards.layout if sharded and shards is not None else base)
+        self._install_param = install_param
+        if config.zero is not None:
+            self.zero = build_core(
+                config.zero,
+                self.params,
+                group,
+                device,
+                shards=shards,
+                grad_memory=self.memory if sharded else None,
+                fp32_grad_shards=False,  # stage 1: the optimizer reads our full grads as views
+                install=None if install_param is None else self.param_moved,
+                comm=self.comm,
+                timeline=lambda: self.prof,
+            )
         self.submitter = BucketSubmitter(
             group,
             device,
             self.comm,
             specs=self.specs,
             params=self.params,
-            average_in_collective=config.average_in_collective,
+            # the reduce-scatter (ZeRO-2) averages in the collective: the buckets keep local grads
+            average_in_collective=config.average_in_collective or sharded,
             label=self._label,
+            collective=None if self.zero is None else self.zero.reduce,  # None: all-reduce
         )
-        self.sync_enabled = True  # False inside no_sync()
-        self.steps = 0  # synchronised steps finished
-        self.excluded: frozenset = frozenset()  # static graph: unused in step 1, never reduced
-        self.unused_last_step: frozenset = frozenset()  # no rank used them (find_unused/static)
-        self._used_unsynced: set = set()  # marked ready in no_sync() steps since the last sync
-        self._arrival: List[int] = []
-        self._ready = bytearray(len(self.params))  # 1: grad i is ready this step
-        self._count = 0  # grads ready this step (ones in _ready)
-        self._open = False
-        self._fast = False  # mark_ready may take its fast path (see there)
-        self._backward_ended = False  # this step's end of backward is on the timeline
-        self._step_syncs = True
-        self._uses_prepare = False
-        self._failure = StepFailure(group.rank, "DistributedDataParallel")  # what broke a step
-        self.on_open: Optional[Callable[[bool], None]] = None  # Join: on_open(syncs) per step
-        self.step_divisor: Optional[int] = None  # Join: divide by the active ranks this step
-        self._used_globally = np.zeros(len(self.params), dtype=bool)  # by the last bitmap
-        self._finite = (
-            FiniteCheck(config.check_finite, device, group.rank, self._settle, self._label)
-            if config.check_finite
-            else None
-        )
-        self.sharding: Optional[ReduceScatter] = None  # ZeRO-2 (enable_sharding)
-        self._set_layout(assign_buckets(self.specs, config.cap_bytes, config.first_cap_bytes))
-
-    # ------------------------------------------------------------------ layout and memory
 
     @property
     def mode(self) -> Mode:
-        if self.config.reducer_mode == "PythonReducer":
-            return "python"
-        return "view" if self._views_installed else "pack"
+        return self.buckets.mode
+
+    @property
+    def layout(self) -> BucketLayout:
+        return self.buckets.layout
+
+    @property
+    def memory(self) -> Optional[BucketBuffers]:  # the flat grad buffers (None: PythonReducer)
+        return self.buckets.memory
 
     @property
     def prof(self) -> Timeline:
@@ -143,62 +158,21 @@ class Reducer:
             refuse_unshardable(self.group.rank, "", False, (state, hook))
         self.submitter.hook = (state, hook)
 
-    def enable_sharding(self, reduce_dtype: Any = None) -> ShardLayout:
-        """ZeRO-2: from the next step each bucket is reduce-scattered (averaged in the
-        collective; the local grads stay as they are) into this rank's shard of it
-        (`sharding.outputs`); the layout is padded for the group and no longer rebuilt.
-        `reduce_dtype`: None reduces in the grads' dtype, float32 widens bf16/fp16 buckets."""
-        if self.sharding is not None:
-            if self.sharding.reduce_dtype != reduce_dtype:
-                raise ConfigError(
-                    f"rank {self.group.rank}: this model is already sharded with reduce_dtype="
-                    f"{self.sharding.reduce_dtype}; a second sharded optimizer asked for {reduce_dtype}"
-                )
-            return self.sharding.shards
-        refuse_unshardable(
-            self.group.rank, self.config.reducer_mode, self.config.static_graph, self.submitter.hook
-        )
-        if self._open and self._count:
-            raise ReducerError(
-                f"rank {self.group.rank}: sharding enabled in the middle of a "
-                "step; build the sharded optimizer before the first backward"
-            )
-        shards = shard_layout(self.layout, self.group.size, self.device.align_bytes)
-        self._set_layout(shards.layout)
-        assert self.memory is not None  # CppReducer (refused above otherwise)
-        self.sharding = ReduceScatter(self.group, self.device, shards, self.memory, reduce_dtype)
-        self.submitter.collective = self.sharding
-        self.submitter.average_in_collective = True
-        return shards
+    @property
+    def sharding(self) -> Optional[ReduceScatter]:
+        """ZeRO-2's reduce-scatter (its `outputs`: this rank's reduced grad shards), or None."""
+        return None if self.zero is None else self.zero.reduce
 
-    def _set_layout(self, layout: BucketLayout) -> None:
-        """Allocate buffers for `layout`; in CppReducer mode move the grads into bucket views."""
-        self.layout = layout
-        # per parameter: its bucket, or -1 (excluded); what mark_ready's fast path reads
-        self._bucket_of = [-1] * len(self.params)
-        for b in layout.buckets:
-            for p in b.params:
-                self._bucket_of[p] = b.index
-        self._unbucketed = [i for i, b in enumerate(self._bucket_of) if b < 0]
-        self.memory: Optional[BucketBuffers] = None
-        self._views_installed = False
-        if self.config.reducer_mode == "PythonReducer":
-            return
-        self.memory = BucketBuffers(layout, self.device)
-        if self._install is None:  # the framework cannot alias its grads: pack/unpack
-            return
-        self.memory.adopt_grads(
-            self.grads, [s.shape for s in self.specs], self._install, self.device.current_stream()
-        )
-        self._views_installed = True
-        log.debug("rank %d: bucket layout %s (%s mode)", self.group.rank, layout.summary(), self.mode)
-
-    # ------------------------------------------------------------------ per step
+    def param_moved(self, i: int, view: Any) -> None:
+        """A shard core moved parameter i into its flat parameter buffer (`view`)."""
+        self.params[i] = view
+        if self._install_param is not None:
+            self._install_param(i, view)
 
     def prepare(self) -> None:
         """Called by the wrapper's forward: the next grads belong to a new step."""
         self._failure.check()
-        if self._open and self._step_syncs and self._count:
+        if self.step.open and self.step.syncs and self.step.count:
             raise ReducerError(
                 self._missing_message(
                     "Expected to have finished reduction in the prior iteration before starting a new "
@@ -209,21 +183,11 @@ class Reducer:
         self._open_step()
 
     def _open_step(self) -> None:
-        n = len(self.params)
-        self._ready = bytearray(n)
-        self._pending = [len(b.params) for b in self.layout.buckets]
-        self._next = 0
-        self._done: list = []
-        self._expected = n - len(self.excluded)
-        self._count = 0
-        self._open = True
-        self._fast = False
-        self._backward_ended = False
-        self._step_syncs = self.sync_enabled
-        if self._finite is not None and self._step_syncs:
+        self.step.start(self.layout, self.used.excluded, self.sync_enabled)
+        if self._finite is not None and self.step.syncs:
             self._finite.open(self.layout, self.steps)
         if self.on_open is not None:
-            self.on_open(self._step_syncs)
+            self.on_open(self.step.syncs)
 
     def mark_ready(self, i: int, grad: Any = None) -> Any:
         """Grad `i` of this step is final (`grad` given: add it to the accumulated grad first).
@@ -231,20 +195,16 @@ class Reducer:
         Launches every bucket that is now complete and whose predecessors have launched; the last
         grad finalizes the step. Returns the accumulated grad array (a bucket view in view mode).
         """
-        b = self._bucket_of[i]
-        # the common case, flat: a synchronised step already under way (`_fast`: set by the
+        b, st = self.buckets.bucket_of[i], self.step
+        # the common case, flat: a synchronised step already under way (`fast`: set by the
         # step's first grad, after the first step, whose arrival order the rebuild needs; cleared
         # when the step closes or fails), a bucketed grad seen first now
-        if self._fast and b >= 0 and not self._ready[i]:
+        if st.fast and b >= 0 and not st.ready[i]:
             if grad is not None and grad is not self.grads[i]:
-                self.device.current_stream().submit(_accumulate, self.grads[i], grad)
-            self._ready[i] = 1
-            self._count += 1
-            pending = self._pending
-            pending[b] -= 1
-            if (b == self._next and not pending[b]) or self._count == self._expected:
+                self.device.current_stream().submit(accumulate_into, self.grads[i], grad)
+            if st.mark(i, b):  # a bucket can launch, or the step is complete
                 with self.stream_scope(), self._failure.closes_step(self._abandon_step):
-                    if self._count == self._expected:
+                    if st.count == st.expected:
                         with self.comm.awaited():  # the step waits for what is left at once
                             self._mark_backward_end()
                             self._launch_ready()
@@ -258,7 +218,8 @@ class Reducer:
     def _mark_ready(self, i: int, grad: Any) -> Any:
         """mark_ready's general path: opens the step, checks misuse, records the arrival order."""
         self._failure.check()
-        if not self._open:
+        st = self.step
+        if not st.open:
             if self._uses_prepare:
                 raise ReducerError(
                     f"rank {self.group.rank}: grad {self._label(i)} marked ready after the step was "
@@ -266,57 +227,38 @@ class Reducer:
                     "each backward, or use it only through mark_ready without forward calls"
                 )
             self._open_step()
-        if self._ready[i]:
-            raise ReducerError(
-                f"rank {self.group.rank}: Expected to mark a variable ready only once. Parameter "
-                f"{self._label(i)} was marked ready twice in step {self.steps}. Causes: the grad hook "
-                "ran twice (the parameter is used twice with a hook per use, or backward ran twice "
-                "without a forward in between); mark each parameter once per backward."
-            )
-        if i in self.excluded and self._step_syncs:
-            raise ReducerError(
-                f"rank {self.group.rank}: parameter {self._label(i)} received a grad, but with "
-                "static_graph=True it was unused in the first step and is no longer reduced; the "
-                "graph is not static: use find_unused_parameters=True instead"
-            )
-        if self._count == 0 and self._step_syncs:
+        st.check_new(i, self.group.rank, self.steps, self.used.excluded, self._label)
+        if st.count == 0 and st.syncs:
             self.prof.mark("backward", "start", self.device.current_stream())
         if grad is not None and grad is not self.grads[i]:
-            self.device.current_stream().submit(_accumulate, self.grads[i], grad)
+            self.device.current_stream().submit(accumulate_into, self.grads[i], grad)
         with self._failure.closes_step(self._abandon_step):
             self._set_ready(i)
-            if self._count == self._expected:
+            if st.count == st.expected:
                 self._finalize()
-        self._fast = self._open and self._step_syncs and self.steps > 0
+        st.fast = st.open and st.syncs and self.steps > 0
         return self.grads[i]
 
     def not_ready(self, indices: Sequence[int]) -> List[int]:
-        """Those of `indices` whose grad was not marked ready in the current (or just finalized)
-        step."""
-        if self._count == len(self.params):
-            return []
-        return [i for i in indices if not self._ready[i]]
+        """Those of `indices` whose grad was not marked ready in the current (or last) step."""
+        return [] if self.step.count == len(self.params) else [i for i in indices if not self.step.ready[i]]
 
     def _set_ready(self, i: int) -> None:
         """Count grad i as ready: a synchronised step may launch its bucket now; a no_sync() step
         remembers it as used for the next synchronised step."""
-        self._ready[i] = 1
-        self._count += 1
-        if not self._step_syncs:
-            self._used_unsynced.add(i)
+        if not self.step.syncs:
+            self.step.mark(i, -1)
+            self.used.unsynced.add(i)
             return
         if self.steps == 0:
             self._arrival.append(i)
-        b = self._bucket_of[i]
-        if b >= 0:
-            self._pending[b] -= 1
+        if self.step.mark(i, self.buckets.bucket_of[i]):
             self._launch_ready()
 
     def _launch_ready(self) -> None:
         """Bucket b launches only after b-1, and as soon as all its grads are ready."""
-        while self._next < len(self.layout.buckets) and self._pending[self._next] == 0:
-            self._launch(self._next)
-            self._next += 1
+        for b in self.step.launchable():
+            self._launch(b)
 
     def _launch(self, b: int) -> None:
         # compute: ─ grads of b ready ─●record(ready)─── backward goes on ────────── finalize: wait(done) ─▶
@@ -336,11 +278,7 @@ class Reducer:
             buf = None if self.memory is None else self.memory.buffers[b]  # None: PythonReducer
             flag = None if self._finite is None else self._finite.flag(b)
             self.submitter.submit(self.layout, b, mode, grads, buf, flag, self.step_divisor)
-            self._done.append(self.comm.record())
-
-    def _broadcast_here(self, buf: Any, tag: str) -> None:
-        """Rank 0's `buf` to every rank, in comm-stream order (like `all_reduce_here`)."""
-        self.group.broadcast(buf, 0, stream=self.device.current_stream(), tag=tag).wait(self.group.timeout)
+            self.step.done.append(self.comm.record())
 
     def finalize(self) -> None:
         """End the step: launch what is left, make the compute stream wait for every bucket.
@@ -354,35 +292,30 @@ class Reducer:
             self._finalize()
 
     def _mark_backward_end(self) -> None:
-        """The timeline's end of backward: the last grad is in (once per step, before what is
-        left is launched, which may run on this thread: it is not hidden behind backward)."""
-        if not self._backward_ended:
-            self._backward_ended = True
+        """The timeline's end of backward, once per step, before what is left is launched."""
+        if not self.step.backward_ended:
+            self.step.backward_ended = True
             self.prof.mark("backward", "end", self.device.current_stream())
 
     def _finalize(self) -> None:
-        self._fast = False
-        if not self._open:
+        st = self.step
+        st.fast = False
+        if not st.open:
             return
-        if not self._step_syncs:  # no_sync(): grads stay local and keep accumulating
-            self._open = False
+        if not st.syncs:  # no_sync(): grads stay local and keep accumulating
+            st.open = False
             return
         self._mark_backward_end()
         # a grad accumulated in a no_sync() step since the last sync is part of this step's grad,
         # whether or not it got one now: it counts as used and is reduced (PyTorch's
         # local_used_map, which only a synchronised step clears)
-        for i in sorted(self._used_unsynced - self.excluded):
-            if not self._ready[i]:
+        for i in self.used.take_unsynced():
+            if not st.ready[i]:
                 self._set_ready(i)
-        self._used_unsynced = set()
-        checks_unused = self._checks_unused()
-        missing = (
-            []
-            if self._count == len(self.params)
-            else [i for i in range(len(self.params)) if not self._ready[i] and i not in self.excluded]
-        )
+        checks_unused = self.used.checks(self.steps)
+        missing = st.missing(self.used.excluded)
         if missing and not checks_unused:
-            self._open = False
+            st.open = False
             raise ReducerError(
                 self._missing_message("Expected every parameter to receive a grad before the end of the step")
             )
@@ -390,78 +323,36 @@ class Reducer:
         if checks_unused:
             compute = self.device.current_stream()
             for i in missing:
-                saved[i] = _copy_of(self.device, compute, self.grads[i])
-                if self._bucket_of[i] >= 0:
-                    self._pending[self._bucket_of[i]] -= 1
+                saved[i] = copy_of(self.device, compute, self.grads[i])
+                if self.buckets.bucket_of[i] >= 0:
+                    st.pending[self.buckets.bucket_of[i]] -= 1
             self._launch_ready()
         compute = self.device.current_stream()
         # compute: ── backward done ── wait(done 0) ... wait(done n-1) ── optimizer ─▶
         # comm:    ─[bucket 0]─●done 0 ─ ... ─[bucket n-1]─●done n-1
-        for ev in self._done:
+        for ev in st.done:
             compute.wait(ev)
-        unused_everywhere = self._end_collectives(
-            np.frombuffer(self._ready, np.uint8), missing, checks_unused
-        )
-        for i in unused_everywhere:
+        ready = np.frombuffer(st.ready, np.uint8)
+        for i in self.used.end_step(
+            self.group, self.device, self.comm, ready, missing, self._flags, self.steps
+        ):
             compute.submit(copy_into, self.grads[i], saved[i])
-        self.unused_last_step = frozenset(unused_everywhere)
-        self._open = False
+        st.open = False
         self.prof.end_step()
-        self._close_step(unused_everywhere)
+        self._close_step()
         if self._finite is not None:
             self._finite.raise_if_flagged()
 
-    def _checks_unused(self) -> bool:
-        """Whether this step's end finds the parameters no rank used (a bitmap all-reduce)."""
-        return self.config.find_unused_parameters or (self.config.static_graph and self.steps == 0)
-
-    def _settle(self) -> None:
-        """Wait until the step's reduced non-finite flags can be read (the compute stream
-        waits on them)."""
+    def _settle(self) -> None:  # the reduced non-finite flags can be read (compute waited on them)
         self.device.current_stream().synchronize(self.group.timeout)
 
-    def _end_collectives(self, ready: np.ndarray, missing: list, checks_unused: bool) -> list:
-        """The step's closing collective, after its buckets: the used-parameter bitmap
-        (find_unused_parameters) and the per-bucket non-finite flags (check_finite), fused into
-        one small all-reduce. Returns the params in `missing` that no rank used."""
-        flags = None if self._finite is None else self._finite.flags
-        if not checks_unused and flags is None:
-            return []
-        bitmap = ready.astype(np.int32) if checks_unused else np.zeros(0, np.int32)
-        box: list = []
-        self.comm.wait(self.device.current_stream().record())
-        self.comm.submit(self._reduce_bitmap_and_flags, bitmap, flags, box)
-        if not checks_unused:  # check_finite only: read lazily (or at once with "raise")
-            self.device.current_stream().wait(self.comm.record())
-            return []
-        # blocks on the bitmap, as PyTorch's find_unused_parameters does at the end of backward
-        self.comm.synchronize(self.group.timeout)
-        used = to_host(box[0])
-        self._used_globally = used[: len(self.params)] > 0
-        return [i for i in missing if used[i] == 0]
+    @property
+    def _flags(self) -> Any:
+        return None if self._finite is None else self._finite.flags
 
-    def _reduce_bitmap_and_flags(self, bitmap: np.ndarray, flags: Any, box: list) -> None:
-        xp = self.device.xp
-        parts = ([xp.asarray(bitmap)] if bitmap.size else []) + ([] if flags is None else [flags])
-        buf = xp.concatenate(parts) if len(parts) > 1 else parts[0]
-        what = " and ".join(
-            w
-            for w, on in (
-                ("the used-parameter bitmap", bitmap.size),
-                ("the non-finite flags", flags is not None),
-            )
-            if on
-        )
-        all_reduce_here(self.group, self.device, buf, ReduceOp.SUM, what)
-        if flags is not None and len(parts) > 1:
-            flags[...] = buf[bitmap.size :]
-        box.append(buf)
-
-    def _close_step(self, unused_everywhere: list) -> None:
+    def _close_step(self) -> None:
         first = self.steps == 0
         self.steps += 1
-        if first and self.config.static_graph:
-            self.excluded = frozenset(unused_everywhere)
         if (
             first
             and (self.config.static_graph or not self.config.find_unused_parameters)
@@ -480,32 +371,26 @@ class Reducer:
                 "cannot stand in for the reduce-scatter and the parameter all-gather of the "
                 "others; give every rank the same number of batches (or use ZeRO-1)"
             )
-        if self._open and self._count:
+        if self.step.open and self.step.count:
             raise ReducerError(
-                f"rank {self.group.rank}: a step is half done ({self._count} "
+                f"rank {self.group.rank}: a step is half done ({self.step.count} "
                 "grads ready) while this rank has joined; "
                 "finish backward before leaving the Join block"
             )
         with self._failure.closes_step(self._abandon_step):
-            self._open = self._fast = False
+            self.step.open = self.step.fast = False
             if self._finite is not None:
                 self._finite.open(self.layout, self.steps)
-            mode: Mode = "python" if self.mode == "python" else "view"
             compute = self.device.current_stream()
             self.comm.wait(compute.record())
-            for b, bucket in enumerate(self.layout.buckets):
-                buf = self.device.zeros(bucket.padded, bucket.dtype)
-                grads = [buf[o : o + n] for o, n in zip(bucket.offsets, bucket.numels)]
-                flag = None if self._finite is None else self._finite.flag(b)
-                self.submitter.submit(self.layout, b, mode, grads, buf, flag, divisor)
+            self.submitter.submit_zeros(self.layout, self.mode == "python", self._flags, divisor)
             compute.wait(self.comm.record())
-            missing = [i for i in range(len(self.params)) if i not in self.excluded]
+            missing = [i for i in range(len(self.params)) if i not in self.used.excluded]
             # torch's joined rank sends the used map of its last step (as reduced then), not
             # zeros: what it used then counts as used while it shadows
-            used = self._used_globally
-            unused = self._end_collectives(used, missing, self._checks_unused())
-            self.unused_last_step = frozenset(unused)
-            self._close_step(unused)
+            used = self.used
+            used.end_step(self.group, self.device, self.comm, used.globally, missing, self._flags, self.steps)
+            self._close_step()
 
     @property
     def last_step_finite(self) -> Optional[bool]:
@@ -516,54 +401,36 @@ class Reducer:
 
     def _rebuild(self) -> None:
         """Refill the buckets in the order rank 0's grads arrived in the first step."""
-        n = len(self.params)
-        order = np.full(n, -1, dtype=np.int64)
-        arrived = list(dict.fromkeys(self._arrival))
-        order[: len(arrived)] = arrived
-        buf = self.device.xp.asarray(order)
-        self.comm.wait(self.device.current_stream().record())
-        self.comm.submit(self._broadcast_here, buf, "rank 0's grad arrival order")
-        self.comm.synchronize(self.group.timeout)
-        rank0_order = [int(i) for i in to_host(buf) if i >= 0]
+        order = rank0_order(self.group, self.device, self.comm, self._arrival, len(self.params))
         layout = assign_buckets(
             self.specs,
             self.config.cap_bytes,
             self.config.first_cap_bytes,
-            order=rank0_order,
-            exclude=sorted(self.excluded),
+            order=order,
+            exclude=sorted(self.used.excluded),
         )
         self._arrival = []
         if layout.buckets == self.layout.buckets:
             return
-        self._set_layout(layout)
+        self.buckets.set(layout)
         log.info("rank %d: buckets rebuilt in arrival order: %s", self.group.rank, layout.summary())
 
     def _abandon_step(self) -> None:
         """A launch or finalize raised (a collective failed: peer died, group destroyed): the
         step is half-reduced and the ranks are out of step; `self._failure` makes every later
         call say so instead of naming grads as missing."""
-        self._open = self._fast = False
-
-    # ------------------------------------------------------------------ accumulation
+        self.step.open = self.step.fast = False
 
     def zero_grad(self) -> None:
         """Zero every grad (the buckets in view mode). Not allowed while a step is open."""
         self._failure.check()
-        if self._open and self._count:
+        if self.step.open and self.step.count:
             raise ReducerError(
                 f"rank {self.group.rank}: zero_grad() called in the middle of a step ("
-                f"{self._count} grads already marked ready); call it before forward or "
+                f"{self.step.count} grads already marked ready); call it before forward or "
                 "after the optimizer step"
             )
-        compute = self.device.current_stream()
-        if self.mode == "view" and self.memory is not None:
-            for buf in self.memory.buffers:
-                compute.submit(kernels.zero_, buf)
-            rest = [self.grads[i] for i in self._unbucketed]
-        else:
-            rest = self.grads
-        for g in rest:
-            compute.submit(kernels.zero_, g)
+        self.buckets.zero_(self.device.current_stream())
 
     def close(self) -> None:
         """Wait for pending communication (not after a failed step: its error was raised
@@ -575,31 +442,8 @@ class Reducer:
         if close is not None:
             close()
 
-    # ------------------------------------------------------------------ messages
-
     def _label(self, i: int) -> str:
-        name = self.names[i] if 0 <= i < len(self.names) else None
-        return f"{i} ({name!r})" if name else str(i)
+        return f"{i} ({self.names[i]!r})" if 0 <= i < len(self.names) and self.names[i] else str(i)
 
     def _missing_message(self, head: str) -> str:
-        missing = [i for i in range(len(self.params)) if not self._ready[i] and i not in self.excluded]
-        shown = ", ".join(self._label(i) for i in missing[:20])
-        more = f" and {len(missing) - 20} more" if len(missing) > 20 else ""
-        return (
-            f"rank {self.group.rank}: {head}. This error indicates that your module has "
-            "parameters that were not used in producing loss. Parameter indices which did not "
-            f"receive grad for rank {self.group.rank}: {shown}{more}. You can enable unused "
-            "parameter detection by passing find_unused_parameters=True to "
-            "DistributedDataParallel (and calling finalize() after backward), or make sure every "
-            "parameter gets a grad (mark_ready) in every step."
-        )
-
-
-def _accumulate(dst: Any, src: Any) -> None:
-    dst += src.reshape(dst.shape)
-
-
-def _copy_of(device: Any, stream: Any, x: Any) -> Any:
-    out = device.xp.empty_like(x)
-    stream.submit(copy_into, out, x)
-    return out
+        return self.step.missing_message(head, self.group.rank, self.used.excluded, self._label)

@@ -149,17 +149,18 @@ class ZeroShards:
             if g is not red:
                 compute.submit(_cast_into, g, red)
 
-    def global_norm(self, local_sq: Optional[float] = None) -> float:
-        """The 2-norm of the whole (sharded) grad: one all-reduce of the shards' squared norms
-        (`local_sq`: this rank's, computed by the caller; None: over `grads`). NaN or Inf when
-        any rank's shard holds one."""
-        local = np.zeros(1, np.float64)
+    def global_norm(self, local_sq: Any = None) -> float:
+        """The 2-norm of the whole (sharded) grad: the shards' squared norms summed on the
+        device (`local_sq`: this rank's, computed by the caller; None: over `grads`), one
+        all-reduce, one device-to-host read per step (not one per bucket). NaN or Inf when any
+        rank's shard holds one: the same read is the step's finite check."""
+        xp = self.device.xp
+        buf = xp.zeros(1, np.float64)
         if local_sq is not None:
-            local[0] = local_sq
+            buf += local_sq
         for g in self.grads if local_sq is None else ():
             if g is not None:
-                local[0] += float(to_host(self.device.xp.dot(g, g)))
-        buf = self.device.xp.asarray(local)
+                buf += xp.dot(g, g)
         self.blocking(
             lambda s: self.group.all_reduce(
                 buf, ReduceOp.SUM, stream=s, tag="the squared grad norm of every shard"

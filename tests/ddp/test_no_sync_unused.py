@@ -50,11 +50,17 @@ def _accumulate_then_sync(rank, world):
             ddp(None)  # the synchronising step: a only
             ddp.mark_ready("a", grad(rank, 2, "a"))
             ddp.finalize()
-            first = ({k: np.array(g) for k, g in model.grads.items()}, sorted(ddp.reducer.unused_last_step))
+            first = (
+                {k: np.array(g) for k, g in model.grads.items()},
+                sorted(ddp.reducer.used.unused_last_step),
+            )
             ddp(None)  # next step: b, c no longer carry a no_sync grad
             ddp.mark_ready("a", grad(rank, 3, "a"))
             ddp.finalize()
-            second = ({k: np.array(g) for k, g in model.grads.items()}, sorted(ddp.reducer.unused_last_step))
+            second = (
+                {k: np.array(g) for k, g in model.grads.items()},
+                sorted(ddp.reducer.used.unused_last_step),
+            )
             ddp.close()
             out[mode] = first, second
     finally:

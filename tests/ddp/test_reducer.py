@@ -271,10 +271,10 @@ def _static_rank(group):
     for i in (3, 2, 0):
         ddp.mark_ready(i, np.ones(8, np.float32))
     ddp.finalize()  # w1 unused everywhere in step 1
-    excluded = sorted(ddp.reducer.excluded)
+    excluded = sorted(ddp.reducer.used.excluded)
     for i in (3, 2, 0):  # step 2 finalizes by itself without w1
         ddp.mark_ready(i, np.ones(8, np.float32))
-    closed = not ddp.reducer._open
+    closed = not ddp.reducer.step.open
     with pytest.raises(errors.ReducerError, match="static_graph"):
         ddp.mark_ready(1, np.ones(8, np.float32))
     return excluded, closed, [b.params for b in ddp.reducer.layout.buckets]

@@ -1,4 +1,4 @@
-"""The NumPy path of ZeRO end to end: b20-zero's core (shard_layout + ZeroShards) with the fused
+"""The NumPy path of ZeRO end to end: the shard core (zero/core.py's factory, stage 1) with the fused
 flat-shard optimizers (nd.ShardAdamW/ShardSGD, one step per bucket shard, the bfloat16 parameter
 shard written in the same pass), 2 processes on the host backend, against the same optimizer run
 unsharded on the summed grads: bitwise, because the update is elementwise."""
@@ -36,19 +36,15 @@ def _grads(rank, step):
 
 def _rank(rank, world, kind, dtype):
     from nccl_ddp.comm.api import device_of, get_world_group
-    from nccl_ddp.ddp.buckets import ParamSpec, assign_buckets
-    from nccl_ddp.zero.layout import shard_layout
-    from nccl_ddp.zero.shards import ZeroShards
+    from nccl_ddp.zero.core import build_core
 
     nd.init_process_group("host")
     try:
         group = get_world_group()
         device = device_of(group)
         params = _init(dtype)
-        base = assign_buckets(
-            [ParamSpec(p.shape, p.dtype) for p in params], 512, 512, align_bytes=device.align_bytes
-        )
-        zs = ZeroShards(shard_layout(base, world, device.align_bytes), params, group, device)
+        core = build_core(nd.ZeroConfig(stage=1, bucket_cap_mb=512 / 2**20), params, group, device)
+        zs = core.zs
         opt = _make(kind)
         states = [opt.init_state(m) for m in zs.master]
         low = np.dtype(dtype) != np.float32

@@ -27,7 +27,7 @@ def _wrapped(m, stage: int, rank: int, world: int, store: str):
     torch.set_num_threads(1)
     nd.init_process_group("host")
     if stage == 2:
-        return nd.DistributedDataParallel(m, bucket_cap_mb=400 / (1 << 20))
+        return nd.DistributedDataParallel(m, bucket_cap_mb=400 / (1 << 20), zero=nd.ZeroConfig(stage=2))
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     return torch.nn.parallel.DistributedDataParallel(m)
 

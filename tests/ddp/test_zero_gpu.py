@@ -32,7 +32,7 @@ def _train_on_gpu(rank: int, world: int) -> dict:
         ref = on_gpu(make_model())
         train_gpu(ref, adamw(ref.parameters(), **kw), ref, train, clip=0.05)
         m = on_gpu(make_model())
-        ddp = nd.DistributedDataParallel(m, bucket_cap_mb=400 / 2**20)
+        ddp = nd.DistributedDataParallel(m, bucket_cap_mb=400 / 2**20, zero=nd.ZeroConfig(stage=2))
         z = nd.ZeroRedundancyOptimizer(m.parameters(), adamw, zero_stage=2, **kw)
         train_gpu(m, z, ddp, train, clip=0.05)
         out["fp32"] = (cpu_params(ref), cpu_params(m), z._stage)

@@ -27,10 +27,9 @@ def _run(rank: int, world: int, store_dir: str) -> dict:
         out["reference"] = train_masters(m, m, rank, world, "adamw", reduce_fp32=True)
         for name, reduce_dtype in (("fp32", torch.float32), ("own", None)):
             m = make_model(torch.bfloat16)
-            ddp = nd.DistributedDataParallel(m, bucket_cap_mb=SMALL)
-            z = nd.ZeroRedundancyOptimizer(
-                m.parameters(), getattr(torch.optim, cls), zero_stage=2, reduce_dtype=reduce_dtype, **kw
-            )
+            zero = nd.ZeroConfig(stage=2, reduce_dtype=reduce_dtype)
+            ddp = nd.DistributedDataParallel(m, bucket_cap_mb=SMALL, zero=zero)
+            z = nd.ZeroRedundancyOptimizer(m.parameters(), getattr(torch.optim, cls), zero_stage=2, **kw)
             out[name] = train(m, z, ddp, rank, world, dtype=torch.bfloat16)
             outputs = ddp.reducer.sharding.outputs
             out[f"{name}_wire"] = sorted({str(o.dtype) for o in outputs})

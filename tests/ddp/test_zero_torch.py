@@ -1,7 +1,7 @@
 """nd.ZeroRedundancyOptimizer against torch (host backend, gloo, CPU; 2 and 3 ranks): after 10
 steps every rank's parameters equal torch DDP + the unsharded torch optimizer's, and torch's own
-ZeroRedundancyOptimizer's, to 1e-6; ZeRO-2 (zero_stage=2: our DDP reduce-scatters), ZeRO-1 (the
-default: torch's DDP, or ours all-reducing into p.grad),
+ZeroRedundancyOptimizer's, to 1e-6; ZeRO-2 (our DDP built with zero=ZeroConfig(stage=2)
+reduce-scatters), ZeRO-1 (the default: torch's DDP, or ours all-reducing into p.grad),
 AdamW and SGD-momentum, clipping, bf16 parameters with fp32 masters. Shards cut through
 parameters (tests/support/zero_oracle.py's model, small buckets)."""
 
@@ -33,6 +33,7 @@ def _cases(rank: int, world: int, store_dir: str) -> dict:
         "gloo", init_method=f"file://{os.path.join(store_dir, 'gloo')}", rank=rank, world_size=world
     )
     nd.init_process_group("host")
+    ZERO2_CFG = nd.ZeroConfig(stage=2)  # noqa: N806
     out = {}
     try:
         for name, (cls_name, kw) in OPTIMIZERS.items():
@@ -43,7 +44,7 @@ def _cases(rank: int, world: int, store_dir: str) -> dict:
                 ref = train(m, cls(m.parameters(), **kw), TorchDDP(m), rank, world, clip=clip)
                 if ZERO2:
                     m = make_model()
-                    ddp = nd.DistributedDataParallel(m, bucket_cap_mb=SMALL_BUCKETS_MB)
+                    ddp = nd.DistributedDataParallel(m, bucket_cap_mb=SMALL_BUCKETS_MB, zero=ZERO2_CFG)
                     z = nd.ZeroRedundancyOptimizer(m.parameters(), cls, zero_stage=2, **kw)
                     out[f"zero2-{tag}"] = (ref, train(m, z, ddp, rank, world, clip=clip), z._stage)
                     ddp.close()
@@ -70,7 +71,7 @@ def _cases(rank: int, world: int, store_dir: str) -> dict:
             ref = train_masters(m, ddp, rank, world, name)
             ddp.close()
             m = make_model(torch.bfloat16)
-            ddp = nd.DistributedDataParallel(m, bucket_cap_mb=SMALL_BUCKETS_MB)
+            ddp = nd.DistributedDataParallel(m, bucket_cap_mb=SMALL_BUCKETS_MB, zero=ZERO2_CFG)
             z = nd.ZeroRedundancyOptimizer(m.parameters(), cls, zero_stage=2, **kw)
             out[f"zero2-bf16-{name}"] = (ref, train(m, z, ddp, rank, world, dtype=torch.bfloat16), z._stage)
             ddp.close()

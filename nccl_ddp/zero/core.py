@@ -1,0 +1,94 @@
+"""The one factory of the shard core: from a validated `ZeroConfig`, the parameters and the group,
+`build_core` cuts the shards (zero/layout.py), wires the reduce-scatter (stage 2, zero/grads.py)
+and builds the shard memory (zero/shards.py). Every form uses it:
+
+- our `DistributedDataParallel(module, zero=ZeroConfig(...))`: its reducer builds the core at
+  construction over its own bucket layout and grad buckets (`layout=`, `grad_memory=`), on its comm
+  stream; the torch `ZeroRedundancyOptimizer` then only steps it;
+- the torch `ZeroRedundancyOptimizer` over parameters of any other model (ZeRO-1);
+- JAX's `ZeroOptimizer` and the array form: the core holds its own grad buckets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, List, Optional
+
+from nccl_ddp.comm.group import ProcessGroup
+from nccl_ddp.ddp.bucket_memory import BucketBuffers
+from nccl_ddp.ddp.buckets import BucketLayout, ParamSpec, assign_buckets
+from nccl_ddp.profiling import Timeline
+from nccl_ddp.zero.config import ZeroConfig
+from nccl_ddp.zero.grads import ReduceScatter
+from nccl_ddp.zero.layout import ShardLayout, shard_layout
+from nccl_ddp.zero.shards import ZeroShards
+
+
+@dataclasses.dataclass
+class ZeroCore:
+    """What one sharded model (or optimizer) holds. `reduce`: the bucket collective of stage 2
+    (its `outputs` are the reduced grad shards), None under stage 1; `grad_memory`: the
+    full-size grad buckets it reduces (the reducer's, or the core's own)."""
+
+    config: ZeroConfig
+    shards: ShardLayout
+    zs: ZeroShards
+    reduce: Optional[ReduceScatter]
+    grad_memory: Optional[BucketBuffers]
+    group: ProcessGroup
+
+    @property
+    def stage(self) -> int:
+        return self.config.stage
+
+    def close(self) -> None:
+        self.zs.close()
+
+
+def build_core(
+    config: ZeroConfig,
+    params: List[Any],
+    group: ProcessGroup,
+    device: Any,
+    *,
+    shards: Optional[ShardLayout] = None,
+    grad_memory: Optional[BucketBuffers] = None,
+    install: Optional[Callable[[int, Any], None]] = None,
+    comm: Any = None,
+    timeline: Optional[Callable[[], Timeline]] = None,
+    fp32_grad_shards: bool = True,
+) -> ZeroCore:
+    """The shard core over `params` (native arrays). `shards`: the cut (`plan`; None: one made
+    here with the config's bucket cap); `grad_memory`: stage 2's grad buckets laid out as the
+    shards (None: the core allocates its own); `install(i, view)`: parameter i aliases `view`
+    from now on (None: gathered values are copied back into `params`); `comm`: the stream the
+    all-gathers run on (None: the core's own); `timeline()`: where they are timed;
+    `fp32_grad_shards=False`: stage 1 keeps no fp32 grad shard for fp32 buckets (the caller reads
+    the full reduced grads as views, see ZeroShards)."""
+    if shards is None:
+        specs = [ParamSpec(tuple(p.shape), p.dtype) for p in params]
+        base = assign_buckets(specs, config.cap_bytes, config.first_cap_bytes, align_bytes=device.align_bytes)
+        shards = plan(base, group, device)
+    reduce = None
+    if config.stage == 2:
+        if grad_memory is None:
+            grad_memory = BucketBuffers(shards.layout, device)  # padding stays zero
+        reduce = ReduceScatter(group, device, shards, grad_memory, config.reduce_dtype)
+    zs = ZeroShards(
+        shards,
+        params,
+        group,
+        device,
+        install=install,
+        comm=comm,
+        shard_grads=None if reduce is None else reduce.outputs,
+        timeline=timeline,
+        fp32_grad_shards=fp32_grad_shards,
+    )
+    return ZeroCore(config, shards, zs, reduce, grad_memory, group)
+
+
+def plan(layout: BucketLayout, group: ProcessGroup, device: Any) -> ShardLayout:
+    """`layout` padded so every bucket cuts into `group.size` equal aligned shards (a reducer
+    lays its grad buckets out by `plan(...).layout` before the core is built over them)."""
+    return shard_layout(layout, group.size, device.align_bytes)
