@@ -70,6 +70,7 @@ def test_collectives_on_tensors_and_variables(ranks):
         assert c["variable"] == [True, [1.0, 11.0]]  # max over ranks, assigned to the variable
         assert c["keras_variable"] == [True, [6.0, 6.0, 6.0]]  # rank 1's, broadcast
         assert c["float64_dtype"] == "float64"
+        assert c["bfloat16"] == ["bfloat16", [4.0], "bfloat16", [2.0, 2.0]]
         assert c["in_graph"] == [3.0]  # tf.numpy_function around nd.all_reduce, in tf.function
 
 
@@ -86,6 +87,8 @@ def test_collectives_on_tensors_and_variables(ranks):
         ("none", r"ConfigError: grads\[0\] is None: .*tf.zeros_like"),
         ("mixed_params", r"ConfigTypeError: parameters\[1\] is a numpy.ndarray"),
         ("xla", r"XLA cannot call back into Python.*jit_compile=False"),
+        ("optimizer_type", r"ConfigTypeError: optimizer must be a Keras 3 optimizer .*got builtins.str"),
+        ("optimizer_twice", r"ConfigError: optimizer is a DistributedOptimizer already"),
         ("symbolic", r"symbolic .*inside tf.function.* cannot go through a collective.*tf.numpy_function"),
         ("ddp", r"ConfigTypeError: Keras models have no DistributedDataParallel.*DistributedOptimizer"),
     ],

@@ -73,6 +73,10 @@ def bad_inputs(rank: int) -> dict:
         "none": error_of(lambda: reducer([None, tf.ones(2)])),
         "mixed_params": error_of(lambda: nd.DistributedGradReducer([w, np.zeros(2, np.float32)])),
         "xla": error_of(lambda: tf.function(lambda g: reducer(g), jit_compile=True)(good)),
+        "optimizer_type": error_of(lambda: ndk.DistributedOptimizer("adam")),
+        "optimizer_twice": error_of(
+            lambda: ndk.DistributedOptimizer(ndk.DistributedOptimizer(keras.optimizers.SGD(0.1)))
+        ),
         "symbolic": error_of(lambda: tf.function(lambda t: nd.all_reduce(t))(tf.ones(2))),
         "ddp": error_of(lambda: nd.DistributedDataParallel(keras.Sequential([keras.layers.Dense(2)]))),
     }
@@ -85,6 +89,19 @@ def bad_inputs(rank: int) -> dict:
 def in_graph(t):
     """The documented way to run a functional collective inside tf.function."""
     return tf.numpy_function(lambda a: nd.all_reduce(a), [t], t.dtype, stateful=True)
+
+
+def bfloat16(rank: int) -> list:
+    """tf.bfloat16 (no NumPy DLPack type): a collective and a reducer on a bfloat16 variable."""
+    summed = nd.all_reduce(tf.constant([1.5 + rank], tf.bfloat16))
+    v = tf.Variable(tf.zeros(2, tf.bfloat16))
+    grads = nd.DistributedGradReducer([v])([tf.constant([2.0, 4.0 * rank], tf.bfloat16)])
+    return [
+        summed.dtype.name,
+        summed.numpy().astype(float).tolist(),
+        grads[0].dtype.name,
+        grads[0].numpy().astype(float).tolist(),
+    ]
 
 
 def collectives(rank: int) -> dict:
@@ -100,6 +117,7 @@ def collectives(rank: int) -> dict:
         "keras_variable": [got_kv is kv, kv.numpy().tolist()],
         "float64_dtype": str(nd.all_reduce(tf.constant([1.0], tf.float64)).dtype.name),
         "in_graph": in_graph(tf.constant([rank + 1.0])).numpy().tolist(),
+        "bfloat16": bfloat16(rank),
     }
 
 
