@@ -46,6 +46,11 @@ class ZeroConfig:
         if self.bucket_cap_mb is not None:
             check_mib("bucket_cap_mb", self.bucket_cap_mb)
         object.__setattr__(self, "reduce_dtype", wire_dtype(self.reduce_dtype))
+        if self.stage == 1 and self.overlap_param_gather:
+            raise ConfigError(
+                "ZeroConfig: overlap_param_gather=True needs stage=2 (each module's forward waits "
+                "for its buckets' all-gather); under stage 1 step() gathers before it returns"
+            )
         if self.stage == 1 and self.reduce_dtype is not None:
             raise ConfigError(
                 f"ZeroConfig: reduce_dtype={self.reduce_dtype} needs stage=2 (it is the dtype of "

@@ -49,12 +49,15 @@ def test_reduce_dtype_is_float32_or_none_and_stage_2_only():
 def test_overlap_param_gather_is_a_bool_and_the_config_is_frozen():
     with pytest.raises(ConfigTypeError, match="overlap_param_gather must be a bool"):
         nd.ZeroConfig(stage=2, overlap_param_gather=1)
+    with pytest.raises(ConfigError, match="overlap_param_gather=True needs stage=2"):
+        nd.ZeroConfig(stage=1, overlap_param_gather=True)
     cfg = nd.ZeroConfig(stage=2, bucket_cap_mb=0.5)
     assert cfg.cap_bytes == 2**19 and cfg.first_cap_bytes == 2**19
     with pytest.raises(AttributeError):
         cfg.stage = 1  # type: ignore[misc]
 
 
+@pytest.mark.slow  # imports torch
 def test_torch_float32_is_read_by_name():
     torch = pytest.importorskip("torch")
     assert nd.ZeroConfig(stage=2, reduce_dtype=torch.float32).reduce_dtype == np.dtype(np.float32)

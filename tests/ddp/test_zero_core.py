@@ -111,6 +111,19 @@ def test_zero2_only_when_the_model_asks_for_it(world1):
         nd.ZeroRedundancyOptimizer(m.parameters(), torch.optim.SGD, lr=0.1, overlap_param_gather=True)
     sharded.close()
 
+    m = _model()  # stage 1 asked on the model: it builds the core, all-reduces whole grads
+    one = nd.DistributedDataParallel(m, zero=nd.ZeroConfig(stage=1))
+    opt = nd.ZeroRedundancyOptimizer(m.parameters(), torch.optim.SGD, lr=0.1)
+    assert opt._stage == 1 and opt.core is one.reducer.zero and one.reducer.sharding is None
+    before = [p.detach().clone() for p in m.parameters()]
+    opt.zero_grad()
+    one(torch.ones(3, 5)).square().sum().backward()
+    grads = [p.grad.clone() for p in m.parameters()]
+    opt.step()
+    for b, g, p in zip(before, grads, m.parameters()):
+        torch.testing.assert_close(p.detach(), b - 0.1 * g, rtol=1e-6, atol=1e-6)  # SGD, 1 rank
+    one.close()
+
     with pytest.raises(
         ConfigError, match=r"DistributedDataParallel\(module, zero=nccl_ddp.ZeroConfig\(stage=2\)\)"
     ):
