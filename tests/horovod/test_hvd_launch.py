@@ -61,3 +61,15 @@ def test_reducescatter_split_is_horovods():
     assert split_counts(5, 2) == (3, 2)
     assert split_counts(7, 3) == (3, 2, 2)
     assert split_counts(1, 2) == (1, 0)
+
+
+def test_fusion_threshold_is_the_bucket_cap(monkeypatch):
+    from nccl_ddp.horovod.common import fusion_threshold_mb
+
+    monkeypatch.delenv("HOROVOD_FUSION_THRESHOLD", raising=False)
+    assert fusion_threshold_mb() is None  # our default (25 MiB)
+    monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", str(64 * 2**20))
+    assert fusion_threshold_mb() == 64.0
+    monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", "64MB")
+    with pytest.raises(ConfigError, match="HOROVOD_FUSION_THRESHOLD='64MB' is not a whole number of bytes"):
+        fusion_threshold_mb()
