@@ -73,3 +73,24 @@ def test_fusion_threshold_is_the_bucket_cap(monkeypatch):
     monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", "64MB")
     with pytest.raises(ConfigError, match="HOROVOD_FUSION_THRESHOLD='64MB' is not a whole number of bytes"):
         fusion_threshold_mb()
+
+
+def test_horovods_launcher_variables_are_read(monkeypatch):
+    """Started by Horovod's own launcher (gloo mode): HOROVOD_RANK/SIZE/LOCAL_* become ours."""
+    from nccl_ddp.env import resolve_env
+    from nccl_ddp.horovod.common import _map_horovod_launcher_vars
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):  # restored after the test
+        monkeypatch.setenv(k, "")
+        monkeypatch.delenv(k)
+    horovods = {
+        "HOROVOD_RANK": "1",
+        "HOROVOD_SIZE": "2",
+        "HOROVOD_LOCAL_RANK": "1",
+        "HOROVOD_LOCAL_SIZE": "2",
+    }
+    for k, v in {**horovods, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}.items():
+        monkeypatch.setenv(k, v)
+    _map_horovod_launcher_vars()
+    env = resolve_env()
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (1, 2, 1, 2)

@@ -55,6 +55,10 @@ def _collectives(rank: int, world: int) -> dict:
     hvd.allreduce(x * (rank + 1), op=hvd.Sum).sum().backward()
     out["allreduce_grad"] = x.grad.tolist()
     out["allgather"] = hvd.allgather(torch.full((rank + 1, 2), float(rank))).tolist()
+    out["grouped_gather_scatter"] = (
+        [g.tolist() for g in hvd.grouped_allgather([t[:1], t[:2]])],
+        [g.tolist() for g in hvd.grouped_reducescatter([t, t[:2]], op=hvd.Sum)],
+    )
     out["broadcast"] = hvd.broadcast(t, root_rank=1).tolist()
     bt = t.clone()
     hvd.broadcast_(bt, root_rank=0)
@@ -142,6 +146,9 @@ def test_gather_broadcast_scatter_alltoall_objects(collectives):
     assert r0["set_sum"] == np.arange(4.0).tolist()
     assert "rank 1" in r1["set_refused"] and "not in process set [0]" in r1["set_refused"]
     assert r0["join"] == r1["join"] == 1
+    # grouped_allgather / grouped_reducescatter: each tensor as its own collective
+    assert r0["grouped_gather_scatter"] == ([[0.0, 1.0], [0.0, 1.0, 1.0, 2.0]], [[1.0, 3.0], [1.0]])
+    assert r1["grouped_gather_scatter"] == ([[0.0, 1.0], [0.0, 1.0, 1.0, 2.0]], [[5.0, 7.0], [3.0]])
 
 
 @pytest.mark.slow

@@ -263,6 +263,13 @@ def allgather(tensor: Any, name: Optional[str] = None, process_set: Any = global
     return _Allgather.apply(tensor, name, process_set)
 
 
+def grouped_allgather(
+    tensors: Sequence[Any], name: Optional[str] = None, process_set: Any = global_process_set
+) -> List[Any]:
+    """`allgather` of each tensor (one after the other: not fused)."""
+    return [allgather(t, name, process_set) for t in tensors]
+
+
 def broadcast_async_(
     tensor: Any, root_rank: int, name: Optional[str] = None, process_set: Any = global_process_set
 ) -> int:
@@ -336,6 +343,22 @@ def reducescatter(
     return compression.decompress(_to_torch(out, tensor), ctx)
 
 
+def grouped_reducescatter(
+    tensors: Sequence[Any],
+    name: Optional[str] = None,
+    compression: Any = Compression.none,
+    op: int = Average,
+    process_set: Any = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> List[Any]:
+    """`reducescatter` of each tensor (one after the other: not fused)."""
+    return [
+        reducescatter(t, name, compression, op, process_set, prescale_factor, postscale_factor)
+        for t in tensors
+    ]
+
+
 def alltoall_async(
     tensor: Any, splits: Any = None, name: Optional[str] = None, process_set: Any = global_process_set
 ) -> int:
@@ -376,10 +399,12 @@ __all__ = [
     "broadcast_",
     "broadcast_async",
     "broadcast_async_",
+    "grouped_allgather",
     "grouped_allreduce",
     "grouped_allreduce_",
     "grouped_allreduce_async",
     "grouped_allreduce_async_",
+    "grouped_reducescatter",
     "reducescatter",
     "reducescatter_async",
 ]
