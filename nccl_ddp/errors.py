@@ -62,3 +62,8 @@ class NonFiniteGradError(NcclDdpError):
 class FrameworkVersionError(NcclDdpError, ImportError):
     """A glue library (Lightning, Accelerate) lacks a private name our glue relies on: a version
     newer than the one we test. The message names the name and the tested version."""
+
+
+class ShardedGradError(NcclDdpError):
+    """Under ZeRO-2 a `p.grad` holds this rank's local grad (the averaged one exists only as each
+    rank's shard), and code read it as the averaged grad (e.g. torch's `clip_grad_norm_`)."""

@@ -9,7 +9,9 @@ ranks (adapters/torch_dist.py), then lets accelerate build our `DistributedDataP
 of torch's (torch's name is ours only inside that call). `accumulate`/`no_sync`,
 `DistributedDataParallelKwargs` (its comm_hook: torch's hooks, adapters/torch_hooks.py),
 `save_state`/`load_state`, `unwrap_model`, `trigger_sync_in_backward` and `join_uneven_inputs`
-work on it. `end_training()` (or process exit) destroys our group.
+work on it; `clip_grad_norm_` on the parameters of our ZeroRedundancyOptimizer is its own
+global-norm clip, and `prepare` leaves that optimizer where its shards are. `end_training()`
+(or process exit) destroys our group.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 from nccl_ddp.adapters import private_names
 from nccl_ddp.adapters.torch_ddp import TorchDistributedDataParallel, TorchReducer
 from nccl_ddp.adapters.torch_dist import init_beside_torch
+from nccl_ddp.adapters.torch_zero import ZeroRedundancyOptimizer
 from nccl_ddp.comm import api
 from nccl_ddp.env import DEFAULT_TIMEOUT
 
@@ -49,18 +52,20 @@ private_names.require("accelerate", private_names_present())
 
 class Accelerator(accelerate.Accelerator):
     """accelerate.Accelerator whose `prepare` wraps models in nccl_ddp's DistributedDataParallel.
-    `nccl_backend`: ours ("host" on the CPU, "nccl" on GPUs by default)."""
+    `nccl_backend`: ours ("host" on the CPU, "nccl" on GPUs by default); `zero`: an
+    `nccl_ddp.ZeroConfig` the wrapped models are built with (ZeRO-2: `ZeroConfig(stage=2)`)."""
 
-    def __init__(self, *args: Any, nccl_backend: str = "", **kwargs: Any) -> None:
+    def __init__(self, *args: Any, nccl_backend: str = "", zero: Any = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._nccl_backend = nccl_backend
+        self._zero = zero  # our DDP's zero= (an nccl_ddp.ZeroConfig), for the models it wraps
         self._owns_group = False
         self._wrapped: list = []  # our wrappers that prepare built (_models holds their modules)
 
     def prepare_model(self, model: Any, *args: Any, **kwargs: Any) -> Any:
         if self.num_processes > 1 and torch.distributed.is_initialized():
             self._join_group()
-        with _ours_as_torch_ddp():
+        with _ours_as_torch_ddp(self._zero):
             prepared = super().prepare_model(model, *args, **kwargs)
         if isinstance(prepared, TorchDistributedDataParallel):
             self._wrapped.append(prepared)
@@ -71,6 +76,34 @@ class Accelerator(accelerate.Accelerator):
         if init_beside_torch(backend, self.process_index, self.num_processes, DEFAULT_TIMEOUT, "Accelerate"):
             self._owns_group = True
             atexit.register(self._destroy_group)
+
+    def prepare_optimizer(self, optimizer: Any, device_placement: Any = None) -> Any:
+        """accelerate's; an nccl_ddp ZeroRedundancyOptimizer is not moved (its shards live on
+        the parameters' device already, and its state_dict() is a consolidated collective's)."""
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            device_placement = False
+        return super().prepare_optimizer(optimizer, device_placement=device_placement)
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: Any, norm_type: Any = 2) -> Any:
+        """accelerate's; the parameters of a prepared nccl_ddp ZeroRedundancyOptimizer are
+        clipped by its `clip_grad_norm_` (the global norm over its shards; under ZeRO-2 p.grad
+        holds local grads), after the usual unscale."""
+        params = list(parameters)
+        zero = self._zero_holding(params)
+        if zero is None:
+            return super().clip_grad_norm_(params, max_norm, norm_type)
+        self.unscale_gradients()
+        return zero.clip_grad_norm_(max_norm, norm_type)
+
+    def _zero_holding(self, params: list) -> Any:
+        """The prepared ZeroRedundancyOptimizer whose parameters are exactly `params`, or None."""
+        ids = {id(p) for p in params}
+        for acc_opt in self._optimizers:
+            opt = getattr(acc_opt, "optimizer", acc_opt)
+            if isinstance(opt, ZeroRedundancyOptimizer):
+                if ids == {id(p) for g in opt.param_groups for p in g["params"]}:
+                    return opt
+        return None
 
     def unwrap_model(self, model: Any, *args: Any, **kwargs: Any) -> Any:
         if isinstance(model, TorchDistributedDataParallel):
@@ -106,12 +139,21 @@ class Accelerator(accelerate.Accelerator):
 
 
 @contextlib.contextmanager
-def _ours_as_torch_ddp() -> Iterator[None]:
+def _ours_as_torch_ddp(zero: Any = None) -> Iterator[None]:
     """`torch.nn.parallel.DistributedDataParallel` is our wrapper for the block: accelerate looks
-    the name up when it wraps a model."""
+    the name up when it wraps a model. `zero`: built with zero=zero (sharding is chosen when the
+    model is built, and accelerate's DDP kwargs have no such field)."""
+    ours: Any = TorchDistributedDataParallel
+    if zero is not None:
+
+        class _Sharded(TorchDistributedDataParallel):
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                super().__init__(*args, zero=zero, **kwargs)
+
+        ours = _Sharded
     with _PATCH:
         theirs = torch.nn.parallel.DistributedDataParallel
-        torch.nn.parallel.DistributedDataParallel = TorchDistributedDataParallel
+        torch.nn.parallel.DistributedDataParallel = ours
         try:
             yield
         finally:

@@ -9,7 +9,8 @@ assigned (rank 0 picks a free port for our store and a job secret and broadcasts
 torch.distributed, so no port torch holds is bound twice), wraps the LightningModule in our
 `DistributedDataParallel`, and tears it down with the fit. Every place where Lightning asks
 "is the model torch's DDP?" (no_sync for gradient accumulation, manual optimization's
-prepare_for_backward, teardown) asks about ours here. Imported only by `nccl_ddp.lightning`.
+prepare_for_backward, teardown) asks about ours here, and gradient clipping by norm on our
+ZeroRedundancyOptimizer is its own global-norm clip. Imported only by `nccl_ddp.lightning`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from lightning.pytorch.strategies import ddp as _lightning_ddp
 from nccl_ddp.adapters import private_names
 from nccl_ddp.adapters.torch_ddp import TorchDistributedDataParallel
 from nccl_ddp.adapters.torch_dist import init_beside_torch
+from nccl_ddp.adapters.torch_zero import ZeroRedundancyOptimizer
 from nccl_ddp.comm import api
 from nccl_ddp.env import DEFAULT_TIMEOUT
 from nccl_ddp.errors import ConfigError
@@ -104,6 +106,13 @@ class NcclDDPStrategy(DDPStrategy):
         timeout = self._timeout.total_seconds() if self._timeout else DEFAULT_TIMEOUT
         self._owns_group = init_beside_torch(backend, self.global_rank, self.world_size, timeout, "Lightning")
 
+    def setup_precision_plugin(self) -> None:
+        """Lightning's, then `Trainer(gradient_clip_val=...)` (norm) on an nccl_ddp
+        ZeroRedundancyOptimizer goes to its `clip_grad_norm_`: the global norm over its shards,
+        which is also torch's result under ZeRO-1 (under ZeRO-2 p.grad holds local grads)."""
+        super().setup_precision_plugin()
+        _route_clipping(self.precision_plugin)
+
     def _setup_model(self, model: Any) -> TorchDistributedDataParallel:
         return TorchDistributedDataParallel(
             model, device_ids=self.determine_ddp_device_ids(), **self._ddp_kwargs
@@ -159,3 +168,20 @@ class NcclDDPStrategy(DDPStrategy):
         if self._owns_group:
             self._owns_group = False
             api.destroy_process_group()
+
+
+def _route_clipping(plugin: Any) -> None:
+    """Make `plugin.clip_grad_by_norm` call a sharded optimizer's own `clip_grad_norm_`."""
+    if getattr(plugin, "_nccl_ddp_clip_routed", False):
+        return
+    theirs = plugin.clip_grad_by_norm
+
+    def clip_grad_by_norm(optimizer: Any, clip_val: Any) -> None:
+        opt = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps it
+        if isinstance(opt, ZeroRedundancyOptimizer):
+            opt.clip_grad_norm_(clip_val)
+        else:
+            theirs(optimizer, clip_val)
+
+    plugin.clip_grad_by_norm = clip_grad_by_norm
+    plugin._nccl_ddp_clip_routed = True

@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from nccl_ddp.adapters.torch import from_native, owner_of, to_native
+from nccl_ddp.adapters.torch_zero_grads import GradGuard
 from nccl_ddp.adapters.torch_zero_state import (
     full_to_torch,
     local_state,
@@ -182,6 +183,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                     ours.setdefault(k, v)
         if self.overlap_param_gather:
             self._hook_modules(owner)
+        # ZeRO-2: GradScaler unscales and checks the shards through us (torch's contract), and
+        # p.grad (local values) refuses to be read as the averaged grad
+        self._step_supports_amp_scaling = self._stage == 2
+        if self._stage == 2:
+            self._grad_guard = GradGuard(self, self._order)
         self._built = True
         log.info(
             "rank %d: ZeRO-%d over %d parameters, %s",
@@ -316,6 +322,32 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                     torch._foreach_mul_(copies, coef)
         return torch.tensor(total)
 
+    @torch.no_grad()
+    def _amp_unscale_shards(self, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
+        """ZeRO-2: GradScaler's unscale-and-check of `p.grad` (torch_zero_grads.LocalGrad routes
+        it here), on the reduced shards: `found_inf` is set on every rank when any rank's shard
+        is non-finite (the global norm's all-reduce), so the ranks skip the same steps."""
+        self._collect()
+        inv = float(inv_scale)
+        if inv != 1.0:
+            self.zs.scale_grads(inv)
+            self._norm = None if self._norm is None else self._norm * inv
+        if not math.isfinite(self._global_norm()):
+            found_inf.fill_(1.0)
+
+    def _amp_step_scale(self) -> bool:
+        """GradScaler's `_step_supports_amp_scaling` contract at `step()`: unscale the shards by
+        `self.grad_scale` when it is set (not unscaled before); True when `self.found_inf` says
+        to skip the step (the same on every rank: it came from `_amp_unscale_shards`)."""
+        scale = getattr(self, "grad_scale", None)
+        if scale is not None:
+            self._collect()
+            inv = 1.0 / float(scale)
+            self.zs.scale_grads(inv)
+            self._norm = None if self._norm is None else self._norm * inv
+        found = getattr(self, "found_inf", None)
+        return found is not None and float(found) > 0
+
     def _global_norm(self) -> float:
         if self._norm is None:
             if self._stage == 2:
@@ -335,9 +367,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        amp_skip = self._amp_step_scale()
         self._collect()
         self._collected = False
-        self.last_step_skipped = self.skip_nonfinite and not math.isfinite(self._global_norm())
+        self.last_step_skipped = amp_skip or (self.skip_nonfinite and not math.isfinite(self._global_norm()))
         self._norm = None
         if self.last_step_skipped:
             log.warning(

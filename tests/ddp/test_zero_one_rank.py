@@ -288,3 +288,50 @@ def test_check_finite_flags_reach_through_the_reduce_scatter(world1):
         assert opt.last_step_skipped is not finite
         assert torch.equal(before, m.a.weight) is not finite
     ddp.close()
+
+
+def test_zero2_grads_refuse_to_be_read_as_averaged(world1):
+    """Under ZeRO-2, p.grad after backward is this rank's local grad: torch's
+    clip_grad_norm_ or arithmetic on it raises ShardedGradError naming opt.clip_grad_norm_
+    (before: it silently clipped local values); metadata reads and zero_grad(set_to_none=False)
+    still work, and training with the latter equals torch's SGD on the same model."""
+    from nccl_ddp.adapters.torch_zero_grads import LocalGrad
+    from nccl_ddp.errors import ShardedGradError
+
+    ours, ref = make_model(), make_model()
+    ddp = nd.DistributedDataParallel(ours, zero=nd.ZeroConfig(stage=2))
+    opt = nd.ZeroRedundancyOptimizer(ours.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        for model, o in ((ddp, opt), (ref, ref_opt)):
+            o.zero_grad(set_to_none=False)
+            model(torch.ones(2, 7) * (step + 1)).square().sum().backward()
+        g = ours.a.weight.grad
+        assert isinstance(g, LocalGrad) and g.shape == ours.a.weight.shape and g.dtype == torch.float32
+        with pytest.raises(ShardedGradError, match=r"rank 0: .*opt\.clip_grad_norm_"):
+            torch.nn.utils.clip_grad_norm_(ours.parameters(), 1.0)
+        with pytest.raises(ShardedGradError, match="local"):
+            g.sum()
+        opt.step()
+        ref_opt.step()
+    for (n, a), b in zip(ours.named_parameters(), ref.parameters()):
+        np.testing.assert_allclose(a.detach().numpy(), b.detach().numpy(), rtol=1e-6, atol=1e-7, err_msg=n)
+    ddp.close()
+
+
+def test_zero2_module_moves_keep_the_grads_guarded(world1):
+    """module.cpu() / .to() / .double() apply to the grads too (Lightning's teardown calls
+    .cpu()): they work under ZeRO-2 and the moved grads stay guarded."""
+    from nccl_ddp.adapters.torch_zero_grads import LocalGrad
+
+    m = make_model()
+    ddp = nd.DistributedDataParallel(m, zero=nd.ZeroConfig(stage=2))
+    opt = nd.ZeroRedundancyOptimizer(m.parameters(), torch.optim.SGD, lr=0.1)
+    opt.zero_grad()
+    ddp(torch.ones(2, 7)).square().sum().backward()
+    m.cpu()
+    m.to(torch.float32)
+    assert isinstance(m.a.weight.grad, LocalGrad)
+    m.double()
+    assert isinstance(m.a.weight.grad, LocalGrad) and m.a.weight.grad.dtype == torch.float64
+    ddp.close()

@@ -2,7 +2,8 @@
 side): `torch.amp.GradScaler` with SGD (also with an Inf on one rank only, where every rank must
 skip the same steps) and `torch.nn.utils.clip_grad_norm_(model.parameters())` (also after
 `scaler.unscale_`) give what torch DDP + the unsharded optimizer give, to 1e-6, with the default
-(ZeRO-1 over our DDP: the full averaged grads in p.grad) and with zero_stage=2, or raise an
+(ZeRO-1 over our DDP: the full averaged grads in p.grad) and with ZeRO-2 (our DDP built with
+zero=ZeroConfig(stage=2)), or raise an
 nccl_ddp error that names what to call instead. Never a silent difference."""
 
 from __future__ import annotations
@@ -26,17 +27,20 @@ from zero_oracle import (  # noqa: E402
 WORLD = 2
 SMALL = 400 / (1 << 20)  # several buckets, shards cut through parameters
 INF_STEP = 3
-STAGES: dict = {"default": {}}
-# case -> (optimizer, GradScaler?, torch's clip_grad_norm_?, Inf on rank 1 at INF_STEP?)
+STAGES = ("default", "zero2")  # zero2: the model built with zero=ZeroConfig(stage=2)
+# case -> (optimizer, GradScaler?, clipping, Inf on rank 1 at INF_STEP?); clipping "torch":
+# torch.nn.utils.clip_grad_norm_(model.parameters()), "opt": the optimizer's clip_grad_norm_
+# (the reference's: torch's)
 CASES = {
-    "scaler_sgd": ("sgd", True, False, False),
-    "scaler_inf_one_rank": ("sgd", True, False, True),
-    "torch_clip": ("adamw", False, True, False),
-    "scaler_unscale_torch_clip": ("adamw", True, True, False),
+    "scaler_sgd": ("sgd", True, None, False),
+    "scaler_inf_one_rank": ("sgd", True, None, True),
+    "torch_clip": ("adamw", False, "torch", False),
+    "scaler_unscale_torch_clip": ("adamw", True, "torch", False),
+    "scaler_unscale_opt_clip_inf": ("adamw", True, "opt", True),
 }
 
 
-def _loop(model, wrapped, opt, rank: int, world: int, scaler: bool, clip: bool, inf: bool):
+def _loop(model, wrapped, opt, rank: int, world: int, scaler: bool, clip, inf: bool):
     sc = torch.amp.GradScaler("cpu", init_scale=1024.0) if scaler else None
     data = global_batches()
     for step in range(STEPS):
@@ -46,10 +50,13 @@ def _loop(model, wrapped, opt, rank: int, world: int, scaler: bool, clip: bool, 
         if inf and step == INF_STEP and rank == 1:
             loss = loss * float("inf")
         (sc.scale(loss) if sc is not None else loss).backward()
-        if clip:
+        if clip is not None:
             if sc is not None:
                 sc.unscale_(opt)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            if clip == "opt" and hasattr(opt, "clip_grad_norm_"):
+                opt.clip_grad_norm_(0.05)
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
         if sc is not None:
             sc.step(opt)
             sc.update()
@@ -71,10 +78,11 @@ def _run(rank: int, world: int, store_dir: str) -> dict:
             cls = getattr(torch.optim, cls_name)
             m = make_model()
             ref = _loop(m, TorchDDP(m), cls(m.parameters(), **kw), rank, world, scaler, clip, inf)
-            for stage, extra in STAGES.items():
+            for stage in STAGES:
                 m = make_model()
-                ddp = nd.DistributedDataParallel(m, bucket_cap_mb=SMALL)
-                z = nd.ZeroRedundancyOptimizer(m.parameters(), cls, **extra, **kw)
+                zero = nd.ZeroConfig(stage=2) if stage == "zero2" else None
+                ddp = nd.DistributedDataParallel(m, bucket_cap_mb=SMALL, zero=zero)
+                z = nd.ZeroRedundancyOptimizer(m.parameters(), cls, **kw)
                 try:
                     ours = _loop(m, ddp, z, rank, world, scaler, clip, inf)
                 except NcclDdpError as e:
@@ -93,14 +101,14 @@ def results(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", list(STAGES))
+@pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("case", list(CASES))
 def test_torch_tools_match_torch_ddp_or_raise_naming_the_fix(results, case, stage):
     for rank, res in enumerate(results):
         (ref_params, ref_scale), ours = res[(case, stage)]
         if isinstance(ours[0], str):  # a named error instead of a silent difference
             kind, msg = ours
-            assert stage == "zero2" and CASES[case][2], f"rank {rank}: {case} raised {kind}: {msg}"
+            assert stage == "zero2" and CASES[case][2] == "torch", f"rank {rank}: {case} raised {kind}: {msg}"
             assert kind == "ShardedGradError" and "opt.clip_grad_norm_" in msg, msg
             continue
         params, scale = ours

@@ -1,0 +1,163 @@
+"""Gradient clipping through Lightning and Accelerate on nd.ZeroRedundancyOptimizer (2 CPU
+processes): `Trainer(gradient_clip_val=0.05)` with `NcclDDPStrategy` and `accelerator.clip_grad_norm_`
+with our `Accelerator`, the optimizer sharded with the default (ZeRO-1) and with ZeRO-2 (the
+strategy's / Accelerator's zero=ZeroConfig(stage=2)),
+equal Lightning's "ddp" / accelerate's own Accelerator (torch DDP on gloo) with the unsharded SGD
+to 1e-6; and clipping did act (the unclipped run differs). Before: ZeRO-2 clipped local grads
+(parameters 0.39 away), and accelerate's prepare failed on the optimizer's state_dict()."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from mp import run_ranks
+
+pytest.importorskip("torch", reason="PyTorch is not installed")
+
+STAGES = ("default", "zero2")  # zero2: the model built with zero=ZeroConfig(stage=2)
+CLIP = 0.05
+
+
+def _optimizer(params, kind: str):
+    import torch
+
+    import nccl_ddp as nd
+
+    if kind == "torch":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    return nd.ZeroRedundancyOptimizer(params, torch.optim.SGD, lr=0.05, momentum=0.9)  # the model's stage
+
+
+def _data():
+    import torch
+
+    g = torch.Generator().manual_seed(3)
+    return torch.utils.data.TensorDataset(
+        torch.randn(64, 6, generator=g), torch.randn(64, 2, generator=g) * 5
+    )
+
+
+def _net(seed: int):
+    import torch
+
+    torch.manual_seed(seed)  # per rank: DDP broadcasts rank 0's
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+
+def _lightning_fit(strategy, kind: str, clip) -> dict:
+    import lightning.pytorch as pl
+    import torch
+
+    class Net(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _net(int(os.environ["RANK"]))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return _optimizer(self.parameters(), kind)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(_data(), batch_size=4)
+
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=5,
+        gradient_clip_val=clip,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    model = Net()
+    trainer.fit(model)
+    return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def _lightning(rank: int, world: int) -> dict:
+    import torch
+
+    import nccl_ddp as nd
+    from nccl_ddp.lightning import NcclDDPStrategy
+
+    torch.set_num_threads(1)
+    out = {"torch": _lightning_fit("ddp", "torch", CLIP), "unclipped": _lightning_fit("ddp", "torch", None)}
+    for kind in STAGES:
+        zero = nd.ZeroConfig(stage=2) if kind == "zero2" else None
+        out[kind] = _lightning_fit(NcclDDPStrategy(zero=zero), kind, CLIP)
+    return out
+
+
+def _accelerate_run(cls, kind: str, clip, **extra) -> tuple:
+    import torch
+
+    acc = cls(cpu=True, gradient_accumulation_steps=2, **extra)
+    model = acc.prepare(_net(11 + acc.process_index))
+    opt = acc.prepare(_optimizer(model.parameters(), kind))  # after wrapping: ZeRO-2 needs our DDP
+    loader = acc.prepare(torch.utils.data.DataLoader(_data(), batch_size=4))
+    for x, y in loader:
+        with acc.accumulate(model):
+            acc.backward(torch.nn.functional.mse_loss(model(x), y))
+            if clip is not None and acc.sync_gradients:
+                acc.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            opt.zero_grad()
+    state = {k: v.detach().numpy().copy() for k, v in acc.unwrap_model(model).state_dict().items()}
+    return state, acc
+
+
+def _accelerate(rank: int, world: int) -> dict:
+    import accelerate
+    import torch
+
+    import nccl_ddp as nd
+    from nccl_ddp.accelerate import Accelerator
+
+    torch.set_num_threads(1)
+    out = {
+        "torch": _accelerate_run(accelerate.Accelerator, "torch", CLIP)[0],
+        "unclipped": _accelerate_run(accelerate.Accelerator, "torch", None)[0],
+    }
+    first = None
+    for kind in STAGES:
+        zero = nd.ZeroConfig(stage=2) if kind == "zero2" else None
+        out[kind], acc = _accelerate_run(Accelerator, kind, CLIP, zero=zero)
+        first = first or acc  # joined our group: its end_training destroys it
+    first.end_training()
+    out["nd left initialised"] = nd.is_initialized()
+    return out
+
+
+def _check(results) -> None:
+    for rank, res in enumerate(results):
+        ref = res["torch"]
+        assert any(not np.allclose(res["unclipped"][k], ref[k]) for k in ref)  # clipping acted
+        for kind in STAGES:
+            for k in ref:
+                np.testing.assert_allclose(
+                    res[kind][k], ref[k], rtol=1e-6, atol=1e-6, err_msg=f"rank {rank} {kind}: {k}"
+                )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_lightning_gradient_clip_val_on_sharded_optimizer_matches_ddp():
+    pytest.importorskip("lightning", reason="Lightning is not installed")
+    _check(run_ranks(_lightning, 2, timeout=800))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_accelerate_clip_grad_norm_on_sharded_optimizer_matches_ddp():
+    pytest.importorskip("accelerate", reason="Accelerate is not installed")
+    results = run_ranks(_accelerate, 2, timeout=800)
+    assert all(res["nd left initialised"] is False for res in results)
+    _check(results)
