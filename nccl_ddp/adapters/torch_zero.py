@@ -20,6 +20,7 @@ import torch
 
 from nccl_ddp.adapters.torch import from_native, owner_of, to_native
 from nccl_ddp.adapters.torch_zero_grads import GradGuard
+from nccl_ddp.adapters.torch_zero_hooks import GatherWaits
 from nccl_ddp.adapters.torch_zero_state import (
     full_to_torch,
     local_state,
@@ -32,7 +33,6 @@ from nccl_ddp.validate import check_bool
 from nccl_ddp.zero.checkpoint import consolidate, reshard
 from nccl_ddp.zero.config import ZeroConfig, wire_dtype
 from nccl_ddp.zero.core import build_core
-from nccl_ddp.zero.shards import ZeroShards
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     Ours beyond torch's: `zero_stage` (None or 1: ZeRO-1, torch's; 2: ZeRO-2 over an nccl_ddp
     DistributedDataParallel model),
     `overlap_param_gather` (ZeRO-2: wait for each bucket's all-gather at its modules' next
-    forward), `skip_nonfinite` (skip the step on every rank when any grad is NaN/Inf),
+    forward, or at `state_dict`/`load_state_dict`/`wait_for_params()`), `skip_nonfinite` (skip
+    the step on every rank when any grad is NaN/Inf),
     `clip_grad_norm_`, `last_step_skipped`, `reduce_dtype` (ZeRO-2: None reduces the grads in
     their own dtype, torch.float32 / "float32" reduce-scatters bf16/fp16 buckets in fp32).
     """
@@ -182,7 +183,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 if k != "params":
                     ours.setdefault(k, v)
         if self.overlap_param_gather:
-            self._hook_modules(owner)
+            self._gather_waits = GatherWaits(self.zs, owner.module, self._index)
         # ZeRO-2: GradScaler unscales and checks the shards through us (torch's contract), and
         # p.grad (local values) refuses to be read as the averaged grad
         self._step_supports_amp_scaling = self._stage == 2
@@ -260,17 +261,6 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                     f"{name}=...))); under ZeRO-1 the grads arrive all-reduced and step() gathers "
                     "the parameters before it returns"
                 )
-
-    def _hook_modules(self, wrapper: Any) -> None:
-        """A forward pre-hook per module that holds parameters: wait for their buckets."""
-        layout = self.zs.layout
-        for m in wrapper.module.modules():
-            own = [p for p in m.parameters(recurse=False) if id(p) in self._index]
-            buckets = sorted(
-                {b for p in own for b, _ in [layout.locate(self._index[id(p)]) or (-1, -1)] if b >= 0}
-            )
-            if buckets:
-                m.register_forward_pre_hook(_waiter(self.zs, buckets))
 
     # ------------------------------------------------------------------ the step
 
@@ -454,6 +444,12 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         set_local_state(self._inner, self._piece_params, pieces, self.zs)
         self._consolidated = None
 
+    def wait_for_params(self) -> None:
+        """Wait for the parameter all-gathers that `step()` left pending
+        (`overlap_param_gather=True`): after it, reading or writing the parameters directly
+        (`p.copy_(...)`, a forward outside the model) is safe. A no-op when none is pending."""
+        self.zs.wait_all()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
         self._collected, self._norm = False, None
@@ -463,15 +459,6 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             f"ZeroRedundancyOptimizer(ZeRO-{getattr(self, '_stage', '?')}, "
             f"{self.optimizer_class.__name__}, rank {self.group.rank}/{self.group.size})"
         )
-
-
-def _waiter(zs: ZeroShards, buckets: List[int]) -> Any:
-    def hook(module: Any, args: Any) -> None:
-        if zs.gather_pending:
-            for b in buckets:
-                zs.wait_bucket(b)
-
-    return hook
 
 
 def _check_class(cls: Any) -> None:
