@@ -82,6 +82,7 @@ class DistEnv:
     store_hosted_externally: bool = False  # the launcher hosts the store; rank 0 is a client
     store_port: int = -1  # -1: the same as master_port
     source: str = "none"
+    world_from: str = field(default="", compare=False)  # "OMPI_COMM_WORLD_SIZE=2 (Open MPI)"
     ms_scheduler: bool = False
 
     def __post_init__(self) -> None:
@@ -375,7 +376,17 @@ def resolve_env(
         store_port=store_port,
         source=found.source if source != "arguments" else source,
         ms_scheduler=found.ms_scheduler,
+        world_from=_world_from(environ, source, world_var, world_size),
     )
+
+
+def _world_from(environ: Mapping[str, str], source: str, world_var: Optional[str], world_size: int) -> str:
+    """Where the world size came from, for messages while ranks are awaited."""
+    if source == "arguments":
+        return f"world_size={world_size} (the arguments)"
+    if source == "none" or not world_var:
+        return "no launcher variable (a job of one)"
+    return f"{world_var}={environ.get(world_var, '').strip()} ({_NAMES[source]})"
 
 
 # -- failure records for the launcher (like torchrun's error files) -----------------------------

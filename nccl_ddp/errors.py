@@ -46,6 +46,11 @@ class ReducerError(NcclDdpError):
     """Misuse of the reducer during a step: grads missing, a grad marked ready twice, ..."""
 
 
+class CommHookError(ReducerError):
+    """A registered comm hook failed a step: it returned something other than the reduced bucket
+    (a wrong type, shape or dtype). The step is broken; later steps say so, naming this error."""
+
+
 class KernelError(NcclDdpError):
     """A CUDA kernel could not be found, compiled or launched."""
 

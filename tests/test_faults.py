@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 from launch_run import alive, run_launcher, wait_gone, write_script
-from mp import run_ranks
+from mp import free_port, run_ranks
 
 import nccl_ddp as nd
 from nccl_ddp.errors import CommError, ConfigError
@@ -1628,3 +1628,221 @@ def test_check_finite_on_the_cuda_path_sees_an_overflowing_reduction(monkeypatch
         assert bool(np.isfinite(back).all()) is (step == 0)
         assert r.last_step_finite is (step == 0)  # before: True at step 1, inf handed back
         r.zero_grad()
+
+
+# -- comm hooks that never finish or return the wrong thing (issue 30, items 1 and 4) ------------
+
+
+def _torch_hook_steps(rank, world, kind):
+    """Two steps of a torch DDP whose hook misbehaves (`kind`); what each step raised."""
+    import torch
+
+    def never(state, bucket):  # a future nobody ever completes
+        return torch.futures.Future()
+
+    def one_too_many(state, bucket):
+        fut = torch.futures.Future()
+        fut.set_result(torch.cat([bucket.buffer(), bucket.buffer()[:1]]))
+        return fut
+
+    def two_tensors(state, bucket):
+        fut = torch.futures.Future()
+        fut.set_result([bucket.buffer(), bucket.buffer()])
+        return fut
+
+    hook = {"never": never, "one_too_many": one_too_many, "two_tensors": two_tensors}[kind]
+    nd.init_process_group("host", timeout=2.0)
+    try:
+        torch.manual_seed(0)
+        ddp = nd.DistributedDataParallel(torch.nn.Linear(12, 15))  # 180 + 15 grads, 196 with padding
+        ddp.register_comm_hook(None, hook)
+        seen = []
+        for _ in range(2):
+            seen.append(_outcome(lambda: ddp(torch.ones(3, 12)).sum().backward()))
+        return seen
+    finally:
+        nd.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_torch_hook_future_that_never_completes_times_out_naming_hook_and_bucket():
+    """torch's Future.wait() takes no timeout: before, a hook's future that nobody completes hung
+    the step for ever (run_ranks' 60 s bound killed it). Now the wait is bounded by the group's
+    timeout (2 s here) and names the hook and the bucket; the next step says the first failed."""
+    (first, second), *_ = run_ranks(_torch_hook_steps, 2, "never", timeout=60)
+    assert first[0] == "CommTimeout", first
+    assert "comm hook never: the future it returned for bucket 0 did not complete within 2s" in first[1]
+    assert second[0] == "ReducerError" and "a previous step failed (CommTimeout" in second[1], second
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "kind, want",
+    [
+        (
+            "one_too_many",
+            "comm hook one_too_many returned a (197,) torch.float32 tensor for bucket 0, "
+            "which holds 196 torch.float32 elements",
+        ),
+        ("two_tensors", "comm hook two_tensors returned a future of a list of 2 Tensor for bucket 0"),
+    ],
+)
+def test_torch_hook_wrong_result_is_named_and_the_next_step_says_so(kind, want):
+    """Before: the wrong size was named once, then every later step said "Expected to have
+    finished reduction in the prior iteration ... parameters that were not used" (a wrong cause);
+    a list of two tensors failed with "'list' object has no attribute 'data_ptr'"."""
+    for first, second in run_ranks(_torch_hook_steps, 2, kind, timeout=60):
+        assert first[0] == "CommHookError" and want in first[1], first
+        assert second[0] == "ReducerError", second
+        assert "a previous step failed (CommHookError: rank" in second[1] and want in second[1], second
+        assert "prior iteration" not in second[1]
+
+
+def _array_hook_steps(rank, world):
+    from nccl_ddp.adapters.arrays import ArrayModule
+
+    def two_arrays(state, bucket):
+        return nd.hooks.Future.completed([bucket.buffer(), bucket.buffer()])
+
+    nd.init_process_group("host", rank=0, world_size=1)
+    try:
+        ddp = nd.DistributedDataParallel(ArrayModule([np.zeros(4, f32)]))
+        ddp.register_comm_hook(None, two_arrays)
+        return [_outcome(lambda: ddp.mark_ready(0, np.ones(4, f32))) for _ in range(2)]
+    finally:
+        nd.destroy_process_group()
+
+
+def test_array_hook_returning_a_list_is_named_and_the_next_step_says_so():
+    """A NumPy hook whose future holds a list: before, "'list' object has no attribute 'shape'"."""
+    first, second = _array_hook_steps(0, 1)
+    assert first[0] == "CommHookError", first
+    assert "comm hook 'two_arrays' returned a future of a list of 2 ndarray for bucket 0" in first[1]
+    assert second[0] == "ReducerError" and "a previous step failed (CommHookError" in second[1], second
+
+
+# -- a launcher environment that counts more processes than run (issue 30, item 6) ---------------
+
+_LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "MPI_LOCAL", "MS_", "TORCHELASTIC_", "NCCL_DDP_STORE")
+_LAUNCHER_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "RANK_ID")
+_LAUNCHER_NAMES += ("RANK_SIZE", "DEVICE_ID", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rank", [0, 1])
+def test_ranks_that_never_arrive_are_named_every_period_with_the_world_size_source(rank, monkeypatch, caplog):
+    """Open MPI's variables say 2 processes; 1 runs (rank 0, which hosts the store, or rank 1,
+    which waits for it). Before: it waited the whole timeout without a word (300 s by default).
+    Now a WARNING every NOTICE_EVERY seconds (30; 0.3 here) names what is missing and where the
+    world size came from, and so does the final error."""
+    from nccl_ddp.comm.host import wire
+    from nccl_ddp.errors import CommTimeout, StoreTimeout
+    from nccl_ddp.store import client
+
+    for k in list(os.environ):
+        if k in _LAUNCHER_NAMES or k.startswith(_LAUNCHER_PREFIXES):
+            monkeypatch.delenv(k)
+    for k, v in (("RANK", rank), ("SIZE", 2), ("LOCAL_RANK", rank), ("LOCAL_SIZE", 2)):
+        monkeypatch.setenv(f"OMPI_COMM_WORLD_{k}", str(v))
+    port = free_port()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    for module in (wire, client):  # (raising=False: so the old code ran)
+        monkeypatch.setattr(module, "NOTICE_EVERY", 0.3, raising=False)
+    caplog.set_level("WARNING", logger="nccl_ddp")
+    with pytest.raises((CommTimeout, StoreTimeout)) as info:
+        nd.init_process_group("host", timeout=2.0)
+    assert not nd.is_initialized()
+    source = "world size 2 from OMPI_COMM_WORLD_SIZE=2 (Open MPI)"
+    if rank == 0:
+        waiting, tail = "still waiting for ranks [1]", f"(1 of 2 joined; {source})"
+        assert "ranks [1] did not join within 2.0s" in str(info.value)
+    else:
+        waiting = f"rank 1: still waiting to connect to the store at 127.0.0.1:{port}"
+        tail = f"; rank 0 hosts it; {source}"
+    notes = [r.getMessage() for r in caplog.records if waiting in r.getMessage()]
+    assert len(notes) >= 2, [r.getMessage() for r in caplog.records]
+    assert all(tail in n for n in notes), notes
+    assert all(r.levelname == "WARNING" for r in caplog.records)
+    assert source in str(info.value), info.value
+
+
+# -- a collective that fails on one rank poisons the group (issue 30, item 7) --------------------
+
+
+def _refused_on_rank0(rank, world):
+    """Rank 0's second all_reduce is refused (an unknown op); it catches the error and goes on.
+    What each rank's calls gave."""
+    nd.init_process_group("host", timeout=10)
+    try:
+        seen = [_outcome(lambda: nd.all_reduce(np.full(2, rank + 1.0, f32)).tolist())]
+        if rank == 0:
+            seen.append(_outcome(lambda: nd.all_reduce(np.full(2, 10.0, f32), op="median")))
+        else:
+            seen.append(_outcome(lambda: nd.all_reduce(np.full(2, 10.0, f32)).tolist()))
+        for step in (100.0, 1000.0):  # rank 0 goes on as if nothing happened
+            seen.append(_outcome(lambda: nd.all_reduce(np.full(2, step, f32)).tolist()))
+        return seen
+    finally:
+        nd.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport, world", [("shm", 2), ("tcp", 2), ("tcp", 3)])
+def test_collective_refused_on_one_rank_poisons_the_group_on_every_rank(transport, world):
+    """Before: rank 0's next all_reduce paired with the others' refused one (2 ranks: both got
+    [110, 110], the sum of two different steps), and the last one waited for its timeout. Now
+    the refusal poisons the group: every later collective, on every rank (through the TCP ring's
+    neighbours too), raises naming rank 0, the op and the reason."""
+    first = "rank 0: all_reduce on group 'world' was refused on this rank"
+    results = run_ranks(_refused_on_rank0, world, timeout=90, env={"NCCL_DDP_HOST_TRANSPORT": transport})
+    for rank, seen in enumerate(results):
+        assert seen[0] == ("ok", [sum(range(1, world + 1))] * 2), seen
+        later = seen[2:] if rank == 0 else seen[1:]
+        if rank == 0:
+            assert seen[1][0] == "ConfigError" and "unknown reduce op 'median'" in seen[1][1], seen
+        for kind, msg in later:
+            assert kind == "CommError", (rank, seen)
+            assert first in msg and "unknown reduce op 'median'" in msg, (rank, msg)
+
+
+def _jit_step_fails_on_rank0(rank, world):
+    import jax
+    import jax.numpy as jnp
+
+    nd.init_process_group("host", timeout=10)
+    try:
+        params = {"b": jnp.zeros(2, jnp.float32), "w": jnp.ones(4, jnp.float32)}
+        reducer = nd.DistributedGradReducer(params)
+        step = jax.jit(lambda grads: reducer(grads))
+        reduce = reducer._reduce
+
+        def injected(*args):  # the fault: rank 0's reduction of step 1 raises
+            raise RuntimeError("injected failure in rank 0's reduction")
+
+        seen = []
+        for s in range(3):
+            reducer._reduce = injected if (rank, s) == (0, 1) else reduce
+            grads = {"b": jnp.full(2, rank + s, jnp.float32), "w": jnp.full(4, rank + s, jnp.float32)}
+            seen.append(_outcome(lambda: np.asarray(jax.block_until_ready(step(grads))["b"]).tolist()))
+        seen.append(_outcome(lambda: nd.all_reduce(np.ones(2, f32)).tolist()))
+        return seen
+    finally:
+        nd.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_jit_reduction_failing_on_one_rank_poisons_the_group():
+    """Inside jax.jit the reducer is an io_callback; when it raises on rank 0 and the caller
+    catches it and goes on, every later reduction and collective on every rank raises naming that
+    failure. Before: rank 1's reduction of that step waited for the whole timeout and named no
+    cause (and a rank whose later collectives went on paired them with another step's)."""
+    why = "injected failure in rank 0's reduction"
+    r0, r1 = run_ranks(_jit_step_fails_on_rank0, 2, timeout=120)
+    assert r0[0] == r1[0] == ("ok", [0.5, 0.5]), (r0, r1)
+    assert why in r0[1][1], r0
+    assert "rank 0: a step of DistributedGradReducer failed on this rank (RuntimeError: " + why in r1[1][1], (
+        r1
+    )
+    for kind, msg in r0[2:] + r1[2:]:
+        assert kind != "ok" and why in msg, (r0, r1)

@@ -17,10 +17,11 @@ JAX `DistributedDataParallel`: reduce the grads pytree after `jax.grad` instead.
 Inside `jax.jit` (the grads are tracers) the reducer becomes one ordered `io_callback`: at run time
 XLA hands the grads to the host, the reducer all-reduces them there and XLA copies the results
 back into the graph. Ordered, so every rank issues its collectives in program order and XLA never
-drops or reorders the call; the cost (a host round trip and a copy each way) is measured in
-docs/benchmarks.md. The grads must have the parameters' pytree structure (refused otherwise,
-naming the first key path that differs) and be JAX arrays: NumPy or torch leaves are refused,
-never mixed in silently.
+drops or reorders the call; a call that raises on one rank (which the user may catch and go on)
+poisons the group, so no rank's later collectives pair up with another step's; the cost (a host
+round trip and a copy each way) is measured in docs/benchmarks.md. The grads must have the
+parameters' pytree structure (refused otherwise, naming the first key path that differs) and be
+JAX arrays: NumPy or torch leaves are refused, never mixed in silently.
 """
 
 from __future__ import annotations
@@ -111,6 +112,7 @@ class JaxGrads(GradsAdapter):
         self._treedef: Any = None
         self._paths: List[str] = []
         self.native_module: Any = np  # the reducer's arrays (CuPy on the GPU), set by it
+        self.group: Any = None  # the reducer's process group, set by it
 
     def param_infos(self, parameters: Any) -> List[ParamSpec]:
         import jax
@@ -168,12 +170,27 @@ class JaxGrads(GradsAdapter):
         xp = self.native_module
 
         def on_host(*arrays: Any) -> tuple:
-            native = [np.asarray(a) if xp is np else xp.asarray(np.asarray(a)) for a in arrays]
-            return tuple(np.asarray(r) if xp is np else xp.asnumpy(r) for r in reduce_native(native))
+            try:
+                native = [np.asarray(a) if xp is np else xp.asarray(np.asarray(a)) for a in arrays]
+                return tuple(np.asarray(r) if xp is np else xp.asnumpy(r) for r in reduce_native(native))
+            except Exception as e:  # XLA hands it to the caller, who may catch it and go on
+                _poison(self.group, e)
+                raise
 
         shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves)
         out = io_callback(on_host, shapes, *leaves, ordered=True)
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(grads), list(out))
+
+
+def _poison(group: Any, e: BaseException) -> None:
+    """The reduction of a jitted step failed on this rank, whose peers ran (or are running) it:
+    the group is poisoned, so every later collective on every rank raises naming this failure
+    instead of pairing this rank's next step with the peers' current one."""
+    if group is not None and not group.failed:
+        group.poison(
+            f"rank {group.ranks[group.rank]}: DistributedGradReducer inside jax.jit failed on "
+            f"this rank ({type(e).__name__}: {e})"
+        )
 
 
 def structure_difference(want: List[str], got: List[str], want_def: Any, got_def: Any) -> str:

@@ -11,11 +11,12 @@ torch.distributed must be initialised (gloo on the CPU) on the same ranks.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, List, Optional
 
 from nccl_ddp.adapters.torch import from_native, to_native
 from nccl_ddp.ddp import comm_hooks
-from nccl_ddp.errors import ConfigError, ReducerError
+from nccl_ddp.errors import CommHookError, CommTimeout, ConfigError
 
 
 def ours_for(hook: Any, state: Any) -> Optional[Callable]:
@@ -114,28 +115,55 @@ class TorchHook:
         with _torch_on_current_stream(self._on_cuda):
             fut = self.hook(state, tb)
         if not (hasattr(fut, "wait") and hasattr(fut, "value")):
-            raise ReducerError(
-                f"comm hook {self.__name__} returned {type(fut).__name__}; a "
+            raise CommHookError(
+                f"rank {bucket.process_group.rank}: comm hook {self.__name__} returned "
+                f"{type(fut).__name__} for bucket {bucket.index()}; a "
                 "torch hook must return a torch.futures.Future of the reduced "
                 "bucket tensor"
             )
         return comm_hooks.Future(lambda: self._result(fut, tb, bucket))
 
     def _result(self, fut: Any, tb: TorchGradBucket, bucket: comm_hooks.GradBucket) -> Any:
+        import torch
+
+        group = bucket.process_group
+        where = f"rank {group.rank}: comm hook {self.__name__}"
         with _torch_on_current_stream(self._on_cuda):
-            value = fut.wait()
+            value = _wait(fut, group.timeout, f"{where}: the future it returned for bucket {bucket.index()}")
         if isinstance(value, (list, tuple)) and len(value) == 1:
             value = value[0]  # a collective's future holds a list of one tensor
+        held = f"{tb.buffer().numel()} {tb.buffer().dtype} elements"
+        if not isinstance(value, torch.Tensor):
+            raise CommHookError(
+                f"{where} returned a future of {comm_hooks.describe(value)} for bucket "
+                f"{bucket.index()}, which holds {held}; its value must be the reduced bucket "
+                "tensor (or a list of that one tensor, as a collective's future holds)"
+            )
         buf = bucket.buffer()
         if value.data_ptr() != tb.buffer().data_ptr():
             if value.numel() != tb.buffer().numel() or value.dtype != tb.buffer().dtype:
-                raise ReducerError(
-                    f"comm hook {self.__name__} returned a {tuple(value.shape)} {value.dtype} "
-                    f"tensor for bucket {bucket.index()}, which holds {tb.buffer().numel()} "
-                    f"{tb.buffer().dtype} elements; return the reduced bucket buffer"
+                raise CommHookError(
+                    f"{where} returned a {tuple(value.shape)} {value.dtype} "
+                    f"tensor for bucket {bucket.index()}, which holds {held}; return the reduced "
+                    "bucket buffer"
                 )
             buf[: tb.buffer().numel()] = to_native(value.reshape(-1))
         return buf
+
+
+def _wait(fut: Any, timeout: float, what: str) -> Any:
+    """`fut.wait()`, bounded by `timeout` (the group's): torch's `Future.wait` takes none, and a
+    hook's future that is never completed would hang the step for ever."""
+    if not fut.done():
+        done = threading.Event()
+        fut.add_done_callback(lambda _: done.set())
+        if not done.wait(timeout):
+            raise CommTimeout(
+                f"{what} did not complete within {timeout:g}s (the process group's timeout): "
+                "the collective it waits on may be stuck on a peer, or the hook never completes "
+                "its future (set_result / set_exception)"
+            )
+    return fut.wait()
 
 
 def _torch_on_current_stream(on_cuda: bool) -> Any:

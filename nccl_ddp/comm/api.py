@@ -86,7 +86,8 @@ def _create_group(backend: str, store: Any, env: DistEnv, timeout: float) -> Pro
         )
     from nccl_ddp.comm.host.backend import HostProcessGroup
 
-    return HostProcessGroup.create(store, env.rank, env.world_size, ranks, timeout, "world")
+    world = f"world size {env.world_size} from {env.world_from}" if env.world_from else ""
+    return HostProcessGroup.create(store, env.rank, env.world_size, ranks, timeout, "world", origin=world)
 
 
 def init_process_group(
@@ -408,23 +409,25 @@ def all_reduce(
     op: sum, avg, max, min, prod. avg on integer dtypes sums in the dtype (wrapping like NCCL)
     and truncates toward zero; bool supports max (any) and min (all) only."""
     g, kind, where, stream = _context(group, "all_reduce", async_op)
-    b = _Buf(x, kind, where)
-    return _run(g.all_reduce(b.buf, ReduceOp.parse(op), stream), b.finish, async_op)
+    with g.checking("all_reduce"):  # refused here only: the group is poisoned
+        b = _Buf(x, kind, where)
+        return _run(g.all_reduce(b.buf, ReduceOp.parse(op), stream), b.finish, async_op)
 
 
 def broadcast(x: Any, src: int = 0, group: Optional[ProcessGroup] = None, async_op: bool = False) -> Any:
     """Copy global rank `src`'s `x` to every member of the group."""
     g, kind, where, stream = _context(group, "broadcast", async_op)
-    if isinstance(src, bool) or not isinstance(src, (int, np.integer)):
-        raise ConfigTypeError(
-            f"{where}: src must be an int (a global rank), got {type(src).__name__} {src!r}"
-        )
-    if src not in g.ranks:
-        raise ConfigError(
-            f"{where}: src rank {src} is not a member of the group {list(g.ranks)}; src is a global rank"
-        )
-    b = _Buf(x, kind, where)
-    return _run(g.broadcast(b.buf, g.ranks.index(src), stream), b.finish, async_op)
+    with g.checking("broadcast"):  # refused here only: the group is poisoned
+        if isinstance(src, bool) or not isinstance(src, (int, np.integer)):
+            raise ConfigTypeError(
+                f"{where}: src must be an int (a global rank), got {type(src).__name__} {src!r}"
+            )
+        if src not in g.ranks:
+            raise ConfigError(
+                f"{where}: src rank {src} is not a member of the group {list(g.ranks)}; src is a global rank"
+            )
+        b = _Buf(x, kind, where)
+        return _run(g.broadcast(b.buf, g.ranks.index(src), stream), b.finish, async_op)
 
 
 def _gather_parts(parts: Sequence[Any], g: ProcessGroup, kind: str, where: str, size: int, role: str) -> list:
@@ -443,21 +446,22 @@ def all_gather(out: Any, x: Any, group: Optional[ProcessGroup] = None, async_op:
     """`out` (a list of group-size arrays, or one array of group size x `x.size` elements)
     receives every member's `x`, in group-rank order. Returns `out` (or new arrays)."""
     g, kind, where, stream = _context(group, "all_gather", async_op)
-    xi = _Buf(x, kind, where)
-    if isinstance(out, (list, tuple)):
-        parts = _gather_parts(out, g, kind, where, xi.buf.size, "out")
-        flat = _empty_like(xi.buf, g.size * xi.buf.size)
+    with g.checking("all_gather"):  # refused here only: the group is poisoned
+        xi = _Buf(x, kind, where)
+        if isinstance(out, (list, tuple)):
+            parts = _gather_parts(out, g, kind, where, xi.buf.size, "out")
+            flat = _empty_like(xi.buf, g.size * xi.buf.size)
 
-        def finish() -> Any:
-            res = []
-            for i, p in enumerate(parts):
-                p.buf.reshape(-1)[...] = flat[i * xi.buf.size : (i + 1) * xi.buf.size]
-                res.append(p.finish())
-            return type(out)(res) if isinstance(out, tuple) else _same_list(out, res)
+            def finish() -> Any:
+                res = []
+                for i, p in enumerate(parts):
+                    p.buf.reshape(-1)[...] = flat[i * xi.buf.size : (i + 1) * xi.buf.size]
+                    res.append(p.finish())
+                return type(out)(res) if isinstance(out, tuple) else _same_list(out, res)
 
-        return _run(g.all_gather(flat, xi.buf.reshape(-1), stream), finish, async_op)
-    o = _Buf(out, kind, where)
-    return _run(g.all_gather(o.buf.reshape(-1), xi.buf.reshape(-1), stream), o.finish, async_op)
+            return _run(g.all_gather(flat, xi.buf.reshape(-1), stream), finish, async_op)
+        o = _Buf(out, kind, where)
+        return _run(g.all_gather(o.buf.reshape(-1), xi.buf.reshape(-1), stream), o.finish, async_op)
 
 
 def reduce_scatter(
@@ -470,16 +474,17 @@ def reduce_scatter(
     """`inputs` (a list of group-size arrays, or one array of group size x `out.size`) is reduced
     over the group; member i receives part i in `out`. Returns `out` (or a new array)."""
     g, kind, where, stream = _context(group, "reduce_scatter", async_op)
-    o = _Buf(out, kind, where)
-    if isinstance(inputs, (list, tuple)):
-        parts = _gather_parts(inputs, g, kind, where, o.buf.size, "inputs")
-        flat = _empty_like(o.buf, g.size * o.buf.size)
-        for i, p in enumerate(parts):
-            flat[i * o.buf.size : (i + 1) * o.buf.size] = p.buf.reshape(-1)
-    else:
-        flat = _Buf(inputs, kind, where).buf.reshape(-1)
-    work = g.reduce_scatter(o.buf.reshape(-1), flat, ReduceOp.parse(op), stream)
-    return _run(work, o.finish, async_op)
+    with g.checking("reduce_scatter"):  # refused here only: the group is poisoned
+        o = _Buf(out, kind, where)
+        if isinstance(inputs, (list, tuple)):
+            parts = _gather_parts(inputs, g, kind, where, o.buf.size, "inputs")
+            flat = _empty_like(o.buf, g.size * o.buf.size)
+            for i, p in enumerate(parts):
+                flat[i * o.buf.size : (i + 1) * o.buf.size] = p.buf.reshape(-1)
+        else:
+            flat = _Buf(inputs, kind, where).buf.reshape(-1)
+        work = g.reduce_scatter(o.buf.reshape(-1), flat, ReduceOp.parse(op), stream)
+        return _run(work, o.finish, async_op)
 
 
 def barrier(group: Optional[ProcessGroup] = None, async_op: bool = False) -> Any:

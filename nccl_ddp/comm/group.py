@@ -8,10 +8,11 @@ CuPy for "nccl"; conversion from other frameworks happens in `comm/api.py` throu
 from __future__ import annotations
 
 import abc
+import contextlib
 import enum
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
-from nccl_ddp.errors import ConfigError
+from nccl_ddp.errors import ConfigError, NcclDdpError, RankMismatchError
 
 
 class ReduceOp(str, enum.Enum):
@@ -115,6 +116,33 @@ class ProcessGroup(abc.ABC):
         """Give up on the group now: peers blocked on this rank fail (with `reason` where the
         backend can say it) instead of waiting for their timeout. The group is unusable after."""
         self.shutdown()
+
+    def poison(self, reason: str) -> None:
+        """A collective failed on this rank (`reason` names the rank, the op and why): the ranks
+        are out of step, so the group must not be used again. Every later collective of this
+        rank raises naming `reason`, and the peers learn it (through the transport, or the store
+        where there is none) and raise naming it too, instead of pairing later collectives one
+        step apart. Nothing is paid per collective until then."""
+        self.abort(reason)
+
+    @contextlib.contextmanager
+    def checking(self, what: str) -> Iterator[None]:
+        """Around a collective's argument checks on this rank (`what`: "all_reduce"): refused on
+        one rank of several, the call never reaches the transport while the peers' calls do, so
+        the group is poisoned rather than left to pair this rank's next collective with their
+        current one. A group of one keeps working: there is no peer to drift from; so does one
+        whose ranks all found the same mismatch together (NCCL_DDP_DEBUG=DETAIL's check)."""
+        try:
+            yield
+        except RankMismatchError:
+            raise
+        except NcclDdpError as e:
+            if self.size > 1 and not self.failed:
+                self.poison(
+                    f"rank {self.ranks[self.rank]}: {what} on group {self.name!r} was refused on "
+                    f"this rank, so the other ranks ran it without this one ({type(e).__name__}: {e})"
+                )
+            raise
 
     @property
     def failed(self) -> bool:

@@ -26,7 +26,7 @@ from nccl_ddp.comm.group import ProcessGroup, ReduceOp
 from nccl_ddp.ddp import comm_hooks
 from nccl_ddp.ddp.bucket_memory import copy_into
 from nccl_ddp.ddp.buckets import Bucket, BucketLayout, ParamSpec, bucket_tag
-from nccl_ddp.errors import ReducerError
+from nccl_ddp.errors import CommHookError
 from nccl_ddp.profiling import Timeline
 
 Mode = Literal["python", "view", "pack"]
@@ -279,11 +279,18 @@ class BucketSubmitter:
         )
         out = comm_hooks.resolve(hook(state, gb), hook)
         if out is not buf:
+            name, tag = getattr(hook, "__name__", hook), bucket_tag(b, bucket.nbytes)
+            if not (hasattr(out, "shape") and hasattr(out, "dtype")):
+                raise CommHookError(
+                    f"rank {self.group.rank}: comm hook {name!r} returned a future of "
+                    f"{comm_hooks.describe(out)} for {tag}; its value must be the reduced bucket "
+                    f"buffer, a {tuple(buf.shape)} {buf.dtype} array"
+                )
             if tuple(out.shape) != tuple(buf.shape) or out.dtype != buf.dtype:
-                raise ReducerError(
-                    f"rank {self.group.rank}: comm hook {getattr(hook, '__name__', hook)!r} "
+                raise CommHookError(
+                    f"rank {self.group.rank}: comm hook {name!r} "
                     f"returned a {tuple(out.shape)} {out.dtype} array for "
-                    f"{bucket_tag(b, bucket.nbytes)}, which is {tuple(buf.shape)} {buf.dtype}; "
+                    f"{tag}, which is {tuple(buf.shape)} {buf.dtype}; "
                     "return the reduced bucket buffer (same shape and dtype)"
                 )
             copy_into(buf, out)

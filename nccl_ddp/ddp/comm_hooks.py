@@ -137,6 +137,14 @@ def resolve(result: Any, hook: Any) -> Any:
     )
 
 
+def describe(value: Any) -> str:
+    """What a hook's future held, for messages: "a list of 2 Tensor", "a str"."""
+    if isinstance(value, (list, tuple)):
+        kinds = sorted({type(v).__name__ for v in value})
+        return f"a {type(value).__name__} of {len(value)} {'/'.join(kinds) or 'items'}"
+    return f"a {type(value).__name__}"
+
+
 def current_stream(group: ProcessGroup) -> Any:
     """The stream collectives of a hook are ordered on: the caller's (the comm stream inside a
     reducer; on the host the calling thread, which runs a collective synchronously)."""

@@ -108,6 +108,7 @@ class DistributedGradReducer:
         self.device = device_of(self.group)
         if hasattr(self._adapter, "native_module"):  # JAX inside jit: arrays it converts to
             self._adapter.native_module = self.device.xp
+            self._adapter.group = self.group  # poisoned when its callback fails on this rank
         self.mean = mean
         self.degree = self.group.size if self.config.degree is None else self.config.degree
         self.fusion_type = fusion_type
@@ -144,7 +145,7 @@ class DistributedGradReducer:
             specs, DEFAULT_CAP_BYTES, FIRST_CAP_BYTES, align_bytes=self.device.align_bytes
         )
         self.comm = self.device.new_stream()
-        self._failure = StepFailure(self.group.rank, "DistributedGradReducer")
+        self._failure = StepFailure(self.group.rank, "DistributedGradReducer", self.group)
         self._finite = (
             FiniteCheck(self.check_finite, self.device, self.group.rank, self._settle, self._label)
             if self.check_finite

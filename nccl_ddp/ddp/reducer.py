@@ -87,7 +87,7 @@ class Reducer:
         self._arrival: List[int] = []
         self.step = StepState(len(self.params))  # ready bitmap, pending counts, done events
         self._uses_prepare = False
-        self._failure = StepFailure(group.rank, "DistributedDataParallel")  # what broke a step
+        self._failure = StepFailure(group.rank, "DistributedDataParallel", group)  # what broke a step
         self.on_open: Optional[Callable[[bool], None]] = None  # Join: on_open(syncs) per step
         self.step_divisor: Optional[int] = None  # Join: divide by the active ranks this step
         self._finite = (

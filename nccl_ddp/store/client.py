@@ -15,6 +15,7 @@ unauthenticated; nccl-ddp-run always sets one.
 from __future__ import annotations
 
 import hmac
+import logging
 import os
 import secrets
 import socket
@@ -40,6 +41,10 @@ from nccl_ddp.store.wire import (
 
 __all__ = ["StoreServer", "TCPStore", "PrefixStore", "connect_store", "MAX_FRAME"]
 
+NOTICE_EVERY = 30.0  # seconds between the warnings of a client still waiting to connect
+
+log = logging.getLogger("nccl_ddp.store")
+
 
 class TCPStore:
     """Client of a StoreServer; thread-safe (one request at a time per connection).
@@ -58,8 +63,10 @@ class TCPStore:
         timeout: float = DEFAULT_TIMEOUT,
         rank: Optional[int] = None,
         server: Optional[StoreServer] = None,
+        waiting: str = "",
     ):
         self.host, self.port, self.timeout = host, port, timeout
+        self._waiting = waiting  # who should host the store, for the notices while connecting
         self._who = f"rank {rank}" if rank is not None else "store client"
         self._server = server
         self._lock = threading.Lock()
@@ -70,16 +77,31 @@ class TCPStore:
         (the server is not up yet) and a handshake the server closed (it evicts unauthenticated
         connections when strangers flood it) are retried; a wrong secret or a service that is
         not a store is final."""
-        deadline = time.monotonic() + self.timeout
+        start = time.monotonic()
+        deadline, notice = start + self.timeout, start + NOTICE_EVERY
         delay: float = 0.05
         last: Optional[BaseException] = None
         while True:
+            if time.monotonic() >= notice:  # a launcher environment that counts a rank not started
+                log.warning(
+                    "%s: still waiting to connect to the store at %s:%d after %.0fs of the %gs timeout "
+                    "(%s)%s",
+                    self._who,
+                    self.host,
+                    self.port,
+                    time.monotonic() - start,
+                    self.timeout,
+                    last,
+                    f"; {self._waiting}" if self._waiting else "",
+                )
+                notice += NOTICE_EVERY
             left = deadline - time.monotonic()
             if left <= 0:
                 raise StoreTimeout(
                     f"{self._who}: could not connect to the store at {self.host}:{self.port} "
                     f"within {self.timeout:g}s ({last}); check that MASTER_ADDR/MASTER_PORT point "
                     f"at the node of rank 0 and that rank 0 (or the launcher) started"
+                    + (f" ({self._waiting})" if self._waiting else "")
                 )
             try:
                 sock = socket.create_connection((self.host, self.port), timeout=left)
@@ -291,7 +313,11 @@ def connect_store(env: DistEnv, timeout: float = DEFAULT_TIMEOUT) -> TCPStore:
         server = StoreServer(env.master_addr, env.store_port, secret)
         port = server.port
     try:
-        return TCPStore(env.master_addr, port, secret, timeout=timeout, rank=env.rank, server=server)
+        hosted = "the launcher hosts it" if env.store_hosted_externally else "rank 0 hosts it"
+        waiting = f"{hosted}; world size {env.world_size} from {env.world_from}" if env.world_from else hosted
+        return TCPStore(
+            env.master_addr, port, secret, timeout=timeout, rank=env.rank, server=server, waiting=waiting
+        )
     except BaseException:
         if server is not None:
             server.close()

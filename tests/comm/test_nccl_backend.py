@@ -613,3 +613,16 @@ def test_nccl_already_non_blocking_is_a_clear_error(monkeypatch):
     ) as e:
         nb.NcclProcessGroup.create(DictStore(), 0, 1, [0], 5, "world", 0, runtime=_cupy_runtime(lib))
     assert isinstance(e.value.__cause__, KeyError)
+
+
+def test_poisoned_group_aborts_and_names_the_first_failure():
+    """A collective that failed on this rank alone (issue 30 item 7): poison() aborts the
+    communicator and every later collective raises naming the failure (the base class's abort()
+    alone would say "group 'world' was shut down" and name none)."""
+    g, comm, rt = make_group(size=2)
+    why = "rank 0: all_reduce on group 'world' was refused on this rank (ConfigError: unknown op)"
+    g.poison(why)
+    assert g.failed and comm.aborted
+    with pytest.raises(CommError, match="refused on this rank"):
+        g.all_reduce(np.ones(3, np.float32))
+    g.shutdown()

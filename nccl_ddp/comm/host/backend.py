@@ -107,8 +107,10 @@ class HostProcessGroup(ProcessGroup):
         *,
         transport: Optional[str] = None,
         chunk_bytes: Optional[int] = None,
+        origin: str = "",
     ) -> None:
         self.rank, self.size, self.timeout, self.name = rank, size, float(timeout), name
+        self._origin = origin  # where the group's size came from, named while awaiting ranks
         self.ranks = tuple(range(size) if ranks is None else ranks)
         if len(self.ranks) != size or not 0 <= rank < size:
             raise ConfigError(
@@ -133,9 +135,16 @@ class HostProcessGroup(ProcessGroup):
 
     @classmethod
     def create(
-        cls, store: Any, rank: int, size: int, ranks: Sequence[int], timeout: float, name: str
+        cls,
+        store: Any,
+        rank: int,
+        size: int,
+        ranks: Sequence[int],
+        timeout: float,
+        name: str,
+        origin: str = "",
     ) -> HostProcessGroup:
-        return cls(store, rank, size, ranks, timeout, name)
+        return cls(store, rank, size, ranks, timeout, name, origin=origin)
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -153,6 +162,7 @@ class HostProcessGroup(ProcessGroup):
             self.timeout,
             self._where,
             {"host": host_id(), "transport": transport, "chunk": chunk_bytes, "members": list(self.ranks)},
+            origin=self._origin,
         )
         infos = rdv.infos
         for r, info in enumerate(infos):
@@ -308,9 +318,10 @@ class HostProcessGroup(ProcessGroup):
         self, buf: Any, op: ReduceOp = ReduceOp.SUM, stream: Any = None, *, tag: Optional[str] = None
     ) -> HostWork:
         what = self._on("all_reduce", tag)
-        flat = _flat(buf, what, True)
-        red = self._reduction(what, flat, op)
-        desc = self._desc(what, ALL_REDUCE, flat, red.op)
+        with self.checking("all_reduce"):
+            flat = _flat(buf, what, True)
+            red = self._reduction(what, flat, op)
+            desc = self._desc(what, ALL_REDUCE, flat, red.op)
         return self._submit(
             "all_reduce", tag, lambda: self._transport.all_reduce(flat, red, desc), buf, stream
         )
@@ -319,19 +330,21 @@ class HostProcessGroup(ProcessGroup):
         self, buf: Any, root: int = 0, stream: Any = None, *, tag: Optional[str] = None
     ) -> HostWork:
         what = self._on("broadcast", tag)
-        flat = _flat(buf, what, True)
-        if not 0 <= root < self.size:
-            raise ConfigError(f"{what}: root {root} is not a group rank (0..{self.size - 1})")
-        desc = self._desc(what, BROADCAST, flat, root=root)
+        with self.checking("broadcast"):
+            flat = _flat(buf, what, True)
+            if not 0 <= root < self.size:
+                raise ConfigError(f"{what}: root {root} is not a group rank (0..{self.size - 1})")
+            desc = self._desc(what, BROADCAST, flat, root=root)
         return self._submit(
             "broadcast", tag, lambda: self._transport.broadcast(flat, root, desc), buf, stream
         )
 
     def all_gather(self, out: Any, inp: Any, stream: Any = None, *, tag: Optional[str] = None) -> HostWork:
         what = self._on("all_gather", tag)
-        o, i = _flat(out, what, True), _flat(inp, what, False)
-        check_gather_buffers(what, self.size, o, i, "out", "input")
-        desc = self._desc(what, ALL_GATHER, i)
+        with self.checking("all_gather"):
+            o, i = _flat(out, what, True), _flat(inp, what, False)
+            check_gather_buffers(what, self.size, o, i, "out", "input")
+            desc = self._desc(what, ALL_GATHER, i)
         return self._submit("all_gather", tag, lambda: self._transport.all_gather(o, i, desc), out, stream)
 
     def reduce_scatter(
@@ -344,10 +357,11 @@ class HostProcessGroup(ProcessGroup):
         tag: Optional[str] = None,
     ) -> HostWork:
         what = self._on("reduce_scatter", tag)
-        o, i = _flat(out, what, True), _flat(inp, what, False)
-        check_gather_buffers(what, self.size, i, o, "input", "out")
-        red = self._reduction(what, o, op)
-        desc = self._desc(what, REDUCE_SCATTER, o, red.op)
+        with self.checking("reduce_scatter"):
+            o, i = _flat(out, what, True), _flat(inp, what, False)
+            check_gather_buffers(what, self.size, i, o, "input", "out")
+            red = self._reduction(what, o, op)
+            desc = self._desc(what, REDUCE_SCATTER, o, red.op)
         return self._submit(
             "reduce_scatter", tag, lambda: self._transport.reduce_scatter(o, i, red, desc), out, stream
         )
@@ -390,6 +404,16 @@ class HostProcessGroup(ProcessGroup):
 
     def lost_peers(self) -> list:
         return sorted(link.peer for link in self._links if link.closed_by_peer())
+
+    def poison(self, reason: str) -> None:
+        """The group fails with `reason` here, and every peer linked to this rank fails with it
+        at its next read (its pending collective, or its next one), then tells its own links:
+        the reason reaches every member of a TCP ring too."""
+        if self._error is None:
+            self._error = CommError(reason)
+            log.error("%s", reason)
+        for link in self._links:
+            link.abort(reason)
 
     def abort(self, reason: str) -> None:
         if self._error is None:

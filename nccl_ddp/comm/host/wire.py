@@ -33,6 +33,7 @@ _HEADER = struct.Struct("<QBBBBIQ")  # seq, kind, op, dtype code, reduce op code
 _HANDSHAKE = struct.Struct("<32sI")  # acceptor's token, connector's group rank
 _ACCEPTED = b"\x01"  # the acceptor's confirmation of a valid handshake
 HANDSHAKE_DEADLINE = 5.0  # seconds a connection to the listener has to identify
+NOTICE_EVERY = 30.0  # seconds between the warnings naming the ranks a rendezvous still waits for
 MAX_UNAUTHENTICATED = 64  # handshakes in progress at once; then one is evicted
 
 
@@ -220,10 +221,21 @@ class Rendezvous:
     links a transport asks for (the higher group rank dials, the lower one accepts)."""
 
     def __init__(
-        self, store: Any, rank: int, ranks: List[int], timeout: float, where: str, extra: dict
+        self,
+        store: Any,
+        rank: int,
+        ranks: List[int],
+        timeout: float,
+        where: str,
+        extra: dict,
+        origin: str = "",
+        notice_every: Optional[float] = None,
     ) -> None:
         self.store, self.rank, self.ranks, self.timeout, self.where = (store, rank, ranks, timeout, where)
-        self.deadline = time.monotonic() + timeout
+        self.origin = origin  # "world size 2 from OMPI_COMM_WORLD_SIZE=2 (Open MPI)"
+        self.notice_every = NOTICE_EVERY if notice_every is None else notice_every
+        self.start = time.monotonic()
+        self.deadline = self.start + timeout
         self.token = secrets.token_hex(16)
         host = advertise_host()
         try:
@@ -247,20 +259,41 @@ class Rendezvous:
         return max(0.01, self.deadline - time.monotonic())
 
     def _gather(self) -> List[dict]:
+        """Every member's published address; while some are missing, a WARNING every
+        `notice_every` seconds names them and where the group's size came from (a launcher
+        environment that counts more processes than run waits silently otherwise)."""
         infos: Dict[int, dict] = {}
+        notice = self.start + self.notice_every
         for r in range(len(self.ranks)):
-            try:
-                infos[r] = json.loads(self.store.get(f"peer/{r}", timeout=self._left()))
-            except StoreTimeout as e:
-                missing = [
-                    self.ranks[q] for q in range(len(self.ranks)) if q not in infos and not self._present(q)
-                ]
-                raise CommTimeout(
-                    f"{self.where}: ranks {missing} did not join within {self.timeout:.1f}s "
-                    f"(they never published their address; did they start, crash, or call "
-                    f"init_process_group/new_group with different arguments?)"
-                ) from e
+            while r not in infos:
+                try:
+                    wait = min(self._left(), max(0.01, notice - time.monotonic()))
+                    infos[r] = json.loads(self.store.get(f"peer/{r}", timeout=wait))
+                except StoreTimeout as e:
+                    if time.monotonic() < self.deadline:
+                        log.warning("%s", self._waiting(infos, "still waiting for"))
+                        notice += self.notice_every
+                        continue
+                    missing, joined = self._missing(infos)
+                    raise CommTimeout(
+                        f"{self.where}: ranks {missing} did not join within {self.timeout:.1f}s "
+                        f"({joined}; they never published their address; did they start, crash, "
+                        f"or call init_process_group/new_group with different arguments?)"
+                    ) from e
         return [infos[r] for r in range(len(self.ranks))]
+
+    def _missing(self, infos: Dict[int, dict]) -> Tuple[List[int], str]:
+        """The members not yet here, and "1 of 2 joined; world size 2 from ..."."""
+        missing = [self.ranks[q] for q in range(len(self.ranks)) if q not in infos and not self._present(q)]
+        size = f"; {self.origin}" if self.origin else ""
+        return missing, f"{len(self.ranks) - len(missing)} of {len(self.ranks)} joined{size}"
+
+    def _waiting(self, infos: Dict[int, dict], what: str) -> str:
+        missing, joined = self._missing(infos)
+        return (
+            f"{self.where}: {what} ranks {missing} after {time.monotonic() - self.start:.0f}s "
+            f"of the {self.timeout:g}s timeout ({joined})"
+        )
 
     def _present(self, r: int) -> bool:
         try:

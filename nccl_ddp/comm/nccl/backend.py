@@ -414,6 +414,13 @@ class NcclProcessGroup(ProcessGroup):
                 self._pending = [w for w in self._pending if id(w) not in finished]
         return None
 
+    def poison(self, reason: str) -> None:
+        """The group fails here with `reason` and the communicator is aborted: this rank's later
+        collectives raise naming it; a peer's pending or next collective with this rank cannot
+        complete, and its watchdog fails it after the group's timeout."""
+        if self._failure is None:
+            self._fail(CommError, reason, None)
+
     def _fail(self, cls: type, msg: str, cause: Optional[BaseException]) -> None:
         self._failure = (cls, msg, cause)
         log.error("%s", msg)
