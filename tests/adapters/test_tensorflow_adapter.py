@@ -16,7 +16,7 @@ import re
 
 import numpy as np
 import pytest
-from paths import SUPPORT
+from paths import ROOT, SUPPORT
 from tf_venv import PY, run_tf, venv_problem
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -123,3 +123,17 @@ def test_keras_fit_equals_multi_worker_mirrored_strategy(mwms, clip):
     for res in mwms:
         _close(res["ours" + clip], res["mwms" + clip])
     assert mwms[0]["mwms"] != mwms[0]["mwms_unclipped"]  # the clip is active
+
+
+def test_keras_fit_example_ends_with_identical_weights(tmp_path):
+    """examples/keras_fit.py (the docs' one-line change) on 2 ranks: every rank prints the same
+    weight checksum."""
+    problem = venv_problem()
+    if problem:
+        pytest.skip(problem)
+    example = str(ROOT / "examples" / "keras_fit.py")
+    out = run_tf(
+        [PY, "-m", "nccl_ddp.launch", "--nproc-per-node", "2", example, "--epochs", "2"], str(tmp_path)
+    )
+    sums = re.findall(r"^\[rank \d\] rank \d: loss [0-9.]+, weight checksum (\S+)$", out, flags=re.M)
+    assert len(sums) == 2 and sums[0] == sums[1], out
