@@ -626,3 +626,38 @@ def test_poisoned_group_aborts_and_names_the_first_failure():
     with pytest.raises(CommError, match="refused on this rank"):
         g.all_reduce(np.ones(3, np.float32))
     g.shutdown()
+
+
+def test_peer_learns_the_poison_through_the_store_once_its_op_is_overdue(monkeypatch):
+    """Rank 0 poisons the group; rank 1's all_reduce with it never completes (the fake's events
+    stay pending). Its watchdog looks at the store only once the op has run POISON_PROBE_AFTER
+    (0.05 s here) and fails the group naming rank 0's reason, long before the 30 s timeout.
+    Before: rank 1 waited for its timeout."""
+    monkeypatch.setattr(nb, "POISON_PROBE_AFTER", 0.05, raising=False)
+    store = DictStore()
+    rt0, rt1 = FakeRuntime(), FakeRuntime(complete=False)
+    groups = [
+        nb.NcclProcessGroup(
+            rt.new_comm(2, b"x" * 128, r),
+            rt,
+            rank=r,
+            size=2,
+            ranks=range(2),
+            timeout=30.0,
+            name="world",
+            store=store,
+            poll=0.01,
+        )
+        for r, rt in ((0, rt0), (1, rt1))
+    ]
+    try:
+        groups[1].all_reduce(np.ones(3, np.float32))  # pending for ever
+        why = "rank 0: a step of DistributedGradReducer failed on this rank (RuntimeError: boom)"
+        groups[0].poison(why)
+        wait_for(lambda: groups[1].failed, limit=10)
+        with pytest.raises(CommError, match=r"a peer gave up on group 'world': rank 0: a step .*boom"):
+            groups[1].all_reduce(np.ones(3, np.float32))
+        assert rt1.comms[0].aborted
+    finally:
+        for g in groups:
+            g.shutdown()

@@ -58,6 +58,8 @@ WATCHDOG_POLL = 0.05  # seconds between watchdog checks
 ABORT_LOCK_WAIT = 1.0  # seconds the watchdog waits for an NCCL call in progress before handing
 # the abort to that call's thread
 UNIQUE_ID_BYTES = 128
+POISON_PROBE_AFTER = 1.0  # seconds an op runs before the watchdog asks the store (then once per
+# such interval) whether a peer poisoned the group: a healthy job's ops finish first and pay nothing
 _generations: dict = {}  # (name, ranks) -> groups created so far, for unique store keys
 
 
@@ -163,6 +165,7 @@ class NcclProcessGroup(ProcessGroup):
         self._released = False  # communicator destroyed or aborted
         self._scratch = None  # barrier's 1-element buffer
         self._stop = threading.Event()
+        self._next_probe = 0.0  # when the watchdog may next look for a peer's poison notice
         self._desync = DesyncChecker.maybe(store, rank, self.ranks, name, self.timeout)
         self._watchdog = threading.Thread(target=self._watch, daemon=True, name=f"nccl_ddp-watchdog:{name}")
         self._watchdog.start()
@@ -400,6 +403,15 @@ class NcclProcessGroup(ProcessGroup):
                     continue
             except self._rt.errors as e:
                 return CommError, f"NCCL {w.what} failed on the GPU: {e}. {ADVICE}", e
+            if now - w.started > POISON_PROBE_AFTER:
+                reason = self._peer_poison(now)
+                if reason is not None:
+                    return (
+                        CommError,
+                        f"NCCL {w.what} cannot complete: a peer gave up on group {self.name!r}: "
+                        f"{reason}; the communicator was aborted. {ADVICE}",
+                        None,
+                    )
             if now - w.started > self.timeout:
                 return (
                     CommTimeout,
@@ -415,11 +427,31 @@ class NcclProcessGroup(ProcessGroup):
         return None
 
     def poison(self, reason: str) -> None:
-        """The group fails here with `reason` and the communicator is aborted: this rank's later
-        collectives raise naming it; a peer's pending or next collective with this rank cannot
-        complete, and its watchdog fails it after the group's timeout."""
+        """The group fails here with `reason` and the communicator is aborted; this rank's later
+        collectives raise naming it. The reason goes to the store: a peer whose collective with
+        this rank has not completed after `POISON_PROBE_AFTER` finds it there (its watchdog
+        looks only then) and fails naming it, instead of at the group's timeout."""
         if self._failure is None:
             self._fail(CommError, reason, None)
+        if self._store is not None:
+            try:
+                self._store.set(self._poison_key, reason.encode())
+            except Exception as e:  # noqa: BLE001 - the peers then fail at their timeout
+                log.warning("group %r: could not tell the peers through the store (%s)", self.name, e)
+
+    @property
+    def _poison_key(self) -> str:
+        return f"poisoned/{self.name}"
+
+    def _peer_poison(self, now: float) -> Optional[str]:
+        """A peer's poison notice, looked up at most once per `POISON_PROBE_AFTER`."""
+        if self._store is None or now < self._next_probe:
+            return None
+        self._next_probe = now + POISON_PROBE_AFTER
+        try:
+            return bytes(self._store.get(self._poison_key, timeout=0.01)).decode(errors="replace")
+        except Exception:  # noqa: BLE001 - no notice (StoreTimeout), or the store is gone
+            return None
 
     def _fail(self, cls: type, msg: str, cause: Optional[BaseException]) -> None:
         self._failure = (cls, msg, cause)
