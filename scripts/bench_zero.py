@@ -9,7 +9,8 @@ One job per (world, mode) through nccl-ddp-run, so each peak RSS is that mode's 
 `ddp_adamw` (our DDP + torch.optim.AdamW), `zero1` (our DDP + nd.ZeroRedundancyOptimizer(AdamW),
 the default: full grads in p.grad, the state sharded), `zero2` (our DDP built with zero=ZeroConfig(stage=2)),
 `zero2_overlap` (the same with ZeroConfig(overlap_param_gather=True)), `torch_zero` (torch DDP + torch
-ZeroRedundancyOptimizer(AdamW), gloo). Bytes per rank (the largest over the ranks): optimizer
+ZeroRedundancyOptimizer(AdamW), gloo), `torch_zero_nd` (our DDP + torch's
+ZeroRedundancyOptimizer, its broadcasts on gloo). Bytes per rank (the largest over the ranks): optimizer
 state, fp32 masters, reduced grads kept for the optimizer (DDP and torch: the whole grads;
 ZeRO-2: the reduce-scattered shard and its fp32 copy; ZeRO-1: the whole grads, which it reads
 as views), `kept` = their sum; `grad_buf` = the
@@ -21,6 +22,9 @@ run `--profile-steps` with the reducer's timeline on: `hidden_pct` is the share 
 communication (all-reduce or reduce-scatter) that ran before backward ended, `gather_hidden_pct`
 (ZeRO-2) the share of the parameter all-gathers that ran inside the next step's forward (hidden
 behind it; the first profiled step has none, its gathers were queued before the timeline).
+`opt_growth`: resident memory (after malloc_trim) once the timed steps are done, minus the same
+measured with the model wrapped and its grads allocated (one backward) before the optimizer was
+built: what the optimizer itself costs a rank.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from benchlib import format_table, run_ranks, write_csv  # noqa: E402
 
-MODES = ("ddp_adamw", "zero1", "zero2", "zero2_overlap", "torch_zero")
+MODES = ("ddp_adamw", "zero1", "zero2", "zero2_overlap", "torch_zero", "torch_zero_nd")
 COLUMNS = (
     "world",
     "mode",
@@ -52,6 +56,7 @@ COLUMNS = (
     "total_MiB",
     "total_vs_ddp",
     "peak_rss_MiB",
+    "opt_growth_MiB",
     "step_ms",
     "ratio",
     "hidden_pct",
@@ -68,6 +73,7 @@ FORMATS = {
     "total_MiB": ".1f",
     "total_vs_ddp": ".3f",
     "peak_rss_MiB": ".0f",
+    "opt_growth_MiB": ".1f",
     "step_ms": ".0f",
     "ratio": ".2f",
     "hidden_pct": ".0f",
@@ -118,6 +124,27 @@ def state_bytes(optimizer) -> int:
     )
 
 
+def rss_trimmed() -> int:
+    """This process's resident bytes after freed heap is returned to the OS (malloc_trim)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _rss_before_optimizer(wrapped, x) -> int:
+    """RSS with the model wrapped and its grads allocated (one backward), before the optimizer:
+    `opt_growth` is what building and stepping the optimizer adds from there."""
+    wrapped(x).square().mean().backward()
+    return rss_trimmed()
+
+
 def worker(args) -> None:
     import torch
 
@@ -128,19 +155,22 @@ def worker(args) -> None:
     rank, world = nd.get_rank(), nd.get_world_size()
     m = model(args)
     x = torch.randn(args.batch, args.hidden, generator=torch.Generator().manual_seed(rank))
-    if args.mode == "torch_zero":
+    if args.mode.startswith("torch_zero"):
         import torch.distributed as dist
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         store = os.path.join(os.path.dirname(args.out), "gloo")
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-        wrapped = torch.nn.parallel.DistributedDataParallel(m)
+        ours = args.mode == "torch_zero_nd"  # torch's ZeRO over our DDP (its broadcasts on gloo)
+        wrapped = nd.DistributedDataParallel(m) if ours else torch.nn.parallel.DistributedDataParallel(m)
+        rss0 = _rss_before_optimizer(wrapped, x)
         opt = ZeroRedundancyOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-4)
     else:
         zero2 = args.mode.startswith("zero2")
         overlap = args.mode == "zero2_overlap"
         zero = nd.ZeroConfig(stage=2, overlap_param_gather=overlap) if zero2 else None
         wrapped = nd.DistributedDataParallel(m, zero=zero)
+        rss0 = _rss_before_optimizer(wrapped, x)
         opt = (
             nd.ZeroRedundancyOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-4)  # follows the model
             if args.mode.startswith("zero")
@@ -160,8 +190,9 @@ def worker(args) -> None:
         step()
     nd.barrier()
     ms = (time.perf_counter() - t0) / args.steps * 1e3
+    growth = rss_trimmed() - rss0
     hidden = gather_hidden = -1.0
-    if args.mode != "torch_zero" and args.profile_steps:
+    if args.mode not in ("torch_zero", "torch_zero_nd") and args.profile_steps:
         from nccl_ddp.profiling import Timeline
 
         wrapped.reducer.prof = Timeline(rank, timeline=True)
@@ -179,6 +210,7 @@ def worker(args) -> None:
         step_ms=ms,
         hidden_pct=hidden,
         gather_hidden_pct=gather_hidden,
+        opt_growth=growth,
     )
     if args.mode.startswith("zero2"):
         zs = opt.zs
@@ -201,7 +233,7 @@ def worker(args) -> None:
         )
         widened = opt.zs.nbytes["grad_shards"] if args.mode == "zero1" else 0  # bf16 grads only
         row.update(
-            state=state_bytes(opt.optim if args.mode in ("torch_zero", "zero1") else opt),
+            state=state_bytes(opt.optim if args.mode in ("torch_zero", "torch_zero_nd", "zero1") else opt),
             master=opt.zs.nbytes["master"] if args.mode == "zero1" else 0,
             reduced=grads + widened,
             grad_buf=grads,
@@ -212,7 +244,7 @@ def worker(args) -> None:
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(gathered, f)
-    if args.mode == "torch_zero":
+    if args.mode.startswith("torch_zero"):
         import torch.distributed as dist
 
         dist.destroy_process_group()
@@ -231,6 +263,7 @@ def _gather_rows(nd, row: dict) -> list:
         "grad_buf",
         "total_grads",
         "peak_rss",
+        "opt_growth",
         "hidden_pct",
         "gather_hidden_pct",
     )
@@ -265,6 +298,7 @@ def table_rows(raw: list) -> list:
                 total_MiB=total(r) / MiB,
                 total_vs_ddp="" if b is None else total(r) / total(b),
                 peak_rss_MiB=r["peak_rss"] / MiB,
+                opt_growth_MiB=r["opt_growth"] / MiB,
                 step_ms=r["step_ms"],
                 ratio="" if b is None else r["step_ms"] / b["step_ms"],
                 hidden_pct="" if r["hidden_pct"] < 0 else r["hidden_pct"],

@@ -28,6 +28,7 @@ from nccl_ddp.adapters.torch_zero_state import (
     torch_to_full,
 )
 from nccl_ddp.comm.api import device_of, resolve_group
+from nccl_ddp.ddp.join import JoinHook, JoinState
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 from nccl_ddp.validate import check_bool
 from nccl_ddp.zero.checkpoint import consolidate, reshard
@@ -111,6 +112,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._collected = False  # this step's grads are collected in _step_grads
         self._step_grads: List[Any] = []
         self._norm: Optional[float] = None  # this step's global grad norm, once computed
+        self.join_state = JoinState()  # nccl_ddp.Join's (a Joinable, as torch's class)
         super().__init__(params, defaults)
         self._build()
 
@@ -444,6 +446,31 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         set_local_state(self._inner, self._piece_params, pieces, self.zs)
         self._consolidated = None
 
+    # ------------------------------------------------------------------ Join (uneven inputs)
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """`nccl_ddp.Join([model, opt])`'s hook, as torch's `_ZeROJoinHook`: a rank that ran out
+        of data runs `step()` with its grads as they are (the last ones; set them first) each
+        time the others step, so their norm all-reduce and parameter all-gathers are matched.
+        ZeRO-1 only (a joined rank cannot stand in for ZeRO-2's reduce-scatter)."""
+        if self._stage == 2:
+            raise ConfigError(
+                f"rank {self.group.rank}: Join with ZeRO-2: a joined rank cannot stand in for the "
+                "reduce-scatter of the others; give every rank the same number of batches, or "
+                "use ZeRO-1 (the default)"
+            )
+        return _StepJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        """The parameters' device (torch's Joinable)."""
+        return self._order[0].device
+
+    @property
+    def join_process_group(self) -> Any:
+        """The nccl_ddp group the optimizer's collectives run on."""
+        return self.group
+
     def wait_for_params(self) -> None:
         """Wait for the parameter all-gathers that `step()` left pending
         (`overlap_param_gather=True`): after it, reading or writing the parameters directly
@@ -459,6 +486,14 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             f"ZeroRedundancyOptimizer(ZeRO-{getattr(self, '_stage', '?')}, "
             f"{self.optimizer_class.__name__}, rank {self.group.rank}/{self.group.size})"
         )
+
+
+class _StepJoinHook(JoinHook):
+    def __init__(self, opt: ZeroRedundancyOptimizer) -> None:
+        self.opt = opt
+
+    def main_hook(self) -> None:
+        self.opt.step()
 
 
 def _check_class(cls: Any) -> None:
