@@ -63,6 +63,18 @@ def test_keras_fit_with_distributed_optimizer_equals_one_process(ranks):
     assert ranks[0]["fit"] == ranks[1]["fit"]
 
 
+@pytest.mark.parametrize("what", ["accumulate", "loss_scale"])
+def test_keras_machinery_after_the_reduction_equals_one_process(ranks, what):
+    """gradient_accumulation_steps=2 (Keras accumulates the mean grads: 3 applied updates of 6
+    steps) and LossScaleOptimizer (the scaled grads are reduced, then unscaled) around Adam."""
+    for res in ranks:
+        *weights, iterations = res["fit_" + what]
+        *ref, ref_iterations = res["ref_fit_" + what]
+        assert iterations == ref_iterations
+        _close(weights, ref)
+    assert ranks[0]["fit_" + what] == ranks[1]["fit_" + what]
+
+
 def test_collectives_on_tensors_and_variables(ranks):
     for rank, res in enumerate(ranks):
         c = res["collectives"]

@@ -30,15 +30,26 @@ def make_model(seed: int):
     )
 
 
-def fit(rank: int, world: int, distributed: bool, clipnorm: Optional[float], jit_compile="auto") -> list:
+def fit(
+    rank: int,
+    world: int,
+    distributed: bool,
+    clipnorm: Optional[float],
+    jit_compile="auto",
+    wrap=None,
+    **opt_kw,
+) -> list:
     """Weights (lists) and the optimizer's iteration count after 2 epochs of Adam(clipnorm) on
-    this rank's shard; rank-dependent initial weights, which the callback replaces by rank 0's."""
+    this rank's shard; rank-dependent initial weights, which the callback replaces by rank 0's.
+    `opt_kw` go to Adam (gradient_accumulation_steps=2), `wrap` wraps it before we do."""
     import keras
 
     import nccl_ddp.keras as ndk
 
     model = make_model(100 + rank)
-    opt = keras.optimizers.Adam(learning_rate=0.05, clipnorm=clipnorm)
+    opt = keras.optimizers.Adam(learning_rate=0.05, clipnorm=clipnorm, **opt_kw)
+    if wrap is not None:  # e.g. LossScaleOptimizer, inside ours
+        opt = wrap(opt)
     callbacks = []
     if distributed:
         opt = ndk.DistributedOptimizer(opt)

@@ -18,7 +18,7 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from keras_fit import GLOBAL_BATCH, STEPS, X, Y, fit_and_reference, make_model, shard  # noqa: E402
+from keras_fit import GLOBAL_BATCH, STEPS, X, Y, fit, fit_and_reference, make_model, shard  # noqa: E402
 
 import nccl_ddp as nd  # noqa: E402
 import nccl_ddp.keras as ndk  # noqa: E402
@@ -66,6 +66,7 @@ def bad_inputs(rank: int) -> dict:
     b = tf.Variable(np.zeros(2, np.float32), name="b")
     reducer = nd.DistributedGradReducer([w, b])
     good = [tf.ones((3, 2)), tf.ones(2)]
+    solo = [nd.new_group([r]) for r in range(nd.get_world_size())][rank]
     out = {
         "numpy": error_of(lambda: reducer([np.ones((3, 2), np.float32), np.ones(2, np.float32)])),
         "dtype": error_of(lambda: reducer([tf.ones((3, 2), tf.float64), tf.ones(2)])),
@@ -77,7 +78,8 @@ def bad_inputs(rank: int) -> dict:
         "optimizer_twice": error_of(
             lambda: ndk.DistributedOptimizer(ndk.DistributedOptimizer(keras.optimizers.SGD(0.1)))
         ),
-        "symbolic": error_of(lambda: tf.function(lambda t: nd.all_reduce(t))(tf.ones(2))),
+        # on a group of one: a collective refused on one rank of several poisons the group
+        "symbolic": error_of(lambda: tf.function(lambda t: nd.all_reduce(t, group=solo))(tf.ones(2))),
         "ddp": error_of(lambda: nd.DistributedDataParallel(keras.Sequential([keras.layers.Dense(2)]))),
     }
     after = reducer(good)  # still works: the same all-reduce on every rank
@@ -145,6 +147,13 @@ def main() -> None:
     # the oracle: one process, the whole batch, the plain optimizer
     res["ref_tape"] = tape_training(0, 1, graph=False)
     res.update(fit_and_reference(rank, world, jit_compile=False))
+    # Keras' own machinery after our reduction: accumulation, and loss scaling (scaled grads reduced)
+    accumulate = {"gradient_accumulation_steps": 2}
+    res["fit_accumulate"] = fit(rank, world, True, 0.05, False, **accumulate)
+    res["ref_fit_accumulate"] = fit(0, 1, False, 0.05, False, **accumulate)
+    lso = keras.optimizers.LossScaleOptimizer
+    res["fit_loss_scale"] = fit(rank, world, True, 0.05, False, wrap=lso)
+    res["ref_fit_loss_scale"] = fit(0, 1, False, 0.05, False, wrap=lso)
     nd.destroy_process_group()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(res, f)
