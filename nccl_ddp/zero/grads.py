@@ -79,7 +79,7 @@ def refuse_unshardable(rank: int, reducer_mode: str, static_graph: bool, hook: A
         why = f"the registered comm hook {getattr(hook[1], '__name__', hook[1])!r} reduces whole buckets"
     if why is not None:
         raise ConfigError(
-            f"rank {rank}: a sharded optimizer (ZeRO-2) cannot shard this DistributedDataParallel: "
-            f"{why}. Build the wrapper without it, or shard only the optimizer (ZeRO-1: "
-            "torch's DDP, or zero_stage=1 on a model not wrapped by nccl_ddp)"
+            f"rank {rank}: DistributedDataParallel(zero=ZeroConfig(stage=2)) cannot shard this "
+            f"model: {why}. Drop that option, or shard only the optimizer (ZeRO-1: build the "
+            "model without zero= or with ZeroConfig(stage=1); the optimizer follows it)"
         )
