@@ -282,6 +282,15 @@ class TorchDistributedDataParallel(torch.nn.Module, DistributedDataParallel, _To
     def _torch_module(self) -> TorchModule:
         return cast(TorchModule, self._adapter)
 
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:
+        """torch's; with a shard core whose parameter all-gathers are pending
+        (`ZeroConfig(overlap_param_gather=True)` after `step()`), they finish first, so what is
+        read through the wrapper (`parameters()` too) are the stepped values."""
+        zero = getattr(getattr(self, "reducer", None), "zero", None)
+        if zero is not None:
+            zero.zs.wait_all()
+        return super().named_parameters(*args, **kwargs)
+
     def _apply(self, fn: Any, recurse: bool = True) -> TorchDistributedDataParallel:
         """to()/cuda()/half()... : a conversion that keeps every tensor's device and dtype
         (memory format, share_memory()) is done and the grads alias the buckets again; one that

@@ -5,6 +5,7 @@ step so that they are still pending when the script goes on:
 - `model.load_state_dict()` right after `step()` is what trains on, on both ranks (before: partly
   overwritten by the older gather, and the ranks disagreed);
 - `opt.wait_for_params()` then a direct read of the parameters;
+- `parameters()` of our DDP wrapper right after `step()` (before: half-gathered values);
 - a parent whose forward reads a child's weight without calling the child trains on the gathered
   values (before: on stale ones);
 - the default stage (ZeRO-1) refuses overlap_param_gather with a ConfigError naming ZeroConfig(stage=2).
@@ -79,6 +80,8 @@ def _train(make, rank: int, world: int, ours: bool, mode: str) -> list:
             if ours:
                 opt.wait_for_params()
             seen.append({n: p.detach().clone().numpy() for n, p in m.named_parameters()})
+        elif mode == "wrapper_parameters":  # through the DDP wrapper, in module order
+            seen.append({str(i): p.detach().clone().numpy() for i, p in enumerate(wrapped.parameters())})
         else:
             if mode == "load" and step == LOAD_AT:
                 m.load_state_dict(_loaded_state())
@@ -99,6 +102,7 @@ def _run(rank: int, world: int, store_dir: str) -> dict:
             ("state_dict", make_model, "state_dict"),
             ("load_state_dict", make_model, "load"),
             ("wait_for_params", make_model, "wait_for_params"),
+            ("wrapper_parameters", make_model, "wrapper_parameters"),
             ("parent_reads_child", _parent_reads_child, "state_dict"),
         ):
             out[name] = (_train(make, rank, world, False, mode), _train(make, rank, world, True, mode))
@@ -118,7 +122,9 @@ def results(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["state_dict", "load_state_dict", "wait_for_params", "parent_reads_child"])
+@pytest.mark.parametrize(
+    "case", ["state_dict", "load_state_dict", "wait_for_params", "wrapper_parameters", "parent_reads_child"]
+)
 def test_overlapped_gather_is_never_read_or_written_half_done(results, case):
     for rank, res in enumerate(results):
         ref, ours = res[case]
