@@ -117,7 +117,7 @@ class ZeroOptimizer:
             ZeroConfig(stage=2, bucket_cap_mb=bucket_cap_mb), natives, self.group, self.device
         )
         self.zs = self.core.zs
-        self._reduce, self._grad_buckets = self.core.reduce, self.core.grad_memory
+        self._reduce, self._pool = self.core.reduce, self.core.pool
 
     def init(self, params: Any) -> Any:
         """The optax state of this rank's shards (a list of flat float32 arrays, one per
@@ -135,10 +135,11 @@ class ZeroOptimizer:
         self._check_tree(params, "params")
         self._check_tree(grads, "grads")
         natives = [to_native(g) for g in jax.tree_util.tree_leaves(grads)]
-        assert self._reduce is not None and self._grad_buckets is not None  # stage 2
-        for b, (bucket, buf) in enumerate(zip(self.zs.layout.buckets, self._grad_buckets.buffers)):
+        assert self._reduce is not None and self._pool is not None  # stage 2, the core's pool
+        for b, bucket in enumerate(self.zs.layout.buckets):
+            buf = self._pool.buffer(b)  # one buffer reused: no full-size grad copy is kept
             kernels.pack([natives[i] for i in bucket.params], buf, list(bucket.offsets))
-            self._reduce(buf, ReduceOp.AVG, f"grad bucket {b}")
+            self._reduce.reduce(b, buf, ReduceOp.AVG, f"grad bucket {b}")
         self.zs.collect_reduced()
         self.device.current_stream().synchronize()
         master = self._master_jax()

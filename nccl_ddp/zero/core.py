@@ -3,10 +3,11 @@
 and builds the shard memory (zero/shards.py). Every form uses it:
 
 - our `DistributedDataParallel(module, zero=ZeroConfig(...))`: its reducer builds the core at
-  construction over its own bucket layout and grad buckets (`layout=`, `grad_memory=`), on its comm
-  stream; the torch `ZeroRedundancyOptimizer` then only steps it;
+  construction over its own bucket layout and grad buckets (`shards=`, `grad_memory=`), on its
+  comm stream; the torch `ZeroRedundancyOptimizer` then only steps it;
 - the torch `ZeroRedundancyOptimizer` over parameters of any other model (ZeRO-1);
-- JAX's `ZeroOptimizer` and the array form: the core holds its own grad buckets.
+- JAX's `ZeroOptimizer` and the array form: stage 2 reduce-scatters from a `GradPool`, one
+  bucket-sized buffer per dtype reused bucket after bucket, so no full-size grad copy is kept.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from nccl_ddp.ddp.bucket_memory import BucketBuffers
 from nccl_ddp.ddp.buckets import BucketLayout, ParamSpec, assign_buckets
 from nccl_ddp.profiling import Timeline
 from nccl_ddp.zero.config import ZeroConfig
-from nccl_ddp.zero.grads import ReduceScatter
+from nccl_ddp.zero.grads import GradPool, ReduceScatter
 from nccl_ddp.zero.layout import ShardLayout, shard_layout
 from nccl_ddp.zero.shards import ZeroShards
 
@@ -28,7 +29,7 @@ from nccl_ddp.zero.shards import ZeroShards
 class ZeroCore:
     """What one sharded model (or optimizer) holds. `reduce`: the bucket collective of stage 2
     (its `outputs` are the reduced grad shards), None under stage 1; `grad_memory`: the
-    full-size grad buckets it reduces (the reducer's, or the core's own)."""
+    reducer's full-size grad buckets it reduces, or None (then `pool`)."""
 
     config: ZeroConfig
     shards: ShardLayout
@@ -36,6 +37,8 @@ class ZeroCore:
     reduce: Optional[ReduceScatter]
     grad_memory: Optional[BucketBuffers]
     group: ProcessGroup
+    pool: Optional[GradPool] = None
+    """Stage 2 without a reducer's buckets: the bucket buffers, reused (`pool.buffer(b)`)."""
 
     @property
     def stage(self) -> int:
@@ -60,19 +63,19 @@ def build_core(
 ) -> ZeroCore:
     """The shard core over `params` (native arrays). `shards`: the cut (`plan`; None: one made
     here with the config's bucket cap); `grad_memory`: stage 2's grad buckets laid out as the
-    shards (None: the core allocates its own); `install(i, view)`: parameter i aliases `view`
-    from now on (None: gathered values are copied back into `params`); `comm`: the stream the
-    all-gathers run on (None: the core's own); `timeline()`: where they are timed;
+    shards (None: a `GradPool`, one bucket-sized buffer per dtype); `install(i, view)`: parameter
+    i aliases `view` from now on (None: gathered values are copied back into `params`); `comm`:
+    the stream the all-gathers run on (None: the core's own); `timeline()`: where they are timed;
     `fp32_grad_shards=False`: stage 1 keeps no fp32 grad shard for fp32 buckets (the caller reads
     the full reduced grads as views, see ZeroShards)."""
     if shards is None:
         specs = [ParamSpec(tuple(p.shape), p.dtype) for p in params]
         base = assign_buckets(specs, config.cap_bytes, config.first_cap_bytes, align_bytes=device.align_bytes)
         shards = plan(base, group, device)
-    reduce = None
+    reduce, pool = None, None
     if config.stage == 2:
-        if grad_memory is None:
-            grad_memory = BucketBuffers(shards.layout, device)  # padding stays zero
+        if grad_memory is None:  # no full-size grad buckets: a pool reused bucket after bucket
+            pool = GradPool(shards.layout, device)
         reduce = ReduceScatter(group, device, shards, grad_memory, config.reduce_dtype)
     zs = ZeroShards(
         shards,
@@ -85,7 +88,7 @@ def build_core(
         timeline=timeline,
         fp32_grad_shards=fp32_grad_shards,
     )
-    return ZeroCore(config, shards, zs, reduce, grad_memory, group)
+    return ZeroCore(config, shards, zs, reduce, grad_memory, group, pool)
 
 
 def plan(layout: BucketLayout, group: ProcessGroup, device: Any) -> ShardLayout:

@@ -15,8 +15,10 @@ from typing import Any, List, Optional
 
 import numpy as np
 
+from nccl_ddp import kernels
 from nccl_ddp.comm.group import ProcessGroup, ReduceOp
 from nccl_ddp.ddp.bucket_memory import BucketBuffers
+from nccl_ddp.ddp.buckets import BucketLayout
 from nccl_ddp.errors import ConfigError, ReducerError
 from nccl_ddp.zero.layout import ShardLayout
 
@@ -31,10 +33,10 @@ class ReduceScatter:
         group: ProcessGroup,
         device: Any,
         shards: ShardLayout,
-        memory: BucketBuffers,
+        memory: Optional[BucketBuffers],
         reduce_dtype: Optional[np.dtype] = None,
     ) -> None:
-        if memory.layout != shards.layout:
+        if memory is not None and memory.layout != shards.layout:
             raise ConfigError(f"rank {group.rank}: bucket memory is not laid out for the shards")
         self.group, self.device, self.shards = group, device, shards
         self.reduce_dtype = reduce_dtype
@@ -43,8 +45,9 @@ class ReduceScatter:
             for b in shards.layout.buckets
         ]
         self.outputs: List[Any] = [device.zeros(s, w) for s, w in zip(shards.shard_numel, wire)]
-        self._index = {id(buf): b for b, buf in enumerate(memory.buffers)}
-        widened = [buf.size for buf, w in zip(memory.buffers, wire) if np.dtype(buf.dtype) != w]
+        # memory None: the caller hands each bucket's buffer to reduce(b, ...) (a GradPool's)
+        self._index = {} if memory is None else {id(buf): b for b, buf in enumerate(memory.buffers)}
+        widened = [b.padded for b, w in zip(shards.layout.buckets, wire) if np.dtype(b.dtype) != w]
         self._scratch = device.zeros(max(widened), reduce_dtype) if widened else None
 
     def __call__(self, buf: Any, op: ReduceOp, tag: str) -> None:
@@ -54,6 +57,10 @@ class ReduceScatter:
                 f"rank {self.group.rank}: {tag} is not one of the sharded "
                 "buckets (a comm hook or Join cannot reduce-scatter)"
             )
+        self.reduce(b, buf, op, tag)
+
+    def reduce(self, b: int, buf: Any, op: ReduceOp, tag: str) -> None:
+        """Reduce-scatter `buf` (bucket b's flat grads) into `outputs[b]`, in stream order."""
         out = self.outputs[b]
         if np.dtype(buf.dtype) != np.dtype(out.dtype):  # widen into the scratch (stream order)
             assert self._scratch is not None
@@ -63,6 +70,34 @@ class ReduceScatter:
         self.group.reduce_scatter(out, buf, op, stream=self.device.current_stream(), tag=tag).wait(
             self.group.timeout
         )
+
+
+class GradPool:
+    """Stage 2's grad buckets when nothing keeps them across the step (JAX, arrays): one flat
+    buffer per dtype, as large as the largest bucket of that dtype, reused bucket after bucket in
+    stream order (pack, reduce-scatter, next bucket) instead of one full-size buffer per bucket:
+    the reduced grads then exist only as this rank's shards."""
+
+    def __init__(self, layout: BucketLayout, device: Any) -> None:
+        self.layout = layout
+        sizes: dict = {}
+        for b in layout.buckets:
+            dt = np.dtype(b.dtype)
+            sizes[dt] = max(sizes.get(dt, 0), b.padded)
+        self._flat = {dt: device.zeros(n, dt) for dt, n in sizes.items()}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(f.nbytes) for f in self._flat.values())
+
+    def buffer(self, b: int) -> Any:
+        """Bucket b's buffer, zeroed now, as the pack that follows runs (on CuPy: the current
+        stream): gaps and padding belong to no parameter, and a previous bucket's values there
+        would reach the norm."""
+        bucket = self.layout.buckets[b]
+        view = self._flat[np.dtype(bucket.dtype)][: bucket.padded]
+        kernels.zero_(view)
+        return view
 
 
 def refuse_unshardable(rank: int, reducer_mode: str, static_graph: bool, hook: Any) -> None:

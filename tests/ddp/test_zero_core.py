@@ -142,6 +142,18 @@ def test_jax_uses_the_same_factory_and_config(world1):
     zopt = nd.ZeroOptimizer(params, optax.sgd(0.1))
     assert isinstance(zopt.core, ZeroCore) and zopt.core.stage == 2 and zopt.core.reduce is not None
     zopt.close()
+    # several buckets: their grads pass through one pooled bucket buffer, none kept full size
+    zopt = nd.ZeroOptimizer(params, optax.sgd(0.1), bucket_cap_mb=32 / 2**20)
+    buckets = zopt.core.shards.layout.buckets
+    assert len(buckets) > 1 and zopt.core.grad_memory is None
+    assert zopt.core.pool.nbytes == max(b.nbytes for b in buckets) < sum(b.nbytes for b in buckets)
+    grads = {"w": jnp.arange(12.0).reshape(3, 4), "b": jnp.full(4, 2.0)}
+    state = zopt.init(params)
+    for _ in range(2):  # the second step reuses the pool: stale values must not leak in
+        params, state = zopt.step(params, grads, state)
+    zopt.close()
+    np.testing.assert_allclose(np.asarray(params["w"]), 1 - 0.2 * np.arange(12.0).reshape(3, 4), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(params["b"]), np.full(4, -0.4), rtol=1e-6)
     for bad in (-1, float("inf")):
         with pytest.raises(ConfigError, match=r"bucket_cap_mb must be a finite number > 0 MiB"):
             nd.ZeroOptimizer(params, optax.sgd(0.1), bucket_cap_mb=bad)
