@@ -7,7 +7,10 @@ not by `import nccl_ddp`.
     model.fit(x, y, callbacks=[nccl_ddp.keras.BroadcastGlobalVariablesCallback(0)])
 """
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    BroadcastGlobalVariablesCallback: Any  # a keras.callbacks.Callback subclass, made on first use
 
 __all__ = [
     "DistributedOptimizer",
@@ -25,14 +28,6 @@ def DistributedOptimizer(optimizer: Any, **kwargs: Any) -> Any:
     return make(optimizer, **kwargs)
 
 
-def BroadcastGlobalVariablesCallback(root_rank: int = 0, group: Any = None) -> Any:
-    """A `keras.callbacks.Callback` giving every rank `root_rank`'s model variables and optimizer
-    state when training starts."""
-    from nccl_ddp.adapters.keras import broadcast_callback
-
-    return broadcast_callback(root_rank, group)
-
-
 def broadcast_variables(variables: Any, root_rank: int = 0, group: Any = None) -> None:
     """Every rank gets `root_rank`'s values of `variables` (Keras or TensorFlow variables)."""
     from nccl_ddp.adapters.keras import broadcast_variables as bcast
@@ -45,3 +40,11 @@ def broadcast_model_and_optimizer(model: Any, root_rank: int = 0, group: Any = N
     from nccl_ddp.adapters.keras import broadcast_model_and_optimizer as bcast
 
     bcast(model, root_rank, group)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "BroadcastGlobalVariablesCallback":  # `(root_rank=0, group=None)`: a Keras callback
+        from nccl_ddp.adapters.keras import callback_class
+
+        return callback_class()
+    raise AttributeError(f"module 'nccl_ddp.keras' has no attribute {name!r}")

@@ -17,6 +17,7 @@ are None (variables the loss does not reach) are passed through untouched, as Ke
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
@@ -228,18 +229,22 @@ def broadcast_model_and_optimizer(model: Any, root_rank: int = 0, group: Any = N
         broadcast_variables(optimizer.variables, root_rank, group)
 
 
-def broadcast_callback(root_rank: int = 0, group: Any = None) -> Any:
-    """A `keras.callbacks.Callback` that runs `broadcast_model_and_optimizer` when training starts."""
+@functools.lru_cache(maxsize=1)
+def callback_class() -> Any:
+    """`BroadcastGlobalVariablesCallback`, a `keras.callbacks.Callback` subclass, made once (Keras
+    is imported only when it is first asked for)."""
     import keras
 
     class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
-        """Rank `root_rank`'s model variables and optimizer state on every rank at train begin."""
+        """When training starts, every rank gets `root_rank`'s model variables and optimizer state
+        (`broadcast_model_and_optimizer`)."""
 
-        def __init__(self) -> None:
+        def __init__(self, root_rank: int = 0, group: Any = None) -> None:
             super().__init__()
-            self.root_rank = root_rank
+            self.root_rank, self.group = root_rank, group
 
         def on_train_begin(self, logs: Any = None) -> None:
-            broadcast_model_and_optimizer(self.model, root_rank, group)
+            broadcast_model_and_optimizer(self.model, self.root_rank, self.group)
 
-    return BroadcastGlobalVariablesCallback()
+    BroadcastGlobalVariablesCallback.__module__ = "nccl_ddp.keras"
+    return BroadcastGlobalVariablesCallback

@@ -111,6 +111,11 @@ def test_bad_inputs_are_refused_naming_the_parameter(ranks, case, match):
         assert res["bad"]["after"] == [[[1.0, 1.0]] * 3, [1.0, 1.0]]  # the reducer still works
 
 
+def test_broadcast_callback_is_a_keras_callback_class(ranks):
+    for res in ranks:
+        assert res["callback_class"] == [True, 1]
+
+
 def test_keras_jit_compile_is_refused(ranks):
     for res in ranks:
         assert res["keras_jit"].startswith("ConfigError: DistributedGradReducer was traced inside an XLA")

@@ -143,6 +143,10 @@ def main() -> None:
         "collectives": collectives(rank),
         "bad": bad_inputs(rank),
         "keras_jit": keras_jit_refused(),
+        "callback_class": [
+            issubclass(ndk.BroadcastGlobalVariablesCallback, keras.callbacks.Callback),
+            ndk.BroadcastGlobalVariablesCallback(1).root_rank,
+        ],
     }
     # the oracle: one process, the whole batch, the plain optimizer
     res["ref_tape"] = tape_training(0, 1, graph=False)
