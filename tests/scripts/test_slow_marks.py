@@ -22,6 +22,7 @@ INI = "[pytest]\nmarkers =\n    slow: slow\n    gpu: gpu\n"
 
 def _run(tmp_path: Path, strict: bool) -> subprocess.CompletedProcess:
     shutil.copy(ROOT / "tests" / "conftest.py", tmp_path / "conftest.py")
+    shutil.copy(ROOT / "tests" / "support" / "gpu_probe.py", tmp_path / "gpu_probe.py")  # conftest's
     (tmp_path / "test_sample.py").write_text(SAMPLE)
     (tmp_path / "pytest.ini").write_text(INI)
     env = dict(os.environ, NCCL_DDP_SLOW_LIMIT_S="0.2", NCCL_DDP_STRICT_SLOW="1" if strict else "0")
