@@ -3,6 +3,8 @@
 `import nccl_ddp` needs only NumPy; CuPy, NCCL and the frameworks load when first used.
 """
 
+import importlib
+
 from nccl_ddp import errors, hooks
 from nccl_ddp.comm.api import (
     all_gather,
@@ -30,9 +32,14 @@ from nccl_ddp.zero.optim import ShardAdamW, ShardSGD
 __version__ = "0.1.0"
 
 
+_SUBMODULES = ("accelerate", "lightning", "transformers")
+"""The framework glue modules, loaded on first use (`nccl_ddp.lightning.NcclDDPStrategy()` after a
+plain `import nccl_ddp`); each imports its framework only when one of its names is used."""
+
+
 def __getattr__(name: str):
     """`ZeroRedundancyOptimizer` (torch) and `ZeroOptimizer` (JAX + optax) load their framework
-    only when first used."""
+    only when first used; so do the glue modules (`nccl_ddp.lightning`, ...)."""
     if name == "ZeroRedundancyOptimizer":
         from nccl_ddp.adapters.torch_zero import ZeroRedundancyOptimizer
 
@@ -41,6 +48,8 @@ def __getattr__(name: str):
         from nccl_ddp.adapters.jax_zero import ZeroOptimizer
 
         return ZeroOptimizer
+    if name in _SUBMODULES:
+        return importlib.import_module(f"nccl_ddp.{name}")
     raise AttributeError(f"module 'nccl_ddp' has no attribute {name!r}")
 
 

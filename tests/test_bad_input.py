@@ -83,9 +83,10 @@ def test_calls_before_init_name_init_process_group(clean_env, call):
 @pytest.mark.parametrize(
     "kwargs, exc, match",
     [
-        (dict(backend="gloo"), ConfigError, "unknown backend 'gloo'.*'host', 'nccl'"),
-        (dict(backend="HOST"), ConfigError, "unknown backend"),
-        (dict(backend=1), ConfigError, "unknown backend 1"),
+        (dict(backend="mpi"), ConfigError, "unknown backend 'mpi'.*'host' \\(torch's 'gloo'\\), 'nccl'"),
+        (dict(backend="cuda:gloo"), ConfigError, "unknown backend 'cuda:gloo'"),
+        (dict(backend="cpu:gloo,cuda:ucc"), ConfigError, "unknown backend"),
+        (dict(backend=1), TypeError, "backend must be a string or None, got int 1"),
         (dict(timeout=0), ConfigError, "timeout must be a finite number of seconds > 0"),
         (dict(timeout=-1), ConfigError, "init_process_group: timeout must be .*> 0.*got -1"),
         (dict(timeout=float("nan")), ConfigError, "timeout"),

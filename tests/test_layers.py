@@ -28,7 +28,7 @@ LAYERS = [
     # they may import each other (never in a circle: test_no_import_circles)
     ["ddp", "zero"],
     ["adapters"],
-    ["", "launch", "hooks", "lightning", "accelerate", "keras"],  # "" is the package (__init__.py)
+    ["", "launch", "hooks", "lightning", "accelerate", "keras", "transformers"],  # "" is the package (__init__.py)
     ["horovod"],  # a facade above everything: nothing imports it
 ]
 FRAMEWORKS = {
@@ -44,6 +44,7 @@ FRAMEWORKS = {
     "keras",
     "tf_keras",
     "paddle",
+    "transformers",
 }
 FRAMEWORK_HOMES = ("adapters", "horovod")  # the folders that may import a framework
 

@@ -229,7 +229,7 @@ class MindSporeModule(GradModule):
         hook.__name__ = f"nccl_ddp_grad_ready_{i}"
         return hook
 
-    def remove_hooks(self) -> None:
+    def detach(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []

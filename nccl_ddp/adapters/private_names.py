@@ -1,7 +1,9 @@
 """The private names of Lightning and Accelerate that our glue relies on, checked when the glue is
 imported. Our `NcclDDPStrategy` overrides Lightning's private `DDPStrategy._setup_model` and
 `_register_ddp_hooks` and subclasses `_DDPForwardRedirection`; our Accelerator swaps
-`torch.nn.parallel.DistributedDataParallel` while accelerate's `prepare_model` looks the name up.
+`torch.nn.parallel.DistributedDataParallel` while accelerate's `prepare_model` looks the name up;
+our transformers Trainer swaps `transformers.trainer.Accelerator` while
+`Trainer.create_accelerator_and_postprocess` looks it up.
 A release that renames one would not fail: Lightning or accelerate would silently wrap the model in
 torch's DDP again. So the glue refuses to load instead, naming what is gone and the version we
 test (`TESTED`, the upper bound of the extra in pyproject.toml)."""
@@ -13,7 +15,7 @@ from typing import Dict
 
 from nccl_ddp.errors import FrameworkVersionError
 
-TESTED = {"lightning": "2.6.6", "accelerate": "1.15.0"}
+TESTED = {"lightning": "2.6.6", "accelerate": "1.15.0", "transformers": "5.24.0"}
 """The newest version of each glue library CI runs against (the extras' upper bounds)."""
 
 

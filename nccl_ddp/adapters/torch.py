@@ -13,6 +13,7 @@ the compute stream. PyTorch's grad semantics are kept: a parameter whose `.grad`
 from __future__ import annotations
 
 import contextlib
+import logging
 import weakref
 from typing import Any, Iterator, List, Optional, Tuple
 
@@ -20,7 +21,9 @@ from nccl_ddp.adapters.torch_watch import ModuleWatch
 from nccl_ddp.ddp.buckets import ParamSpec
 from nccl_ddp.ddp.interfaces import GradModule, GradsAdapter
 from nccl_ddp.dlpack import KDL_CPU, KDL_CUDA, bfloat16_dtype, is_bfloat16, native_from_dlpack
-from nccl_ddp.errors import ConfigError, ConfigTypeError
+from nccl_ddp.errors import ConfigError, ConfigTypeError, NcclDdpError
+
+log = logging.getLogger(__name__)
 
 
 def adapt(module: Any) -> TorchModule:
@@ -212,11 +215,24 @@ class TorchModule(GradModule):
         return i if i is not None else _missing(param)
 
     def attach(self, ddp: Any) -> None:
-        """Register the grad hooks."""
+        """Register the grad hooks. A wrapper of these parameters built before and not closed
+        (a second Trainer.fit, a new Accelerator's prepare, `DDP(model)` again) is closed first:
+        the newest wrapper owns them, as only one reducer may see their grads."""
         self._ddp = ddp
+        older = {id(o): o for o in map(_OWNERS.get, map(id, self.params)) if o is not None and o is not self}
+        for old in older.values():
+            old.superseded()
         for i, p in enumerate(self.params):
             self._hooks.append(p.register_post_accumulate_grad_hook(self._hook_for(i)))
             setattr(p, OWNER_ATTR, weakref.ref(self))
+
+    def superseded(self) -> None:
+        """A newer wrapper took these parameters: close ours (its pending communication is
+        waited for; a failure there is the old job's, logged, not raised into the new one)."""
+        try:
+            self._ddp._close("a newer DistributedDataParallel wraps the same parameters")
+        except NcclDdpError as e:
+            log.warning("closing the older DistributedDataParallel of these parameters: %s", e)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.before_forward()
@@ -357,10 +373,14 @@ class TorchModule(GradModule):
     def on_compute_stream(self) -> Any:
         return torch_stream_current(self.on_cuda)
 
-    def remove_hooks(self) -> None:
+    def detach(self) -> None:
+        """The wrapper closed: its grad hooks go, and the parameters are no longer ours."""
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        for p in self.params:
+            if _OWNERS.get(id(p)) is self:
+                del _OWNERS[id(p)]
 
 
 def _check_initialized(module: Any) -> None:

@@ -30,6 +30,7 @@ from torch.distributed.algorithms.join import Joinable as _TorchJoinable
 
 from nccl_ddp.adapters import torch_hooks
 from nccl_ddp.adapters.torch import TorchModule
+from nccl_ddp.adapters.torch_dist import join_torch_world
 from nccl_ddp.comm.api import resolve_group
 from nccl_ddp.ddp.data_parallel import DistributedDataParallel
 from nccl_ddp.ddp.join import JoinConfig
@@ -124,6 +125,7 @@ class TorchDistributedDataParallel(torch.nn.Module, DistributedDataParallel, _To
         _check_torch_options(torch_options, process_group, dim, gradient_as_bucket_view, check_reduction)
         if not isinstance(module, torch.nn.Module):
             raise ConfigTypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        join_torch_world(process_group, "DistributedDataParallel")
         self.device_ids, self.output_device = _device_ids(module, device_ids, output_device, process_group)
         self.dim = dim
         self.gradient_as_bucket_view = gradient_as_bucket_view
@@ -295,6 +297,8 @@ class TorchDistributedDataParallel(torch.nn.Module, DistributedDataParallel, _To
         """to()/cuda()/half()... : a conversion that keeps every tensor's device and dtype
         (memory format, share_memory()) is done and the grads alias the buckets again; one that
         would move or cast the parameters under the reducer is refused before anything changes."""
+        if self._closed is not None:  # a closed wrapper is a plain module
+            return torch.nn.Module._apply(self, fn, recurse)
         kinds = {(t.dtype, t.device) for t in (*self.module.parameters(), *self.module.buffers())}
         for dtype, device in kinds:
             probe = torch.empty(0, dtype=dtype, device=device)

@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from nccl_ddp.adapters.torch import from_native, owner_of, to_native
+from nccl_ddp.adapters.torch_dist import join_torch_world
 from nccl_ddp.adapters.torch_zero_grads import GradGuard
 from nccl_ddp.adapters.torch_zero_hooks import GatherWaits
 from nccl_ddp.adapters.torch_zero_state import (
@@ -99,7 +100,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             )
         if zero_stage not in (None, 1, 2):
             raise ConfigError(f"zero_stage must be None, 1 or 2, got {zero_stage!r}")
-        self.group = resolve_group(_nd_group(process_group), "process_group")
+        self.group = resolve_group(
+            join_torch_world(_nd_group(process_group), "ZeroRedundancyOptimizer"), "process_group"
+        )
         self.optimizer_class, self.skip_nonfinite = optimizer_class, skip_nonfinite
         self._asked = {"overlap_param_gather": overlap_param_gather, "reduce_dtype": wire_dtype(reduce_dtype)}
         self.overlap_param_gather = False  # the model's ZeroConfig's, once built

@@ -12,6 +12,7 @@ import itertools
 import json
 import logging
 import numbers
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union, cast
@@ -19,6 +20,7 @@ from typing import Any, Callable, Optional, Sequence, Union, cast
 import numpy as np
 
 from nccl_ddp import dlpack
+from nccl_ddp.comm.backends import backend_name
 from nccl_ddp.comm.group import NonMemberGroup, ProcessGroup, ReduceOp, Work
 from nccl_ddp.device import CudaDevice, Device, HostDevice, get_device
 from nccl_ddp.env import DEFAULT_TIMEOUT, DistEnv, install_failure_hook, resolve_env
@@ -34,7 +36,6 @@ from nccl_ddp.validate import check_bool
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("host", "nccl")
 _DEVICE_KIND = {"host": "host", "nccl": "cuda"}
 _inits = itertools.count(1)  # init_process_group calls so far: fresh store keys for each
 DESTROY_POLL = 0.5  # seconds between checks for exited peers in destroy_process_group
@@ -59,10 +60,9 @@ _IMMEDIATE = HostDevice().current_stream()
 
 
 def _pick_backend(backend: Optional[str]) -> str:
-    if backend is not None:
-        if backend not in BACKENDS:
-            raise ConfigError(f"unknown backend {backend!r}; use one of {BACKENDS} or None (auto)")
-        return backend
+    name = backend_name(backend)
+    if name is not None:
+        return name
     from nccl_ddp.comm import nccl
 
     choice = "nccl" if nccl.is_available() else "host"
@@ -114,10 +114,12 @@ def init_process_group(
         )
     env = resolve_env(rank=rank, world_size=world_size)
     _leave_if_ms_scheduler(env)
+    owns = store is None
+    if owns:
+        env = _beside_torch(env, rank is None and world_size is None and env.source == "none")
     _notice_job_of_one(env)
     install_failure_hook()
     name = _pick_backend(backend)
-    owns = store is None
     if owns:
         from nccl_ddp.store.client import connect_store
 
@@ -134,6 +136,19 @@ def init_process_group(
     _world = _World(env, store, group, owns, PrefixStore(keys, "api"))
     log.debug("rank %d/%d: %s world group ready", env.rank, env.world_size, name)
     return group
+
+
+def _beside_torch(env: DistEnv, take_ranks: bool) -> DistEnv:
+    """torch.distributed already up with these ranks (mp.spawn recipes, Ray Train, Lightning,
+    Accelerate, any script that called dist.init_process_group first): its store holds
+    MASTER_PORT, so ours listens on a port rank 0 picks, with a secret rank 0 makes, both sent
+    through torch.distributed (adapters/torch_dist.py); with `take_ranks` (no launcher named
+    this process's rank) torch's ranks are ours. Collective over torch's world."""
+    if "torch.distributed" not in sys.modules:
+        return env
+    from nccl_ddp.frameworks import adapter
+
+    return cast(DistEnv, adapter("torch_dist").store_beside_torch(env, take_ranks))
 
 
 def _leave_if_ms_scheduler(env: DistEnv) -> None:

@@ -41,6 +41,7 @@ class DistributedDataParallel:
     """
 
     _reducer_class = Reducer  # a framework's wrapper may add its framework's reducer API
+    _closed: Optional[str] = None  # why the wrapper was closed (None: it is open)
 
     def __new__(cls, *args: Any, **kwargs: Any) -> DistributedDataParallel:
         module = args[0] if args else kwargs.get("module")
@@ -151,6 +152,7 @@ class DistributedDataParallel:
         """Open a step; with broadcast_buffers, first give every rank rank 0's buffers when the
         previous forward was a synchronised one (torch's require_forward_param_sync: not after a
         forward under no_sync() or without grad recording)."""
+        self._check_open()
         self.reducer.prepare()
         if self._sync_buffers_next and self.config.broadcast_buffers:
             self.sync_buffers()
@@ -179,8 +181,9 @@ class DistributedDataParallel:
         With `grad`, it is added to the accumulated grad first. Returns the accumulated grad (a
         bucket view with the default CppReducer). The last parameter finalizes the step.
         """
-        if grad is None and type(param) is int and 0 <= param < len(self.reducer.params):
+        if grad is None and type(param) is int and 0 <= param < len(self.reducer.params) and not self._closed:
             return self.reducer.mark_ready(param)  # a framework hook's call, once per grad
+        self._check_open()
         i = self.index_of(param)
         native = None if grad is None else self._adapter.to_native(i, grad)
         if native is not None:
@@ -258,8 +261,27 @@ class DistributedDataParallel:
         self.reducer.zero_grad()
 
     def close(self) -> None:
-        """Wait for pending communication and stop the comm stream."""
-        self.reducer.close()
+        """Wait for pending communication, stop the comm stream and remove the framework's grad
+        hooks: the module can be wrapped again (in this group or another), and this wrapper
+        refuses further steps. A second call does nothing."""
+        self._close("close() was called")
+
+    def _close(self, why: str) -> None:
+        if self._closed is not None:
+            return
+        self._closed = why
+        try:
+            self.reducer.close()
+        finally:
+            self._adapter.detach()
+
+    def _check_open(self) -> None:
+        if self._closed is not None:
+            raise ConfigError(
+                f"rank {self.process_group.rank}: this DistributedDataParallel was closed "
+                f"({self._closed}); wrap the module again (DistributedDataParallel(module)) to "
+                "keep training it"
+            )
 
     # ------------------------------------------------------------------ hooks, Join, checks
 

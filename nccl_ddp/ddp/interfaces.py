@@ -51,6 +51,10 @@ class GradModule(abc.ABC):
         """Called once the DDP wrapper is built: install framework hooks that call its
         mark_ready (torch, MindSpore); nothing for raw arrays."""
 
+    def detach(self) -> None:
+        """Called when the wrapper closes: remove what `attach` installed, so the module can be
+        wrapped again and this wrapper's hooks never run in another's backward."""
+
     def synchronize(self) -> None:
         """Wait for the framework's queued work that may still read the grads (MindSpore's
         asynchronous PyNative ops) before the reducer overwrites them."""

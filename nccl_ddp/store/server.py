@@ -103,7 +103,9 @@ class StoreServer:
         if not secret:
             log.warning(
                 "store on %s:%d has no secret (NCCL_DDP_SECRET is empty): any process that "
-                "can reach it can read and write keys",
+                "can reach it can read and write keys; launch with nccl-ddp-run (it makes one), "
+                "set NCCL_DDP_SECRET to the same random value on every rank, or call "
+                "torch.distributed.init_process_group before nccl_ddp's (rank 0 then sends one)",
                 addr[0],
                 self.port,
             )

@@ -125,3 +125,67 @@ def test_lightning_strategy_matches_torch_ddp(tmp_path):
     for manual in (False, True):  # DDP: both ranks end with the same parameters
         a, b = results[0][("ours", manual)][1], results[1][("ours", manual)][1]
         np.testing.assert_array_equal(a["net.0.weight"], b["net.0.weight"])
+
+
+@pytest.mark.slow
+def test_lightning_strategy_through_the_package_attribute():
+    """README's spelling: `import nccl_ddp` then `nccl_ddp.lightning.NcclDDPStrategy()`; Lightning
+    is loaded by that use, not by the import."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, nccl_ddp\n"
+        "assert 'lightning' not in sys.modules\n"
+        "s = nccl_ddp.lightning.NcclDDPStrategy()\n"
+        "assert 'lightning' in sys.modules\n"
+        "print(type(s).__name__, nccl_ddp.accelerate.Accelerator.__name__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["NcclDDPStrategy", "Accelerator"]
+
+
+def _refit(rank: int, world: int) -> dict:
+    """One model through three fits, as users do: fit, fit the same Trainer again for more
+    steps, then a new Trainer on the same model."""
+    import lightning.pytorch as pl
+    import torch
+
+    from nccl_ddp.lightning import NcclDDPStrategy
+
+    torch.set_num_threads(1)
+    out = {}
+    for name, make in (("torch", lambda: "ddp"), ("ours", NcclDDPStrategy)):
+
+        def trainer(steps: int, strategy) -> pl.Trainer:
+            return pl.Trainer(
+                accelerator="cpu",
+                devices=2,
+                strategy=strategy,
+                max_steps=steps,
+                logger=False,
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                num_sanity_val_steps=0,
+            )
+
+        model = _module_class(False)()
+        first = trainer(3, make())
+        first.fit(model)
+        first.fit_loop.epoch_loop.max_steps = 6  # the same Trainer, fit again: 3 more steps
+        first.fit(model)
+        again = trainer(3, make())  # a new Trainer on the same model: 3 more
+        again.fit(model)
+        assert (first.global_step, again.global_step) == (6, 3)
+        out[name] = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_fit_again_and_new_trainer_on_the_same_model():
+    for rank, r in enumerate(run_ranks(_refit, 2, timeout=800)):
+        for key, value in r["torch"].items():
+            np.testing.assert_allclose(r["ours"][key], value, rtol=1e-6, atol=1e-6, err_msg=f"{rank} {key}")

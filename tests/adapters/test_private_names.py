@@ -107,3 +107,13 @@ def test_each_glue_extra_is_bounded_by_the_tested_version():
         for extra in (library, "test-frameworks"):
             (req,) = [r for r in extras[extra] if re.match(rf"{library}\b", r)]
             assert f"<={tested}" in req, f'pyproject.toml [{extra}]: "{req}" should end "<={tested}"'
+
+
+@pytest.mark.slow
+def test_transformers_has_every_private_name_the_trainer_uses():
+    pytest.importorskip("transformers")
+    from nccl_ddp.adapters import transformers as glue
+
+    present = glue.private_names_present()
+    assert len(present) == 3
+    assert all(present.values()), _gone("transformers", present)
