@@ -28,7 +28,15 @@ LAYERS = [
     # they may import each other (never in a circle: test_no_import_circles)
     ["ddp", "zero"],
     ["adapters"],
-    ["", "launch", "hooks", "lightning", "accelerate", "keras", "transformers"],  # "" is the package (__init__.py)
+    [
+        "",
+        "launch",
+        "hooks",
+        "lightning",
+        "accelerate",
+        "keras",
+        "transformers",
+    ],  # "" is the package (__init__.py)
     ["horovod"],  # a facade above everything: nothing imports it
 ]
 FRAMEWORKS = {

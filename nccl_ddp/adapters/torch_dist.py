@@ -22,11 +22,10 @@ from typing import Any
 import torch.distributed as dist
 
 from nccl_ddp.comm import api
-from nccl_ddp.env import DistEnv, resolve_env
+from nccl_ddp.env import DEFAULT_TIMEOUT, DistEnv, resolve_env
 from nccl_ddp.errors import ConfigError
 
 log = logging.getLogger(__name__)
-DEFAULT_TIMEOUT = 300.0  # seconds, as init_process_group's
 
 
 def init_beside_torch(backend: str, rank: int, world_size: int, timeout: float, who: str) -> bool:

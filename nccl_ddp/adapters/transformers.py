@@ -41,7 +41,9 @@ def private_names_present() -> Dict[str, bool]:
         source = inspect.getsource(method) if method is not None else ""
     except (OSError, TypeError):  # no source installed: nothing more to check against
         return present
-    present["the call Accelerator(...) inside Trainer.create_accelerator_and_postprocess"] = "Accelerator(" in source
+    present["the call Accelerator(...) inside Trainer.create_accelerator_and_postprocess"] = (
+        "Accelerator(" in source
+    )
     return present
 
 
