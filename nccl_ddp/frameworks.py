@@ -94,6 +94,12 @@ def generic_adapter(name: str) -> Any:
     return _load(GENERIC, name).GenericAdapter(name)
 
 
+def adapter_module(module: str, name: str) -> Any:
+    """The module `nccl_ddp.adapters.<module>` of framework `name` itself, imported now (glue that
+    is no array adapter, e.g. torch_dist, which the functional API asks when torch is loaded)."""
+    return _load(module, name)
+
+
 def wrapper_class(name: str) -> Any:
     """The DDP wrapper class for models of framework `name` (None: the core class itself)."""
     entry = ADAPTERS.get(name)

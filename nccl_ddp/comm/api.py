@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 _DEVICE_KIND = {"host": "host", "nccl": "cuda"}
 _inits = itertools.count(1)  # init_process_group calls so far: fresh store keys for each
+INIT_KEYS = "nccl_ddp/init"  # their prefix (nccl-ddp-run reads whether any rank initialised)
 DESTROY_POLL = 0.5  # seconds between checks for exited peers in destroy_process_group
 MAX_TIMEOUT = 30 * 86400.0  # seconds; beyond it waits overflow (threading.TIMEOUT_MAX ~ 9.2e9)
 
@@ -126,7 +127,7 @@ def init_process_group(
         store = connect_store(env, timeout)
     from nccl_ddp.store.client import PrefixStore
 
-    keys = PrefixStore(store, f"nccl_ddp/init{next(_inits)}")
+    keys = PrefixStore(store, f"{INIT_KEYS}{next(_inits)}")
     try:
         group = _create_group(name, keys, env, timeout)
     except BaseException:
@@ -146,9 +147,9 @@ def _beside_torch(env: DistEnv, take_ranks: bool) -> DistEnv:
     this process's rank) torch's ranks are ours. Collective over torch's world."""
     if "torch.distributed" not in sys.modules:
         return env
-    from nccl_ddp.frameworks import adapter
+    from nccl_ddp.frameworks import adapter_module
 
-    return cast(DistEnv, adapter("torch_dist").store_beside_torch(env, take_ranks))
+    return cast(DistEnv, adapter_module("torch_dist", "torch").store_beside_torch(env, take_ranks))
 
 
 def _leave_if_ms_scheduler(env: DistEnv) -> None:

@@ -309,6 +309,8 @@ class _Job:
                     rdzv.fail(f"node {self.node_rank}: its launcher stopped")
                 raise
             finished_elsewhere = False
+            if server is not None and outcome.code == 0:
+                _notice_unused(server)
             if rdzv is not None:
                 if outcome.code == 0:
                     rdzv.finish(server is not None, self.stopped)
@@ -386,3 +388,20 @@ class _Job:
             w.finish()
         self.logs.end_attempt()
         return outcome
+
+
+def _notice_unused(server: StoreServer) -> None:
+    """The job finished and no worker ever initialised nccl_ddp's process group: whatever reduced
+    its gradients was not ours (a transformers Trainer, Lightning's "ddp" or a torch script keep
+    torch's DDP unless switched). Say so once: launching with nccl-ddp-run alone changes nothing."""
+    from nccl_ddp.comm.api import INIT_KEYS
+
+    if server.has_prefix(INIT_KEYS):
+        return
+    log.warning(
+        "no worker initialised nccl_ddp (nccl_ddp.init_process_group, or our DDP, Lightning "
+        "strategy, Accelerator or transformers Trainer): the script's gradients were reduced by its "
+        "own DDP, e.g. torch's. To use ours, switch one line: from nccl_ddp.transformers import "
+        "Trainer; Trainer(strategy=nccl_ddp.lightning.NcclDDPStrategy()); from nccl_ddp.accelerate "
+        "import Accelerator; or nccl_ddp.DistributedDataParallel (docs/torch.md)"
+    )

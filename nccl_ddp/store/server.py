@@ -144,6 +144,11 @@ class StoreServer:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def has_prefix(self, prefix: str) -> bool:
+        """Whether any key starts with `prefix` (the launcher asks once its workers exited;
+        copying the keys is one C call under the GIL, safe beside the serving thread)."""
+        return any(k.startswith(prefix) for k in list(self._data))
+
     @property
     def connections(self) -> int:
         """Open client connections (authenticated or not)."""
