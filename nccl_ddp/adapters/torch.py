@@ -219,7 +219,7 @@ class TorchModule(GradModule):
         (a second Trainer.fit, a new Accelerator's prepare, `DDP(model)` again) is closed first:
         the newest wrapper owns them, as only one reducer may see their grads."""
         self._ddp = ddp
-        older = {id(o): o for o in map(_OWNERS.get, map(id, self.params)) if o is not None and o is not self}
+        older = {id(o): o for o in map(owner_of, self.params) if o is not None and o is not self}
         for old in older.values():
             old.superseded()
         for i, p in enumerate(self.params):
@@ -379,8 +379,9 @@ class TorchModule(GradModule):
             h.remove()
         self._hooks = []
         for p in self.params:
-            if _OWNERS.get(id(p)) is self:
-                del _OWNERS[id(p)]
+            ref = getattr(p, OWNER_ATTR, None)
+            if isinstance(ref, weakref.ref) and ref() is self:
+                delattr(p, OWNER_ATTR)
 
 
 def _check_initialized(module: Any) -> None:
