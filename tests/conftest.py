@@ -4,6 +4,15 @@ import pytest
 from gpu_probe import HAS_GPU
 
 
+def pytest_collection_finish(session):
+    """The ranks of `run_ranks` fork from a server that imports torch & co. once: start it while
+    the first tests run, where a selected test's module uses run_ranks (tests/support/mp.py)."""
+    if any(getattr(getattr(item, "module", None), "run_ranks", None) is not None for item in session.items):
+        from mp import start_forkserver
+
+        start_forkserver()
+
+
 def pytest_collection_modifyitems(config, items):
     config._nccl_ddp_items = items
     if HAS_GPU:

@@ -111,6 +111,15 @@ def _context(fresh: bool):
     return ctx
 
 
+def start_forkserver() -> None:
+    """Start the forkserver now; its imports run in the background until the first `run_ranks`
+    (tests/conftest.py calls this once the selected tests are known to use it)."""
+    from multiprocessing import forkserver
+
+    _context(False)
+    forkserver.ensure_running()
+
+
 def run_ranks(fn, world_size, *args, timeout=60.0, env=None, expect_fail=False, fresh=False):
     """Returns results in rank order; with expect_fail=True returns {rank: traceback} of failures.
     fresh=True: spawned interpreters that import only what `fn` needs."""
