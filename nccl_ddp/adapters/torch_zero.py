@@ -28,6 +28,7 @@ from nccl_ddp.adapters.torch_zero_state import (
     set_local_state,
     torch_to_full,
 )
+from nccl_ddp.adapters.torch_zero_step import StepGrads
 from nccl_ddp.comm.api import device_of, resolve_group
 from nccl_ddp.ddp.join import JoinHook, JoinState
 from nccl_ddp.errors import ConfigError, ConfigTypeError
@@ -112,9 +113,6 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._inner: Any = None
         self._consolidated: Optional[dict] = None
         self.last_step_skipped = False
-        self._collected = False  # this step's grads are collected in _step_grads
-        self._step_grads: List[Any] = []
-        self._norm: Optional[float] = None  # this step's global grad norm, once computed
         self.join_state = JoinState()  # nccl_ddp.Join's (a Joinable, as torch's class)
         super().__init__(params, defaults)
         self._build()
@@ -170,10 +168,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
         self._pieces = self.zs.pieces
         self._piece_params = [from_native(self.zs.master_piece(pc)) for pc in self._pieces]
-        self._piece_grads = [
+        piece_grads = [
             None if self.zs.grads[pc.bucket] is None else from_native(self.zs.grad_piece(pc))
             for pc in self._pieces
         ]
+        self._grads = StepGrads(self._stage, self.zs, self._order, piece_grads)
         inner_groups = []
         for gi, g in enumerate(self.param_groups):
             ps = [
@@ -269,65 +268,19 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ the step
 
-    @torch.no_grad()
-    def _collect(self) -> None:
-        """This step's fp32 grad of every piece. ZeRO-2: the reduced shards. ZeRO-1: views of
-        the owned ranges of `p.grad` (full and reduced, as torch's contract has it), widened
-        into the piece's fp32 buffer only for low-precision grads."""
-        if self._collected:
-            return
-        if self._stage == 2:
-            self.zs.collect_reduced()
-            self._step_grads = list(self._piece_grads)
-        else:
-            self._step_grads = []
-            for pc, buf in zip(self._pieces, self._piece_grads):
-                g = self._order[pc.param].grad
-                if g is None:
-                    self._step_grads.append(None)
-                    continue
-                flat = g.reshape(-1)[pc.param_lo : pc.param_hi]
-                if buf is None and flat.dtype == torch.float32:
-                    self._step_grads.append(flat)
-                else:
-                    assert buf is not None  # low-precision buckets keep an fp32 grad buffer
-                    buf.copy_(flat)
-                    self._step_grads.append(buf)
-        self._collected, self._norm = True, None
-
-    @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the grads by their global 2-norm, as torch.nn.utils.clip_grad_norm_ on the full
         grads would (ZeRO-1: `p.grad` itself is scaled; ZeRO-2: the reduced shards); one
         all-reduce. Call between backward and `step()`; returns the total norm."""
         if float(norm_type) != 2.0:
             raise ConfigError(f"clip_grad_norm_ supports norm_type=2 only, got {norm_type!r}")
-        self._collect()
-        total = self._global_norm()
-        coef = float(max_norm) / (total + 1e-6)
-        if coef < 1.0 and math.isfinite(total):
-            if self._stage == 2:
-                self.zs.scale_grads(coef)
-            else:
-                full = [p.grad for p in self._order if p.grad is not None]
-                torch._foreach_mul_(full, coef)
-                pairs = zip(self._step_grads, self._piece_grads)
-                copies = [g for g, buf in pairs if g is buf and g is not None]  # widened
-                if copies:
-                    torch._foreach_mul_(copies, coef)
-        return torch.tensor(total)
+        return torch.tensor(self._grads.clip_(max_norm))
 
-    @torch.no_grad()
     def _amp_unscale_shards(self, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
         """ZeRO-2: GradScaler's unscale-and-check of `p.grad` (torch_zero_grads.LocalGrad routes
         it here), on the reduced shards: `found_inf` is set on every rank when any rank's shard
         is non-finite (the global norm's all-reduce), so the ranks skip the same steps."""
-        self._collect()
-        inv = float(inv_scale)
-        if inv != 1.0:
-            self.zs.scale_grads(inv)
-            self._norm = None if self._norm is None else self._norm * inv
-        if not math.isfinite(self._global_norm()):
+        if self._grads.unscale_and_check(float(inv_scale)):
             found_inf.fill_(1.0)
 
     def _amp_step_scale(self) -> bool:
@@ -336,24 +289,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         to skip the step (the same on every rank: it came from `_amp_unscale_shards`)."""
         scale = getattr(self, "grad_scale", None)
         if scale is not None:
-            self._collect()
-            inv = 1.0 / float(scale)
-            self.zs.scale_grads(inv)
-            self._norm = None if self._norm is None else self._norm * inv
+            self._grads.scale_(1.0 / float(scale))
         found = getattr(self, "found_inf", None)
         return found is not None and float(found) > 0
-
-    def _global_norm(self) -> float:
-        if self._norm is None:
-            if self._stage == 2:
-                self._norm = self.zs.global_norm()
-            else:
-                present = [g for g in self._step_grads if g is not None]
-                sq = (
-                    float(torch.stack(torch._foreach_norm(present)).double().pow(2).sum()) if present else 0.0
-                )
-                self._norm = self.zs.global_norm(local_sq=sq)
-        return self._norm
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -363,10 +301,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         amp_skip = self._amp_step_scale()
-        self._collect()
-        self._collected = False
-        self.last_step_skipped = amp_skip or (self.skip_nonfinite and not math.isfinite(self._global_norm()))
-        self._norm = None
+        grads = self._grads.collect()
+        self.last_step_skipped = amp_skip or (
+            self.skip_nonfinite and not math.isfinite(self._grads.global_norm())
+        )
+        self._grads.reset()
         if self.last_step_skipped:
             log.warning(
                 "rank %d: non-finite grads: step skipped on every rank",
@@ -375,7 +314,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             return loss
         for ours, theirs in zip(self.param_groups, self._inner.param_groups):
             theirs.update({k: v for k, v in ours.items() if k != "params"})
-        for pc, t, g in zip(self._pieces, self._piece_params, self._step_grads):
+        for pc, t, g in zip(self._pieces, self._piece_params, grads):
             t.grad = None if self._order[pc.param].grad is None else g
         self._inner.step()
         for t in self._piece_params:
@@ -482,7 +421,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
-        self._collected, self._norm = False, None
+        self._grads.reset()
 
     def __repr__(self) -> str:
         return (
