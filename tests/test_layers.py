@@ -23,10 +23,9 @@ LAYERS = [
     ["store"],
     ["device", "kernels"],
     ["comm", "profiling"],
-    # the wrapper/core level: the DDP core (ddp/) and sharding (zero/) sit side by side; the
-    # reducer builds its reduce-scatter from zero/ and zero/ packs into ddp/'s bucket memory, so
-    # they may import each other (never in a circle: test_no_import_circles)
-    ["ddp", "zero"],
+    ["buckets"],  # bucket layout and flat buffers, shared by sharding and the DDP core
+    ["zero"],  # sharding: a mode the reducer is built with (its reduce-scatter, shards, gathers)
+    ["ddp"],  # the DDP core and its wrappers
     ["adapters"],
     [
         "",

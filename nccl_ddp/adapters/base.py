@@ -20,7 +20,7 @@ import sys
 from typing import Any, Callable, List, Optional, Sequence
 
 from nccl_ddp import frameworks
-from nccl_ddp.ddp.buckets import ParamSpec
+from nccl_ddp.buckets.layout import ParamSpec
 from nccl_ddp.ddp.interfaces import GradsAdapter
 from nccl_ddp.dlpack import cannot_exchange, native_view, numpy_dtype
 from nccl_ddp.errors import ConfigError, ConfigTypeError

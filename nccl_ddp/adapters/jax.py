@@ -30,7 +30,7 @@ from typing import Any, Callable, List
 
 import numpy as np
 
-from nccl_ddp.ddp.buckets import ParamSpec
+from nccl_ddp.buckets.layout import ParamSpec
 from nccl_ddp.ddp.interfaces import GradsAdapter
 from nccl_ddp.dlpack import KDL_CPU, KDL_CUDA, is_bfloat16, native_from_dlpack
 from nccl_ddp.errors import ConfigError, ConfigTypeError

@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import numpy as np
 
 from nccl_ddp import frameworks
-from nccl_ddp.ddp.buckets import ParamSpec
+from nccl_ddp.buckets.layout import ParamSpec
 from nccl_ddp.ddp.interfaces import GradsAdapter
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 

@@ -29,7 +29,7 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
 
-from nccl_ddp.ddp.buckets import ParamSpec
+from nccl_ddp.buckets.layout import ParamSpec
 from nccl_ddp.ddp.interfaces import GradModule, GradsAdapter
 from nccl_ddp.dlpack import KDL_CPU, CapsuleHolder, bfloat16_dtype, native_from_dlpack
 from nccl_ddp.errors import ConfigError, ConfigTypeError

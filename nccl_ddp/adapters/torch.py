@@ -18,7 +18,7 @@ import weakref
 from typing import Any, Iterator, List, Optional, Tuple
 
 from nccl_ddp.adapters.torch_watch import ModuleWatch
-from nccl_ddp.ddp.buckets import ParamSpec
+from nccl_ddp.buckets.layout import ParamSpec
 from nccl_ddp.ddp.interfaces import GradModule, GradsAdapter
 from nccl_ddp.dlpack import KDL_CPU, KDL_CUDA, bfloat16_dtype, is_bfloat16, native_from_dlpack
 from nccl_ddp.errors import ConfigError, ConfigTypeError, NcclDdpError

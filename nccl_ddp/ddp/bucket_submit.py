@@ -22,10 +22,10 @@ from typing import Any, Callable, Dict, List, Literal, Optional, Protocol, Seque
 import numpy as np
 
 from nccl_ddp import kernels
+from nccl_ddp.buckets.layout import Bucket, BucketLayout, ParamSpec, bucket_tag
+from nccl_ddp.buckets.memory import copy_into
 from nccl_ddp.comm.group import ProcessGroup, ReduceOp
 from nccl_ddp.ddp import comm_hooks
-from nccl_ddp.ddp.bucket_memory import copy_into
-from nccl_ddp.ddp.buckets import Bucket, BucketLayout, ParamSpec, bucket_tag
 from nccl_ddp.errors import CommHookError
 from nccl_ddp.profiling import Timeline
 

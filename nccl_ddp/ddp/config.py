@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal, Optional, Type, TypeVar, Union
 
-from nccl_ddp.ddp.buckets import DEFAULT_CAP_BYTES, FIRST_CAP_BYTES, MiB
+from nccl_ddp.buckets.layout import DEFAULT_CAP_BYTES, FIRST_CAP_BYTES, MiB
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 from nccl_ddp.validate import check_bool, check_mib, check_positive_int
 from nccl_ddp.zero.config import ZeroConfig, check_zero_config

@@ -15,10 +15,10 @@ from typing import Any, Callable, Iterator, List, Optional
 import numpy as np
 
 from nccl_ddp import frameworks
+from nccl_ddp.buckets.layout import ParamSpec
 from nccl_ddp.comm.api import device_of, resolve_group
 from nccl_ddp.comm.group import ProcessGroup, ReduceOp
 from nccl_ddp.ddp import comm_hooks
-from nccl_ddp.ddp.buckets import ParamSpec
 from nccl_ddp.ddp.config import CheckFinite, DDPConfig, ReducerMode, config_from
 from nccl_ddp.ddp.interfaces import GradModule
 from nccl_ddp.ddp.join import Join, JoinHook, JoinState, ShadowJoinHook, exchange

@@ -9,8 +9,8 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from nccl_ddp.ddp.bucket_memory import to_host
-from nccl_ddp.ddp.buckets import BucketLayout, bucket_tag
+from nccl_ddp.buckets.layout import BucketLayout, bucket_tag
+from nccl_ddp.buckets.memory import to_host
 from nccl_ddp.ddp.config import CheckFinite
 from nccl_ddp.errors import ConfigError, NonFiniteGradError
 

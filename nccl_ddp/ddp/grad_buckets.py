@@ -1,5 +1,5 @@
 """The reducer's bucket layout and the grad memory laid out by it: which bucket each parameter is
-in, the flat buffers (bucket_memory.py), and how the grads relate to them (the reducer's mode):
+in, the flat buffers (buckets/memory.py), and how the grads relate to them (the reducer's mode):
 "view" (the framework's grads alias the buffers), "pack" (they live elsewhere and are packed
 in), "python" (PythonReducer: no buffers). A new layout (the first step's rebuild) moves the
 grads into new buffers, keeping their values."""
@@ -10,9 +10,9 @@ import logging
 from typing import Any, Callable, List, Optional, Sequence
 
 from nccl_ddp import kernels
-from nccl_ddp.ddp.bucket_memory import BucketBuffers
+from nccl_ddp.buckets.layout import BucketLayout, ParamSpec
+from nccl_ddp.buckets.memory import BucketBuffers
 from nccl_ddp.ddp.bucket_submit import Mode
-from nccl_ddp.ddp.buckets import BucketLayout, ParamSpec
 
 log = logging.getLogger(__name__)
 

@@ -29,16 +29,16 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from nccl_ddp import frameworks, kernels
-from nccl_ddp.comm.api import device_of, resolve_group
-from nccl_ddp.comm.group import ProcessGroup, ReduceOp
-from nccl_ddp.ddp import comm_hooks
-from nccl_ddp.ddp.buckets import (
+from nccl_ddp.buckets.layout import (
     DEFAULT_CAP_BYTES,
     FIRST_CAP_BYTES,
     ParamSpec,
     assign_buckets,
     bucket_tag,
 )
+from nccl_ddp.comm.api import device_of, resolve_group
+from nccl_ddp.comm.group import ProcessGroup, ReduceOp
+from nccl_ddp.ddp import comm_hooks
 from nccl_ddp.ddp.config import COMPRESS, CheckFinite, GradReducerConfig, config_from
 from nccl_ddp.ddp.finite_check import FiniteCheck, require_check
 from nccl_ddp.ddp.join import Join, JoinHook, JoinState, ShadowJoinHook

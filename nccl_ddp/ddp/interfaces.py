@@ -7,7 +7,7 @@ import abc
 import contextlib
 from typing import Any, Callable, ContextManager, List, Optional, Tuple
 
-from nccl_ddp.ddp.buckets import ParamSpec
+from nccl_ddp.buckets.layout import ParamSpec
 
 
 class GradModule(abc.ABC):

@@ -28,8 +28,8 @@ from typing import Any, Dict, Iterator, List, Optional, Protocol, Sequence, runt
 
 import numpy as np
 
+from nccl_ddp.buckets.memory import to_host
 from nccl_ddp.comm.group import ProcessGroup, ReduceOp
-from nccl_ddp.ddp.bucket_memory import to_host
 from nccl_ddp.errors import CommError, ConfigError, ConfigTypeError, JoinError, NcclDdpError, StoreError
 from nccl_ddp.validate import check_bool
 

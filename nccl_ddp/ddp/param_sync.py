@@ -15,9 +15,9 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from nccl_ddp.buckets.layout import ParamSpec
+from nccl_ddp.buckets.memory import to_host
 from nccl_ddp.comm.group import ProcessGroup
-from nccl_ddp.ddp.bucket_memory import to_host
-from nccl_ddp.ddp.buckets import ParamSpec
 from nccl_ddp.device.base import Device
 from nccl_ddp.errors import RankMismatchError
 

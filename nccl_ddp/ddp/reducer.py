@@ -2,7 +2,7 @@
 is still running, and makes the compute stream wait for them at the end of the step.
 
 It works on native arrays (NumPy on "host", CuPy on "cuda") and a `Device`; it cannot tell which
-device it runs on. Memory is `bucket_memory.BucketBuffers`, the layout `buckets.BucketLayout`,
+device it runs on. Memory is `buckets.memory.BucketBuffers`, the layout `buckets.layout.BucketLayout`,
 how a bucket is reduced `bucket_submit.BucketSubmitter`, the non-finite flags
 `finite_check.FiniteCheck`; this module schedules (Megatron's bucket group: start_grad_sync /
 finish_grad_sync).
@@ -20,11 +20,11 @@ from typing import Any, Callable, ContextManager, List, Optional, Sequence, Tupl
 
 import numpy as np
 
+from nccl_ddp.buckets.layout import BucketLayout, ParamSpec, assign_buckets
+from nccl_ddp.buckets.memory import BucketBuffers, accumulate_into, copy_into, copy_of
 from nccl_ddp.comm.group import ProcessGroup
 from nccl_ddp.ddp import comm_hooks
-from nccl_ddp.ddp.bucket_memory import BucketBuffers, accumulate_into, copy_into, copy_of
 from nccl_ddp.ddp.bucket_submit import BucketSubmitter, Mode
-from nccl_ddp.ddp.buckets import BucketLayout, ParamSpec, assign_buckets
 from nccl_ddp.ddp.config import DDPConfig
 from nccl_ddp.ddp.finite_check import FiniteCheck, require_check
 from nccl_ddp.ddp.grad_buckets import GradBuckets, InstallFn

@@ -9,8 +9,8 @@ from typing import Any, List, Optional
 
 import numpy as np
 
+from nccl_ddp.buckets.memory import to_host
 from nccl_ddp.comm.group import ProcessGroup, ReduceOp
-from nccl_ddp.ddp.bucket_memory import to_host
 from nccl_ddp.ddp.bucket_submit import all_reduce_here
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Collection, Iterator, List
 
-from nccl_ddp.ddp.buckets import BucketLayout
+from nccl_ddp.buckets.layout import BucketLayout
 from nccl_ddp.errors import ReducerError
 
 

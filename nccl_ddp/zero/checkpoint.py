@@ -16,8 +16,8 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
+from nccl_ddp.buckets.memory import to_host
 from nccl_ddp.comm.group import ReduceOp
-from nccl_ddp.ddp.bucket_memory import to_host
 from nccl_ddp.errors import ConfigError
 from nccl_ddp.zero.layout import ShardLayout
 from nccl_ddp.zero.shards import ZeroShards

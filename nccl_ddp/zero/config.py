@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from nccl_ddp.ddp.buckets import DEFAULT_CAP_BYTES, FIRST_CAP_BYTES, MiB
+from nccl_ddp.buckets.layout import DEFAULT_CAP_BYTES, FIRST_CAP_BYTES, MiB
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 from nccl_ddp.validate import check_bool, check_mib
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, List, Optional
 
+from nccl_ddp.buckets.layout import BucketLayout, ParamSpec, assign_buckets
+from nccl_ddp.buckets.memory import BucketBuffers
 from nccl_ddp.comm.group import ProcessGroup
-from nccl_ddp.ddp.bucket_memory import BucketBuffers
-from nccl_ddp.ddp.buckets import BucketLayout, ParamSpec, assign_buckets
 from nccl_ddp.profiling import Timeline
 from nccl_ddp.zero.config import ZeroConfig
 from nccl_ddp.zero.grads import GradPool, ReduceScatter

@@ -16,9 +16,9 @@ from typing import Any, List, Optional
 import numpy as np
 
 from nccl_ddp import kernels
+from nccl_ddp.buckets.layout import BucketLayout
+from nccl_ddp.buckets.memory import BucketBuffers
 from nccl_ddp.comm.group import ProcessGroup, ReduceOp
-from nccl_ddp.ddp.bucket_memory import BucketBuffers
-from nccl_ddp.ddp.buckets import BucketLayout
 from nccl_ddp.errors import ConfigError, ReducerError
 from nccl_ddp.zero.layout import ShardLayout
 

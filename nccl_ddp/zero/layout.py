@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import List, Tuple
 
-from nccl_ddp.ddp.buckets import ALIGN_BYTES, BucketLayout, aligned
+from nccl_ddp.buckets.layout import ALIGN_BYTES, BucketLayout, aligned
 from nccl_ddp.errors import ConfigError
 
 

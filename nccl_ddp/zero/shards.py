@@ -19,8 +19,8 @@ from typing import Any, Callable, List, Optional, Sequence
 
 import numpy as np
 
+from nccl_ddp.buckets.memory import BucketBuffers, to_host
 from nccl_ddp.comm.group import ProcessGroup, ReduceOp
-from nccl_ddp.ddp.bucket_memory import BucketBuffers, to_host
 from nccl_ddp.errors import ConfigError
 from nccl_ddp.profiling import Timeline
 from nccl_ddp.zero.layout import Piece, ShardLayout

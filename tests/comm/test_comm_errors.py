@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from mp import run_ranks
 
+from nccl_ddp.buckets.layout import bucket_tag
 from nccl_ddp.comm.host.backend import HostProcessGroup
-from nccl_ddp.ddp.buckets import bucket_tag
 from nccl_ddp.device import HostDevice, HostStream
 from nccl_ddp.errors import CommError, CommTimeout, ConfigError, ConfigTypeError, NcclDdpError
 

@@ -7,8 +7,8 @@ from fakegroup import run_threads
 
 from nccl_ddp import hooks
 from nccl_ddp.adapters.arrays import ArrayModule
+from nccl_ddp.buckets.layout import ParamSpec, assign_buckets
 from nccl_ddp.ddp.bucket_submit import AllReduce, BucketSubmitter, Wire
-from nccl_ddp.ddp.buckets import ParamSpec, assign_buckets
 from nccl_ddp.ddp.data_parallel import DistributedDataParallel
 from nccl_ddp.device import get_device
 

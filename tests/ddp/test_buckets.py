@@ -3,7 +3,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from nccl_ddp.ddp.buckets import MiB, ParamSpec, aligned, assign_buckets
+from nccl_ddp.buckets.layout import MiB, ParamSpec, aligned, assign_buckets
 
 F32, F64, F16 = np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16)
 

@@ -4,7 +4,7 @@ shards, and the param-range -> shard-range map covering every element exactly on
 import numpy as np
 import pytest
 
-from nccl_ddp.ddp.buckets import ParamSpec, assign_buckets
+from nccl_ddp.buckets.layout import ParamSpec, assign_buckets
 from nccl_ddp.errors import ConfigError
 from nccl_ddp.zero.layout import shard_layout
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, List, Sequence
 
-from nccl_ddp.ddp.buckets import BucketLayout
+from nccl_ddp.buckets.layout import BucketLayout
 from nccl_ddp.device.base import Device, Stream
 from nccl_ddp.errors import ReducerError
 

@@ -8,7 +8,7 @@ actually arrived (rank 0's order, so every rank gets the same layout). Offsets a
 so every view starts on a vector boundary for the pack/unpack kernels; a consumer that needs more
 asks for it (`align_bytes=64` for the host device: JAX on the CPU aliases only 64-byte aligned memory).
 
-A layout is plain, frozen data; memory and scheduling live elsewhere (bucket_memory.py, reducer.py,
+A layout is plain, frozen data; memory and scheduling live elsewhere (memory.py, ddp/reducer.py,
 bucket_submit.py).
 """
 
