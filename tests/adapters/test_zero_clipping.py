@@ -3,7 +3,9 @@ processes): `Trainer(gradient_clip_val=0.05)` with `NcclDDPStrategy` and `accele
 with our `Accelerator`, the optimizer sharded with the default (ZeRO-1) and with ZeRO-2 (the
 strategy's / Accelerator's zero=ZeroConfig(stage=2)),
 equal Lightning's "ddp" / accelerate's own Accelerator (torch DDP on gloo) with the unsharded SGD
-to 1e-6; and clipping did act (the unclipped run differs). Before: ZeRO-2 clipped local grads
+to 1e-6; and clipping did act (the unclipped run differs). A Lightning checkpoint of the sharded
+optimizer saved mid-run and resumed by a new Trainer continues as Lightning's "ddp" does.
+Before: ZeRO-2 clipped local grads
 (parameters 0.39 away), and accelerate's prepare failed on the optimizer's state_dict()."""
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ pytest.importorskip("torch", reason="PyTorch is not installed")
 
 STAGES = ("default", "zero2")  # zero2: the model built with zero=ZeroConfig(stage=2)
 CLIP = 0.05
+SAVE_AT = 3
 
 
 def _optimizer(params, kind: str):
@@ -46,7 +49,9 @@ def _net(seed: int):
     return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
 
 
-def _lightning_fit(strategy, kind: str, clip) -> dict:
+def _lightning_fit(strategy, kind: str, clip, steps: int = 5, ckpt_in=None, ckpt_out=None) -> dict:
+    """`ckpt_out`: saved from inside the fit after step SAVE_AT (a sharded optimizer's
+    consolidation is a collective of our group, which the strategy tears down with the fit)."""
     import lightning.pytorch as pl
     import torch
 
@@ -65,20 +70,26 @@ def _lightning_fit(strategy, kind: str, clip) -> dict:
         def train_dataloader(self):
             return torch.utils.data.DataLoader(_data(), batch_size=4)
 
+    class SaveAt(pl.Callback):
+        def on_train_batch_end(self, trainer, *args) -> None:
+            if ckpt_out is not None and trainer.global_step == SAVE_AT:
+                trainer.save_checkpoint(ckpt_out)  # Lightning consolidates a sharded optimizer
+
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
         strategy=strategy,
-        max_steps=5,
+        max_steps=steps,
         gradient_clip_val=clip,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
+        callbacks=[SaveAt()],
     )
     model = Net()
-    trainer.fit(model)
+    trainer.fit(model, ckpt_path=ckpt_in)
     return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
 
 
@@ -93,6 +104,26 @@ def _lightning(rank: int, world: int) -> dict:
     for kind in STAGES:
         zero = nd.ZeroConfig(stage=2) if kind == "zero2" else None
         out[kind] = _lightning_fit(NcclDDPStrategy(zero=zero), kind, CLIP)
+    return out
+
+
+def _lightning_resume(rank: int, world: int, tmp: str) -> dict:
+    import torch
+
+    import nccl_ddp as nd
+    from nccl_ddp.lightning import NcclDDPStrategy
+
+    torch.set_num_threads(1)
+    out = {}
+    for kind in ("torch", *STAGES):
+        zero = nd.ZeroConfig(stage=2) if kind == "zero2" else None
+
+        def strategy():
+            return "ddp" if kind == "torch" else NcclDDPStrategy(zero=zero)
+
+        ckpt = os.path.join(tmp, f"{kind}.ckpt")
+        straight = _lightning_fit(strategy(), kind, None, steps=6, ckpt_out=ckpt)
+        out[kind] = (straight, _lightning_fit(strategy(), kind, None, steps=6, ckpt_in=ckpt))
     return out
 
 
@@ -152,6 +183,23 @@ def _check(results) -> None:
 def test_lightning_gradient_clip_val_on_sharded_optimizer_matches_ddp():
     pytest.importorskip("lightning", reason="Lightning is not installed")
     _check(run_ranks(_lightning, 2, timeout=800))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_lightning_checkpoint_of_sharded_optimizer_resumes_as_ddp(tmp_path):
+    """trainer.save_checkpoint inside the fit after step 3 and a new Trainer resuming it to 6: the
+    sharded optimizer's state (SGD momentum) goes through Lightning's consolidate-then-save and is
+    loaded back on every rank, so the resumed run equals Lightning's "ddp" + unsharded SGD's
+    (which restarts the epoch's batches, as Lightning does)."""
+    pytest.importorskip("lightning", reason="Lightning is not installed")
+    results = run_ranks(_lightning_resume, 2, str(tmp_path), timeout=800)
+    for rank, res in enumerate(results):
+        for kind in STAGES:
+            for phase in (0, 1):  # the run that saved, the resumed one
+                for k, v in res["torch"][phase].items():
+                    msg = f"rank {rank} {kind} {('saving', 'resumed')[phase]}: {k}"
+                    np.testing.assert_allclose(res[kind][phase][k], v, rtol=1e-6, atol=1e-6, err_msg=msg)
 
 
 @pytest.mark.slow
