@@ -173,6 +173,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             for pc in self._pieces
         ]
         self._grads = StepGrads(self._stage, self.zs, self._order, piece_grads)
+        self._param_views = [from_native(v) for v in self.zs.params]  # what each p.data must be
         inner_groups = []
         for gi, g in enumerate(self.param_groups):
             ps = [
@@ -300,6 +301,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._realias()
         amp_skip = self._amp_step_scale()
         grads = self._grads.collect()
         self.last_step_skipped = amp_skip or (
@@ -321,6 +323,28 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             t.grad = None  # no reference to this step's grads is kept
         self.zs.gather(wait=not self.overlap_param_gather)
         return loss
+
+    def _realias(self) -> None:
+        """A module conversion after construction (`model.to(...)`, which accelerate's and HF's
+        `prepare` run after the optimizer is built) gave parameters new storage: copy their
+        values into the flat buffers and make them views again, so that the step reaches the
+        model instead of buffers nothing reads. A change of dtype or device is refused."""
+        for i, (p, t) in enumerate(zip(self._order, self._param_views)):
+            if p.data_ptr() == t.data_ptr():
+                continue
+            if (p.dtype, p.device, p.shape) != (t.dtype, t.device, t.shape):
+                raise ConfigError(
+                    f"rank {self.group.rank}: parameter {self._names[i]} became {p.dtype} on "
+                    f"{p.device} after the ZeroRedundancyOptimizer was built for {t.dtype} on "
+                    f"{t.device}; move or cast the model first, then build the optimizer"
+                )
+            with torch.no_grad():
+                t.copy_(p.detach())
+            model = owner_of(p)
+            if model is not None:
+                model.param_moved(p, self.zs.params[i])
+            else:
+                p.data = t
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """Before construction ends: torch's. After (ZeRO-1): the shards are cut again over the
@@ -381,6 +405,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         """Load a full (consolidated, or an unsharded torch optimizer's) state on every rank,
         each keeping its shards' slices; checked whole before anything changes."""
         self.zs.wait_all()
+        self._realias()
         full, groups = torch_to_full(state_dict, self.param_groups, self._global, self._order, self._names)
         pieces = reshard(self.zs.shards, self.zs.rank, full, [p.numel() for p in self._order], self._names)
         for ours, saved in zip(self.param_groups, groups):

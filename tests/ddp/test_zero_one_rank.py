@@ -335,3 +335,24 @@ def test_zero2_module_moves_keep_the_grads_guarded(world1):
     m.double()
     assert isinstance(m.a.weight.grad, LocalGrad) and m.a.weight.grad.dtype == torch.float64
     ddp.close()
+
+
+def test_model_moved_after_the_optimizer_is_built_still_trains(world1):
+    """accelerate's and HF's prepare call model.to(device) after the optimizer is built, and
+    .to("cpu:0") gives every parameter new storage: the step copies them back into its flat
+    buffers and re-points them (before: the optimizer updated buffers the model no longer read,
+    silently); the result equals torch's SGD. A cast is refused naming the parameter."""
+    ours, ref = make_model(), make_model()
+    opt = nd.ZeroRedundancyOptimizer(ours.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    ours.to(torch.device("cpu:0"))
+    for _ in range(3):
+        for model, o in ((ours, opt), (ref, ref_opt)):
+            o.zero_grad()
+            model(torch.ones(2, 7)).square().sum().backward()
+            o.step()
+    for (n, a), b in zip(ours.named_parameters(), ref.parameters()):
+        np.testing.assert_allclose(a.detach().numpy(), b.detach().numpy(), rtol=1e-6, atol=1e-7, err_msg=n)
+    ours.double()
+    with pytest.raises(ConfigError, match=r"became torch.float64 .* move or cast the model first"):
+        opt.step()

@@ -1,0 +1,106 @@
+"""Hugging Face `Trainer(max_grad_norm=...)` with nd.ZeroRedundancyOptimizer (the default stage,
+ZeRO-1) given as the Trainer's optimizer, `nccl_ddp.transformers.Trainer` against transformers'
+own with the unsharded SGD (torch DDP on gloo through Accelerate), two CPU processes, a tiny GPT-2
+from a config: the clipping (accelerator.clip_grad_norm_, routed to the optimizer's global norm)
+and transformers' LR schedule on our param groups give the same parameters to 1e-6; and clipping
+acted (a run with max_grad_norm=0 differs). transformers' prepare moves the model (`.to("cpu:0")`:
+new storage) after the optimizer is built; the optimizer re-points the parameters at its step.
+(SGD, not AdamW: GPT-2's attention key biases get pure rounding-noise grads, which AdamW's
+normalisation blows up to the 1e-6 level on any last-ulp difference of a vectorised sqrt.)"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from mp import run_ranks
+
+pytest.importorskip("torch", reason="PyTorch is not installed")
+pytest.importorskip("transformers", reason="transformers is not installed")
+
+STEPS, VOCAB, SEQ = 4, 64, 16
+
+
+def _model(rank: int):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=SEQ,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    torch.manual_seed(7 + rank)  # per rank: DDP starts every rank from rank 0's
+    return GPT2LMHeadModel(config)
+
+
+def _data(n: int, seed: int) -> list:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+    return [{"input_ids": x, "labels": x} for x in ids]
+
+
+def _train(cls, rank: int, out: str, sharded: bool, max_grad_norm: float) -> dict:
+    import torch
+    from transformers import TrainingArguments
+
+    import nccl_ddp as nd
+
+    args = TrainingArguments(
+        output_dir=out,
+        per_device_train_batch_size=2,
+        max_steps=STEPS,
+        save_strategy="no",
+        learning_rate=1e-2,
+        max_grad_norm=max_grad_norm,
+        use_cpu=True,
+        report_to=[],
+        seed=3,
+        logging_steps=100,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    model = _model(rank)
+    opt = (
+        nd.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
+        if sharded
+        else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    )
+    trainer = cls(model=model, args=args, train_dataset=_data(32, 1), optimizers=(opt, None))
+    trainer.train()
+    return {k: v.detach().numpy().copy() for k, v in trainer.model.state_dict().items()}
+
+
+def _run(rank: int, world: int, tmp: str) -> dict:
+    import torch
+    import transformers
+
+    import nccl_ddp.transformers as ndt
+
+    torch.set_num_threads(1)
+    return {
+        "torch": _train(transformers.Trainer, rank, os.path.join(tmp, "torch"), False, 0.5),
+        "unclipped": _train(transformers.Trainer, rank, os.path.join(tmp, "unclipped"), False, 0.0),
+        "ours": _train(ndt.Trainer, rank, os.path.join(tmp, "ours"), True, 0.5),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_trainer_max_grad_norm_on_sharded_optimizer_matches_transformers(tmp_path):
+    results = run_ranks(_run, 2, str(tmp_path), timeout=800)
+    for rank, res in enumerate(results):
+        ref = res["torch"]
+        assert any(not np.allclose(res["unclipped"][k], ref[k]) for k in ref)  # clipping acted
+        for k in ref:
+            np.testing.assert_allclose(
+                res["ours"][k], ref[k], rtol=1e-6, atol=1e-6, err_msg=f"rank {rank}: {k}"
+            )
