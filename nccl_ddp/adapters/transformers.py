@@ -7,7 +7,10 @@ from the name `transformers.trainer.Accelerator`); this Trainer builds ours ther
 (adapters/accelerate.py), whose `prepare` wraps the model in our `DistributedDataParallel` after
 joining our process group beside Accelerate's torch.distributed. Everything else is transformers'
 (evaluation, `max_grad_norm`, `save_model`, checkpoints and `resume_from_checkpoint`).
-`with_nccl_ddp(cls)` does the same for any Trainer subclass (Seq2SeqTrainer, TRL's trainers).
+A checkpoint of an nccl_ddp `ZeroRedundancyOptimizer` given as the Trainer's optimizer consolidates
+its state on rank 0 first (transformers saves `optimizer.state_dict()` there); resuming loads the
+full state on every rank. `with_nccl_ddp(cls)` does the same for any Trainer subclass
+(Seq2SeqTrainer, TRL's trainers).
 Imported only by `nccl_ddp.transformers`.
 """
 
@@ -22,6 +25,7 @@ import transformers.trainer
 
 from nccl_ddp.adapters import private_names
 from nccl_ddp.adapters.accelerate import Accelerator
+from nccl_ddp.adapters.torch_zero import ZeroRedundancyOptimizer
 from nccl_ddp.errors import ConfigTypeError
 
 _PATCH = threading.Lock()
@@ -36,6 +40,9 @@ def private_names_present() -> Dict[str, bool]:
     present = {
         "transformers.trainer.Accelerator": hasattr(transformers.trainer, "Accelerator"),
         "Trainer.create_accelerator_and_postprocess": method is not None,
+        "Trainer._save_optimizer_and_scheduler": hasattr(
+            transformers.Trainer, "_save_optimizer_and_scheduler"
+        ),
     }
     try:
         source = inspect.getsource(method) if method is not None else ""
@@ -67,8 +74,17 @@ def with_nccl_ddp(cls: T) -> T:
             finally:
                 transformers.trainer.Accelerator = theirs
 
+    def _save_optimizer_and_scheduler(self: Any, output_dir: str) -> None:
+        # a checkpoint of our ZeroRedundancyOptimizer: its full state is built on rank 0 (a
+        # collective: transformers runs this on every rank, and saves state_dict() on rank 0)
+        opt = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper
+        if isinstance(opt, ZeroRedundancyOptimizer):
+            opt.consolidate_state_dict(to=0)
+        base._save_optimizer_and_scheduler(self, output_dir)
+
     body = {
         "create_accelerator_and_postprocess": create_accelerator_and_postprocess,
+        "_save_optimizer_and_scheduler": _save_optimizer_and_scheduler,
         "__doc__": cls.__doc__,
         "__module__": __name__,
         "__qualname__": cls.__qualname__,

@@ -5,6 +5,8 @@ from a config: the clipping (accelerator.clip_grad_norm_, routed to the optimize
 and transformers' LR schedule on our param groups give the same parameters to 1e-6; and clipping
 acted (a run with max_grad_norm=0 differs). transformers' prepare moves the model (`.to("cpu:0")`:
 new storage) after the optimizer is built; the optimizer re-points the parameters at its step.
+A checkpoint every 2 steps (the sharded state consolidated on rank 0 for transformers to save)
+and a new Trainer resuming from step 2 equal transformers' own resumed run too.
 (SGD, not AdamW: GPT-2's attention key biases get pure rounding-noise grads, which AdamW's
 normalisation blows up to the 1e-6 level on any last-ulp difference of a vectorised sqrt.)"""
 
@@ -19,7 +21,7 @@ from mp import run_ranks
 pytest.importorskip("torch", reason="PyTorch is not installed")
 pytest.importorskip("transformers", reason="transformers is not installed")
 
-STEPS, VOCAB, SEQ = 4, 64, 16
+STEPS, SAVE_EVERY, VOCAB, SEQ = 4, 2, 64, 16
 
 
 def _model(rank: int):
@@ -48,7 +50,8 @@ def _data(n: int, seed: int) -> list:
     return [{"input_ids": x, "labels": x} for x in ids]
 
 
-def _train(cls, rank: int, out: str, sharded: bool, max_grad_norm: float) -> dict:
+def _train(cls, rank: int, out: str, sharded: bool, max_grad_norm: float, resume=None) -> dict:
+    """Saves a checkpoint every SAVE_EVERY steps; `resume`: from that checkpoint directory."""
     import torch
     from transformers import TrainingArguments
 
@@ -58,7 +61,7 @@ def _train(cls, rank: int, out: str, sharded: bool, max_grad_norm: float) -> dic
         output_dir=out,
         per_device_train_batch_size=2,
         max_steps=STEPS,
-        save_strategy="no",
+        save_steps=SAVE_EVERY,
         learning_rate=1e-2,
         max_grad_norm=max_grad_norm,
         use_cpu=True,
@@ -75,7 +78,7 @@ def _train(cls, rank: int, out: str, sharded: bool, max_grad_norm: float) -> dic
         else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     )
     trainer = cls(model=model, args=args, train_dataset=_data(32, 1), optimizers=(opt, None))
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
     return {k: v.detach().numpy().copy() for k, v in trainer.model.state_dict().items()}
 
 
@@ -86,11 +89,12 @@ def _run(rank: int, world: int, tmp: str) -> dict:
     import nccl_ddp.transformers as ndt
 
     torch.set_num_threads(1)
-    return {
-        "torch": _train(transformers.Trainer, rank, os.path.join(tmp, "torch"), False, 0.5),
-        "unclipped": _train(transformers.Trainer, rank, os.path.join(tmp, "unclipped"), False, 0.0),
-        "ours": _train(ndt.Trainer, rank, os.path.join(tmp, "ours"), True, 0.5),
-    }
+    out = {"unclipped": _train(transformers.Trainer, rank, os.path.join(tmp, "unclipped"), False, 0.0)}
+    for name, cls, sharded in (("torch", transformers.Trainer, False), ("ours", ndt.Trainer, True)):
+        out[name] = _train(cls, rank, os.path.join(tmp, name), sharded, 0.5)
+        ckpt = os.path.join(tmp, name, f"checkpoint-{SAVE_EVERY}")
+        out[name + "-resumed"] = _train(cls, rank, os.path.join(tmp, name + "-r"), sharded, 0.5, resume=ckpt)
+    return out
 
 
 @pytest.mark.slow
@@ -100,7 +104,7 @@ def test_trainer_max_grad_norm_on_sharded_optimizer_matches_transformers(tmp_pat
     for rank, res in enumerate(results):
         ref = res["torch"]
         assert any(not np.allclose(res["unclipped"][k], ref[k]) for k in ref)  # clipping acted
-        for k in ref:
-            np.testing.assert_allclose(
-                res["ours"][k], ref[k], rtol=1e-6, atol=1e-6, err_msg=f"rank {rank}: {k}"
-            )
+        for run in ("", "-resumed"):
+            for k, v in res["torch" + run].items():
+                msg = f"rank {rank} ours{run}: {k}"
+                np.testing.assert_allclose(res["ours" + run][k], v, rtol=1e-6, atol=1e-6, err_msg=msg)
