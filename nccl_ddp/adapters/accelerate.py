@@ -10,7 +10,8 @@ of torch's (torch's name is ours only inside that call). `accumulate`/`no_sync`,
 `DistributedDataParallelKwargs` (its comm_hook: torch's hooks, adapters/torch_hooks.py),
 `save_state`/`load_state`, `unwrap_model`, `trigger_sync_in_backward` and `join_uneven_inputs`
 work on it; `clip_grad_norm_` on the parameters of our ZeroRedundancyOptimizer is its own
-global-norm clip, and `prepare` leaves that optimizer where its shards are. `end_training()`
+global-norm clip, `prepare` leaves that optimizer where its shards are, and `save_state`
+consolidates its state on the main process first. `end_training()`
 (or process exit) destroys our group.
 """
 
@@ -94,6 +95,23 @@ class Accelerator(accelerate.Accelerator):
             return super().clip_grad_norm_(params, max_norm, norm_type)
         self.unscale_gradients()
         return zero.clip_grad_norm_(max_norm, norm_type)
+
+    def save_state(self, *args: Any, **kwargs: Any) -> Any:
+        """accelerate's; the state of a prepared nccl_ddp ZeroRedundancyOptimizer is consolidated
+        on the main process first (a collective; accelerate asks every rank for state_dict() and
+        writes the main process's), so `load_state` gives every rank the full state back."""
+        zeros = [
+            z
+            for z in (getattr(o, "optimizer", o) for o in self._optimizers)
+            if isinstance(z, ZeroRedundancyOptimizer)
+        ]
+        for z in zeros:
+            z.consolidate_state_dict(to=0)
+        with contextlib.ExitStack() as stack:
+            if self.process_index != 0:  # accelerate writes the main process's state only
+                for z in zeros:
+                    stack.enter_context(z.state_saved_elsewhere())
+            return super().save_state(*args, **kwargs)
 
     def _zero_holding(self, params: list) -> Any:
         """The prepared ZeroRedundancyOptimizer whose parameters are exactly `params`, or None."""

@@ -12,9 +12,10 @@ core built here by the same factory (zero/core.py), over grads all-reduced whole
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
@@ -400,6 +401,17 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 "step)"
             )
         return self._consolidated
+
+    @contextlib.contextmanager
+    def state_saved_elsewhere(self) -> Iterator[None]:
+        """For the block, `state_dict()` on this rank returns an empty state instead of asking
+        for consolidation: for frameworks that ask every rank and write one rank's (accelerate's
+        `save_state`), after `consolidate_state_dict(to=that rank)`."""
+        self._consolidated = {"state": {}, "param_groups": []}
+        try:
+            yield
+        finally:
+            self._consolidated = None
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a full (consolidated, or an unsharded torch optimizer's) state on every rank,

@@ -167,6 +167,51 @@ def _accelerate(rank: int, world: int) -> dict:
     return out
 
 
+def _accelerate_resume(rank: int, world: int, tmp: str) -> dict:
+    """save_state after 4 batches, 4 more; then a fresh Accelerator, model and optimizer that
+    load_state and run the same 4: (straight, resumed) per kind."""
+    import accelerate
+    import torch
+
+    import nccl_ddp as nd
+    from nccl_ddp.accelerate import Accelerator
+
+    torch.set_num_threads(1)
+    batches = list(torch.utils.data.DataLoader(_data(), batch_size=4))
+    mine = batches[rank::world]
+
+    def run(acc, model, opt, part) -> None:
+        for x, y in part:
+            acc.backward(torch.nn.functional.mse_loss(model(x), y))
+            opt.step()
+            opt.zero_grad()
+
+    out, first = {}, None
+    for kind in ("torch", *STAGES):
+        cls = accelerate.Accelerator if kind == "torch" else Accelerator
+        extra = {} if kind == "torch" else {"zero": nd.ZeroConfig(stage=2) if kind == "zero2" else None}
+        states = []
+        for resumed in (False, True):
+            acc = cls(cpu=True, **extra)
+            if kind != "torch":
+                first = first or acc  # joined our group: its end_training destroys it
+            model = acc.prepare(_net(11 + acc.process_index))
+            opt = acc.prepare(_optimizer(model.parameters(), kind))
+            ckpt = os.path.join(tmp, kind)
+            if resumed:
+                acc.load_state(ckpt)
+            else:
+                run(acc, model, opt, mine[:4])
+                acc.save_state(ckpt)
+            run(acc, model, opt, mine[4:8])
+            states.append(
+                {k: v.detach().numpy().copy() for k, v in acc.unwrap_model(model).state_dict().items()}
+            )
+        out[kind] = tuple(states)
+    first.end_training()
+    return out
+
+
 def _check(results) -> None:
     for rank, res in enumerate(results):
         ref = res["torch"]
@@ -200,6 +245,25 @@ def test_lightning_checkpoint_of_sharded_optimizer_resumes_as_ddp(tmp_path):
                 for k, v in res["torch"][phase].items():
                     msg = f"rank {rank} {kind} {('saving', 'resumed')[phase]}: {k}"
                     np.testing.assert_allclose(res[kind][phase][k], v, rtol=1e-6, atol=1e-6, err_msg=msg)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_accelerate_save_state_of_sharded_optimizer_resumes_exactly(tmp_path):
+    """accelerator.save_state consolidates the sharded optimizer on the main process (before:
+    ConfigError 'not consolidated' on every rank), load_state gives every rank its shards back:
+    the resumed run equals the uninterrupted one and accelerate's own with unsharded SGD."""
+    pytest.importorskip("accelerate", reason="Accelerate is not installed")
+    results = run_ranks(_accelerate_resume, 2, str(tmp_path), timeout=800)
+    for rank, res in enumerate(results):
+        ref_straight, ref_resumed = res["torch"]
+        for kind in STAGES:
+            straight, resumed = res[kind]
+            for k in ref_straight:
+                msg = f"rank {rank} {kind}: {k}"
+                np.testing.assert_allclose(straight[k], ref_straight[k], rtol=1e-6, atol=1e-6, err_msg=msg)
+                np.testing.assert_allclose(resumed[k], ref_resumed[k], rtol=1e-6, atol=1e-6, err_msg=msg)
+                np.testing.assert_allclose(resumed[k], straight[k], rtol=1e-6, atol=1e-6, err_msg=msg)
 
 
 @pytest.mark.slow
