@@ -15,7 +15,8 @@ state, fp32 masters, reduced grads kept for the optimizer (DDP and torch: the wh
 ZeRO-2: the reduce-scattered shard and its fp32 copy; ZeRO-1: the whole grads, which it reads
 as views), `kept` = their sum; `grad_buf` = the
 full-size grad memory backward accumulates into (DDP: the same buckets as its reduced grads;
-ZeRO-2: the buckets, holding local grads; torch: the .grad tensors, its DDP's own bucket copies
+ZeRO-2: the GradPool, one bucket per dtype, torch's .grad tensors being let go after each
+step; torch: the .grad tensors, its DDP's own bucket copies
 not counted); `total` = state + master + every grad byte. Step time is the slowest rank's mean
 over `--steps` after `--warmup`; `ratio` = mode / ddp_adamw in the same world. Our modes then
 run `--profile-steps` with the reducer's timeline on: `hidden_pct` is the share of the bucket
@@ -218,12 +219,17 @@ def worker(args) -> None:
         reduced = zs.nbytes["grad_shards"] + sum(
             o.nbytes for o, g in zip(reducer.sharding.outputs, zs.grads) if o is not g
         )
+        # the grad buffers kept across the step: the GradPool (one bucket per dtype; torch's
+        # own p.grad tensors are let go after the step), or full-size buckets where kept
+        kept = (0 if reducer.memory is None else reducer.memory.nbytes) + (
+            0 if reducer.zero.pool is None else reducer.zero.pool.nbytes
+        )
         row.update(
             state=state_bytes(opt._inner),
             master=zs.nbytes["master"],
             reduced=reduced,
-            grad_buf=reducer.memory.nbytes,
-            total_grads=reduced + reducer.memory.nbytes,
+            grad_buf=kept,
+            total_grads=reduced + kept,
         )
     else:
         grads = (

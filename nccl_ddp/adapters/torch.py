@@ -17,6 +17,7 @@ import logging
 import weakref
 from typing import Any, Iterator, List, Optional, Tuple
 
+from nccl_ddp.adapters.torch_pooled_grads import PooledGrads
 from nccl_ddp.adapters.torch_watch import ModuleWatch
 from nccl_ddp.buckets.layout import ParamSpec
 from nccl_ddp.ddp.interfaces import GradModule, GradsAdapter
@@ -148,6 +149,7 @@ class TorchModule(GradModule):
         self._callback_queued = False
         self._syncing = True  # whether this step all-reduces (fixed when it opens)
         self._forward_opened = False  # the step was opened by our forward, not by a hook
+        self._pooled: Optional[PooledGrads] = None  # ZeRO-2: grads handed over, not bucket views
 
     # ---- GradModule
     def native_params(self) -> List[Any]:
@@ -166,6 +168,10 @@ class TorchModule(GradModule):
     def can_install_grads(self) -> bool:
         return True
 
+    @property
+    def pools_grads(self) -> bool:
+        return True
+
     def install_grad(self, i: int, view: Any) -> None:
         """The reducer moved grad i into bucket memory: from now on `p.grad` is that view."""
         p, old = self.params[i], self._grads[i]
@@ -178,6 +184,8 @@ class TorchModule(GradModule):
         new storage: make them our memory again (the reducer's), keeping their values."""
         import torch
 
+        if self._pooled is not None:  # (no bucket views under ZeRO-2)
+            return
         for i, p in enumerate(self.params):
             mine, old = from_native(self._ddp.reducer.grads[i]), self._grads[i]
             if old.data_ptr() == mine.data_ptr():
@@ -222,6 +230,9 @@ class TorchModule(GradModule):
         older = {id(o): o for o in map(owner_of, self.params) if o is not None and o is not self}
         for old in older.values():
             old.superseded()
+        if ddp.reducer.buckets.pooled:  # ZeRO-2: torch's own grads, handed over per step
+            self._pooled = PooledGrads(self.params, ddp.reducer, to_native)
+            self._grads = [None] * len(self.params)  # (a p.grad given before wrapping stays)
         for i, p in enumerate(self.params):
             self._hooks.append(p.register_post_accumulate_grad_hook(self._hook_for(i)))
             setattr(p, OWNER_ATTR, weakref.ref(self))
@@ -246,7 +257,10 @@ class TorchModule(GradModule):
             self._watch.params_checked()
         self._syncing = self._ddp.sync_enabled
         self._forward_opened = True
-        self._point_grads_at_buckets()
+        if self._pooled is not None:
+            self._was_none = self._pooled.open(self._syncing)
+        else:
+            self._point_grads_at_buckets()
 
     def _check_same_params(self) -> None:
         """Parameters added, replaced or unfrozen after wrapping would silently not be reduced
@@ -291,7 +305,17 @@ class TorchModule(GradModule):
         """The post-accumulate-grad hook of parameter i. It runs once per parameter per step, so
         it stays lean: it calls the reducer directly (i is a valid index), which enters torch's
         CUDA stream (`on_compute_stream`) only when a bucket completes."""
-        mark_ready, grads = self._ddp.reducer.mark_ready, self._grads
+        mark_ready, grads, pooled = self._ddp.reducer.mark_ready, self._grads, self._pooled
+        if pooled is not None:
+
+            def handed(p: Any) -> None:  # ZeRO-2: torch's own grad goes to the reducer
+                if not self._callback_queued:
+                    self._queue_end_of_backward()
+                pooled.hand_over(i, p)
+                mark_ready(i)
+
+            handed.__name__ = f"nccl_ddp_grad_ready_{i}"
+            return handed
 
         def hook(p: Any) -> None:
             if p.grad is not grads[i]:
@@ -332,13 +356,13 @@ class TorchModule(GradModule):
         unused = self._ddp.reducer.not_ready(self._was_none)
         with torch_stream_current(self.on_cuda):
             self._ddp.finalize()
-        if not unused:
-            return
-        if self._syncing:
+        if unused and self._syncing:
             untouched = self._ddp.untouched_last_step()
             unused = [i for i in unused if i in untouched]
         for i in unused:
             self.params[i].grad = None
+        if self._pooled is not None:
+            self._pooled.end(self._syncing)
 
     # ---- state besides the trainable parameters: frozen parameters and buffers
     def named_frozen(self) -> List[Tuple[Optional[str], Any]]:

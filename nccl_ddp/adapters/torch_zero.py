@@ -459,6 +459,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
         self._grads.reset()
+        if self._stage == 2 and self.core.reduce is not None:  # the next step starts from zero
+            self.core.reduce.accumulate = False
 
     def __repr__(self) -> str:
         return (

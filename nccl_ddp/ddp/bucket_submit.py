@@ -95,6 +95,8 @@ class BucketSubmitter:
         self.specs, self.params, self.label = specs, params, label
         self.average_in_collective = average_in_collective
         self.collective: BucketCollective = AllReduce(group, device) if collective is None else collective
+        # a GradPool (ZeRO-2 over grads handed in per step): "pack" mode's buffers, zeroed first
+        self.pool = getattr(self.collective, "pool", None)
         self.prof = Timeline(group.rank)  # NVTX ranges / per-step timeline when switched on
         self.hook: Optional[Tuple[Any, comm_hooks.CommHook]] = None
         self._wire_buffers: Dict[Tuple[BucketLayout, int], Any] = {}
@@ -168,6 +170,9 @@ class BucketSubmitter:
             )
             return
         offsets = bucket.offsets
+        if mode == "pack" and self.pool is not None:  # zeroed in stream order, after its last reader
+            buf = self.pool.buffers[b]
+            submit(comm, "pack", b, bucket.nbytes, kernels.zero_, buf)
         srcs, offs = ([buf], [0]) if mode == "view" else (grads, offsets)
         if wire is Wire.COMPRESSED:  # pack into the wire dtype, reduce it, widen back
             wbuf = self._wire_buffer(layout, b, wire_name)

@@ -108,6 +108,7 @@ class DistributedDataParallel:
             install=install,
             install_param=self._adapter.install_param if self._adapter.can_install_params else None,
             stream_scope=self._adapter.on_compute_stream,
+            pool_grads=self._adapter.pools_grads,
         )
         self._sync_buffers_next = True  # torch: the first forward syncs buffers
         self.join_state = JoinState()

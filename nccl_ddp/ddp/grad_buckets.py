@@ -1,17 +1,20 @@
 """The reducer's bucket layout and the grad memory laid out by it: which bucket each parameter is
 in, the flat buffers (buckets/memory.py), and how the grads relate to them (the reducer's mode):
 "view" (the framework's grads alias the buffers), "pack" (they live elsewhere and are packed
-in), "python" (PythonReducer: no buffers). A new layout (the first step's rebuild) moves the
-grads into new buffers, keeping their values."""
+in), "python" (PythonReducer: no buffers). `pooled` (ZeRO-2 over a framework that hands its own
+grads each step): "pack" without buffers of its own, the shard core's `GradPool` is packed into.
+A new layout (the first step's rebuild) moves the grads into new buffers, keeping their values."""
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import numpy as np
 
 from nccl_ddp import kernels
 from nccl_ddp.buckets.layout import BucketLayout, ParamSpec
-from nccl_ddp.buckets.memory import BucketBuffers
+from nccl_ddp.buckets.memory import BucketBuffers, copy_into, copy_of
 from nccl_ddp.ddp.bucket_submit import Mode
 
 log = logging.getLogger(__name__)
@@ -36,6 +39,7 @@ class GradBuckets:
     ) -> None:
         self.specs, self.grads, self.device, self.rank = list(specs), grads, device, rank
         self._python, self._install = python, install
+        self.pooled = False  # set by the reducer before the first layout (see the module doc)
         self.layout: BucketLayout
         self.memory: Optional[BucketBuffers] = None
         self.bucket_of: List[int] = []
@@ -57,7 +61,9 @@ class GradBuckets:
                 self.bucket_of[p] = b.index
         self.unbucketed = [i for i, b in enumerate(self.bucket_of) if b < 0]
         self.memory, self._views = None, False
-        if self._python:
+        if self.pooled:  # no grads of ours: the framework hands them in each step
+            self.release()
+        if self._python or self.pooled:
             return
         self.memory = BucketBuffers(layout, self.device)
         if self._install is None:  # the framework cannot alias its grads: pack/unpack
@@ -68,6 +74,38 @@ class GradBuckets:
         self._views = True
         log.debug("rank %d: bucket layout %s (%s mode)", self.rank, layout.summary(), self.mode)
 
+    def release(self) -> None:
+        """Pooled: `grads[i]` is set by the framework's hook before `mark_ready(i)` (its own
+        grad array) and dropped here once a synchronised step has reduced it (the compute stream
+        has waited for every bucket that read it: the framework may free or reuse its memory)."""
+        for i in range(len(self.grads)):
+            self.grads[i] = None
+
+    def step_read(self) -> None:
+        """The compute stream has waited for every bucket of a synchronised step."""
+        if self.pooled:
+            self.release()
+
+    def copies(self, indices: Sequence[int], stream: Any) -> Dict[int, Any]:
+        """Copies (on `stream`) of grads reduced without a grad this step (find_unused), to be
+        restored if no rank used them; pooled: none (they were reduced as zeros, none kept)."""
+        if self.pooled:
+            return {}
+        return {i: copy_of(self.device, stream, self.grads[i]) for i in indices}
+
+    def restore(self, indices: Sequence[int], saved: Dict[int, Any], stream: Any) -> None:
+        for i in indices:
+            if i in saved:
+                stream.submit(copy_into, self.grads[i], saved[i])
+
+    def grad_for_pack(self, i: int) -> Any:
+        """Grad i as the pack reads it; pooled, one not handed in this step is reduced as zeros."""
+        g = self.grads[i]
+        if g is None:
+            spec = self.specs[i]
+            g = self.device.zeros(int(np.prod(spec.shape, dtype=np.int64)), spec.dtype).reshape(spec.shape)
+        return g
+
     def zero_(self, stream: Any) -> None:
         """Zero every grad on `stream`: one fill per bucket in view mode, then the rest."""
         rest = self.grads
@@ -76,4 +114,5 @@ class GradBuckets:
                 stream.submit(kernels.zero_, buf)
             rest = [self.grads[i] for i in self.unbucketed]
         for g in rest:
-            stream.submit(kernels.zero_, g)
+            if g is not None:  # (pooled: a grad not handed in this step)
+                stream.submit(kernels.zero_, g)

@@ -32,6 +32,14 @@ class GradModule(abc.ABC):
         """Whether `install_grad` works for this module (grads may become bucket views)."""
         return False
 
+    @property
+    def pools_grads(self) -> bool:
+        """Whether, under ZeRO-2, the framework hands its own grad of parameter i to the reducer
+        each step (`reducer.grads[i] = ...` before `mark_ready(i)`) and lets it go after the
+        step: the reducer then packs into a small pool of bucket buffers and keeps no full-size
+        grad memory (torch). False: the grads live in full-size buckets."""
+        return False
+
     def install_param(self, i: int, view: Any) -> None:
         """Make the framework's parameter i alias `view` (a slice of a shard core's flat
         parameter buffer, zero=), keeping its identity (torch: `p.data = view`)."""

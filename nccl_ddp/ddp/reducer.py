@@ -21,7 +21,7 @@ from typing import Any, Callable, ContextManager, List, Optional, Sequence, Tupl
 import numpy as np
 
 from nccl_ddp.buckets.layout import BucketLayout, ParamSpec, assign_buckets
-from nccl_ddp.buckets.memory import BucketBuffers, accumulate_into, copy_into, copy_of
+from nccl_ddp.buckets.memory import BucketBuffers, accumulate_into
 from nccl_ddp.comm.group import ProcessGroup
 from nccl_ddp.ddp import comm_hooks
 from nccl_ddp.ddp.bucket_submit import BucketSubmitter, Mode
@@ -66,6 +66,7 @@ class Reducer:
         install: Optional[InstallFn] = None,
         install_param: Optional[InstallFn] = None,
         stream_scope: StreamScope = contextlib.nullcontext,
+        pool_grads: bool = False,
     ) -> None:
         self.params = list(params)
         self.grads = grads  # native arrays; entries replaced by views on install
@@ -79,6 +80,7 @@ class Reducer:
         self.stream_scope = stream_scope
         self.comm = device.new_stream()
         sharded = config.zero is not None and config.zero.stage == 2
+        self.buckets.pooled = sharded and pool_grads  # ZeRO-2 over grads handed in per step: GradPool
         if sharded:
             refuse_unshardable(group.rank, config.reducer_mode, config.static_graph, None)
         self.sync_enabled = True  # False inside no_sync()
@@ -134,7 +136,7 @@ class Reducer:
         return self.buckets.layout
 
     @property
-    def memory(self) -> Optional[BucketBuffers]:  # the flat grad buffers (None: PythonReducer)
+    def memory(self) -> Optional[BucketBuffers]:  # the flat grad buffers (None: PythonReducer, pooled)
         return self.buckets.memory
 
     @property
@@ -271,11 +273,11 @@ class Reducer:
         alone = (
             self.group.size == 1 and mode == "view" and self.submitter.hook is None and self._finite is None
         )
+        # (in view mode the grads are views of the buffer: the buffer is all it needs)
+        grads = [] if mode == "view" else [self.buckets.grad_for_pack(p) for p in bucket.params]
         with self.comm.awaited() if alone else contextlib.nullcontext():
             self.comm.wait(self.device.current_stream().record())
-            # (in view mode the grads are views of the buffer: the buffer is all it needs)
-            grads = [] if mode == "view" else [self.grads[p] for p in bucket.params]
-            buf = None if self.memory is None else self.memory.buffers[b]  # None: PythonReducer
+            buf = None if self.memory is None else self.memory.buffers[b]  # None: PythonReducer/pool
             flag = None if self._finite is None else self._finite.flag(b)
             self.submitter.submit(self.layout, b, mode, grads, buf, flag, self.step_divisor)
             self.step.done.append(self.comm.record())
@@ -319,24 +321,21 @@ class Reducer:
             raise ReducerError(
                 self._missing_message("Expected every parameter to receive a grad before the end of the step")
             )
-        saved = {}
+        saved = self.buckets.copies(missing if checks_unused else [], self.device.current_stream())
         if checks_unused:
-            compute = self.device.current_stream()
-            for i in missing:
-                saved[i] = copy_of(self.device, compute, self.grads[i])
-                if self.buckets.bucket_of[i] >= 0:
-                    st.pending[self.buckets.bucket_of[i]] -= 1
+            st.reduce_missing(missing, self.buckets.bucket_of)
             self._launch_ready()
         compute = self.device.current_stream()
         # compute: ── backward done ── wait(done 0) ... wait(done n-1) ── optimizer ─▶
         # comm:    ─[bucket 0]─●done 0 ─ ... ─[bucket n-1]─●done n-1
         for ev in st.done:
             compute.wait(ev)
+        self.buckets.step_read()
         ready = np.frombuffer(st.ready, np.uint8)
-        for i in self.used.end_step(
+        unused = self.used.end_step(
             self.group, self.device, self.comm, ready, missing, self._flags, self.steps
-        ):
-            compute.submit(copy_into, self.grads[i], saved[i])
+        )
+        self.buckets.restore(unused, saved, compute)
         st.open = False
         self.prof.end_step()
         self._close_step()

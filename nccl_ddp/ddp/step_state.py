@@ -5,7 +5,7 @@ schedules, this object counts; a new step starts a fresh count (`start`)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Collection, Iterator, List
+from typing import Any, Callable, Collection, Iterator, List, Sequence
 
 from nccl_ddp.buckets.layout import BucketLayout
 from nccl_ddp.errors import ReducerError
@@ -86,6 +86,12 @@ class StepState:
                 "static_graph=True it was unused in the first step and is no longer reduced; the "
                 "graph is not static: use find_unused_parameters=True instead"
             )
+
+    def reduce_missing(self, missing: Sequence[int], bucket_of: Sequence[int]) -> None:
+        """find_unused: the `missing` grads are reduced as they are; their buckets stop waiting."""
+        for i in missing:
+            if bucket_of[i] >= 0:
+                self.pending[bucket_of[i]] -= 1
 
     def missing(self, excluded: Collection[int]) -> List[int]:
         """The parameters (not excluded) whose grad is not ready."""

@@ -3,8 +3,10 @@
 and builds the shard memory (zero/shards.py). Every form uses it:
 
 - our `DistributedDataParallel(module, zero=ZeroConfig(...))`: its reducer builds the core at
-  construction over its own bucket layout and grad buckets (`shards=`, `grad_memory=`), on its
-  comm stream; the torch `ZeroRedundancyOptimizer` then only steps it;
+  construction over its own bucket layout (`shards=`), on its comm stream; under stage 2 it packs
+  each bucket's grads into the core's `GradPool` (torch: the framework's own `p.grad`s, dropped
+  after the step) or, for a framework whose grads must stay in buckets, hands its full-size
+  buckets (`grad_memory=`); the torch `ZeroRedundancyOptimizer` then only steps it;
 - the torch `ZeroRedundancyOptimizer` over parameters of any other model (ZeRO-1);
 - JAX's `ZeroOptimizer` and the array form: stage 2 reduce-scatters from a `GradPool`, one
   bucket-sized buffer per dtype reused bucket after bucket, so no full-size grad copy is kept.
@@ -76,7 +78,8 @@ def build_core(
     if config.stage == 2:
         if grad_memory is None:  # no full-size grad buckets: a pool reused bucket after bucket
             pool = GradPool(shards.layout, device)
-        reduce = ReduceScatter(group, device, shards, grad_memory, config.reduce_dtype)
+        memory = pool if grad_memory is None else grad_memory
+        reduce = ReduceScatter(group, device, shards, memory, config.reduce_dtype)
     zs = ZeroShards(
         shards,
         params,

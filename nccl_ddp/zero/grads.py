@@ -1,17 +1,20 @@
 """ZeRO-2's bucket collective: each bucket is reduce-scattered into this rank's shard of it.
 
 The reducer's submission path (bucket_submit.py) calls it in place of the all-reduce, in
-comm-stream order while backward goes on. It averages in the collective, so the bucket itself
-(the framework's `.grad` views) keeps this rank's local grads: accumulation across `no_sync()`
-steps and without `zero_grad()` stays what an all-reduce DDP gives, and only the owned slice of
-the reduced grad is kept (`outputs[b]`, `shard_numel[b]` elements in the bucket's dtype, or in
+comm-stream order while backward goes on. It averages in the collective, and only the owned slice
+of the reduced grad is kept (`outputs[b]`, `shard_numel[b]` elements in the bucket's dtype, or in
 `reduce_dtype` when one is asked: a bf16/fp16 bucket is then widened into one scratch buffer,
-reused by every bucket in comm-stream order, and reduced there).
+reused by every bucket in comm-stream order, and reduced there). The buckets it reads are either
+full-size buffers kept by their owner, or a `GradPool`'s, reused bucket after bucket (the torch
+DDP wrapper and the JAX/array forms: no full-size grad buffer outlives the step). `accumulate`:
+the step adds its reduced grads to the shards instead of replacing them (a backward without
+`zero_grad()` after a synchronised one: the local grads of the last step are gone, their
+reduced shards are what is kept).
 """
 
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Union
 
 import numpy as np
 
@@ -33,7 +36,7 @@ class ReduceScatter:
         group: ProcessGroup,
         device: Any,
         shards: ShardLayout,
-        memory: Optional[BucketBuffers],
+        memory: Optional[Union[BucketBuffers, GradPool]],
         reduce_dtype: Optional[np.dtype] = None,
     ) -> None:
         if memory is not None and memory.layout != shards.layout:
@@ -45,10 +48,13 @@ class ReduceScatter:
             for b in shards.layout.buckets
         ]
         self.outputs: List[Any] = [device.zeros(s, w) for s, w in zip(shards.shard_numel, wire)]
-        # memory None: the caller hands each bucket's buffer to reduce(b, ...) (a GradPool's)
+        # a GradPool: the submitter packs into its buffers (zeroed first); None: the caller hands
+        # each bucket's buffer to reduce(b, ...)
+        self.pool = memory if isinstance(memory, GradPool) else None
         self._index = {} if memory is None else {id(buf): b for b, buf in enumerate(memory.buffers)}
         widened = [b.padded for b, w in zip(shards.layout.buckets, wire) if np.dtype(b.dtype) != w]
         self._scratch = device.zeros(max(widened), reduce_dtype) if widened else None
+        self.accumulate = False  # set per step by the owner, before its first bucket launches
 
     def __call__(self, buf: Any, op: ReduceOp, tag: str) -> None:
         b = self._index.get(id(buf))
@@ -67,9 +73,12 @@ class ReduceScatter:
             wide = self._scratch[: buf.size]
             wide[...] = buf.astype(out.dtype, copy=False)
             buf = wide
-        self.group.reduce_scatter(out, buf, op, stream=self.device.current_stream(), tag=tag).wait(
+        dst = self.device.zeros(out.size, out.dtype) if self.accumulate else out
+        self.group.reduce_scatter(dst, buf, op, stream=self.device.current_stream(), tag=tag).wait(
             self.group.timeout
         )
+        if dst is not out:  # (stream order: the comm stream is current)
+            out += dst
 
 
 class GradPool:
@@ -85,6 +94,8 @@ class GradPool:
             dt = np.dtype(b.dtype)
             sizes[dt] = max(sizes.get(dt, 0), b.padded)
         self._flat = {dt: device.zeros(n, dt) for dt, n in sizes.items()}
+        self.buffers = [self._flat[np.dtype(b.dtype)][: b.padded] for b in layout.buckets]
+        """Bucket b's buffer, not zeroed (the same object every time: ReduceScatter's index)."""
 
     @property
     def nbytes(self) -> int:
@@ -94,8 +105,7 @@ class GradPool:
         """Bucket b's buffer, zeroed now, as the pack that follows runs (on CuPy: the current
         stream): gaps and padding belong to no parameter, and a previous bucket's values there
         would reach the norm."""
-        bucket = self.layout.buckets[b]
-        view = self._flat[np.dtype(bucket.dtype)][: bucket.padded]
+        view = self.buffers[b]
         kernels.zero_(view)
         return view
 
