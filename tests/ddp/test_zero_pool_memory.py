@@ -15,7 +15,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch==2.13.0)")
 
-from mp import run_ranks  # noqa: E402
+from mp import free_port, run_ranks  # noqa: E402
 from zero_oracle import OPTIMIZERS, STEPS, global_batches, local, make_model, params_of, train  # noqa: E402
 
 WORLD = 2
@@ -144,3 +144,34 @@ def test_zero2_keeps_no_full_size_grad_buffer_after_step(results):
         assert h["p_grad"] <= 4 * 16, (rank, h)  # one fp32 flag per parameter
         assert held <= h["largest_bucket"] + h["shard"] + 4 * 16, (rank, h)
         assert r["buckets"] >= 8 and held < 0.7 * h["full"], (rank, r["buckets"], h)
+
+
+@pytest.fixture
+def world1(monkeypatch):
+    import nccl_ddp as nd
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    nd.init_process_group("host", rank=0, world_size=1)
+    yield nd
+    nd.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_zero2_grads_zeroed_in_part_are_refused(world1):
+    """Some p.grad zeroed since the last step and others not: the reduced grads are kept as
+    shards of whole buckets, so the next backward can neither add to them nor start from zero;
+    a ConfigError names the rank and the parameters (nothing trains silently wrong)."""
+    from nccl_ddp.errors import ConfigError
+
+    nd = world1
+    m = make_model()
+    ddp = nd.DistributedDataParallel(m, zero=nd.ZeroConfig(stage=2))
+    opt = nd.ZeroRedundancyOptimizer(m.parameters(), torch.optim.SGD, lr=0.1)
+    opt.zero_grad()
+    ddp(torch.ones(2, 7)).square().sum().backward()
+    opt.step()
+    m.a.weight.grad.zero_()  # (allowed on the guarded grad) this one only
+    with pytest.raises(ConfigError, match=r"rank 0: .*zeroed.*opt\.zero_grad\(\)"):
+        ddp(torch.ones(2, 7))
+    ddp.close()
