@@ -235,7 +235,17 @@ class TorchModule(GradModule):
             self._grads = [None] * len(self.params)  # (a p.grad given before wrapping stays)
         for i, p in enumerate(self.params):
             self._hooks.append(p.register_post_accumulate_grad_hook(self._hook_for(i)))
+            if self._pooled is not None:
+                self._hooks.append(p.register_hook(self._open_without_forward))
             setattr(p, OWNER_ATTR, weakref.ref(self))
+
+    def _open_without_forward(self, grad: Any) -> None:
+        """ZeRO-2, before a grad is accumulated: in a backward without our forward (the module
+        called directly), the first one opens the step as the forward would (the placeholders
+        the last step left in `p.grad` make way for torch's grads)."""
+        if not self._forward_opened and self._pooled is not None:
+            self._syncing, self._forward_opened = self._ddp.sync_enabled, True
+            self._was_none = self._pooled.open(self._syncing)
 
     def superseded(self) -> None:
         """A newer wrapper took these parameters: close ours (its pending communication is

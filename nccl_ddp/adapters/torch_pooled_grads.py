@@ -17,6 +17,8 @@ grads were not zeroed, so that step adds its reduced grads to the shards (torch'
 without `zero_grad()`); 0 (`zero_grad(set_to_none=False)` zeroed it) means it starts from zero.
 `no_sync()`: the local grads accumulate in `p.grad` (real tensors) until the next synchronised
 backward, which reduces them; local grad memory exists only while inside such a run.
+`open()` runs at our forward, or, when the module is called directly, at the first grad of the
+backward (a tensor hook that runs before torch accumulates it).
 """
 
 from __future__ import annotations

@@ -175,3 +175,26 @@ def test_zero2_grads_zeroed_in_part_are_refused(world1):
     with pytest.raises(ConfigError, match=r"rank 0: .*zeroed.*opt\.zero_grad\(\)"):
         ddp(torch.ones(2, 7))
     ddp.close()
+
+
+@pytest.mark.slow
+def test_zero2_backward_without_the_wrappers_forward_equals_torch(world1):
+    """The module called directly (our forward never runs; the grad hooks open each step): the
+    first grad of a backward clears the placeholders the last step left in p.grad, as our forward
+    would (before: torch's accumulation into the stride-0 placeholder raised a RuntimeError).
+    With zero_grad(set_to_none=False) and with a step that accumulates two backwards, SGD equals
+    torch's on the same model."""
+    nd = world1
+    ours, ref = make_model(), make_model()
+    ddp = nd.DistributedDataParallel(ours, zero=nd.ZeroConfig(stage=2))
+    opt = nd.ZeroRedundancyOptimizer(ours.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(4):
+        for model, o in ((ours, opt), (ref, ref_opt)):
+            if step != 2:  # step 2 adds to step 1's grads
+                o.zero_grad(set_to_none=False)
+            model(torch.ones(2, 7) * (step + 1)).square().sum().backward()
+            o.step()
+    for (n, a), b in zip(ours.named_parameters(), ref.parameters()):
+        np.testing.assert_allclose(a.detach().numpy(), b.detach().numpy(), rtol=1e-6, atol=1e-7, err_msg=n)
+    ddp.close()
