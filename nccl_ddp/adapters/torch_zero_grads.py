@@ -1,10 +1,11 @@
 """`p.grad` under ZeRO-2: this rank's local grad, guarded so torch's tools cannot read it as the
 averaged one.
 
-Under ZeRO-2 the averaged grads exist only as each rank's reduced shard; the bucket behind `p.grad`
-keeps this rank's local sum (so `no_sync()` accumulation and backward without `zero_grad()` stay
-what an all-reduce DDP gives). After every backward each `p.grad` becomes a `LocalGrad`: the same
-memory (autograd keeps accumulating into it in C++, which `__torch_function__` does not see), whose
+Under ZeRO-2 the averaged grads exist only as each rank's reduced shard; after a synchronised
+backward `p.grad` is a placeholder of the parameter's shape without grad-sized memory, inside
+`no_sync()` torch's local sum (adapters/torch_pooled_grads.py). After every backward each `p.grad`
+becomes a `LocalGrad`: the same memory (autograd keeps accumulating into it in C++, which
+`__torch_function__` does not see), whose
 Python-level use raises `ShardedGradError` naming `opt.clip_grad_norm_`, except:
 - metadata (dtype, device, shape, data_ptr, ...), zeroing (`zero_grad(set_to_none=False)`) and
   moving or casting the module (`module.to/cpu/half`: the moved grad stays guarded);

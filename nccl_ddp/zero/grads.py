@@ -82,7 +82,7 @@ class ReduceScatter:
 
 
 class GradPool:
-    """Stage 2's grad buckets when nothing keeps them across the step (JAX, arrays): one flat
+    """Stage 2's grad buckets when nothing keeps them across the step (torch's DDP, JAX, arrays): one flat
     buffer per dtype, as large as the largest bucket of that dtype, reused bucket after bucket in
     stream order (pack, reduce-scatter, next bucket) instead of one full-size buffer per bucket:
     the reduced grads then exist only as this rank's shards."""
