@@ -26,6 +26,7 @@ from nccl_ddp.buckets.layout import Bucket, BucketLayout, ParamSpec, bucket_tag
 from nccl_ddp.buckets.memory import copy_into
 from nccl_ddp.comm.group import ProcessGroup, ReduceOp
 from nccl_ddp.ddp import comm_hooks
+from nccl_ddp.device import Device, Stream
 from nccl_ddp.errors import CommHookError
 from nccl_ddp.profiling import Timeline
 
@@ -60,14 +61,14 @@ class AllReduce:
 
     phase = "allreduce"
 
-    def __init__(self, group: ProcessGroup, device: Any) -> None:
+    def __init__(self, group: ProcessGroup, device: Device) -> None:
         self.group, self.device = group, device
 
     def __call__(self, buf: Any, op: ReduceOp, tag: str) -> None:
         all_reduce_here(self.group, self.device, buf, op, tag)
 
 
-def all_reduce_here(group: ProcessGroup, device: Any, buf: Any, op: ReduceOp, tag: str) -> None:
+def all_reduce_here(group: ProcessGroup, device: Device, buf: Any, op: ReduceOp, tag: str) -> None:
     """An all-reduce run in stream order: cuda enqueues it on the current (comm) stream without
     blocking; host runs it on the group's worker while this stream waits. `tag` names the buffer
     in errors ("bucket 3 (1.0 MiB)")."""
@@ -82,8 +83,8 @@ class BucketSubmitter:
     def __init__(
         self,
         group: ProcessGroup,
-        device: Any,
-        comm: Any,
+        device: Device,
+        comm: Stream,
         *,
         specs: Sequence[ParamSpec],
         params: Sequence[Any],

@@ -12,6 +12,7 @@ import numpy as np
 from nccl_ddp.buckets.layout import BucketLayout, bucket_tag
 from nccl_ddp.buckets.memory import to_host
 from nccl_ddp.ddp.config import CheckFinite
+from nccl_ddp.device import Device
 from nccl_ddp.errors import ConfigError, NonFiniteGradError
 
 
@@ -32,7 +33,7 @@ class FiniteCheck:
     def __init__(
         self,
         check: CheckFinite,
-        device: Any,
+        device: Device,
         rank: int,
         settle: Callable[[], None],
         label: Callable[[int], str],

@@ -16,6 +16,7 @@ from nccl_ddp import kernels
 from nccl_ddp.buckets.layout import BucketLayout, ParamSpec
 from nccl_ddp.buckets.memory import BucketBuffers, copy_into, copy_of
 from nccl_ddp.ddp.bucket_submit import Mode
+from nccl_ddp.device import Device, Stream
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ class GradBuckets:
         self,
         specs: Sequence[ParamSpec],
         grads: List[Any],
-        device: Any,
+        device: Device,
         rank: int,
         *,
         python: bool,
@@ -86,14 +87,14 @@ class GradBuckets:
         if self.pooled:
             self.release()
 
-    def copies(self, indices: Sequence[int], stream: Any) -> Dict[int, Any]:
+    def copies(self, indices: Sequence[int], stream: Stream) -> Dict[int, Any]:
         """Copies (on `stream`) of grads reduced without a grad this step (find_unused), to be
         restored if no rank used them; pooled: none (they were reduced as zeros, none kept)."""
         if self.pooled:
             return {}
         return {i: copy_of(self.device, stream, self.grads[i]) for i in indices}
 
-    def restore(self, indices: Sequence[int], saved: Dict[int, Any], stream: Any) -> None:
+    def restore(self, indices: Sequence[int], saved: Dict[int, Any], stream: Stream) -> None:
         for i in indices:
             if i in saved:
                 stream.submit(copy_into, self.grads[i], saved[i])
@@ -106,7 +107,7 @@ class GradBuckets:
             g = self.device.zeros(int(np.prod(spec.shape, dtype=np.int64)), spec.dtype).reshape(spec.shape)
         return g
 
-    def zero_(self, stream: Any) -> None:
+    def zero_(self, stream: Stream) -> None:
         """Zero every grad on `stream`: one fill per bucket in view mode, then the rest."""
         rest = self.grads
         if self.mode == "view" and self.memory is not None:

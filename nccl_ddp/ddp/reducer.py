@@ -31,6 +31,7 @@ from nccl_ddp.ddp.grad_buckets import GradBuckets, InstallFn
 from nccl_ddp.ddp.step_collectives import UsedParams, rank0_order
 from nccl_ddp.ddp.step_failure import StepFailure
 from nccl_ddp.ddp.step_state import StepState
+from nccl_ddp.device import Device
 from nccl_ddp.errors import ConfigError, ReducerError
 from nccl_ddp.profiling import Timeline
 from nccl_ddp.zero.core import ZeroCore, build_core, plan
@@ -59,7 +60,7 @@ class Reducer:
         params: Sequence[Any],
         grads: List[Any],
         group: ProcessGroup,
-        device: Any,
+        device: Device,
         config: DDPConfig,
         *,
         names: Optional[Sequence[Optional[str]]] = None,

@@ -12,10 +12,11 @@ import numpy as np
 from nccl_ddp.buckets.memory import to_host
 from nccl_ddp.comm.group import ProcessGroup, ReduceOp
 from nccl_ddp.ddp.bucket_submit import all_reduce_here
+from nccl_ddp.device import Device, Stream
 
 
 def reduce_used_and_flags(
-    group: ProcessGroup, device: Any, comm: Any, ready: np.ndarray, flags: Any, checks_unused: bool
+    group: ProcessGroup, device: Device, comm: Stream, ready: np.ndarray, flags: Any, checks_unused: bool
 ) -> Optional[np.ndarray]:
     """After the step's buckets: one SUM all-reduce of the used bitmap (`ready`, when
     `checks_unused`) and the non-finite `flags` (when not None; reduced in place). Returns the
@@ -35,7 +36,7 @@ def reduce_used_and_flags(
     return np.asarray(to_host(box[0]))
 
 
-def _reduce(group: ProcessGroup, device: Any, bitmap: np.ndarray, flags: Any, box: list) -> None:
+def _reduce(group: ProcessGroup, device: Device, bitmap: np.ndarray, flags: Any, box: list) -> None:
     xp = device.xp
     parts = ([xp.asarray(bitmap)] if bitmap.size else []) + ([] if flags is None else [flags])
     buf = xp.concatenate(parts) if len(parts) > 1 else parts[0]
@@ -50,7 +51,7 @@ def _reduce(group: ProcessGroup, device: Any, bitmap: np.ndarray, flags: Any, bo
     box.append(buf)
 
 
-def rank0_order(group: ProcessGroup, device: Any, comm: Any, arrival: List[int], n: int) -> List[int]:
+def rank0_order(group: ProcessGroup, device: Device, comm: Stream, arrival: List[int], n: int) -> List[int]:
     """Rank 0's order of first arrival of the grads (`arrival` on rank 0; every rank calls it)."""
     order = np.full(n, -1, dtype=np.int64)
     arrived = list(dict.fromkeys(arrival))
@@ -95,8 +96,8 @@ class UsedParams:
     def end_step(
         self,
         group: ProcessGroup,
-        device: Any,
-        comm: Any,
+        device: Device,
+        comm: Stream,
         ready: np.ndarray,
         missing: List[int],
         flags: Any,

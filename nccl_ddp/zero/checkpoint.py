@@ -18,6 +18,7 @@ import numpy as np
 
 from nccl_ddp.buckets.memory import to_host
 from nccl_ddp.comm.group import ReduceOp
+from nccl_ddp.device import Stream
 from nccl_ddp.errors import ConfigError
 from nccl_ddp.zero.layout import ShardLayout
 from nccl_ddp.zero.shards import ZeroShards
@@ -128,5 +129,5 @@ def _agree_keys(zs: ZeroShards, local: Dict[int, PieceState]) -> Dict[str, str]:
     return allk
 
 
-def _all_gather(zs: ZeroShards, out: Any, inp: Any, tag: str, stream: Any) -> Any:
+def _all_gather(zs: ZeroShards, out: Any, inp: Any, tag: str, stream: Stream) -> Any:
     return zs.group.all_gather(out, inp, stream=stream, tag=tag)

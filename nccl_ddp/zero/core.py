@@ -20,6 +20,7 @@ from typing import Any, Callable, List, Optional
 from nccl_ddp.buckets.layout import BucketLayout, ParamSpec, assign_buckets
 from nccl_ddp.buckets.memory import BucketBuffers
 from nccl_ddp.comm.group import ProcessGroup
+from nccl_ddp.device import Device, Stream
 from nccl_ddp.profiling import Timeline
 from nccl_ddp.zero.config import ZeroConfig
 from nccl_ddp.zero.grads import GradPool, ReduceScatter
@@ -54,12 +55,12 @@ def build_core(
     config: ZeroConfig,
     params: List[Any],
     group: ProcessGroup,
-    device: Any,
+    device: Device,
     *,
     shards: Optional[ShardLayout] = None,
     grad_memory: Optional[BucketBuffers] = None,
     install: Optional[Callable[[int, Any], None]] = None,
-    comm: Any = None,
+    comm: Optional[Stream] = None,
     timeline: Optional[Callable[[], Timeline]] = None,
     fp32_grad_shards: bool = True,
 ) -> ZeroCore:
@@ -94,7 +95,7 @@ def build_core(
     return ZeroCore(config, shards, zs, reduce, grad_memory, group, pool)
 
 
-def plan(layout: BucketLayout, group: ProcessGroup, device: Any) -> ShardLayout:
+def plan(layout: BucketLayout, group: ProcessGroup, device: Device) -> ShardLayout:
     """`layout` padded so every bucket cuts into `group.size` equal aligned shards (a reducer
     lays its grad buckets out by `plan(...).layout` before the core is built over them)."""
     return shard_layout(layout, group.size, device.align_bytes)

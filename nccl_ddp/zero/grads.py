@@ -22,6 +22,7 @@ from nccl_ddp import kernels
 from nccl_ddp.buckets.layout import BucketLayout
 from nccl_ddp.buckets.memory import BucketBuffers
 from nccl_ddp.comm.group import ProcessGroup, ReduceOp
+from nccl_ddp.device import Device
 from nccl_ddp.errors import ConfigError, ReducerError
 from nccl_ddp.zero.layout import ShardLayout
 
@@ -34,7 +35,7 @@ class ReduceScatter:
     def __init__(
         self,
         group: ProcessGroup,
-        device: Any,
+        device: Device,
         shards: ShardLayout,
         memory: Optional[Union[BucketBuffers, GradPool]],
         reduce_dtype: Optional[np.dtype] = None,
@@ -87,7 +88,7 @@ class GradPool:
     stream order (pack, reduce-scatter, next bucket) instead of one full-size buffer per bucket:
     the reduced grads then exist only as this rank's shards."""
 
-    def __init__(self, layout: BucketLayout, device: Any) -> None:
+    def __init__(self, layout: BucketLayout, device: Device) -> None:
         self.layout = layout
         sizes: dict = {}
         for b in layout.buckets:

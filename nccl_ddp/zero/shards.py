@@ -21,6 +21,7 @@ import numpy as np
 
 from nccl_ddp.buckets.memory import BucketBuffers, to_host
 from nccl_ddp.comm.group import ProcessGroup, ReduceOp
+from nccl_ddp.device import Device, Stream
 from nccl_ddp.errors import ConfigError
 from nccl_ddp.profiling import Timeline
 from nccl_ddp.zero.layout import Piece, ShardLayout
@@ -45,10 +46,10 @@ class ZeroShards:
         shards: ShardLayout,
         params: List[Any],
         group: ProcessGroup,
-        device: Any,
+        device: Device,
         *,
         install: Optional[Callable[[int, Any], None]] = None,
-        comm: Any = None,
+        comm: Optional[Stream] = None,
         shard_grads: Optional[Sequence[Any]] = None,
         timeline: Optional[Callable[[], Timeline]] = None,
         fp32_grad_shards: bool = True,
