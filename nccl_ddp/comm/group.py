@@ -12,6 +12,7 @@ import contextlib
 import enum
 from typing import Any, Iterator, Optional, Sequence
 
+from nccl_ddp.device import Stream
 from nccl_ddp.errors import ConfigError, NcclDdpError, RankMismatchError
 
 
@@ -71,16 +72,25 @@ class ProcessGroup(abc.ABC):
 
     @abc.abstractmethod
     def all_reduce(
-        self, buf: Any, op: ReduceOp = ReduceOp.SUM, stream: Any = None, *, tag: Optional[str] = None
+        self,
+        buf: Any,
+        op: ReduceOp = ReduceOp.SUM,
+        stream: Optional[Stream] = None,
+        *,
+        tag: Optional[str] = None,
     ) -> Work:
         """Reduce `buf` across the group, in place."""
 
     @abc.abstractmethod
-    def broadcast(self, buf: Any, root: int = 0, stream: Any = None, *, tag: Optional[str] = None) -> Work:
+    def broadcast(
+        self, buf: Any, root: int = 0, stream: Optional[Stream] = None, *, tag: Optional[str] = None
+    ) -> Work:
         """Copy `buf` of group rank `root` into `buf` on every rank, in place."""
 
     @abc.abstractmethod
-    def all_gather(self, out: Any, inp: Any, stream: Any = None, *, tag: Optional[str] = None) -> Work:
+    def all_gather(
+        self, out: Any, inp: Any, stream: Optional[Stream] = None, *, tag: Optional[str] = None
+    ) -> Work:
         """`out` (flat, size * inp.size elements) receives every rank's `inp`, in rank order."""
 
     @abc.abstractmethod
@@ -89,14 +99,14 @@ class ProcessGroup(abc.ABC):
         out: Any,
         inp: Any,
         op: ReduceOp = ReduceOp.SUM,
-        stream: Any = None,
+        stream: Optional[Stream] = None,
         *,
         tag: Optional[str] = None,
     ) -> Work:
         """`inp` (flat, size * out.size) is reduced; rank r gets chunk r in `out`."""
 
     @abc.abstractmethod
-    def barrier(self, stream: Any = None, *, tag: Optional[str] = None) -> Work:
+    def barrier(self, stream: Optional[Stream] = None, *, tag: Optional[str] = None) -> Work:
         """Completes once every rank of the group has reached it."""
 
     @abc.abstractmethod

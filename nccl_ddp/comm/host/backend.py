@@ -33,7 +33,7 @@ from nccl_ddp.comm.host.wire import (
     Rendezvous,
     host_id,
 )
-from nccl_ddp.device import DEFAULT_TIMEOUT, HostEvent, ImmediateStream
+from nccl_ddp.device import DEFAULT_TIMEOUT, HostEvent, ImmediateStream, Stream
 from nccl_ddp.env import env_int
 from nccl_ddp.errors import CommError, CommTimeout, ConfigError, NcclDdpError, RankMismatchError
 
@@ -220,7 +220,7 @@ class HostProcessGroup(ProcessGroup):
     # -- the worker ----------------------------------------------------------------------------
 
     def _submit(
-        self, opname: str, tag: Optional[str], fn: Callable[[], None], result: Any, stream: Any
+        self, opname: str, tag: Optional[str], fn: Callable[[], None], result: Any, stream: Optional[Stream]
     ) -> HostWork:
         """Queue `fn` on the worker; with a stream, order it after the stream's submitted work
         and make the stream's later work wait for it:
@@ -315,7 +315,12 @@ class HostProcessGroup(ProcessGroup):
         return red
 
     def all_reduce(
-        self, buf: Any, op: ReduceOp = ReduceOp.SUM, stream: Any = None, *, tag: Optional[str] = None
+        self,
+        buf: Any,
+        op: ReduceOp = ReduceOp.SUM,
+        stream: Optional[Stream] = None,
+        *,
+        tag: Optional[str] = None,
     ) -> HostWork:
         what = self._on("all_reduce", tag)
         with self.checking("all_reduce"):
@@ -327,7 +332,7 @@ class HostProcessGroup(ProcessGroup):
         )
 
     def broadcast(
-        self, buf: Any, root: int = 0, stream: Any = None, *, tag: Optional[str] = None
+        self, buf: Any, root: int = 0, stream: Optional[Stream] = None, *, tag: Optional[str] = None
     ) -> HostWork:
         what = self._on("broadcast", tag)
         with self.checking("broadcast"):
@@ -339,7 +344,9 @@ class HostProcessGroup(ProcessGroup):
             "broadcast", tag, lambda: self._transport.broadcast(flat, root, desc), buf, stream
         )
 
-    def all_gather(self, out: Any, inp: Any, stream: Any = None, *, tag: Optional[str] = None) -> HostWork:
+    def all_gather(
+        self, out: Any, inp: Any, stream: Optional[Stream] = None, *, tag: Optional[str] = None
+    ) -> HostWork:
         what = self._on("all_gather", tag)
         with self.checking("all_gather"):
             o, i = _flat(out, what, True), _flat(inp, what, False)
@@ -352,7 +359,7 @@ class HostProcessGroup(ProcessGroup):
         out: Any,
         inp: Any,
         op: ReduceOp = ReduceOp.SUM,
-        stream: Any = None,
+        stream: Optional[Stream] = None,
         *,
         tag: Optional[str] = None,
     ) -> HostWork:
@@ -366,7 +373,7 @@ class HostProcessGroup(ProcessGroup):
             "reduce_scatter", tag, lambda: self._transport.reduce_scatter(o, i, red, desc), out, stream
         )
 
-    def barrier(self, stream: Any = None, *, tag: Optional[str] = None) -> HostWork:
+    def barrier(self, stream: Optional[Stream] = None, *, tag: Optional[str] = None) -> HostWork:
         desc = (BARRIER, 0, 0, 0, 0)
         return self._submit("barrier", tag, lambda: self._transport.barrier(desc), None, stream)
 

@@ -48,6 +48,7 @@ from nccl_ddp.comm.nccl.runtime import (
     nccl_op,
     stream_ptr,
 )
+from nccl_ddp.device import Stream
 from nccl_ddp.errors import CommError, CommTimeout, ConfigError, StoreTimeout
 
 __all__ = ["NcclProcessGroup", "NcclWork", "exchange_unique_id", "is_available", "nccl_dtype", "nccl_op"]
@@ -95,7 +96,7 @@ class NcclWork(Work):
         self.started = time.monotonic()
         self._group, self._keep = group, keep
 
-    def wait(self, timeout: Optional[float] = None, stream: Any = None) -> bool:
+    def wait(self, timeout: Optional[float] = None, stream: Optional[Stream] = None) -> bool:
         """Make `stream` (None: CuPy's current stream) wait for the op; never blocks the host.
 
         `timeout` is not used here: the watchdog bounds every op by the group's timeout, and the
@@ -217,7 +218,12 @@ class NcclProcessGroup(ProcessGroup):
     # ------------------------------------------------------------------ collectives
 
     def all_reduce(
-        self, buf: Any, op: ReduceOp = ReduceOp.SUM, stream: Any = None, *, tag: Optional[str] = None
+        self,
+        buf: Any,
+        op: ReduceOp = ReduceOp.SUM,
+        stream: Optional[Stream] = None,
+        *,
+        tag: Optional[str] = None,
     ) -> NcclWork:
         dt, code, p = self._dtype(buf), nccl_op(op, self._rt.lib), self._rt.ptr(buf)
         self._debug_check("all_reduce", buf, redop=ReduceOp.parse(op))
@@ -226,7 +232,7 @@ class NcclProcessGroup(ProcessGroup):
         )
 
     def broadcast(
-        self, buf: Any, root: int = 0, stream: Any = None, *, tag: Optional[str] = None
+        self, buf: Any, root: int = 0, stream: Optional[Stream] = None, *, tag: Optional[str] = None
     ) -> NcclWork:
         if not 0 <= root < self.size:
             raise ConfigError(
@@ -239,7 +245,9 @@ class NcclProcessGroup(ProcessGroup):
             "broadcast", tag, stream, buf, (buf,), lambda c, s: c.broadcast(p, p, buf.size, dt, root, s)
         )
 
-    def all_gather(self, out: Any, inp: Any, stream: Any = None, *, tag: Optional[str] = None) -> NcclWork:
+    def all_gather(
+        self, out: Any, inp: Any, stream: Optional[Stream] = None, *, tag: Optional[str] = None
+    ) -> NcclWork:
         self._check_sizes("all_gather", tag, out, inp, "out", "input")
         dt, pi, po = self._dtype(inp), self._rt.ptr(inp), self._rt.ptr(out)
         self._debug_check("all_gather", inp)
@@ -252,7 +260,7 @@ class NcclProcessGroup(ProcessGroup):
         out: Any,
         inp: Any,
         op: ReduceOp = ReduceOp.SUM,
-        stream: Any = None,
+        stream: Optional[Stream] = None,
         *,
         tag: Optional[str] = None,
     ) -> NcclWork:
@@ -269,7 +277,7 @@ class NcclProcessGroup(ProcessGroup):
             lambda c, s: c.reduceScatter(pi, po, out.size, dt, code, s),
         )
 
-    def barrier(self, stream: Any = None, *, tag: Optional[str] = None) -> NcclWork:
+    def barrier(self, stream: Optional[Stream] = None, *, tag: Optional[str] = None) -> NcclWork:
         """A 1-element all-reduce; returns once every rank reached it (the host blocks, bounded
         by the group's timeout: CommTimeout)."""
         if self._scratch is None:
@@ -317,7 +325,7 @@ class NcclProcessGroup(ProcessGroup):
         self,
         op: str,
         tag: Optional[str],
-        stream: Any,
+        stream: Optional[Stream],
         output: Any,
         keep: tuple,
         call: Callable[[Any, int], None],
