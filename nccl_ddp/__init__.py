@@ -4,6 +4,7 @@
 """
 
 import importlib
+from typing import Any
 
 from nccl_ddp import errors, hooks
 from nccl_ddp.comm.api import (
@@ -37,7 +38,7 @@ _SUBMODULES = ("accelerate", "lightning", "transformers")
 plain `import nccl_ddp`); each imports its framework only when one of its names is used."""
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     """`ZeroRedundancyOptimizer` (torch) and `ZeroOptimizer` (JAX + optax) load their framework
     only when first used; so do the glue modules (`nccl_ddp.lightning`, ...)."""
     if name == "ZeroRedundancyOptimizer":

@@ -254,7 +254,7 @@ class CapsuleHolder:
         self._capsule = capsule
         self._device = device
 
-    def __dlpack__(self, stream: Any = None, **kwargs: Any) -> Any:
+    def __dlpack__(self, stream: Optional[int] = None, **kwargs: Any) -> Any:
         return self._capsule
 
     def __dlpack_device__(self) -> Tuple[int, int]:

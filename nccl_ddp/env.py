@@ -15,6 +15,7 @@ import numbers
 import os
 import re
 from dataclasses import dataclass, field
+from types import TracebackType
 from typing import Mapping, Optional
 
 from nccl_ddp.errors import ConfigError, ConfigTypeError
@@ -446,7 +447,7 @@ def install_failure_hook() -> None:
 
     previous = sys.excepthook
 
-    def hook(tp, value, tb):
+    def hook(tp: type[BaseException], value: BaseException, tb: Optional[TracebackType]) -> None:
         record_failure(value)
         previous(tp, value, tb)
 

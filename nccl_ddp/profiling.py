@@ -40,9 +40,9 @@ import logging
 import os
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Optional, Sequence
 
-from nccl_ddp.device import HostStream, ImmediateStream
+from nccl_ddp.device import HostStream, ImmediateStream, Stream
 from nccl_ddp.env import DEFAULT_TIMEOUT
 from nccl_ddp.errors import ConfigError, NcclDdpError
 
@@ -134,7 +134,7 @@ class _Nvtx:
             self.push, self.pop = cnvtx.RangePushC, cnvtx.RangePop
 
     @contextlib.contextmanager
-    def range(self, message: str, phase: str):
+    def range(self, message: str, phase: str) -> Iterator[None]:
         self.push(message, PHASES.get(phase, OTHER_COLOUR))
         try:
             yield
@@ -260,7 +260,7 @@ class _CudaClock:
         return self._ref_host + self._cp.cuda.get_elapsed_time(self._ref, ev) / 1e3
 
 
-def _is_host(stream: Any) -> bool:
+def _is_host(stream: Stream) -> bool:
     return isinstance(stream, (HostStream, ImmediateStream))
 
 
@@ -311,14 +311,14 @@ class Timeline:
     def enabled(self) -> bool:
         return self._on
 
-    def _track(self, stream: Any) -> str:
+    def _track(self, stream: Stream) -> str:
         entry = self._tracks.get(id(stream))
         if entry is None:
             n = sum(1 for _, name in self._tracks.values() if name.startswith("comm"))
             entry = self._tracks[id(stream)] = (stream, "comm" if n == 0 else f"comm {n + 1}")
         return entry[1]
 
-    def range(self, phase: str, bucket: Optional[int] = None, nbytes: int = 0):
+    def range(self, phase: str, bucket: Optional[int] = None, nbytes: int = 0) -> ContextManager[None]:
         """An NVTX range on the calling thread (a no-op context when NVTX is off)."""
         if self._nvtx is None:
             return contextlib.nullcontext()
@@ -326,7 +326,7 @@ class Timeline:
 
     def submit(
         self,
-        stream: Any,
+        stream: Stream,
         phase: str,
         bucket: Optional[int],
         nbytes: int,
@@ -371,14 +371,14 @@ class Timeline:
                 if end is not None:
                     end.set()
 
-    def _cuda_event(self, stream: Any) -> Any:
+    def _cuda_event(self, stream: Stream) -> Any:
         if not self.timeline:
             return None
         if self._clock is None:
             self._clock = _CudaClock()
         return self._clock.event(stream)
 
-    def mark(self, phase: str, edge: str, stream: Any = None) -> None:
+    def mark(self, phase: str, edge: str, stream: Optional[Stream] = None) -> None:
         """Open (`edge="start"`) or close (`"end"`) a compute-side span such as "backward", at the
         current host time (stream None) or at this point of `stream`'s work."""
         if not self._on:
@@ -401,7 +401,7 @@ class Timeline:
             log.warning("profiling: mark(%r, 'end') without a start; ignored", phase)
 
     @contextlib.contextmanager
-    def enqueued(self, stream: Any, phase: str, bucket: Optional[int], nbytes: int) -> Iterator[None]:
+    def enqueued(self, stream: Stream, phase: str, bucket: Optional[int], nbytes: int) -> Iterator[None]:
         """Time the work the block itself enqueues on `stream` (a collective given `stream=`,
         which must be issued from this thread, in program order, not as a submitted task):
         points on `stream` before and after it. NVTX: a range around the enqueueing."""
@@ -415,7 +415,7 @@ class Timeline:
         if self.timeline:
             self._pending.append((self._track(stream), phase, bucket, nbytes, start, end, ""))
 
-    def _point(self, stream: Any) -> Any:
+    def _point(self, stream: Optional[Stream]) -> Any:
         """This instant (stream None) or this point of `stream`'s work, resolved in end_step."""
         if stream is None:
             return time.perf_counter()

@@ -3,18 +3,20 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 
 
-def check_bool(name: str, value) -> None:
+def check_bool(name: str, value: Any) -> None:
     """bool only: 0/1, None and strings are refused so a misplaced argument is caught."""
     if not isinstance(value, bool):
         raise ConfigTypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
 
 
-def check_positive_int(name: str, value, *, allow_zero: bool = False) -> None:
+def check_positive_int(name: str, value: Any, *, allow_zero: bool = False) -> None:
     """A real int (bool is refused: `True` is not a count) that is > 0 (or >= 0)."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigTypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
@@ -22,7 +24,7 @@ def check_positive_int(name: str, value, *, allow_zero: bool = False) -> None:
         raise ConfigError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
 
 
-def check_float_dtype(label: str, dtype) -> None:
+def check_float_dtype(label: str, dtype: Any) -> None:
     """Grads are reduced as floating point (float16/32/64, bfloat16): refuse the rest up front."""
     name = getattr(dtype, "name", str(dtype))
     floating = isinstance(dtype, np.dtype) and np.issubdtype(dtype, np.floating)
@@ -34,7 +36,7 @@ def check_float_dtype(label: str, dtype) -> None:
         )
 
 
-def check_mib(name: str, value, *, allow_zero: bool = False) -> None:
+def check_mib(name: str, value: Any, *, allow_zero: bool = False) -> None:
     """A size in MiB (bucket_cap_mb, broadcast_chunk_mb): an int or float, finite and > 0 (or
     >= 0 where 0 means "one parameter per bucket"). NaN, inf and negatives are refused."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):

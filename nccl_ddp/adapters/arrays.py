@@ -131,7 +131,7 @@ class ArrayModule(GradModule):
         return self._forward(self.params, *args, **kwargs)
 
 
-def _xp(a: Any):
+def _xp(a: Any) -> Any:
     if isinstance(a, np.ndarray):
         return np
     import cupy  # only reached for CuPy arrays

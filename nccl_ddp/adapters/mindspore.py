@@ -220,7 +220,7 @@ class MindSporeModule(GradModule):
         synchronize()  # the last step's optimizer may still read the buckets
         return self.cell(*args, **kwargs)
 
-    def _hook_for(self, i: int):
+    def _hook_for(self, i: int) -> Callable[[Any], Any]:
         def hook(grad: Any) -> Any:
             # the grad is added into bucket slot i; the returned tensor aliases that slot, so
             # what value_and_grad returns is the reduced grad once the step is finalized
@@ -313,7 +313,7 @@ def _grad_reducer_cell_class() -> type:
                 return self.reducer(grads)  # PyNative: the reducer itself, zero-copy
             return super().__call__(grads, *args, **kwargs)
 
-        def construct(self, grads):
+        def construct(self, grads):  # type: ignore[no-untyped-def]  # compiled by MindSpore
             if len(grads) != len(self.shapes):
                 raise ValueError(f"got {len(grads)} grads for {len(self.shapes)} parameters")
             reduced = []

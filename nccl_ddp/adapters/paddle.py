@@ -23,7 +23,7 @@ MindSpore.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
 
@@ -176,7 +176,7 @@ class PaddleModule(GradModule):
         self._failed = False
         return self.layer(*args, **kwargs)
 
-    def _hook_for(self, i: int):
+    def _hook_for(self, i: int) -> Callable[[], None]:
         param = self.params[i]
 
         def hook() -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 from nccl_ddp.adapters.torch_pooled_grads import PooledGrads
 from nccl_ddp.adapters.torch_watch import ModuleWatch
@@ -311,7 +311,7 @@ class TorchModule(GradModule):
                     mine.copy_(g)
                 p.grad = mine
 
-    def _hook_for(self, i: int):
+    def _hook_for(self, i: int) -> Callable[[Any], None]:
         """The post-accumulate-grad hook of parameter i. It runs once per parameter per step, so
         it stays lean: it calls the reducer directly (i is a valid index), which enters torch's
         CUDA stream (`on_compute_stream`) only when a bucket completes."""
@@ -456,7 +456,7 @@ class TorchGrads(GradsAdapter):
     def from_native(self, grads: Any, reduced: List[Any]) -> Any:
         return type(grads)(from_native(a) for a in reduced)
 
-    def reduce(self, reduce_native, grads: Any) -> Any:
+    def reduce(self, reduce_native: Callable[[List[Any]], List[Any]], grads: Any) -> Any:
         self._check(grads)
         with torch_stream_current(bool(grads) and _is_cuda(grads[0])):
             return super().reduce(reduce_native, grads)

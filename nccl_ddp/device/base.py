@@ -64,8 +64,8 @@ class Device(abc.ABC):
     def current_stream(self) -> Stream:
         """The stream the caller's framework computes on now (the compute stream)."""
 
-    def empty(self, n: int, dtype) -> Any:
+    def empty(self, n: int, dtype: Any) -> Any:
         return self.xp.empty(n, dtype=dtype)
 
-    def zeros(self, n: int, dtype) -> Any:
+    def zeros(self, n: int, dtype: Any) -> Any:
         return self.xp.zeros(n, dtype=dtype)

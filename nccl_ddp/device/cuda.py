@@ -162,10 +162,10 @@ class CudaDevice(Device):
         stream)."""
         return CudaStream(self.xp.cuda.get_current_stream(self.device_id), self.device_id)
 
-    def empty(self, n: int, dtype) -> Any:
+    def empty(self, n: int, dtype: Any) -> Any:
         with self.xp.cuda.Device(self.device_id):
             return self.xp.empty(n, dtype=dtype)
 
-    def zeros(self, n: int, dtype) -> Any:
+    def zeros(self, n: int, dtype: Any) -> Any:
         with self.xp.cuda.Device(self.device_id):
             return self.xp.zeros(n, dtype=dtype)

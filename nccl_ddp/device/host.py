@@ -162,10 +162,10 @@ class HostDevice(Device):
     xp = np
     align_bytes = 64  # JAX on the CPU aliases DLPack memory only at 64-byte aligned addresses
 
-    def empty(self, n: int, dtype) -> np.ndarray:
+    def empty(self, n: int, dtype: Any) -> np.ndarray:
         return aligned_empty(n, dtype, self.align_bytes)
 
-    def zeros(self, n: int, dtype) -> np.ndarray:
+    def zeros(self, n: int, dtype: Any) -> np.ndarray:
         out = aligned_empty(n, dtype, self.align_bytes)
         out.fill(0)
         return out
@@ -178,7 +178,7 @@ class HostDevice(Device):
         return _IMMEDIATE
 
 
-def aligned_empty(n: int, dtype, align: int) -> np.ndarray:
+def aligned_empty(n: int, dtype: Any, align: int) -> np.ndarray:
     """`np.empty(n, dtype)` starting at an `align`-byte boundary: a view into a slightly larger
     byte buffer, which the view keeps alive through its `.base`."""
     nbytes = n * np.dtype(dtype).itemsize

@@ -180,13 +180,13 @@ def _is_host(x: Any) -> bool:
     return isinstance(x, np.ndarray)
 
 
-def _cuda():
+def _cuda() -> Any:
     from nccl_ddp.kernels import cuda
 
     return cuda.backend()
 
 
-def _cuda_optim():
+def _cuda_optim() -> Any:
     from nccl_ddp.kernels import cuda_optim
 
     return cuda_optim

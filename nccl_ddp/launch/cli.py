@@ -14,7 +14,7 @@ import logging
 import os
 import sys
 import uuid
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from nccl_ddp.env import LOOPBACK
 from nccl_ddp.errors import ConfigError, NcclDdpError
@@ -61,12 +61,12 @@ def _filters(value: str) -> tuple:
     return tuple(item.replace("\0", ",") for item in value.replace(",,", "\0").split(",") if item)
 
 
-def _env(*names: str, default=None):
+def _env(*names: str, default: Optional[str] = None) -> Optional[str]:
     """The first of `names` set in the environment, else `default`."""
     return next((os.environ[n] for n in names if os.environ.get(n)), default)
 
 
-def _flag(p: argparse.ArgumentParser, name: str, *short: str, env: Sequence[str] = (), **kw):
+def _flag(p: argparse.ArgumentParser, name: str, *short: str, env: Sequence[str] = (), **kw: Any) -> None:
     """Add `--a-b` with its underscore twin `--a_b` (torchrun accepts both); the default comes
     from `env`, then torchrun's PET_A_B, then `default`."""
     dest = name.replace("-", "_")

@@ -51,7 +51,7 @@ class LaunchConfig:
     virtual_local_rank: bool = False  # LOCAL_RANK=0, CUDA_VISIBLE_DEVICES one GPU each
     duplicate_filters: tuple = ((), ())  # stdout, stderr lines with these go to filtered_*.log
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not self.entrypoint:
             raise ConfigError(
                 "nccl-ddp-run: no script given; usage: nccl-ddp-run [options] script.py args..."

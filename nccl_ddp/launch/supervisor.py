@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import IO, Any, Callable, Optional
 
 from nccl_ddp.env import blamed_rank
@@ -278,12 +279,12 @@ class Signals:
                 self._old[sig] = signal.signal(sig, self._on_signal)
         return self
 
-    def _on_signal(self, signum, frame) -> None:
+    def _on_signal(self, signum: int, frame: Optional[FrameType]) -> None:
         self.count += 1
         if self.received is None:
             self.received = signum
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         for sig, handler in self._old.items():
             signal.signal(sig, handler)
 

@@ -253,7 +253,7 @@ class TCPStore:
     def __enter__(self) -> TCPStore:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 

@@ -25,7 +25,7 @@ import struct
 import threading
 import time
 from collections import OrderedDict
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from nccl_ddp.errors import StoreError
 from nccl_ddp.store.wire import MAGIC, MAX_FRAME, _decode, _encode, _Malformed, _proof
@@ -141,7 +141,7 @@ class StoreServer:
     def __enter__(self) -> StoreServer:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def has_prefix(self, prefix: str) -> bool:
@@ -222,7 +222,7 @@ class StoreServer:
         self._sel.unregister(self._sock)
         self._accept_paused_until = time.monotonic() + ACCEPT_PAUSE
 
-    def _admit(self, sock: socket.socket, peer) -> None:
+    def _admit(self, sock: socket.socket, peer: Any) -> None:
         if len(self._pending) >= MAX_UNAUTHENTICATED:
             self._drop(self._evictee())
         sock.setblocking(False)
@@ -409,7 +409,13 @@ class StoreServer:
     def _changed(self) -> None:
         self._dirty = True
 
-    def _park(self, ready, reply, expire, timeout_ms: bytes):
+    def _park(
+        self,
+        ready: Callable[[], bool],
+        reply: Callable[[], list],
+        expire: Callable[[], list],
+        timeout_ms: bytes,
+    ) -> list | _Parked:
         if ready():
             return reply()
         return _Parked(ready, reply, expire, time.monotonic() + int(timeout_ms) / 1000)
@@ -420,13 +426,13 @@ class StoreServer:
         self._changed()
         return [b"ok"]
 
-    def _op_get(self, key: bytes, timeout_ms: bytes):
+    def _op_get(self, key: bytes, timeout_ms: bytes) -> list | _Parked:
         k = key.decode()
         return self._park(
             lambda: k in self._data, lambda: [b"ok", self._data[k]], lambda: [b"timeout"], timeout_ms
         )
 
-    def _op_wait(self, timeout_ms: bytes, *keys: bytes):
+    def _op_wait(self, timeout_ms: bytes, *keys: bytes) -> list | _Parked:
         names = [k.decode() for k in keys]
         return self._park(
             lambda: all(k in self._data for k in names),
@@ -457,7 +463,7 @@ class StoreServer:
     def _op_delete(self, key: bytes) -> list[bytes]:
         return [b"ok", b"1" if self._data.pop(key.decode(), None) is not None else b"0"]
 
-    def _op_barrier(self, name: bytes, world: bytes, timeout_ms: bytes):
+    def _op_barrier(self, name: bytes, world: bytes, timeout_ms: bytes) -> list | _Parked:
         n, size = name.decode(), int(world)
         int(timeout_ms)  # a malformed timeout fails before the state changes
         state = self._barriers.setdefault(n, [0, 0, size])
