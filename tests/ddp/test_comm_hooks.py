@@ -472,6 +472,7 @@ def test_check_finite_raise_names_bucket_and_parameter(kind):
         assert res["finite"] == [True, False, True]
 
 
+@pytest.mark.slow
 def test_check_finite_off_refuses_last_step_finite():
     out = run_ranks(_finite_off, 1, timeout=60)[0]
     for owner in ("DistributedDataParallel", "DistributedGradReducer"):

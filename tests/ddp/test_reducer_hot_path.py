@@ -130,6 +130,7 @@ def test_per_grad_no_cuda_calls_per_bucket_constant(counted):
         )
 
 
+@pytest.mark.slow
 def test_bucket_cost_does_not_grow_with_its_grads(counted):
     """One bucket of 3 grads and one of 300: the same calls, and none per grad."""
     cp, counts = counted
