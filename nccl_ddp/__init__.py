@@ -8,10 +8,6 @@ from typing import Any
 
 from nccl_ddp import errors, hooks
 from nccl_ddp.comm.api import (
-    all_gather,
-    all_reduce,
-    barrier,
-    broadcast,
     destroy_process_group,
     get_local_rank,
     get_rank,
@@ -20,8 +16,8 @@ from nccl_ddp.comm.api import (
     init_process_group,
     is_initialized,
     new_group,
-    reduce_scatter,
 )
+from nccl_ddp.comm.collectives import all_gather, all_reduce, barrier, broadcast, reduce_scatter
 from nccl_ddp.comm.group import ProcessGroup, ReduceOp, Work
 from nccl_ddp.ddp.data_parallel import DistributedDataParallel
 from nccl_ddp.ddp.grad_reducer import DistributedGradReducer

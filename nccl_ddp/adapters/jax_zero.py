@@ -21,7 +21,8 @@ import numpy as np
 
 from nccl_ddp import kernels
 from nccl_ddp.adapters.jax import from_native, to_native
-from nccl_ddp.comm.api import broadcast, device_of, get_world_group
+from nccl_ddp.comm.api import device_of, get_world_group
+from nccl_ddp.comm.collectives import broadcast
 from nccl_ddp.comm.group import ProcessGroup, ReduceOp
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 from nccl_ddp.zero.config import ZeroConfig

@@ -200,7 +200,7 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int = 0, group: Any
     calls it with the same variables in the same order."""
     import keras
 
-    from nccl_ddp.comm import api
+    from nccl_ddp.comm import collectives
 
     variables = list(variables)
     by_dtype: Dict[np.dtype, List[int]] = {}
@@ -210,7 +210,7 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int = 0, group: Any
     for dtype in sorted(by_dtype, key=str):  # the same order on every rank
         idx = by_dtype[dtype]
         flat = np.concatenate([values[i].ravel() for i in idx]) if idx else np.empty(0, dtype)
-        flat = api.broadcast(flat, src=root_rank, group=group)
+        flat = collectives.broadcast(flat, src=root_rank, group=group)
         off = 0
         for i in idx:
             n = values[i].size

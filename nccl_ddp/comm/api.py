@@ -1,9 +1,10 @@
-"""The torch.distributed-like functional API: one world group per process, collectives on any
-DLPack array (converted by `nccl_ddp.dlpack`).
+"""The torch.distributed-like process-group lifecycle: one world group per process, joined from
+any launcher's variables, plus the queries and `new_group` on it. The collectives on DLPack
+arrays are in `comm/collectives.py`.
 
     nd.init_process_group()                  # env from nccl-ddp-run / torchrun / Slurm / MPI
-    nd.all_reduce(grad, op="avg")            # in place on NumPy / torch CPU / CuPy arrays
-    w = nd.all_reduce(x, async_op=True); ...; x = w.result()
+    nd.get_rank(), nd.get_world_size()
+    nd.destroy_process_group()
 """
 
 from __future__ import annotations
@@ -15,14 +16,13 @@ import numbers
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence, Union, cast
+from typing import Any, Optional, Sequence, Union, cast
 
 import numpy as np
 
-from nccl_ddp import dlpack
 from nccl_ddp.comm.backends import backend_name
-from nccl_ddp.comm.group import NonMemberGroup, ProcessGroup, ReduceOp, Work
-from nccl_ddp.device import CudaDevice, Device, HostDevice, get_device
+from nccl_ddp.comm.group import NonMemberGroup, ProcessGroup
+from nccl_ddp.device import CudaDevice, Device, get_device
 from nccl_ddp.env import DEFAULT_TIMEOUT, DistEnv, install_failure_hook, resolve_env
 from nccl_ddp.errors import (
     CommTimeout,
@@ -32,11 +32,9 @@ from nccl_ddp.errors import (
     RankMismatchError,
     StoreTimeout,
 )
-from nccl_ddp.validate import check_bool
 
 log = logging.getLogger(__name__)
 
-_DEVICE_KIND = {"host": "host", "nccl": "cuda"}
 _inits = itertools.count(1)  # init_process_group calls so far: fresh store keys for each
 INIT_KEYS = "nccl_ddp/init"  # their prefix (nccl-ddp-run reads whether any rank initialised)
 DESTROY_POLL = 0.5  # seconds between checks for exited peers in destroy_process_group
@@ -57,7 +55,6 @@ class _World:
 
 
 _world: Optional[_World] = None
-_IMMEDIATE = HostDevice().current_stream()
 
 
 def _pick_backend(backend: Optional[str]) -> str:
@@ -106,7 +103,7 @@ def init_process_group(
         raise ConfigError(
             f"rank {_world.env.rank}: init_process_group called twice; call destroy_process_group() first"
         )
-    _check_timeout(timeout, "init_process_group")
+    check_timeout(timeout, "init_process_group")
     if store is not None and not all(hasattr(store, m) for m in ("get", "set", "add", "wait")):
         raise ConfigTypeError(
             f"init_process_group: store must be a key-value store (nccl_ddp.store."
@@ -179,7 +176,8 @@ def _notice_job_of_one(env: DistEnv) -> None:
     )
 
 
-def _check_timeout(timeout: Any, where: str) -> None:
+def check_timeout(timeout: Any, where: str) -> None:
+    """A timeout in seconds, > 0 and at most MAX_TIMEOUT; ConfigError naming `where` otherwise."""
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
         raise ConfigTypeError(
             f"{where}: timeout must be a number of seconds, got {type(timeout).__name__} {timeout!r}"
@@ -242,7 +240,8 @@ def is_initialized() -> bool:
     return _world is not None
 
 
-def _require(what: str) -> _World:
+def require_world(what: str) -> _World:
+    """The world this process joined; ConfigError naming `what` before init_process_group."""
     if _world is None:
         raise ConfigError(
             f"{what} called before init_process_group(); call "
@@ -253,35 +252,35 @@ def _require(what: str) -> _World:
 
 
 def get_rank() -> int:
-    return _require("get_rank").env.rank
+    return require_world("get_rank").env.rank
 
 
 def get_world_size() -> int:
-    return _require("get_world_size").env.world_size
+    return require_world("get_world_size").env.world_size
 
 
 def get_local_rank() -> int:
-    return _require("get_local_rank").env.local_rank
+    return require_world("get_local_rank").env.local_rank
 
 
 def get_local_world_size() -> int:
     """The number of ranks on this node (the launcher's LOCAL_WORLD_SIZE or equivalent)."""
-    return _require("get_local_world_size").env.local_world_size
+    return require_world("get_local_world_size").env.local_world_size
 
 
 def get_store() -> Any:
     """The job's key-value store (coordination beside the collectives, e.g. Join's error report)."""
-    return _require("get_store").store
+    return require_world("get_store").store
 
 
 def get_world_group() -> ProcessGroup:
-    return _require("get_world_group").group
+    return require_world("get_world_group").group
 
 
 def new_group(ranks: Sequence[int]) -> Union[ProcessGroup, NonMemberGroup]:
     """A group of the given global ranks; every rank of the world must call it, in the same
     order. Non-members get a falsy `NonMemberGroup` that refuses to be used."""
-    w = _require("new_group")
+    w = require_world("new_group")
     if isinstance(ranks, (str, bytes, dict)) or not hasattr(ranks, "__iter__"):
         raise ConfigTypeError(
             f"rank {w.env.rank}: new_group: ranks must be a list of global ranks "
@@ -348,178 +347,3 @@ def resolve_group(group: Optional[ProcessGroup], argname: str) -> ProcessGroup:
 def device_of(group: ProcessGroup) -> Device:
     """The device whose arrays `group` reduces: host (NumPy) or cuda (CuPy)."""
     return get_device("host" if group.backend == "host" else "cuda", getattr(group, "device_id", None))
-
-
-# -- collectives --------------------------------------------------------------------------------
-
-
-class ApiWork(Work):
-    """A backend Work plus the step that turns its native output into the caller's object."""
-
-    def __init__(self, inner: Work, finish: Callable[[], Any]) -> None:
-        self._inner, self._finish = inner, finish
-        self._done, self._value = False, None
-
-    def wait(self, timeout: Optional[float] = None) -> bool:
-        if timeout is not None:
-            _check_timeout(timeout, "Work.wait")
-        self._inner.wait(timeout)
-        if not self._done:
-            self._value, self._done = self._finish(), True
-        return True
-
-    def is_completed(self) -> bool:
-        return self._inner.is_completed()
-
-    def result(self) -> Any:
-        self.wait()
-        return self._value
-
-
-class _Buf:
-    """One caller array as a contiguous native buffer; `finish()` writes back and returns what
-    the caller gets."""
-
-    def __init__(self, x: Any, kind: str, where: str) -> None:
-        self.x = x
-        self.native = dlpack.to_native(x, kind, where)
-        contiguous = self.native.flags.c_contiguous
-        self.buf = self.native if contiguous else self.native.copy()  # copy() is C order
-
-    def finish(self) -> Any:
-        if self.buf is not self.native:
-            self.native[...] = self.buf
-        return dlpack.from_native(self.native, self.x)
-
-
-def _context(group: Optional[ProcessGroup], what: str, async_op: bool) -> tuple:
-    """(group, device kind, error prefix, stream to pass) for one API call."""
-    w = _require(what)
-    check_bool("async_op", async_op)
-    g = w.group if group is None else group
-    if isinstance(g, NonMemberGroup):
-        raise g.refuse(what)
-    if not isinstance(g, ProcessGroup):
-        raise ConfigError(
-            f"rank {w.env.rank}: {what}: group must be a ProcessGroup from "
-            f"new_group() (or None for the world), got {type(g).__name__}"
-        )
-    # synchronous host calls pass the caller's immediate stream: the op may then run on the
-    # calling thread, saving two thread switches
-    stream = _IMMEDIATE if g.backend == "host" and not async_op else None
-    return g, _DEVICE_KIND[g.backend], f"rank {w.env.rank}: {what} on group {g.name!r}", stream
-
-
-def _run(work: Work, finish: Callable[[], Any], async_op: bool) -> Any:
-    w = ApiWork(work, finish)
-    if async_op:
-        return w
-    return w.result()
-
-
-def all_reduce(
-    x: Any, op: ReduceOp | str = "sum", group: Optional[ProcessGroup] = None, async_op: bool = False
-) -> Any:
-    """Reduce `x` over the group (in place where possible); returns `x` or the new array.
-
-    op: sum, avg, max, min, prod. avg on integer dtypes sums in the dtype (wrapping like NCCL)
-    and truncates toward zero; bool supports max (any) and min (all) only."""
-    g, kind, where, stream = _context(group, "all_reduce", async_op)
-    with g.checking("all_reduce"):  # refused here only: the group is poisoned
-        b = _Buf(x, kind, where)
-        return _run(g.all_reduce(b.buf, ReduceOp.parse(op), stream), b.finish, async_op)
-
-
-def broadcast(x: Any, src: int = 0, group: Optional[ProcessGroup] = None, async_op: bool = False) -> Any:
-    """Copy global rank `src`'s `x` to every member of the group."""
-    g, kind, where, stream = _context(group, "broadcast", async_op)
-    with g.checking("broadcast"):  # refused here only: the group is poisoned
-        if isinstance(src, bool) or not isinstance(src, (int, np.integer)):
-            raise ConfigTypeError(
-                f"{where}: src must be an int (a global rank), got {type(src).__name__} {src!r}"
-            )
-        if src not in g.ranks:
-            raise ConfigError(
-                f"{where}: src rank {src} is not a member of the group {list(g.ranks)}; src is a global rank"
-            )
-        b = _Buf(x, kind, where)
-        return _run(g.broadcast(b.buf, g.ranks.index(src), stream), b.finish, async_op)
-
-
-def _gather_parts(parts: Sequence[Any], g: ProcessGroup, kind: str, where: str, size: int, role: str) -> list:
-    if len(parts) != g.size:
-        raise ConfigError(
-            f"{where}: {role} has {len(parts)} arrays but the group has {g.size} ranks; pass one per rank"
-        )
-    bufs = [_Buf(p, kind, where) for p in parts]
-    for i, b in enumerate(bufs):
-        if b.buf.size != size:
-            raise ConfigError(f"{where}: {role}[{i}] has {b.buf.size} elements, expected {size}")
-    return bufs
-
-
-def all_gather(out: Any, x: Any, group: Optional[ProcessGroup] = None, async_op: bool = False) -> Any:
-    """`out` (a list of group-size arrays, or one array of group size x `x.size` elements)
-    receives every member's `x`, in group-rank order. Returns `out` (or new arrays)."""
-    g, kind, where, stream = _context(group, "all_gather", async_op)
-    with g.checking("all_gather"):  # refused here only: the group is poisoned
-        xi = _Buf(x, kind, where)
-        if isinstance(out, (list, tuple)):
-            parts = _gather_parts(out, g, kind, where, xi.buf.size, "out")
-            flat = _empty_like(xi.buf, g.size * xi.buf.size)
-
-            def finish() -> Any:
-                res = []
-                for i, p in enumerate(parts):
-                    p.buf.reshape(-1)[...] = flat[i * xi.buf.size : (i + 1) * xi.buf.size]
-                    res.append(p.finish())
-                return type(out)(res) if isinstance(out, tuple) else _same_list(out, res)
-
-            return _run(g.all_gather(flat, xi.buf.reshape(-1), stream), finish, async_op)
-        o = _Buf(out, kind, where)
-        return _run(g.all_gather(o.buf.reshape(-1), xi.buf.reshape(-1), stream), o.finish, async_op)
-
-
-def reduce_scatter(
-    out: Any,
-    inputs: Any,
-    op: ReduceOp | str = "sum",
-    group: Optional[ProcessGroup] = None,
-    async_op: bool = False,
-) -> Any:
-    """`inputs` (a list of group-size arrays, or one array of group size x `out.size`) is reduced
-    over the group; member i receives part i in `out`. Returns `out` (or a new array)."""
-    g, kind, where, stream = _context(group, "reduce_scatter", async_op)
-    with g.checking("reduce_scatter"):  # refused here only: the group is poisoned
-        o = _Buf(out, kind, where)
-        if isinstance(inputs, (list, tuple)):
-            parts = _gather_parts(inputs, g, kind, where, o.buf.size, "inputs")
-            flat = _empty_like(o.buf, g.size * o.buf.size)
-            for i, p in enumerate(parts):
-                flat[i * o.buf.size : (i + 1) * o.buf.size] = p.buf.reshape(-1)
-        else:
-            flat = _Buf(inputs, kind, where).buf.reshape(-1)
-        work = g.reduce_scatter(o.buf.reshape(-1), flat, ReduceOp.parse(op), stream)
-        return _run(work, o.finish, async_op)
-
-
-def barrier(group: Optional[ProcessGroup] = None, async_op: bool = False) -> Any:
-    """Returns once every member of the group reached the barrier (a Work with async_op)."""
-    g, _, _, stream = _context(group, "barrier", async_op)
-    return _run(g.barrier(stream), lambda: None, async_op)
-
-
-def _empty_like(a: Any, n: int) -> Any:
-    if isinstance(a, np.ndarray):
-        return np.empty(n, a.dtype)
-    import cupy
-
-    return cupy.empty(n, a.dtype)
-
-
-def _same_list(out: list, res: list) -> list:
-    """The caller's list, updated where a framework array could not be written in place."""
-    for i, r in enumerate(res):
-        if r is not out[i]:
-            out[i] = r
-    return out

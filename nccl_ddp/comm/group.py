@@ -2,7 +2,7 @@
 
 Backends (`host/backend.py`, `nccl/backend.py`) implement `ProcessGroup`; everything above
 `comm/` talks to this interface only. Buffers are the backend's native arrays: NumPy for "host",
-CuPy for "nccl"; conversion from other frameworks happens in `comm/api.py` through DLPack.
+CuPy for "nccl"; conversion from other frameworks happens in `comm/collectives.py` through DLPack.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from gpu_probe import HAS_GPU
 from mp import run_ranks
 
 from nccl_ddp.comm.nccl import backend as nb
+from nccl_ddp.comm.nccl import watchdog as nw
 from nccl_ddp.errors import CommError, CommTimeout, ConfigError
 
 # ---------------------------------------------------------------------------------- mapping
@@ -213,7 +214,7 @@ def test_watchdog_abort_waits_for_the_nccl_call_in_progress(monkeypatch, held):
     the training thread. Held less than ABORT_LOCK_WAIT, the abort comes after the call (from
     whichever thread takes the lock first); held longer, the watchdog hands it to the training
     thread, which aborts on its way out of the call."""
-    monkeypatch.setattr(nb, "ABORT_LOCK_WAIT", 0.8, raising=False)
+    monkeypatch.setattr(nw, "ABORT_LOCK_WAIT", 0.8)
     g, comm, rt = make_group(size=2, ranks=[0, 1])
     t, box = _call_held_inside_nccl(g, comm)
     comm.async_error = FakeNcclError("NCCL_ERROR_REMOTE_ERROR")
@@ -633,7 +634,7 @@ def test_peer_learns_the_poison_through_the_store_once_its_op_is_overdue(monkeyp
     stay pending). Its watchdog looks at the store only once the op has run POISON_PROBE_AFTER
     (0.05 s here) and fails the group naming rank 0's reason, long before the 30 s timeout.
     Before: rank 1 waited for its timeout."""
-    monkeypatch.setattr(nb, "POISON_PROBE_AFTER", 0.05, raising=False)
+    monkeypatch.setattr(nw, "POISON_PROBE_AFTER", 0.05)
     store = DictStore()
     rt0, rt1 = FakeRuntime(), FakeRuntime(complete=False)
     groups = [
