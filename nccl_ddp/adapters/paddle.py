@@ -217,8 +217,9 @@ class PaddleModule(GradModule):
         import paddle
 
         reducer = self._ddp.reducer
+        untouched = self._ddp.untouched_last_step()
         for i, p in enumerate(self.params):
-            if i in reducer.unused_last_step:
+            if i in untouched:
                 continue
             if p.grad is None:
                 p.grad = paddle.to_tensor(reducer.grads[i])
