@@ -29,7 +29,7 @@ from nccl_ddp.zero.optim import ShardAdamW, ShardSGD
 __version__ = "0.1.0"
 
 
-_SUBMODULES = ("accelerate", "lightning", "transformers")
+_SUBMODULES = ("accelerate", "keras", "lightning", "transformers")
 """The framework glue modules, loaded on first use (`nccl_ddp.lightning.NcclDDPStrategy()` after a
 plain `import nccl_ddp`); each imports its framework only when one of its names is used."""
 
