@@ -19,9 +19,7 @@ def test_top_level_modules_are_package_attributes_and_import_no_framework():
         "got = {n: getattr(nccl_ddp, n).__name__ for n in names}\n"
         "print(json.dumps({'got': got, 'loaded': [f for f in fws if f in sys.modules]}))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
-    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["got"] == {n: f"nccl_ddp.{n}" for n in names}
