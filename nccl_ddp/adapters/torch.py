@@ -12,16 +12,15 @@ the compute stream. PyTorch's grad semantics are kept: a parameter whose `.grad`
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import weakref
-from typing import Any, Callable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
+from nccl_ddp.adapters.torch_grads import TorchGrads
 from nccl_ddp.adapters.torch_pooled_grads import PooledGrads
+from nccl_ddp.adapters.torch_tensors import from_native, is_cuda, to_native, torch_stream_current
 from nccl_ddp.adapters.torch_watch import ModuleWatch
-from nccl_ddp.buckets.layout import ParamSpec
-from nccl_ddp.ddp.interfaces import GradModule, GradsAdapter
-from nccl_ddp.dlpack import KDL_CPU, KDL_CUDA, bfloat16_dtype, is_bfloat16, native_from_dlpack
+from nccl_ddp.ddp.interfaces import GradModule
 from nccl_ddp.errors import ConfigError, ConfigTypeError, NcclDdpError
 
 log = logging.getLogger(__name__)
@@ -42,33 +41,6 @@ def grads_adapter() -> TorchGrads:
     return TorchGrads()
 
 
-# ---------------------------------------------------------------------------------------------
-# tensors <-> native arrays
-
-
-def to_native(t: Any) -> Any:
-    """A NumPy (CPU) or CuPy (CUDA) array sharing memory with tensor `t` (writable)."""
-    import torch
-
-    t = t.detach()
-    kind = {"cpu": KDL_CPU, "cuda": KDL_CUDA}.get(t.device.type)
-    if kind is None:
-        raise ConfigTypeError(f"tensors on {t.device} are not supported; use CPU or CUDA tensors")
-    if t.dtype == torch.bfloat16 and kind == KDL_CPU:  # NumPy's DLPack knows no bfloat16
-        return native_from_dlpack(t.view(torch.int16), kind).view(bfloat16_dtype())
-    return native_from_dlpack(t, kind)  # CuPy 14 reads bfloat16 as ml_dtypes.bfloat16
-
-
-def from_native(a: Any) -> Any:
-    """A tensor sharing memory with the native array `a`."""
-    import numpy as np
-    import torch
-
-    if isinstance(a, np.ndarray) and is_bfloat16(a.dtype):
-        return torch.from_dlpack(a.view(np.int16)).view(torch.bfloat16)
-    return torch.from_dlpack(a)
-
-
 OWNER_ATTR = "_nccl_ddp_owner"
 """The attribute our DistributedDataParallel sets on each parameter it reduces, as torch's FSDP
 marks its own: a weak reference to the wrapper's TorchModule (and through it the model's shard
@@ -84,29 +56,6 @@ def owner_of(param: Any) -> Optional[TorchModule]:
         return None
     i = owner._index.get(id(param))
     return owner if i is not None and owner.params[i] is param else None
-
-
-def _is_cuda(t: Any) -> bool:
-    return t.device.type == "cuda"
-
-
-@contextlib.contextmanager
-def torch_stream_current(on_cuda: bool) -> Iterator[None]:
-    """Make torch's current CUDA stream CuPy's current stream, so the reducer's compute stream is
-    the one backward runs on; a no-op on the CPU."""
-    if not on_cuda:
-        yield
-        return
-    import cupy
-    import torch
-
-    from nccl_ddp.device import RawStream
-
-    stream = torch.cuda.current_stream()
-    # Stream.from_external: CuPy 14 deprecates ExternalStream (a DeprecationWarning per call);
-    # the raw pointer works whether or not this torch has __cuda_stream__
-    with cupy.cuda.Device(stream.device.index), cupy.cuda.Stream.from_external(RawStream(stream.cuda_stream)):
-        yield
 
 
 # ---------------------------------------------------------------------------------------------
@@ -138,7 +87,7 @@ class TorchModule(GradModule):
                 f"all parameters must be on one device, found {sorted(devices)}; "
                 "one process drives one device"
             )
-        self.on_cuda = bool(self.params) and _is_cuda(self.params[0])
+        self.on_cuda = bool(self.params) and is_cuda(self.params[0])
         # _grads[i]: the tensor the reducer's grads[i] aliases; p.grad is set to it at forward.
         self._grads = [torch.zeros_like(p, memory_format=torch.contiguous_format) for p in self.params]
         self._index = {id(p): i for i, p in enumerate(self.params)}
@@ -391,7 +340,7 @@ class TorchModule(GradModule):
 
     def _native_state(self, name: str, t: Any, what: str) -> Any:
         """A writable native array (a strided view when `t` is not contiguous) of `t`."""
-        if _is_cuda(t) != self.on_cuda:
+        if is_cuda(t) != self.on_cuda:
             raise ConfigError(
                 f"{what} {name!r} is on {t.device}, the trainable parameters on "
                 f"{self.params[0].device}; move the whole module to one device "
@@ -434,49 +383,3 @@ def _check_initialized(module: Any) -> None:
 
 def _missing(param: Any) -> int:
     raise KeyError(param)
-
-
-# ---------------------------------------------------------------------------------------------
-# DistributedGradReducer
-
-
-class TorchGrads(GradsAdapter):
-    """Parameters: tensors (`model.parameters()` works); grads: a list/tuple of tensors. The
-    reduced grads are new tensors viewing the reducer's fresh bucket memory (no copy out)."""
-
-    def param_infos(self, parameters: Any) -> List[ParamSpec]:
-        import torch
-
-        return [ParamSpec(tuple(p.shape), to_native(torch.empty(0, dtype=p.dtype)).dtype) for p in parameters]
-
-    def to_native(self, grads: Any) -> List[Any]:
-        self._check(grads)
-        return [to_native(g if g.is_contiguous() else g.contiguous()) for g in grads]
-
-    def from_native(self, grads: Any, reduced: List[Any]) -> Any:
-        return type(grads)(from_native(a) for a in reduced)
-
-    def reduce(self, reduce_native: Callable[[List[Any]], List[Any]], grads: Any) -> Any:
-        self._check(grads)
-        with torch_stream_current(bool(grads) and _is_cuda(grads[0])):
-            return super().reduce(reduce_native, grads)
-
-    @staticmethod
-    def _check(grads: Any) -> None:
-        if not isinstance(grads, (list, tuple)):
-            raise ConfigTypeError(f"grads must be a list or tuple of tensors, got {type(grads).__name__}")
-        import torch
-
-        for i, g in enumerate(grads):
-            if g is None:
-                raise ConfigError(
-                    f"grads[{i}] is None (that parameter got no grad); pass "
-                    "torch.zeros_like(param) for it so every rank reduces the same list"
-                )
-            if not isinstance(g, torch.Tensor):
-                raise ConfigTypeError(
-                    f"grads[{i}] is a {type(g).__module__}.{type(g).__name__}, but this reducer "
-                    f"was built on torch parameters: pass torch tensors (torch.from_dlpack), or "
-                    f"build the reducer on parameters of that framework; nccl_ddp never mixes "
-                    f"frameworks"
-                )

@@ -19,8 +19,10 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
-from nccl_ddp.adapters.torch import from_native, owner_of, to_native
+from nccl_ddp.adapters.torch import owner_of
 from nccl_ddp.adapters.torch_dist import join_torch_world
+from nccl_ddp.adapters.torch_tensors import from_native
+from nccl_ddp.adapters.torch_zero_build import adopt_options, nd_group, own_core, pick_stage, piece_groups
 from nccl_ddp.adapters.torch_zero_grads import GradGuard
 from nccl_ddp.adapters.torch_zero_hooks import GatherWaits
 from nccl_ddp.adapters.torch_zero_state import (
@@ -35,8 +37,7 @@ from nccl_ddp.ddp.join import JoinHook, JoinState
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 from nccl_ddp.validate import check_bool
 from nccl_ddp.zero.checkpoint import consolidate, reshard
-from nccl_ddp.zero.config import ZeroConfig, wire_dtype
-from nccl_ddp.zero.core import build_core
+from nccl_ddp.zero.config import wire_dtype
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +104,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if zero_stage not in (None, 1, 2):
             raise ConfigError(f"zero_stage must be None, 1 or 2, got {zero_stage!r}")
         self.group = resolve_group(
-            join_torch_world(_nd_group(process_group), "ZeroRedundancyOptimizer"), "process_group"
+            join_torch_world(nd_group(process_group), "ZeroRedundancyOptimizer"), "process_group"
         )
         self.optimizer_class, self.skip_nonfinite = optimizer_class, skip_nonfinite
         self._asked = {"overlap_param_gather": overlap_param_gather, "reduce_dtype": wire_dtype(reduce_dtype)}
@@ -139,26 +140,13 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         trainable = [p for p in params if p.requires_grad]
         if not trainable:
             raise ConfigError("ZeroRedundancyOptimizer: no parameter requires grad")
-        self._stage, owner = self._pick_stage(trainable)
-        self._adopt_options(None if owner is None else owner.zero.config)
+        self._stage, owner = pick_stage(trainable, self._zero_stage, self.group)
+        adopt_options(self, self._asked, None if owner is None else owner.zero.config)
         self.device = device_of(self.group)
         if owner is not None:  # the model's core, built with it (zero=)
             order, names, core = owner.params, list(owner.names), owner.zero
         else:  # ZeRO-1 over grads all-reduced by anyone: a core of our own
-            order = trainable
-            names = [f"{i} (shape {tuple(p.shape)})" for i, p in enumerate(trainable)]
-
-            def install(i: int, view: Any) -> None:
-                model = owner_of(order[i])
-                if model is not None:  # our DDP without zero=: its reducer moves it (and p.data)
-                    model.param_moved(order[i], view)
-                else:
-                    order[i].data = from_native(view)
-
-            natives = [to_native(p) for p in order]
-            core = build_core(
-                ZeroConfig(stage=1), natives, self.group, self.device, install=install, fp32_grad_shards=False
-            )
+            order, names, core = own_core(trainable, self.group, self.device)
         self._own_core = owner is None
         self.core = core
         self.zs = core.zs
@@ -166,7 +154,6 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._names = [str(n) for n in names]
         self._index = {id(p): i for i, p in enumerate(self._order)}
         self._global = [self._index.get(id(p), -1) for p in params]  # state_dict id -> layout index
-        group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
         self._pieces = self.zs.pieces
         self._piece_params = [from_native(self.zs.master_piece(pc)) for pc in self._pieces]
         piece_grads = [
@@ -175,14 +162,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         ]
         self._grads = StepGrads(self._stage, self.zs, self._order, piece_grads)
         self._param_views = [from_native(v) for v in self.zs.params]  # what each p.data must be
-        inner_groups = []
-        for gi, g in enumerate(self.param_groups):
-            ps = [
-                t
-                for pc, t in zip(self._pieces, self._piece_params)
-                if group_of[id(self._order[pc.param])] == gi
-            ]
-            inner_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": ps})
+        inner_groups = piece_groups(self.param_groups, self._pieces, self._piece_params, self._order)
         self._inner = self.optimizer_class(inner_groups, **self.defaults)
         for ours, theirs in zip(self.param_groups, self._inner.param_groups):
             for k, v in theirs.items():
@@ -203,70 +183,6 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             len(self._order),
             core.shards.summary(),
         )
-
-    def _pick_stage(self, trainable: List[Any]) -> tuple:
-        """(stage, the TorchModule of the sharded model or None). The model decides: its
-        parameters carry the wrapper's mark, and a wrapper built with zero= holds the core."""
-        owners = [owner_of(p) for p in trainable]
-        sharded = {id(o): o for o in owners if o is not None and o.zero is not None}
-        if not sharded:
-            if self._zero_stage == 2:
-                raise ConfigError(
-                    "zero_stage=2 needs the parameters of a model built for ZeRO-2: wrap it as "
-                    "nccl_ddp.DistributedDataParallel(module, zero=nccl_ddp.ZeroConfig(stage=2)) "
-                    "(the reduce-scatter is part of the model, chosen when it is built) and pass "
-                    "model.parameters(); or drop zero_stage for ZeRO-1 (grads all-reduced whole)"
-                )
-            return 1, None
-        owner = next(iter(sharded.values()))
-        stray = [i for i, o in enumerate(owners) if o is not owner]
-        if len(sharded) > 1 or stray:
-            raise ConfigError(
-                f"trainable parameters {stray[:10]} (by position in the param groups, frozen ones "
-                "left out) do not belong to the sharded model (zero=) the others belong to; pass "
-                "that model's parameters (model.parameters()) alone"
-            )
-        held = {id(p) for p in trainable}
-        missing = [n for n, p in zip(owner.names, owner.params) if id(p) not in held]
-        if missing:
-            raise ConfigError(
-                "the optimizer must hold every trainable parameter of the sharded model (its "
-                f"shards cut all of them); missing {missing[:10]}. Pass model.parameters()"
-            )
-        stage = owner.zero.stage
-        if self._zero_stage is not None and self._zero_stage != stage:
-            raise ConfigError(
-                f"zero_stage={self._zero_stage}, but the model was built with "
-                f"zero=ZeroConfig(stage={stage}); the model decides the stage: build it with "
-                f"zero=nccl_ddp.ZeroConfig(stage={self._zero_stage}), or drop zero_stage"
-            )
-        if owner._ddp.process_group is not self.group:
-            raise ConfigError(
-                "ZeRO: the optimizer's process_group differs from the "
-                "DistributedDataParallel model's; pass the same group (or None)"
-            )
-        return stage, owner
-
-    def _adopt_options(self, model: Optional[ZeroConfig]) -> None:
-        """overlap_param_gather and reduce_dtype are the model's ZeroConfig's (ZeRO-2); given
-        here they must agree with it. ZeRO-1 has neither."""
-        for name, asked in self._asked.items():
-            if model is not None and model.stage == 2:
-                have = getattr(model, name)
-                if asked is not None and asked != have:
-                    raise ConfigError(
-                        f"{name}={asked} differs from the model's zero=ZeroConfig({name}={have}); "
-                        f"ZeRO-2 options are the model's: build it with ZeroConfig({name}=...) and "
-                        "leave it unset here"
-                    )
-                setattr(self, name, have)
-            elif asked not in (None, False):
-                raise ConfigError(
-                    f"{name}={asked} needs ZeRO-2 (a model built with "
-                    f"nccl_ddp.DistributedDataParallel(module, zero=nccl_ddp.ZeroConfig(stage=2, "
-                    f"{name}=...))); under ZeRO-1 the grads arrive all-reduced and step() gathers "
-                    "the parameters before it returns"
-                )
 
     # ------------------------------------------------------------------ the step
 
@@ -489,12 +405,3 @@ def _check_class(cls: Any) -> None:
         "Adafactor and SparseAdam are not). If yours is, declare it with "
         "nccl_ddp.adapters.torch_zero.register_elementwise(cls)"
     )
-
-
-def _nd_group(group: Any) -> Any:
-    if torch.distributed.is_available() and isinstance(group, torch.distributed.ProcessGroup):
-        raise ConfigTypeError(
-            "process_group is a torch.distributed group; pass None (the "
-            "nccl_ddp world) or an nccl_ddp.new_group(ranks)"
-        )
-    return group

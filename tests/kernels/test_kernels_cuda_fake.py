@@ -471,7 +471,7 @@ def frameworks():
     torch = pytest.importorskip("torch")
     jax = pytest.importorskip("jax")
     from nccl_ddp.adapters import jax as jax_adapter
-    from nccl_ddp.adapters import torch as torch_adapter
+    from nccl_ddp.adapters import torch_tensors as torch_adapter
 
     return torch, jax, torch_adapter, jax_adapter
 

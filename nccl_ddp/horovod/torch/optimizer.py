@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 import nccl_ddp as nd
-from nccl_ddp.adapters.torch import TorchModule, torch_stream_current
+from nccl_ddp.adapters.torch import TorchModule
+from nccl_ddp.adapters.torch_tensors import torch_stream_current
 from nccl_ddp.errors import ConfigError, ConfigTypeError, ReducerError
 from nccl_ddp.horovod.common import (
     OP_NAMES,

@@ -1,0 +1,55 @@
+"""`DistributedGradReducer`'s adapter for torch: parameters are tensors (`model.parameters()`
+works), grads a list or tuple of tensors, crossing to the reducer as native arrays through DLPack
+(adapters/torch_tensors.py) on torch's current CUDA stream.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List
+
+from nccl_ddp.adapters.torch_tensors import from_native, is_cuda, to_native, torch_stream_current
+from nccl_ddp.buckets.layout import ParamSpec
+from nccl_ddp.ddp.interfaces import GradsAdapter
+from nccl_ddp.errors import ConfigError, ConfigTypeError
+
+
+class TorchGrads(GradsAdapter):
+    """Parameters: tensors (`model.parameters()` works); grads: a list/tuple of tensors. The
+    reduced grads are new tensors viewing the reducer's fresh bucket memory (no copy out)."""
+
+    def param_infos(self, parameters: Any) -> List[ParamSpec]:
+        import torch
+
+        return [ParamSpec(tuple(p.shape), to_native(torch.empty(0, dtype=p.dtype)).dtype) for p in parameters]
+
+    def to_native(self, grads: Any) -> List[Any]:
+        self._check(grads)
+        return [to_native(g if g.is_contiguous() else g.contiguous()) for g in grads]
+
+    def from_native(self, grads: Any, reduced: List[Any]) -> Any:
+        return type(grads)(from_native(a) for a in reduced)
+
+    def reduce(self, reduce_native: Callable[[List[Any]], List[Any]], grads: Any) -> Any:
+        self._check(grads)
+        with torch_stream_current(bool(grads) and is_cuda(grads[0])):
+            return super().reduce(reduce_native, grads)
+
+    @staticmethod
+    def _check(grads: Any) -> None:
+        if not isinstance(grads, (list, tuple)):
+            raise ConfigTypeError(f"grads must be a list or tuple of tensors, got {type(grads).__name__}")
+        import torch
+
+        for i, g in enumerate(grads):
+            if g is None:
+                raise ConfigError(
+                    f"grads[{i}] is None (that parameter got no grad); pass "
+                    "torch.zeros_like(param) for it so every rank reduces the same list"
+                )
+            if not isinstance(g, torch.Tensor):
+                raise ConfigTypeError(
+                    f"grads[{i}] is a {type(g).__module__}.{type(g).__name__}, but this reducer "
+                    f"was built on torch parameters: pass torch tensors (torch.from_dlpack), or "
+                    f"build the reducer on parameters of that framework; nccl_ddp never mixes "
+                    f"frameworks"
+                )
