@@ -1,5 +1,6 @@
 """PyTorch adapter: `torch.nn.Module` for `DistributedDataParallel`, lists of tensors for
-`DistributedGradReducer`. Data crosses only through DLPack, without copies.
+`DistributedGradReducer` (adapters/torch_grads.py). Data crosses only through DLPack, without copies
+(adapters/torch_tensors.py).
 
 DDP: every parameter's `.grad` becomes a view of our bucket memory (`p.grad =
 torch.from_dlpack(bucket_view)`), so autograd accumulates straight into the bucket (PyTorch's
