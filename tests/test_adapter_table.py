@@ -1,0 +1,69 @@
+"""`nccl_ddp.frameworks` loads adapters by name (importlib), so the import graph that
+tests/test_layers.py reads cannot see those edges. This test covers them: every module the core can
+load that way is named by the explicit table (`ADAPTERS`, `GENERIC`) or by a literal
+`adapter_module("...")` call, lives in nccl_ddp/adapters/ (the layer allowed to import frameworks),
+and defines the wrapper class the table names; and frameworks.py loads nothing outside adapters/."""
+
+import ast
+
+from paths import ROOT
+
+from nccl_ddp import frameworks
+
+PKG = ROOT / "nccl_ddp"
+ADAPTERS_DIR = PKG / "adapters"
+
+
+def _classes(module: str) -> set:
+    tree = ast.parse((ADAPTERS_DIR / f"{module}.py").read_text())
+    return {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
+
+
+def _adapter_module_calls() -> list:
+    """(file, module) of every adapter_module("<literal>", ...) call in the package."""
+    found = []
+    for path in PKG.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == (
+                "adapter_module"
+            ):
+                arg = node.args[0] if node.args else None
+                assert isinstance(arg, ast.Constant) and isinstance(arg.value, str), (
+                    f"{path.relative_to(ROOT)}:{node.lineno}: adapter_module takes a literal module "
+                    "name, so this test can check where it points"
+                )
+                found.append((path.relative_to(ROOT).as_posix(), arg.value))
+    return found
+
+
+def test_every_dynamically_loaded_module_is_an_adapter():
+    targets = {frameworks.GENERIC}
+    for key, fw in frameworks.ADAPTERS.items():
+        targets.add(fw.adapter)
+        if fw.wrapper is not None:
+            module, cls = fw.wrapper
+            assert (ADAPTERS_DIR / f"{module}.py").is_file(), (
+                f"ADAPTERS[{key!r}].wrapper: no adapters/{module}.py"
+            )
+            assert cls in _classes(module), (
+                f"ADAPTERS[{key!r}].wrapper: adapters/{module}.py has no class {cls}"
+            )
+    calls = _adapter_module_calls()
+    assert calls, "adapter_module is called somewhere (comm/api.py: torch_dist); the scan found none"
+    targets |= {m for _, m in calls}
+    missing = sorted(m for m in targets if not (ADAPTERS_DIR / f"{m}.py").is_file())
+    assert not missing, f"loaded by name but not in nccl_ddp/adapters/: {missing}"
+
+
+def test_frameworks_loads_only_under_adapters():
+    tree = ast.parse((PKG / "frameworks.py").read_text())
+    loads = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "import_module"
+    ]
+    assert len(loads) == 1, "frameworks.py imports by name in exactly one place (_load)"
+    arg = loads[0].args[0]
+    assert isinstance(arg, ast.JoinedStr) and arg.values[0].value == "nccl_ddp.adapters.", (
+        "frameworks._load imports only nccl_ddp.adapters.<module>"
+    )
