@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import numpy as np
 
 from nccl_ddp import frameworks
+from nccl_ddp.adapters.per_variables import PerVariables
 from nccl_ddp.buckets.layout import ParamSpec
 from nccl_ddp.ddp.interfaces import GradsAdapter
 from nccl_ddp.errors import ConfigError, ConfigTypeError
@@ -127,7 +128,7 @@ class _AllReduceBeforeApply:
     """Mixed in before a Keras optimizer class: `apply()` all-reduces the grads first."""
 
     _nccl_ddp_settings: Dict[str, Any]
-    _nccl_ddp_reducers: Dict[tuple, Any]
+    _nccl_ddp_reducers: PerVariables
 
     def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
         grads = list(grads)
@@ -147,14 +148,11 @@ class _AllReduceBeforeApply:
 
     def _nccl_ddp_reducer(self, variables: List[Any]) -> Any:
         """The grad reducer for this set of variables (built once, on every rank at its first step)."""
-        key = tuple(id(v) for v in variables)
-        reducer = self._nccl_ddp_reducers.get(key)
-        if reducer is None:
-            from nccl_ddp.ddp.grad_reducer import DistributedGradReducer
+        from nccl_ddp.ddp.grad_reducer import DistributedGradReducer
 
-            reducer = DistributedGradReducer(variables, **self._nccl_ddp_settings)
-            self._nccl_ddp_reducers[key] = reducer
-        return reducer
+        return self._nccl_ddp_reducers.get(
+            variables, None, lambda: DistributedGradReducer(variables, **self._nccl_ddp_settings)
+        )
 
 
 def DistributedOptimizer(
@@ -187,7 +185,7 @@ def DistributedOptimizer(
         "_nccl_ddp_settings",
         {"mean": mean, "compress": compress, "fusion_type": fusion_type, "group": group},
     )
-    object.__setattr__(new, "_nccl_ddp_reducers", {})
+    object.__setattr__(new, "_nccl_ddp_reducers", PerVariables())
     return new
 
 

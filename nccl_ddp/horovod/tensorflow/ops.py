@@ -10,12 +10,13 @@ numpy_function per step in a graph; fp16 compression fused). Keras: `nccl_ddp.ho
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
 
 import nccl_ddp as nd
+from nccl_ddp.adapters.per_variables import PerVariables
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 from nccl_ddp.horovod import collectives
 from nccl_ddp.horovod.common import (
@@ -299,7 +300,7 @@ def alltoall(
 # gradients
 
 
-_reducers: Dict[tuple, Any] = {}
+_reducers = PerVariables()
 
 
 def reducer_for(variables: List[Any], op: int, compression: Any, process_set: Any, where: str) -> Any:
@@ -309,14 +310,12 @@ def reducer_for(variables: List[Any], op: int, compression: Any, process_set: An
     if compression not in (Compression.none, Compression.fp16):
         raise ConfigError(f"{where}: compression must be hvd.Compression.none or hvd.Compression.fp16")
     g = group_of(process_set, where)
-    key = (tuple(id(v) for v in variables), op, compression, id(g))
-    reducer = _reducers.get(key)
-    if reducer is None:
-        compress = "fp16" if compression is Compression.fp16 else None
-        reducer = _reducers[key] = nd.DistributedGradReducer(
-            variables, mean=op == Average, group=g, compress=compress
-        )
-    return reducer
+    compress = "fp16" if compression is Compression.fp16 else None
+    return _reducers.get(
+        variables,
+        (op, compress, g),  # the group itself: a new group never finds a dead one's reducer
+        lambda: nd.DistributedGradReducer(variables, mean=op == Average, group=g, compress=compress),
+    )
 
 
 def reduce_grads(
