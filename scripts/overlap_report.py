@@ -45,7 +45,8 @@ from typing import Optional, Sequence
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchlib import format_table, write_csv  # noqa: E402
 
-from nccl_ddp.profiling import PHASES, overlap_length, union_length  # noqa: E402
+from nccl_ddp.profiling import PHASES  # noqa: E402
+from nccl_ddp.step_summary import overlap_length, union_length  # noqa: E402
 
 NVTX_RANGE_TYPES = (59, 60)
 COLUMNS = [

@@ -13,6 +13,7 @@ import types
 import pytest
 
 from nccl_ddp import profiling as pf
+from nccl_ddp import step_summary as ss
 from nccl_ddp.device import HostStream
 
 MiB = 1 << 20
@@ -34,7 +35,7 @@ MiB = 1 << 20
     ],
 )
 def test_union_length(intervals, length):
-    assert pf.union_length(intervals) == length
+    assert ss.union_length(intervals) == length
 
 
 @pytest.mark.parametrize(
@@ -49,12 +50,12 @@ def test_union_length(intervals, length):
     ],
 )
 def test_overlap_length(a, b, overlap):
-    assert pf.overlap_length(a, b) == overlap
-    assert pf.overlap_length(b, a) == overlap
+    assert ss.overlap_length(a, b) == overlap
+    assert ss.overlap_length(b, a) == overlap
 
 
 def test_summarize_synthetic_step():
-    S = pf.Span
+    S = ss.Span
     spans = [
         S(0, "compute", "backward", None, 0, 10.0, 20.0),
         S(0, "comm", "pack", 0, 4 * MiB, 12.0, 13.0),
@@ -63,18 +64,18 @@ def test_summarize_synthetic_step():
         S(0, "comm", "allreduce", 1, 2 * MiB, 19.0, 25.0),  # 1 s inside, 5 s after
         S(0, "compute", "finalize", None, 0, 25.0, 26.0),
     ]
-    s = pf.summarize(3, 0, spans)
+    s = ss.summarize(3, 0, spans)
     assert (s.rank, s.comm_s, s.overlap_s, s.backward_s, s.step_s) == (3, 13.0, 8.0, 10.0, 16.0)
     assert s.overlap_ratio == 8.0 / 13.0
     assert (s.buckets, s.nbytes) == (2, 6 * MiB)
     assert "rank 3 step 0: comm 13000.000 ms" in s.line() and "(62%)" in s.line()
-    assert pf.summarize(0, 1, []).overlap_ratio == 0.0
+    assert ss.summarize(0, 1, []).overlap_ratio == 0.0
 
 
 def test_summarize_param_gather_hidden_behind_forward():
     """ZeRO's parameter all-gathers are counted apart from the bucket reductions: their union,
     and the part inside forward (the share hidden behind it)."""
-    S = pf.Span
+    S = ss.Span
     spans = [
         S(0, "comm", "allgather", 0, MiB, 0.0, 2.0),  # before forward
         S(0, "comm", "allgather", 1, MiB, 2.0, 5.0),  # 2 s inside forward
@@ -82,14 +83,14 @@ def test_summarize_param_gather_hidden_behind_forward():
         S(0, "compute", "backward", None, 0, 6.0, 9.0),
         S(0, "comm", "reducescatter", 0, MiB, 7.0, 8.0),
     ]
-    s = pf.summarize(0, 0, spans)
+    s = ss.summarize(0, 0, spans)
     assert (s.gather_s, s.gather_hidden_s, s.forward_s) == (5.0, 2.0, 3.0)
     assert s.gather_hidden_ratio == 2.0 / 5.0
     assert (s.comm_s, s.overlap_s, s.buckets) == (1.0, 1.0, 1)  # the gathers are not bucket comm
     assert "param all-gather 5000.000 ms, hidden behind forward 2000.000 ms (40%)" in s.line()
-    no_forward = pf.summarize(0, 0, [sp for sp in spans if sp.phase != "forward"])
+    no_forward = ss.summarize(0, 0, [sp for sp in spans if sp.phase != "forward"])
     assert (no_forward.gather_s, no_forward.gather_hidden_ratio) == (5.0, 0.0)
-    assert "all-gather" not in pf.summarize(0, 0, spans[3:]).line()
+    assert "all-gather" not in ss.summarize(0, 0, spans[3:]).line()
 
 
 # ---------------------------------------------------------------------------------- host timeline
