@@ -22,9 +22,12 @@ from nccl_ddp.horovod import collectives
 from nccl_ddp.horovod.common import (
     Adasum,
     Average,
+    Compressor,  # noqa: F401  (Horovod's name, re-exported)
+    HalfCompressor,
     HorovodInternalError,
     Max,
     Min,
+    NoneCompressor,
     ProcessSet,
     Product,
     Sum,
@@ -46,40 +49,27 @@ from nccl_ddp.horovod.common import (
     local_size,
     nccl_built,
     rank,
+    reduce_args,
     remove_process_set,
     resolve_op,
     shutdown,
     size,
+    where_of,
 )
 
 
-class Compressor:
-    """Compresses a tensor before a collective and restores it after (Horovod's interface)."""
+class FP16Compressor(HalfCompressor):
+    """Floating-point tensors travel as tf.float16, and come back in their own dtype."""
+
+    half = tf.float16
 
     @staticmethod
-    def compress(tensor: Any) -> tuple:
-        return tensor, None
+    def cast(tensor: Any, dtype: Any) -> Any:
+        return tf.cast(tensor, dtype)
 
     @staticmethod
-    def decompress(tensor: Any, ctx: Any) -> Any:
-        return tensor
-
-
-class NoneCompressor(Compressor):
-    """No compression (the default)."""
-
-
-class FP16Compressor(Compressor):
-    """Floating-point tensors travel as float16, and come back in their own dtype."""
-
-    @staticmethod
-    def compress(tensor: Any) -> tuple:
-        dtype = tensor.dtype
-        return (tf.cast(tensor, tf.float16) if dtype.is_floating else tensor), dtype
-
-    @staticmethod
-    def decompress(tensor: Any, ctx: Any) -> Any:
-        return tf.cast(tensor, ctx) if ctx is not None and ctx.is_floating else tensor
+    def is_float(dtype: Any) -> bool:
+        return bool(dtype.is_floating)
 
 
 class Compression:
@@ -87,10 +77,6 @@ class Compression:
 
     none = NoneCompressor
     fp16 = FP16Compressor
-
-
-def _where(op: str, name: Optional[str]) -> str:
-    return f"hvd.{op}" + (f" ({name!r})" if name else "")
 
 
 def _dense(t: Any, where: str) -> Any:
@@ -163,10 +149,7 @@ def grouped_allreduce(
     ignore_name_scope: bool = False,
 ) -> List[Any]:
     """Every tensor reduced, fused into one collective per dtype."""
-    where = _where("allreduce", name)
-    op = resolve_op(op, average, where)
-    pre = check_scale(where, "prescale_factor", prescale_factor)
-    post = check_scale(where, "postscale_factor", postscale_factor)
+    where, op, pre, post = reduce_args("allreduce", name, op, average, prescale_factor, postscale_factor)
     g = group_of(process_set, where)
     dense = [_dense(t, f"{where}: tensors[{i}]") for i, t in enumerate(tensors)]
     compressed = [compression.compress(t) for t in dense]
@@ -190,7 +173,7 @@ def allgather(
     process_set: Any = global_process_set,
 ) -> Any:
     """Every rank's `tensor` concatenated along dim 0 (its length may differ between ranks)."""
-    where = _where("allgather", name)
+    where = where_of("allgather", name)
     g = group_of(process_set, where)
     t = _dense(tensor, where)
     (out,) = _on_host(
@@ -208,7 +191,7 @@ def broadcast(
     process_set: Any = global_process_set,
 ) -> Any:
     """A copy of `root_rank`'s `tensor` on every rank."""
-    where = _where("broadcast", name)
+    where = where_of("broadcast", name)
     g = group_of(process_set, where)
     t = _dense(tensor, where)
 
@@ -258,10 +241,7 @@ def reducescatter(
     postscale_factor: float = 1.0,
 ) -> Any:
     """The reduction of `tensor` over the ranks, this rank's rows of dim 0 (Horovod's split)."""
-    where = _where("reducescatter", name)
-    op = resolve_op(op, None, where)
-    pre = check_scale(where, "prescale_factor", prescale_factor)
-    post = check_scale(where, "postscale_factor", postscale_factor)
+    where, op, pre, post = reduce_args("reducescatter", name, op, None, prescale_factor, postscale_factor)
     g = group_of(process_set, where)
     compressed, ctx = compression.compress(_dense(tensor, where))
 
@@ -282,7 +262,7 @@ def alltoall(
 ) -> Any:
     """Rows `splits[j]` of `tensor` go to rank j; returns the received rows and, with `splits`,
     how many came from each rank."""
-    where = _where("alltoall", name)
+    where = where_of("alltoall", name)
     g = group_of(process_set, where)
     t = _dense(tensor, where)
     given = None if splits is None else [int(s) for s in np.asarray(splits).ravel()]

@@ -17,42 +17,32 @@ from nccl_ddp.errors import ConfigError, ConfigTypeError
 from nccl_ddp.horovod import collectives
 from nccl_ddp.horovod.common import (
     Average,
+    Compressor,  # noqa: F401  (Horovod's name, re-exported)
+    HalfCompressor,
+    NoneCompressor,
     Sum,
-    check_scale,
     global_process_set,
     group_of,
     new_handle,
+    reduce_args,
     resolve_op,
     synchronize,
+    where_of,
 )
 
 
-class Compressor:
-    """Compresses a tensor before a collective and restores it after (Horovod's interface)."""
+class FP16Compressor(HalfCompressor):
+    """Floating-point tensors travel as torch.float16, and come back in their own dtype."""
+
+    half = torch.float16
 
     @staticmethod
-    def compress(tensor: Any) -> tuple:
-        return tensor, None
+    def cast(tensor: Any, dtype: Any) -> Any:
+        return tensor.to(dtype)
 
     @staticmethod
-    def decompress(tensor: Any, ctx: Any) -> Any:
-        return tensor
-
-
-class NoneCompressor(Compressor):
-    """No compression (the default)."""
-
-
-class FP16Compressor(Compressor):
-    """Floating-point tensors travel as float16, and come back in their own dtype."""
-
-    @staticmethod
-    def compress(tensor: Any) -> tuple:
-        return (tensor.to(torch.float16) if tensor.dtype.is_floating_point else tensor), tensor.dtype
-
-    @staticmethod
-    def decompress(tensor: Any, ctx: Any) -> Any:
-        return tensor.to(ctx) if ctx is not None and ctx.is_floating_point else tensor
+    def is_float(dtype: Any) -> bool:
+        return bool(dtype.is_floating_point)
 
 
 class Compression:
@@ -60,10 +50,6 @@ class Compression:
 
     none = NoneCompressor
     fp16 = FP16Compressor
-
-
-def _where(op: str, name: Optional[str]) -> str:
-    return f"hvd.{op}" + (f" ({name!r})" if name else "")
 
 
 def _native(tensor: Any, where: str) -> Any:
@@ -98,10 +84,7 @@ def allreduce_async_(
     process_set: Any = global_process_set,
 ) -> int:
     """Reduce `tensor` in place, asynchronously; `synchronize(handle)` returns it."""
-    where = _where("allreduce", name)
-    op = resolve_op(op, average, where)
-    pre = check_scale(where, "prescale_factor", prescale_factor)
-    post = check_scale(where, "postscale_factor", postscale_factor)
+    where, op, pre, post = reduce_args("allreduce", name, op, average, prescale_factor, postscale_factor)
     g = group_of(process_set, where)
     work, finish = collectives.allreduce_(_native(tensor, where), op, pre, post, g, where, async_op=True)
     return new_handle(work, lambda: (finish(), tensor)[1])
@@ -157,7 +140,7 @@ def allreduce(
     process_set: Any = global_process_set,
 ) -> Any:
     """A reduced copy of `tensor` (differentiable, as Horovod's)."""
-    op = resolve_op(op, average, _where("allreduce", name))
+    op = resolve_op(op, average, where_of("allreduce", name))
     compressed, ctx = compression.compress(tensor)
     out = _Allreduce.apply(compressed, op, prescale_factor, postscale_factor, process_set, name)
     return compression.decompress(out, ctx)
@@ -173,10 +156,9 @@ def grouped_allreduce_async_(
     process_set: Any = global_process_set,
 ) -> int:
     """Reduce every tensor in place, fused into one collective per dtype."""
-    where = _where("grouped_allreduce", name)
-    op = resolve_op(op, average, where)
-    pre = check_scale(where, "prescale_factor", prescale_factor)
-    post = check_scale(where, "postscale_factor", postscale_factor)
+    where, op, pre, post = reduce_args(
+        "grouped_allreduce", name, op, average, prescale_factor, postscale_factor
+    )
     if not isinstance(tensors, (list, tuple)) or not tensors:
         raise ConfigTypeError(f"{where}: tensors must be a non-empty list of tensors")
     natives = [_native(t, f"{where}: tensors[{i}]") for i, t in enumerate(tensors)]
@@ -238,7 +220,7 @@ def allgather_async(tensor: Any, name: Optional[str] = None, process_set: Any = 
 
 
 def _allgather(tensor: Any, name: Optional[str], process_set: Any) -> Any:
-    where = _where("allgather", name)
+    where = where_of("allgather", name)
     g = group_of(process_set, where)
     src = tensor.detach() if tensor.is_contiguous() else _copy(tensor)
     return _to_torch(collectives.allgather(_native(src, where), g, where), tensor)
@@ -273,7 +255,7 @@ def grouped_allgather(
 def broadcast_async_(
     tensor: Any, root_rank: int, name: Optional[str] = None, process_set: Any = global_process_set
 ) -> int:
-    where = _where("broadcast", name)
+    where = where_of("broadcast", name)
     collectives.broadcast_(_native(tensor, where), root_rank, group_of(process_set, where))
     return new_handle(None, lambda: tensor)
 
@@ -333,10 +315,7 @@ def reducescatter(
     postscale_factor: float = 1.0,
 ) -> Any:
     """The reduction of `tensor` over the ranks, this rank's rows of dim 0 (Horovod's split)."""
-    where = _where("reducescatter", name)
-    op = resolve_op(op, None, where)
-    pre = check_scale(where, "prescale_factor", prescale_factor)
-    post = check_scale(where, "postscale_factor", postscale_factor)
+    where, op, pre, post = reduce_args("reducescatter", name, op, None, prescale_factor, postscale_factor)
     compressed, ctx = compression.compress(tensor)
     src = compressed.detach().contiguous()
     out = collectives.reducescatter(_native(src, where), op, pre, post, group_of(process_set, where), where)
@@ -371,7 +350,7 @@ def alltoall(
 ) -> Any:
     """Rows `splits[j]` of `tensor` go to rank j; returns the received rows (and, when `splits`
     was given, how many came from each rank), as Horovod's."""
-    where = _where("alltoall", name)
+    where = where_of("alltoall", name)
     given = (
         None if splits is None else [int(s) for s in (splits.tolist() if torch.is_tensor(splits) else splits)]
     )
