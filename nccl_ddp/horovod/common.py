@@ -23,6 +23,36 @@ from nccl_ddp.errors import CommError, ConfigError, ConfigTypeError
 
 log = logging.getLogger(__name__)
 
+# Horovod's basics that every framework API (`nccl_ddp.horovod.torch`, `.tensorflow`, `.keras`)
+# re-exports with `from nccl_ddp.horovod.common import *`; each adds its own names
+__all__ = [
+    "Adasum",
+    "Average",
+    "HorovodInternalError",
+    "Max",
+    "Min",
+    "ProcessSet",
+    "Product",
+    "Sum",
+    "add_process_set",
+    "allgather_object",
+    "barrier",
+    "broadcast_object",
+    "cross_rank",
+    "cross_size",
+    "global_process_set",
+    "init",
+    "is_initialized",
+    "join",
+    "local_rank",
+    "local_size",
+    "nccl_built",
+    "rank",
+    "remove_process_set",
+    "shutdown",
+    "size",
+]
+
 # Horovod's op constants (the values of horovod.common.basics' enum)
 Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
 OP_NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "Max", Product: "Product"}

@@ -8,8 +8,10 @@ adapter; fp16 compression fused); `DistributedOptimizer` takes Keras 3 optimizer
 `nccl_ddp.horovod.tensorflow.keras`. Implementation: `ops` and `optimizer`.
 """
 
+from nccl_ddp.horovod.common import *  # noqa: F403
+from nccl_ddp.horovod.common import __all__ as _basics
 from nccl_ddp.horovod.tensorflow.ops import *  # noqa: F403
 from nccl_ddp.horovod.tensorflow.ops import __all__ as _ops_names
 from nccl_ddp.horovod.tensorflow.optimizer import DistributedOptimizer
 
-__all__ = [*_ops_names, "DistributedOptimizer"]
+__all__ = [*_basics, *_ops_names, "DistributedOptimizer"]

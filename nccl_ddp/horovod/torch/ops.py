@@ -20,7 +20,6 @@ from nccl_ddp.horovod.common import (
     Compressor,  # noqa: F401  (Horovod's name, re-exported)
     HalfCompressor,
     NoneCompressor,
-    Sum,
     global_process_set,
     group_of,
     new_handle,
@@ -363,9 +362,7 @@ def alltoall(
 
 
 __all__ = [
-    "Average",
     "Compression",
-    "Sum",
     "allgather",
     "allgather_async",
     "allreduce",

@@ -11,40 +11,17 @@ MetricAverageCallback, LearningRateWarmupCallback, LearningRateScheduleCallback)
 from __future__ import annotations
 
 from nccl_ddp.errors import ConfigError
+from nccl_ddp.horovod.common import *  # noqa: F403  (Horovod's basics, re-exported)
 from nccl_ddp.horovod.tensorflow.keras import callbacks  # noqa: F401
 from nccl_ddp.horovod.tensorflow.ops import (  # noqa: F401  (Horovod's names, re-exported)
-    Adasum,
-    Average,
     Compression,
-    HorovodInternalError,
-    Max,
-    Min,
-    ProcessSet,
-    Product,
-    Sum,
-    add_process_set,
     allgather,
-    allgather_object,
     allreduce,
     alltoall,
-    barrier,
     broadcast,
-    broadcast_object,
     broadcast_variables,
-    cross_rank,
-    cross_size,
     grouped_allreduce,
-    init,
-    is_initialized,
-    join,
-    local_rank,
-    local_size,
-    nccl_built,
-    rank,
     reducescatter,
-    remove_process_set,
-    shutdown,
-    size,
 )
 from nccl_ddp.horovod.tensorflow.optimizer import DistributedOptimizer  # noqa: F401
 
