@@ -12,64 +12,17 @@ import os
 
 import numpy as np
 import pytest
+import tiny_gpt2
 from mp import run_ranks
 
 pytest.importorskip("torch", reason="PyTorch is not installed")
 pytest.importorskip("transformers", reason="transformers is not installed")
 
-STEPS, SAVE_EVERY, VOCAB, SEQ = 4, 2, 64, 16
-
-
-def _model(rank: int):
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    config = GPT2Config(
-        vocab_size=VOCAB,
-        n_positions=SEQ,
-        n_embd=32,
-        n_layer=2,
-        n_head=2,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    torch.manual_seed(7 + rank)  # per rank: DDP starts every rank from rank 0's
-    return GPT2LMHeadModel(config)
-
-
-def _data(n: int, seed: int) -> list:
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
-    return [{"input_ids": x, "labels": x} for x in ids]
-
 
 def _trainer(cls, rank: int, out: str, model=None):
-    from transformers import TrainingArguments
-
-    args = TrainingArguments(
-        output_dir=out,
-        per_device_train_batch_size=2,
-        per_device_eval_batch_size=2,
-        max_steps=STEPS,
-        save_steps=SAVE_EVERY,
-        learning_rate=1e-2,
-        max_grad_norm=0.5,
-        use_cpu=True,
-        report_to=[],
-        seed=3,
-        logging_steps=100,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-    )
-    model = _model(rank) if model is None else model
-    return cls(model=model, args=args, train_dataset=_data(32, 1), eval_dataset=_data(8, 2))
-
-
-def _params(model) -> dict:
-    return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    args = tiny_gpt2.training_args(out, 0.5, per_device_eval_batch_size=2)
+    model = tiny_gpt2.model(rank) if model is None else model
+    return cls(model=model, args=args, train_dataset=tiny_gpt2.data(32, 1), eval_dataset=tiny_gpt2.data(8, 2))
 
 
 def _run(rank: int, world: int, tmp: str) -> dict:
@@ -90,16 +43,16 @@ def _run(rank: int, world: int, tmp: str) -> dict:
         trainer.accelerator.wait_for_everyone()
         saved = load_file(os.path.join(tmp, name, "final", "model.safetensors"))
         resumed = _trainer(cls, rank, os.path.join(tmp, name + "-resumed"))
-        resumed.train(resume_from_checkpoint=os.path.join(tmp, name, f"checkpoint-{SAVE_EVERY}"))
+        resumed.train(resume_from_checkpoint=os.path.join(tmp, name, f"checkpoint-{tiny_gpt2.SAVE_EVERY}"))
         again = _trainer(cls, rank, os.path.join(tmp, name + "-again"), model=trainer.model)
-        params = _params(trainer.model)
+        params = tiny_gpt2.params(trainer.model)
         again.train()  # a second Trainer on the same (trained) model
         out[name] = {
             "params": params,
-            "again": _params(again.model),
+            "again": tiny_gpt2.params(again.model),
             "eval_loss": loss,
             "saved": saved,
-            "resumed": _params(resumed.model),
+            "resumed": tiny_gpt2.params(resumed.model),
             "wrapper": wrapped,
         }
     return out

@@ -16,70 +16,29 @@ import os
 
 import numpy as np
 import pytest
+import tiny_gpt2
 from mp import run_ranks
 
 pytest.importorskip("torch", reason="PyTorch is not installed")
 pytest.importorskip("transformers", reason="transformers is not installed")
 
-STEPS, SAVE_EVERY, VOCAB, SEQ = 4, 2, 64, 16
-
-
-def _model(rank: int):
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    config = GPT2Config(
-        vocab_size=VOCAB,
-        n_positions=SEQ,
-        n_embd=32,
-        n_layer=2,
-        n_head=2,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    torch.manual_seed(7 + rank)  # per rank: DDP starts every rank from rank 0's
-    return GPT2LMHeadModel(config)
-
-
-def _data(n: int, seed: int) -> list:
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
-    return [{"input_ids": x, "labels": x} for x in ids]
-
 
 def _train(cls, rank: int, out: str, sharded: bool, max_grad_norm: float, resume=None) -> dict:
-    """Saves a checkpoint every SAVE_EVERY steps; `resume`: from that checkpoint directory."""
+    """Saves a checkpoint every tiny_gpt2.SAVE_EVERY steps; `resume`: from that checkpoint directory."""
     import torch
-    from transformers import TrainingArguments
 
     import nccl_ddp as nd
 
-    args = TrainingArguments(
-        output_dir=out,
-        per_device_train_batch_size=2,
-        max_steps=STEPS,
-        save_steps=SAVE_EVERY,
-        learning_rate=1e-2,
-        max_grad_norm=max_grad_norm,
-        use_cpu=True,
-        report_to=[],
-        seed=3,
-        logging_steps=100,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-    )
-    model = _model(rank)
+    args = tiny_gpt2.training_args(out, max_grad_norm)
+    model = tiny_gpt2.model(rank)
     opt = (
         nd.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
         if sharded
         else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     )
-    trainer = cls(model=model, args=args, train_dataset=_data(32, 1), optimizers=(opt, None))
+    trainer = cls(model=model, args=args, train_dataset=tiny_gpt2.data(32, 1), optimizers=(opt, None))
     trainer.train(resume_from_checkpoint=resume)
-    return {k: v.detach().numpy().copy() for k, v in trainer.model.state_dict().items()}
+    return tiny_gpt2.params(trainer.model)
 
 
 def _run(rank: int, world: int, tmp: str) -> dict:
@@ -92,7 +51,7 @@ def _run(rank: int, world: int, tmp: str) -> dict:
     out = {"unclipped": _train(transformers.Trainer, rank, os.path.join(tmp, "unclipped"), False, 0.0)}
     for name, cls, sharded in (("torch", transformers.Trainer, False), ("ours", ndt.Trainer, True)):
         out[name] = _train(cls, rank, os.path.join(tmp, name), sharded, 0.5)
-        ckpt = os.path.join(tmp, name, f"checkpoint-{SAVE_EVERY}")
+        ckpt = os.path.join(tmp, name, f"checkpoint-{tiny_gpt2.SAVE_EVERY}")
         out[name + "-resumed"] = _train(cls, rank, os.path.join(tmp, name + "-r"), sharded, 0.5, resume=ckpt)
     return out
 
