@@ -27,6 +27,22 @@ FIRST_CAP_BYTES = 1 * MiB
 ALIGN_BYTES = 16
 
 
+class BucketCaps:
+    """The bucket caps of a config with a `bucket_cap_mb` field (None: DEFAULT_CAP_BYTES), one
+    rule for DDPConfig and ZeroConfig: every bucket's cap, and the first one's (smaller: it
+    launches early)."""
+
+    bucket_cap_mb: Optional[float]
+
+    @property
+    def cap_bytes(self) -> int:
+        return DEFAULT_CAP_BYTES if self.bucket_cap_mb is None else int(self.bucket_cap_mb * MiB)
+
+    @property
+    def first_cap_bytes(self) -> int:
+        return min(FIRST_CAP_BYTES, self.cap_bytes)
+
+
 @dataclasses.dataclass(frozen=True)
 class ParamSpec:
     """What the layout needs to know about one parameter."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal, Optional, Type, TypeVar, Union
 
-from nccl_ddp.buckets.layout import DEFAULT_CAP_BYTES, FIRST_CAP_BYTES, MiB
+from nccl_ddp.buckets.layout import BucketCaps, MiB
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 from nccl_ddp.validate import check_bool, check_mib, check_positive_int
 from nccl_ddp.zero.config import ZeroConfig, check_zero_config
@@ -17,7 +17,7 @@ CheckFinite = Union[bool, Literal["raise"]]
 
 
 @dataclasses.dataclass(frozen=True)
-class DDPConfig:
+class DDPConfig(BucketCaps):
     """Everything the reducer needs to know besides the parameters and the group."""
 
     init_sync: bool = True
@@ -73,14 +73,6 @@ class DDPConfig:
                     f"zero=ZeroConfig(bucket_cap_mb={zero.bucket_cap_mb}): a model's shards are cut "
                     "from its own buckets; pass bucket_cap_mb to DistributedDataParallel instead"
                 )
-
-    @property
-    def cap_bytes(self) -> int:
-        return DEFAULT_CAP_BYTES if self.bucket_cap_mb is None else int(self.bucket_cap_mb * MiB)
-
-    @property
-    def first_cap_bytes(self) -> int:
-        return min(FIRST_CAP_BYTES, self.cap_bytes)
 
     @property
     def broadcast_chunk_bytes(self) -> int:

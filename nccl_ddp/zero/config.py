@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from nccl_ddp.buckets.layout import DEFAULT_CAP_BYTES, FIRST_CAP_BYTES, MiB
+from nccl_ddp.buckets.layout import BucketCaps
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 from nccl_ddp.validate import check_bool, check_mib
 
@@ -21,7 +21,7 @@ F32 = np.dtype(np.float32)
 
 
 @dataclasses.dataclass(frozen=True)
-class ZeroConfig:
+class ZeroConfig(BucketCaps):
     """How parameters, grads and optimizer state are sharded across the ranks."""
 
     stage: int
@@ -56,14 +56,6 @@ class ZeroConfig:
                 f"ZeroConfig: reduce_dtype={self.reduce_dtype} needs stage=2 (it is the dtype of "
                 "the reduce-scatter); under stage 1 the grads arrive all-reduced: drop reduce_dtype"
             )
-
-    @property
-    def cap_bytes(self) -> int:
-        return DEFAULT_CAP_BYTES if self.bucket_cap_mb is None else int(self.bucket_cap_mb * MiB)
-
-    @property
-    def first_cap_bytes(self) -> int:
-        return min(FIRST_CAP_BYTES, self.cap_bytes)
 
 
 def wire_dtype(value: Any) -> Optional[np.dtype]:
