@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ast
 import functools
-import os
 
 import numpy as np
 import pytest
@@ -164,25 +163,19 @@ def test_jax_uses_the_same_factory_and_config(world1):
 
 def _frozen(rank: int, world: int, store_dir: str) -> dict:
     import torch
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
-    from zero_oracle import OPTIMIZERS, make_model, train
+    from zero_oracle import OPTIMIZERS, gloo_and_host, make_model, train
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{os.path.join(store_dir, 'gloo')}", rank=rank, world_size=world
-    )
-    nd.init_process_group("host")
-    cls_name, kw = OPTIMIZERS["adamw"]
-    cls = getattr(torch.optim, cls_name)
+    with gloo_and_host(rank, world, store_dir):
+        cls_name, kw = OPTIMIZERS["adamw"]
+        cls = getattr(torch.optim, cls_name)
 
-    def frozen_model():
-        m = make_model()
-        m.b.weight.requires_grad_(False)  # inside model.parameters(), never trained
-        return m
+        def frozen_model():
+            m = make_model()
+            m.b.weight.requires_grad_(False)  # inside model.parameters(), never trained
+            return m
 
-    out = {}
-    try:
+        out = {}
         m = frozen_model()
         out["reference"] = train(m, cls(m.parameters(), **kw), TorchDDP(m), rank, world)
         m = frozen_model()
@@ -195,9 +188,6 @@ def _frozen(rank: int, world: int, store_dir: str) -> dict:
         out["zero2"] = train(m, z, ddp, rank, world)
         out["zero2_stage"] = z._stage
         ddp.close()
-    finally:
-        nd.destroy_process_group()
-        dist.destroy_process_group()
     return out
 
 

@@ -7,7 +7,6 @@ on such a model)."""
 
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np
@@ -16,29 +15,23 @@ import pytest
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch==2.13.0)")
 
 from mp import run_ranks  # noqa: E402
-from zero_oracle import OPTIMIZERS, STEPS, global_batches, local, make_model, train  # noqa: E402
+from zero_oracle import OPTIMIZERS, STEPS, global_batches, gloo_and_host, local, make_model, train  # noqa: E402
 
 WORLD = 2
 SMALL = 400 / (1 << 20)
 
 
 def _features(rank: int, world: int, store_dir: str) -> dict:
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     import nccl_ddp as nd
     from nccl_ddp.errors import ConfigError
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{os.path.join(store_dir, 'gloo')}", rank=rank, world_size=world
-    )
-    nd.init_process_group("host")
-    cls, kw = OPTIMIZERS["adamw"]
-    adamw = getattr(torch.optim, cls)
-    overlap_cfg = nd.ZeroConfig(stage=2, overlap_param_gather=True)
-    out: dict = {}
-    try:
+    with gloo_and_host(rank, world, store_dir):
+        cls, kw = OPTIMIZERS["adamw"]
+        adamw = getattr(torch.optim, cls)
+        overlap_cfg = nd.ZeroConfig(stage=2, overlap_param_gather=True)
+        out: dict = {}
         m = make_model()
         ref_acc = train(m, adamw(m.parameters(), **kw), TorchDDP(m), rank, world, accumulate=2)
         m = make_model()
@@ -126,9 +119,6 @@ def _features(rank: int, world: int, store_dir: str) -> dict:
             refusals["join"] = str(e)
         ddp.close()
         out["refusals"] = refusals
-    finally:
-        nd.destroy_process_group()
-        dist.destroy_process_group()
     return out
 
 

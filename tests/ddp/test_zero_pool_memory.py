@@ -8,15 +8,13 @@ shards) and with zero_grad(set_to_none=False)."""
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch==2.13.0)")
 
 from mp import free_port, run_ranks  # noqa: E402
-from zero_oracle import OPTIMIZERS, STEPS, global_batches, local, make_model, params_of, train  # noqa: E402
+from zero_oracle import OPTIMIZERS, STEPS, global_batches, gloo_and_host, local, make_model, params_of, train  # noqa: E402
 
 WORLD = 2
 SMALL = 400 / (1 << 20)  # ~100 floats a bucket: several buckets, shards cut parameters
@@ -49,20 +47,14 @@ def _grad_bytes_held(model, ddp) -> dict:
 
 
 def _run(rank: int, world: int, store_dir: str) -> dict:
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     import nccl_ddp as nd
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{os.path.join(store_dir, 'gloo')}", rank=rank, world_size=world
-    )
-    nd.init_process_group("host")
-    cls, kw = OPTIMIZERS["adamw"]
-    adamw = getattr(torch.optim, cls)
-    out: dict = {}
-    try:
+    with gloo_and_host(rank, world, store_dir):
+        cls, kw = OPTIMIZERS["adamw"]
+        adamw = getattr(torch.optim, cls)
+        out: dict = {}
         m = make_model()
         out["ref"] = train(m, adamw(m.parameters(), **kw), TorchDDP(m), rank, world)
         m = make_model()
@@ -106,9 +98,6 @@ def _run(rank: int, world: int, store_dir: str) -> dict:
             if ours:
                 wrapped.close()
         out["accumulate"] = tuple(results)
-    finally:
-        nd.destroy_process_group()
-        dist.destroy_process_group()
     return out
 
 

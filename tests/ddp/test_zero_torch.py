@@ -7,35 +7,27 @@ parameters (tests/support/zero_oracle.py's model, small buckets)."""
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch==2.13.0)")
 
 from mp import run_ranks  # noqa: E402
-from zero_oracle import OPTIMIZERS, make_model, params_of, train, train_masters  # noqa: E402
+from zero_oracle import OPTIMIZERS, gloo_and_host, make_model, params_of, train, train_masters  # noqa: E402
 
 ZERO2 = True
 SMALL_BUCKETS_MB = 400 / (1 << 20)  # ~100 floats: several buckets, shards cut parameters
 
 
 def _cases(rank: int, world: int, store_dir: str) -> dict:
-    import torch.distributed as dist
     from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     import nccl_ddp as nd
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{os.path.join(store_dir, 'gloo')}", rank=rank, world_size=world
-    )
-    nd.init_process_group("host")
-    ZERO2_CFG = nd.ZeroConfig(stage=2)  # noqa: N806
-    out = {}
-    try:
+    with gloo_and_host(rank, world, store_dir):
+        ZERO2_CFG = nd.ZeroConfig(stage=2)  # noqa: N806
+        out = {}
         for name, (cls_name, kw) in OPTIMIZERS.items():
             cls = getattr(torch.optim, cls_name)
             for clip in (None, 0.05):
@@ -75,9 +67,6 @@ def _cases(rank: int, world: int, store_dir: str) -> dict:
             z = nd.ZeroRedundancyOptimizer(m.parameters(), cls, zero_stage=2, **kw)
             out[f"zero2-bf16-{name}"] = (ref, train(m, z, ddp, rank, world, dtype=torch.bfloat16), z._stage)
             ddp.close()
-    finally:
-        nd.destroy_process_group()
-        dist.destroy_process_group()
     return out
 
 
