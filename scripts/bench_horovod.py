@@ -17,7 +17,6 @@ Rank 0 prints the table and writes the CSV.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -25,20 +24,14 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from benchlib import format_table, init_torch_pg, launch_or_work, timed_steps, write_csv  # noqa: E402
+from benchlib import bench_parser, format_table, init_torch_pg, launch_or_work, timed_steps, write_csv  # noqa: E402
 
 COLUMNS = ("wrapper", "params_MiB", "step_ms", "spread_ms", "comm_ms")
 FORMATS = {"params_MiB": ".2f", "step_ms": ".1f", "spread_ms": ".1f", "comm_ms": ".1f"}
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--nranks", type=int, default=2)
-    p.add_argument("--steps", type=int, default=20, help="timed steps per round")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--csv", default="out/bench_horovod.csv", help="CSV path ('' for none)")
-    p.add_argument("--timeout", type=float, default=1800)
+    p = bench_parser(__doc__, "bench_horovod")
     return p.parse_args(argv)
 
 

@@ -17,7 +17,6 @@ the table and writes the CSV.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -25,7 +24,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from benchlib import format_table, launch_or_work, timed_steps, write_csv  # noqa: E402
+from benchlib import bench_parser, format_table, launch_or_work, timed_steps, write_csv  # noqa: E402
 
 COLUMNS = ("model", "grads_MiB", "form", "step_ms", "spread_ms", "reducer_ms", "inside_vs_outside")
 FORMATS = {
@@ -41,14 +40,8 @@ FORMS = ("none", "outside", "inside")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--nranks", type=int, default=2)
-    p.add_argument("--steps", type=int, default=20, help="timed steps per round")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=3)
+    p = bench_parser(__doc__, "bench_jax_jit")
     p.add_argument("--models", default="small,large")
-    p.add_argument("--csv", default="out/bench_jax_jit.csv", help="CSV path ('' for none)")
-    p.add_argument("--timeout", type=float, default=1800)
     return p.parse_args(argv)
 
 

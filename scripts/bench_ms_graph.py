@@ -18,7 +18,6 @@ spread_ms the max - min. Rank 0 prints the table and writes the CSV.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -27,7 +26,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
-from benchlib import format_table, run_ranks, timed_steps, write_csv  # noqa: E402
+from benchlib import bench_parser, format_table, run_ranks, timed_steps, write_csv  # noqa: E402
 
 COLUMNS = (
     "model",
@@ -50,14 +49,8 @@ FORMATS = {
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--nranks", type=int, default=2)
-    p.add_argument("--steps", type=int, default=10, help="timed steps per round")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=3)
+    p = bench_parser(__doc__, "bench_ms_graph", steps=10)
     p.add_argument("--models", default="lenet,mlp")
-    p.add_argument("--csv", default="out/bench_ms_graph.csv", help="CSV path ('' for none)")
-    p.add_argument("--timeout", type=float, default=1800)
     return p.parse_args(argv)
 
 

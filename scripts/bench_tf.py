@@ -20,7 +20,6 @@ rounds; step_ms is the median round (slowest rank), spread_ms max - min. Rank 0 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -31,7 +30,7 @@ import numpy as np
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from benchlib import format_table, launch_or_work, timed_steps  # noqa: E402
+from benchlib import bench_parser, format_table, launch_or_work, timed_steps  # noqa: E402
 
 COLUMNS = ("model", "grads_MiB", "form", "step_ms", "spread_ms", "reducer_ms", "vs_outside")
 FORMATS = {k: ".2f" for k in ("grads_MiB", "step_ms", "spread_ms", "reducer_ms", "vs_outside")}
@@ -40,14 +39,9 @@ BATCH, LR = 64, 0.01
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = bench_parser(__doc__, None, steps=10, warmup=2)
     p.add_argument("--mode", choices=("ours", "mwms"), default="ours")
-    p.add_argument("--nranks", type=int, default=2)
-    p.add_argument("--steps", type=int, default=10, help="timed steps per round")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--models", default="small,large")
-    p.add_argument("--timeout", type=float, default=1800)
     return p.parse_args(argv)
 
 

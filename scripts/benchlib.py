@@ -1,5 +1,5 @@
-"""Shared by the benchmark scripts: a progress line, CSV output and PNG plots, and the DDP benchmarks'
-comm hooks and torch.distributed group.
+"""Shared by the benchmark scripts: their common options, a progress line, CSV output and PNG
+plots, and the DDP benchmarks' comm hooks and torch.distributed group.
 
 Benchmarks keep their results as a list of dicts (one per measurement); these helpers turn that
 into a table on stdout, a CSV file and a picture. matplotlib is optional (the `plot` extra).
@@ -7,6 +7,7 @@ into a table on stdout, a CSV file and a picture. matplotlib is optional (the `p
 
 from __future__ import annotations
 
+import argparse
 import csv
 import os
 import socket
@@ -16,6 +17,23 @@ import time
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import numpy as np
+
+
+def bench_parser(
+    doc: str, csv_name: Optional[str], steps: int = 20, warmup: int = 3
+) -> argparse.ArgumentParser:
+    """The options of the timing scripts: --nranks, --steps (timed steps per round), --rounds,
+    --warmup, --csv (out/CSV_NAME.csv; none when csv_name is None) and --timeout; a script
+    adds its own and parses."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--nranks", type=int, default=2)
+    p.add_argument("--steps", type=int, default=steps, help="timed steps per round")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=warmup)
+    if csv_name is not None:
+        p.add_argument("--csv", default=f"out/{csv_name}.csv", help="CSV path ('' for none)")
+    p.add_argument("--timeout", type=float, default=1800)
+    return p
 
 
 def array_module(nd: Any) -> Any:
