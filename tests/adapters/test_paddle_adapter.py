@@ -12,24 +12,20 @@ it these tests are skipped.
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import re
-import subprocess
 
 import numpy as np
+import paddle_venv
 import pytest
-from paths import ROOT as REPO
+from paddle_venv import PY, ROOT, VENV
 from paths import SUPPORT
 
-ROOT = str(REPO)
-VENV = os.environ.get("NCCL_DDP_PADDLE_VENV", os.path.join(ROOT, ".venv-paddle"))
-PY = os.path.join(VENV, "bin", "python")
 TIMEOUT = 150
 STATS = ("1._mean", "1._variance")  # BatchNorm's running statistics; the rest are parameters
 
-_missing = not glob.glob(os.path.join(VENV, "lib", "python*", "site-packages", "paddle", "__init__.py"))
+_missing = paddle_venv.missing("paddle")
 pytestmark = [
     pytest.mark.skipif(_missing, reason=f"no Paddle venv at {VENV}: run scripts/setup_paddle_venv.sh"),
     pytest.mark.slow,
@@ -38,13 +34,7 @@ pytestmark = [
 
 
 def _run(args: list, cwd) -> str:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=ROOT)
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    proc = subprocess.run(args, cwd=str(cwd), capture_output=True, text=True, timeout=TIMEOUT, env=env)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{' '.join(args)} exited {proc.returncode}:\n{out[-4000:]}"
-    return out
+    return paddle_venv.run(args, cwd, TIMEOUT)
 
 
 @pytest.fixture(scope="module")

@@ -9,21 +9,17 @@ the venv.
 
 from __future__ import annotations
 
-import glob
 import os
 import re
-import subprocess
 
 import numpy as np
+import paddle_venv
 import pytest
-from paths import ROOT as REPO
+from paddle_venv import PY, ROOT, VENV
 
-ROOT = str(REPO)
-VENV = os.environ.get("NCCL_DDP_PADDLE_VENV", os.path.join(ROOT, ".venv-paddle"))
-PY = os.path.join(VENV, "bin", "python")
 TIMEOUT = 240
 
-_missing = not glob.glob(os.path.join(VENV, "lib", "python*", "site-packages", "tinygrad", "__init__.py"))
+_missing = paddle_venv.missing("tinygrad")
 pytestmark = [
     pytest.mark.skipif(_missing, reason=f"no tinygrad in {VENV}: run scripts/setup_paddle_venv.sh"),
     pytest.mark.slow,
@@ -32,13 +28,7 @@ pytestmark = [
 
 
 def _run(args: list, cwd) -> str:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=ROOT, DEV="PYTHON")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    proc = subprocess.run(args, cwd=str(cwd), capture_output=True, text=True, timeout=TIMEOUT, env=env)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{' '.join(args)} exited {proc.returncode}:\n{out[-4000:]}"
-    return out
+    return paddle_venv.run(args, cwd, TIMEOUT, DEV="PYTHON")
 
 
 def test_example_on_2_ranks_equals_1_rank_on_the_whole_batch(tmp_path):
