@@ -10,28 +10,21 @@ process; without it these tests skip, saying why. Two launches (about 25 and 35 
 
 from __future__ import annotations
 
-import json
-import os
 import re
 
 import numpy as np
 import pytest
-from paths import ROOT, SUPPORT
-from tf_venv import PY, run_tf, venv_problem
+from paths import ROOT
+from tf_venv import PY, run_tf, two_ranks, venv_problem
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+LAUNCH = [PY, "-m", "nccl_ddp.launch", "--nproc-per-node", "2"]
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """[rank 0's results, rank 1's] of one 2-rank launch of tf_checks.py."""
-    problem = venv_problem()
-    if problem:
-        pytest.skip(problem)
-    out = tmp_path_factory.mktemp("tf_checks")
-    script = os.path.join(SUPPORT, "tf_checks.py")
-    run_tf([PY, "-m", "nccl_ddp.launch", "--nproc-per-node", "2", script, str(out)], str(out))
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return two_ranks(LAUNCH, "tf_checks.py", tmp_path_factory.mktemp("tf_checks"), "rank")
 
 
 def _close(a, b, rtol=1e-12, atol=1e-12):
@@ -124,13 +117,7 @@ def test_keras_jit_compile_is_refused(ranks):
 @pytest.fixture(scope="module")
 def mwms(tmp_path_factory):
     """[rank 0's, rank 1's] results of one 2-rank launch of tf_mwms.py."""
-    problem = venv_problem()
-    if problem:
-        pytest.skip(problem)
-    out = tmp_path_factory.mktemp("tf_mwms")
-    script = os.path.join(SUPPORT, "tf_mwms.py")
-    run_tf([PY, "-m", "nccl_ddp.launch", "--nproc-per-node", "2", script, str(out)], str(out))
-    return [json.loads((out / f"mwms{r}.json").read_text()) for r in (0, 1)]
+    return two_ranks(LAUNCH, "tf_mwms.py", tmp_path_factory.mktemp("tf_mwms"), "mwms")
 
 
 @pytest.mark.parametrize("clip", ["", "_unclipped"], ids=["clipnorm", "unclipped"])

@@ -6,13 +6,10 @@ full batch. TensorFlow never runs in this process (tests/support/tf_venv.py)."""
 
 from __future__ import annotations
 
-import json
-import os
-
 import numpy as np
 import pytest
-from paths import ROOT, SUPPORT
-from tf_venv import PY, run_tf, venv_problem
+from paths import ROOT
+from tf_venv import PY, run_tf, two_ranks, venv_problem
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 HOROVODRUN = [PY, "-m", "nccl_ddp.launch.horovodrun", "-np", "2", "-H", "localhost:2", "python"]
@@ -20,12 +17,7 @@ HOROVODRUN = [PY, "-m", "nccl_ddp.launch.horovodrun", "-np", "2", "-H", "localho
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    problem = venv_problem()
-    if problem:
-        pytest.skip(problem)
-    out = tmp_path_factory.mktemp("hvd_tf")
-    run_tf([*HOROVODRUN, os.path.join(SUPPORT, "hvd_tf_checks.py"), str(out)], str(out))
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return two_ranks(HOROVODRUN, "hvd_tf_checks.py", tmp_path_factory.mktemp("hvd_tf"), "rank")
 
 
 def test_collectives_on_tensors_eager_and_in_tf_function(ranks):
