@@ -16,7 +16,32 @@ import numpy as np
 
 import nccl_ddp as nd
 from nccl_ddp.errors import ConfigError, RankMismatchError
-from nccl_ddp.horovod.common import OP_NAMES, Average, Sum, _host, _xp, split_counts
+from nccl_ddp.horovod.common import (
+    OP_NAMES,
+    Average,
+    Sum,
+    _host,
+    _xp,
+    check_scale,
+    resolve_op,
+    split_counts,
+)
+
+
+def where_of(op: str, name: Optional[str]) -> str:
+    """How errors name a collective call: `hvd.<op>`, with the call's `name` when given."""
+    return f"hvd.{op}" + (f" ({name!r})" if name else "")
+
+
+def reduce_args(
+    op_name: str, name: Optional[str], op: Any, average: Any, prescale_factor: Any, postscale_factor: Any
+) -> Tuple[str, int, float, float]:
+    """A reducing collective's arguments checked once for every framework: (where, op, pre, post)."""
+    where = where_of(op_name, name)
+    op = resolve_op(op, average, where)
+    pre = check_scale(where, "prescale_factor", prescale_factor)
+    return where, op, pre, check_scale(where, "postscale_factor", postscale_factor)
+
 
 _OPS = {Average: "sum", Sum: "sum", 3: "min", 4: "max", 5: "prod"}
 MAX_DIMS = 16  # of a tensor that allgather / alltoall exchange shapes for

@@ -109,61 +109,6 @@ def check_scale(where: str, name: str, value: Any) -> float:
     return float(value)
 
 
-def where_of(op: str, name: Optional[str]) -> str:
-    """How errors name a collective call: `hvd.<op>`, with the call's `name` when given."""
-    return f"hvd.{op}" + (f" ({name!r})" if name else "")
-
-
-def reduce_args(
-    op_name: str, name: Optional[str], op: Any, average: Any, prescale_factor: Any, postscale_factor: Any
-) -> Tuple[str, int, float, float]:
-    """A reducing collective's arguments checked once for every framework: (where, op, pre, post)."""
-    where = where_of(op_name, name)
-    op = resolve_op(op, average, where)
-    pre = check_scale(where, "prescale_factor", prescale_factor)
-    return where, op, pre, check_scale(where, "postscale_factor", postscale_factor)
-
-
-class Compressor:
-    """Compresses a tensor before a collective and restores it after (Horovod's interface)."""
-
-    @staticmethod
-    def compress(tensor: Any) -> tuple:
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor: Any, ctx: Any) -> Any:
-        return tensor
-
-
-class NoneCompressor(Compressor):
-    """No compression (the default)."""
-
-
-class HalfCompressor(Compressor):
-    """Floating-point tensors travel as `half` (float16), and come back in their own dtype. Each
-    framework's FP16Compressor supplies `half`, `cast` and `is_float`; the logic is this one."""
-
-    half: Any = None
-
-    @staticmethod
-    def cast(tensor: Any, dtype: Any) -> Any:
-        raise NotImplementedError
-
-    @staticmethod
-    def is_float(dtype: Any) -> bool:
-        raise NotImplementedError
-
-    @classmethod
-    def compress(cls, tensor: Any) -> tuple:
-        dtype = tensor.dtype
-        return (cls.cast(tensor, cls.half) if cls.is_float(dtype) else tensor), dtype
-
-    @classmethod
-    def decompress(cls, tensor: Any, ctx: Any) -> Any:
-        return cls.cast(tensor, ctx) if ctx is not None and cls.is_float(ctx) else tensor
-
-
 # ---------------------------------------------------------------------------------------------
 # init and the ranks
 

@@ -19,20 +19,21 @@ import nccl_ddp as nd
 from nccl_ddp.adapters.per_variables import PerVariables
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 from nccl_ddp.horovod import collectives
+from nccl_ddp.horovod.collectives import reduce_args, where_of
 from nccl_ddp.horovod.common import (
     Average,
-    Compressor,  # noqa: F401  (Horovod's name, re-exported)
-    HalfCompressor,
-    NoneCompressor,
     Sum,
     _host,
     _xp,
     check_scale,
     global_process_set,
     group_of,
-    reduce_args,
     resolve_op,
-    where_of,
+)
+from nccl_ddp.horovod.compression import (
+    Compressor,  # noqa: F401  (Horovod's name, re-exported)
+    HalfCompressor,
+    NoneCompressor,
 )
 
 

@@ -15,18 +15,19 @@ import torch
 from nccl_ddp.adapters.torch_tensors import from_native, to_native
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 from nccl_ddp.horovod import collectives
+from nccl_ddp.horovod.collectives import reduce_args, where_of
 from nccl_ddp.horovod.common import (
     Average,
-    Compressor,  # noqa: F401  (Horovod's name, re-exported)
-    HalfCompressor,
-    NoneCompressor,
     global_process_set,
     group_of,
     new_handle,
-    reduce_args,
     resolve_op,
     synchronize,
-    where_of,
+)
+from nccl_ddp.horovod.compression import (
+    Compressor,  # noqa: F401  (Horovod's name, re-exported)
+    HalfCompressor,
+    NoneCompressor,
 )
 
 
