@@ -11,7 +11,7 @@ import functools
 
 import numpy as np
 import pytest
-from mp import free_port, run_ranks
+from mp import run_ranks
 from paths import ROOT
 
 import nccl_ddp as nd
@@ -56,11 +56,10 @@ def test_the_reducer_stays_under_450_lines():
 
 @pytest.fixture
 def world1(monkeypatch):
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    nd.init_process_group("host", rank=0, world_size=1)
-    yield
-    nd.destroy_process_group()
+    from zero_oracle import host_alone
+
+    with host_alone(monkeypatch):
+        yield
 
 
 def _model():

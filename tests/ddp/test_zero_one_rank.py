@@ -9,8 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch==2.13.0)")
 
-from mp import free_port  # noqa: E402
-from zero_oracle import make_model  # noqa: E402
+from zero_oracle import host_alone, make_model  # noqa: E402
 
 import nccl_ddp as nd  # noqa: E402
 from nccl_ddp.errors import ConfigError, ConfigTypeError  # noqa: E402
@@ -21,11 +20,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture
 def world1(monkeypatch):
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    nd.init_process_group("host", rank=0, world_size=1)
-    yield
-    nd.destroy_process_group()
+    with host_alone(monkeypatch):
+        yield
 
 
 def _step(model, opt, scale=1.0):

@@ -13,8 +13,18 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch==2.13.0)")
 
-from mp import free_port, run_ranks  # noqa: E402
-from zero_oracle import OPTIMIZERS, STEPS, global_batches, gloo_and_host, local, make_model, params_of, train  # noqa: E402
+from mp import run_ranks  # noqa: E402
+from zero_oracle import (  # noqa: E402
+    OPTIMIZERS,
+    STEPS,
+    global_batches,
+    gloo_and_host,
+    host_alone,
+    local,
+    make_model,
+    params_of,
+    train,
+)
 
 WORLD = 2
 SMALL = 400 / (1 << 20)  # ~100 floats a bucket: several buckets, shards cut parameters
@@ -137,13 +147,8 @@ def test_zero2_keeps_no_full_size_grad_buffer_after_step(results):
 
 @pytest.fixture
 def world1(monkeypatch):
-    import nccl_ddp as nd
-
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    nd.init_process_group("host", rank=0, world_size=1)
-    yield nd
-    nd.destroy_process_group()
+    with host_alone(monkeypatch) as nd:
+        yield nd
 
 
 @pytest.mark.slow

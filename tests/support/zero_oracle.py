@@ -131,6 +131,23 @@ def train_masters(model, wrapped, rank: int, world: int, name: str, reduce_fp32:
 
 
 @contextlib.contextmanager
+def host_alone(monkeypatch):
+    """nccl_ddp's host group of this process alone (world size 1, on a free port), torn down;
+    yields nccl_ddp."""
+    from mp import free_port
+
+    import nccl_ddp as nd
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    nd.init_process_group("host", rank=0, world_size=1)
+    try:
+        yield nd
+    finally:
+        nd.destroy_process_group()
+
+
+@contextlib.contextmanager
 def gloo_and_host(rank: int, world: int, store_dir: str):
     """torch.distributed on gloo (the reference's) and nccl_ddp's host group, both torn down."""
     import torch
