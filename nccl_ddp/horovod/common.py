@@ -1,5 +1,6 @@
-"""What every Horovod framework API shares, framework-free: init and the ranks, process sets over
-our groups, the handles of asynchronous ops, object collectives, and Horovod's settings.
+"""What every Horovod framework API shares, framework-free: init and the ranks, object
+collectives, Horovod's settings, and the list of basics each API re-exports (process sets from
+process_sets.py among them; the handles of asynchronous ops are in handles.py).
 
 Horovod's names and meanings (horovod/common/basics.py, process_sets.py): `cross_rank` is this
 process's rank among the processes with its local rank, `cross_size` their number; a
@@ -9,17 +10,24 @@ or by `add_process_set`, which every rank calls, as in Horovod).
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import pickle
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 import nccl_ddp as nd
 from nccl_ddp.comm.api import get_local_world_size
 from nccl_ddp.errors import CommError, ConfigError, ConfigTypeError
+from nccl_ddp.horovod.process_sets import (
+    ProcessSet,
+    add_process_set,
+    global_process_set,
+    group_of,
+    invalidate_all,
+    remove_process_set,
+)
 
 log = logging.getLogger(__name__)
 
@@ -197,10 +205,7 @@ def fusion_threshold_mb() -> Optional[float]:
 
 def shutdown() -> None:
     """Leave the job (destroys nccl_ddp's process group if init() created it)."""
-    for ps in list(_registered):
-        ps._invalidate()
-    _registered.clear()
-    global_process_set._invalidate()
+    invalidate_all()
     if _state.owns_group:
         _state.owns_group = False
         nd.destroy_process_group()
@@ -298,140 +303,6 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
 
 def stop_timeline() -> None:
     start_timeline("")
-
-
-# ---------------------------------------------------------------------------------------------
-# process sets
-
-
-class ProcessSet:
-    """Horovod's process set: a sorted list of global ranks, an nccl_ddp group once registered."""
-
-    def __init__(self, ranks_or_comm: Any) -> None:
-        if isinstance(ranks_or_comm, (str, bytes)) or not hasattr(ranks_or_comm, "__iter__"):
-            raise ConfigTypeError(
-                f"ProcessSet takes a list of global ranks, got {type(ranks_or_comm).__name__} "
-                f"{ranks_or_comm!r} (MPI communicators are not supported)"
-            )
-        self.ranks: List[int] = sorted(int(r) for r in ranks_or_comm)
-        self.process_set_id: Optional[int] = None
-        self._group: Any = None
-
-    def _register(self, group: Any, set_id: int = 0) -> None:
-        self._group, self.process_set_id = group, set_id
-        if not self.ranks:  # the global set
-            self.ranks = list(range(nd.get_world_size()))
-
-    def _invalidate(self) -> None:
-        self._group, self.process_set_id = None, None
-
-    def size(self) -> Optional[int]:
-        return None if self.process_set_id is None else len(self.ranks)
-
-    def rank(self) -> Optional[int]:
-        if self.process_set_id is None or not self.included():
-            return None
-        return self.ranks.index(nd.get_rank())
-
-    def included(self) -> Optional[bool]:
-        return None if self.process_set_id is None else nd.get_rank() in self.ranks
-
-    def group(self, where: str) -> Any:
-        """The nccl_ddp group of this set (this rank must be a member)."""
-        if self._group is None:
-            raise ConfigError(
-                f"{where}: process set {self.ranks or 'global'} is not registered; call hvd.init() "
-                "first, and hvd.add_process_set(ranks) (on every rank) for a new set"
-            )
-        if not self._group:
-            raise ConfigError(
-                f"rank {nd.get_rank()}: {where}: this rank is not in process set {self.ranks}; "
-                "call it on the set's ranks only"
-            )
-        return self._group
-
-    def __str__(self) -> str:
-        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
-
-    __repr__ = __str__
-
-
-global_process_set = ProcessSet([])
-_registered: List[ProcessSet] = []
-_set_ids = itertools.count(1)
-
-
-def add_process_set(process_set: Any) -> ProcessSet:
-    """Register a process set (a ProcessSet or a list of ranks); every rank calls it, in the
-    same order (nccl_ddp.new_group)."""
-    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
-    if ps.process_set_id is not None:
-        raise ConfigError(f"hvd.add_process_set: {ps} is registered already")
-    if any(p.ranks == ps.ranks for p in _registered) or ps.ranks == global_process_set.ranks:
-        raise ConfigError(f"hvd.add_process_set: a process set with ranks {ps.ranks} exists already")
-    ps._register(nd.new_group(ps.ranks), next(_set_ids))
-    _registered.append(ps)
-    return ps
-
-
-def remove_process_set(process_set: ProcessSet) -> bool:
-    if process_set is global_process_set or process_set not in _registered:
-        return False
-    _registered.remove(process_set)
-    process_set._invalidate()
-    return True
-
-
-def group_of(process_set: Any, where: str) -> Any:
-    if not isinstance(process_set, ProcessSet):
-        raise ConfigTypeError(
-            f"{where}: process_set must be an hvd.ProcessSet (hvd.global_process_set or one from "
-            f"hvd.add_process_set), got {type(process_set).__name__}"
-        )
-    return process_set.group(where)
-
-
-# ---------------------------------------------------------------------------------------------
-# handles of asynchronous ops
-
-
-class _Pending:
-    def __init__(self, work: Any, finish: Callable[[], Any]) -> None:
-        self.work, self.finish = work, finish
-
-
-_handles: Dict[int, _Pending] = {}
-_handle_ids = itertools.count(1)
-
-
-def new_handle(work: Any, finish: Callable[[], Any]) -> int:
-    """A Horovod handle for `work` (a Work, or None when the op already ran); `finish()` waits
-    for it and returns the op's output."""
-    h = next(_handle_ids)
-    _handles[h] = _Pending(work, finish)
-    return h
-
-
-def poll(handle: int) -> bool:
-    pending = _lookup(handle, "poll")
-    return pending.work is None or bool(pending.work.is_completed())
-
-
-def synchronize(handle: int) -> Any:
-    pending = _handles.pop(handle, None)
-    if pending is None:
-        return None  # Horovod's answer for an unknown (or already synchronized) handle
-    return pending.finish()
-
-
-def _lookup(handle: Any, where: str) -> _Pending:
-    pending = _handles.get(handle)
-    if pending is None:
-        raise ConfigError(
-            f"hvd.{where}: unknown handle {handle!r}; pass the handle an *_async op returned, "
-            "before synchronize() consumed it"
-        )
-    return pending
 
 
 # ---------------------------------------------------------------------------------------------

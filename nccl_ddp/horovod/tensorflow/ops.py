@@ -20,21 +20,13 @@ from nccl_ddp.adapters.per_variables import PerVariables
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 from nccl_ddp.horovod import collectives
 from nccl_ddp.horovod.collectives import reduce_args, where_of
-from nccl_ddp.horovod.common import (
-    Average,
-    Sum,
-    _host,
-    _xp,
-    check_scale,
-    global_process_set,
-    group_of,
-    resolve_op,
-)
+from nccl_ddp.horovod.common import Average, Sum, _host, _xp, check_scale, resolve_op
 from nccl_ddp.horovod.compression import (
     Compressor,  # noqa: F401  (Horovod's name, re-exported)
     HalfCompressor,
     NoneCompressor,
 )
+from nccl_ddp.horovod.process_sets import global_process_set, group_of
 
 
 class FP16Compressor(HalfCompressor):

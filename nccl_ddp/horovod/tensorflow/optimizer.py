@@ -8,7 +8,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from nccl_ddp.errors import ConfigError, ConfigTypeError
-from nccl_ddp.horovod.common import Average, Sum, global_process_set, resolve_op
+from nccl_ddp.horovod.common import Average, Sum, resolve_op
+from nccl_ddp.horovod.process_sets import global_process_set
 from nccl_ddp.horovod.tensorflow.ops import Compression, _check_predivide
 
 

@@ -14,12 +14,11 @@ from nccl_ddp.horovod.common import (
     mpi_built,
     mpi_enabled,
     mpi_threads_supported,
-    poll,
     rocm_built,
     start_timeline,
     stop_timeline,
-    synchronize,
 )
+from nccl_ddp.horovod.handles import poll, synchronize
 from nccl_ddp.horovod.torch.functions import broadcast_optimizer_state, broadcast_parameters
 from nccl_ddp.horovod.torch.ops import *  # noqa: F403
 from nccl_ddp.horovod.torch.ops import __all__ as _ops_names

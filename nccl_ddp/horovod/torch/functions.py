@@ -10,7 +10,8 @@ import torch
 from nccl_ddp.adapters.torch_tensors import to_native
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 from nccl_ddp.horovod import collectives
-from nccl_ddp.horovod.common import broadcast_object, global_process_set, group_of
+from nccl_ddp.horovod.common import broadcast_object
+from nccl_ddp.horovod.process_sets import global_process_set, group_of
 from nccl_ddp.horovod.torch.optimizer import _DistributedOptimizer
 
 

@@ -16,19 +16,14 @@ from nccl_ddp.adapters.torch_tensors import from_native, to_native
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 from nccl_ddp.horovod import collectives
 from nccl_ddp.horovod.collectives import reduce_args, where_of
-from nccl_ddp.horovod.common import (
-    Average,
-    global_process_set,
-    group_of,
-    new_handle,
-    resolve_op,
-    synchronize,
-)
+from nccl_ddp.horovod.common import Average, resolve_op
 from nccl_ddp.horovod.compression import (
     Compressor,  # noqa: F401  (Horovod's name, re-exported)
     HalfCompressor,
     NoneCompressor,
 )
+from nccl_ddp.horovod.handles import new_handle, synchronize
+from nccl_ddp.horovod.process_sets import global_process_set, group_of
 
 
 class FP16Compressor(HalfCompressor):
