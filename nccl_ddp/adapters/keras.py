@@ -148,11 +148,13 @@ class _AllReduceBeforeApply:
 
     def _nccl_ddp_reducer(self, variables: List[Any]) -> Any:
         """The grad reducer for this set of variables (built once, on every rank at its first step)."""
-        from nccl_ddp.ddp.grad_reducer import DistributedGradReducer
 
-        return self._nccl_ddp_reducers.get(
-            variables, None, lambda: DistributedGradReducer(variables, **self._nccl_ddp_settings)
-        )
+        def build() -> Any:
+            from nccl_ddp.ddp.grad_reducer import DistributedGradReducer
+
+            return DistributedGradReducer(variables, **self._nccl_ddp_settings)
+
+        return self._nccl_ddp_reducers.get(variables, None, build)
 
 
 def DistributedOptimizer(
