@@ -38,11 +38,11 @@ def __getattr__(name: str) -> Any:
     """`ZeroRedundancyOptimizer` (torch) and `ZeroOptimizer` (JAX + optax) load their framework
     only when first used; so do the glue modules (`nccl_ddp.lightning`, ...)."""
     if name == "ZeroRedundancyOptimizer":
-        from nccl_ddp.adapters.torch_zero import ZeroRedundancyOptimizer
+        from nccl_ddp.adapters.torch.zero.optimizer import ZeroRedundancyOptimizer
 
         return ZeroRedundancyOptimizer
     if name == "ZeroOptimizer":
-        from nccl_ddp.adapters.jax_zero import ZeroOptimizer
+        from nccl_ddp.adapters.jax.zero import ZeroOptimizer
 
         return ZeroOptimizer
     if name in _SUBMODULES:

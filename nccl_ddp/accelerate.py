@@ -4,14 +4,14 @@
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from nccl_ddp.adapters.accelerate import Accelerator
+    from nccl_ddp.adapters.torch.integrations.accelerate import Accelerator
 
 __all__ = ["Accelerator"]
 
 
 def __getattr__(name: str) -> Any:
     if name == "Accelerator":
-        from nccl_ddp.adapters.accelerate import Accelerator
+        from nccl_ddp.adapters.torch.integrations.accelerate import Accelerator
 
         return Accelerator
     raise AttributeError(f"module 'nccl_ddp.accelerate' has no attribute {name!r}")

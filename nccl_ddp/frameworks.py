@@ -1,7 +1,7 @@
 """Which framework an object belongs to, and its adapter: the one place that decides.
 
 Nothing here imports a framework: the decision is made from the classes' modules, and the adapter
-(nccl_ddp/adapters/<name>.py, which does import its framework) is loaded only when needed.
+(nccl_ddp/adapters/<name>/adapter.py, which does import its framework) is loaded only when needed.
 
 `ADAPTERS` is the whole table. A framework that is not in it but whose arrays speak DLPack
 (`__dlpack__`) goes through the generic adapter (`nccl_ddp.adapters.base`), which finds the
@@ -28,13 +28,13 @@ class Framework:
     wrapper: Optional[Tuple[str, str]] = None  # (adapter module, class) of its models' DDP wrapper
 
 
-_TORCH = Framework("torch", "torch", wrapper=("torch_ddp", "TorchDistributedDataParallel"))
-_MS_DDP = ("mindspore_ddp", "MindSporeDistributedDataParallel")
-_MINDSPORE = Framework("mindspore", "mindspore", wrapper=_MS_DDP)
-_JAX = Framework("jax", "jax", immutable=True)
-_TENSORFLOW = Framework("tensorflow", "tensorflow", immutable=True)
-_KERAS = Framework("keras", "keras")  # Keras 3 variables; their grads are the backend's tensors
-_PADDLE = Framework("paddle", "paddle", wrapper=("paddle_ddp", "PaddleDistributedDataParallel"))
+_TORCH = Framework("torch", "torch.adapter", wrapper=("torch.ddp", "TorchDistributedDataParallel"))
+_MS_DDP = ("mindspore.ddp", "MindSporeDistributedDataParallel")
+_MINDSPORE = Framework("mindspore", "mindspore.adapter", wrapper=_MS_DDP)
+_JAX = Framework("jax", "jax.adapter", immutable=True)
+_TENSORFLOW = Framework("tensorflow", "tensorflow.adapter", immutable=True)
+_KERAS = Framework("keras", "keras.adapter")  # Keras 3 variables; their grads are the backend's tensors
+_PADDLE = Framework("paddle", "paddle.adapter", wrapper=("paddle.ddp", "PaddleDistributedDataParallel"))
 
 # top-level module of a class in an object's MRO -> its framework (a user's model subclasses the
 # framework's own class, and MindSpore's Parameter lives in "abc"); the whole list of adapters
@@ -96,7 +96,7 @@ def generic_adapter(name: str) -> Any:
 
 def adapter_module(module: str, name: str) -> Any:
     """The module `nccl_ddp.adapters.<module>` of framework `name` itself, imported now (glue that
-    is no array adapter, e.g. torch_dist, which the functional API asks when torch is loaded)."""
+    is no array adapter, e.g. torch.dist, which the functional API asks when torch is loaded)."""
     return _load(module, name)
 
 

@@ -5,6 +5,7 @@ load that way is named by the explicit table (`ADAPTERS`, `GENERIC`) or by a lit
 and defines the wrapper class the table names; and frameworks.py loads nothing outside adapters/."""
 
 import ast
+from pathlib import Path
 
 from paths import ROOT
 
@@ -14,8 +15,13 @@ PKG = ROOT / "nccl_ddp"
 ADAPTERS_DIR = PKG / "adapters"
 
 
+def _file(module: str) -> Path:
+    """The file of `nccl_ddp.adapters.<module>` ("torch.ddp" -> adapters/torch/ddp.py)."""
+    return ADAPTERS_DIR / (module.replace(".", "/") + ".py")
+
+
 def _classes(module: str) -> set:
-    tree = ast.parse((ADAPTERS_DIR / f"{module}.py").read_text())
+    tree = ast.parse(_file(module).read_text())
     return {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
 
 
@@ -42,16 +48,14 @@ def test_every_dynamically_loaded_module_is_an_adapter():
         targets.add(fw.adapter)
         if fw.wrapper is not None:
             module, cls = fw.wrapper
-            assert (ADAPTERS_DIR / f"{module}.py").is_file(), (
-                f"ADAPTERS[{key!r}].wrapper: no adapters/{module}.py"
-            )
+            assert _file(module).is_file(), f"ADAPTERS[{key!r}].wrapper: no adapters/{module}.py"
             assert cls in _classes(module), (
                 f"ADAPTERS[{key!r}].wrapper: adapters/{module}.py has no class {cls}"
             )
     calls = _adapter_module_calls()
-    assert calls, "adapter_module is called somewhere (comm/api.py: torch_dist); the scan found none"
+    assert calls, "adapter_module is called somewhere (comm/api.py: torch.dist); the scan found none"
     targets |= {m for _, m in calls}
-    missing = sorted(m for m in targets if not (ADAPTERS_DIR / f"{m}.py").is_file())
+    missing = sorted(m for m in targets if not _file(m).is_file())
     assert not missing, f"loaded by name but not in nccl_ddp/adapters/: {missing}"
 
 

@@ -213,11 +213,37 @@ def test_frameworks_are_imported_only_in_adapters():
     assert not bad, "framework imports outside nccl_ddp/adapters/ and horovod/:\n" + "\n".join(bad)
 
 
+def framework_package(module: str) -> str:
+    """The framework package of an adapter module ('nccl_ddp.adapters.torch.zero.step' -> 'torch'),
+    '' for the framework-neutral modules at the adapters' root (base, arrays, per_variables)."""
+    parts = module.split(".")
+    if parts[:2] != ["nccl_ddp", "adapters"] or len(parts) < 3:
+        return ""
+    return parts[2] if (PKG / "adapters" / parts[2]).is_dir() else ""
+
+
+def test_one_framework_package_never_imports_another():
+    """adapters/<fw>/ may import its own package and the neutral root, never another framework's:
+    each framework's code is found, loaded and broken alone."""
+    bad = []
+    for path in SOURCES:
+        me = module_name(path)
+        mine = framework_package(me)
+        if not mine:
+            continue
+        for line, target in imports(path):
+            theirs = framework_package(target)
+            if theirs and theirs != mine:
+                bad.append(f"{path.relative_to(PKG.parent)}:{line}: {me} imports {target}")
+    assert not bad, "adapter packages that import another framework's:\n" + "\n".join(bad)
+
+
 @pytest.mark.parametrize(
     "source, expected",
     [
         ("from nccl_ddp.ddp.reducer import Reducer\n", "nccl_ddp/store/x.py"),
         ("import torch\n", "nccl_ddp/comm/x.py"),
+        ("from nccl_ddp.adapters.torch.tensors import to_native\n", "nccl_ddp/adapters/jax/x.py"),
     ],
 )
 def test_the_checks_catch_a_planted_violation(tmp_path, monkeypatch, source, expected):
@@ -229,11 +255,13 @@ def test_the_checks_catch_a_planted_violation(tmp_path, monkeypatch, source, exp
     target.write_text(source)
     monkeypatch.setattr(__import__(__name__), "PKG", fake)
     monkeypatch.setattr(__import__(__name__), "SOURCES", sorted(fake.rglob("*.py")))
-    check = (
-        test_no_import_runs_against_the_layers
-        if "ddp" in source
-        else test_frameworks_are_imported_only_in_adapters
-    )
+    (fake / "adapters" / "torch").mkdir(parents=True, exist_ok=True)
+    if "adapters" in source:
+        check = test_one_framework_package_never_imports_another
+    elif "ddp" in source:
+        check = test_no_import_runs_against_the_layers
+    else:
+        check = test_frameworks_are_imported_only_in_adapters
     with pytest.raises(AssertionError, match="imports"):
         check()
 

@@ -140,13 +140,13 @@ def _beside_torch(env: DistEnv, take_ranks: bool) -> DistEnv:
     """torch.distributed already up with these ranks (mp.spawn recipes, Ray Train, Lightning,
     Accelerate, any script that called dist.init_process_group first): its store holds
     MASTER_PORT, so ours listens on a port rank 0 picks, with a secret rank 0 makes, both sent
-    through torch.distributed (adapters/torch_dist.py); with `take_ranks` (no launcher named
+    through torch.distributed (adapters/torch/dist.py); with `take_ranks` (no launcher named
     this process's rank) torch's ranks are ours. Collective over torch's world."""
     if "torch.distributed" not in sys.modules:
         return env
     from nccl_ddp.frameworks import adapter_module
 
-    return cast(DistEnv, adapter_module("torch_dist", "torch").store_beside_torch(env, take_ranks))
+    return cast(DistEnv, adapter_module("torch.dist", "torch").store_beside_torch(env, take_ranks))
 
 
 def _leave_if_ms_scheduler(env: DistEnv) -> None:

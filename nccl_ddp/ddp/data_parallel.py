@@ -37,7 +37,7 @@ class DistributedDataParallel:
 
     For a framework whose models are objects of its own (torch.nn.Module), the wrapper is one
     too: `DistributedDataParallel(torch_model)` is an instance of the adapter's subclass
-    (adapters/torch_ddp.py), which is also a torch.nn.Module. Joinable (`nccl_ddp.Join`).
+    (adapters/torch/ddp.py), which is also a torch.nn.Module. Joinable (`nccl_ddp.Join`).
     """
 
     _reducer_class = Reducer  # a framework's wrapper may add its framework's reducer API

@@ -156,7 +156,7 @@ def test_torch_hooks_enter_the_compute_stream_per_bucket_not_per_grad(monkeypatc
     from fakegroup import run_threads
 
     import nccl_ddp as nd
-    from nccl_ddp.adapters import torch as torch_adapter
+    from nccl_ddp.adapters.torch import adapter as torch_adapter
 
     real = torch_adapter.torch_stream_current
     entered = collections.Counter()

@@ -470,8 +470,8 @@ def frameworks():
     """torch and JAX imported before the fake CuPy replaces `cupy` (torch imports cupyx)."""
     torch = pytest.importorskip("torch")
     jax = pytest.importorskip("jax")
-    from nccl_ddp.adapters import jax as jax_adapter
-    from nccl_ddp.adapters import torch_tensors as torch_adapter
+    from nccl_ddp.adapters.jax import adapter as jax_adapter
+    from nccl_ddp.adapters.torch import tensors as torch_adapter
 
     return torch, jax, torch_adapter, jax_adapter
 

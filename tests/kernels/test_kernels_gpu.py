@@ -261,7 +261,7 @@ def test_torch_bfloat16_cuda_tensors_pack_and_unpack():
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("this torch has no CUDA")
-    from nccl_ddp.adapters import torch_tensors as torch_adapter
+    from nccl_ddp.adapters.torch import tensors as torch_adapter
 
     t = torch.randn(1001, device="cuda").to(torch.bfloat16)
     native = torch_adapter.to_native(t)

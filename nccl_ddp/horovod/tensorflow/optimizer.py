@@ -32,7 +32,7 @@ def DistributedOptimizer(
     """Horovod's wrapper: the grads averaged (or summed) over the ranks in `apply()`."""
     import keras
 
-    from nccl_ddp.adapters.keras import DistributedOptimizer as keras_optimizer
+    from nccl_ddp.adapters.keras.adapter import DistributedOptimizer as keras_optimizer
 
     where = "DistributedOptimizer"
     if not isinstance(optimizer, keras.optimizers.Optimizer):

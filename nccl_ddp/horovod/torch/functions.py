@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from nccl_ddp.adapters.torch_tensors import to_native
+from nccl_ddp.adapters.torch.tensors import to_native
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 from nccl_ddp.horovod import collectives
 from nccl_ddp.horovod.common import broadcast_object

@@ -12,7 +12,7 @@ from typing import Any, List, Optional, Sequence
 
 import torch
 
-from nccl_ddp.adapters.torch_tensors import from_native, to_native
+from nccl_ddp.adapters.torch.tensors import from_native, to_native
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 from nccl_ddp.horovod import collectives
 from nccl_ddp.horovod.collectives import reduce_args, where_of

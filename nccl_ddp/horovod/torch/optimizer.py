@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 import nccl_ddp as nd
-from nccl_ddp.adapters.torch import TorchModule
-from nccl_ddp.adapters.torch_tensors import torch_stream_current
+from nccl_ddp.adapters.torch.adapter import TorchModule
+from nccl_ddp.adapters.torch.tensors import torch_stream_current
 from nccl_ddp.errors import ConfigError, ConfigTypeError, ReducerError
 from nccl_ddp.horovod.common import OP_NAMES, Average, check_scale, fusion_threshold_mb, resolve_op
 from nccl_ddp.horovod.process_sets import global_process_set, group_of

@@ -41,7 +41,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
             self._broadcast()
 
     def _broadcast(self) -> None:
-        from nccl_ddp.adapters.keras import broadcast_variables
+        from nccl_ddp.adapters.keras.adapter import broadcast_variables
 
         optimizer = self.model.optimizer
         if optimizer is not None and not optimizer.built:

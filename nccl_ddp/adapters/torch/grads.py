@@ -1,13 +1,13 @@
 """`DistributedGradReducer`'s adapter for torch: parameters are tensors (`model.parameters()`
 works), grads a list or tuple of tensors, crossing to the reducer as native arrays through DLPack
-(adapters/torch_tensors.py) on torch's current CUDA stream.
+(adapters/torch/tensors.py) on torch's current CUDA stream.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, List
 
-from nccl_ddp.adapters.torch_tensors import from_native, is_cuda, to_native, torch_stream_current
+from nccl_ddp.adapters.torch.tensors import from_native, is_cuda, to_native, torch_stream_current
 from nccl_ddp.buckets.layout import ParamSpec
 from nccl_ddp.ddp.interfaces import GradsAdapter
 from nccl_ddp.errors import ConfigError, ConfigTypeError

@@ -374,7 +374,7 @@ def test_core_options_pass_through_the_torch_wrapper():
 
     from fakegroup import run_threads
 
-    from nccl_ddp.adapters.torch_ddp import TorchDistributedDataParallel
+    from nccl_ddp.adapters.torch.ddp import TorchDistributedDataParallel
     from nccl_ddp.ddp.config import DDPConfig
     from nccl_ddp.ddp.data_parallel import DistributedDataParallel
 

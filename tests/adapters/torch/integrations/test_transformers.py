@@ -65,7 +65,7 @@ def test_transformers_trainer_matches_its_own_ddp(tmp_path):
     for rank, r in enumerate(results):
         theirs, ours = r["torch"], r["ours"]
         assert theirs["wrapper"].startswith("torch.nn.parallel"), theirs["wrapper"]
-        assert ours["wrapper"] == "nccl_ddp.adapters.torch_ddp", ours["wrapper"]
+        assert ours["wrapper"] == "nccl_ddp.adapters.torch.ddp", ours["wrapper"]
         assert ours["eval_loss"] == pytest.approx(theirs["eval_loss"], rel=1e-6)
         for key, value in theirs["params"].items():
             np.testing.assert_allclose(

@@ -22,10 +22,10 @@ from lightning.pytorch.overrides.distributed import prepare_for_backward
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies import ddp as _lightning_ddp
 
-from nccl_ddp.adapters import private_names
-from nccl_ddp.adapters.torch_ddp import TorchDistributedDataParallel
-from nccl_ddp.adapters.torch_dist import init_beside_torch
-from nccl_ddp.adapters.torch_zero import ZeroRedundancyOptimizer
+from nccl_ddp.adapters.torch.ddp import TorchDistributedDataParallel
+from nccl_ddp.adapters.torch.dist import init_beside_torch
+from nccl_ddp.adapters.torch.integrations import private_names
+from nccl_ddp.adapters.torch.zero.optimizer import ZeroRedundancyOptimizer
 from nccl_ddp.comm import api
 from nccl_ddp.env import DEFAULT_TIMEOUT
 from nccl_ddp.errors import ConfigError
@@ -120,7 +120,7 @@ class NcclDDPStrategy(DDPStrategy):
 
     def _register_ddp_hooks(self) -> None:
         """Lightning's ddp_comm_state / ddp_comm_hook / ddp_comm_wrapper, on every device
-        (torch's hooks work on our buckets; see adapters/torch_hooks.py)."""
+        (torch's hooks work on our buckets; see adapters/torch/comm_hooks.py)."""
         if self._ddp_comm_hook is None:
             return
         hook = self._ddp_comm_hook

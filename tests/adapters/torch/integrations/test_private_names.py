@@ -1,4 +1,5 @@
-"""The glue's private names of Lightning and Accelerate (nccl_ddp/adapters/private_names.py): the
+"""The glue's private names of Lightning and Accelerate
+(nccl_ddp/adapters/torch/integrations/private_names.py): the
 installed versions still have every one (an upgrade that removes one fails here, naming it), the
 glue refuses to load when one is gone (planted), and each extra's upper bound is the version the
 glue names as tested."""
@@ -11,7 +12,7 @@ import sys
 import pytest
 from paths import ROOT
 
-from nccl_ddp.adapters import private_names
+from nccl_ddp.adapters.torch.integrations import private_names
 from nccl_ddp.errors import FrameworkVersionError
 
 if sys.version_info >= (3, 11):
@@ -32,7 +33,7 @@ def _gone(library, present):
 @pytest.mark.slow
 def test_lightning_has_every_private_name_the_strategy_uses():
     pytest.importorskip("lightning")
-    from nccl_ddp.adapters import lightning as glue
+    from nccl_ddp.adapters.torch.integrations import lightning as glue
 
     present = glue.private_names_present()
     assert set(present) >= {"DDPStrategy._setup_model", "DDPStrategy._register_ddp_hooks"}
@@ -45,7 +46,7 @@ def test_lightning_has_every_private_name_the_strategy_uses():
 
 def test_accelerate_still_looks_torch_ddp_up_by_name():
     pytest.importorskip("accelerate")
-    from nccl_ddp.adapters import accelerate as glue
+    from nccl_ddp.adapters.torch.integrations import accelerate as glue
 
     present = glue.private_names_present()
     assert present, "accelerate's source is not installed: the swap cannot be checked"
@@ -66,7 +67,7 @@ def test_a_removed_private_name_is_named_with_the_tested_version(monkeypatch):
 @pytest.mark.slow
 def test_lightning_glue_refuses_a_lightning_without_setup_model(monkeypatch):
     pytest.importorskip("lightning")
-    from nccl_ddp.adapters import lightning as glue
+    from nccl_ddp.adapters.torch.integrations import lightning as glue
 
     monkeypatch.delattr(glue.DDPStrategy, "_setup_model")
     with pytest.raises(FrameworkVersionError, match=r"private name DDPStrategy\._setup_model, which"):
@@ -76,7 +77,7 @@ def test_lightning_glue_refuses_a_lightning_without_setup_model(monkeypatch):
 @pytest.mark.slow
 def test_lightning_strategy_refuses_a_ddp_strategy_without_its_attributes(monkeypatch):
     pytest.importorskip("lightning")
-    from nccl_ddp.adapters import lightning as glue
+    from nccl_ddp.adapters.torch.integrations import lightning as glue
 
     theirs = glue.DDPStrategy.__init__
 
@@ -91,7 +92,7 @@ def test_lightning_strategy_refuses_a_ddp_strategy_without_its_attributes(monkey
 
 def test_accelerate_glue_refuses_a_prepare_model_that_imports_ddp(monkeypatch):
     pytest.importorskip("accelerate")
-    from nccl_ddp.adapters import accelerate as glue
+    from nccl_ddp.adapters.torch.integrations import accelerate as glue
 
     def prepare_model(self, model, device_placement=None, evaluation_mode=False):
         return DistributedDataParallel(model)  # noqa: F821  (a module-level import of torch's DDP)
@@ -112,7 +113,7 @@ def test_each_glue_extra_is_bounded_by_the_tested_version():
 @pytest.mark.slow
 def test_transformers_has_every_private_name_the_trainer_uses():
     pytest.importorskip("transformers")
-    from nccl_ddp.adapters import transformers as glue
+    from nccl_ddp.adapters.torch.integrations import transformers as glue
 
     present = glue.private_names_present()
     assert len(present) == 4  # + Trainer._save_optimizer_and_scheduler (ZeRO checkpoints)

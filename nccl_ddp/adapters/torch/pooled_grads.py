@@ -32,7 +32,7 @@ from nccl_ddp.errors import ConfigError
 
 class PooledGrads:
     """The placeholders and the per-step hand-over of `params`' grads to `reducer`;
-    `to_native(tensor)`: the native array the reducer packs from (adapters/torch.py's)."""
+    `to_native(tensor)`: the native array the reducer packs from (adapters/torch/adapter.py's)."""
 
     def __init__(self, params: List[Any], reducer: Any, to_native: Callable[[Any], Any]) -> None:
         self.params, self.reducer, self._to_native = params, reducer, to_native

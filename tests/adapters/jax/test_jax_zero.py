@@ -13,7 +13,7 @@ optax = pytest.importorskip("optax", reason="optax is not installed")
 from mp import run_ranks  # noqa: E402
 
 import nccl_ddp as nd  # noqa: E402
-from nccl_ddp.adapters.jax_zero import check_elementwise  # noqa: E402
+from nccl_ddp.adapters.jax.zero import check_elementwise  # noqa: E402
 from nccl_ddp.errors import ConfigError  # noqa: E402
 
 pytestmark = pytest.mark.slow  # JAX compiles each op of the probe and the steps (3-25 s here)

@@ -1,8 +1,8 @@
 """How `ZeroRedundancyOptimizer` is put together: the stage and the shard core it steps, chosen by
-the model (adapters/torch_zero.py).
+the model (adapters/torch/zero/optimizer.py).
 
 Parameters of an `nccl_ddp.DistributedDataParallel` built with `zero=ZeroConfig(...)` carry the
-wrapper's mark (adapters/torch.py `owner_of`), and through it the model's shard core: the stage,
+wrapper's mark (adapters/torch/adapter.py `owner_of`), and through it the model's shard core: the stage,
 `overlap_param_gather` and `reduce_dtype` are that core's. Any other parameters get a ZeRO-1 core
 of the optimizer's own, over grads all-reduced whole. The inner torch optimizer steps one tensor per
 (parameter, shard) piece, grouped as the parameters are.
@@ -14,8 +14,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from nccl_ddp.adapters.torch import owner_of
-from nccl_ddp.adapters.torch_tensors import from_native, to_native
+from nccl_ddp.adapters.torch.adapter import owner_of
+from nccl_ddp.adapters.torch.tensors import from_native, to_native
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 from nccl_ddp.zero.config import ZeroConfig
 from nccl_ddp.zero.core import build_core

@@ -4,7 +4,8 @@
 
 transformers' Trainer builds its own accelerate `Accelerator` (in `create_accelerator_and_postprocess`,
 from the name `transformers.trainer.Accelerator`); this Trainer builds ours there
-(adapters/accelerate.py), whose `prepare` wraps the model in our `DistributedDataParallel` after
+(adapters/torch/integrations/accelerate.py), whose `prepare` wraps the model in our
+`DistributedDataParallel` after
 joining our process group beside Accelerate's torch.distributed. Everything else is transformers'
 (evaluation, `max_grad_norm`, `save_model`, checkpoints and `resume_from_checkpoint`).
 A checkpoint of an nccl_ddp `ZeroRedundancyOptimizer` given as the Trainer's optimizer consolidates
@@ -23,9 +24,9 @@ from typing import Any, Dict, TypeVar
 import transformers
 import transformers.trainer
 
-from nccl_ddp.adapters import private_names
-from nccl_ddp.adapters.accelerate import Accelerator
-from nccl_ddp.adapters.torch_zero import ZeroRedundancyOptimizer
+from nccl_ddp.adapters.torch.integrations import private_names
+from nccl_ddp.adapters.torch.integrations.accelerate import Accelerator
+from nccl_ddp.adapters.torch.zero.optimizer import ZeroRedundancyOptimizer
 from nccl_ddp.errors import ConfigTypeError
 
 _PATCH = threading.Lock()

@@ -12,7 +12,7 @@ What torch's own code and the libraries built on torch DDP read from it is here 
 `require_backward_grad_sync` / `require_forward_param_sync` (no_sync's switches),
 `_get_ddp_logging_data()`, and the reducer's `prepare_for_backward` / `_rebuild_buckets` /
 `_delay_all_reduce`. The wrapper is a torch `Joinable` (torch's `Join([model])` works, as does
-`nccl_ddp.Join`), and `register_comm_hook` takes torch's hooks (adapters/torch_hooks.py).
+`nccl_ddp.Join`), and `register_comm_hook` takes torch's hooks (adapters/torch/comm_hooks.py).
 
 torch.compile: `forward` runs in a frame that dynamo skips (torch DDP does the same) and the step's
 bookkeeping is marked to be skipped too, so compiling the wrapper compiles the wrapped module's
@@ -28,9 +28,9 @@ from typing import Any, Optional, cast
 import torch
 from torch.distributed.algorithms.join import Joinable as _TorchJoinable
 
-from nccl_ddp.adapters import torch_hooks
-from nccl_ddp.adapters.torch import TorchModule
-from nccl_ddp.adapters.torch_dist import join_torch_world
+from nccl_ddp.adapters.torch import comm_hooks as torch_hooks
+from nccl_ddp.adapters.torch.adapter import TorchModule
+from nccl_ddp.adapters.torch.dist import join_torch_world
 from nccl_ddp.comm.api import resolve_group
 from nccl_ddp.ddp.data_parallel import DistributedDataParallel
 from nccl_ddp.ddp.join import JoinConfig
@@ -186,7 +186,7 @@ class TorchDistributedDataParallel(torch.nn.Module, DistributedDataParallel, _To
     # ---- torch's comm hooks and Join
     def register_comm_hook(self, state: Any, hook: Any) -> None:
         """torch's contract: nccl_ddp.hooks as they are; torch's default hooks (state None) as
-        their fused equivalents; any other hook on torch tensors (adapters/torch_hooks.py)."""
+        their fused equivalents; any other hook on torch tensors (adapters/torch/comm_hooks.py)."""
         ours = torch_hooks.ours_for(hook, state)
         if ours is not None:
             hook = ours

@@ -14,7 +14,7 @@ from typing import Any, Dict, List
 import numpy as np
 import torch
 
-from nccl_ddp.adapters.torch_tensors import from_native, to_native
+from nccl_ddp.adapters.torch.tensors import from_native, to_native
 from nccl_ddp.errors import ConfigError
 
 MASTER = "__fp32_master__"

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, List, Optional
 
-from nccl_ddp.adapters.torch_tensors import from_native, to_native
+from nccl_ddp.adapters.torch.tensors import from_native, to_native
 from nccl_ddp.ddp import comm_hooks
 from nccl_ddp.errors import CommHookError, CommTimeout, ConfigError
 

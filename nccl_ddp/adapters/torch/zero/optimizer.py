@@ -5,7 +5,7 @@ optimizer gets one fp32 1-D tensor per (parameter, shard) piece, a view of our m
 a view of our fp32 grad shard as its `.grad`; it must be elementwise. Parameters become views of
 flat parameter buffers, all-gathered after every step. The stage follows the model: parameters of
 an `nccl_ddp.DistributedDataParallel` built with `zero=ZeroConfig(...)` carry its shard core
-(found through the mark the wrapper sets on each, adapters/torch.py `owner_of`), which this
+(found through the mark the wrapper sets on each, adapters/torch/adapter.py `owner_of`), which this
 optimizer steps (stage 2: its buckets are reduce-scattered); any other parameters get a ZeRO-1
 core built here by the same factory (zero/core.py), over grads all-reduced whole.
 """
@@ -19,19 +19,19 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
-from nccl_ddp.adapters.torch import owner_of
-from nccl_ddp.adapters.torch_dist import join_torch_world
-from nccl_ddp.adapters.torch_tensors import from_native
-from nccl_ddp.adapters.torch_zero_build import adopt_options, nd_group, own_core, pick_stage, piece_groups
-from nccl_ddp.adapters.torch_zero_grads import GradGuard
-from nccl_ddp.adapters.torch_zero_hooks import GatherWaits
-from nccl_ddp.adapters.torch_zero_state import (
+from nccl_ddp.adapters.torch.adapter import owner_of
+from nccl_ddp.adapters.torch.dist import join_torch_world
+from nccl_ddp.adapters.torch.tensors import from_native
+from nccl_ddp.adapters.torch.zero.build import adopt_options, nd_group, own_core, pick_stage, piece_groups
+from nccl_ddp.adapters.torch.zero.gather_waits import GatherWaits
+from nccl_ddp.adapters.torch.zero.grads import GradGuard
+from nccl_ddp.adapters.torch.zero.state import (
     full_to_torch,
     local_state,
     set_local_state,
     torch_to_full,
 )
-from nccl_ddp.adapters.torch_zero_step import StepGrads
+from nccl_ddp.adapters.torch.zero.step import StepGrads
 from nccl_ddp.comm.api import device_of, resolve_group
 from nccl_ddp.ddp.join import JoinHook, JoinState
 from nccl_ddp.errors import ConfigError, ConfigTypeError
@@ -403,5 +403,5 @@ def _check_class(cls: Any) -> None:
         "sharded optimizer steps each rank's slice of every parameter alone, so the update of an "
         "element may read only that element's grad and state (SGD, Adam, AdamW, ... are; LBFGS, "
         "Adafactor and SparseAdam are not). If yours is, declare it with "
-        "nccl_ddp.adapters.torch_zero.register_elementwise(cls)"
+        "nccl_ddp.adapters.torch.zero.optimizer.register_elementwise(cls)"
     )

@@ -16,7 +16,7 @@ from typing import Any, cast
 
 import paddle
 
-from nccl_ddp.adapters.paddle import PaddleModule
+from nccl_ddp.adapters.paddle.adapter import PaddleModule
 from nccl_ddp.ddp.data_parallel import DistributedDataParallel
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 

@@ -5,9 +5,9 @@ torch's, so a script changes one line:
 
 Accelerate still starts torch.distributed (gloo on the CPU) and does everything else; when
 `prepare` wraps a model for DDP, this Accelerator first joins our process group with Accelerate's
-ranks (adapters/torch_dist.py), then lets accelerate build our `DistributedDataParallel` in place
+ranks (adapters/torch/dist.py), then lets accelerate build our `DistributedDataParallel` in place
 of torch's (torch's name is ours only inside that call). `accumulate`/`no_sync`,
-`DistributedDataParallelKwargs` (its comm_hook: torch's hooks, adapters/torch_hooks.py),
+`DistributedDataParallelKwargs` (its comm_hook: torch's hooks, adapters/torch/comm_hooks.py),
 `save_state`/`load_state`, `unwrap_model`, `trigger_sync_in_backward` and `join_uneven_inputs`
 work on it; `clip_grad_norm_` on the parameters of our ZeroRedundancyOptimizer is its own
 global-norm clip, `prepare` leaves that optimizer where its shards are, and `save_state`
@@ -26,10 +26,10 @@ from typing import Any, Dict, Iterator, cast
 import accelerate
 import torch
 
-from nccl_ddp.adapters import private_names
-from nccl_ddp.adapters.torch_ddp import TorchDistributedDataParallel, TorchReducer
-from nccl_ddp.adapters.torch_dist import init_beside_torch
-from nccl_ddp.adapters.torch_zero import ZeroRedundancyOptimizer
+from nccl_ddp.adapters.torch.ddp import TorchDistributedDataParallel, TorchReducer
+from nccl_ddp.adapters.torch.dist import init_beside_torch
+from nccl_ddp.adapters.torch.integrations import private_names
+from nccl_ddp.adapters.torch.zero.optimizer import ZeroRedundancyOptimizer
 from nccl_ddp.comm import api
 from nccl_ddp.env import DEFAULT_TIMEOUT
 

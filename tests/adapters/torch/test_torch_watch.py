@@ -1,4 +1,4 @@
-"""The torch wrapper's per-step check of the wrapped module (adapters/torch_watch.py): a steady
+"""The torch wrapper's per-step check of the wrapped module (adapters/torch/watch.py): a steady
 step walks no module tree, yet a parameter added, replaced or (un)frozen after wrapping is still
 refused at the next step, and a buffer replaced in any way is still the one broadcast."""
 
@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip insta
 
 from mp import free_port, run_ranks  # noqa: E402
 
-from nccl_ddp.adapters.torch_watch import ModuleWatch  # noqa: E402
+from nccl_ddp.adapters.torch.watch import ModuleWatch  # noqa: E402
 
 
 class Net(torch.nn.Module):

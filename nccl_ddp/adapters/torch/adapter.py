@@ -1,6 +1,6 @@
 """PyTorch adapter: `torch.nn.Module` for `DistributedDataParallel`, lists of tensors for
-`DistributedGradReducer` (adapters/torch_grads.py). Data crosses only through DLPack, without copies
-(adapters/torch_tensors.py).
+`DistributedGradReducer` (adapters/torch/grads.py). Data crosses only through DLPack, without copies
+(adapters/torch/tensors.py).
 
 DDP: every parameter's `.grad` becomes a view of our bucket memory (`p.grad =
 torch.from_dlpack(bucket_view)`), so autograd accumulates straight into the bucket (PyTorch's
@@ -17,10 +17,10 @@ import logging
 import weakref
 from typing import Any, Callable, List, Optional, Tuple
 
-from nccl_ddp.adapters.torch_grads import TorchGrads
-from nccl_ddp.adapters.torch_pooled_grads import PooledGrads
-from nccl_ddp.adapters.torch_tensors import from_native, is_cuda, to_native, torch_stream_current
-from nccl_ddp.adapters.torch_watch import ModuleWatch
+from nccl_ddp.adapters.torch.grads import TorchGrads
+from nccl_ddp.adapters.torch.pooled_grads import PooledGrads
+from nccl_ddp.adapters.torch.tensors import from_native, is_cuda, to_native, torch_stream_current
+from nccl_ddp.adapters.torch.watch import ModuleWatch
 from nccl_ddp.ddp.interfaces import GradModule
 from nccl_ddp.errors import ConfigError, ConfigTypeError, NcclDdpError
 

@@ -3,7 +3,7 @@ averaged one.
 
 Under ZeRO-2 the averaged grads exist only as each rank's reduced shard; after a synchronised
 backward `p.grad` is a placeholder of the parameter's shape without grad-sized memory, inside
-`no_sync()` torch's local sum (adapters/torch_pooled_grads.py). After every backward each `p.grad`
+`no_sync()` torch's local sum (adapters/torch/pooled_grads.py). After every backward each `p.grad`
 becomes a `LocalGrad`: the same memory (autograd keeps accumulating into it in C++, which
 `__torch_function__` does not see), whose
 Python-level use raises `ShardedGradError` naming `opt.clip_grad_norm_`, except:

@@ -20,7 +20,7 @@ from typing import Any, List, Optional, Tuple
 import numpy as np
 
 from nccl_ddp import kernels
-from nccl_ddp.adapters.jax import from_native, to_native
+from nccl_ddp.adapters.jax.adapter import from_native, to_native
 from nccl_ddp.comm.api import device_of, get_world_group
 from nccl_ddp.comm.collectives import broadcast
 from nccl_ddp.comm.group import ProcessGroup, ReduceOp

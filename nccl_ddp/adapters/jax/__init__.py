@@ -1,0 +1,1 @@
+"""JAX: the array adapter and the sharded optax step."""

@@ -1,0 +1,1 @@
+"""Keras 3: DistributedOptimizer, variable broadcast and the grad reducer on keras.Variables."""

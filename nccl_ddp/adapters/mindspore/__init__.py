@@ -1,0 +1,1 @@
+"""MindSpore: the Cell adapter and its DDP wrapper."""

@@ -1,0 +1,1 @@
+"""PaddlePaddle: the module adapter and its DDP wrapper."""

@@ -1,0 +1,1 @@
+"""TensorFlow: the variable/tensor adapter."""
