@@ -15,7 +15,6 @@ import numbers
 import os
 import re
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Mapping, Optional
 
 from nccl_ddp.errors import ConfigError, ConfigTypeError
@@ -388,71 +387,6 @@ def _world_from(environ: Mapping[str, str], source: str, world_var: Optional[str
     if source == "none" or not world_var:
         return "no launcher variable (a job of one)"
     return f"{world_var}={environ.get(world_var, '').strip()} ({_NAMES[source]})"
-
-
-# -- failure records for the launcher (like torchrun's error files) -----------------------------
-
-ERROR_FILE_VAR = "NCCL_DDP_ERROR_FILE"  # nccl-ddp-run sets it: where this worker's record goes
-_BLAME = re.compile(r"peer rank (\d+)")
-_hook_installed = False
-
-
-def blamed_rank(exc: BaseException) -> Optional[int]:
-    """The peer an error blames ("peer rank 1 closed the connection"), along its causes."""
-    seen = set()
-    cur: Optional[BaseException] = exc
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        m = _BLAME.search(str(cur))
-        if m:
-            return int(m.group(1))
-        cur = cur.__cause__ or cur.__context__
-    return None
-
-
-def record_failure(exc: BaseException, environ: Optional[Mapping[str, str]] = None) -> None:
-    """Write why this worker fails to $NCCL_DDP_ERROR_FILE (once: the first failure wins), so
-    the launcher can name the root cause instead of whichever rank exited first."""
-    environ = os.environ if environ is None else environ
-    path = environ.get(ERROR_FILE_VAR)
-    if not path or os.path.exists(path):
-        return
-    import json
-    import time
-
-    rank = _int(environ, "RANK")
-    record = {
-        "rank": rank,
-        "time": time.time(),
-        "type": type(exc).__name__,
-        "message": str(exc)[:4000],
-        "blames": blamed_rank(exc),
-        "pid": os.getpid(),
-    }
-    try:
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(record, f)
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a record is a courtesy to the launcher; never mask the real error
-
-
-def install_failure_hook() -> None:
-    """Record an uncaught exception (sys.excepthook) when the launcher asked for records."""
-    global _hook_installed
-    if _hook_installed or not os.environ.get(ERROR_FILE_VAR):
-        return
-    import sys
-
-    previous = sys.excepthook
-
-    def hook(tp: type[BaseException], value: BaseException, tb: Optional[TracebackType]) -> None:
-        record_failure(value)
-        previous(tp, value, tb)
-
-    sys.excepthook = hook
-    _hook_installed = True
 
 
 DEBUG_LEVELS = ("OFF", "INFO", "DETAIL")

@@ -500,7 +500,7 @@ def test_refused_connection_at_setup_blames_the_peer():
     import socket
 
     from nccl_ddp.comm.host.wire import Rendezvous
-    from nccl_ddp.env import blamed_rank
+    from nccl_ddp.failure_record import blamed_rank
 
     with socket.socket() as s:  # a port that was just free: connecting is refused
         s.bind(("127.0.0.1", 0))
@@ -923,7 +923,7 @@ CHAOS = """
 
     import nccl_ddp as nd
     from nccl_ddp.adapters.arrays import ArrayModule
-    from nccl_ddp.env import record_failure
+    from nccl_ddp.failure_record import record_failure
     report = {"rank": rank, "error": None}
     try:
         strike("setup", rng.uniform(0.0, 0.15))

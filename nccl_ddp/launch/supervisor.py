@@ -5,7 +5,6 @@ say which rank failed first for a reason of its own (the root cause) and which f
 from __future__ import annotations
 
 import enum
-import json
 import logging
 import os
 import signal
@@ -17,8 +16,8 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import IO, Any, Callable, Optional
 
-from nccl_ddp.env import blamed_rank
 from nccl_ddp.errors import ConfigError
+from nccl_ddp.failure_record import FailureRecord
 from nccl_ddp.launch.logs import LogFile, WorkerLogs
 
 log = logging.getLogger("nccl_ddp.launch")
@@ -158,21 +157,21 @@ class Worker:
         if self.logs is not None:
             self.logs.close()
 
-    def record(self) -> Optional[dict]:
-        """Why the worker failed: its nccl_ddp record (nccl_ddp.env.record_failure), else the one
+    def record(self) -> Optional[FailureRecord]:
+        """Why the worker failed: its nccl_ddp record (nccl_ddp.failure_record), else the one
         torch's `record` decorator wrote to TORCHELASTIC_ERROR_FILE, if any."""
-        rec = _read_json(self.error_file)
+        rec = FailureRecord.read(self.error_file)
         if rec is not None:
             return rec
-        return _from_torch_record(_read_json(self.torch_error_file))
+        return FailureRecord.read_torch(self.torch_error_file)
 
     def describe(self) -> str:
         text = f"rank {self.rank} (local rank {self.local_rank}): {describe_exit(self.returncode)}"
         rec = self.record()
         if rec:
-            text += f": {rec.get('type', 'error')}: {str(rec.get('message', ''))[:500]}"
-            if rec.get("blames") is not None:
-                text += f" [blames rank {rec['blames']}]"
+            text += f": {rec.type}: {rec.message[:500]}"
+            if rec.blames is not None:
+                text += f" [blames rank {rec.blames}]"
         return text
 
 
@@ -210,37 +209,6 @@ def _pump(
             except (OSError, ValueError):  # our stdout went away: keep draining the worker
                 sink_ok = False
     pipe.close()
-
-
-def _read_json(path: Optional[str]) -> Optional[dict]:
-    if not path:
-        return None
-    try:
-        with open(path) as f:
-            rec = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return rec if isinstance(rec, dict) else None
-
-
-def _from_torch_record(rec: Optional[dict]) -> Optional[dict]:
-    """torch's error file ({"message": {"message": "Type: text", "extraInfo": {"timestamp"}}})
-    as our record."""
-    body = rec.get("message") if rec else None
-    if not isinstance(body, dict) or not isinstance(body.get("message"), str):
-        return None
-    kind, sep, text = body["message"].partition(": ")
-    if not sep:
-        kind, text = "error", body["message"]
-    extra = body.get("extraInfo")
-    try:
-        when: Optional[float] = float(extra["timestamp"])  # type: ignore[index]
-    except (TypeError, ValueError, KeyError):
-        when = None
-    out = {"type": kind, "message": text, "blames": blamed_rank(RuntimeError(text))}
-    if when is not None:
-        out["time"] = when
-    return out
 
 
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torchrun's --signals-to-handle
@@ -310,12 +278,12 @@ def order_failures(failed: list) -> list:
     for its own reason), preferring ranks others blame, earliest first; then the ranks that
     failed because of it."""
     records = {w.rank: w.record() for w in failed}
-    blamed = {r.get("blames") for r in records.values() if r}
+    blamed = {r.blames for r in records.values() if r}
 
     def key(w: Worker) -> tuple:
         rec = records[w.rank]
-        caused = bool(rec) and rec.get("blames") not in (None, w.rank)
-        when = rec.get("time", w.exit_time) if rec else w.exit_time
+        caused = rec is not None and rec.blames not in (None, w.rank)
+        when = rec.time if rec is not None and rec.time is not None else w.exit_time
         return caused, w.rank not in blamed, when or 0.0, w.rank
 
     return sorted(failed, key=key)

@@ -29,6 +29,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Optional
 
+from nccl_ddp.failure_record import FailureRecord
 from nccl_ddp.launch.supervisor import order_failures
 
 GRACE = 5.0  # seconds to collect the other ranks' failures after the first one
@@ -48,16 +49,7 @@ def _child(fn, rank, world_size, args, env, results):
     try:
         results.put((rank, True, fn(rank, world_size, *args), None))
     except BaseException as e:
-        from nccl_ddp.env import blamed_rank
-
-        record = {
-            "rank": rank,
-            "time": time.time(),
-            "type": type(e).__name__,
-            "message": str(e)[:4000],
-            "blames": blamed_rank(e),
-        }
-        results.put((rank, False, traceback.format_exc(), record))
+        results.put((rank, False, traceback.format_exc(), FailureRecord.of(e, rank)))
 
 
 class RankFailed(AssertionError):
@@ -70,10 +62,10 @@ class _Failure:
 
     rank: int
     text: str  # the traceback, or how the process ended
-    rec: Optional[dict] = None  # the failure record the rank sent (None: it died)
+    rec: Optional[FailureRecord] = None  # the failure record the rank sent (None: it died)
     exit_time: float = 0.0
 
-    def record(self) -> Optional[dict]:
+    def record(self) -> Optional[FailureRecord]:
         return self.rec
 
 
@@ -94,7 +86,7 @@ def blame_report(failed: dict) -> str:
     text += f"; then ranks {[f.rank for f in then]})" if then else ")"
     text += f":\n{root.text}"
     for f in then:
-        blames = (f.rec or {}).get("blames")
+        blames = f.rec.blames if f.rec else None
         text += (
             f"\n--- then rank {f.rank}"
             + (f" [blames rank {blames}]" if blames is not None else "")
