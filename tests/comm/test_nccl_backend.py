@@ -61,6 +61,16 @@ def test_float8_needs_nccl_2_24_and_others_refused():
             nb.nccl_dtype(np.dtype(bad), FakeRuntime().lib)
 
 
+def test_dtypes_without_an_nccl_type_move_as_the_unsigned_type_of_their_size():
+    lib = FakeRuntime().lib
+    for dt, code in ((np.bool_, lib.NCCL_UINT8), (np.int16, lib.NCCL_FLOAT16), (np.uint16, lib.NCCL_FLOAT16)):
+        assert nb.nccl_dtype(np.dtype(dt), lib, reduce=False) == code
+        with pytest.raises(TypeError, match="NCCL cannot reduce dtype"):
+            nb.nccl_dtype(np.dtype(dt), lib)
+    with pytest.raises(TypeError, match="NCCL cannot reduce dtype"):
+        nb.nccl_dtype(np.dtype(np.complex128), lib, reduce=False)  # 16 bytes: no such type
+
+
 def test_op_mapping():
     lib = FakeRuntime().lib
     for op, code in OPS.items():

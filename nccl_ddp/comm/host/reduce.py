@@ -25,9 +25,11 @@ DTYPE_NAMES: tuple = (
     "uint8",
     "bool",
     "bfloat16",
+    "uint16",
 )
-"""Supported dtypes by name; a dtype's index here is its code in wire headers. Names, not dtypes:
-bfloat16 is ml_dtypes' (a 0.6-4 s import), and a job that never sees a bfloat16 array never loads it."""
+"""Supported dtypes by name; a dtype's index here is its code in wire headers (so new ones go
+last). Names, not dtypes: bfloat16 is ml_dtypes' (a 0.6-4 s import), and a job that never sees a
+bfloat16 array never loads it."""
 
 
 def dtypes() -> tuple:

@@ -226,7 +226,7 @@ class NcclProcessGroup(GroupWatchdog, ProcessGroup):
                 f"broadcast root {root} is not a rank of group {self.name!r} "
                 f"(size {self.size}); pass a group rank"
             )
-        dt, p = self._dtype(buf), self._rt.ptr(buf)
+        dt, p = self._dtype(buf, reduce=False), self._rt.ptr(buf)
         self._debug_check("broadcast", buf, root=root)
         return self._launch(
             "broadcast", tag, stream, buf, (buf,), lambda c, s: c.broadcast(p, p, buf.size, dt, root, s)
@@ -235,8 +235,8 @@ class NcclProcessGroup(GroupWatchdog, ProcessGroup):
     def all_gather(
         self, out: Any, inp: Any, stream: Optional[Stream] = None, *, tag: Optional[str] = None
     ) -> NcclWork:
-        self._check_sizes("all_gather", tag, out, inp, "out", "input")
-        dt, pi, po = self._dtype(inp), self._rt.ptr(inp), self._rt.ptr(out)
+        self._check_sizes("all_gather", tag, out, inp, "out", "input", reduce=False)
+        dt, pi, po = self._dtype(inp, reduce=False), self._rt.ptr(inp), self._rt.ptr(out)
         self._debug_check("all_gather", inp)
         return self._launch(
             "all_gather", tag, stream, out, (out, inp), lambda c, s: c.allGather(pi, po, inp.size, dt, s)
@@ -286,19 +286,27 @@ class NcclProcessGroup(GroupWatchdog, ProcessGroup):
                 op, None if buf is None else buf.dtype, 0 if buf is None else buf.size, root, redop
             )
 
-    def _dtype(self, buf: Any) -> int:
-        """NCCL type of `buf`, which must be contiguous (NCCL sees a pointer and a count)."""
+    def _dtype(self, buf: Any, reduce: bool = True) -> int:
+        """NCCL type of `buf`, which must be contiguous (NCCL sees a pointer and a count);
+        `reduce=False` where bits only move (runtime.nccl_dtype)."""
         if not buf.flags.c_contiguous:
             raise ConfigError(
                 f"NCCL buffers must be contiguous; got a strided {buf.dtype} array of "
                 f"shape {buf.shape} on group {self.name!r} (pass a contiguous copy)"
             )
-        return nccl_dtype(buf.dtype, self._rt.lib)
+        return nccl_dtype(buf.dtype, self._rt.lib, reduce)
 
     def _check_sizes(
-        self, op: str, tag: Optional[str], big: Any, small: Any, big_name: str, small_name: str
+        self,
+        op: str,
+        tag: Optional[str],
+        big: Any,
+        small: Any,
+        big_name: str,
+        small_name: str,
+        reduce: bool = True,
     ) -> None:
-        self._dtype(big)
+        self._dtype(big, reduce)
         check_gather_buffers(self._describe(op, tag), self.size, big, small, big_name, small_name)
 
     def _describe(self, op: str, tag: Optional[str]) -> str:

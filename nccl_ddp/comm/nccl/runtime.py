@@ -36,6 +36,7 @@ _DTYPES = {
     "float64": "NCCL_FLOAT64",
     "bfloat16": "NCCL_BFLOAT16",
 }
+_MOVING = {1: "NCCL_UINT8", 2: "NCCL_FLOAT16", 4: "NCCL_UINT32", 8: "NCCL_UINT64"}  # by itemsize
 _FP8 = {"float8_e4m3fn": 10, "float8_e5m2": 11}
 _FP8_MIN_VERSION = 22400
 _OPS = {
@@ -67,13 +68,18 @@ def is_available() -> bool:
         return False
 
 
-def nccl_dtype(dtype: Any, lib: Any) -> int:
-    """The ncclDataType_t of a NumPy/CuPy dtype; `lib` is `cupy.cuda.nccl` (or a test fake)."""
+def nccl_dtype(dtype: Any, lib: Any, reduce: bool = True) -> int:
+    """The ncclDataType_t of a NumPy/CuPy dtype; `lib` is `cupy.cuda.nccl` (or a test fake).
+    `reduce=False` (broadcast, all-gather: bits only move) also takes a dtype NCCL has no type
+    for (bool, int16, uint16, ...) as the unsigned type of its size."""
     name = getattr(dtype, "name", str(dtype))
     if name in _DTYPES and hasattr(lib, _DTYPES[name]):
         return int(getattr(lib, _DTYPES[name]))
     if name in _FP8 and lib.get_version() >= _FP8_MIN_VERSION:
         return _FP8[name]
+    size = getattr(dtype, "itemsize", 0)
+    if not reduce and size in _MOVING:
+        return int(getattr(lib, _MOVING[size]))
     raise ConfigTypeError(
         f"NCCL cannot reduce dtype {name}; use one of "
         f"{sorted(_DTYPES) + sorted(_FP8)} (float8 needs NCCL >= 2.24)"
