@@ -11,7 +11,7 @@ env:// store binds it). Several nodes meet in that store before each attempt (re
 Output lines are prefixed with `[rank R] ` (logs.py routes them). The first worker to fail stops
 the others (SIGTERM, then SIGKILL after a grace period); the launcher then names the root cause
 (from the workers' failure records) and exits with its code, or restarts every worker
-(--max-restarts). Whatever happens, the job's /dev/shm segments are removed, and a watchdog
+(--max-restarts). Whatever happens, the job's record folder is removed, and a watchdog
 (reaper.py) kills the workers if the launcher itself is killed. docs/launch.md has the details.
 """
 
@@ -31,7 +31,7 @@ from typing import Optional
 from nccl_ddp.errors import ConfigError, StoreError
 from nccl_ddp.launch.config import LaunchConfig, local_device_count, resolve_nproc
 from nccl_ddp.launch.logs import RunLogs, check_local_ranks
-from nccl_ddp.launch.reaper import Reaper, remove_segments
+from nccl_ddp.launch.reaper import Reaper
 from nccl_ddp.launch.rendezvous import (
     CLIENT_TIMEOUT,
     NodeRendezvous,
@@ -181,10 +181,8 @@ class _Job:
         self.store_port = config.store_port or (self.port + 1 if config.nnodes > 1 else 0)
         self.serving_port = self.store_port  # this attempt's (0 above: a free one each time)
         self.node_rank = config.node_rank
-        self.job_id = secrets.token_hex(6)  # this launcher's /dev/shm names: nccl_ddp-<job>-*
-        self.shm_prefix = f"nccl_ddp-{self.job_id}-"
+        self.job_id = secrets.token_hex(6)  # NCCL_DDP_JOB_ID: tells this launcher's jobs apart
         self.reaper = Reaper(os.getpid())
-        self.reaper.watch_shm(self.shm_prefix)
         self.records = tempfile.mkdtemp(prefix="nccl-ddp-run-")
         self.reaper.watch_dir(self.records)
         self.logs: Optional[RunLogs] = None
@@ -210,7 +208,6 @@ class _Job:
                 outcome, restart, finished_elsewhere = self._attempt(restart)
             except Stopped:
                 return self._signalled()
-            remove_segments(self.shm_prefix)
             report(outcome)
             if outcome.code == 0:
                 log.info("all %d worker(s) finished", self.nproc)
@@ -231,8 +228,7 @@ class _Job:
             )
 
     def cleanup(self) -> None:
-        """Runs whatever failed before: remove the segments and records, stop the reaper."""
-        remove_segments(self.shm_prefix)
+        """Runs whatever failed before: remove the records, stop the reaper."""
         shutil.rmtree(self.records, ignore_errors=True)
         self.reaper.close()
 

@@ -1,11 +1,12 @@
 """A watchdog process that cleans up after a launcher that died (SIGKILL, OOM killer).
 
 The launcher starts it with a pipe on its stdin and writes one line per event: `pgid N` for each
-worker process group it starts (before the worker may run any code: see gate.py), `shm PREFIX`
-for its /dev/shm names, `dir PATH` for its record directory, `done` when it exits normally. End
-of input without `done` means the launcher is gone: the reaper kills every worker group (the
-workers and their children), removes the job's /dev/shm segments and record directory, and says
-so on stderr (the launcher's terminal: the workers' own output died with the launcher's pumps).
+worker process group it starts (before the worker may run any code: see gate.py), `dir PATH`
+for its record directory, `done` when it exits normally. End of input without `done` means the
+launcher is gone: the reaper kills every worker group (the workers and their children), removes
+the job's record directory, and says so on stderr (the launcher's terminal: the workers' own
+output died with the launcher's pumps). Shared-memory segments have no name to remove (see
+comm/host/shm.py): they go with the last process that maps them.
 """
 
 from __future__ import annotations
@@ -16,25 +17,6 @@ import signal
 import subprocess
 import sys
 from typing import IO, Optional
-
-SHM_DIR = "/dev/shm"
-
-
-def remove_segments(prefix: str, shm_dir: str = SHM_DIR) -> list:
-    """Unlink every /dev/shm entry whose name starts with `prefix`; returns the names removed."""
-    removed: list = []
-    try:
-        names = os.listdir(shm_dir)
-    except OSError:
-        return removed
-    for name in names:
-        if name.startswith(prefix):
-            try:
-                os.unlink(os.path.join(shm_dir, name))
-                removed.append(name)
-            except OSError:
-                pass
-    return removed
 
 
 class Reaper:
@@ -61,9 +43,6 @@ class Reaper:
     def watch_group(self, pgid: int) -> None:
         self._say(f"pgid {pgid}")
 
-    def watch_shm(self, prefix: str) -> None:
-        self._say(f"shm {prefix}")
-
     def watch_dir(self, path: str) -> None:
         self._say(f"dir {path}")
 
@@ -86,15 +65,13 @@ class Reaper:
 
 
 def watch(stream: IO[bytes], launcher_pid: int) -> int:
-    groups, prefixes, dirs = [], [], []
+    groups, dirs = [], []
     for raw in iter(stream.readline, b""):
         word, _, arg = raw.decode(errors="replace").strip().partition(" ")
         if word == "done":
             return 0
         if word == "pgid":
             groups.append(int(arg))
-        elif word == "shm":
-            prefixes.append(arg)
         elif word == "dir":
             dirs.append(arg)
     for pgid in groups:
@@ -102,13 +79,11 @@ def watch(stream: IO[bytes], launcher_pid: int) -> int:
             os.killpg(pgid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-    removed = [n for p in prefixes for n in remove_segments(p)]
     for path in dirs:
         shutil.rmtree(path, ignore_errors=True)
     sys.stderr.write(
         f"nccl-ddp-run: the launcher (pid {launcher_pid}) died without stopping its "
-        f"workers; killed their {len(groups)} process group(s) and removed "
-        f"{len(removed)} /dev/shm segment(s)\n"
+        f"workers; killed their {len(groups)} process group(s)\n"
     )
     return 1
 

@@ -184,7 +184,7 @@ class HostProcessGroup(ProcessGroup):
         t: Callable[[], Any]
         if same_host and all(i["transport"] != "tcp" for i in infos):
             links = rdv.connect(range(self.size))
-            kind, t = "shm", lambda: ShmTransport(links, self.rank, self.size, chunk, "host")
+            kind, t = "shm", lambda: ShmTransport(links, self.rank, self.size, chunk)
         else:
             links = rdv.connect({(self.rank - 1) % self.size, (self.rank + 1) % self.size})
             kind, t = "tcp", lambda: RingTransport(links, self.rank, self.size, chunk, self.timeout)

@@ -1,8 +1,11 @@
-"""Shared-memory segments in /dev/shm, mapped with mmap (no multiprocessing resource tracker).
+"""Shared-memory segments without a name: an unnamed file in /dev/shm's tmpfs (O_TMPFILE), mapped
+with mmap, that peers open through its creator's /proc/<pid>/fd/<n>.
 
-The owner unlinks its segment as soon as every peer has mapped it, so a crash after setup leaves
-nothing behind in /dev/shm. A segment's pages are allocated when it is created: a /dev/shm too
-small for it is a `CommError` at setup, not a SIGBUS at the first collective that touches it.
+No path in /dev/shm ever names a segment, so nothing outlives its creator however it dies, with
+or without our launcher (a SIGKILL between creating and sharing it included): the pages go when
+the last process that maps them exits. The creator keeps the descriptor open only until every peer
+has mapped it. A segment's pages are allocated when it is created: a /dev/shm too small for it is
+a `CommError` at setup, not a SIGBUS at the first collective that touches it.
 """
 
 from __future__ import annotations
@@ -10,7 +13,6 @@ from __future__ import annotations
 import errno
 import mmap
 import os
-import secrets
 from typing import Any, Optional
 
 import numpy as np
@@ -23,51 +25,71 @@ SHM_DIR = "/dev/shm"
 
 
 class Segment:
-    """One mapped segment; `array` is a uint8 view of all of it."""
+    """One mapped segment; `array` is a uint8 view of all of it, `handle` what a peer of this
+    host passes to `attach` while the creator still holds the descriptor (until `release`)."""
 
-    def __init__(self, name: str, nbytes: int, create: bool, sharers: int = 1) -> None:
-        self.name = name
-        self.path = os.path.join(SHM_DIR, name)
-        self.owner = create
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(self.path, flags, 0o600)
+    def __init__(self, fd: int, nbytes: int, owner: bool) -> None:
         try:
-            if create:
-                os.ftruncate(fd, nbytes)
-                _allocate(fd, nbytes, sharers)
-            elif os.fstat(fd).st_size != nbytes:
-                raise OSError(f"segment {self.path} has {os.fstat(fd).st_size} bytes, expected {nbytes}")
             self._map: Optional[mmap.mmap] = mmap.mmap(fd, nbytes)
         except BaseException:
-            if create:
-                os.unlink(self.path)
-            raise
-        finally:
             os.close(fd)
+            raise
+        st = os.fstat(fd)
+        self.handle = f"{os.getpid()}:{fd}:{st.st_dev}:{st.st_ino}"
+        self._fd: Optional[int] = fd
+        if not owner:
+            self.release()
         self.array = np.frombuffer(self._map, dtype=np.uint8)
 
     @classmethod
-    def create(cls, nbytes: int, tag: str, sharers: int = 1) -> Segment:
-        """A new segment named `nccl_ddp-<job>-<pid>-<random>`: $NCCL_DDP_JOB_ID (set by
-        nccl-ddp-run, which removes `nccl_ddp-<job>-*` when it exits) or `tag`. `sharers`: how
-        many processes of this host create one alike (for the error when /dev/shm is full)."""
-        job = os.environ.get("NCCL_DDP_JOB_ID") or tag
-        return cls(
-            f"nccl_ddp-{job}-{os.getpid()}-{secrets.token_hex(4)}", nbytes, create=True, sharers=sharers
-        )
+    def create(cls, nbytes: int, sharers: int = 1) -> Segment:
+        """A new segment of `nbytes`, its pages reserved. `sharers`: how many processes of this
+        host create one alike (for the error when /dev/shm is full)."""
+        try:
+            fd = os.open(SHM_DIR, os.O_TMPFILE | os.O_RDWR, 0o600)
+        except OSError as e:  # no O_TMPFILE on this tmpfs: an anonymous memory file
+            if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                raise
+            fd = os.memfd_create("nccl_ddp-segment", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, nbytes)
+            _allocate(fd, nbytes, sharers)
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(fd, nbytes, owner=True)
 
-    def unlink(self) -> None:
-        """Remove the name (mappings stay valid). Idempotent."""
-        if self.owner:
-            self.owner = False
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+    @classmethod
+    def attach(cls, handle: str, nbytes: int, peer: int) -> Segment:
+        """Map peer rank `peer`'s segment from its `handle` (same host, same PID namespace)."""
+        pid, num, dev, ino = (int(x) for x in handle.split(":"))
+        path = f"/proc/{pid}/fd/{num}"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except OSError as e:
+            raise CommError(
+                f"cannot map peer rank {peer}'s shared-memory segment through {path} ({e.strerror}): "
+                f"the peer exited during setup, or it runs in another PID namespace or /proc is "
+                f"restricted; set NCCL_DDP_HOST_TRANSPORT=tcp in the last two cases"
+            ) from e
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino, st.st_size) != (dev, ino, nbytes):
+            os.close(fd)
+            raise CommError(
+                f"{path} is not peer rank {peer}'s segment of {nbytes} bytes (the peer exited and "
+                f"its pid was reused?); restart the job"
+            )
+        return cls(fd, nbytes, owner=False)
+
+    def release(self) -> None:
+        """Close the descriptor peers open the segment through (the mapping stays). Idempotent."""
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
 
     def close(self) -> None:
-        """Unlink if still owned and unmap. Views of `array` must be gone first."""
-        self.unlink()
+        """Release and unmap. Views of `array` must be gone first."""
+        self.release()
         if self._map is not None:
             del self.array
             try:
@@ -105,7 +127,7 @@ def _mib(n: int) -> str:
 STAGED, REDUCED = 1, 2  # signal kinds (see _wire.KIND_NAMES)
 _SLOTS = 3
 _SMALL = 64 << 10  # all_reduce up to this many bytes: every rank reduces the whole message
-_NAME_BYTES = 128
+_NAME_BYTES = 128  # room for a segment's handle
 
 
 def _bounds(m: int, j: int, n: int) -> tuple:
@@ -128,17 +150,17 @@ class ShmTransport:
     chunk, which it only does after it finished reading that slot.
     """
 
-    def __init__(self, links: dict, rank: int, size: int, chunk_bytes: int, tag: str) -> None:
+    def __init__(self, links: dict, rank: int, size: int, chunk_bytes: int) -> None:
         self.rank, self.size = rank, size
         self.chunk = max(4096, chunk_bytes // 64 * 64)
         self.links = [links[j] for j in range(size) if j != rank]
         self.seq = 0  # signals exchanged so far
         self.chunks = 0  # chunks staged so far: chunk c uses slot c % _SLOTS
         nbytes = _SLOTS * self.chunk
-        self._own = Segment.create(nbytes, tag, sharers=size)
+        self._own = Segment.create(nbytes, sharers=size)
         segments = {}
         try:
-            name = self._own.name.encode().ljust(_NAME_BYTES, b"\0")
+            name = self._own.handle.encode().ljust(_NAME_BYTES, b"\0")
             hello = Header(0, STAGED, SETUP, count=nbytes)
             for link in self.links:
                 link.send(hello, memoryview(name))
@@ -146,14 +168,14 @@ class ShmTransport:
                 link.expect(hello)
                 raw = bytearray(_NAME_BYTES)
                 link.recv_into(memoryview(raw))
-                segments[j] = Segment(bytes(raw).rstrip(b"\0").decode(), nbytes, False)
-            self._exchange((SETUP, 0, 0, 0, 0), REDUCED)  # everyone mapped everything: unlink
+                segments[j] = Segment.attach(bytes(raw).rstrip(b"\0").decode(), nbytes, j)
+            self._exchange((SETUP, 0, 0, 0, 0), REDUCED)  # everyone mapped everything: release
         except BaseException:
             for seg in segments.values():
                 seg.close()
             self._own.close()
             raise
-        self._own.unlink()
+        self._own.release()
         segments[rank] = self._own
         self._segments = segments
         self.slots = [

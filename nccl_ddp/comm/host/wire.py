@@ -206,14 +206,16 @@ def advertise_host() -> str:
 
 
 def host_id() -> str:
-    """Equal for processes that can share /dev/shm segments."""
+    """Equal for processes that can share shm segments: the same /dev/shm and the same PID
+    namespace (a peer opens a segment through its creator's /proc/<pid>/fd)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
         st = os.stat("/dev/shm")
+        pidns = os.stat("/proc/self/ns/pid").st_ino
     except OSError:
         return f"{socket.gethostname()}:{os.getpid()}"  # no /dev/shm: never shared
-    return f"{socket.gethostname()}:{boot}:{st.st_dev}:{st.st_ino}"
+    return f"{socket.gethostname()}:{boot}:{st.st_dev}:{st.st_ino}:{pidns}"
 
 
 class Rendezvous:
