@@ -73,6 +73,32 @@ def framework_of(obj: Any) -> Optional[str]:
     return None
 
 
+_SHOWN = {
+    "jax": "JAX",
+    "mindspore": "MindSpore",
+    "numpy": "NumPy",
+    "cupy": "CuPy",
+    "tensorflow": "TensorFlow",
+}
+
+
+def shown(framework: str) -> str:
+    """How a message names a framework (its module's name when we have no nicer one)."""
+    return _SHOWN.get(framework, framework)
+
+
+def mixed_frameworks(what: str, x: Any, built_on: str, pass_instead: str, why: str = "") -> ConfigTypeError:
+    """The one refusal of an array of another framework than the reducer's parameters: names
+    `what` (a grad, by index or name), its type and framework, the reducer's framework
+    (`built_on`, plus `why` it cannot take others), and what to pass instead."""
+    theirs = shown(framework_of(x) or type(x).__module__.split(".")[0])
+    return ConfigTypeError(
+        f"{what} is a {type(x).__module__}.{type(x).__name__} ({theirs}), but this reducer was "
+        f"built on {shown(built_on)} parameters{why}: pass {pass_instead}, or build the reducer on "
+        f"{theirs} parameters; nccl_ddp never mixes frameworks"
+    )
+
+
 def is_immutable(x: Any) -> bool:
     """True for arrays that must never be written in place (JAX, TensorFlow tensors)."""
     name = framework_of(x)

@@ -583,7 +583,7 @@ def test_torch_grad_reducer_names_the_parameter(world1):
         reducer(grads)
     with pytest.raises(
         TypeError,
-        match=r"grads\[0\] is a numpy.ndarray, but this reducer was "
+        match=r"grads\[0\] is a numpy.ndarray \(NumPy\), but this reducer was "
         r"built on torch parameters",
     ):
         reducer([np.zeros((2, 3), np.float32), torch.zeros(2)])

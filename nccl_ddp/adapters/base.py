@@ -110,12 +110,7 @@ class DLPackGrads(GradsAdapter):
                 f"{what} is None (a parameter that got no grad): pass zeros of its shape, or "
                 f"build the reducer on the parameters that get grads"
             )
-        theirs = name or type(x).__module__.split(".")[0]
-        raise ConfigTypeError(
-            f"{what} is a {type(x).__module__}.{type(x).__name__} ({theirs}), but this reducer "
-            f"was built on {self.framework.name} parameters: pass {self.framework.name} arrays, "
-            f"or build the reducer on {theirs} parameters; nccl_ddp never mixes frameworks"
-        )
+        raise frameworks.mixed_frameworks(what, x, self.framework.name, f"{self.framework.name} arrays")
 
     def param_infos(self, parameters: Any) -> List[ParamSpec]:
         if not isinstance(parameters, (list, tuple)) or not parameters:

@@ -303,13 +303,12 @@ class DistributedGradReducer:
     def _native(self, i: int, g: Any) -> Any:
         xp = self.device.xp.__name__
         if type(g).__module__.split(".")[0] != xp:
-            theirs = _shown(frameworks.framework_of(g) or type(g).__module__.split(".")[0])
-            built_on = _shown(self._framework or xp)
-            raise ConfigTypeError(
-                f"{self._leaf(i)} is a {type(g).__module__}.{type(g).__name__} ({theirs}), but "
-                f"this reducer was built on {built_on} parameters and the {self.group.backend} "
-                f"group reduces {xp} arrays: pass grads of the parameters' framework (or build "
-                f"the reducer on {theirs} parameters); nccl_ddp never mixes frameworks"
+            raise frameworks.mixed_frameworks(
+                self._leaf(i),
+                g,
+                self._framework or xp,
+                "grads of the parameters' framework",
+                f" and the {self.group.backend} group reduces {xp} arrays",
             )
         spec = self.specs[i]
         if tuple(g.shape) != spec.shape:
@@ -332,14 +331,6 @@ class DistributedGradReducer:
         close = getattr(self.comm, "close", None)
         if close is not None:
             close()
-
-
-_SHOWN = {"jax": "JAX", "torch": "torch", "mindspore": "MindSpore", "numpy": "NumPy", "cupy": "CuPy"}
-
-
-def _shown(framework: str) -> str:
-    """How a message names a framework (its module's name when we have no nicer one)."""
-    return _SHOWN.get(framework, framework)
 
 
 def _param_dtype(p: Any, i: int) -> np.dtype:

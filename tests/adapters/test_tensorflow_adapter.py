@@ -82,7 +82,7 @@ def test_collectives_on_tensors_and_variables(ranks):
 @pytest.mark.parametrize(
     "case, match",
     [
-        ("numpy", r"ConfigTypeError: grads\[0\] is a numpy.ndarray .*built on TensorFlow variables"),
+        ("numpy", r"ConfigTypeError: grads\[0\] is a numpy.ndarray .*built on TensorFlow parameters"),
         (
             "dtype",
             r"ConfigError: grad 'w:0' \(grads\[0\]\): dtype differs: the grad is float64, "

@@ -222,7 +222,7 @@ def grad_reducer_names_the_parameter():
         (
             (good, np.ones(3, np.float32)),
             TypeError,
-            "grads[1] is a numpy.ndarray, but this reducer was built on MindSpore parameters",
+            "grads[1] is a numpy.ndarray (NumPy), but this reducer was built on MindSpore parameters",
         ),
     ):
         try:

@@ -30,6 +30,7 @@ from typing import Any, Callable, List
 
 import numpy as np
 
+from nccl_ddp import frameworks
 from nccl_ddp.buckets.layout import ParamSpec
 from nccl_ddp.ddp.interfaces import GradsAdapter
 from nccl_ddp.dlpack import KDL_CPU, KDL_CUDA, is_bfloat16, native_from_dlpack
@@ -134,11 +135,7 @@ class JaxGrads(GradsAdapter):
             raise ConfigError(structure_difference(self._paths, paths, self._treedef, treedef))
         for path, (_, x) in zip(paths, flat):
             if not isinstance(x, (jax.Array, jax.core.Tracer)):
-                raise ConfigTypeError(
-                    f"grad {path} is a {type(x).__module__}.{type(x).__name__}, but this reducer "
-                    f"was built on JAX parameters: pass JAX arrays (jnp.asarray), or build the "
-                    f"reducer on parameters of that framework; nccl_ddp never mixes frameworks"
-                )
+                raise frameworks.mixed_frameworks(f"grad {path}", x, "jax", "JAX arrays (jnp.asarray)")
         return [x for _, x in flat]
 
     def to_native(self, grads: Any) -> List[Any]:

@@ -29,6 +29,7 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
 
+from nccl_ddp import frameworks
 from nccl_ddp.buckets.layout import ParamSpec
 from nccl_ddp.ddp.interfaces import GradModule, GradsAdapter
 from nccl_ddp.dlpack import KDL_CPU, CapsuleHolder, bfloat16_dtype, native_from_dlpack
@@ -257,11 +258,7 @@ class MindSporeGrads(GradsAdapter):
             raise ConfigTypeError(f"grads must be a tuple or list of tensors, got {type(grads).__name__}")
         for i, g in enumerate(grads):
             if not isinstance(g, Tensor):
-                raise ConfigTypeError(
-                    f"grads[{i}] is a {type(g).__module__}.{type(g).__name__}, but this reducer "
-                    f"was built on MindSpore parameters: pass MindSpore tensors, or build the "
-                    f"reducer on parameters of that framework; nccl_ddp never mixes frameworks"
-                )
+                raise frameworks.mixed_frameworks(f"grads[{i}]", g, "mindspore", "MindSpore tensors")
         return [to_native(g) for g in grads]
 
     def from_native(self, grads: Any, reduced: List[Any]) -> Any:

@@ -148,11 +148,8 @@ class TFGrads(GradsAdapter):
             if isinstance(g, tf.IndexedSlices):  # an embedding's sparse grad: reduced dense
                 g = tf.convert_to_tensor(g)
             if not isinstance(g, (tf.Tensor, tf.Variable)):
-                theirs = frameworks.framework_of(g) or type(g).__module__.split(".")[0]
-                raise ConfigTypeError(
-                    f"grads[{i}] is a {type(g).__module__}.{type(g).__name__} ({theirs}), but this "
-                    f"reducer was built on TensorFlow variables: pass tf.Tensors (tf.convert_to_tensor),"
-                    f" or build the reducer on {theirs} parameters; nccl_ddp never mixes frameworks"
+                raise frameworks.mixed_frameworks(
+                    f"grads[{i}]", g, "tensorflow", "tf.Tensors (tf.convert_to_tensor)"
                 )
             out.append(g)
         return out

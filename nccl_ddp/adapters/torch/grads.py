@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, List
 
+from nccl_ddp import frameworks
 from nccl_ddp.adapters.torch.tensors import from_native, is_cuda, to_native, torch_stream_current
 from nccl_ddp.buckets.layout import ParamSpec
 from nccl_ddp.ddp.interfaces import GradsAdapter
@@ -47,9 +48,6 @@ class TorchGrads(GradsAdapter):
                     "torch.zeros_like(param) for it so every rank reduces the same list"
                 )
             if not isinstance(g, torch.Tensor):
-                raise ConfigTypeError(
-                    f"grads[{i}] is a {type(g).__module__}.{type(g).__name__}, but this reducer "
-                    f"was built on torch parameters: pass torch tensors (torch.from_dlpack), or "
-                    f"build the reducer on parameters of that framework; nccl_ddp never mixes "
-                    f"frameworks"
+                raise frameworks.mixed_frameworks(
+                    f"grads[{i}]", g, "torch", "torch tensors (torch.from_dlpack)"
                 )

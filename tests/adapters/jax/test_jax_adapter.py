@@ -336,7 +336,8 @@ def test_grads_of_another_structure_or_framework_are_refused_naming_the_leaf():
         "ConfigError: grad ['bf16']: dtype differs: the grad is float32, its parameter bfloat16"
     )
     assert numpy_leaf.startswith(
-        "ConfigTypeError: grad ['dense'][0] is a numpy.ndarray, but this reducer was built on JAX parameters"
+        "ConfigTypeError: grad ['dense'][0] is a numpy.ndarray (NumPy), but this reducer was built on JAX "
+        "parameters"
     )
     assert "the grads lack the parameters' key ['dense'][1]" in missing
     assert "grads[0] is a jaxlib" in jax_to_numpy and "(JAX)" in jax_to_numpy
