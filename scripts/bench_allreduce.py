@@ -8,6 +8,12 @@ installed (same processes, same sizes, same moment).
 
 busbw = algbw * 2(n-1)/n (the bytes each rank's link must carry in a ring). Times are the
 slowest rank's mean over the iterations. Rank 0 prints the table and writes the CSV.
+
+`limit` (host backend, from --limit-min up): the copy+add limit of this machine, measured in the
+same processes right after ours at each size: every rank at once adds the n-1 other ranks' share
+of its 1/n part into it (NumPy add, the reduction's own work) and copies the other (n-1)/n back
+(NumPy copy, what an all-gather must write), from arrays of its own; `vs_limit` = limit time /
+ours (1.0: ours moves data as fast as that bare NumPy work).
 """
 
 from __future__ import annotations
@@ -36,8 +42,12 @@ COLUMNS = (
     "gloo_time_us",
     "gloo_busbw_GBps",
     "vs_gloo",
+    "limit_busbw_GBps",
+    "vs_limit",
 )
 FORMATS = {
+    "limit_busbw_GBps": ".3f",
+    "vs_limit": ".2f",
     "time_us": ".1f",
     "algbw_GBps": ".3f",
     "busbw_GBps": ".3f",
@@ -71,6 +81,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--backend", default="host", help="host, nccl, or auto (default host)")
     p.add_argument("--nranks", type=int, default=2, help="ranks to spawn without a launcher (2)")
     p.add_argument("--no-gloo", action="store_true", help="skip the torch gloo comparison")
+    p.add_argument(
+        "--limit-min",
+        type=_bytes,
+        default=_bytes("1M"),
+        help="measure the copy+add limit from this size up (host backend; 1M, 0 for never)",
+    )
     p.add_argument("--csv", default="out/bench_allreduce.csv", help="CSV path ('' for none)")
     p.add_argument(
         "--png",
@@ -106,6 +122,32 @@ def _time_ours(nd, args, x, iters: int) -> float:
         nd.all_reduce(x, op=args.op)
     synchronize(xp)
     return slowest(nd, (time.perf_counter() - t0) / iters)
+
+
+def _time_limit(nd, args, x, iters: int) -> float:
+    """Seconds per round of the copy+add limit for `x` on every rank at once: add the n-1 other
+    shares of part `rank` into it, copy the rest of `x` from a separate array (see the docstring)."""
+    rank, n = nd.get_rank(), nd.get_world_size()
+    lo, hi = x.size * rank // n, x.size * (rank + 1) // n
+    mine = x[lo:hi]
+    shares = [np.ones(hi - lo, x.dtype) for _ in range(n - 1)]  # what the peers hold of my part
+    src = np.ones(x.size, x.dtype)  # the reduced parts of the others, to copy back
+    add = np.add if x.dtype.kind != "b" else np.logical_or
+
+    def once() -> None:
+        for s in shares:
+            add(mine, s, out=mine)
+        np.copyto(x[:lo], src[:lo])
+        np.copyto(x[hi:], src[hi:])
+
+    for _ in range(args.warmup):
+        once()
+    nd.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        once()
+    dt = time.perf_counter() - t0
+    return slowest(nd, dt / iters)
 
 
 def _gloo_setup(nd, args):
@@ -193,6 +235,11 @@ def worker(args) -> list:
             algbw_GBps=algbw,
             busbw_GBps=algbw * 2 * (n - 1) / n,
         )
+        if args.limit_min and size >= args.limit_min and row["backend"] == "host":
+            tl = _time_limit(nd, args, x, iters)
+            row.update(
+                limit_time_us=tl * 1e6, limit_busbw_GBps=size / tl / 1e9 * 2 * (n - 1) / n, vs_limit=tl / t
+            )
         if gloo is not None:
             tg = _time_gloo(nd, gloo, args, x, iters)
             if tg is not None:
@@ -216,7 +263,8 @@ def _report(args, rows: list, n: int) -> None:
     shown = [dict(r, size=r["size_h"]) for r in rows]
     print(
         f"# all_reduce ({args.op}), {n} ranks, backend {rows[0]['backend'] if rows else '?'}; "
-        f"busbw = algbw * 2(n-1)/n; vs_gloo = gloo time / our time"
+        f"busbw = algbw * 2(n-1)/n; vs_gloo = gloo time / our time; "
+        f"vs_limit = copy+add limit time / our time (same run)"
     )
     print(format_table(shown, [c for c in COLUMNS if any(c in r for r in rows)], FORMATS))
     if args.csv:

@@ -39,7 +39,7 @@ from nccl_ddp.errors import CommError, CommTimeout, ConfigError, NcclDdpError, R
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CHUNK_BYTES = 2 << 20  # per shm slot (3 per rank) and per TCP piece
+DEFAULT_CHUNK_BYTES = 2 << 20  # per TCP piece; shm slots default to shm.CHUNK_BYTES
 _REDOPS = list(ReduceOp)
 
 
@@ -125,7 +125,7 @@ class HostProcessGroup(ProcessGroup):
         self._closed = False
         self._transport = self._connect(
             transport or os.environ.get("NCCL_DDP_HOST_TRANSPORT", "auto"),
-            int(chunk_bytes or env_int("NCCL_DDP_HOST_CHUNK_BYTES", DEFAULT_CHUNK_BYTES)),
+            int(chunk_bytes or env_int("NCCL_DDP_HOST_CHUNK_BYTES", 0)),  # 0: the transport's default
         )
         self._cv = threading.Condition()
         self._items: deque = deque()  # queued (work, fn, ready); None stops the worker
@@ -187,7 +187,12 @@ class HostProcessGroup(ProcessGroup):
             kind, t = "shm", lambda: ShmTransport(links, self.rank, self.size, chunk)
         else:
             links = rdv.connect({(self.rank - 1) % self.size, (self.rank + 1) % self.size})
-            kind, t = "tcp", lambda: RingTransport(links, self.rank, self.size, chunk, self.timeout)
+            kind, t = (
+                "tcp",
+                lambda: RingTransport(
+                    links, self.rank, self.size, chunk or DEFAULT_CHUNK_BYTES, self.timeout
+                ),
+            )
         self._links = list(links.values())
         try:
             out = t()
@@ -202,7 +207,7 @@ class HostProcessGroup(ProcessGroup):
             )
             self._give_up_setup(err)
             raise err from e
-        log.debug("%s: %s transport, %d-byte chunks", self._where, kind, chunk)
+        log.debug("%s: %s transport, %d-byte chunks", self._where, kind, out.chunk)
         self.transport_kind = kind
         return out
 

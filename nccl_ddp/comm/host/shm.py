@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from nccl_ddp.comm.host import flags
 from nccl_ddp.comm.host.reduce import Reduction
 from nccl_ddp.comm.host.wire import SETUP, Header
 from nccl_ddp.errors import CommError
@@ -128,6 +129,7 @@ STAGED, REDUCED = 1, 2  # signal kinds (see _wire.KIND_NAMES)
 _SLOTS = 3
 _SMALL = 64 << 10  # all_reduce up to this many bytes: every rank reduces the whole message
 _NAME_BYTES = 128  # room for a segment's handle
+CHUNK_BYTES = 2 << 20  # default slot size (NCCL_DDP_HOST_CHUNK_BYTES)
 
 
 def _bounds(m: int, j: int, n: int) -> tuple:
@@ -137,7 +139,9 @@ def _bounds(m: int, j: int, n: int) -> tuple:
 
 class ShmTransport:
     """Collectives between ranks of one host: each rank stages chunks in its own segment (three
-    slots, used in turn) and the sockets carry only small signals.
+    slots, used in turn, after a cache line of counters) and signals between chunks go through
+    those counters (`flags.Flags`; the sockets where stores may be seen out of order): the
+    sockets carry the first signal of each op, which checks that every rank runs the same op.
 
     all_reduce, chunk k split in one part per rank, on every rank r (one signal per chunk):
         stage k: copy chunk k but part r into my slot            (before the loop: stage 0, signal)
@@ -152,11 +156,11 @@ class ShmTransport:
 
     def __init__(self, links: dict, rank: int, size: int, chunk_bytes: int) -> None:
         self.rank, self.size = rank, size
-        self.chunk = max(4096, chunk_bytes // 64 * 64)
+        self.chunk = max(4096, (chunk_bytes or CHUNK_BYTES) // 64 * 64)
         self.links = [links[j] for j in range(size) if j != rank]
         self.seq = 0  # signals exchanged so far
         self.chunks = 0  # chunks staged so far: chunk c uses slot c % _SLOTS
-        nbytes = _SLOTS * self.chunk
+        nbytes = flags.FLAG_BYTES + _SLOTS * self.chunk
         self._own = Segment.create(nbytes, sharers=size)
         segments = {}
         try:
@@ -178,15 +182,34 @@ class ShmTransport:
         self._own.release()
         segments[rank] = self._own
         self._segments = segments
+        base = flags.FLAG_BYTES
         self.slots = [
-            [segments[j].array[i * self.chunk : (i + 1) * self.chunk] for i in range(_SLOTS)]
+            [segments[j].array[base + i * self.chunk : base + (i + 1) * self.chunk] for i in range(_SLOTS)]
             for j in range(size)
         ]
+        self.flags = (
+            flags.Flags(
+                [segments[j].array[:8].view(np.int64) for j in range(size)],
+                rank,
+                self.links,
+                self.links[0].timeout,
+            )
+            if flags.available()
+            else None
+        )
 
     def _step(self) -> int:
         """The slot of the next chunk."""
         self.chunks += 1
         return self.chunks % _SLOTS
+
+    def _signal(self, desc: tuple, kind: int, first: bool = False) -> None:
+        """A signal of one op: its first over the sockets (`_exchange`, which checks that every
+        rank runs this op), the ones between its chunks through the counters where available."""
+        if first or self.flags is None:
+            self._exchange(desc, kind)
+        else:
+            self.flags.signal()
 
     def _exchange(self, desc: tuple, kind: int) -> None:
         self.seq += 1
@@ -231,7 +254,7 @@ class ShmTransport:
             np.copyto(self._slot(r, s, a, b, dt), mine)
             if k + 1 < len(starts):
                 cur = stage(starts[k + 1])
-            self._exchange(desc, REDUCED)
+            self._signal(desc, REDUCED)
             for j in range(size):
                 if j != r:
                     a, b = _bounds(hi - lo, j, size)
@@ -245,7 +268,7 @@ class ShmTransport:
             s = self._step()
             if self.rank == root:
                 np.copyto(self._slot(root, s, 0, hi - lo, dt), buf[lo:hi])
-            self._exchange(desc, STAGED)
+            self._signal(desc, STAGED, first=lo == 0)
             if self.rank != root:
                 np.copyto(buf[lo:hi], self._slot(root, s, 0, hi - lo, dt))
 
@@ -256,7 +279,7 @@ class ShmTransport:
             hi = min(n, lo + ce)
             s = self._step()
             np.copyto(self._slot(self.rank, s, 0, hi - lo, dt), inp[lo:hi])
-            self._exchange(desc, STAGED)
+            self._signal(desc, STAGED, first=lo == 0)
             for j in range(self.size):
                 np.copyto(out[j * n + lo : j * n + hi], self._slot(j, s, 0, hi - lo, dt))
 
@@ -269,7 +292,7 @@ class ShmTransport:
             m = hi - lo
             s = self._step()
             np.copyto(self._slot(r, s, 0, size * m, dt).reshape(size, m), parts[:, lo:hi])
-            self._exchange(desc, STAGED)
+            self._signal(desc, STAGED, first=lo == 0)
             np.copyto(out[lo:hi], parts[r, lo:hi])
             others = [self._slot(j, s, r * m, (r + 1) * m, dt) for j in range(size) if j != r]
             red.combine(out[lo:hi], others, final=True)

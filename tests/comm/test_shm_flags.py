@@ -1,0 +1,70 @@
+"""The shm transport's chunk signals (comm/host/flags.py): counters in shared memory, with the
+sockets watched for a peer's abort or hang-up while waiting, and a timeout."""
+
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from nccl_ddp.comm.host.flags import Flags
+from nccl_ddp.comm.host.wire import PeerLink
+from nccl_ddp.errors import CommError, CommTimeout
+
+
+def _pair(timeout=5.0):
+    """Two ranks' Flags in one process: shared counters, a socket pair as their link."""
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        a = socket.create_connection(srv.getsockname())
+        b, _ = srv.accept()
+    counters = [np.zeros(1, np.int64), np.zeros(1, np.int64)]
+    la, lb = PeerLink(a, 1, timeout), PeerLink(b, 0, timeout)
+    return Flags(counters, 0, [la], timeout), Flags(counters, 1, [lb], timeout), la, lb
+
+
+def test_signals_pair_up_across_threads():
+    fa, fb, la, lb = _pair()
+    order = []
+
+    def run(f, name):
+        for i in range(200):
+            f.signal()
+            order.append((name, i))
+
+    t = threading.Thread(target=run, args=(fb, "b"))
+    t.start()
+    run(fa, "a")
+    t.join(10)
+    assert fa.count == fb.count == 200
+    # neither side got more than one signal ahead of the other
+    seen = {"a": 0, "b": 0}
+    for name, i in order:
+        seen[name] = i + 1
+        assert abs(seen["a"] - seen["b"]) <= 2
+    la.close(), lb.close()
+
+
+def test_a_peers_abort_ends_the_wait_with_its_reason():
+    fa, fb, la, lb = _pair(timeout=30.0)
+    threading.Timer(0.05, lambda: lb.abort("rank 1 failed: boom")).start()
+    t0 = time.monotonic()
+    with pytest.raises(CommError, match="peer rank 1 gave up: rank 1 failed: boom"):
+        fa.signal()
+    assert time.monotonic() - t0 < 10  # not the 30 s timeout
+    la.close(), lb.close()
+
+
+def test_a_peer_that_hangs_up_is_named():
+    fa, fb, la, lb = _pair(timeout=30.0)
+    threading.Timer(0.05, lb.close).start()
+    with pytest.raises(CommError, match="peer rank 1"):
+        fa.signal()
+    la.close()
+
+
+def test_a_silent_peer_times_out_naming_it():
+    fa, fb, la, lb = _pair(timeout=0.3)
+    with pytest.raises(CommTimeout, match="peer rank 1 did not reach chunk signal 1 within 0.3s"):
+        fa.signal()
+    la.close(), lb.close()
