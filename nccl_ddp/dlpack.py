@@ -36,9 +36,9 @@ _DEVICE_NAMES = {
 def _dlpack_source(x: Any, where: str) -> Any:
     if not hasattr(x, "__dlpack__"):
         name = frameworks.framework_of(x)
-        source = None if name is None else getattr(frameworks.adapter(name), "dlpack_source", None)
+        source = None if name is None else frameworks.adapter(name).dlpack_source(x)
         if source is not None:  # TensorFlow: its own export function, not the protocol
-            return source(x)
+            return source
         raise ConfigTypeError(cannot_exchange(x, where))
     if getattr(x, "requires_grad", False) and hasattr(x, "detach"):
         return x.detach()  # torch: same storage, no autograd tracking
@@ -171,11 +171,7 @@ def from_native(native: Any, like: Any) -> Any:
     name = frameworks.framework_of(like)
     if name is None:
         return native
-    adapter = frameworks.adapter(name)
-    make = getattr(adapter, "array_from_native", None)
-    if make is None:  # an adapter without its own: the framework's from_dlpack
-        make = frameworks.generic_adapter(name).array_from_native
-    return make(native, like)
+    return frameworks.adapter(name).array_from_native(native, like)
 
 
 def _shares(native: Any, like: Any) -> bool:

@@ -6,6 +6,10 @@ Nothing here imports a framework: the decision is made from the classes' modules
 `ADAPTERS` is the whole table. A framework that is not in it but whose arrays speak DLPack
 (`__dlpack__`) goes through the generic adapter (`nccl_ddp.adapters.base`), which finds the
 framework's own `from_dlpack`; NumPy and CuPy arrays are the backends' own and need no adapter.
+
+What this layer asks of an adapter is `ArrayAdapter`; the DDP core asks more of the same modules
+(`nccl_ddp.ddp.interfaces.FrameworkAdapter`), and each adapter module declares itself one, so
+mypy checks every member where the adapter is written.
 """
 
 from __future__ import annotations
@@ -13,9 +17,39 @@ from __future__ import annotations
 import importlib
 import sys
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Protocol, Tuple, Union
+
+import numpy as np
 
 from nccl_ddp.errors import ConfigTypeError
+
+if TYPE_CHECKING:
+    import cupy
+
+NativeArray = Union[np.ndarray, "cupy.ndarray"]
+"""The backends' own arrays (NumPy on "host", CuPy on "cuda"): what crosses into the core."""
+
+
+class ArrayAdapter(Protocol):
+    """What the layers below the DDP core ask of a framework's adapter: its arrays in and out."""
+
+    def array_from_native(self, native: NativeArray, like: object = None) -> object:
+        """What a collective returns to a caller of this framework for the native result: a new
+        array of the framework over `native` (or `like` updated, for a framework's variable)."""
+        ...
+
+    def dlpack_source(self, x: object) -> Optional[object]:
+        """What DLPack reads for an object of this framework without `__dlpack__` (TensorFlow's
+        variables: their value), or None when the framework has no such export."""
+        ...
+
+
+class PytreeAdapter(ArrayAdapter, Protocol):
+    """An adapter whose framework nests arrays in structures of its own (JAX's pytrees)."""
+
+    def first_leaf(self, obj: object) -> object:
+        """The first array leaf of any of the framework's structures (None for an empty one)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -106,16 +140,15 @@ def is_immutable(x: Any) -> bool:
     return entry is not None and entry.immutable
 
 
-def adapter(name: str) -> Any:
+def adapter(name: str) -> ArrayAdapter:
     """The adapter of framework `name`, imported now (it imports its framework): the module
     `nccl_ddp.adapters.<adapter>` for a framework of `ADAPTERS`, else `generic_adapter(name)`.
-    Both offer `grads_adapter()` and `adapt(module)`; most offer `array_from_native(native,
-    like)` (see `nccl_ddp.dlpack.from_native`)."""
+    The DDP core sees the same object as a `FrameworkAdapter` (`ddp.interfaces.adapter_of`)."""
     entry = ADAPTERS.get(name)
     return _load(entry.adapter, name) if entry is not None else generic_adapter(name)
 
 
-def generic_adapter(name: str) -> Any:
+def generic_adapter(name: str) -> ArrayAdapter:
     """The generic DLPack adapter (`nccl_ddp.adapters.base.GenericAdapter`) for framework `name`."""
     return _load(GENERIC, name).GenericAdapter(name)
 
@@ -134,6 +167,8 @@ def wrapper_class(name: str) -> Any:
 
 
 def _load(module: str, name: str) -> Any:
+    """The module `nccl_ddp.adapters.<module>` (typed where it is used: each adapter module
+    declares the Protocol it implements, which mypy checks there)."""
     try:
         return importlib.import_module(f"nccl_ddp.adapters.{module}")
     except ImportError as e:
@@ -146,7 +181,8 @@ def _load(module: str, name: str) -> Any:
 def first_leaf(obj: Any) -> Any:
     """The first array-like leaf of a list/tuple/dict (or of any JAX pytree once JAX is in use)."""
     if "jax" in sys.modules:
-        return adapter("jax").first_leaf(obj)
+        pytrees: PytreeAdapter = _load(ADAPTERS["jax"].adapter, "jax")
+        return pytrees.first_leaf(obj)
     while isinstance(obj, (list, tuple, Mapping)) and framework_of(obj) is None:
         if not obj:
             return None
@@ -157,26 +193,3 @@ def first_leaf(obj: Any) -> Any:
 def framework_of_leaves(obj: Any) -> Optional[str]:
     """The framework of an array or of a structure's first leaf; None for NumPy / CuPy."""
     return framework_of(obj) or framework_of(first_leaf(obj))
-
-
-def grads_adapter(obj: Any) -> Any:
-    """The `GradsAdapter` for a framework's parameters or grads (or a structure of them); None
-    for NumPy / CuPy arrays."""
-    name = framework_of_leaves(obj)
-    return None if name is None else adapter(name).grads_adapter()
-
-
-def module_adapter(module: Any) -> Any:
-    """The `GradModule` that `DistributedDataParallel` drives for `module`: an `ArrayModule` for
-    a list/tuple/dict of arrays (NumPy/CuPy, or any framework's writable DLPack arrays), else the
-    adapter of the module's framework."""
-    if isinstance(module, (list, tuple, dict)):
-        return _load("arrays", "arrays").ArrayModule(module)
-    name = framework_of(module)
-    if name is None:
-        raise ConfigTypeError(
-            f"module must be a model of a supported framework (torch.nn.Module, MindSpore nn.Cell, "
-            f"paddle.nn.Layer), an nccl_ddp ArrayModule or a list/dict of arrays, got "
-            f"{type(module).__module__}.{type(module).__name__}"
-        )
-    return adapter(name).adapt(module)

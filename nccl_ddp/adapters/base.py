@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import importlib
 import sys
-from typing import Any, Callable, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence
 
 from nccl_ddp import frameworks
 from nccl_ddp.buckets.layout import ParamSpec
-from nccl_ddp.ddp.interfaces import GradsAdapter
+from nccl_ddp.ddp.interfaces import FrameworkAdapter, GradsAdapter
 from nccl_ddp.dlpack import cannot_exchange, native_view, numpy_dtype
 from nccl_ddp.errors import ConfigError, ConfigTypeError
+from nccl_ddp.frameworks import NativeArray
 
 # where a framework's module keeps from_dlpack, in the order tried (attribute paths)
 FROM_DLPACK_PATHS = (
@@ -63,6 +64,10 @@ class GenericAdapter:
             return make(native)
         except (TypeError, AttributeError):  # an older from_dlpack that takes capsules only
             return make(native.__dlpack__())
+
+    def dlpack_source(self, x: object) -> None:
+        """None: the generic path is for arrays that speak `__dlpack__`."""
+        return None
 
     def grads_adapter(self) -> DLPackGrads:
         return DLPackGrads(self)
@@ -141,6 +146,10 @@ class DLPackGrads(GradsAdapter):
     def to_native(self, grads: Any) -> List[Any]:
         return [native_view(g, f"grads[{i}]") for i, g in enumerate(self.leaves(grads))]
 
-    def from_native(self, grads: Any, reduced: List[Any]) -> Any:
+    def from_native(self, grads: Any, reduced: Sequence[NativeArray]) -> Any:
         out = [self.framework.array_from_native(r, g) for r, g in zip(reduced, grads)]
         return tuple(out) if isinstance(grads, tuple) else out
+
+
+if TYPE_CHECKING:  # the generic adapter is a FrameworkAdapter: mypy checks every member here
+    _contract: FrameworkAdapter = GenericAdapter("")

@@ -20,7 +20,7 @@ from nccl_ddp.comm.api import device_of, resolve_group
 from nccl_ddp.comm.group import ProcessGroup, ReduceOp
 from nccl_ddp.ddp import comm_hooks
 from nccl_ddp.ddp.config import CheckFinite, DDPConfig, ReducerMode, config_from
-from nccl_ddp.ddp.interfaces import GradModule
+from nccl_ddp.ddp.interfaces import GradModule, module_adapter
 from nccl_ddp.ddp.join import Join, JoinHook, JoinState, ShadowJoinHook, exchange
 from nccl_ddp.ddp.param_sync import broadcast_coalesced, check_same_params
 from nccl_ddp.ddp.reducer import Reducer
@@ -86,7 +86,7 @@ class DistributedDataParallel:
             zero=zero,
         )
         self.module = module
-        self._adapter = module if isinstance(module, GradModule) else frameworks.module_adapter(module)
+        self._adapter = module if isinstance(module, GradModule) else module_adapter(module)
         self.process_group = resolve_group(process_group, "process_group")
         self.device = device_of(self.process_group)
         params = self._adapter.native_params()
@@ -409,12 +409,10 @@ class DistributedDataParallel:
                 f"rank {self.process_group.rank}: unknown parameter index {param}; "
                 f"the module has {n} parameters (0..{n - 1})"
             )
-        finder = getattr(self._adapter, "index_of", None)
-        if finder is not None:
-            try:
-                return finder(param)
-            except KeyError:
-                pass
+        try:
+            return self._adapter.index_of(param)
+        except KeyError:
+            pass
         what = repr(param) if isinstance(param, str) else f"a {type(param).__name__}"
         raise ReducerError(
             f"rank {self.process_group.rank}: unknown parameter {what}; pass an index "

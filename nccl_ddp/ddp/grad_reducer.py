@@ -5,7 +5,7 @@ bucket i+1 is packed on the caller's stream. The reduced grads come back as view
 bucket buffers (no unpack copy), reshaped like the inputs, in a list/tuple like the input. Every
 call allocates its own buffers and never touches them again, so returned grads never change
 (JAX's zero-copy arrays over them rely on that); the grads keep their buffers alive.
-Framework tensors go through their adapter (`nccl_ddp.frameworks.grads_adapter`) in and out via DLPack.
+Framework tensors go through their adapter (`nccl_ddp.ddp.interfaces.grads_adapter_of`) in and out via DLPack.
 Every rank constructs the reducer (as in MindSpore); construction checks with one collective that
 all ranks pass the same parameter shapes/dtypes, mean, degree and fusion ids (`RankMismatchError`
 on every rank otherwise), and each call checks its grads against the parameters, locally.
@@ -41,6 +41,7 @@ from nccl_ddp.comm.group import ProcessGroup, ReduceOp
 from nccl_ddp.ddp import comm_hooks
 from nccl_ddp.ddp.config import COMPRESS, CheckFinite, GradReducerConfig, config_from
 from nccl_ddp.ddp.finite_check import FiniteCheck, require_check
+from nccl_ddp.ddp.interfaces import grads_adapter_of
 from nccl_ddp.ddp.join import Join, JoinHook, JoinState, ShadowJoinHook
 from nccl_ddp.ddp.param_sync import check_same_params
 from nccl_ddp.ddp.step_failure import StepFailure
@@ -61,7 +62,7 @@ class DistributedGradReducer:
 
     def __new__(cls, parameters: Any = None, *args: Any, **kwargs: Any) -> Any:
         reducer = super().__new__(cls)
-        adapter = frameworks.grads_adapter(parameters) if isinstance(parameters, (list, tuple)) else None
+        adapter = grads_adapter_of(parameters) if isinstance(parameters, (list, tuple)) else None
         wrap = adapter.reducer_wrapper() if adapter is not None else None
         if wrap is None:
             return reducer
@@ -93,7 +94,7 @@ class DistributedGradReducer:
         parameters, names = _split_names(_materialize(parameters))
         # the parameters' framework: grads of another are refused, never mixed in silently
         self._framework = frameworks.framework_of_leaves(parameters)
-        adapter = self._adapter = frameworks.grads_adapter(parameters)
+        adapter = self._adapter = grads_adapter_of(parameters)
         if adapter is not None:  # torch / JAX / MindSpore parameters, described natively
             parameters = adapter.param_infos(parameters)
         if not isinstance(parameters, (list, tuple)) or not parameters:
@@ -106,9 +107,8 @@ class DistributedGradReducer:
         self._calls = 0  # calls (steps) opened so far, shadowed ones too
         self.group = resolve_group(group, "group")
         self.device = device_of(self.group)
-        if hasattr(self._adapter, "native_module"):  # JAX inside jit: arrays it converts to
-            self._adapter.native_module = self.device.xp
-            self._adapter.group = self.group  # poisoned when its callback fails on this rank
+        if adapter is not None:  # JAX, TensorFlow inside a compiled step: the arrays, the group
+            adapter.bind(self.device.xp, self.group)
         self.mean = mean
         self.degree = self.group.size if self.config.degree is None else self.config.degree
         self.fusion_type = fusion_type

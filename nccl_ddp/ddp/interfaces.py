@@ -1,13 +1,102 @@
-"""What the DDP core asks of a framework adapter (nccl_ddp/adapters/ implements these): the core
-defines the contract, so it never imports an adapter; `nccl_ddp.frameworks` picks one."""
+"""The contract between the DDP core and a framework adapter, typed both ways: the core defines
+it, so it never imports an adapter (`nccl_ddp.frameworks` loads one by name).
+
+- `FrameworkAdapter`: what the core calls on an adapter module (`adapters/<fw>/adapter.py`, or
+  `adapters/base.GenericAdapter`); it builds the two below. Each adapter module declares itself
+  one at its end, so a missing or renamed member fails mypy there.
+- `GradModule`: a wrapped model, in native arrays, for `DistributedDataParallel`.
+- `GradsAdapter`: one framework's parameters and grads, for `DistributedGradReducer`.
+- `StepDriver`: the adapter's view of the wrapper it serves (the reducer), handed to
+  `GradModule.attach`: what a framework's grad hooks call, and nothing else.
+"""
 
 from __future__ import annotations
 
 import abc
 import contextlib
-from typing import Any, Callable, ContextManager, List, Optional, Tuple
+from types import ModuleType
+from typing import (
+    Any,
+    Callable,
+    ContextManager,
+    FrozenSet,
+    List,
+    Optional,
+    Protocol,
+    Sequence,
+    Tuple,
+    cast,
+)
 
+from nccl_ddp import frameworks
 from nccl_ddp.buckets.layout import ParamSpec
+from nccl_ddp.comm.group import ProcessGroup
+from nccl_ddp.errors import ConfigTypeError
+from nccl_ddp.frameworks import ArrayAdapter, NativeArray
+from nccl_ddp.zero.core import ZeroCore
+
+ReduceNative = Callable[[List[NativeArray]], Sequence[NativeArray]]
+"""The grad reducer on a list of native grads (what `GradsAdapter.reduce` runs)."""
+
+
+class StepDriver(Protocol):
+    """What an adapter may call on the DDP step it feeds (implemented by `ddp.reducer.Reducer`):
+    the grads' arrival, the step's end and what it left, and closing the wrapper."""
+
+    @property
+    def group(self) -> ProcessGroup:
+        """The process group (its rank names this rank in messages)."""
+        ...
+
+    @property
+    def grads(self) -> List[NativeArray]:
+        """The native grad arrays, by parameter: bucket views the adapter copies a grad into, or
+        (`GradModule.pools_grads`) the slot it hands each step's grad to before `mark_ready`."""
+        ...
+
+    @property
+    def steps(self) -> int:
+        """Synchronised steps finished (a change after `mark_ready` says it ended one)."""
+        ...
+
+    @property
+    def sync_enabled(self) -> bool:
+        """Whether a step opened now reduces its grads (False inside `no_sync()`)."""
+        ...
+
+    @property
+    def zero(self) -> Optional[ZeroCore]:
+        """The model's shard core (built with `zero=`), or None."""
+        ...
+
+    def mark_ready(self, i: int, grad: Optional[NativeArray] = None) -> NativeArray:
+        """Grad i of this step is final (`grad`: add it first); returns the accumulated grad."""
+        ...
+
+    def not_ready(self, indices: Sequence[int]) -> List[int]:
+        """Those of `indices` whose grad was not marked ready in the current (or last) step."""
+        ...
+
+    def finalize(self) -> None:
+        """End the step now (the framework's backward has ended)."""
+        ...
+
+    def untouched_last_step(self) -> FrozenSet[int]:
+        """Parameters the last synchronised step left as they were (unused on every rank)."""
+        ...
+
+    def zero_grad(self) -> None:
+        """Zero every grad (before a backward that starts from none)."""
+        ...
+
+    def param_moved(self, i: int, view: NativeArray) -> None:
+        """A shard core built elsewhere moved parameter i into its flat buffer (`view`)."""
+        ...
+
+    def close(self, why: str) -> None:
+        """Close the wrapper (a newer one took the parameters): pending work is waited for,
+        later steps are refused naming `why`; the adapter removes its own hooks."""
+        ...
 
 
 class GradModule(abc.ABC):
@@ -55,9 +144,14 @@ class GradModule(abc.ABC):
         """A native array for a grad of parameter i produced by the framework."""
         return grad
 
-    def attach(self, ddp: Any) -> None:
-        """Called once the DDP wrapper is built: install framework hooks that call its
-        mark_ready (torch, MindSpore); nothing for raw arrays."""
+    def index_of(self, param: object) -> int:
+        """The index of parameter `param` (a name or one of the framework's parameter objects;
+        ints are the wrapper's); KeyError when it is none of this module's."""
+        raise KeyError(param)
+
+    def attach(self, driver: Any) -> None:
+        """Called once the DDP wrapper is built: install framework hooks that call the driver's
+        `mark_ready` (torch, MindSpore, Paddle); nothing for raw arrays."""
 
     def detach(self) -> None:
         """Called when the wrapper closes: remove what `attach` installed, so the module can be
@@ -110,15 +204,63 @@ class GradsAdapter(abc.ABC):
         """The grads as native arrays (zero-copy DLPack views where the framework allows)."""
 
     @abc.abstractmethod
-    def from_native(self, grads: Any, reduced: List[Any]) -> Any:
+    def from_native(self, grads: Any, reduced: Sequence[NativeArray]) -> Any:
         """`reduced` (native arrays) as the framework's grads, in the structure of `grads`."""
+
+    def bind(self, native_module: ModuleType, group: ProcessGroup) -> None:
+        """Called once by the grad reducer: the module of its native arrays (NumPy or CuPy) and
+        its group, for adapters that run the reduction inside a compiled graph (JAX, TensorFlow:
+        the arrays they convert to, the group they poison when a callback fails)."""
 
     def reducer_wrapper(self) -> Optional[Callable[[Any], Any]]:
         """What `DistributedGradReducer(parameters)` returns instead of the reducer itself, as a
         function of it (MindSpore: an `nn.Cell` around it); None: the reducer itself."""
         return None
 
-    def reduce(self, reduce_native: Callable[[List[Any]], List[Any]], grads: Any) -> Any:
+    def reduce(self, reduce_native: ReduceNative, grads: Any) -> Any:
         """Run `reduce_native` (the reducer on a native list) on `grads`; the frameworks whose
         compute stream is not CuPy's current one override this to make it current."""
         return self.from_native(grads, reduce_native(self.to_native(grads)))
+
+
+class FrameworkAdapter(ArrayAdapter, Protocol):
+    """What the core calls on a framework's adapter (`nccl_ddp.frameworks.adapter(name)`): the
+    array members of `ArrayAdapter`, and the builders of the two contracts above."""
+
+    def adapt(self, module: Any) -> GradModule:
+        """The `GradModule` of one of the framework's models; `ConfigTypeError` saying what to
+        do instead where the framework has no DistributedDataParallel (JAX, TensorFlow)."""
+        ...
+
+    def grads_adapter(self) -> GradsAdapter:
+        """The `GradsAdapter` of the framework's parameters and grads."""
+        ...
+
+
+def adapter_of(name: str) -> FrameworkAdapter:
+    """The adapter of framework `name` (see `frameworks.adapter`) as the core sees it: every
+    adapter module declares itself a `FrameworkAdapter` and is checked by mypy there."""
+    return cast(FrameworkAdapter, frameworks.adapter(name))  # the module or a GenericAdapter
+
+
+def grads_adapter_of(obj: Any) -> Optional[GradsAdapter]:
+    """The `GradsAdapter` for a framework's parameters or grads (or a structure of them); None
+    for NumPy / CuPy arrays."""
+    name = frameworks.framework_of_leaves(obj)
+    return None if name is None else adapter_of(name).grads_adapter()
+
+
+def module_adapter(module: Any) -> GradModule:
+    """The `GradModule` that `DistributedDataParallel` drives for `module`: an `ArrayModule` for
+    a list/tuple/dict of arrays (NumPy/CuPy, or any framework's writable DLPack arrays), else the
+    adapter of the module's framework."""
+    if isinstance(module, (list, tuple, dict)):
+        return frameworks.adapter_module("arrays", "arrays").ArrayModule(module)
+    name = frameworks.framework_of(module)
+    if name is None:
+        raise ConfigTypeError(
+            f"module must be a model of a supported framework (torch.nn.Module, MindSpore nn.Cell, "
+            f"paddle.nn.Layer), an nccl_ddp ArrayModule or a list/dict of arrays, got "
+            f"{type(module).__module__}.{type(module).__name__}"
+        )
+    return adapter_of(name).adapt(module)

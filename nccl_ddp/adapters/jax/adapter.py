@@ -26,15 +26,18 @@ JAX arrays: NumPy or torch leaves are refused, never mixed in silently.
 
 from __future__ import annotations
 
-from typing import Any, Callable, List
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, List, Optional, Sequence
 
 import numpy as np
 
 from nccl_ddp import frameworks
 from nccl_ddp.buckets.layout import ParamSpec
-from nccl_ddp.ddp.interfaces import GradsAdapter
+from nccl_ddp.comm.group import ProcessGroup
+from nccl_ddp.ddp.interfaces import FrameworkAdapter, GradsAdapter, ReduceNative
 from nccl_ddp.dlpack import KDL_CPU, KDL_CUDA, is_bfloat16, native_from_dlpack
 from nccl_ddp.errors import ConfigError, ConfigTypeError
+from nccl_ddp.frameworks import NativeArray
 
 
 def adapt(module: Any) -> Any:
@@ -68,6 +71,11 @@ def array_from_native(native: Any, like: Any = None) -> Any:
     import jax.dlpack
 
     return jax.dlpack.from_dlpack(native)
+
+
+def dlpack_source(x: object) -> None:
+    """None: JAX arrays speak `__dlpack__` themselves."""
+    return None
 
 
 def _is_bf16(x: Any) -> bool:
@@ -112,8 +120,11 @@ class JaxGrads(GradsAdapter):
     def __init__(self) -> None:
         self._treedef: Any = None
         self._paths: List[str] = []
-        self.native_module: Any = np  # the reducer's arrays (CuPy on the GPU), set by it
-        self.group: Any = None  # the reducer's process group, set by it
+        self.native_module: ModuleType = np  # the reducer's arrays (CuPy on the GPU): bind()
+        self.group: Optional[ProcessGroup] = None  # the reducer's process group: bind()
+
+    def bind(self, native_module: ModuleType, group: ProcessGroup) -> None:
+        self.native_module, self.group = native_module, group
 
     def param_infos(self, parameters: Any) -> List[ParamSpec]:
         import jax
@@ -141,7 +152,7 @@ class JaxGrads(GradsAdapter):
     def to_native(self, grads: Any) -> List[Any]:
         return [to_native(x) for x in self.leaves(grads)]
 
-    def from_native(self, grads: Any, reduced: List[Any]) -> Any:
+    def from_native(self, grads: Any, reduced: Sequence[NativeArray]) -> Any:
         import jax
 
         leaves, treedef = jax.tree_util.tree_flatten(grads)
@@ -149,7 +160,7 @@ class JaxGrads(GradsAdapter):
             treedef, [from_native(a, next(iter(x.devices()))) for a, x in zip(reduced, leaves)]
         )
 
-    def reduce(self, reduce_native: Callable[[List[Any]], List[Any]], grads: Any) -> Any:
+    def reduce(self, reduce_native: ReduceNative, grads: Any) -> Any:
         import jax
 
         leaves = self.leaves(grads)
@@ -157,9 +168,7 @@ class JaxGrads(GradsAdapter):
             return self._reduce_in_jit(reduce_native, grads, leaves)
         return self.from_native(grads, reduce_native([to_native(x) for x in leaves]))
 
-    def _reduce_in_jit(
-        self, reduce_native: Callable[[List[Any]], List[Any]], grads: Any, leaves: List[Any]
-    ) -> Any:
+    def _reduce_in_jit(self, reduce_native: ReduceNative, grads: Any, leaves: List[Any]) -> Any:
         """The reduction as one ordered io_callback in the traced graph (see the module doc)."""
         import jax
         from jax.experimental import io_callback
@@ -217,3 +226,9 @@ def structure_difference(want: List[str], got: List[str], want_def: Any, got_def
         f"{str(got_def)[:200]} for the parameters' {str(want_def)[:200]}; pass grads of the "
         f"parameters' structure (jax.grad of a function of those parameters gives them)"
     )
+
+
+if TYPE_CHECKING:  # this module is JAX's FrameworkAdapter: mypy checks every member here
+    from nccl_ddp.adapters.jax import adapter as _this
+
+    _contract: FrameworkAdapter = _this

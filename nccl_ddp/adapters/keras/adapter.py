@@ -18,15 +18,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
 from nccl_ddp import frameworks
 from nccl_ddp.adapters.per_variables import PerVariables
 from nccl_ddp.buckets.layout import ParamSpec
-from nccl_ddp.ddp.interfaces import GradsAdapter
+from nccl_ddp.comm.group import ProcessGroup
+from nccl_ddp.ddp.interfaces import FrameworkAdapter, GradsAdapter, ReduceNative, adapter_of
 from nccl_ddp.errors import ConfigError, ConfigTypeError
+from nccl_ddp.frameworks import NativeArray
 
 _BACKENDS = ("tensorflow", "jax", "torch")
 
@@ -74,16 +77,10 @@ class KerasGrads(GradsAdapter):
 
     def __init__(self) -> None:
         self.backend = backend()
-        self.inner = frameworks.adapter(self.backend).grads_adapter()
+        self.inner = adapter_of(self.backend).grads_adapter()
 
-    @property
-    def native_module(self) -> Any:
-        return getattr(self.inner, "native_module", np)
-
-    @native_module.setter
-    def native_module(self, xp: Any) -> None:
-        if hasattr(self.inner, "native_module"):
-            self.inner.native_module = xp
+    def bind(self, native_module: ModuleType, group: ProcessGroup) -> None:
+        self.inner.bind(native_module, group)
 
     def param_infos(self, parameters: Any) -> List[ParamSpec]:
         if not isinstance(parameters, (list, tuple)) or not parameters:
@@ -96,10 +93,10 @@ class KerasGrads(GradsAdapter):
     def to_native(self, grads: Any) -> List[Any]:
         return list(self.inner.to_native(grads))
 
-    def from_native(self, grads: Any, reduced: List[Any]) -> Any:
+    def from_native(self, grads: Any, reduced: Sequence[NativeArray]) -> Any:
         return self.inner.from_native(grads, reduced)
 
-    def reduce(self, reduce_native: Callable[[List[Any]], List[Any]], grads: Any) -> Any:
+    def reduce(self, reduce_native: ReduceNative, grads: Any) -> Any:
         return self.inner.reduce(reduce_native, grads)
 
 
@@ -248,3 +245,9 @@ def callback_class() -> Any:
 
     BroadcastGlobalVariablesCallback.__module__ = "nccl_ddp.keras"
     return BroadcastGlobalVariablesCallback
+
+
+if TYPE_CHECKING:  # this module is Keras's FrameworkAdapter: mypy checks every member here
+    from nccl_ddp.adapters.keras import adapter as _this
+
+    _contract: FrameworkAdapter = _this

@@ -25,15 +25,17 @@ ops are chained with `Depend`, so every rank issues its all-reduces in the same 
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from nccl_ddp import frameworks
+from nccl_ddp.adapters.base import GenericAdapter
 from nccl_ddp.buckets.layout import ParamSpec
-from nccl_ddp.ddp.interfaces import GradModule, GradsAdapter
+from nccl_ddp.ddp.interfaces import FrameworkAdapter, GradModule, GradsAdapter
 from nccl_ddp.dlpack import KDL_CPU, CapsuleHolder, bfloat16_dtype, native_from_dlpack
 from nccl_ddp.errors import ConfigError, ConfigTypeError
+from nccl_ddp.frameworks import NativeArray
 
 
 def adapt(cell: Any) -> MindSporeModule:
@@ -50,6 +52,17 @@ def adapt(cell: Any) -> MindSporeModule:
 
 def grads_adapter() -> MindSporeGrads:
     return MindSporeGrads()
+
+
+def array_from_native(native: Any, like: object = None) -> Any:
+    """A collective's result for a MindSpore caller: through MindSpore's own `from_dlpack`, as
+    for any framework (adapters/base.py)."""
+    return GenericAdapter("mindspore").array_from_native(native, like)
+
+
+def dlpack_source(x: object) -> None:
+    """None: no export besides the DLPack protocol."""
+    return None
 
 
 def _require_pynative(what: str) -> None:
@@ -261,7 +274,7 @@ class MindSporeGrads(GradsAdapter):
                 raise frameworks.mixed_frameworks(f"grads[{i}]", g, "mindspore", "MindSpore tensors")
         return [to_native(g) for g in grads]
 
-    def from_native(self, grads: Any, reduced: List[Any]) -> Any:
+    def from_native(self, grads: Any, reduced: Sequence[NativeArray]) -> Any:
         out = [from_native(a) for a in reduced]
         return list(out) if isinstance(grads, list) else tuple(out)
 
@@ -363,3 +376,9 @@ def _ms_dtype(dtype: np.dtype) -> Any:
         if np_dtype(t) == dtype:
             return t
     raise ConfigTypeError(f"no MindSpore float type for {dtype}")
+
+
+if TYPE_CHECKING:  # this module is MindSpore's FrameworkAdapter: mypy checks every member here
+    from nccl_ddp.adapters.mindspore import adapter as _this
+
+    _contract: FrameworkAdapter = _this

@@ -23,12 +23,12 @@ MindSpore.
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
 
 import numpy as np
 
 from nccl_ddp.adapters.base import DLPackGrads, GenericAdapter
-from nccl_ddp.ddp.interfaces import GradModule
+from nccl_ddp.ddp.interfaces import FrameworkAdapter, GradModule
 from nccl_ddp.dlpack import bfloat16_dtype, is_bfloat16, numpy_dtype
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 
@@ -237,6 +237,11 @@ def array_from_native(native: np.ndarray, like: Any = None) -> Any:
     return from_native(native)
 
 
+def dlpack_source(x: object) -> None:
+    """None: Paddle tensors speak `__dlpack__` themselves."""
+    return None
+
+
 class _Paddle(GenericAdapter):
     def array_from_native(self, native: Any, like: Any = None) -> Any:
         return from_native(native)
@@ -250,3 +255,9 @@ class PaddleGrads(DLPackGrads):
 
     def __init__(self) -> None:
         super().__init__(_Paddle("paddle"))
+
+
+if TYPE_CHECKING:  # this module is Paddle's FrameworkAdapter: mypy checks every member here
+    from nccl_ddp.adapters.paddle import adapter as _this
+
+    _contract: FrameworkAdapter = _this

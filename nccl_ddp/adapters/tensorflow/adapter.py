@@ -22,15 +22,18 @@ result (so `nd.all_reduce(v)` updates `v`, as for a torch tensor).
 
 from __future__ import annotations
 
-from typing import Any, Callable, List
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, List, Sequence
 
 import numpy as np
 
 from nccl_ddp import frameworks
 from nccl_ddp.buckets.layout import ParamSpec
-from nccl_ddp.ddp.interfaces import GradsAdapter
+from nccl_ddp.comm.group import ProcessGroup
+from nccl_ddp.ddp.interfaces import FrameworkAdapter, GradsAdapter, ReduceNative
 from nccl_ddp.dlpack import native_view, numpy_dtype
 from nccl_ddp.errors import ConfigError, ConfigTypeError
+from nccl_ddp.frameworks import NativeArray
 
 XLA_REFUSED = (
     "DistributedGradReducer was traced inside an XLA-compiled function (tf.function("
@@ -110,7 +113,10 @@ class TFGrads(GradsAdapter):
     shapes and dtypes (`tape.gradient(loss, variables)`), eager or symbolic."""
 
     def __init__(self) -> None:
-        self.native_module: Any = np  # the reducer's arrays (CuPy on the GPU), set by it
+        self.native_module: ModuleType = np  # the reducer's arrays (CuPy on the GPU): bind()
+
+    def bind(self, native_module: ModuleType, group: ProcessGroup) -> None:
+        self.native_module = native_module
 
     def param_infos(self, parameters: Any) -> List[ParamSpec]:
         if not isinstance(parameters, (list, tuple)) or not parameters:
@@ -157,11 +163,11 @@ class TFGrads(GradsAdapter):
     def to_native(self, grads: Any) -> List[Any]:
         return [native_view(g, f"grads[{i}]") for i, g in enumerate(self.leaves(grads))]
 
-    def from_native(self, grads: Any, reduced: List[Any]) -> Any:
+    def from_native(self, grads: Any, reduced: Sequence[NativeArray]) -> Any:
         out = [tensor_from_native(r) for r in reduced]
         return tuple(out) if isinstance(grads, tuple) else out
 
-    def reduce(self, reduce_native: Callable[[List[Any]], List[Any]], grads: Any) -> Any:
+    def reduce(self, reduce_native: ReduceNative, grads: Any) -> Any:
         import tensorflow as tf
 
         leaves = self.leaves(grads)
@@ -169,9 +175,7 @@ class TFGrads(GradsAdapter):
             return self.from_native(grads, reduce_native(self.to_native(leaves)))
         return self._reduce_in_graph(reduce_native, grads, leaves)
 
-    def _reduce_in_graph(
-        self, reduce_native: Callable[[List[Any]], List[Any]], grads: Any, leaves: List[Any]
-    ) -> Any:
+    def _reduce_in_graph(self, reduce_native: ReduceNative, grads: Any, leaves: List[Any]) -> Any:
         """The reduction as one stateful numpy_function in the traced graph (see the module doc)."""
         import tensorflow as tf
 
@@ -189,3 +193,9 @@ class TFGrads(GradsAdapter):
         for o, g in zip(out, leaves):
             o.set_shape(g.shape)
         return tuple(out) if isinstance(grads, tuple) else list(out)
+
+
+if TYPE_CHECKING:  # this module is TensorFlow's FrameworkAdapter: mypy checks every member here
+    from nccl_ddp.adapters.tensorflow import adapter as _this
+
+    _contract: FrameworkAdapter = _this

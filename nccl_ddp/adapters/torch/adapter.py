@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Callable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
 
 from nccl_ddp.adapters.torch.grads import TorchGrads
 from nccl_ddp.adapters.torch.pooled_grads import PooledGrads
 from nccl_ddp.adapters.torch.tensors import from_native, is_cuda, to_native, torch_stream_current
 from nccl_ddp.adapters.torch.watch import ModuleWatch
-from nccl_ddp.ddp.interfaces import GradModule
+from nccl_ddp.ddp.interfaces import FrameworkAdapter, GradModule
 from nccl_ddp.errors import ConfigError, ConfigTypeError, NcclDdpError
 
 log = logging.getLogger(__name__)
@@ -40,6 +40,16 @@ def adapt(module: Any) -> TorchModule:
 
 def grads_adapter() -> TorchGrads:
     return TorchGrads()
+
+
+def array_from_native(native: Any, like: object = None) -> Any:
+    """A collective's result for a torch caller: a tensor over `native` (no copy)."""
+    return from_native(native)
+
+
+def dlpack_source(x: object) -> None:
+    """None: torch tensors speak `__dlpack__` themselves."""
+    return None
 
 
 OWNER_ATTR = "_nccl_ddp_owner"
@@ -384,3 +394,9 @@ def _check_initialized(module: Any) -> None:
 
 def _missing(param: Any) -> int:
     raise KeyError(param)
+
+
+if TYPE_CHECKING:  # this module is torch's FrameworkAdapter: mypy checks every member here
+    from nccl_ddp.adapters.torch import adapter as _this
+
+    _contract: FrameworkAdapter = _this

@@ -5,13 +5,14 @@ works), grads a list or tuple of tensors, crossing to the reducer as native arra
 
 from __future__ import annotations
 
-from typing import Any, Callable, List
+from typing import Any, List, Sequence
 
 from nccl_ddp import frameworks
 from nccl_ddp.adapters.torch.tensors import from_native, is_cuda, to_native, torch_stream_current
 from nccl_ddp.buckets.layout import ParamSpec
-from nccl_ddp.ddp.interfaces import GradsAdapter
+from nccl_ddp.ddp.interfaces import GradsAdapter, ReduceNative
 from nccl_ddp.errors import ConfigError, ConfigTypeError
+from nccl_ddp.frameworks import NativeArray
 
 
 class TorchGrads(GradsAdapter):
@@ -27,10 +28,10 @@ class TorchGrads(GradsAdapter):
         self._check(grads)
         return [to_native(g if g.is_contiguous() else g.contiguous()) for g in grads]
 
-    def from_native(self, grads: Any, reduced: List[Any]) -> Any:
+    def from_native(self, grads: Any, reduced: Sequence[NativeArray]) -> Any:
         return type(grads)(from_native(a) for a in reduced)
 
-    def reduce(self, reduce_native: Callable[[List[Any]], List[Any]], grads: Any) -> Any:
+    def reduce(self, reduce_native: ReduceNative, grads: Any) -> Any:
         self._check(grads)
         with torch_stream_current(bool(grads) and is_cuda(grads[0])):
             return super().reduce(reduce_native, grads)
