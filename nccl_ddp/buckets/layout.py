@@ -84,18 +84,27 @@ class Bucket:
 
 @dataclasses.dataclass(frozen=True)
 class BucketLayout:
-    """All buckets in launch order, plus the reverse map param -> (bucket, slot)."""
+    """All buckets in launch order, plus the reverse map param -> (bucket, slot), the one every
+    consumer reads (the reducer's mark_ready, the flat buffers, the MindSpore graph cell):
+    `bucket_of[i]` is parameter i's bucket index (-1: in no bucket, excluded), `unbucketed` those
+    parameters, `locate(i)` its (bucket, slot)."""
 
     buckets: tuple
     num_params: int
+    bucket_of: tuple = dataclasses.field(init=False, repr=False, compare=False)
+    unbucketed: tuple = dataclasses.field(init=False, repr=False, compare=False)
     _where: dict = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         where = {}
+        bucket_of = [-1] * self.num_params
         for b in self.buckets:
             for slot, p in enumerate(b.params):
                 where[p] = (b.index, slot)
+                bucket_of[p] = b.index
         object.__setattr__(self, "_where", where)
+        object.__setattr__(self, "bucket_of", tuple(bucket_of))
+        object.__setattr__(self, "unbucketed", tuple(i for i, b in enumerate(bucket_of) if b < 0))
 
     def locate(self, param: int) -> Optional[tuple]:
         """(bucket index, slot) of a parameter; None when it is in no bucket (excluded)."""

@@ -43,8 +43,8 @@ class GradBuckets:
         self.pooled = False  # set by the reducer before the first layout (see the module doc)
         self.layout: BucketLayout
         self.memory: Optional[BucketBuffers] = None
-        self.bucket_of: List[int] = []
-        self.unbucketed: List[int] = []
+        self.bucket_of: Sequence[int] = ()  # the layout's, read on mark_ready's fast path
+        self.unbucketed: Sequence[int] = ()
         self._views = False
 
     @property
@@ -56,11 +56,7 @@ class GradBuckets:
     def set(self, layout: BucketLayout) -> None:
         """Allocate buffers for `layout`; in view mode move the grads into bucket views."""
         self.layout = layout
-        self.bucket_of = [-1] * len(self.specs)
-        for b in layout.buckets:
-            for p in b.params:
-                self.bucket_of[p] = b.index
-        self.unbucketed = [i for i, b in enumerate(self.bucket_of) if b < 0]
+        self.bucket_of, self.unbucketed = layout.bucket_of, layout.unbucketed
         self.memory, self._views = None, False
         if self.pooled:  # no grads of ours: the framework hands them in each step
             self.release()

@@ -63,6 +63,9 @@ def test_rebuild_follows_order_and_exclude():
     layout = assign_buckets(specs, 2 * MiB, MiB, order=[0, 2, 4, 1, 3, 5], exclude=[3])
     assert [b.params for b in layout.buckets] == [(0, 2), (4, 1, 5)]
     assert layout.locate(3) is None and layout.num_params == 6
+    # the reverse map the reducer and the MindSpore graph read: each param's bucket (-1: none)
+    assert layout.bucket_of == (0, 1, 0, -1, 1, 1) and layout.unbucketed == (3,)
+    assert [layout.locate(p) for p in (0, 1, 2, 4, 5)] == [(0, 0), (1, 1), (0, 1), (1, 0), (1, 2)]
 
 
 def test_keys_never_share_a_bucket():

@@ -307,11 +307,11 @@ def _grad_reducer_cell_class() -> type:
             super().__init__(auto_prefix=False)
             self.reducer = reducer
             self.mean, self.degree = reducer.mean, reducer.degree
-            buckets = reducer.layout.buckets
-            where = {p: (b, k) for b, bucket in enumerate(buckets) for k, p in enumerate(bucket.params)}
+            layout = reducer.layout
+            buckets = layout.buckets
             # constants of the compiled graph: params per bucket, each param's (bucket, slot)
             self.bucket_params = tuple(tuple(bucket.params) for bucket in buckets)
-            self.slots = tuple(where[p] for p in range(len(reducer.specs)))
+            self.slots = tuple(layout.locate(p) for p in range(len(reducer.specs)))
             self.shapes = tuple(spec.shape for spec in reducer.specs)
             self.bucket_ops = tuple(_bucket_op(reducer, b) for b in range(len(buckets)))
             self.concat = ops.Concat()
