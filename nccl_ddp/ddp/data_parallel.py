@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Callable, Iterator, List, Optional
+from typing import Any, Callable, FrozenSet, Iterator, List, Optional
 
 import numpy as np
 
@@ -41,7 +41,6 @@ class DistributedDataParallel:
     """
 
     _reducer_class = Reducer  # a framework's wrapper may add its framework's reducer API
-    _closed: Optional[str] = None  # why the wrapper was closed (None: it is open)
 
     def __new__(cls, *args: Any, **kwargs: Any) -> DistributedDataParallel:
         module = args[0] if args else kwargs.get("module")
@@ -113,7 +112,7 @@ class DistributedDataParallel:
         self._sync_buffers_next = True  # torch: the first forward syncs buffers
         self.join_state = JoinState()
         self.reducer.on_open = self._on_step_open
-        self._adapter.attach(self)
+        self._adapter.attach(self.reducer)  # the adapter's view: a StepDriver
 
     def _init_sync(self, params: List[Any]) -> None:
         """Check that every rank wraps the same parameters, frozen ones and buffers included,
@@ -251,10 +250,10 @@ class DistributedDataParallel:
         """Whether the step opened now all-reduces (False inside `no_sync()`)."""
         return self.reducer.sync_enabled
 
-    def untouched_last_step(self) -> frozenset:
+    def untouched_last_step(self) -> FrozenSet[int]:
         """Parameters the last synchronised step left as they were: unused on every rank
         (find_unused_parameters) or excluded from the buckets (static_graph)."""
-        return self.reducer.used.unused_last_step | self.reducer.used.excluded
+        return self.reducer.untouched_last_step()
 
     def zero_grad(self) -> None:
         """Zero the accumulated grads (DDP keeps accumulating across steps until this is called)."""
@@ -265,16 +264,18 @@ class DistributedDataParallel:
         """Wait for pending communication, stop the comm stream and remove the framework's grad
         hooks: the module can be wrapped again (in this group or another), and this wrapper
         refuses further steps. A second call does nothing."""
-        self._close("close() was called")
-
-    def _close(self, why: str) -> None:
         if self._closed is not None:
             return
-        self._closed = why
         try:
             self.reducer.close()
         finally:
             self._adapter.detach()
+
+    @property
+    def _closed(self) -> Optional[str]:
+        """Why the wrapper was closed (None: open): by `close()`, or by its adapter through the
+        reducer (`StepDriver.close`: a newer wrapper took the parameters)."""
+        return self.reducer.closed
 
     def _check_open(self) -> None:
         if self._closed is not None:

@@ -147,7 +147,7 @@ class DistributedGradReducer:
         self.comm = self.device.new_stream()
         self._failure = StepFailure(self.group.rank, "DistributedGradReducer", self.group)
         self._finite = (
-            FiniteCheck(self.check_finite, self.device, self.group.rank, self._settle, self._label)
+            FiniteCheck(self.check_finite, self.device, self.group.rank, self.settle, self._label)
             if self.check_finite
             else None
         )
@@ -250,7 +250,7 @@ class DistributedGradReducer:
         self.device.current_stream().wait(self.comm.record())
         self._finite.raise_if_flagged()
 
-    def _settle(self) -> None:
+    def settle(self) -> None:
         """Wait until the call's reduced non-finite flags can be read."""
         self.comm.synchronize(self.group.timeout)
         self.device.current_stream().synchronize(self.group.timeout)
@@ -328,9 +328,7 @@ class DistributedGradReducer:
         already) and release the comm stream."""
         if self._failure.error is None:
             self.comm.synchronize(self.group.timeout)
-        close = getattr(self.comm, "close", None)
-        if close is not None:
-            close()
+        self.comm.close()
 
 
 def _param_dtype(p: Any, i: int) -> np.dtype:

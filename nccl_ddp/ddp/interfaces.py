@@ -59,10 +59,9 @@ class StepDriver(Protocol):
         """Synchronised steps finished (a change after `mark_ready` says it ended one)."""
         ...
 
-    @property
-    def sync_enabled(self) -> bool:
-        """Whether a step opened now reduces its grads (False inside `no_sync()`)."""
-        ...
+    sync_enabled: bool
+    """Whether a step opened now reduces its grads (False inside `no_sync()`; an adapter that
+    decides it itself, as Horovod's backward_passes_per_step, sets it)."""
 
     @property
     def zero(self) -> Optional[ZeroCore]:
@@ -149,7 +148,7 @@ class GradModule(abc.ABC):
         ints are the wrapper's); KeyError when it is none of this module's."""
         raise KeyError(param)
 
-    def attach(self, driver: Any) -> None:
+    def attach(self, driver: StepDriver) -> None:
         """Called once the DDP wrapper is built: install framework hooks that call the driver's
         `mark_ready` (torch, MindSpore, Paddle); nothing for raw arrays."""
 

@@ -1,22 +1,22 @@
 """The reducer: tracks which grads are ready, launches bucket all-reduces in order while backward
-is still running, and makes the compute stream wait for them at the end of the step.
+is still running, and makes the compute stream wait for them at the end of the step. It schedules
+(Megatron's bucket group: start_grad_sync / finish_grad_sync), in public phases: `start_step`,
+`mark_ready(i)` -> `start_bucket(b)`, `finalize` -> `finish_step`; adapters see it as their
+`StepDriver` (ddp/interfaces.py).
 
 It works on native arrays (NumPy on "host", CuPy on "cuda") and a `Device`; it cannot tell which
 device it runs on. Memory is `buckets.memory.BucketBuffers`, the layout `buckets.layout.BucketLayout`,
-how a bucket is reduced `bucket_submit.BucketSubmitter`, the non-finite flags
-`finite_check.FiniteCheck`; this module schedules (Megatron's bucket group: start_grad_sync /
-finish_grad_sync).
-
-The mode ("view", "pack", "python": grad_buckets.py) says how grads relate to the buckets; all
-three give the same numbers. One step's counts are `step_state.StepState`, the small collectives
-at its end `step_collectives.py`; with `DDPConfig.zero` the shard core is built here (zero/core.py).
+how a bucket is reduced `bucket_submit.BucketSubmitter`, the non-finite flags `finite_check`. The
+mode ("view", "pack", "python": grad_buckets.py) says how grads relate to the buckets (the same
+numbers in all three). One step's counts are `step_state.StepState`, the small collectives at its
+end `step_collectives.py`; with `DDPConfig.zero` the shard core is built here (zero/core.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Callable, ContextManager, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, FrozenSet, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -85,6 +85,7 @@ class Reducer:
         if sharded:
             refuse_unshardable(group.rank, config.reducer_mode, config.static_graph, None)
         self.sync_enabled = True  # False inside no_sync()
+        self.closed: Optional[str] = None  # why close() was called (the wrapper then refuses steps)
         self.steps = 0  # synchronised steps finished
         self.used = UsedParams(len(self.params), config.find_unused_parameters, config.static_graph)
         self._arrival: List[int] = []
@@ -93,11 +94,8 @@ class Reducer:
         self._failure = StepFailure(group.rank, "DistributedDataParallel", group)  # what broke a step
         self.on_open: Optional[Callable[[bool], None]] = None  # Join: on_open(syncs) per step
         self.step_divisor: Optional[int] = None  # Join: divide by the active ranks this step
-        self._finite = (
-            FiniteCheck(config.check_finite, device, group.rank, self._settle, self._label)
-            if config.check_finite
-            else None
-        )
+        check = config.check_finite
+        self._finite = FiniteCheck(check, device, group.rank, self.settle, self._label) if check else None
         base = assign_buckets(self.specs, config.cap_bytes, config.first_cap_bytes)
         self.zero: Optional[ZeroCore] = None  # the shard core (config.zero), built here once
         shards = None if config.zero is None else plan(base, group, device)
@@ -183,9 +181,10 @@ class Reducer:
                 )
             )
         self._uses_prepare = True
-        self._open_step()
+        self.start_step()
 
-    def _open_step(self) -> None:
+    def start_step(self) -> None:
+        """Open a step: the next grads belong to it (whether it reduces: `sync_enabled` now)."""
         self.step.start(self.layout, self.used.excluded, self.sync_enabled)
         if self._finite is not None and self.step.syncs:
             self._finite.open(self.layout, self.steps)
@@ -211,7 +210,7 @@ class Reducer:
                         with self.comm.awaited():  # the step waits for what is left at once
                             self._mark_backward_end()
                             self._launch_ready()
-                            self._finalize()
+                            self.finish_step()
                     else:
                         self._launch_ready()
             return self.grads[i]
@@ -229,7 +228,7 @@ class Reducer:
                     "finalized and before the next forward; call the DDP wrapper (forward) before "
                     "each backward, or use it only through mark_ready without forward calls"
                 )
-            self._open_step()
+            self.start_step()
         st.check_new(i, self.group.rank, self.steps, self.used.excluded, self._label)
         if st.count == 0 and st.syncs:
             self.prof.mark("backward", "start", self.device.current_stream())
@@ -238,7 +237,7 @@ class Reducer:
         with self._failure.closes_step(self._abandon_step):
             self._set_ready(i)
             if st.count == st.expected:
-                self._finalize()
+                self.finish_step()
         st.fast = st.open and st.syncs and self.steps > 0
         return self.grads[i]
 
@@ -261,9 +260,10 @@ class Reducer:
     def _launch_ready(self) -> None:
         """Bucket b launches only after b-1, and as soon as all its grads are ready."""
         for b in self.step.launchable():
-            self._launch(b)
+            self.start_bucket(b)
 
-    def _launch(self, b: int) -> None:
+    def start_bucket(self, b: int) -> None:
+        """Reduce bucket b on the comm stream once the compute stream has produced its grads."""
         # compute: ─ grads of b ready ─●record(ready)─── backward goes on ────────── finalize: wait(done) ─▶
         #                                 ╲                                           ╱
         # comm:    ──────────────────────wait(ready)─[pack]─[all-reduce]─[unpack]─●record(done)──────────
@@ -271,10 +271,8 @@ class Reducer:
         # one rank, view mode, no hook or flags: the bucket's only work is the bookkeeping of an
         # identity all-reduce, nothing worth overlapping: an idle host comm stream runs it on
         # this thread instead of waking its worker (a CUDA stream queues it)
-        alone = (
-            self.group.size == 1 and mode == "view" and self.submitter.hook is None and self._finite is None
-        )
-        # (in view mode the grads are views of the buffer: the buffer is all it needs)
+        alone = self.group.size == 1 and mode == "view" and self.submitter.hook is None
+        alone = alone and self._finite is None  # (view mode: the buffer is all the bucket needs)
         grads = [] if mode == "view" else [self.buckets.grad_for_pack(p) for p in bucket.params]
         with self.comm.awaited() if alone else contextlib.nullcontext():
             self.comm.wait(self.device.current_stream().record())
@@ -292,7 +290,7 @@ class Reducer:
         """
         self._failure.check()
         with self.stream_scope(), self._failure.closes_step(self._abandon_step), self.comm.awaited():
-            self._finalize()
+            self.finish_step()
 
     def _mark_backward_end(self) -> None:
         """The timeline's end of backward, once per step, before what is left is launched."""
@@ -300,7 +298,8 @@ class Reducer:
             self.step.backward_ended = True
             self.prof.mark("backward", "end", self.device.current_stream())
 
-    def _finalize(self) -> None:
+    def finish_step(self) -> None:
+        """`finalize()`'s work, inside its stream scope and failure guard (also the last grad's)."""
         st = self.step
         st.fast = False
         if not st.open:
@@ -343,11 +342,11 @@ class Reducer:
         if self._finite is not None:
             self._finite.raise_if_flagged()
 
-    def _settle(self) -> None:  # the reduced non-finite flags can be read (compute waited on them)
+    def settle(self) -> None:  # the reduced non-finite flags can be read (compute waited on them)
         self.device.current_stream().synchronize(self.group.timeout)
 
     @property
-    def _flags(self) -> Any:
+    def _flags(self) -> Any:  # check_finite's per-bucket flags (None without it)
         return None if self._finite is None else self._finite.flags
 
     def _close_step(self) -> None:
@@ -402,13 +401,8 @@ class Reducer:
     def _rebuild(self) -> None:
         """Refill the buckets in the order rank 0's grads arrived in the first step."""
         order = rank0_order(self.group, self.device, self.comm, self._arrival, len(self.params))
-        layout = assign_buckets(
-            self.specs,
-            self.config.cap_bytes,
-            self.config.first_cap_bytes,
-            order=order,
-            exclude=sorted(self.used.excluded),
-        )
+        caps = (self.config.cap_bytes, self.config.first_cap_bytes)
+        layout = assign_buckets(self.specs, *caps, order=order, exclude=sorted(self.used.excluded))
         self._arrival = []
         if layout.buckets == self.layout.buckets:
             return
@@ -432,15 +426,20 @@ class Reducer:
             )
         self.buckets.zero_(self.device.current_stream())
 
-    def close(self) -> None:
+    def untouched_last_step(self) -> FrozenSet[int]:
+        """Parameters the last synchronised step left as they were: unused on every rank
+        (find_unused_parameters) or excluded from the buckets (static_graph)."""
+        return self.used.unused_last_step | self.used.excluded
+
+    def close(self, why: str = "close() was called") -> None:
         """Wait for pending communication (not after a failed step: its error was raised
-        already) and release the comm stream."""
-        if self._failure.error is None:
-            self.comm.synchronize(self.group.timeout)
-        self.prof.close()
-        close = getattr(self.comm, "close", None)
-        if close is not None:
-            close()
+        already) and release the comm stream; `closed` says why from now on. Once."""
+        if self.closed is None:
+            self.closed = why
+            if self._failure.error is None:
+                self.comm.synchronize(self.group.timeout)
+            self.prof.close()
+            self.comm.close()
 
     def _label(self, i: int) -> str:
         return f"{i} ({self.names[i]!r})" if 0 <= i < len(self.names) and self.names[i] else str(i)

@@ -42,6 +42,9 @@ class Stream(abc.ABC):
     def synchronize(self, timeout: Optional[float] = None) -> None:
         """Block until all submitted work has finished; raises what a host task raised."""
 
+    def close(self) -> None:
+        """Release what the stream holds (a host stream's worker thread); nothing by default."""
+
     def awaited(self) -> ContextManager[Any]:
         """Around work the caller submits and then waits for at once (nothing is left to overlap
         with): a host stream that is idle runs it on the calling thread, without two thread

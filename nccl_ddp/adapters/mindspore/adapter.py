@@ -32,7 +32,7 @@ import numpy as np
 from nccl_ddp import frameworks
 from nccl_ddp.adapters.base import GenericAdapter
 from nccl_ddp.buckets.layout import ParamSpec
-from nccl_ddp.ddp.interfaces import FrameworkAdapter, GradModule, GradsAdapter
+from nccl_ddp.ddp.interfaces import FrameworkAdapter, GradModule, GradsAdapter, StepDriver
 from nccl_ddp.dlpack import KDL_CPU, CapsuleHolder, bfloat16_dtype, native_from_dlpack
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 from nccl_ddp.frameworks import NativeArray
@@ -146,7 +146,6 @@ class MindSporeModule(GradModule):
         self._grads = [np.zeros(tuple(p.shape), np_dtype(p.dtype)) for p in self.params]
         self._host_params: List[np.ndarray] = []
         self._state_copies: List[Tuple[Any, np.ndarray]] = []  # (tensor, copy) to write back
-        self._ddp: Any = None  # the DistributedDataParallel, set by attach()
         self._handles: list = []
 
     def native_params(self) -> List[Any]:
@@ -222,10 +221,9 @@ class MindSporeModule(GradModule):
                 return i
         raise KeyError(param)
 
-    def attach(self, ddp: Any) -> None:
-        self._ddp = ddp
+    def attach(self, driver: StepDriver) -> None:
         for i, p in enumerate(self.params):
-            self._handles.append(p.register_hook(self._hook_for(i)))
+            self._handles.append(p.register_hook(self._hook_for(driver, i)))
 
     def synchronize(self) -> None:
         synchronize()
@@ -234,11 +232,11 @@ class MindSporeModule(GradModule):
         synchronize()  # the last step's optimizer may still read the buckets
         return self.cell(*args, **kwargs)
 
-    def _hook_for(self, i: int) -> Callable[[Any], Any]:
+    def _hook_for(self, driver: StepDriver, i: int) -> Callable[[Any], Any]:
         def hook(grad: Any) -> Any:
             # the grad is added into bucket slot i; the returned tensor aliases that slot, so
             # what value_and_grad returns is the reduced grad once the step is finalized
-            return from_native(self._ddp.mark_ready(i, grad))
+            return from_native(driver.mark_ready(i, to_native(grad)))
 
         hook.__name__ = f"nccl_ddp_grad_ready_{i}"
         return hook

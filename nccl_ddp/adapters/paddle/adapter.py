@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
 import numpy as np
 
 from nccl_ddp.adapters.base import DLPackGrads, GenericAdapter
-from nccl_ddp.ddp.interfaces import FrameworkAdapter, GradModule
+from nccl_ddp.ddp.interfaces import FrameworkAdapter, GradModule, StepDriver
 from nccl_ddp.dlpack import bfloat16_dtype, is_bfloat16, numpy_dtype
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 
@@ -104,7 +104,7 @@ class PaddleModule(GradModule):
         for n, p in named:
             check_cpu(p, f"parameter {n!r}")
         self._grads = [np.zeros(tuple(p.shape), numpy_dtype(p.dtype)) for p in self.params]
-        self._ddp: Any = None  # the DistributedDataParallel, set by attach()
+        self._driver: Optional[StepDriver] = None  # the wrapper's step (its reducer): attach()
         self._failed = False  # a hook raised in this backward: the others do nothing
 
     def native_params(self) -> List[Any]:
@@ -163,14 +163,21 @@ class PaddleModule(GradModule):
                 return i
         raise KeyError(param)
 
-    def attach(self, ddp: Any) -> None:
-        self._ddp = ddp
+    def attach(self, driver: StepDriver) -> None:
+        self._driver = driver
         for i, p in enumerate(self.params):
             p._register_backward_hook(self._hook_for(i))
 
     def detach(self) -> None:
         """Make the hooks do nothing (Paddle's backward hooks cannot be removed)."""
-        self._ddp = None
+        self._driver = None
+
+    @property
+    def driver(self) -> StepDriver:
+        """The step the hooks feed (set by `attach`, gone after `detach`)."""
+        if self._driver is None:
+            raise ConfigError("this Paddle layer's DistributedDataParallel was closed; wrap the layer again")
+        return self._driver
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._failed = False
@@ -183,15 +190,14 @@ class PaddleModule(GradModule):
             # runs once Paddle has accumulated this backward's grad into param.grad. Paddle's
             # backward does not stop at an exception raised here (it ends in a SystemError whose
             # context chain ends with ours): the hooks after a failed one touch nothing.
-            ddp = self._ddp
-            if ddp is None or self._failed or param.grad is None:
+            driver = self._driver
+            if driver is None or self._failed or param.grad is None:
                 return
             try:
-                reducer = ddp.reducer
-                np.copyto(reducer.grads[i], to_native(param.grad))
-                steps = reducer.steps
-                reducer.mark_ready(i)
-                if reducer.steps != steps:  # this grad finalized a synchronised step
+                np.copyto(driver.grads[i], to_native(param.grad))
+                steps = driver.steps
+                driver.mark_ready(i)
+                if driver.steps != steps:  # this grad finalized a synchronised step
                     self.grads_reduced()
             except BaseException:
                 self._failed = True
@@ -203,28 +209,28 @@ class PaddleModule(GradModule):
     def refresh_missing(self) -> None:
         """Before `finalize()` ends a step in which some parameters got no grad here: their bucket
         slots take Paddle's grad as it is (zeros where Paddle has none), this rank's contribution."""
-        reducer = self._ddp.reducer
-        for i in reducer.not_ready(range(len(self.params))):
+        driver = self.driver
+        for i in driver.not_ready(range(len(self.params))):
             g = self.params[i].grad
             if g is None:
-                reducer.grads[i][...] = 0
+                driver.grads[i][...] = 0
             else:
-                np.copyto(reducer.grads[i], to_native(g))
+                np.copyto(driver.grads[i], to_native(g))
 
     def grads_reduced(self) -> None:
         """A synchronised step ended: Paddle's grads become the reduced ones (those no rank used
         keep theirs)."""
         import paddle
 
-        reducer = self._ddp.reducer
-        untouched = self._ddp.untouched_last_step()
+        driver = self.driver
+        untouched = driver.untouched_last_step()
         for i, p in enumerate(self.params):
             if i in untouched:
                 continue
             if p.grad is None:
-                p.grad = paddle.to_tensor(reducer.grads[i])
+                p.grad = paddle.to_tensor(driver.grads[i])
             else:
-                np.copyto(to_native(p.grad), reducer.grads[i])
+                np.copyto(to_native(p.grad), driver.grads[i])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,7 +21,8 @@ from nccl_ddp.adapters.torch.grads import TorchGrads
 from nccl_ddp.adapters.torch.pooled_grads import PooledGrads
 from nccl_ddp.adapters.torch.tensors import from_native, is_cuda, to_native, torch_stream_current
 from nccl_ddp.adapters.torch.watch import ModuleWatch
-from nccl_ddp.ddp.interfaces import FrameworkAdapter, GradModule
+from nccl_ddp.comm.group import ProcessGroup
+from nccl_ddp.ddp.interfaces import FrameworkAdapter, GradModule, StepDriver
 from nccl_ddp.errors import ConfigError, ConfigTypeError, NcclDdpError
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ def owner_of(param: Any) -> Optional[TorchModule]:
     grad, or None: read from the parameter's own mark (`OWNER_ATTR`)."""
     ref = getattr(param, OWNER_ATTR, None)
     owner = ref() if isinstance(ref, weakref.ref) else None
-    if owner is None or owner._ddp is None:
+    if owner is None or owner._driver is None:
         return None
     i = owner._index.get(id(param))
     return owner if i is not None and owner.params[i] is param else None
@@ -103,7 +104,7 @@ class TorchModule(GradModule):
         self._grads = [torch.zeros_like(p, memory_format=torch.contiguous_format) for p in self.params]
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self._watch = ModuleWatch(module, self.params)
-        self._ddp: Any = None  # the DistributedDataParallel, set by attach()
+        self._driver: Optional[StepDriver] = None  # the wrapper's step (its reducer): attach()
         self._hooks: list = []
         self._was_none: List[int] = []  # params whose .grad was None at this step's forward
         self._callback_queued = False
@@ -147,7 +148,7 @@ class TorchModule(GradModule):
         if self._pooled is not None:  # (no bucket views under ZeRO-2)
             return
         for i, p in enumerate(self.params):
-            mine, old = from_native(self._ddp.reducer.grads[i]), self._grads[i]
+            mine, old = from_native(self.driver.grads[i]), self._grads[i]
             if old.data_ptr() == mine.data_ptr():
                 continue
             with torch.no_grad():
@@ -168,13 +169,25 @@ class TorchModule(GradModule):
     def param_moved(self, param: Any, view: Any) -> None:
         """A shard core built outside the wrapper (the optimizer's ZeRO-1) moved `param` into
         its flat buffer: the reducer's array and `p.data` follow."""
-        self._ddp.reducer.param_moved(self.index_of(param), view)
+        self.driver.param_moved(self.index_of(param), view)
 
     @property
     def zero(self) -> Any:
         """The model's shard core (`DistributedDataParallel(..., zero=ZeroConfig(...))`), or
         None: what ZeroRedundancyOptimizer steps."""
-        return None if self._ddp is None else self._ddp.reducer.zero
+        return None if self._driver is None else self._driver.zero
+
+    @property
+    def driver(self) -> StepDriver:
+        """The step this module's hooks feed: its wrapper's reducer (set by `attach`)."""
+        if self._driver is None:
+            raise ConfigError("this module is not wrapped in a DistributedDataParallel yet")
+        return self._driver
+
+    @property
+    def group(self) -> ProcessGroup:
+        """The wrapper's process group."""
+        return self.driver.group
 
     def index_of(self, param: Any) -> int:
         if isinstance(param, str):
@@ -182,16 +195,17 @@ class TorchModule(GradModule):
         i = self._index.get(id(param))
         return i if i is not None else _missing(param)
 
-    def attach(self, ddp: Any) -> None:
+    def attach(self, driver: StepDriver) -> None:
         """Register the grad hooks. A wrapper of these parameters built before and not closed
         (a second Trainer.fit, a new Accelerator's prepare, `DDP(model)` again) is closed first:
         the newest wrapper owns them, as only one reducer may see their grads."""
-        self._ddp = ddp
+        self._driver = driver
         older = {id(o): o for o in map(owner_of, self.params) if o is not None and o is not self}
         for old in older.values():
             old.superseded()
-        if ddp.reducer.buckets.pooled:  # ZeRO-2: torch's own grads, handed over per step
-            self._pooled = PooledGrads(self.params, ddp.reducer, to_native)
+        zero = driver.zero
+        if zero is not None and zero.reduce is not None:  # ZeRO-2: torch's grads, handed over per step
+            self._pooled = PooledGrads(self.params, driver, zero.reduce, to_native)
             self._grads = [None] * len(self.params)  # (a p.grad given before wrapping stays)
         for i, p in enumerate(self.params):
             self._hooks.append(p.register_post_accumulate_grad_hook(self._hook_for(i)))
@@ -204,16 +218,18 @@ class TorchModule(GradModule):
         called directly), the first one opens the step as the forward would (the placeholders
         the last step left in `p.grad` make way for torch's grads)."""
         if not self._forward_opened and self._pooled is not None:
-            self._syncing, self._forward_opened = self._ddp.sync_enabled, True
+            self._syncing, self._forward_opened = self.driver.sync_enabled, True
             self._was_none = self._pooled.open(self._syncing)
 
     def superseded(self) -> None:
         """A newer wrapper took these parameters: close ours (its pending communication is
         waited for; a failure there is the old job's, logged, not raised into the new one)."""
         try:
-            self._ddp._close("a newer DistributedDataParallel wraps the same parameters")
+            self.driver.close("a newer DistributedDataParallel wraps the same parameters")
         except NcclDdpError as e:
             log.warning("closing the older DistributedDataParallel of these parameters: %s", e)
+        finally:
+            self.detach()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.before_forward()
@@ -225,7 +241,7 @@ class TorchModule(GradModule):
         if not self._watch.params_unchanged():
             self._check_same_params()
             self._watch.params_checked()
-        self._syncing = self._ddp.sync_enabled
+        self._syncing = self.driver.sync_enabled
         self._forward_opened = True
         if self._pooled is not None:
             self._was_none = self._pooled.open(self._syncing)
@@ -243,7 +259,7 @@ class TorchModule(GradModule):
         alive = set(map(id, now))
         gone = [n for n, p in zip(self.names, self.params) if id(p) not in alive]
         raise ConfigError(
-            f"rank {self._ddp.process_group.rank}: the module's trainable parameters changed after "
+            f"rank {self.group.rank}: the module's trainable parameters changed after "
             f"it was wrapped in DistributedDataParallel (new or unfrozen: {added or 'none'}; "
             f"removed, replaced or frozen: {gone or 'none'}). DDP reduces the parameters it found "
             "when it was built: add, replace or (un)freeze parameters before wrapping, or wrap the "
@@ -257,7 +273,7 @@ class TorchModule(GradModule):
         self._was_none = [i for i, p in enumerate(self.params) if p.grad is None]
         with torch_stream_current(self.on_cuda):
             if len(self._was_none) == len(self.params):  # after optimizer.zero_grad()
-                self._ddp.reducer.zero_grad()  # one fill per bucket
+                self.driver.zero_grad()  # one fill per bucket
                 for p, mine in zip(self.params, self._grads):
                     p.grad = mine
                 return
@@ -275,7 +291,7 @@ class TorchModule(GradModule):
         """The post-accumulate-grad hook of parameter i. It runs once per parameter per step, so
         it stays lean: it calls the reducer directly (i is a valid index), which enters torch's
         CUDA stream (`on_compute_stream`) only when a bucket completes."""
-        mark_ready, grads, pooled = self._ddp.reducer.mark_ready, self._grads, self._pooled
+        mark_ready, grads, pooled = self.driver.mark_ready, self._grads, self._pooled
         if pooled is not None:
 
             def handed(p: Any) -> None:  # ZeRO-2: torch's own grad goes to the reducer
@@ -314,7 +330,7 @@ class TorchModule(GradModule):
 
         self._callback_queued = True
         if not self._forward_opened:  # backward without our forward: the hook opens the step
-            self._syncing = self._ddp.sync_enabled
+            self._syncing = self.driver.sync_enabled
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _end_of_backward(self) -> None:
@@ -323,11 +339,12 @@ class TorchModule(GradModule):
         self._callback_queued = self._forward_opened = False
         # params whose hook did not run in this backward (read before finalize, which counts a
         # param used under no_sync() earlier as ready: it is reduced, as in PyTorch)
-        unused = self._ddp.reducer.not_ready(self._was_none)
+        driver = self.driver
+        unused = driver.not_ready(self._was_none)
         with torch_stream_current(self.on_cuda):
-            self._ddp.finalize()
+            driver.finalize()
         if unused and self._syncing:
-            untouched = self._ddp.untouched_last_step()
+            untouched = driver.untouched_last_step()
             unused = [i for i in unused if i in untouched]
         for i in unused:
             self.params[i].grad = None

@@ -80,7 +80,7 @@ class TorchReducer(Reducer):
                 f"rank {self.group.rank}: inside Join, decide no_sync() before the "
                 "forward; prepare_for_backward cannot change this step's sync"
             )
-        self._open_step()
+        self.start_step()
         if self.wrapper is not None:
             self.wrapper._torch_module._syncing = self.step.syncs
 

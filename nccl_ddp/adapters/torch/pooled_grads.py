@@ -27,15 +27,24 @@ from typing import Any, Callable, Dict, List
 
 import torch
 
+from nccl_ddp.ddp.interfaces import StepDriver
 from nccl_ddp.errors import ConfigError
+from nccl_ddp.zero.grads import ReduceScatter
 
 
 class PooledGrads:
-    """The placeholders and the per-step hand-over of `params`' grads to `reducer`;
-    `to_native(tensor)`: the native array the reducer packs from (adapters/torch/adapter.py's)."""
+    """The placeholders and the per-step hand-over of `params`' grads to `driver` (the wrapper's
+    step), whose shard core reduce-scatters them (`sharding`); `to_native(tensor)`: the native
+    array the reducer packs from (adapters/torch/adapter.py's)."""
 
-    def __init__(self, params: List[Any], reducer: Any, to_native: Callable[[Any], Any]) -> None:
-        self.params, self.reducer, self._to_native = params, reducer, to_native
+    def __init__(
+        self,
+        params: List[Any],
+        driver: StepDriver,
+        sharding: ReduceScatter,
+        to_native: Callable[[Any], Any],
+    ) -> None:
+        self.params, self.driver, self.sharding, self._to_native = params, driver, sharding, to_native
         dtypes = {p.dtype for p in params}
         device = params[0].device
         self._flags: Dict[torch.dtype, torch.Tensor] = {
@@ -73,7 +82,7 @@ class PooledGrads:
         self._zeroed = [i for i, m in enumerate(marks) if m and not values[self.params[i].dtype][i]]
         if stale and self._zeroed:
             raise ConfigError(
-                f"rank {self.reducer.group.rank}: under ZeRO-2 some p.grad were zeroed since the "
+                f"rank {self.driver.group.rank}: under ZeRO-2 some p.grad were zeroed since the "
                 f"last step and others not (not zeroed: parameters {stale[:5]}); the reduced "
                 "grads are kept as shards of whole buckets, so zero all of them "
                 "(opt.zero_grad()) or none (to accumulate)"
@@ -82,20 +91,20 @@ class PooledGrads:
             if m:
                 self.params[i].grad = None
         if stale:
-            self.reducer.sharding.accumulate = True
+            self.sharding.accumulate = True
         return [i for i, g in enumerate(grads) if g is None]
 
     def hand_over(self, i: int, p: Any) -> None:
         """Parameter i's hook: its grad (as torch accumulated it) is what the reducer packs."""
         with torch._C.DisableTorchFunctionSubclass():  # (a LocalGrad kept across no_sync())
-            self.reducer.grads[i] = self._to_native(p.grad)
+            self.driver.grads[i] = self._to_native(p.grad)
 
     def end(self, syncing: bool) -> None:
         """After a backward (its step finalized): a synchronised one leaves placeholders in place
         of the grads it reduced (and of zeroed ones no rank used: torch keeps them as zeros)."""
         if not syncing:
             return
-        self.reducer.sharding.accumulate = False
+        self.sharding.accumulate = False
         for f in self._flags.values():
             f.fill_(1)
         for i in self._zeroed:

@@ -59,8 +59,8 @@ class _OptimizerGrads(TorchModule):
 
     def _queue_end_of_backward(self) -> None:
         if self.reduced:
-            raise ReducerError(f"rank {self._ddp.process_group.rank}: {_TOO_MANY}")
-        self._ddp.reducer.sync_enabled = self.passes + 1 >= self.passes_per_step
+            raise ReducerError(f"rank {self.group.rank}: {_TOO_MANY}")
+        self.driver.sync_enabled = self.passes + 1 >= self.passes_per_step
         super()._queue_end_of_backward()
 
     def _end_of_backward(self) -> None:
@@ -68,11 +68,11 @@ class _OptimizerGrads(TorchModule):
         syncing = self._syncing
         with torch_stream_current(self.on_cuda):
             if syncing:
-                reducer = self._ddp.reducer
+                reducer = self.driver
                 for i in reducer.not_ready(range(len(self.params))):
                     self._take_grad(i)
                     reducer.mark_ready(i)
-            self._ddp.finalize()
+            self.driver.finalize()
         self.passes = 0 if syncing else self.passes + 1
         self.reduced = self.reduced or syncing
 
@@ -88,7 +88,7 @@ class _OptimizerGrads(TorchModule):
 
     def reduce_now(self) -> None:
         """synchronize() before the N-th backward: reduce what has accumulated."""
-        reducer = self._ddp.reducer
+        reducer = self.driver
         reducer.sync_enabled = True
         with torch_stream_current(self.on_cuda):
             for i in range(len(self.params)):

@@ -68,7 +68,7 @@ def pick_stage(trainable: List[Any], zero_stage: Optional[int], group: Any) -> T
             f"zero=ZeroConfig(stage={stage}); the model decides the stage: build it with "
             f"zero=nccl_ddp.ZeroConfig(stage={zero_stage}), or drop zero_stage"
         )
-    if owner._ddp.process_group is not group:
+    if owner.group is not group:
         raise ConfigError(
             "ZeRO: the optimizer's process_group differs from the "
             "DistributedDataParallel model's; pass the same group (or None)"
