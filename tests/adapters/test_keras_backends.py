@@ -57,3 +57,32 @@ def test_keras_fit_on_backend_equals_one_process(backend, jitted):
         unclipped = res["ref_fit_unclipped"][:-1]
         assert max(np.max(np.abs(np.array(a) - np.array(b))) for a, b in zip(unclipped, ref)) > 1e-3
     assert results[0]["fit"] == results[1]["fit"]
+
+
+def _fit_mixed(rank, world, lso_by):
+    import nccl_ddp as nd
+
+    nd.init_process_group("host")
+    from keras_fit import fit_mixed_precision
+
+    try:
+        return fit_mixed_precision(rank, world, True, lso_by), fit_mixed_precision(0, 1, False, lso_by)
+    finally:
+        nd.destroy_process_group()
+
+
+@pytest.mark.parametrize("lso_by", ["compile", "user"])
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_keras_loss_scaling_skips_on_every_rank_alike(backend, lso_by):
+    """mixed_float16: the LossScaleOptimizer around ours (compile's, or the user's) sees rank 1's
+    overflow on every rank: the same 2 of 6 steps are skipped and the scale halved alike, as one
+    process on the whole batch does. Before: the ranks skipped different steps (wrong weights on
+    one, "peer closed the connection" on the other)."""
+    if importlib.util.find_spec(backend) is None:
+        pytest.skip(f"{backend} is not installed")
+    results = run_ranks(_fit_mixed, 2, lso_by, env={"KERAS_BACKEND": backend}, timeout=240)
+    for fit, ref in results:
+        assert fit[-2:] == ref[-2:] == [4, 2.0**15 / 4]  # applied steps, loss scale
+        for a, b in zip(fit[:-2], ref[:-2]):
+            np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-3, atol=1e-3)
+    assert results[0][0] == results[1][0]

@@ -74,3 +74,40 @@ def fit_and_reference(rank: int, world: int, jit_compile="auto") -> dict:
         "ref_fit_unclipped": fit(0, 1, False, None, jit_compile),
         "jit_compile": LAST["jit_compile"],
     }
+
+
+# one sample of rank 1's shard in step 1 of each epoch: its fp16 grads overflow at any loss scale
+# these fits reach, so one process on the whole batch skips those steps too (2 of 6)
+BIG = GLOBAL_BATCH + GLOBAL_BATCH // 2
+
+
+def fit_mixed_precision(rank: int, world: int, distributed: bool, lso_by: str) -> list:
+    """Weights, applied steps and the loss scale after 2 epochs of SGD under `mixed_float16`, one
+    sample overflowing on rank 1 only; the LossScaleOptimizer built by `compile` ("compile") or
+    by the user around the (distributed) optimizer ("user")."""
+    import keras
+
+    import nccl_ddp.keras as ndk
+
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = make_model(100 + rank)
+        opt = keras.optimizers.SGD(learning_rate=0.05)
+        if distributed:
+            opt = ndk.DistributedOptimizer(opt)
+        if lso_by == "user":
+            opt = keras.optimizers.LossScaleOptimizer(opt)
+        model.compile(optimizer=opt, loss="mse")
+        lso = model.optimizer
+        assert isinstance(lso, keras.optimizers.LossScaleOptimizer), type(lso)
+        y = Y.copy()
+        y[BIG] *= 1e4  # the scaled grads of the output, over 65504 in float16
+        callbacks = [ndk.BroadcastGlobalVariablesCallback(0)] if distributed else []
+        x, y = shard(X, rank, world), shard(y, rank, world)
+        model.fit(
+            x, y, batch_size=GLOBAL_BATCH // world, epochs=2, shuffle=False, verbose=0, callbacks=callbacks
+        )
+        weights = [np.asarray(w, dtype=np.float64).tolist() for w in model.get_weights()]
+        return weights + [int(np.asarray(lso.iterations)), float(np.asarray(lso.dynamic_scale))]
+    finally:
+        keras.mixed_precision.set_global_policy("float32")

@@ -18,7 +18,17 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from keras_fit import GLOBAL_BATCH, STEPS, X, Y, fit, fit_and_reference, make_model, shard  # noqa: E402
+from keras_fit import (  # noqa: E402
+    GLOBAL_BATCH,
+    STEPS,
+    X,
+    Y,
+    fit,
+    fit_and_reference,
+    fit_mixed_precision,
+    make_model,
+    shard,
+)
 
 import nccl_ddp as nd  # noqa: E402
 import nccl_ddp.keras as ndk  # noqa: E402
@@ -158,6 +168,12 @@ def main() -> None:
     lso = keras.optimizers.LossScaleOptimizer
     res["fit_loss_scale"] = fit(rank, world, True, 0.05, False, wrap=lso)
     res["ref_fit_loss_scale"] = fit(0, 1, False, 0.05, False, wrap=lso)
+    # mixed_float16 with an overflow on rank 1 only: the LossScaleOptimizer around ours agrees
+    for by in ("compile", "user"):
+        res["mixed_" + by] = [
+            fit_mixed_precision(rank, world, True, by),
+            fit_mixed_precision(0, 1, False, by),
+        ]
     nd.destroy_process_group()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(res, f)

@@ -11,7 +11,9 @@ those adapters import Keras and the backends.
 `opt.get_config()`) whose `apply()` all-reduces the grads first and then runs Keras' own
 `apply()`: loss-scale unscaling, gradient accumulation, `clipnorm`/`clipvalue`/`global_clipnorm`
 and the update all see the mean over the ranks, as on one process with the whole batch. Grads that
-are None (variables the loss does not reach) are passed through untouched, as Keras does.
+are None (variables the loss does not reach) are passed through untouched, as Keras does. A
+`LossScaleOptimizer` around it (what `compile` builds under `mixed_float16`) skips steps on every
+rank alike (loss_scale.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 import numpy as np
 
 from nccl_ddp import frameworks
+from nccl_ddp.adapters.keras import loss_scale
 from nccl_ddp.adapters.per_variables import PerVariables
 from nccl_ddp.buckets.layout import ParamSpec
 from nccl_ddp.comm.group import ProcessGroup
@@ -176,6 +179,7 @@ def DistributedOptimizer(
     if isinstance(optimizer, _AllReduceBeforeApply):
         raise ConfigError("optimizer is a DistributedOptimizer already: wrap the plain optimizer once")
     backend()
+    loss_scale.install(_AllReduceBeforeApply, KerasGrads)  # a LossScaleOptimizer around it agrees
     cls = type(optimizer)
     wrapped: Any = type(cls.__name__, (_AllReduceBeforeApply, cls), {"__module__": __name__})
     new = wrapped.from_config(optimizer.get_config())
