@@ -1,31 +1,31 @@
 """Horovod's collectives on native arrays (NumPy on the host backend, CuPy on NCCL), over
 nccl_ddp's functional API; each framework's facade converts its tensors (zero-copy by DLPack).
 
-Horovod's meanings: Average = Sum then x 1/size; `prescale_factor` multiplies before the
-reduction, `postscale_factor` after it; allgather concatenates along dim 0, whose length may
-differ between ranks; reducescatter splits dim 0 as Horovod does (the first `rows % size` ranks
-one row more); alltoall sends `splits[j]` rows to rank j. Ranks whose shapes or dtypes disagree
-get `RankMismatchError` on every rank, naming them.
+Every op is first a request matched across the members by name (negotiation.py): dtype and shape
+(and root, op, scale factors, alltoall's splits) are compared before data moves, and allgather /
+alltoall take every rank's rows from the matched requests. `submit_*` queue an op and return its
+entry (`negotiation.wait` runs it); the plain functions submit and wait.
+
+Horovod's meanings: Average = Sum then x 1/size (integers: the sum divided by size, rounded
+toward zero); `prescale_factor` multiplies before the reduction, `postscale_factor` after it
+(integers: in float64, rounded toward zero, as Horovod's CPU ops); allgather concatenates along
+dim 0, whose length may differ between ranks; reducescatter splits dim 0 as Horovod does (the
+first `rows % size` ranks one row more); alltoall sends `splits[j]` rows to rank j.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 import numpy as np
 
 import nccl_ddp as nd
-from nccl_ddp.errors import ConfigError, RankMismatchError
-from nccl_ddp.horovod.common import (
-    OP_NAMES,
-    Average,
-    Sum,
-    _host,
-    _xp,
-    check_scale,
-    resolve_op,
-    split_counts,
-)
+from nccl_ddp.comm.group import ProcessGroup
+from nccl_ddp.errors import ConfigError
+from nccl_ddp.horovod import negotiation
+from nccl_ddp.horovod.arrays import NativeArray, is_float, xp_of, xp_of_array
+from nccl_ddp.horovod.common import OP_NAMES, Average, Sum, check_scale, resolve_op, split_counts
+from nccl_ddp.horovod.negotiation import Entry, Records, Request, dtype_code
 
 
 def where_of(op: str, name: Optional[str]) -> str:
@@ -34,7 +34,12 @@ def where_of(op: str, name: Optional[str]) -> str:
 
 
 def reduce_args(
-    op_name: str, name: Optional[str], op: Any, average: Any, prescale_factor: Any, postscale_factor: Any
+    op_name: str,
+    name: Optional[str],
+    op: object,
+    average: object,
+    prescale_factor: object,
+    postscale_factor: object,
 ) -> Tuple[str, int, float, float]:
     """A reducing collective's arguments checked once for every framework: (where, op, pre, post)."""
     where = where_of(op_name, name)
@@ -44,149 +49,281 @@ def reduce_args(
 
 
 _OPS = {Average: "sum", Sum: "sum", 3: "min", 4: "max", 5: "prod"}
-MAX_DIMS = 16  # of a tensor that allgather / alltoall exchange shapes for
-_DTYPES: Dict[int, str] = {
-    np.dtype(t).num: np.dtype(t).name
-    for t in ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool")
-}
+A = TypeVar("A", bound=NativeArray)
 
 
-def _is_float(a: Any) -> bool:
-    return np.dtype(a.dtype).kind == "f" or np.dtype(a.dtype).name == "bfloat16"
-
-
-def _scale(a: Any, factor: float) -> None:
-    if factor != 1.0:
+def _scale(a: NativeArray, factor: float) -> None:
+    """a *= factor as Horovod's CPU ops: float16 in float32, integers in float64 (rounded toward
+    zero), other floats in their own precision."""
+    if factor == 1.0:
+        return
+    if not is_float(a):
+        a[...] = (a.astype(np.float64) * factor).astype(a.dtype)
+    elif np.dtype(a.dtype).itemsize == 2:
+        a[...] = (a.astype(np.float32) * np.float32(factor)).astype(a.dtype)
+    else:
         a *= a.dtype.type(factor)
 
 
+def _finish_reduce(a: NativeArray, op: int, post: float, size: int) -> None:
+    """After the sum: the post-scale, then Average's 1/size (integers: divided, toward zero)."""
+    if is_float(a):
+        _scale(a, post / size if op == Average else post)
+        return
+    _scale(a, post)
+    if op == Average:
+        xp = xp_of_array(a)
+        a[...] = xp.sign(a) * (xp.abs(a) // size)
+
+
+def _reduce_now(a: NativeArray, op: int, pre: float, post: float, group: ProcessGroup) -> NativeArray:
+    _scale(a, pre)
+    nd.all_reduce(a, op=_OPS[op], group=group)
+    _finish_reduce(a, op, post, group.size)
+    return a
+
+
+def submit_allreduce(
+    a: NativeArray,
+    op: int,
+    pre: float,
+    post: float,
+    group: ProcessGroup,
+    where: str,
+    name: Optional[str] = None,
+) -> Entry:
+    """Queue the in-place reduction of `a` (contiguous); the entry's result is `a`."""
+    return negotiation.submit(
+        group,
+        "ALLREDUCE",
+        name,
+        lambda _: _reduce_now(a, op, pre, post, group),
+        where,
+        array=a,
+        op=op,
+        pre=pre,
+        post=post,
+    )
+
+
+def _joined_allreduce(group: ProcessGroup, req: Request) -> None:
+    """A rank inside hvd.join(): zeros into the others' allreduce of `req`."""
+    if req.kind == "BARRIER":
+        nd.barrier(group=group)
+        return
+    shapes = negotiation.grouped_shapes(req) if req.kind == "GROUPED_ALLREDUCE" else [(req.shape, req.dtype)]
+    xp = xp_of(group)
+    for dt in dict.fromkeys(code for _, code in shapes):
+        count = sum(int(np.prod(shape)) for shape, code in shapes if code == dt)
+        zeros = xp.zeros(count, negotiation.dtype_name(dt))
+        nd.all_reduce(zeros, op=_OPS[req.op], group=group)
+
+
+negotiation.joined_runners.update(ALLREDUCE=_joined_allreduce, GROUPED_ALLREDUCE=_joined_allreduce)
+negotiation.joined_runners["BARRIER"] = _joined_allreduce
+
+
 def allreduce_(
-    a: Any, op: int, prescale: float, postscale: float, group: Any, where: str, async_op: bool = False
-) -> Tuple[Any, Callable[[], Any]]:
-    """Reduce `a` (contiguous) in place. Returns (work or None, finish): `finish()` waits and
-    applies the post-scale (and Average's 1/size), returning `a`."""
-    integer = not _is_float(a)
-    if integer and (prescale != 1.0 or postscale != 1.0):
-        raise ConfigError(
-            f"{where}: prescale_factor/postscale_factor need a floating-point tensor, got {a.dtype}"
-        )
-    nd_op = "avg" if integer and op == Average else _OPS[op]
-    _scale(a, prescale)
-    post = postscale / group.size if op == Average and not integer else postscale
-    work = nd.all_reduce(a, op=nd_op, group=group, async_op=True)
-
-    def finish() -> Any:
-        work.wait()
-        _scale(a, post)
-        return a
-
+    a: NativeArray,
+    op: int,
+    pre: float,
+    post: float,
+    group: ProcessGroup,
+    where: str,
+    async_op: bool = False,
+    name: Optional[str] = None,
+) -> Tuple[Optional[Entry], Callable[[], NativeArray]]:
+    """Reduce `a` (contiguous) in place. Returns (entry or None, finish): `finish()` waits and
+    returns `a`."""
+    entry = submit_allreduce(a, op, pre, post, group, where, name)
     if not async_op:
-        finish()
+        negotiation.wait(group, entry)
         return None, lambda: a
-    return work, finish
+    return entry, lambda: (negotiation.wait(group, entry), a)[1]
 
 
-def grouped_allreduce_(
-    arrays: Sequence[Any], op: int, prescale: float, postscale: float, group: Any, where: str
-) -> None:
-    """Reduce every array in place, one collective per dtype (the arrays fused in one buffer)."""
-    by_dtype: dict = {}
+def _grouped_extra(arrays: Sequence[NativeArray]) -> Tuple[int, ...]:
+    out: List[int] = []
     for a in arrays:
-        by_dtype.setdefault(np.dtype(a.dtype).str, []).append(a)
-    xp = _xp(group)
-    for same in by_dtype.values():
-        flat = xp.concatenate([a.reshape(-1) for a in same]) if len(same) > 1 else same[0].reshape(-1)
-        allreduce_(flat, op, prescale, postscale, group, where)
-        if len(same) > 1:
+        out += [a.ndim, *a.shape, dtype_code(a.dtype)]
+    return tuple(out)
+
+
+def _by_dtype(arrays: Sequence[NativeArray]) -> List[List[NativeArray]]:
+    by: Dict[str, List[NativeArray]] = {}
+    for a in arrays:
+        by.setdefault(np.dtype(a.dtype).str, []).append(a)
+    return list(by.values())
+
+
+def submit_grouped_allreduce(
+    arrays: Sequence[NativeArray],
+    op: int,
+    pre: float,
+    post: float,
+    group: ProcessGroup,
+    where: str,
+    name: Optional[str] = None,
+) -> Entry:
+    """Queue the in-place reduction of every array, one collective per dtype (fused in one
+    buffer); matched as one op (Horovod's grouped allreduce), so every rank passes the same list."""
+    xp = xp_of(group)
+
+    def run(_: Records) -> Sequence[NativeArray]:
+        for same in _by_dtype(arrays):
+            flat = xp.concatenate([a.reshape(-1) for a in same])
+            _reduce_now(flat, op, pre, post, group)
             offset = 0
             for a in same:
                 a.reshape(-1)[...] = flat[offset : offset + a.size]
                 offset += a.size
+        return arrays
+
+    return negotiation.submit(
+        group,
+        "GROUPED_ALLREDUCE",
+        name,
+        run,
+        where,
+        shape=(len(arrays),),
+        dtype=dtype_code(arrays[0].dtype),
+        extra=_grouped_extra(arrays),
+        op=op,
+        pre=pre,
+        post=post,
+    )
 
 
-def broadcast_(a: Any, root_rank: int, group: Any) -> Any:
-    return nd.broadcast(a, src=root_rank, group=group)
+def grouped_allreduce_(
+    arrays: Sequence[NativeArray],
+    op: int,
+    pre: float,
+    post: float,
+    group: ProcessGroup,
+    where: str,
+    name: Optional[str] = None,
+) -> None:
+    """Reduce every array in place (submit_grouped_allreduce, waited for)."""
+    negotiation.wait(group, submit_grouped_allreduce(arrays, op, pre, post, group, where, name))
 
 
-def _header(a: Any, extra: Sequence[int] = ()) -> np.ndarray:
-    """[ndim, dtype number, shape padded with -1 to MAX_DIMS, *extra] of `a`."""
-    shape = list(a.shape)
-    h = np.full(2 + MAX_DIMS + len(extra), -1, np.int64)
-    h[0], h[1] = len(shape), np.dtype(a.dtype).num
-    h[2 : 2 + len(shape)] = shape
-    h[2 + MAX_DIMS :] = extra
-    return h
+def submit_broadcast(
+    a: A, root_rank: int, group: ProcessGroup, where: str, name: Optional[str] = None
+) -> Entry:
+    """Queue the in-place broadcast of `root_rank`'s `a` (a global rank); the result is `a`."""
+    _check_root(root_rank, group, where)
+    return negotiation.submit(
+        group,
+        "BROADCAST",
+        name,
+        lambda _: nd.broadcast(a, src=root_rank, group=group),
+        where,
+        array=a,
+        root=root_rank,
+    )
 
 
-def _exchange_headers(a: Any, group: Any, where: str, extra: Sequence[int] = ()) -> np.ndarray:
-    """Every member's header (one all-gather); ranks whose rank/dims after the first/dtype
-    differ are named on every rank."""
-    if a.ndim == 0 or a.ndim > MAX_DIMS:
+def broadcast_(
+    a: A, root_rank: int, group: ProcessGroup, where: str = "hvd.broadcast", name: Optional[str] = None
+) -> A:
+    negotiation.wait(group, submit_broadcast(a, root_rank, group, where, name))
+    return a
+
+
+def _check_root(root_rank: int, group: ProcessGroup, where: str) -> None:
+    if root_rank not in group.ranks:
         raise ConfigError(
-            f"{where}: the tensor must have 1 to {MAX_DIMS} dimensions (Horovod concatenates "
-            f"along dim 0), got shape {tuple(a.shape)}"
+            f"rank {nd.get_rank()}: {where}: root_rank {root_rank} is not a member of the process "
+            f"set (global ranks {list(group.ranks)})"
         )
-    xp = _xp(group)
-    mine = _header(a, extra)
-    out = xp.zeros((group.size, mine.size), np.int64)
-    nd.all_gather(out, xp.asarray(mine), group=group)
-    headers = _host(out)
-    key = np.concatenate([headers[:, :2], headers[:, 3 : 2 + MAX_DIMS]], axis=1)
-    differ = [i for i in range(group.size) if not np.array_equal(key[i], key[0])]
-    if differ:
-        shapes = {
-            group.ranks[i]: (tuple(int(d) for d in h[2 : 2 + h[0]]), _DTYPES.get(int(h[1]), int(h[1])))
-            for i, h in enumerate(headers)
-        }
-        raise RankMismatchError(
-            f"rank {nd.get_rank()}: {where}: mismatched tensors across ranks, (shape, dtype) by "
-            f"rank: {shapes}; every rank must pass the same dtype and the same dimensions after "
-            "the first"
-        )
-    return headers
 
 
-def allgather(a: Any, group: Any, where: str) -> Any:
+def _check_dims(a: NativeArray, where: str) -> None:
+    if a.ndim == 0:
+        raise ConfigError(
+            f"{where}: the tensor must have at least one dimension (Horovod concatenates along "
+            f"dim 0), got shape {tuple(a.shape)}"
+        )
+
+
+def submit_allgather(a: NativeArray, group: ProcessGroup, where: str, name: Optional[str] = None) -> Entry:
+    """Queue the gather of every member's `a` along dim 0 (whose length may differ)."""
+    _check_dims(a, where)
+
+    def run(records: Records) -> NativeArray:
+        rows = [r.shape[0] if r is not None else 0 for r in records]
+        xp, rest, longest = xp_of(group), tuple(a.shape[1:]), max(rows)
+        mine = a
+        if a.shape[0] != longest:
+            mine = xp.zeros((longest, *rest), a.dtype)
+            mine[: a.shape[0]] = a
+        out = xp.empty((group.size * longest, *rest), a.dtype)
+        nd.all_gather(out, xp.ascontiguousarray(mine), group=group)
+        if all(r == longest for r in rows):
+            return out
+        return xp.concatenate([out[i * longest : i * longest + r] for i, r in enumerate(rows)])
+
+    return negotiation.submit(group, "ALLGATHER", name, run, where, array=a)
+
+
+def allgather(a: NativeArray, group: ProcessGroup, where: str, name: Optional[str] = None) -> NativeArray:
     """Every member's `a`, concatenated along dim 0 in rank order (dim 0 may differ)."""
-    headers = _exchange_headers(a, group, where)
-    rows = [int(h[2]) for h in headers]
-    xp, rest, longest = _xp(group), tuple(a.shape[1:]), max(rows)
-    mine = a
-    if a.shape[0] != longest:
-        mine = xp.zeros((longest, *rest), a.dtype)
-        mine[: a.shape[0]] = a
-    out = xp.empty((group.size * longest, *rest), a.dtype)
-    nd.all_gather(out, xp.ascontiguousarray(mine), group=group)
-    if all(r == longest for r in rows):
-        return out
-    return xp.concatenate([out[i * longest : i * longest + r] for i, r in enumerate(rows)])
+    out = negotiation.wait(group, submit_allgather(a, group, where, name))
+    assert out is not None
+    return out  # type: ignore[return-value]
 
 
-def reducescatter(a: Any, op: int, prescale: float, postscale: float, group: Any, where: str) -> Any:
-    """Reduce `a` over the members; this rank gets its rows of dim 0 (Horovod's split)."""
+def submit_reducescatter(
+    a: NativeArray,
+    op: int,
+    pre: float,
+    post: float,
+    group: ProcessGroup,
+    where: str,
+    name: Optional[str] = None,
+) -> Entry:
+    """Queue the reduction of `a` over the members; the result is this rank's rows of dim 0."""
     if op not in (Average, Sum, 3, 4, 5):
         raise ConfigError(f"{where}: op {OP_NAMES.get(op, op)} is not supported by reducescatter")
-    if a.ndim == 0:
-        raise ConfigError(f"{where}: the tensor must have at least one dimension, got a scalar")
-    xp, rest = _xp(group), tuple(a.shape[1:])
-    counts = split_counts(a.shape[0], group.size)
-    longest = max(counts)
-    work = xp.zeros((group.size, longest, *rest), a.dtype)
-    start = 0
-    for i, c in enumerate(counts):
-        work[i, :c] = a[start : start + c]
-        start += c
-    _scale(work, prescale)
-    out = xp.empty((longest, *rest), a.dtype)
-    nd.reduce_scatter(out, work.reshape(group.size, -1), op=_OPS[op], group=group)
-    post = postscale / group.size if op == Average else postscale
-    _scale(out, post)
-    return out[: counts[group.rank]]
+    _check_dims(a, where)
+
+    def run(_: Records) -> NativeArray:
+        xp, rest = xp_of(group), tuple(a.shape[1:])
+        counts = split_counts(a.shape[0], group.size)
+        longest = max(counts)
+        work = xp.zeros((group.size, longest, *rest), a.dtype)
+        start = 0
+        for i, c in enumerate(counts):
+            work[i, :c] = a[start : start + c]
+            start += c
+        _scale(work, pre)
+        out = xp.empty((longest, *rest), a.dtype)
+        nd.reduce_scatter(out, work.reshape(group.size, -1), op=_OPS[op], group=group)
+        _finish_reduce(out, op, post, group.size)
+        return out[: counts[group.rank]]
+
+    return negotiation.submit(group, "REDUCESCATTER", name, run, where, array=a, op=op, pre=pre, post=post)
 
 
-def alltoall(a: Any, splits: Optional[List[int]], group: Any, where: str) -> Tuple[Any, List[int]]:
-    """Rows `splits[j]` of `a` (in order) go to member j; returns what this rank received, in
-    rank order, and how many rows came from each member."""
+def reducescatter(
+    a: NativeArray,
+    op: int,
+    pre: float,
+    post: float,
+    group: ProcessGroup,
+    where: str,
+    name: Optional[str] = None,
+) -> NativeArray:
+    """Reduce `a` over the members; this rank gets its rows of dim 0 (Horovod's split)."""
+    out = negotiation.wait(group, submit_reducescatter(a, op, pre, post, group, where, name))
+    return out  # type: ignore[return-value]
+
+
+def submit_alltoall(
+    a: NativeArray, splits: Optional[List[int]], group: ProcessGroup, where: str, name: Optional[str] = None
+) -> Entry:
+    """Queue the exchange: rows `splits[j]` of `a` (in order) go to member j; the result is
+    (the received rows in rank order, how many rows came from each member)."""
     n = group.size
     if splits is None:
         if a.ndim == 0 or a.shape[0] % n:
@@ -200,32 +337,85 @@ def alltoall(a: Any, splits: Optional[List[int]], group: Any, where: str) -> Tup
             f"{where}: splits {list(splits)} must hold {n} non-negative row counts (one per rank) "
             f"summing to dim 0 of the tensor ({a.shape[0]})"
         )
-    headers = _exchange_headers(a, group, where, splits)
-    matrix = headers[:, 2 + MAX_DIMS :]  # matrix[i][j]: rows member i sends to member j
-    xp, rest, longest = _xp(group), tuple(a.shape[1:]), int(matrix.max()) if matrix.size else 0
-    send = xp.zeros((n, max(longest, 1), *rest), a.dtype)
-    start = 0
-    for j, s in enumerate(splits):
-        send[j, :s] = a[start : start + s]
-        start += s
-    everything = xp.empty((n, *send.shape), a.dtype)
-    nd.all_gather(everything.reshape(n, -1), send.reshape(-1), group=group)
-    me = group.rank
-    received = [int(matrix[i][me]) for i in range(n)]
-    out = xp.concatenate([everything[i, me, : received[i]] for i in range(n)])
-    return out, received
+    _check_dims(a, where)
+    mine = list(splits)
+
+    def run(records: Records) -> Tuple[NativeArray, List[int]]:
+        matrix = [list(r.extra) if r is not None else [0] * n for r in records]  # [i][j]: i -> j
+        xp, rest = xp_of(group), tuple(a.shape[1:])
+        longest = max(max(row) for row in matrix)
+        send = xp.zeros((n, max(longest, 1), *rest), a.dtype)
+        start = 0
+        for j, s in enumerate(mine):
+            send[j, :s] = a[start : start + s]
+            start += s
+        everything = xp.empty((n, *send.shape), a.dtype)
+        nd.all_gather(everything.reshape(n, -1), send.reshape(-1), group=group)
+        me = group.rank
+        received = [int(matrix[i][me]) for i in range(n)]
+        return xp.concatenate([everything[i, me, : received[i]] for i in range(n)]), received
+
+    return negotiation.submit(group, "ALLTOALL", name, run, where, array=a, extra=tuple(mine))
 
 
-def broadcast_many_(arrays: Sequence[Any], root_rank: int, group: Any) -> None:
+def alltoall(
+    a: NativeArray, splits: Optional[List[int]], group: ProcessGroup, where: str, name: Optional[str] = None
+) -> Tuple[NativeArray, List[int]]:
+    """submit_alltoall, waited for."""
+    out = negotiation.wait(group, submit_alltoall(a, splits, group, where, name))
+    return out  # type: ignore[return-value]
+
+
+def submit_broadcast_many(
+    arrays: Sequence[NativeArray], root_rank: int, group: ProcessGroup, where: str, name: Optional[str] = None
+) -> Entry:
+    """Queue the in-place broadcast of every array, fused into one collective per dtype."""
+    _check_root(root_rank, group, where)
+    xp = xp_of(group)
+
+    def run(_: Records) -> None:
+        for same in _by_dtype(arrays):
+            flat = xp.concatenate([xp.ascontiguousarray(a).reshape(-1) for a in same])
+            nd.broadcast(flat, src=root_rank, group=group)
+            offset = 0
+            for a in same:
+                a[...] = flat[offset : offset + a.size].reshape(a.shape)
+                offset += a.size
+
+    dtype = dtype_code(arrays[0].dtype) if arrays else 0
+    return negotiation.submit(
+        group,
+        "GROUPED_BROADCAST",
+        name,
+        run,
+        where,
+        shape=(len(arrays),),
+        dtype=dtype,
+        extra=_grouped_extra(arrays),
+        root=root_rank,
+    )
+
+
+def broadcast_many_(
+    arrays: Sequence[NativeArray],
+    root_rank: int,
+    group: ProcessGroup,
+    where: str = "hvd.broadcast_parameters",
+    name: Optional[str] = None,
+) -> None:
     """Broadcast every array in place, fused into one collective per dtype (any strides)."""
-    by_dtype: dict = {}
-    for a in arrays:
-        by_dtype.setdefault(np.dtype(a.dtype).str, []).append(a)
-    xp = _xp(group)
-    for same in by_dtype.values():
-        flat = xp.concatenate([xp.ascontiguousarray(a).reshape(-1) for a in same])
-        nd.broadcast(flat, src=root_rank, group=group)
-        offset = 0
-        for a in same:
-            a[...] = flat[offset : offset + a.size].reshape(a.shape)
-            offset += a.size
+    negotiation.wait(group, submit_broadcast_many(arrays, root_rank, group, where, name))
+
+
+def barrier(group: ProcessGroup, where: str = "hvd.barrier") -> None:
+    """Every member reached it (matched with the others' ops, as Horovod's barrier)."""
+    negotiation.wait(
+        group, negotiation.submit(group, "BARRIER", None, lambda _: nd.barrier(group=group), where)
+    )
+
+
+def join(group: ProcessGroup, where: str = "hvd.join") -> int:
+    """Horovod's join: until every member has joined, this rank's zeros take part in the others'
+    allreduces; returns the global rank that joined last."""
+    out = negotiation.wait(group, negotiation.submit(group, "JOIN", None, lambda _: None, where))
+    return int(out)  # type: ignore[call-overload]

@@ -19,7 +19,11 @@ import numpy as np
 
 import nccl_ddp as nd
 from nccl_ddp.comm.api import get_local_world_size
+from nccl_ddp.comm.group import ProcessGroup
 from nccl_ddp.errors import CommError, ConfigError, ConfigTypeError
+from nccl_ddp.horovod import negotiation
+from nccl_ddp.horovod.arrays import NativeArray, host, xp_of
+from nccl_ddp.horovod.negotiation import Records
 from nccl_ddp.horovod.process_sets import (
     ProcessSet,
     add_process_set,
@@ -205,6 +209,7 @@ def fusion_threshold_mb() -> Optional[float]:
 
 def shutdown() -> None:
     """Leave the job (destroys nccl_ddp's process group if init() created it)."""
+    negotiation.reset("hvd.shutdown() was called while this op was pending")
     invalidate_all()
     if _state.owns_group:
         _state.owns_group = False
@@ -275,7 +280,10 @@ def gloo_built() -> bool:
 
 
 def nccl_built() -> bool:
-    return True
+    """True when this host can run NCCL collectives (CuPy sees a GPU and loads NCCL)."""
+    from nccl_ddp.comm.nccl.runtime import is_available
+
+    return is_available()
 
 
 def ddl_built() -> bool:
@@ -287,7 +295,10 @@ def ccl_built() -> bool:
 
 
 def cuda_built() -> bool:
-    return True
+    """True when CUDA tensors can take part (CuPy sees a GPU)."""
+    from nccl_ddp.device.cuda import cuda_available
+
+    return cuda_available()
 
 
 def rocm_built() -> bool:
@@ -309,63 +320,109 @@ def stop_timeline() -> None:
 # objects, barrier, join
 
 
-def _xp(group: Any) -> Any:
-    if group.backend == "host":
-        return np
-    import cupy
-
-    return cupy
+_xp = xp_of  # the names the TensorFlow facade imports
+_host = host
 
 
-def _host(a: Any) -> np.ndarray:
-    return a if isinstance(a, np.ndarray) else a.get()
+def _pickled(obj: object, where: str) -> Tuple[Optional[NativeArray], str]:
+    """`obj` pickled as uint8, or (None, why) when it cannot be: every rank is told (the request
+    carries it), so no later call pairs with this one."""
+    try:
+        return np.frombuffer(pickle.dumps(obj), np.uint8), ""
+    except Exception as e:  # pickle raises many kinds: every one is reported to every rank
+        return None, f"{type(e).__name__}: {e}"
 
 
-def allgather_object(obj: Any, name: Optional[str] = None, process_set: Any = None) -> List[Any]:
-    """Every member's `obj` (pickled), in rank order."""
-    g = group_of(process_set or global_process_set, "allgather_object")
-    xp = _xp(g)
-    data = np.frombuffer(pickle.dumps(obj), np.uint8)
-    sizes = xp.zeros(g.size, np.int64)
-    nd.all_gather(sizes, xp.asarray([data.size], np.int64), group=g)
-    sizes_h = _host(sizes)
-    longest = int(sizes_h.max())
-    mine = xp.zeros(longest, np.uint8)
-    mine[: data.size] = xp.asarray(data)
-    out = xp.zeros(g.size * longest, np.uint8)
-    nd.all_gather(out, mine, group=g)
-    host = _host(out)
-    return [pickle.loads(host[i * longest : i * longest + int(n)].tobytes()) for i, n in enumerate(sizes_h)]
+def _refused(records: Records, group: ProcessGroup, where: str) -> None:
+    bad = [group.ranks[i] for i, r in enumerate(records) if r is not None and r.shape == (-1,)]
+    if bad:
+        raise ConfigError(
+            f"rank {nd.get_rank()}: {where}: the object of ranks {bad} could not be pickled (see "
+            "that rank's error); no rank received anything, the next call starts afresh"
+        )
+
+
+def _wait_pickled(g: ProcessGroup, entry: negotiation.Entry, where: str, why: str) -> object:
+    """The op's result; on the rank whose object failed to pickle, the pickling error."""
+    try:
+        return negotiation.wait(g, entry)
+    except ConfigError:
+        if why:
+            raise ConfigError(f"rank {nd.get_rank()}: {where}: cannot pickle the object: {why}") from None
+        raise
+
+
+def allgather_object(
+    obj: object, name: Optional[str] = None, process_set: Optional[ProcessSet] = None
+) -> List[object]:
+    """Every member's `obj` (pickled), in rank order: one all-gather, the sizes negotiated."""
+    where = "hvd.allgather_object"
+    g = group_of(process_set or global_process_set, where)
+    data, why = _pickled(obj, where)
+
+    def run(records: Records) -> List[object]:
+        _refused(records, g, where)
+        sizes = [r.shape[0] if r is not None else 0 for r in records]
+        xp, longest = xp_of(g), max(sizes)
+        mine = xp.zeros(longest, np.uint8)
+        assert data is not None
+        mine[: data.size] = xp.asarray(data)
+        out = xp.zeros(g.size * longest, np.uint8)
+        nd.all_gather(out, mine, group=g)
+        flat = host(out)
+        return [pickle.loads(flat[i * longest : i * longest + n].tobytes()) for i, n in enumerate(sizes)]
+
+    entry = negotiation.submit(
+        g, "ALLGATHER_OBJECT", name, run, where, dtype=1, shape=(-1 if data is None else data.size,)
+    )
+    out = _wait_pickled(g, entry, where, why if data is None else "")
+    return out  # type: ignore[return-value]
 
 
 def broadcast_object(
-    obj: Any, root_rank: int = 0, name: Optional[str] = None, process_set: Any = None
-) -> Any:
-    """`root_rank`'s `obj` (pickled) on every member."""
-    g = group_of(process_set or global_process_set, "broadcast_object")
-    xp = _xp(g)
-    data = np.frombuffer(pickle.dumps(obj), np.uint8) if g.rank == g.ranks.index(root_rank) else None
-    size = xp.asarray([0 if data is None else data.size], np.int64)
-    nd.broadcast(size, src=root_rank, group=g)
-    buf = xp.zeros(int(_host(size)[0]), np.uint8)
-    if data is not None:
-        buf[...] = xp.asarray(data)
-    nd.broadcast(buf, src=root_rank, group=g)
-    return obj if data is not None else pickle.loads(_host(buf).tobytes())
+    obj: object, root_rank: int = 0, name: Optional[str] = None, process_set: Optional[ProcessSet] = None
+) -> object:
+    """`root_rank`'s `obj` (pickled) on every member: one broadcast, the size negotiated."""
+    where = "hvd.broadcast_object"
+    g = group_of(process_set or global_process_set, where)
+    if root_rank not in g.ranks:
+        raise ConfigError(f"{where}: root_rank {root_rank} is not a member (global ranks {list(g.ranks)})")
+    root = g.ranks.index(root_rank)
+    data, why = _pickled(obj, where) if g.rank == root else (np.zeros(0, np.uint8), "")
+
+    def run(records: Records) -> object:
+        _refused(records, g, where)
+        rec = records[root]
+        assert rec is not None
+        buf = xp_of(g).zeros(rec.shape[0], np.uint8)
+        if g.rank == root:
+            assert data is not None
+            buf[...] = xp_of(g).asarray(data)
+            nd.broadcast(buf, src=root_rank, group=g)
+            return obj
+        nd.broadcast(buf, src=root_rank, group=g)
+        return pickle.loads(host(buf).tobytes())
+
+    size = -1 if data is None else data.size
+    entry = negotiation.submit(
+        g, "BROADCAST_OBJECT", name, run, where, dtype=1, shape=(size,), root=root_rank
+    )
+    return _wait_pickled(g, entry, where, why if data is None else "")
 
 
-def barrier(process_set: Any = None) -> None:
-    nd.barrier(group=group_of(process_set or global_process_set, "barrier"))
+def barrier(process_set: Optional[ProcessSet] = None) -> None:
+    """Every member reached it (matched with the others' pending ops, as Horovod's)."""
+    from nccl_ddp.horovod import collectives
+
+    collectives.barrier(group_of(process_set or global_process_set, "hvd.barrier"))
 
 
 def join(device: int = -1) -> int:
-    """Every rank has finished its data: returns the last rank to join (the highest rank, as all
-    join together). Ranks with uneven batch counts: use `nccl_ddp.Join` (docs/horovod.md); a
-    rank still training while another joined fails at the group's timeout naming the op."""
-    g = global_process_set.group("join")
-    last = _xp(g).asarray([g.rank], np.int64)
-    nd.all_reduce(last, op="max", group=g)
-    return int(_host(last)[0])
+    """Horovod's join: until every rank has joined, this rank's zeros take part in the others'
+    allreduces (other collectives are refused meanwhile); returns the rank that joined last."""
+    from nccl_ddp.horovod import collectives
+
+    return collectives.join(global_process_set.group("hvd.join"))
 
 
 def split_counts(total: int, parts: int) -> Tuple[int, ...]:

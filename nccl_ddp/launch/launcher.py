@@ -104,6 +104,18 @@ def worker_env(
     if config.virtual_local_rank:
         env["LOCAL_RANK"] = "0"
         env["CUDA_VISIBLE_DEVICES"] = _own_gpu(local_rank)
+    # Horovod's names for the same ranks, there before hvd.init() as Horovod's launcher sets them
+    # (cross: this rank's node among the nodes, every node running nproc workers)
+    env.update(
+        {
+            "HOROVOD_RANK": str(rank),
+            "HOROVOD_SIZE": str(world),
+            "HOROVOD_LOCAL_RANK": env["LOCAL_RANK"],
+            "HOROVOD_LOCAL_SIZE": str(nproc),
+            "HOROVOD_CROSS_RANK": str(node_rank),
+            "HOROVOD_CROSS_SIZE": str(config.nnodes),
+        }
+    )
     if error_file:
         env["NCCL_DDP_ERROR_FILE"] = error_file
     env["TORCHELASTIC_ERROR_FILE"] = torch_error_file or ""

@@ -94,3 +94,33 @@ def test_horovods_launcher_variables_are_read(monkeypatch):
     _map_horovod_launcher_vars()
     env = resolve_env()
     assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (1, 2, 1, 2)
+
+
+def test_launchers_export_horovods_rank_variables_before_init():
+    """nccl-ddp-run (and so horovodrun) gives each worker HOROVOD_RANK/SIZE/LOCAL_*/CROSS_* as
+    Horovod's launcher does: a script may read them before hvd.init()."""
+    from nccl_ddp.launch.config import LaunchConfig
+    from nccl_ddp.launch.launcher import worker_env
+
+    config = LaunchConfig(
+        entrypoint="train.py",
+        nnodes=2,
+        node_rank=1,
+        nproc_per_node=2,
+        master_addr="n0",
+        master_port=5,
+        secret="s",
+    )
+    env = worker_env(config, 2, 1, 1, 5, "s", 6)
+    got = {k: env[k] for k in env if k.startswith("HOROVOD_") and k[8:] in _RANK_VARS}
+    assert got == {
+        "HOROVOD_RANK": "3",
+        "HOROVOD_SIZE": "4",
+        "HOROVOD_LOCAL_RANK": "1",
+        "HOROVOD_LOCAL_SIZE": "2",
+        "HOROVOD_CROSS_RANK": "1",
+        "HOROVOD_CROSS_SIZE": "2",
+    }
+
+
+_RANK_VARS = {"RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE"}

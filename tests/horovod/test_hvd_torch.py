@@ -83,7 +83,9 @@ def _collectives(rank: int, world: int) -> dict:
     out["adasum"] = _errors(lambda: hvd.allreduce(t, op=hvd.Adasum))
     out["unknown_op"] = _errors(lambda: hvd.allreduce(t, op=17))
     out["bad_scale"] = _errors(lambda: hvd.allreduce(t, prescale_factor="2"))
-    out["int_scale"] = _errors(lambda: hvd.allreduce(torch.ones(2, dtype=torch.int32), prescale_factor=2.0))
+    out["int_scale"] = hvd.allreduce(
+        torch.ones(2, dtype=torch.int32), op=hvd.Sum, prescale_factor=2.5
+    ).tolist()
     out["splits"] = _errors(lambda: hvd.alltoall(torch.arange(3.0), splits=[1, 1]))
     out["mismatch"] = _errors(lambda: hvd.allgather(torch.ones(2, 3 + rank)))
     out["after_mismatch"] = hvd.allreduce(t, op=hvd.Sum).tolist()  # the group still works
@@ -157,11 +159,14 @@ def test_bad_inputs_are_named(collectives):
         assert r["adasum"].startswith("ConfigError") and "op=hvd.Adasum is not supported" in r["adasum"]
         assert "unknown op 17" in r["unknown_op"]
         assert "prescale_factor must be a number" in r["bad_scale"]
-        assert "need a floating-point tensor" in r["int_scale"]
+        assert r["int_scale"] == [4, 4]  # Horovod's: each rank's 1 * 2.5 rounded toward zero, summed
         assert "splits [1, 1] must hold 2 non-negative row counts" in r["splits"]
         assert (
             r["mismatch"].startswith("RankMismatchError")
-            and "{0: ((2, 3), 'float32'), 1: ((2, 4)" in r["mismatch"]
+            and "Mismatched allgather tensor shapes: One rank sent a tensor with dimension 1 equal to 3"
+            in r["mismatch"]
+            and 'float32[2, 3]", 1: "allgather' in r["mismatch"]
+            and "float32[2, 4]" in r["mismatch"]
         )
         assert r["after_mismatch"] == [1.0, 3.0, 5.0, 7.0]
         assert "call hvd.init() first" in r["after_shutdown"]

@@ -19,6 +19,8 @@ from nccl_ddp.horovod.common import (
     stop_timeline,
 )
 from nccl_ddp.horovod.handles import poll, synchronize
+from nccl_ddp.horovod.torch.exchange import *  # noqa: F403
+from nccl_ddp.horovod.torch.exchange import __all__ as _exchange_names
 from nccl_ddp.horovod.torch.functions import broadcast_optimizer_state, broadcast_parameters
 from nccl_ddp.horovod.torch.ops import *  # noqa: F403
 from nccl_ddp.horovod.torch.ops import __all__ as _ops_names
@@ -27,6 +29,7 @@ from nccl_ddp.horovod.torch.optimizer import DistributedOptimizer
 __all__ = [
     *_basics,
     *_ops_names,
+    *_exchange_names,
     "DistributedOptimizer",
     "broadcast_optimizer_state",
     "broadcast_parameters",

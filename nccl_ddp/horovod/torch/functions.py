@@ -66,7 +66,9 @@ def broadcast_optimizer_state(
             else:
                 scalars[("state", pid, name)] = value
     broadcast_parameters(tensors, root_rank, process_set)
-    for key, value in broadcast_object(scalars, root_rank, process_set=process_set).items():
+    received = broadcast_object(scalars, root_rank, process_set=process_set)
+    assert isinstance(received, dict)
+    for key, value in received.items():
         if key[0] == "group":
             optimizer.param_groups[key[1]].update(value)
         else:
