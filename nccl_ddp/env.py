@@ -15,7 +15,7 @@ import numbers
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Tuple
 
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 
@@ -223,6 +223,13 @@ def _identity(environ: Mapping[str, str]) -> _Found:
             addr = _slurm_master_addr(environ)
         return _Found(name, names, tuple(values), addr=addr)
     return _Found("none", _TORCHRUN, (None,) * 4)
+
+
+def launcher_ranks(environ: Optional[Mapping[str, str]] = None) -> Tuple[str, Optional[int], Optional[int]]:
+    """(launcher name, rank, world size) as the first launcher whose variables are set says
+    (None: unset; "none" when no launcher's are): who this process is before a port is known."""
+    found = _identity(os.environ if environ is None else environ)
+    return found.source, found.values[0], found.values[1]
 
 
 def _claims(environ: Mapping[str, str], source: str) -> dict:

@@ -15,7 +15,7 @@ import logging
 import numbers
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union, cast
 
 import numpy as np
@@ -50,6 +50,7 @@ class _World:
     owns_store: bool
     keys: Any  # this world's namespace in the store
     new_groups: Any = None  # new_group calls so far (the same sequence on every rank)
+    by_key: dict = field(default_factory=dict)  # members_group's groups, by their members' key
 
     def __post_init__(self) -> None:
         self.new_groups = itertools.count(1)
@@ -111,11 +112,11 @@ def init_process_group(
             f"TCPStore) or None (connect to MASTER_ADDR:MASTER_PORT), got "
             f"{type(store).__name__}"
         )
-    env = resolve_env(rank=rank, world_size=world_size)
-    _leave_if_ms_scheduler(env)
     owns = store is None
-    if owns:
-        env = _beside_torch(env, rank is None and world_size is None and env.source == "none")
+    env = _beside_torch(rank, world_size) if owns else None
+    if env is None:
+        env = resolve_env(rank=rank, world_size=world_size)
+    _leave_if_ms_scheduler(env)
     _notice_job_of_one(env)
     install_failure_hook()
     name = _pick_backend(backend)
@@ -137,17 +138,17 @@ def init_process_group(
     return group
 
 
-def _beside_torch(env: DistEnv, take_ranks: bool) -> DistEnv:
+def _beside_torch(rank: Optional[int], world_size: Optional[int]) -> Optional[DistEnv]:
     """torch.distributed already up with these ranks (mp.spawn recipes, Ray Train, Lightning,
-    Accelerate, any script that called dist.init_process_group first): its store holds
-    MASTER_PORT, so ours listens on a port rank 0 picks, with a secret rank 0 makes, both sent
-    through torch.distributed (adapters/torch/dist.py); with `take_ranks` (no launcher named
-    this process's rank) torch's ranks are ours. Collective over torch's world."""
+    Accelerate, any script that called dist.init_process_group first, with any init method or
+    store): our store's address, port and secret come from rank 0 through torch.distributed
+    (adapters/torch/dist.py), never from a variable the user did not set. None: torch is not up,
+    or not with our world. Collective over torch's world."""
     if "torch.distributed" not in sys.modules:
-        return env
+        return None
     from nccl_ddp.frameworks import adapter_module
 
-    return cast(DistEnv, adapter_module("torch.dist", "torch").store_beside_torch(env, take_ranks))
+    return cast(Optional[DistEnv], adapter_module("torch.dist", "torch").env_beside_torch(rank, world_size))
 
 
 def _leave_if_ms_scheduler(env: DistEnv) -> None:
@@ -204,6 +205,8 @@ def destroy_process_group() -> None:
         if w.owns_store and w.env.world_size > 1 and not w.env.store_hosted_externally:
             _wait_for_peers(w)
     finally:
+        for sub in w.by_key.values():
+            sub.shutdown()
         w.group.shutdown()
         if w.owns_store:
             w.store.close()
@@ -304,6 +307,42 @@ def new_group(ranks: Sequence[int]) -> Union[ProcessGroup, NonMemberGroup]:
     return NonMemberGroup(ranks, w.env.rank) if group is None else group
 
 
+def members_group(ranks: Sequence[int], key: str) -> ProcessGroup:
+    """A group of the given global ranks built by its members alone (ranks outside it never
+    call this), for a group the members already agree on by `key` (a torch.distributed group's
+    name: torch's own new_group was collective). The same key and ranks give the same group
+    again; it is shut down with the world. Collective over the members."""
+    w = require_world("members_group")
+    members = sorted(int(r) for r in ranks)
+    me = w.env.rank
+    if me not in members or len(set(members)) != len(members) or members[-1] >= w.env.world_size:
+        raise ConfigError(
+            f"rank {me}: a group of ranks {list(ranks)} for this rank of a world of "
+            f"{w.env.world_size}: its ranks must be distinct ranks of the world, this one among them"
+        )
+    tag = f"{key}/{'-'.join(map(str, members))}"  # ranks that disagree never share keys
+    if tag in w.by_key:
+        return cast(ProcessGroup, w.by_key[tag])
+    from nccl_ddp.store.client import PrefixStore
+
+    store, rank, size = PrefixStore(w.keys, f"members/{tag}"), members.index(me), len(members)
+    name = f"group{members}".replace(" ", "")
+    group: ProcessGroup
+    if w.group.backend == "nccl":
+        from nccl_ddp.comm.nccl.backend import NcclProcessGroup
+
+        device_id = cast(Any, w.group).device_id
+        group = NcclProcessGroup.create(
+            store, rank, size, members, w.group.timeout, name, device_id=device_id
+        )
+    else:
+        from nccl_ddp.comm.host.backend import HostProcessGroup
+
+        group = HostProcessGroup.create(store, rank, size, members, w.group.timeout, name)
+    w.by_key[tag] = group
+    return group
+
+
 def _agree_on_members(w: _World, ranks: list) -> None:
     """Every rank publishes the list it passed to this new_group call (the n-th on every rank);
     a member reads its fellow members' lists and raises `RankMismatchError` naming both lists
@@ -337,6 +376,11 @@ def resolve_group(group: Optional[ProcessGroup], argname: str) -> ProcessGroup:
         return get_world_group()
     if isinstance(group, NonMemberGroup):
         raise group.refuse(f"{argname}")
+    if not isinstance(group, ProcessGroup) and "torch.distributed" in sys.modules:
+        from nccl_ddp.frameworks import adapter_module
+
+        # a torch.distributed group: ours over the same ranks (adapters/torch/groups.py)
+        group = adapter_module("torch.groups", "torch").ours_for(group, argname) or group
     if not isinstance(group, ProcessGroup):
         raise ConfigTypeError(
             f"{argname} must be a ProcessGroup from nccl_ddp.new_group(...) or None "

@@ -32,6 +32,17 @@ from typing import Optional
 from nccl_ddp.failure_record import FailureRecord
 from nccl_ddp.launch.supervisor import order_failures
 
+# the launcher's variables run_ranks sets in every rank (a test of a script that starts with
+# none of them drops these)
+LAUNCHER_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "NCCL_DDP_SECRET",
+)
 GRACE = 5.0  # seconds to collect the other ranks' failures after the first one
 # what the forkserver imports before it forks ranks (a name that is not installed is skipped)
 PRELOAD = ["pytest", "numpy", "ml_dtypes", "torch", "nccl_ddp", "nccl_ddp.comm.host.backend", "nccl_ddp.ddp"]

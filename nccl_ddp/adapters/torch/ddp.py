@@ -41,7 +41,7 @@ from nccl_ddp.validate import check_bool
 # torch's arguments that need a feature we do not have: name -> (the value that is fine, why)
 _UNSUPPORTED = {
     "mixed_precision": (None, "use torch.autocast (or cast the model) instead"),
-    "device_mesh": (None, "pass an nccl_ddp group (nccl_ddp.new_group) as process_group"),
+    "device_mesh": (None, "pass its data-parallel group (a torch group or ours) as process_group"),
     "delay_all_reduce_named_params": (None, "every parameter is reduced as its grad is ready"),
     "param_to_hook_all_reduce": (None, "every parameter is reduced as its grad is ready"),
     "skip_all_reduce_unused_params": (
@@ -122,7 +122,7 @@ class TorchDistributedDataParallel(torch.nn.Module, DistributedDataParallel, _To
                 "init_sync (MindSpore's signature), not torch's device_ids; pass "
                 "device_ids=[...] by keyword"
             )
-        _check_torch_options(torch_options, process_group, dim, gradient_as_bucket_view, check_reduction)
+        _check_torch_options(torch_options, dim, gradient_as_bucket_view, check_reduction)
         if not isinstance(module, torch.nn.Module):
             raise ConfigTypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         join_torch_world(process_group, "DistributedDataParallel")
@@ -315,9 +315,7 @@ class TorchDistributedDataParallel(torch.nn.Module, DistributedDataParallel, _To
         return self
 
 
-def _check_torch_options(
-    options: dict, process_group: Any, dim: Any, gradient_as_bucket_view: Any, check_reduction: Any
-) -> None:
+def _check_torch_options(options: dict, dim: Any, gradient_as_bucket_view: Any, check_reduction: Any) -> None:
     for name, value in options.items():
         if name not in _UNSUPPORTED:
             raise ConfigTypeError(f"DistributedDataParallel got an unexpected keyword argument {name!r}")
@@ -327,11 +325,6 @@ def _check_torch_options(
                 f"{name}={value!r} is not supported by nccl_ddp's "
                 f"DistributedDataParallel (only {fine!r}): {why}"
             )
-    if torch.distributed.is_available() and isinstance(process_group, torch.distributed.ProcessGroup):
-        raise ConfigTypeError(
-            "process_group is a torch.distributed group; nccl_ddp reduces over its own: pass "
-            "None (the world from nccl_ddp.init_process_group) or nccl_ddp.new_group(ranks)"
-        )
     if isinstance(dim, bool) or not isinstance(dim, int):
         raise ConfigTypeError(f"dim must be an int, got {type(dim).__name__} {dim!r}")
     check_bool("gradient_as_bucket_view", gradient_as_bucket_view)

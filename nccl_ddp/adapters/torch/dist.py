@@ -1,10 +1,11 @@
 """Our process group beside a torch.distributed that is already up (Lightning, Accelerate,
 mp.spawn recipes, Ray Train, any script that called `dist.init_process_group` first).
 
-torch's store holds MASTER_PORT, so `nd.init_process_group()` asks here first
-(`store_beside_torch`, from comm/api.py): when torch's world has our ranks, rank 0 picks a free
-port for our store and a job secret and every rank receives them through torch.distributed (rank
-0's NCCL_DDP_STORE_PORT / NCCL_DDP_SECRET are kept when set, as under nccl-ddp-run). Our DDP and
+torch's store holds MASTER_PORT (or torch started from a file:// or a store= of its own, and no
+MASTER_PORT is set at all), so `nd.init_process_group()` asks here first (`env_beside_torch`,
+from comm/api.py): when torch's world has our ranks, rank 0 picks a free port for our store and a
+job secret and every rank receives them through torch.distributed (rank 0's NCCL_DDP_STORE_PORT /
+NCCL_DDP_SECRET are kept when set, as under nccl-ddp-run). Our DDP and
 ZeroRedundancyOptimizer built while torch.distributed is up and ours is not join ours the same way
 (`join_torch_world`), so torch's recipes change only their import.
 """
@@ -17,12 +18,12 @@ import logging
 import os
 import secrets
 import socket
-from typing import Any
+from typing import Any, Optional
 
 import torch.distributed as dist
 
 from nccl_ddp.comm import api
-from nccl_ddp.env import DEFAULT_TIMEOUT, DistEnv, resolve_env
+from nccl_ddp.env import DEFAULT_TIMEOUT, LOOPBACK, DistEnv, launcher_ranks, resolve_env
 from nccl_ddp.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -44,43 +45,54 @@ def init_beside_torch(backend: str, rank: int, world_size: int, timeout: float, 
     return True
 
 
-def store_beside_torch(env: DistEnv, take_ranks: bool) -> DistEnv:
-    """`env` with the store port and secret rank 0 chose, when torch.distributed is up with the
-    same world; else `env` unchanged. `take_ranks`: no launcher set this process's rank (an
-    mp.spawn recipe passes it to dist.init_process_group only), so torch's ranks are ours.
-    Collective over torch's world (every rank decides alike: the world sizes and the gathered
-    ranks are the same everywhere)."""
+def env_beside_torch(rank: Optional[int], world_size: Optional[int]) -> Optional[DistEnv]:
+    """Our DistEnv when torch.distributed is up with our world: rank 0's store address, port and
+    secret, received through torch.distributed, whatever torch's init method or store (env://,
+    file://, tcp://, store=FileStore/TCPStore): nothing in the environment is needed. None when
+    torch is not up, or its world is not ours (then the environment decides, as without torch).
+    No launcher variables and no ranks given (an mp.spawn recipe passes its ranks to
+    dist.init_process_group only): torch's ranks are ours. Collective over torch's world (every
+    rank decides alike: the world sizes and the gathered ranks are the same everywhere)."""
     if not (dist.is_available() and dist.is_initialized()):
-        return env
-    world = dist.get_world_size() if take_ranks else env.world_size
-    if world < 2 or dist.get_world_size() != world:
-        return env
-    rank = dist.get_rank() if take_ranks else env.rank
+        return None
+    source, e_rank, e_world = launcher_ranks()
+    take_ranks = rank is None and world_size is None and source == "none"
+    world = dist.get_world_size() if take_ranks else world_size if world_size is not None else e_world
+    if world is None or world < 2 or dist.get_world_size() != world:
+        return None
+    me = dist.get_rank() if take_ranks else rank if rank is not None else e_rank
     everyone: list = [None] * world
-    dist.all_gather_object(everyone, (rank, _proposal(env) if rank == 0 else None))
-    ranks = [r for r, _ in everyone]
+    dist.all_gather_object(everyone, (me, socket.gethostname(), _proposal() if me == 0 else None))
+    ranks = [r for r, _, _ in everyone]
     if ranks != list(range(world)):
         log.warning(
-            "rank %d: torch.distributed is up with %d ranks, but nccl_ddp's ranks in torch's "
-            "order are %s: our store stays on port %d (pass rank=dist.get_rank() to "
-            "nccl_ddp.init_process_group to share torch's ranks)",
-            rank,
+            "rank %s: torch.distributed is up with %d ranks, but nccl_ddp's ranks in torch's "
+            "order are %s: nccl_ddp rendezvous through MASTER_ADDR/MASTER_PORT instead (pass "
+            "rank=dist.get_rank() to nccl_ddp.init_process_group to share torch's ranks)",
+            me,
             world,
             ranks,
-            env.store_port,
         )
-        return env
-    port, secret = everyone[0][1]
+        return None
+    addr, port, secret = everyone[0][2]
+    if addr is None:  # no MASTER_ADDR on rank 0: loopback on one host, else rank 0's host
+        one_host = len({host for _, host, _ in everyone}) == 1
+        addr = LOOPBACK if one_host else everyone[0][1]
+    master_port = None if os.environ.get("MASTER_PORT", "").strip() else port
     if take_ranks:
-        master_port = None if os.environ.get("MASTER_PORT", "").strip() else port
-        env = resolve_env(rank=rank, world_size=world, master_port=master_port)
+        rank, world_size = me, world
+    env = resolve_env(rank=rank, world_size=world_size, master_addr=addr, master_port=master_port)
     return dataclasses.replace(env, store_port=port, secret=secret)
 
 
-def _proposal(env: DistEnv) -> tuple:
+def _proposal() -> tuple:
+    """Rank 0's (MASTER_ADDR or None, our store's port, the job secret): its NCCL_DDP_STORE_PORT
+    and NCCL_DDP_SECRET when set (as under nccl-ddp-run), else a free port and a fresh secret."""
+    addr = os.environ.get("MASTER_ADDR", "").strip() or None
     port = os.environ.get("NCCL_DDP_STORE_PORT", "").strip()
     return (
-        int(port) if port.isdigit() else _free_port(env.master_addr),
+        addr,
+        int(port) if port.isdigit() else _free_port(addr or "0.0.0.0"),
         os.environ.get("NCCL_DDP_SECRET") or secrets.token_hex(16),
     )
 
@@ -92,11 +104,14 @@ def _free_port(addr: str) -> int:
 
 
 def join_torch_world(group: Any, who: str) -> Any:
-    """`group`, after joining our world beside torch's when `group` is None (the world), ours is
-    not initialised and torch.distributed is: then our DDP / ZeroRedundancyOptimizer in a torch
-    script need no `nccl_ddp.init_process_group()` of their own. Our group takes torch's ranks
-    and backend (gloo -> host, nccl -> nccl) and is destroyed at exit."""
-    if group is not None or api.is_initialized() or not (dist.is_available() and dist.is_initialized()):
+    """`group`, after joining our world beside torch's when `group` is None (the world) or a
+    torch group, ours is not initialised and torch.distributed is: then our DDP /
+    ZeroRedundancyOptimizer / grad reducer in a torch script need no
+    `nccl_ddp.init_process_group()` of their own. Our group takes torch's ranks and backend
+    (gloo -> host, nccl -> nccl) and is destroyed at exit."""
+    torch_up = dist.is_available() and dist.is_initialized()
+    ours_or_none = group is None or isinstance(group, dist.ProcessGroup)
+    if not ours_or_none or api.is_initialized() or not torch_up:
         return group
     backend = str(dist.get_backend())
     log.info(

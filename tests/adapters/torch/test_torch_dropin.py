@@ -271,17 +271,19 @@ def test_positional_device_ids_gets_a_hint():
         nd.DistributedDataParallel(torch.nn.Linear(2, 2), [0])
 
 
-def test_torch_process_group_is_refused(tmp_path):
+def test_torch_world_group_is_our_world_group(tmp_path):
+    """torch's WORLD as process_group= (the default group of a torch script): our DDP joins our
+    world beside torch's and reduces over it (more ranks and subgroups: test_torch_groups.py)."""
     import torch.distributed as dist
 
     import nccl_ddp as nd
-    from nccl_ddp.errors import ConfigTypeError
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        with pytest.raises(ConfigTypeError, match="torch.distributed group"):
-            nd.DistributedDataParallel(torch.nn.Linear(2, 2), process_group=dist.group.WORLD)
+        model = nd.DistributedDataParallel(torch.nn.Linear(2, 2), process_group=dist.group.WORLD)
+        assert model.process_group is nd.get_world_group()
     finally:
+        nd.destroy_process_group()
         dist.destroy_process_group()
 
 

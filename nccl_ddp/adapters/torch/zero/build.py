@@ -12,23 +12,11 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
 
-import torch
-
 from nccl_ddp.adapters.torch.adapter import owner_of
 from nccl_ddp.adapters.torch.tensors import from_native, to_native
-from nccl_ddp.errors import ConfigError, ConfigTypeError
+from nccl_ddp.errors import ConfigError
 from nccl_ddp.zero.config import ZeroConfig
 from nccl_ddp.zero.core import build_core
-
-
-def nd_group(group: Any) -> Any:
-    """`process_group` as given, refusing a torch.distributed group."""
-    if torch.distributed.is_available() and isinstance(group, torch.distributed.ProcessGroup):
-        raise ConfigTypeError(
-            "process_group is a torch.distributed group; pass None (the "
-            "nccl_ddp world) or an nccl_ddp.new_group(ranks)"
-        )
-    return group
 
 
 def pick_stage(trainable: List[Any], zero_stage: Optional[int], group: Any) -> Tuple[int, Any]:

@@ -22,7 +22,7 @@ import torch
 from nccl_ddp.adapters.torch.adapter import owner_of
 from nccl_ddp.adapters.torch.dist import join_torch_world
 from nccl_ddp.adapters.torch.tensors import from_native
-from nccl_ddp.adapters.torch.zero.build import adopt_options, nd_group, own_core, pick_stage, piece_groups
+from nccl_ddp.adapters.torch.zero.build import adopt_options, own_core, pick_stage, piece_groups
 from nccl_ddp.adapters.torch.zero.gather_waits import GatherWaits
 from nccl_ddp.adapters.torch.zero.grads import GradGuard
 from nccl_ddp.adapters.torch.zero.state import (
@@ -104,7 +104,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if zero_stage not in (None, 1, 2):
             raise ConfigError(f"zero_stage must be None, 1 or 2, got {zero_stage!r}")
         self.group = resolve_group(
-            join_torch_world(nd_group(process_group), "ZeroRedundancyOptimizer"), "process_group"
+            join_torch_world(process_group, "ZeroRedundancyOptimizer"), "process_group"
         )
         self.optimizer_class, self.skip_nonfinite = optimizer_class, skip_nonfinite
         self._asked = {"overlap_param_gather": overlap_param_gather, "reduce_dtype": wire_dtype(reduce_dtype)}
