@@ -206,12 +206,15 @@ def pack_ref(
             if n == 0:
                 continue
             x = x.reshape(-1)
-            if dst.dtype.itemsize < x.dtype.itemsize:
-                x = x.astype(dst.dtype)
-            y = (x.astype(acc) * s).astype(dst.dtype)
-            flat[o : o + n] = y
+            y = flat[o : o + n]
+            if x.dtype == dst.dtype == acc:  # float32/float64: the same rounding, no temporaries
+                _scaled_into(y, x, s)
+            else:
+                if dst.dtype.itemsize < x.dtype.itemsize:
+                    x = x.astype(dst.dtype)
+                y[...] = (x.astype(acc) * s).astype(dst.dtype)
             if nonfinite_flag is not None and not bad:
-                bad = not bool(np.isfinite(y.astype(acc)).all())
+                bad = not _all_finite(y, acc)
     if bad and nonfinite_flag is not None:
         nonfinite_flag.reshape(-1)[0] = 1
 
@@ -237,13 +240,21 @@ def unpack_ref(
         for d, o, n in zip(dsts, offs, sizes):
             if n == 0:
                 continue
-            v = flat[o : o + n].astype(acc) * s
-            out = d.reshape(-1)
-            if accumulate:
-                v = out.astype(acc) + v
-            out[...] = v.astype(d.dtype)
+            seg, out = flat[o : o + n], d.reshape(-1)
+            if seg.dtype == out.dtype == acc:  # float32/float64: the same rounding, fewer passes
+                if not accumulate:
+                    _scaled_into(out, seg, s)
+                elif s == 1:
+                    np.add(out, seg, out=out)
+                else:
+                    np.add(out, seg * s, out=out)
+            else:
+                v = seg.astype(acc) * s
+                if accumulate:
+                    v = out.astype(acc) + v
+                out[...] = v.astype(d.dtype)
             if nonfinite_flag is not None and not bad:
-                bad = not bool(np.isfinite(out.astype(acc)).all())
+                bad = not _all_finite(out, acc)
     if bad and nonfinite_flag is not None:
         nonfinite_flag.reshape(-1)[0] = 1
 
@@ -264,8 +275,33 @@ def scale_ref(buf: np.ndarray, factor: float) -> None:
     """Reference of `scale_` (NumPy array)."""
     check_flat("scale_", buf, SCALE_DTYPES)
     acc = acc_dtype((dtype_name(buf),))
+    f = acc(factor)
     with np.errstate(over="ignore", invalid="ignore"):
-        buf[...] = (buf.astype(acc) * acc(factor)).astype(buf.dtype)
+        if buf.dtype == acc:  # float32/float64: one multiply in place, the same rounding
+            np.multiply(buf, f, out=buf)
+            return
+        flat = buf.reshape(-1)  # float16/bfloat16: float32 products rounded once, block by block
+        for lo in range(0, flat.size, _BLOCK):
+            part = flat[lo : lo + _BLOCK]
+            wide: np.ndarray = part.astype(acc)
+            wide *= f
+            np.copyto(part, wide, casting="unsafe")
+
+
+_BLOCK = 1 << 16  # elements per widened block of a half-precision scale (256 KiB of float32)
+
+
+def _scaled_into(out: np.ndarray, x: np.ndarray, s: Any) -> None:
+    """out = x * s in x's own dtype (a copy when s is 1)."""
+    if s == 1:
+        np.copyto(out, x)
+    else:
+        np.multiply(x, s, out=out)
+
+
+def _all_finite(a: np.ndarray, acc: type) -> bool:
+    """No NaN/Inf in `a` (half dtypes looked at widened to `acc`)."""
+    return bool(np.isfinite(a if a.dtype == acc else a.astype(acc)).all())
 
 
 def zero_ref(buf: np.ndarray) -> None:
