@@ -5,9 +5,9 @@ The reducer decides *when* a bucket goes (readiness, launch order); this module 
 - "python" (PythonReducer): one collective per grad, each scaled by 1/world first (no fused kernels).
 - "view" (grads are views of the bucket): scale the bucket in place (unless AVG), reduce it.
 - "pack" (grads live elsewhere): one fused pack with the scale, reduce, one unpack.
-- `Wire.COMPRESSED` (either of the two, a built-in fp16/bf16 hook on a float32 bucket): pack into
-  a buffer of the wire dtype with the scale, reduce that, unpack widened back.
-- `Wire.HOOK` (any other registered hook): the hook on the unscaled bucket; its result copied back.
+- `HookPath.COMPRESSED` (either of the two, a built-in fp16/bf16 hook on a float32 bucket): pack into
+  a buffer of the compression dtype with the scale, reduce that, unpack widened back.
+- `HookPath.HOOK` (any other registered hook): the hook on the unscaled bucket; its result copied back.
 
 The collective is a choice (`BucketCollective`): every path reduces its flat buffer through it.
 Today's is `AllReduce`; a sharded optimizer's reduce-scatter into the rank's slice is one more.
@@ -34,12 +34,12 @@ Mode = Literal["python", "view", "pack"]
 """How a bucket's grads relate to its buffer (see the module doc)."""
 
 
-class Wire(enum.Enum):
-    """What the registered comm hook (if any) makes of a bucket."""
+class HookPath(enum.Enum):
+    """Which path a bucket takes given the registered comm hook (if any)."""
 
     OWN = "own"
     """The fused default: the bucket is reduced in its own dtype (no hook, `allreduce_hook`, or a
-    compression hook on a bucket already in the wire dtype)."""
+    compression hook on a bucket already in the compression dtype)."""
     COMPRESSED = "compressed"
     """A built-in fp16/bf16 hook on a float32 bucket, fused into the pack/unpack kernels."""
     HOOK = "hook"
@@ -99,8 +99,8 @@ class BucketSubmitter:
         # a GradPool (ZeRO-2 over grads handed in per step): "pack" mode's buffers, zeroed first
         self.pool = getattr(self.collective, "pool", None)
         self.prof = Timeline(group.rank)  # NVTX ranges / per-step timeline when switched on
-        self.hook: Optional[Tuple[Any, comm_hooks.CommHook]] = None
-        self._wire_buffers: Dict[Tuple[BucketLayout, int], Any] = {}
+        self.comm_hook: Optional[Tuple[Any, comm_hooks.CommHook]] = None
+        self._compressed_buffers: Dict[Tuple[BucketLayout, int], Any] = {}
 
     def scale_and_op(self, divisor: Optional[int] = None) -> Tuple[float, ReduceOp]:
         """(pack scale, reduce op) of a step that divides by `divisor` ranks (None: the group)."""
@@ -110,20 +110,20 @@ class BucketSubmitter:
             return 1.0, ReduceOp.AVG
         return 1.0 / divisor, ReduceOp.SUM
 
-    def wire(self, bucket: Bucket) -> Tuple[Wire, str]:
-        """What the registered hook makes of `bucket`, and the wire dtype's name when that is
-        `Wire.COMPRESSED` (else "")."""
-        if self.hook is None:
-            return Wire.OWN, ""
-        state, hook = self.hook
+    def hook_path(self, bucket: Bucket) -> Tuple[HookPath, str]:
+        """Which path the registered comm hook gives `bucket`, and the compression dtype's name
+        when that is `HookPath.COMPRESSED` (else "")."""
+        if self.comm_hook is None:
+            return HookPath.OWN, ""
+        state, hook = self.comm_hook
         if not comm_hooks.is_builtin(hook) or state not in (None, self.group):
-            return Wire.HOOK, ""
-        wire = comm_hooks.fused_wire_dtype(hook)
-        if wire is None or np.dtype(bucket.dtype).name == wire:
-            return Wire.OWN, ""
+            return HookPath.HOOK, ""
+        compression = comm_hooks.builtin_compression(hook)
+        if compression is None or np.dtype(bucket.dtype).name == compression:
+            return HookPath.OWN, ""
         if np.dtype(bucket.dtype) == np.float32:
-            return Wire.COMPRESSED, wire
-        return Wire.HOOK, ""
+            return HookPath.COMPRESSED, compression
+        return HookPath.HOOK, ""
 
     def submit_zeros(self, layout: BucketLayout, python: bool, flags: Any, divisor: Optional[int]) -> None:
         """Every bucket of `layout` on zeros, in order (a joined rank's stand-in for the others'
@@ -163,11 +163,23 @@ class BucketSubmitter:
                     flat = g.reshape(-1)
                     submit(comm, "unpack", b, g.nbytes, kernels.flag_nonfinite, [flat], flat, [0], flag)
             return
-        wire, wire_name = self.wire(bucket)
-        if wire is Wire.HOOK and self.hook is not None:
-            state, hook = self.hook
+        path, compression = self.hook_path(bucket)
+        if path is HookPath.HOOK and self.comm_hook is not None:
+            state, hook = self.comm_hook
             submit(
-                comm, "hook", b, bucket.nbytes, self._run_hook, layout, b, mode, grads, buf, flag, state, hook
+                comm,
+                "hook",
+                b,
+                bucket.nbytes,
+                self._run_comm_hook,
+                layout,
+                b,
+                mode,
+                grads,
+                buf,
+                flag,
+                state,
+                hook,
             )
             return
         offsets = bucket.offsets
@@ -175,8 +187,8 @@ class BucketSubmitter:
             buf = self.pool.buffers[b]
             submit(comm, "pack", b, bucket.nbytes, kernels.zero_, buf)
         srcs, offs = ([buf], [0]) if mode == "view" else (grads, offsets)
-        if wire is Wire.COMPRESSED:  # pack into the wire dtype, reduce it, widen back
-            wbuf = self._wire_buffer(layout, b, wire_name)
+        if path is HookPath.COMPRESSED:  # pack into the compression dtype, reduce it, widen back
+            wbuf = self._compressed_buffer(layout, b, compression)
             submit(
                 comm,
                 "pack",
@@ -190,7 +202,7 @@ class BucketSubmitter:
                 offs,
             )
             submit(
-                comm, collective.phase, b, wbuf.nbytes, collective, wbuf, ReduceOp.SUM, tag, dtype=wire_name
+                comm, collective.phase, b, wbuf.nbytes, collective, wbuf, ReduceOp.SUM, tag, dtype=compression
             )
             submit(
                 comm,
@@ -244,18 +256,18 @@ class BucketSubmitter:
                 flag,
             )
 
-    def _wire_buffer(self, layout: BucketLayout, b: int, wire: str) -> Any:
-        """Bucket b's buffer in the wire dtype (allocated once per layout)."""
+    def _compressed_buffer(self, layout: BucketLayout, b: int, compression: str) -> Any:
+        """Bucket b's buffer in the compression dtype (allocated once per layout)."""
         key = (layout, b)
-        buf = self._wire_buffers.get(key)
+        buf = self._compressed_buffers.get(key)
         if buf is None:
-            self._wire_buffers = {k: v for k, v in self._wire_buffers.items() if k[0] is layout}
-            buf = self._wire_buffers[key] = self.device.zeros(
-                layout.buckets[b].padded, comm_hooks.wire_dtype(wire)
+            self._compressed_buffers = {k: v for k, v in self._compressed_buffers.items() if k[0] is layout}
+            buf = self._compressed_buffers[key] = self.device.zeros(
+                layout.buckets[b].padded, comm_hooks.compression_dtype(compression)
             )
         return buf
 
-    def _run_hook(
+    def _run_comm_hook(
         self,
         layout: BucketLayout,
         b: int,

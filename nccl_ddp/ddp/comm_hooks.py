@@ -8,9 +8,9 @@ comm thread; on CUDA with the comm stream current), so collectives they issue th
 `all_reduce_fut` are ordered with the bucket's other work.
 
 The built-ins (`nccl_ddp.hooks`) compute what torch's `default_hooks` compute. The reducer's
-bucket submission (`bucket_submit.py`) also recognises them (`fused_wire_dtype`) and runs them in
+bucket submission (`bucket_submit.py`) also recognises them (`builtin_compression`) and runs them in
 its fused kernels: `allreduce_hook` is its default path; `fp16_compress_hook` /
-`bf16_compress_hook` pack a float32 bucket straight into the wire dtype with the 1/world scale
+`bf16_compress_hook` pack a float32 bucket straight into the compression dtype with the 1/world scale
 (one launch), all-reduce that, and unpack it widened back.
 """
 
@@ -178,8 +178,8 @@ def _compress_hook(wire: str) -> CommHook:
     def hook(state: Optional[ProcessGroup], bucket: GradBucket) -> Future:
         group = state or bucket.process_group
         buf = bucket.buffer()
-        # torch's order: cast to the wire dtype, then divide in it
-        compressed = buf.astype(wire_dtype(wire))
+        # torch's order: cast to the compression dtype, then divide in it
+        compressed = buf.astype(compression_dtype(wire))
         kernels.scale_(compressed, 1.0 / group.size)
         fut = all_reduce_fut(group, compressed)
 
@@ -207,12 +207,14 @@ def is_builtin(hook: Any) -> bool:
     return id(hook) in _FUSED
 
 
-def fused_wire_dtype(hook: Any) -> Optional[str]:
-    """The wire dtype of a built-in compression hook (None for allreduce and user hooks)."""
+def builtin_compression(hook: Any) -> Optional[str]:
+    """The dtype name a built-in compression hook sends its bucket in (None for allreduce and
+    user hooks)."""
     return _FUSED.get(id(hook))
 
 
-def wire_dtype(name: str) -> np.dtype:
+def compression_dtype(name: str) -> np.dtype:
+    """The NumPy dtype of a compression's dtype name ("bfloat16" is ml_dtypes')."""
     if name == "bfloat16":
         from nccl_ddp.dlpack import bfloat16_dtype
 

@@ -227,7 +227,7 @@ class DistributedDataParallel:
         hook.__name__ = f"ddp_grad_hook_{i}"
         return hook
 
-    def hooks(self) -> List[Callable[[Any], Any]]:
+    def grad_hooks(self) -> List[Callable[[Any], Any]]:
         """`grad_hook(i)` for every parameter, in parameter order."""
         return [self.grad_hook(i) for i in range(len(self.reducer.params))]
 

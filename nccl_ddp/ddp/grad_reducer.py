@@ -203,7 +203,7 @@ class DistributedGradReducer:
             buf = self.device.empty(bucket.padded, bucket.dtype)
             offsets = list(bucket.offsets)
             views = [buf[off : off + n] for off, n in zip(offsets, bucket.numels)]
-            wire = self._wire_dtype(bucket)
+            wire = self._compression_dtype(bucket)
             wbuf = buf if wire is None else self.device.empty(bucket.padded, wire)
             flag = None if flags is None else flags[b : b + 1]
             # compute: ─[pack b]─●ready b─[pack b+1]─●ready b+1─ ... ── wait(done *) ─▶
@@ -229,12 +229,12 @@ class DistributedGradReducer:
             compute.wait(ev)
         return out
 
-    def _wire_dtype(self, bucket: Any) -> Any:
+    def _compression_dtype(self, bucket: Any) -> Any:
         """The dtype a bucket travels in: compress's for float32 buckets, else None (its own)."""
         wire = COMPRESS[self.compress]
         if wire is None or np.dtype(bucket.dtype) != np.float32:
             return None
-        return comm_hooks.wire_dtype(wire)
+        return comm_hooks.compression_dtype(wire)
 
     def _open_flags(self) -> Any:
         """A call (a step) opens: check_finite's fresh per-bucket flags (None without it)."""
@@ -282,7 +282,7 @@ class DistributedGradReducer:
         with self._failure.closes_step():
             flags = self._open_flags()
             for b, bucket in enumerate(self.layout.buckets):
-                wire = self._wire_dtype(bucket)
+                wire = self._compression_dtype(bucket)
                 buf = self.device.zeros(bucket.padded, bucket.dtype if wire is None else wire)
                 self.group.all_reduce(buf, ReduceOp.SUM, stream=self.comm, tag=bucket_tag(b, bucket.nbytes))
             if flags is not None:

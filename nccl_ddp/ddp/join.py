@@ -141,7 +141,7 @@ class Join:
         self._joinables = list(joinables)
         self._enable = enable
         self._throw = throw_on_early_termination
-        self._hooks = [j.join_hook(**kwargs) for j in self._joinables]
+        self._join_hooks = [j.join_hook(**kwargs) for j in self._joinables]
         self._group = our_group(self._joinables[0])
         self._key = ""
 
@@ -182,7 +182,7 @@ class Join:
                 raise JoinError(
                     f"rank {self._group.rank} exhausted all inputs (throw_on_early_termination=True)"
                 )
-            for hook in self._hooks:
+            for hook in self._join_hooks:
                 hook.main_hook()
             is_last_joiner = False
             rounds += 1
@@ -192,7 +192,7 @@ class Join:
                     "training; uneven inputs this skewed waste that many steps' time",
                     self._group.rank,
                 )
-        for hook in self._hooks:
+        for hook in self._join_hooks:
             hook.post_hook(is_last_joiner)
 
     # ------------------------------------------------------------------ failures

@@ -150,14 +150,14 @@ class Reducer:
     @property
     def comm_hook(self) -> Optional[Tuple[Any, comm_hooks.CommHook]]:
         """(state, hook) of the registered comm hook, or None."""
-        return self.submitter.hook
+        return self.submitter.comm_hook
 
     def set_comm_hook(self, state: Any, hook: comm_hooks.CommHook) -> None:
         """Reduce every bucket through `hook(state, bucket)` from the next step on (the wrapper
         checks that it is registered once, before the first step)."""
         if self.sharding is not None:
             refuse_unshardable(self.group.rank, "", False, (state, hook))
-        self.submitter.hook = (state, hook)
+        self.submitter.comm_hook = (state, hook)
 
     @property
     def sharding(self) -> Optional[ReduceScatter]:
@@ -271,7 +271,7 @@ class Reducer:
         # one rank, view mode, no hook or flags: the bucket's only work is the bookkeeping of an
         # identity all-reduce, nothing worth overlapping: an idle host comm stream runs it on
         # this thread instead of waking its worker (a CUDA stream queues it)
-        alone = self.group.size == 1 and mode == "view" and self.submitter.hook is None
+        alone = self.group.size == 1 and mode == "view" and self.comm_hook is None
         alone = alone and self._finite is None  # (view mode: the buffer is all the bucket needs)
         grads = [] if mode == "view" else [self.buckets.grad_for_pack(p) for p in bucket.params]
         with self.comm.awaited() if alone else contextlib.nullcontext():

@@ -45,7 +45,7 @@ class ZeroConfig(BucketCaps):
         check_bool("overlap_param_gather", self.overlap_param_gather)
         if self.bucket_cap_mb is not None:
             check_mib("bucket_cap_mb", self.bucket_cap_mb)
-        object.__setattr__(self, "reduce_dtype", wire_dtype(self.reduce_dtype))
+        object.__setattr__(self, "reduce_dtype", reduce_dtype_of(self.reduce_dtype))
         if self.stage == 1 and self.overlap_param_gather:
             raise ConfigError(
                 "ZeroConfig: overlap_param_gather=True needs stage=2 (each module's forward waits "
@@ -58,7 +58,7 @@ class ZeroConfig(BucketCaps):
             )
 
 
-def wire_dtype(value: Any) -> Optional[np.dtype]:
+def reduce_dtype_of(value: Any) -> Optional[np.dtype]:
     """reduce_dtype as NumPy's float32 or None. A framework's float32 (torch.float32) is read by
     its name, so this layer imports no framework."""
     if value is None:

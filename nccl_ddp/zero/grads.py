@@ -111,7 +111,7 @@ class GradPool:
         return view
 
 
-def refuse_unshardable(rank: int, reducer_mode: str, static_graph: bool, hook: Any) -> None:
+def refuse_unshardable(rank: int, reducer_mode: str, static_graph: bool, comm_hook: Any) -> None:
     """ZeRO-2 needs flat buckets fixed from the start and reduced by the collective itself."""
     why = None
     if reducer_mode == "PythonReducer":
@@ -121,8 +121,9 @@ def refuse_unshardable(rank: int, reducer_mode: str, static_graph: bool, hook: A
             "static_graph=True drops parameters unused in the first step from the buckets "
             "after it, which would move every shard"
         )
-    elif hook is not None:
-        why = f"the registered comm hook {getattr(hook[1], '__name__', hook[1])!r} reduces whole buckets"
+    elif comm_hook is not None:
+        name = getattr(comm_hook[1], "__name__", comm_hook[1])
+        why = f"the registered comm hook {name!r} reduces whole buckets"
     if why is not None:
         raise ConfigError(
             f"rank {rank}: DistributedDataParallel(zero=ZeroConfig(stage=2)) cannot shard this "

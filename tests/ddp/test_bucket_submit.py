@@ -1,5 +1,5 @@
 """Bucket submission (nccl_ddp/ddp/bucket_submit.py): what a registered comm hook makes of a
-bucket (`Wire`), and the collective as a choice the reducer's buckets all go through."""
+bucket (`HookPath`), and the collective as a choice the reducer's buckets all go through."""
 
 import numpy as np
 import pytest
@@ -8,7 +8,7 @@ from fakegroup import run_threads
 from nccl_ddp import hooks
 from nccl_ddp.adapters.arrays import ArrayModule
 from nccl_ddp.buckets.layout import ParamSpec, assign_buckets
-from nccl_ddp.ddp.bucket_submit import AllReduce, BucketSubmitter, Wire
+from nccl_ddp.ddp.bucket_submit import AllReduce, BucketSubmitter, HookPath
 from nccl_ddp.ddp.data_parallel import DistributedDataParallel
 from nccl_ddp.device import get_device
 
@@ -29,26 +29,26 @@ def _hook(state, bucket):
 @pytest.mark.parametrize(
     "registered, dtype, want",
     [
-        (None, np.float32, (Wire.OWN, "")),
-        ((None, hooks.allreduce), np.float32, (Wire.OWN, "")),
-        ((None, hooks.bf16_compress), np.float32, (Wire.COMPRESSED, "bfloat16")),
-        ((None, hooks.fp16_compress), np.float32, (Wire.COMPRESSED, "float16")),
-        ((None, hooks.fp16_compress), np.float16, (Wire.OWN, "")),  # already in the wire dtype
-        ((None, hooks.fp16_compress), np.float64, (Wire.HOOK, "")),  # not fusable: the hook runs
-        ((None, _hook), np.float32, (Wire.HOOK, "")),
-        (("group", hooks.allreduce), np.float32, (Wire.OWN, "")),  # state: the DDP's group
-        (("another group", hooks.allreduce), np.float32, (Wire.HOOK, "")),
+        (None, np.float32, (HookPath.OWN, "")),
+        ((None, hooks.allreduce), np.float32, (HookPath.OWN, "")),
+        ((None, hooks.bf16_compress), np.float32, (HookPath.COMPRESSED, "bfloat16")),
+        ((None, hooks.fp16_compress), np.float32, (HookPath.COMPRESSED, "float16")),
+        ((None, hooks.fp16_compress), np.float16, (HookPath.OWN, "")),  # already in the wire dtype
+        ((None, hooks.fp16_compress), np.float64, (HookPath.HOOK, "")),  # not fusable: the hook runs
+        ((None, _hook), np.float32, (HookPath.HOOK, "")),
+        (("group", hooks.allreduce), np.float32, (HookPath.OWN, "")),  # state: the DDP's group
+        (("another group", hooks.allreduce), np.float32, (HookPath.HOOK, "")),
     ],
 )
-def test_wire_says_how_the_hook_runs(registered, dtype, want):
+def test_hook_path_says_how_the_hook_runs(registered, dtype, want):
     group = _Group()
     sub = BucketSubmitter(
         group, get_device("host"), None, specs=[], params=[], average_in_collective=False, label=str
     )
     if registered is not None and registered[0] == "group":
         registered = (group, registered[1])
-    sub.hook = registered
-    assert sub.wire(_bucket(dtype)) == want
+    sub.comm_hook = registered
+    assert sub.hook_path(_bucket(dtype)) == want
 
 
 class _Recording:

@@ -346,9 +346,9 @@ def _grad_reducer_compress(rank: int, world: int, compress) -> list:
 @pytest.mark.slow
 @pytest.mark.parametrize("compress,wire", [("bf16", "bfloat16"), ("fp16", "float16")])
 def test_grad_reducer_compress(compress, wire):
-    from nccl_ddp.ddp.comm_hooks import wire_dtype
+    from nccl_ddp.ddp.comm_hooks import compression_dtype
 
-    dt = wire_dtype(wire)
+    dt = compression_dtype(wire)
     results = run_ranks(_grad_reducer_compress, 2, compress, timeout=60)
     for i in range(len(SHAPES)):
         # each rank packs x * 1/2 into the wire dtype; the sum is rounded once; widened back
@@ -524,7 +524,7 @@ def test_cuda_path_compression_and_check_finite(monkeypatch, hook):
 
     from nccl_ddp import device as D
     from nccl_ddp import hooks
-    from nccl_ddp.ddp.comm_hooks import wire_dtype
+    from nccl_ddp.ddp.comm_hooks import compression_dtype
     from nccl_ddp.ddp.config import DDPConfig
     from nccl_ddp.ddp.reducer import Reducer
     from nccl_ddp.kernels import cuda as ck
@@ -554,7 +554,7 @@ def test_cuda_path_compression_and_check_finite(monkeypatch, hook):
     )
     if hook:
         r.set_comm_hook(None, getattr(hooks, f"{hook}_compress"))
-    wire = {"bf16": wire_dtype("bfloat16"), "fp16": np.float16, None: np.float32}[hook]
+    wire = {"bf16": compression_dtype("bfloat16"), "fp16": np.float16, None: np.float32}[hook]
     for step in range(2):
         values = [_grad(0, step, i) for i in range(3)]
         if step == 1:

@@ -331,7 +331,7 @@ def test_calls_in_the_wrong_state_raise():
 def _hook_rank(group):
     model = small_model(n=2)
     ddp = DistributedDataParallel(model, process_group=group)
-    hooks = ddp.hooks()
+    hooks = ddp.grad_hooks()
     out = hooks[1](np.full(8, float(group.rank), np.float32))
     hooks[0](np.ones(8, np.float32))
     return np.array(out), out is model.grads["w1"]

@@ -223,7 +223,7 @@ class MindSporeModule(GradModule):
 
     def attach(self, driver: StepDriver) -> None:
         for i, p in enumerate(self.params):
-            self._handles.append(p.register_hook(self._hook_for(driver, i)))
+            self._handles.append(p.register_hook(self._grad_hook_for(driver, i)))
 
     def synchronize(self) -> None:
         synchronize()
@@ -232,7 +232,7 @@ class MindSporeModule(GradModule):
         synchronize()  # the last step's optimizer may still read the buckets
         return self.cell(*args, **kwargs)
 
-    def _hook_for(self, driver: StepDriver, i: int) -> Callable[[Any], Any]:
+    def _grad_hook_for(self, driver: StepDriver, i: int) -> Callable[[Any], Any]:
         def hook(grad: Any) -> Any:
             # the grad is added into bucket slot i; the returned tensor aliases that slot, so
             # what value_and_grad returns is the reduced grad once the step is finalized

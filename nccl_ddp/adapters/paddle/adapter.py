@@ -166,7 +166,7 @@ class PaddleModule(GradModule):
     def attach(self, driver: StepDriver) -> None:
         self._driver = driver
         for i, p in enumerate(self.params):
-            p._register_backward_hook(self._hook_for(i))
+            p._register_backward_hook(self._grad_hook_for(i))
 
     def detach(self) -> None:
         """Make the hooks do nothing (Paddle's backward hooks cannot be removed)."""
@@ -183,7 +183,7 @@ class PaddleModule(GradModule):
         self._failed = False
         return self.layer(*args, **kwargs)
 
-    def _hook_for(self, i: int) -> Callable[[], None]:
+    def _grad_hook_for(self, i: int) -> Callable[[], None]:
         param = self.params[i]
 
         def hook() -> None:

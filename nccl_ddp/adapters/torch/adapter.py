@@ -105,7 +105,7 @@ class TorchModule(GradModule):
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self._watch = ModuleWatch(module, self.params)
         self._driver: Optional[StepDriver] = None  # the wrapper's step (its reducer): attach()
-        self._hooks: list = []
+        self._grad_hooks: list = []
         self._was_none: List[int] = []  # params whose .grad was None at this step's forward
         self._callback_queued = False
         self._syncing = True  # whether this step all-reduces (fixed when it opens)
@@ -208,9 +208,9 @@ class TorchModule(GradModule):
             self._pooled = PooledGrads(self.params, driver, zero.reduce, to_native)
             self._grads = [None] * len(self.params)  # (a p.grad given before wrapping stays)
         for i, p in enumerate(self.params):
-            self._hooks.append(p.register_post_accumulate_grad_hook(self._hook_for(i)))
+            self._grad_hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook_for(i)))
             if self._pooled is not None:
-                self._hooks.append(p.register_hook(self._open_without_forward))
+                self._grad_hooks.append(p.register_hook(self._open_without_forward))
             setattr(p, OWNER_ATTR, weakref.ref(self))
 
     def _open_without_forward(self, grad: Any) -> None:
@@ -287,7 +287,7 @@ class TorchModule(GradModule):
                     mine.copy_(g)
                 p.grad = mine
 
-    def _hook_for(self, i: int) -> Callable[[Any], None]:
+    def _grad_hook_for(self, i: int) -> Callable[[Any], None]:
         """The post-accumulate-grad hook of parameter i. It runs once per parameter per step, so
         it stays lean: it calls the reducer directly (i is a valid index), which enters torch's
         CUDA stream (`on_compute_stream`) only when a bucket completes."""
@@ -386,9 +386,9 @@ class TorchModule(GradModule):
 
     def detach(self) -> None:
         """The wrapper closed: its grad hooks go, and the parameters are no longer ours."""
-        for h in self._hooks:
+        for h in self._grad_hooks:
             h.remove()
-        self._hooks = []
+        self._grad_hooks = []
         for p in self.params:
             ref = getattr(p, OWNER_ATTR, None)
             if isinstance(ref, weakref.ref) and ref() is self:

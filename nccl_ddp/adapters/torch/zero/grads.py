@@ -136,9 +136,11 @@ class GradGuard:
         self._opt = weakref.ref(opt)
         self._params = list(params)
         self._queued = False
-        self._handles: Optional[list] = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
+        self._handles: Optional[list] = [
+            p.register_post_accumulate_grad_hook(self._grad_hook) for p in params
+        ]
 
-    def _hook(self, p: Any) -> None:
+    def _grad_hook(self, p: Any) -> None:
         if not self._queued:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._guard)

@@ -37,7 +37,7 @@ from nccl_ddp.ddp.join import JoinHook, JoinState
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 from nccl_ddp.validate import check_bool
 from nccl_ddp.zero.checkpoint import consolidate, reshard
-from nccl_ddp.zero.config import wire_dtype
+from nccl_ddp.zero.config import reduce_dtype_of
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             join_torch_world(process_group, "ZeroRedundancyOptimizer"), "process_group"
         )
         self.optimizer_class, self.skip_nonfinite = optimizer_class, skip_nonfinite
-        self._asked = {"overlap_param_gather": overlap_param_gather, "reduce_dtype": wire_dtype(reduce_dtype)}
+        self._asked = {
+            "overlap_param_gather": overlap_param_gather,
+            "reduce_dtype": reduce_dtype_of(reduce_dtype),
+        }
         self.overlap_param_gather = False  # the model's ZeroConfig's, once built
         self.reduce_dtype: Any = None
         self._zero_stage = zero_stage
