@@ -22,10 +22,11 @@ import numpy as np
 import nccl_ddp as nd
 from nccl_ddp.comm.group import ProcessGroup
 from nccl_ddp.errors import ConfigError
-from nccl_ddp.horovod import negotiation
+from nccl_ddp.horovod import negotiation, requests
 from nccl_ddp.horovod.arrays import NativeArray, is_float, xp_of, xp_of_array
 from nccl_ddp.horovod.common import OP_NAMES, Average, Sum, check_scale, resolve_op, split_counts
-from nccl_ddp.horovod.negotiation import Entry, Records, Request, dtype_code
+from nccl_ddp.horovod.negotiation import Entry
+from nccl_ddp.horovod.requests import Records, Request, dtype_code
 
 
 def where_of(op: str, name: Optional[str]) -> str:
@@ -108,19 +109,15 @@ def submit_allreduce(
 
 def _joined_allreduce(group: ProcessGroup, req: Request) -> None:
     """A rank inside hvd.join(): zeros into the others' allreduce of `req`."""
-    if req.kind == "BARRIER":
-        nd.barrier(group=group)
-        return
-    shapes = negotiation.grouped_shapes(req) if req.kind == "GROUPED_ALLREDUCE" else [(req.shape, req.dtype)]
+    shapes = requests.grouped_shapes(req) if req.kind == "GROUPED_ALLREDUCE" else [(req.shape, req.dtype)]
     xp = xp_of(group)
     for dt in dict.fromkeys(code for _, code in shapes):
         count = sum(int(np.prod(shape)) for shape, code in shapes if code == dt)
-        zeros = xp.zeros(count, negotiation.dtype_name(dt))
+        zeros = xp.zeros(count, requests.dtype_name(dt))
         nd.all_reduce(zeros, op=_OPS[req.op], group=group)
 
 
 negotiation.joined_runners.update(ALLREDUCE=_joined_allreduce, GROUPED_ALLREDUCE=_joined_allreduce)
-negotiation.joined_runners["BARRIER"] = _joined_allreduce
 
 
 def allreduce_(
@@ -405,17 +402,3 @@ def broadcast_many_(
 ) -> None:
     """Broadcast every array in place, fused into one collective per dtype (any strides)."""
     negotiation.wait(group, submit_broadcast_many(arrays, root_rank, group, where, name))
-
-
-def barrier(group: ProcessGroup, where: str = "hvd.barrier") -> None:
-    """Every member reached it (matched with the others' ops, as Horovod's barrier)."""
-    negotiation.wait(
-        group, negotiation.submit(group, "BARRIER", None, lambda _: nd.barrier(group=group), where)
-    )
-
-
-def join(group: ProcessGroup, where: str = "hvd.join") -> int:
-    """Horovod's join: until every member has joined, this rank's zeros take part in the others'
-    allreduces; returns the global rank that joined last."""
-    out = negotiation.wait(group, negotiation.submit(group, "JOIN", None, lambda _: None, where))
-    return int(out)  # type: ignore[call-overload]

@@ -23,7 +23,6 @@ from nccl_ddp.comm.group import ProcessGroup
 from nccl_ddp.errors import CommError, ConfigError, ConfigTypeError
 from nccl_ddp.horovod import negotiation
 from nccl_ddp.horovod.arrays import NativeArray, host, xp_of
-from nccl_ddp.horovod.negotiation import Records
 from nccl_ddp.horovod.process_sets import (
     ProcessSet,
     add_process_set,
@@ -32,6 +31,7 @@ from nccl_ddp.horovod.process_sets import (
     invalidate_all,
     remove_process_set,
 )
+from nccl_ddp.horovod.requests import Records
 
 log = logging.getLogger(__name__)
 
@@ -412,17 +412,13 @@ def broadcast_object(
 
 def barrier(process_set: Optional[ProcessSet] = None) -> None:
     """Every member reached it (matched with the others' pending ops, as Horovod's)."""
-    from nccl_ddp.horovod import collectives
-
-    collectives.barrier(group_of(process_set or global_process_set, "hvd.barrier"))
+    negotiation.barrier(group_of(process_set or global_process_set, "hvd.barrier"))
 
 
 def join(device: int = -1) -> int:
     """Horovod's join: until every rank has joined, this rank's zeros take part in the others'
     allreduces (other collectives are refused meanwhile); returns the rank that joined last."""
-    from nccl_ddp.horovod import collectives
-
-    return collectives.join(global_process_set.group("hvd.join"))
+    return negotiation.join(global_process_set.group("hvd.join"))
 
 
 def split_counts(total: int, parts: int) -> Tuple[int, ...]:
