@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -22,6 +23,22 @@ from nccl_ddp.device.base import Device
 from nccl_ddp.errors import RankMismatchError
 
 
+@dataclass(frozen=True)
+class Subject:
+    """What a list of specs describes, for the mismatch message: e.g. 'wrapped parameters', one
+    'parameter', and what every rank must do."""
+
+    items: str
+    noun: str
+    advice: str
+
+
+WRAPPED = Subject(
+    "wrapped parameters", "parameter", "wrap the same model (same parameters in the same order)"
+)
+BROADCAST = Subject("variables broadcast", "variable", "pass the same variables in the same order")
+
+
 def check_same_params(
     specs: Sequence[ParamSpec],
     group: ProcessGroup,
@@ -29,9 +46,11 @@ def check_same_params(
     settings: Optional[dict] = None,
     *,
     owner: str = "DistributedDataParallel",
+    subject: Subject = WRAPPED,
 ) -> None:
-    """`RankMismatchError` on every rank unless all ranks have the same shapes and dtypes and the
-    same `settings` (name -> JSON value: the options of `owner` that every rank must share)."""
+    """`RankMismatchError` on every rank unless all ranks have the same shapes and dtypes (and
+    names, where given) in the same order and the same `settings` (name -> JSON value: the options
+    of `owner` that every rank must share). `subject`: what the specs describe, for the message."""
     settings = json.loads(json.dumps(settings or {}))  # tuples -> lists, as the peers' arrive
     # names, where the framework gives them: same-shape parameters in a different order would
     # otherwise pass and be averaged with the wrong tensors
@@ -47,10 +66,10 @@ def check_same_params(
     longest = max(int(np.frombuffer(n, dtype=np.int64)[0]) for n in lengths)
     blobs = _all_gather_bytes(mine.ljust(longest, b" "), group, device)
     described = [json.loads(b.decode()) for b in blobs]
-    raise RankMismatchError(f"rank {group.rank}: {_first_mismatch(described, owner)}")
+    raise RankMismatchError(f"rank {group.rank}: {_first_mismatch(described, owner, subject)}")
 
 
-def _first_mismatch(described: list, owner: str) -> str:
+def _first_mismatch(described: list, owner: str, subject: Subject) -> str:
     base = described[0]["params"]
     for r, other in enumerate((d["params"] for d in described[1:]), start=1):
         for i in range(max(len(base), len(other))):
@@ -60,12 +79,12 @@ def _first_mismatch(described: list, owner: str) -> str:
                 continue
             names = a is not None and b is not None and a[2] != b[2]
             name = (a or b or (None, None, None))[2]
-            label = f"parameter {i}" + (f" ({name!r})" if name and not names else "")
+            noun = subject.noun
+            label = f"{noun} {i}" + (f" ({name!r})" if name and not names else "")
             return (
-                f"the wrapped parameters differ across ranks: {label}: "
-                f"rank 0 has {_describe(a, len(base), names)}, "
-                f"rank {r} has {_describe(b, len(other), names)}. "
-                "Every rank must wrap the same model (same parameters in the same order)."
+                f"the {subject.items} differ across ranks: {label}: "
+                f"rank 0 has {_describe(a, len(base), names, noun)}, "
+                f"rank {r} has {_describe(b, len(other), names, noun)}. Every rank must {subject.advice}."
             )
     base = described[0]["settings"]
     for r, other in enumerate((d["settings"] for d in described[1:]), start=1):
@@ -84,9 +103,9 @@ def _first_mismatch(described: list, owner: str) -> str:
     return "the wrapped parameters or settings differ across ranks (digest mismatch)"
 
 
-def _describe(entry: Optional[list], count: int, named: bool = False) -> str:
+def _describe(entry: Optional[list], count: int, named: bool = False, noun: str = "parameter") -> str:
     if entry is None:
-        return f"no such parameter (only {count})"
+        return f"no such {noun} (only {count})"
     return (f"{entry[2]!r} of " if named else "") + f"shape {tuple(entry[0])} {entry[1]}"
 
 

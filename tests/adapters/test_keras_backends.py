@@ -86,3 +86,48 @@ def test_keras_loss_scaling_skips_on_every_rank_alike(backend, lso_by):
         for a, b in zip(fit[:-2], ref[:-2]):
             np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-3, atol=1e-3)
     assert results[0][0] == results[1][0]
+
+
+def _broadcasts(rank, world):
+    import keras
+
+    import nccl_ddp as nd
+    import nccl_ddp.keras as ndk
+
+    nd.init_process_group("host", timeout=20)
+    out = {}
+    try:
+        a = keras.Variable(np.full(3, 1.0 + rank, np.float32), name="a")
+        b = keras.Variable(np.full(3, 10.0 + rank, np.float32), name="b")
+        c = keras.Variable(np.zeros(3 + rank, np.float32), name="c")
+        for case, variables in {"order": [a, b] if rank == 0 else [b, a], "shape": [a, c]}.items():
+            try:
+                ndk.broadcast_variables(variables, root_rank=0)
+                out[case] = "no error"
+            except nd.errors.RankMismatchError as e:
+                out[case] = str(e)
+        ndk.broadcast_variables([a, b], root_rank=1)  # what matches still goes through
+        out["after"] = [np.asarray(a).tolist(), np.asarray(b).tolist()]
+    finally:
+        nd.destroy_process_group()
+    return out
+
+
+def test_keras_broadcast_variables_checks_names_and_order_first():
+    """Rank 0 broadcasts [a, b], rank 1 passes [b, a] (same shape and dtype): before, rank 1
+    silently took a = rank 0's b; now every rank raises RankMismatchError naming the first
+    difference, and nothing was overwritten."""
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed")
+    results = run_ranks(_broadcasts, 2, env={"KERAS_BACKEND": "torch"}, timeout=120)
+    for rank, out in enumerate(results):
+        assert out["order"].startswith(f"rank {rank}: the variables broadcast differ across ranks"), out
+        assert (
+            "variable 0: rank 0 has 'a' of shape (3,) float32, rank 1 has 'b' of shape (3,) float32"
+            in out["order"]
+        )
+        assert "Every rank must pass the same variables in the same order" in out["order"]
+        assert (
+            "variable 1 ('c'): rank 0 has shape (3,) float32, rank 1 has shape (4,) float32" in out["shape"]
+        )
+        assert out["after"] == [[2.0] * 3, [11.0] * 3]  # rank 1's, untouched by the refused calls

@@ -108,6 +108,11 @@ def _path(v: Any) -> Optional[str]:
     return path if isinstance(path, str) else None
 
 
+def _name(v: Any) -> Optional[str]:
+    name = getattr(v, "name", None)  # a tf.Variable's (Keras variables have a path)
+    return name if isinstance(name, str) else None
+
+
 def _backend_value(v: Any, name: str) -> Any:
     """What the backend adapter describes for variable `v`: its tensor (torch, TensorFlow), or
     for JAX, whose jitted steps trace the values, its shape and dtype only."""
@@ -198,14 +203,22 @@ def DistributedOptimizer(
 def broadcast_variables(variables: Sequence[Any], root_rank: int = 0, group: Any = None) -> None:
     """Give every rank `root_rank`'s values of `variables` (Keras or TensorFlow variables): one
     broadcast per dtype, of all of that dtype's values packed together. Collective: every rank
-    calls it with the same variables in the same order."""
+    calls it with the same variables in the same order, which is checked first (names, shapes
+    and dtypes: a `RankMismatchError` on every rank naming the first difference)."""
     import keras
 
     from nccl_ddp.comm import collectives
+    from nccl_ddp.comm.api import device_of, resolve_group
+    from nccl_ddp.ddp.param_sync import BROADCAST, check_same_params
 
     variables = list(variables)
     by_dtype: Dict[np.dtype, List[int]] = {}
     values = [np.asarray(keras.ops.convert_to_numpy(v)) for v in variables]
+    g = resolve_group(group, "group")
+    specs = [ParamSpec(a.shape, a.dtype, _path(v) or _name(v)) for a, v in zip(values, variables)]
+    check_same_params(
+        specs, g, device_of(g), {"root_rank": root_rank}, owner="broadcast_variables", subject=BROADCAST
+    )
     for i, a in enumerate(values):
         by_dtype.setdefault(a.dtype, []).append(i)
     for dtype in sorted(by_dtype, key=str):  # the same order on every rank
