@@ -126,8 +126,8 @@ def _parser() -> argparse.ArgumentParser:
         p,
         "master-addr",
         env=["MASTER_ADDR"],
-        default=LOOPBACK,
-        help="address of node 0, where the store runs [MASTER_ADDR]",
+        default="",
+        help="address of node 0, where the store runs (127.0.0.1 on one node) [MASTER_ADDR]",
     )
     _flag(
         p,

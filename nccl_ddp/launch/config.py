@@ -28,7 +28,7 @@ class LaunchConfig:
     nproc_per_node: int | str = "auto"  # an int, or "auto": one per GPU (2 without a GPU)
     nnodes: int = 1
     node_rank: Optional[int] = 0  # None: assigned at the rendezvous (c10d), first come
-    master_addr: str = LOOPBACK  # node 0's address; its launcher hosts the store there
+    master_addr: str = ""  # node 0's address, where its launcher hosts the store ("": 127.0.0.1, one node)
     master_port: int = 0  # MASTER_PORT for the script; 0: a free one (single node)
     store_port: int = 0  # our store on node 0; 0: free (one node), else master+1
     standalone: bool = False  # single node, loopback, free port
@@ -52,6 +52,8 @@ class LaunchConfig:
     duplicate_filters: tuple = ((), ())  # stdout, stderr lines with these go to filtered_*.log
 
     def __post_init__(self) -> None:
+        if not self.master_addr and self.nnodes == 1:
+            object.__setattr__(self, "master_addr", LOOPBACK)  # the one node's own address
         if not self.entrypoint:
             raise ConfigError(
                 "nccl-ddp-run: no script given; usage: nccl-ddp-run [options] script.py args..."
@@ -119,10 +121,10 @@ class LaunchConfig:
                 raise ConfigError(
                     "a multi-node job needs --master-port (or MASTER_PORT), the same free port on every node"
                 )
-            if self.master_addr in (LOOPBACK, "localhost"):
+            if not self.master_addr:
                 raise ConfigError(
                     "a multi-node job needs --master-addr (or MASTER_ADDR): the "
-                    "address of node 0, the same on every node"
+                    "address of node 0, the same on every node (127.0.0.1 for nodes on this machine)"
                 )
             if not self.secret:
                 raise ConfigError(
