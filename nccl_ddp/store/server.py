@@ -3,6 +3,7 @@
 One selector loop accepts, reads, answers and times out every connection, so 2,000 idle ranks
 cost 2,000 sockets and no threads. Blocking requests (get of a missing key, wait, barrier) are
 parked with a deadline and answered when a later request makes them true, or when it passes.
+What the requests do to the keys lives in keys.py; this module is the connections and the loop.
 
 Defences against a local process without the job's secret:
   - before the handshake a frame larger than the handshake needs closes the connection (no
@@ -25,9 +26,10 @@ import struct
 import threading
 import time
 from collections import OrderedDict
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from nccl_ddp.errors import StoreError
+from nccl_ddp.store.keys import KeyStore, Parked
 from nccl_ddp.store.wire import MAGIC, MAX_FRAME, _decode, _encode, _Malformed, _proof
 
 log = logging.getLogger("nccl_ddp.store")
@@ -50,23 +52,9 @@ class _Conn:
         self.received = False  # sent us at least one byte
         self.inbuf = bytearray()
         self.outbuf = bytearray()
-        self.parked: Optional[_Parked] = None
+        self.parked: Optional[Parked] = None
         self.closing = False  # close once outbuf is flushed
         self.writing = False  # registered for EVENT_WRITE (outbuf did not fit)
-
-
-class _Parked:
-    """A blocking request: `ready()` says when `reply()` can answer; `expire()` answers at the
-    deadline."""
-
-    def __init__(
-        self,
-        ready: Callable[[], bool],
-        reply: Callable[[], list],
-        expire: Callable[[], list],
-        deadline: float,
-    ) -> None:
-        self.ready, self.reply, self.expire, self.deadline = ready, reply, expire, deadline
 
 
 class StoreServer:
@@ -79,14 +67,12 @@ class StoreServer:
     def __init__(self, host: str, port: int, secret: str, *, bind_all: bool = False, backlog: int = 1024):
         self.host = host
         self._secret = secret.encode()
-        self._data: dict[str, bytes] = {}
-        self._barriers: dict[str, list[int]] = {}  # name -> [arrived, generation, world size]
+        self._keys = KeyStore()
         self._conns: dict[socket.socket, _Conn] = {}
         self._pending: OrderedDict[socket.socket, _Conn] = OrderedDict()  # unauthenticated
         self._closed = False
         self._accept_paused_until: Optional[float] = None
         self._resource_logged = False
-        self._dirty = False  # keys changed: parked requests may be ready
         self._parked: dict[socket.socket, _Conn] = {}  # connections with a parked request
         self._rbuf = bytearray(256 << 10)
         self._rview = memoryview(self._rbuf)
@@ -145,9 +131,8 @@ class StoreServer:
         self.close()
 
     def has_prefix(self, prefix: str) -> bool:
-        """Whether any key starts with `prefix` (the launcher asks once its workers exited;
-        copying the keys is one C call under the GIL, safe beside the serving thread)."""
-        return any(k.startswith(prefix) for k in list(self._data))
+        """Whether any key starts with `prefix` (the launcher asks once its workers exited)."""
+        return self._keys.has_prefix(prefix)
 
     @property
     def connections(self) -> int:
@@ -263,14 +248,14 @@ class StoreServer:
 
     def _settle(self) -> None:
         """Answer the parked requests that changes made ready (answering may change more)."""
-        while self._dirty:
-            self._dirty = False
+        while self._keys.dirty:
+            self._keys.dirty = False
             for c in list(self._parked.values()):
                 if c.sock in self._parked and c.parked is not None and c.parked.ready():
                     self._send(c, self._unpark(c).reply())
                     self._process(c)
 
-    def _unpark(self, c: _Conn) -> _Parked:
+    def _unpark(self, c: _Conn) -> Parked:
         p, c.parked = c.parked, None
         del self._parked[c.sock]
         if p is None:
@@ -393,101 +378,18 @@ class StoreServer:
         if not req:
             raise _Malformed("empty request")
         op, args = req[0].decode("ascii", "replace"), req[1:]
-        handler = getattr(self, f"_op_{op}", None)
+        handler = getattr(self._keys, f"op_{op}", None)
         if handler is None:
             raise _Malformed(f"unknown op {op!r}")
         try:
             reply = handler(*args)
         except (TypeError, ValueError, UnicodeDecodeError) as e:
             raise _Malformed(f"bad arguments to {op!r}: {e}") from e
-        if isinstance(reply, _Parked):
+        if isinstance(reply, Parked):
             c.parked = reply
             self._parked[c.sock] = c
         else:
             self._send(c, reply)
-
-    def _changed(self) -> None:
-        self._dirty = True
-
-    def _park(
-        self,
-        ready: Callable[[], bool],
-        reply: Callable[[], list],
-        expire: Callable[[], list],
-        timeout_ms: bytes,
-    ) -> list | _Parked:
-        if ready():
-            return reply()
-        return _Parked(ready, reply, expire, time.monotonic() + int(timeout_ms) / 1000)
-
-    # Each _op_ returns the reply fields, or a _Parked request.
-    def _op_set(self, key: bytes, value: bytes) -> list[bytes]:
-        self._data[key.decode()] = value
-        self._changed()
-        return [b"ok"]
-
-    def _op_get(self, key: bytes, timeout_ms: bytes) -> list | _Parked:
-        k = key.decode()
-        return self._park(
-            lambda: k in self._data, lambda: [b"ok", self._data[k]], lambda: [b"timeout"], timeout_ms
-        )
-
-    def _op_wait(self, timeout_ms: bytes, *keys: bytes) -> list | _Parked:
-        names = [k.decode() for k in keys]
-        return self._park(
-            lambda: all(k in self._data for k in names),
-            lambda: [b"ok"],
-            lambda: [b"timeout"] + [k.encode() for k in names if k not in self._data],
-            timeout_ms,
-        )
-
-    def _op_add(self, key: bytes, amount: bytes) -> list[bytes]:
-        k = key.decode()
-        old = self._data.get(k, b"0")
-        try:
-            new = int(old) + int(amount)
-        except ValueError:
-            return [b"error", f"key {k!r} holds {old[:40]!r}, not an integer".encode()]
-        self._data[k] = str(new).encode()
-        self._changed()
-        return [b"ok", self._data[k]]
-
-    def _op_cas(self, key: bytes, expected: bytes, desired: bytes) -> list[bytes]:
-        k = key.decode()
-        current = self._data.get(k)
-        if (current is None and expected == b"") or current == expected:
-            self._data[k] = current = desired
-            self._changed()
-        return [b"ok", b"" if current is None else current]
-
-    def _op_delete(self, key: bytes) -> list[bytes]:
-        return [b"ok", b"1" if self._data.pop(key.decode(), None) is not None else b"0"]
-
-    def _op_barrier(self, name: bytes, world: bytes, timeout_ms: bytes) -> list | _Parked:
-        n, size = name.decode(), int(world)
-        int(timeout_ms)  # a malformed timeout fails before the state changes
-        state = self._barriers.setdefault(n, [0, 0, size])
-        if state[0] == 0:
-            state[2] = size
-        elif state[2] != size:
-            return [
-                b"error",
-                f"barrier {n!r} entered with world size {size} while {state[0]} "
-                f"rank(s) wait with world size {state[2]}".encode(),
-            ]
-        generation = state[1]
-        state[0] += 1
-        if state[0] == size:  # last arrival releases everyone; the name is reusable
-            state[0], state[1] = 0, generation + 1
-            self._changed()
-            return [b"ok"]
-
-        def expire() -> list[bytes]:
-            arrived = state[0]
-            state[0] -= 1
-            return [b"timeout", str(arrived).encode()]
-
-        return self._park(lambda: state[1] != generation, lambda: [b"ok"], expire, timeout_ms)
 
 
 def _family(host: str) -> socket.AddressFamily:
