@@ -16,7 +16,7 @@ from typing import Any, Callable, List, Optional
 
 from nccl_ddp.adapters.torch.tensors import from_native, to_native
 from nccl_ddp.ddp import comm_hooks
-from nccl_ddp.errors import CommHookError, CommTimeout, ConfigError
+from nccl_ddp.errors import CommHookError, CommTimeout, ConfigError, ConfigTypeError
 
 
 def ours_for(hook: Any, state: Any) -> Optional[Callable]:
@@ -33,6 +33,49 @@ def ours_for(hook: Any, state: Any) -> Optional[Callable]:
         if hook is theirs:  # by identity: a hook object need not be hashable
             return ours
     return None
+
+
+def check_like_torch(hook: Any, rank: int) -> None:
+    """torch DDP's checks of a hook at registration, with its error types and messages (code and
+    tests written for torch match them): callable (TypeError), and where annotated, a bucket of
+    `dist.GradBucket` and a result of `torch.futures.Future[torch.Tensor]` (ValueError). String
+    annotations (`from __future__ import annotations`) are evaluated; where that fails they are
+    not checked (torch compares the strings and refuses them)."""
+    import inspect
+
+    import torch
+    import torch.distributed as dist
+
+    if not callable(hook):
+        raise ConfigTypeError(f"rank {rank}: Communication hook must be callable.")
+    if is_ours(hook):
+        return  # nccl_ddp.hooks take our buckets (annotated so)
+    try:
+        sig = inspect.signature(hook, eval_str=True)
+    except (NameError, SyntaxError, TypeError, ValueError):
+        return  # no signature (a builtin), or annotations that do not evaluate: not checked
+    bucket = sig.parameters.get("bucket")
+    if bucket is not None and bucket.annotation not in (inspect.Parameter.empty, dist.GradBucket):
+        raise ConfigError(f"rank {rank}: Communication hook: bucket annotation should be dist.GradBucket.")
+    if sig.return_annotation not in (inspect.Signature.empty, torch.futures.Future[torch.Tensor]):
+        raise ConfigError(
+            f"rank {rank}: Communication hook: return annotation should be "
+            "torch.futures.Future[torch.Tensor]."
+        )
+
+
+def builtin_hook(comm_hook_type: Any, rank: int) -> Callable:
+    """Our fused hook for torch's `dist.BuiltinCommHookType` (ALLREDUCE, FP16_COMPRESS)."""
+    import torch.distributed as dist
+
+    if not isinstance(comm_hook_type, dist.BuiltinCommHookType):
+        raise ConfigTypeError(
+            f"rank {rank}: _register_builtin_comm_hook takes a dist.BuiltinCommHookType, got "
+            f"{type(comm_hook_type).__name__} {comm_hook_type!r}"
+        )
+    if comm_hook_type == dist.BuiltinCommHookType.FP16_COMPRESS:
+        return comm_hooks.fp16_compress_hook
+    return comm_hooks.allreduce_hook
 
 
 def is_ours(hook: Any) -> bool:
@@ -116,10 +159,9 @@ class TorchHook:
             fut = self.hook(state, tb)
         if not (hasattr(fut, "wait") and hasattr(fut, "value")):
             raise CommHookError(
-                f"rank {bucket.process_group.rank}: comm hook {self.__name__} returned "
-                f"{type(fut).__name__} for bucket {bucket.index()}; a "
-                "torch hook must return a torch.futures.Future of the reduced "
-                "bucket tensor"
+                f"rank {bucket.process_group.rank}: comm hook {self.__name__}: callback must "
+                f"return a torch.futures.Future object, but got {type(fut).__name__} for bucket "
+                f"{bucket.index()}; return a Future of the reduced bucket tensor"
             )
         return comm_hooks.Future(lambda: self._result(fut, tb, bucket))
 

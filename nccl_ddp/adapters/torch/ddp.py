@@ -35,7 +35,7 @@ from nccl_ddp.comm.api import resolve_group
 from nccl_ddp.ddp.data_parallel import DistributedDataParallel
 from nccl_ddp.ddp.join import JoinConfig
 from nccl_ddp.ddp.reducer import Reducer
-from nccl_ddp.errors import ConfigError, ConfigTypeError
+from nccl_ddp.errors import ConfigError, ConfigTypeError, ReducerError
 from nccl_ddp.validate import check_bool
 
 # torch's arguments that need a feature we do not have: name -> (the value that is fine, why)
@@ -186,7 +186,11 @@ class TorchDistributedDataParallel(torch.nn.Module, DistributedDataParallel, _To
     # ---- torch's comm hooks and Join
     def register_comm_hook(self, state: Any, hook: Any) -> None:
         """torch's contract: nccl_ddp.hooks as they are; torch's default hooks (state None) as
-        their fused equivalents; any other hook on torch tensors (adapters/torch/comm_hooks.py)."""
+        their fused equivalents; any other hook on torch tensors (adapters/torch/comm_hooks.py).
+        Checked as torch checks it, with torch's error types and messages."""
+        rank = self.process_group.rank
+        torch_hooks.check_like_torch(hook, rank)
+        self._check_no_hook_yet()
         ours = torch_hooks.ours_for(hook, state)
         if ours is not None:
             hook = ours
@@ -195,6 +199,21 @@ class TorchDistributedDataParallel(torch.nn.Module, DistributedDataParallel, _To
             params = {id(n): p for n, p in zip(self.reducer.params, self._torch_module.params)}
             hook = torch_hooks.TorchHook(hook, params, self._torch_module.on_cuda)
         super().register_comm_hook(state, hook)
+
+    def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
+        """torch's built-in hooks (`dist.BuiltinCommHookType.ALLREDUCE`, `FP16_COMPRESS`): ours,
+        fused into the bucket kernels. Once, as torch's."""
+        hook = torch_hooks.builtin_hook(comm_hook_type, self.process_group.rank)
+        self._check_no_hook_yet()
+        super().register_comm_hook(None, hook)
+
+    def _check_no_hook_yet(self) -> None:
+        """torch's reducer takes one hook (RuntimeError, torch's message)."""
+        if self.reducer.comm_hook is not None:
+            raise ReducerError(
+                f"rank {self.process_group.rank}: register_comm_hook or register_builtin_comm_hook "
+                "can only be called once."
+            )
 
     @property
     def join_device(self) -> Any:

@@ -1,0 +1,125 @@
+"""`register_comm_hook` / `_register_builtin_comm_hook` of our torch DDP check what torch's check,
+with torch's error types and messages (2 CPU processes, torch's DDP on gloo beside ours doing the
+same thing): a hook that is not callable, a bucket or return annotation that is not torch's, a
+second registration, a hook whose result is no Future; and a hook's Future is passed through as
+torch passes it (the `then` callback's value is the grad: c10d's test_ddp_comm_hook_future_passing).
+"""
+
+# no `from __future__ import annotations`: the hooks' annotations are the objects torch compares
+
+import pytest
+from mp import run_ranks
+
+pytest.importorskip("torch", reason="PyTorch is not installed")
+
+MISUSES = (
+    "not callable",
+    "bucket annotation",
+    "return annotation",
+    "twice",
+    "builtin, then a hook",
+    "no Future",
+)
+
+
+def _module():
+    import torch
+
+    class Task(torch.nn.Module):  # c10d's ModuleForDdpCommHook: p + x + rank
+        def __init__(self) -> None:
+            super().__init__()
+            self.p = torch.nn.Parameter(torch.ones(2, 2))
+
+        def forward(self, x, rank):
+            return self.p + x + rank
+
+    return Task()
+
+
+def _hooks() -> dict:
+    """The misuses, each `model -> None`, run on a fresh model of each DDP."""
+    import torch
+    import torch.distributed as dist
+
+    def fine(state, bucket):
+        fut = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
+
+    def bucket_int(state: object, bucket: int) -> torch.futures.Future[torch.Tensor]:
+        return torch.futures.Future()
+
+    def returns_int(state: object, bucket: dist.GradBucket) -> int:
+        return 0
+
+    def no_future(state, bucket):
+        return 1
+
+    def backward(model):
+        model(8, dist.get_rank()).mean().backward()
+
+    def builtin_then_hook(model):
+        model._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
+        model.register_comm_hook(None, fine)
+
+    return {
+        "not callable": lambda m: m.register_comm_hook(state=None, hook=1),
+        "bucket annotation": lambda m: m.register_comm_hook(state=None, hook=bucket_int),
+        "return annotation": lambda m: m.register_comm_hook(state=None, hook=returns_int),
+        "twice": lambda m: [m.register_comm_hook(None, fine) for _ in range(2)],
+        "builtin, then a hook": builtin_then_hook,
+        "no Future": lambda m: (m.register_comm_hook(None, no_future), backward(m)),
+    }
+
+
+def _simple_hook(state, bucket):
+    """c10d's _simple_hook: a Future of ones, then ones added."""
+    import torch
+
+    fut = torch.futures.Future()
+    fut.set_result(torch.ones_like(bucket.buffer()))
+    return fut.then(lambda f: f.value() + torch.ones_like(f.value()))
+
+
+def _hook_checks(rank: int, world: int, store: str) -> dict:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    import nccl_ddp as nd
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    out: dict = {}
+    try:
+        for who, ddp in (("torch", TorchDDP), ("ours", nd.DistributedDataParallel)):
+            model = ddp(_module())
+            model.register_comm_hook(None, _simple_hook)
+            model(8, rank).mean().backward()
+            out["future passing", who] = [p.grad.tolist() for p in model.parameters()]
+        for name, misuse in _hooks().items():  # "no Future" last: it breaks our group
+            for who, ddp in (("torch", TorchDDP), ("ours", nd.DistributedDataParallel)):
+                try:
+                    misuse(ddp(_module()))
+                    out[name, who] = None
+                except Exception as e:
+                    out[name, who] = (type(e), str(e))
+        nd.destroy_process_group()
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.slow
+def test_comm_hook_checks_are_torchs(tmp_path):
+    for r in run_ranks(_hook_checks, 2, str(tmp_path / "store"), timeout=240):
+        for name in MISUSES:
+            theirs, ours = r[name, "torch"], r[name, "ours"]
+            assert theirs is not None and ours is not None, name
+            builtin = next(c for c in theirs[0].__mro__ if c.__module__ == "builtins")
+            assert isinstance(ours[0], type) and issubclass(ours[0], builtin), (name, ours, theirs)
+            if name != "no Future":  # torch's reducer words this one from C++, with its context
+                assert theirs[1].split("\n")[0].strip() in ours[1], (name, ours[1], theirs[1])
+            else:
+                assert "callback must return a torch.futures.Future object, but got" in ours[1]
+        assert r["future passing", "ours"] == r["future passing", "torch"] == [[[2.0, 2.0], [2.0, 2.0]]]
