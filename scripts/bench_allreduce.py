@@ -9,11 +9,11 @@ installed (same processes, same sizes, same moment).
 busbw = algbw * 2(n-1)/n (the bytes each rank's link must carry in a ring). Times are the
 slowest rank's mean over the iterations. Rank 0 prints the table and writes the CSV.
 
-`limit` (host backend, from --limit-min up): the copy+add limit of this machine, measured in the
-same processes right after ours at each size: every rank at once adds the n-1 other ranks' share
-of its 1/n part into it (NumPy add, the reduction's own work) and copies the other (n-1)/n back
-(NumPy copy, what an all-gather must write), from arrays of its own; `vs_limit` = limit time /
-ours (1.0: ours moves data as fast as that bare NumPy work).
+`limit` (host backend, from --limit-min up, 16 MiB by default): the copy+add limit of this
+machine, measured in the same processes right after ours at each size: every rank at once adds
+the n-1 other ranks' share of its 1/n part into it (NumPy add, the reduction's own work) and
+copies the other (n-1)/n back (NumPy copy, what an all-gather must write), from arrays of its
+own; `vs_limit` = limit time / ours (1.0: ours moves data as fast as that bare NumPy work).
 """
 
 from __future__ import annotations
@@ -84,8 +84,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--limit-min",
         type=_bytes,
-        default=_bytes("1M"),
-        help="measure the copy+add limit from this size up (host backend; 1M, 0 for never)",
+        default=_bytes("16M"),
+        help="measure the copy+add limit from this size up (host backend; 16M: below it the "
+        "limit's arrays sit in cache; 0 for never)",
     )
     p.add_argument("--csv", default="out/bench_allreduce.csv", help="CSV path ('' for none)")
     p.add_argument(

@@ -60,6 +60,14 @@ COLUMNS = (
     "torch_ddp_ms",
     "torch_sent_MiB",
     "ratio",
+    "allreduce_ms",
+    "limit_ms",
+    "vs_limit",
+    "torch_vs_limit",
+    "backward_ms",
+    "exposed_ms",
+    "threads_cpu_ms",
+    "stall_ms",
 )
 FORMATS = {
     "params_MiB": ".2f",
@@ -72,6 +80,14 @@ FORMATS = {
     "torch_ddp_ms": ".2f",
     "torch_sent_MiB": ".3f",
     "ratio": ".2f",
+    "allreduce_ms": ".2f",
+    "limit_ms": ".2f",
+    "vs_limit": ".2f",
+    "torch_vs_limit": ".2f",
+    "backward_ms": ".2f",
+    "exposed_ms": ".2f",
+    "threads_cpu_ms": ".2f",
+    "stall_ms": ".2f",
 }
 HOOKS = ("allreduce", "bf16", "fp16", "powersgd")
 
@@ -225,7 +241,7 @@ def worker(args) -> list:
             f"# MLP {args.features}-{'x'.join([str(args.hidden)] * args.layers)}-1, batch "
             f"{args.batch} per rank; slowest rank's mean over {args.steps} steps"
         )
-        print(format_table(rows, COLUMNS, FORMATS))
+        print(format_table(rows, [c for c in COLUMNS if any(c in r for r in rows)], FORMATS))
         if args.csv:
             os.makedirs(os.path.dirname(os.path.abspath(args.csv)), exist_ok=True)
             write_csv(rows, args.csv)

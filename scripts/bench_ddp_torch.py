@@ -5,12 +5,22 @@ torch.nn.parallel.DistributedDataParallel (torch_ddp_ms; gloo on the host backen
 both with the same bucket cap and grads as bucket views. ratio = ddp_ms / torch_ddp_ms
 (below 1: ours is faster).
 
+The limit (plain all-reduce hook): limit_ms = local_ms + allreduce_ms, the grads' bytes
+all-reduced alone in one buffer in the same processes: a step with its communication
+neither hidden nor slowed; vs_limit = ddp_ms / limit_ms (torch_vs_limit the same for torch DDP).
+Where our step's time goes, from the profiled steps (the reducer's timeline on): backward_ms,
+exposed_ms (communication after backward ended: the last bucket and what queued behind it),
+threads_cpu_ms (CPU time per step of every thread but the training one: our comm workers),
+stall_ms (the training thread's time off the CPU per step, beyond the local step's: waiting for
+communication, or for a core).
+
 torch.distributed gets its own rendezvous on a port rank 0 picks and broadcasts through our
 process group, so it never competes with nccl-ddp-run's store.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 from benchlib import POWERSGD_RANK, init_torch_pg, our_hook, sent_mib, slowest, timed_steps
@@ -64,6 +74,28 @@ def torch_bf16_compress_hook(process_group, bucket):
     return dist.all_reduce(compressed, group=group, async_op=True).get_future().then(decompress)
 
 
+def _allreduce_alone(nd, torch, nbytes: int, args, device) -> float:
+    """Seconds per all-reduce of the model's grad bytes in one float32 buffer, alone (no step
+    around it): with the local step, the limit a DDP step would reach with nothing hidden."""
+    buf = torch.zeros(max(1, nbytes // 4), device=device)
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    return timed_steps(nd, lambda: nd.all_reduce(buf), args.warmup, args.steps, sync)
+
+
+def _cpu_split(step: Callable[[], None], steps: int) -> tuple:
+    """Per step of `step()`: (wall s, wall - this thread's CPU s (time it waited or was preempted),
+    CPU s of every other thread of the process (comm workers))."""
+    wall = main = proc = 0.0
+    for _ in range(max(1, steps)):
+        p0, c0, t0 = time.process_time(), time.thread_time(), time.perf_counter()
+        step()
+        t1, c1, p1 = time.perf_counter(), time.thread_time(), time.process_time()
+        wall, main, proc = wall + t1 - t0, main + c1 - c0, proc + p1 - p0
+    n = max(1, steps)
+    return wall / n, (wall - main) / n, (proc - main) / n
+
+
 def run_torch(nd, xp, args, cap_mb: float, hook: str = "allreduce") -> dict:
     import torch
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
@@ -107,16 +139,32 @@ def run_torch(nd, xp, args, cap_mb: float, hook: str = "allreduce") -> dict:
     state = our_hook(nd, ddp, hook)
     step = stepper(mine, ddp)
     t_ddp = _timed(nd, torch, step, args, cuda)
+    nbytes = sum(b.nbytes for b in ddp.reducer.layout.buckets)
+    t_ar = _allreduce_alone(nd, torch, nbytes, args, device) if hook == "allreduce" else None
+    local_cpu = _cpu_split(stepper(local, local), args.profile_steps)
     ddp.reducer.prof = Timeline(nd.get_rank(), timeline=True)
     before = state.total_numel_after_compression if state else 0
-    for _ in range(args.profile_steps):
-        step()
+    ours_cpu = _cpu_split(step, args.profile_steps)
     steps = list(ddp.reducer.prof.steps)
     comm = sum(s.comm_s for s in steps) / max(1, len(steps))
     hidden = sum(s.overlap_s for s in steps) / max(1e-12, sum(s.comm_s for s in steps))
     comm = slowest(nd, comm)
-    nbytes = sum(b.nbytes for b in ddp.reducer.layout.buckets)
+    per_step = max(1, len(steps))
     buckets = ddp.reducer.layout.buckets
+    phases = dict(
+        backward_ms=slowest(nd, sum(s.backward_s for s in steps) / per_step) * 1e3,
+        exposed_ms=slowest(nd, sum(s.comm_s - s.overlap_s for s in steps) / per_step) * 1e3,
+        threads_cpu_ms=slowest(nd, ours_cpu[2]) * 1e3,
+        stall_ms=slowest(nd, ours_cpu[1] - local_cpu[1]) * 1e3,
+    )
+    if t_ar is not None:
+        limit = t_local + t_ar
+        phases.update(
+            allreduce_ms=t_ar * 1e3,
+            limit_ms=limit * 1e3,
+            vs_limit=t_ddp / limit,
+            torch_vs_limit=t_torch / limit,
+        )
     row = dict(
         mode="torch",
         hook=hook,
@@ -134,6 +182,7 @@ def run_torch(nd, xp, args, cap_mb: float, hook: str = "allreduce") -> dict:
         hidden_pct=100.0 * hidden,
         torch_ddp_ms=t_torch * 1e3,
         ratio=t_ddp / t_torch,
+        **phases,
     )
     ddp.close()
     return row

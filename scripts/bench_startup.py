@@ -139,13 +139,17 @@ def _job(framework: str, impl: str, timeout: float) -> dict:
             return {**json.load(f), "job_s": job}
 
 
-def main() -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--csv", default="out/bench_startup.csv")
     p.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
-    args = p.parse_args()
+    return p.parse_args(argv)
+
+
+def main() -> int:
+    args = parse_args()
     if args.worker:
         _worker(*args.worker)
         return 0

@@ -114,20 +114,32 @@ class Progress:
             self.stream.flush()
 
 
+def _cell(row: dict, column: str, formats: dict, empty: str) -> str:
+    v = row.get(column, "")
+    if v is None or v == "":
+        return empty
+    return format(v, formats[column]) if column in formats and isinstance(v, (int, float)) else str(v)
+
+
 def format_table(rows: Sequence[dict], columns: Sequence[str], formats: Optional[dict] = None) -> str:
-    """Right-aligned text table of `columns` from `rows`; `formats` maps column -> format spec."""
+    """Right-aligned text table of `columns` from `rows`; `formats` maps column -> format spec.
+    A markdown table instead when NCCL_DDP_BENCH_MARKDOWN=1 (scripts/bench_all.sh sets it)."""
     formats = formats or {}
-
-    def cell(row, c):
-        v = row.get(c, "")
-        if v is None or v == "":
-            return "-"
-        return format(v, formats[c]) if c in formats and isinstance(v, (int, float)) else str(v)
-
-    cells = [[cell(r, c) for c in columns] for r in rows]
+    if os.environ.get("NCCL_DDP_BENCH_MARKDOWN") == "1":
+        return markdown_table(rows, columns, formats)
+    cells = [[_cell(r, c, formats, "-") for c in columns] for r in rows]
     widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
     lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths))]
     lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
+
+
+def markdown_table(rows: Sequence[dict], columns: Sequence[str], formats: Optional[dict] = None) -> str:
+    """`rows` as a markdown table ready to paste into docs/benchmarks.md (numbers right-aligned)."""
+    formats = formats or {}
+    numeric = [any(isinstance(r.get(c), (int, float)) for r in rows) for c in columns]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---:" if n else "---" for n in numeric) + "|"]
+    lines += ["| " + " | ".join(_cell(r, c, formats, "") for c in columns) + " |" for r in rows]
     return "\n".join(lines)
 
 
