@@ -196,7 +196,7 @@ def sparse_allreduce_async(
         idx: torch.Tensor = synchronize(indices)
         if op == Average:
             vals = vals / process_set.size()
-        return torch.sparse_coo_tensor(idx.t(), vals, t.size())
+        return torch.sparse_coo_tensor(idx.t(), vals, t.size(), check_invariants=True)
 
     return finish
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Iterator, List, Optional
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -24,10 +24,19 @@ import torch
 import nccl_ddp as nd
 from nccl_ddp.adapters.torch.adapter import TorchModule
 from nccl_ddp.adapters.torch.tensors import torch_stream_current
-from nccl_ddp.errors import ConfigError, ConfigTypeError, ReducerError
-from nccl_ddp.horovod.common import OP_NAMES, Average, check_scale, fusion_threshold_mb, resolve_op
-from nccl_ddp.horovod.process_sets import global_process_set, group_of
-from nccl_ddp.horovod.torch.ops import Compression
+from nccl_ddp.errors import ConfigError, ConfigTypeError, RankMismatchError, ReducerError
+from nccl_ddp.horovod.common import (
+    OP_NAMES,
+    Average,
+    allgather_object,
+    check_scale,
+    fusion_threshold_mb,
+    resolve_op,
+)
+from nccl_ddp.horovod.compression import Compressor
+from nccl_ddp.horovod.process_sets import ProcessSet, global_process_set, group_of
+from nccl_ddp.horovod.torch.exchange import sparse_allreduce_async
+from nccl_ddp.horovod.torch.ops import Compression, allreduce_
 
 _TOO_MANY = (
     "Gradients were computed more than backward_passes_per_step times before call to step(). "
@@ -56,6 +65,19 @@ class _OptimizerGrads(TorchModule):
         self.passes_per_step = passes_per_step
         self.passes = 0  # backward passes accumulated since the last reduction
         self.reduced = False  # a reduction that step()/synchronize() has not consumed yet
+        self.sparse: Dict[int, torch.Tensor] = {}  # sparse grads (embeddings), reduced apart
+
+    def _adopt_grad(self, i: int, p: torch.Tensor) -> None:
+        """A sparse grad (nn.Embedding(sparse=True)) stays out of the buckets: kept (summed over
+        accumulated passes) for its own reduction at synchronize; its bucket slot reduces zeros."""
+        g = p.grad
+        if g is not None and g.is_sparse:
+            kept = self.sparse.get(i)
+            self.sparse[i] = g if kept is None else kept + g
+            self._grads[i].zero_()
+            p.grad = None
+            return
+        super()._adopt_grad(i, p)
 
     def _queue_end_of_backward(self) -> None:
         if self.reduced:
@@ -80,6 +102,11 @@ class _OptimizerGrads(TorchModule):
         """Grad i into its bucket view: zeros when it has none (Horovod reduces zeros)."""
         p, mine = self.params[i], self._grads[i]
         g = p.grad
+        if i in self.sparse:
+            return
+        if g is not None and g.is_sparse:
+            self._adopt_grad(i, p)
+            return
         if g is None:
             mine.zero_()
         elif g.data_ptr() != mine.data_ptr():
@@ -136,9 +163,12 @@ class _GradSync:
         passes: int,
         op: int,
         predivide: float,
-        process_set: Any,
+        process_set: ProcessSet,
+        sparse_as_dense: bool,
     ) -> None:
         group = group_of(process_set, "DistributedOptimizer")
+        self.names, self.op, self.process_set = names, op, process_set
+        self.sparse_as_dense = sparse_as_dense
         holder = torch.nn.Module()
         for i, p in enumerate(params):
             holder.register_parameter(f"p{i}", p)
@@ -166,6 +196,19 @@ class _GradSync:
         if not self.grads.reduced and self.grads.passes > 0:
             self.grads.reduce_now()
         self.grads.reduced = False
+        self._reduce_sparse()
+
+    def _reduce_sparse(self) -> None:
+        """Horovod's sparse grads: gathered indices and values (the sum, Average divided), or
+        with sparse_as_dense the dense allreduce made sparse again."""
+        kept, self.grads.sparse = self.grads.sparse, {}
+        for i in sorted(kept):
+            p, name = self.grads.params[i], f"sparse.{self.names[i]}"
+            if self.sparse_as_dense:
+                dense = kept[i].to_dense().contiguous()
+                p.grad = allreduce_(dense, name=name, op=self.op, process_set=self.process_set).to_sparse()
+            else:
+                p.grad = sparse_allreduce_async(kept[i], name, self.op, self.process_set)()
 
 
 class _DistributedOptimizer:
@@ -173,37 +216,38 @@ class _DistributedOptimizer:
 
     def __init__(
         self,
-        params: Any,
-        named_parameters: Any,
-        compression: Any,
+        params: List[Dict[str, Any]],
+        named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]],
+        compression: type[Compressor],
         backward_passes_per_step: int,
         op: int,
         gradient_predivide_factor: float,
-        process_set: Any,
+        process_set: ProcessSet,
+        sparse_as_dense: bool = False,
     ) -> None:
         super().__init__(params)  # type: ignore[call-arg]
         self._compression = compression
         groups = self.param_groups  # type: ignore[attr-defined]
+        everything = [v for g in groups for v in g["params"]]
         if named_parameters is not None:
-            named_parameters = list(named_parameters)
-        else:
-            named_parameters = [
-                (f"allreduce.noname.{i}", v) for g in groups for i, v in enumerate(g["params"])
-            ]
-        if any(not isinstance(p, tuple) for p in named_parameters):
+            named = list(named_parameters)
+        else:  # Horovod's names: one counter over every param group
+            named = [(f"allreduce.noname.{i}", v) for i, v in enumerate(everything)]
+        if any(not isinstance(p, tuple) for p in named):
             raise ConfigTypeError(
                 "DistributedOptimizer: named_parameters should be a sequence of tuples (name, parameter), "
                 "usually produced by model.named_parameters()"
             )
-        names = [k for k, _ in named_parameters]
+        names = [k for k, _ in named]
         dups = sorted({k for k in names if names.count(k) > 1})
         if dups:
             raise ConfigError(
                 "DistributedOptimizer: parameter names in named_parameters must be unique; "
                 f"duplicates: {dups}"
             )
-        name_of = {id(v): k for k, v in named_parameters}
-        trained = [p for g in groups for p in g["params"] if p.requires_grad]
+        name_of = {id(v): k for k, v in named}
+        self._parameter_names = {v: name_of[id(v)] for v in everything if id(v) in name_of}
+        trained = [p for p in everything if p.requires_grad]
         unnamed = [i for i, p in enumerate(trained) if id(p) not in name_of]
         if unnamed:
             raise ConfigError(
@@ -214,11 +258,16 @@ class _DistributedOptimizer:
         self.backward_passes_per_step = backward_passes_per_step
         self.op = op
         self.gradient_predivide_factor = gradient_predivide_factor
+        self.process_set = process_set
         self._synchronized = False
         self._should_synchronize = True
-        group = group_of(process_set, "DistributedOptimizer")
         self._sync: Optional[_GradSync] = None
+        if not process_set.included():
+            return  # Horovod's: a rank outside the set trains on its own grads
+        group = group_of(process_set, "DistributedOptimizer")
         if group.size > 1 and trained:
+            trained.sort(key=lambda p: name_of[id(p)])  # every rank lays its buckets out by name
+            _check_same_parameters(trained, name_of, process_set)
             self._sync = _GradSync(
                 trained,
                 [name_of[id(p)] for p in trained],
@@ -227,6 +276,7 @@ class _DistributedOptimizer:
                 op,
                 gradient_predivide_factor,
                 process_set,
+                sparse_as_dense,
             )
 
     def set_backward_passes_per_step(self, passes: int) -> None:
@@ -274,6 +324,32 @@ class _DistributedOptimizer:
         self._synchronized = False
         self._should_synchronize = True
         super().load_state_dict(state_dict)  # type: ignore[misc]
+
+
+def _check_same_parameters(
+    trained: List[torch.Tensor], name_of: Dict[int, str], process_set: ProcessSet
+) -> None:
+    """Every member names the same parameters with the same shapes and dtypes (grads are matched
+    by name, as Horovod's); else a RankMismatchError on every rank naming the differences."""
+    mine = [(name_of[id(p)], tuple(p.shape), str(p.dtype)) for p in trained]
+    gathered = allgather_object(mine, name="DistributedOptimizer.parameters", process_set=process_set)
+    everyone: List[List[Tuple[str, Tuple[int, ...], str]]] = gathered  # type: ignore[assignment]
+    first = everyone[0]
+    if all(other == first for other in everyone):
+        return
+    ranks = process_set.ranks
+    diffs = []
+    for r, other in zip(ranks[1:], everyone[1:]):
+        a, b = {n: rest for n, *rest in first}, {n: rest for n, *rest in other}
+        only0, only_r = sorted(set(a) - set(b))[:5], sorted(set(b) - set(a))[:5]
+        shapes = [(n, a[n], b[n]) for n in sorted(set(a) & set(b)) if a[n] != b[n]][:5]
+        if only0 or only_r or shapes:
+            diffs.append(f"rank {r}: lacks {only0}, adds {only_r}, differs in {shapes}")
+    raise RankMismatchError(
+        f"rank {nd.get_rank()}: DistributedOptimizer: the ranks' parameters differ from rank "
+        f"{ranks[0]}'s ({'; '.join(diffs)}); every rank must build the same model and pass the "
+        "same named_parameters (grads are matched by name)"
+    )
 
 
 def _check_passes(passes: Any) -> None:
@@ -327,4 +403,5 @@ def DistributedOptimizer(
         op,
         predivide,
         process_set,
+        sparse_as_dense,
     )
