@@ -16,6 +16,7 @@ import numbers
 import sys
 import time
 from dataclasses import dataclass, field
+from types import TracebackType
 from typing import Any, Optional, Sequence, Union, cast
 
 import numpy as np
@@ -57,6 +58,7 @@ class _World:
 
 
 _world: Optional[_World] = None
+_exit_notice = False  # the excepthook that tells the peers is installed
 
 
 def _pick_backend(backend: Optional[str]) -> str:
@@ -119,6 +121,7 @@ def init_process_group(
     _leave_if_ms_scheduler(env)
     _notice_job_of_one(env)
     install_failure_hook()
+    _install_exit_notice()
     name = _pick_backend(backend)
     if owns:
         from nccl_ddp.store.client import connect_store
@@ -198,6 +201,9 @@ def destroy_process_group() -> None:
     store early), but never for a rank that is gone: not after a failed collective (a peer died),
     and not once the group sees a member's connection closed (it exited without destroying)."""
     global _world
+    leaving = sys.exc_info()[1]  # called in a finally or except block: say why this rank leaves
+    if leaving is not None:
+        _tell_peers(leaving, "left the job (destroy_process_group) while handling")
     w, _world = _world, None
     if w is None:
         return
@@ -210,6 +216,36 @@ def destroy_process_group() -> None:
         w.group.shutdown()
         if w.owns_store:
             w.store.close()
+
+
+def _tell_peers(exc: BaseException, how: str) -> None:
+    """Poison this rank's live groups with why it leaves, so that a peer waiting on it fails
+    naming this rank and `exc` instead of "peer closed the connection"."""
+    w = _world
+    if w is None or w.env.world_size == 1:
+        return
+    reason = f"rank {w.env.rank} {how} {type(exc).__name__}: {exc}"
+    for g in [w.group, *w.by_key.values()]:
+        if not g.failed:
+            g.poison(reason)
+
+
+def _install_exit_notice() -> None:
+    """Once per process: an uncaught exception tells the peers (sys.excepthook runs before the
+    interpreter closes the sockets)."""
+    global _exit_notice
+    if _exit_notice:
+        return
+    _exit_notice = True
+    previous = sys.excepthook
+
+    def hook(tp: type[BaseException], value: BaseException, tb: Optional[TracebackType]) -> None:
+        try:
+            _tell_peers(value, "exited on an uncaught")
+        finally:
+            previous(tp, value, tb)
+
+    sys.excepthook = hook
 
 
 def _wait_for_peers(w: _World) -> None:
