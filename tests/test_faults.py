@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 import pytest
-from launch_run import alive, run_launcher, wait_gone, write_script
+from launch_run import alive, run_launcher, wait_all, wait_gone, write_script
 from mp import free_port, run_ranks
 
 import nccl_ddp as nd
@@ -1079,13 +1079,7 @@ def _nodes(tmp_path, script, per_node, *extra, port=None, env=None, timeout=120)
     """_start_nodes, then wait for both; returns (procs, outputs, seconds)."""
     t0 = time.monotonic()
     procs = _start_nodes(script, per_node, *extra, port=port, env=env)
-    try:
-        outs = [p.communicate(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(5)
+    outs = wait_all(procs, timeout)
     return procs, outs, time.monotonic() - t0
 
 

@@ -4,11 +4,10 @@ peers why before its sockets close. Two scripts with a hand-set environment (as 
 batch system gives it), no launcher of ours."""
 
 import os
-import subprocess
 import sys
 
 import pytest
-from launch_run import write_script
+from launch_run import run_together, write_script
 from mp import free_port
 
 LEAVES = """
@@ -40,23 +39,8 @@ def test_a_rank_failing_because_of_its_peer_names_the_peer_and_why(tmp_path, how
     script = write_script(tmp_path, LEAVES)
     base = {k: v for k, v in os.environ.items() if not k.startswith(("NCCL_DDP_", "MASTER_"))}
     base.update(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    procs = [
-        subprocess.Popen(
-            [sys.executable, script, how],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=dict(base, RANK=str(r), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2"),
-        )
-        for r in (0, 1)
-    ]
-    try:
-        outs = [p.communicate(timeout=90) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(5)
+    envs = [dict(base, RANK=str(r), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2") for r in (0, 1)]
+    procs, outs = run_together([[sys.executable, script, how]] * 2, envs)
     (line,) = [x for x in outs[0][0].splitlines() if x.startswith("RESULT")] or [outs[0]]
     assert line.startswith("RESULT CommError") and "peer rank 1 gave up: rank 1 " in line, line
     assert "ValueError: backward_passes_per_step is 2 here and 1 on rank 0" in line, line

@@ -3,11 +3,10 @@ way to try a multi-node job before there are two nodes."""
 
 import os
 import socket
-import subprocess
 import sys
 
 import pytest
-from launch_run import write_script
+from launch_run import run_together, write_script
 
 ALL_REDUCE = """
     import numpy as np
@@ -42,23 +41,8 @@ def test_two_nodes_on_loopback_run_as_under_torchrun(tmp_path):
     port = str(_free_pair())
     launch = [sys.executable, "-m", "nccl_ddp.launch", "--nnodes", "2", "--nproc-per-node", "1"]
     launch += ["--master-addr", "127.0.0.1", "--master-port", port]
-    procs = [
-        subprocess.Popen(
-            [*launch, "--node-rank", str(n), script],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for n in (0, 1)
-    ]
-    try:
-        outs = [p.communicate(timeout=90) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(5)
+    commands = [[*launch, "--node-rank", str(n), script] for n in (0, 1)]
+    procs, outs = run_together(commands, [env, env])
     assert [p.returncode for p in procs] == [0, 0], outs
     for n, (out, _) in enumerate(outs):
         assert f"[rank {n}] rank {n} of 2 [3.0, 3.0, 3.0]" in out, out

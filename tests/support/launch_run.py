@@ -42,3 +42,25 @@ def wait_gone(pids, timeout=5.0):
     while time.monotonic() < deadline and any(alive(p) for p in pids):
         time.sleep(0.05)
     return [p for p in pids if alive(p)]
+
+
+def run_together(commands, envs, timeout=90):
+    """Start every command (its env from `envs`, one each) at once, wait for all; returns (the
+    processes, their (stdout, stderr)). Nothing outlives the call."""
+    procs = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for cmd, env in zip(commands, envs)
+    ]
+    return procs, wait_all(procs, timeout)
+
+
+def wait_all(procs, timeout):
+    """Every process's (stdout, stderr) once it ended; any still running after `timeout` (or on
+    an error) is killed."""
+    try:
+        return [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(5)
