@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -91,7 +91,7 @@ _LAUNCHER_VARS = {
 }
 
 
-def resolve_op(op: Any, average: Any, where: str) -> int:
+def resolve_op(op: object, average: object, where: str) -> int:
     """Horovod's `op` (None: Average) with its deprecated `average=` flag; Adasum is refused."""
     if average is not None:
         if op is not None:
@@ -115,7 +115,7 @@ def resolve_op(op: Any, average: Any, where: str) -> int:
     return int(op)
 
 
-def check_scale(where: str, name: str, value: Any) -> float:
+def check_scale(where: str, name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
         raise ConfigTypeError(f"{where}: {name} must be a number, got {type(value).__name__} {value!r}")
     return float(value)
@@ -135,7 +135,7 @@ class _State:
 _state = _State()
 
 
-def init(comm: Any = None, process_sets: Optional[Sequence[ProcessSet]] = None) -> None:
+def init(comm: object = None, process_sets: Optional[Sequence[ProcessSet]] = None) -> None:
     """Join the job (nccl_ddp.init_process_group: the launcher's variables, Horovod's
     HOROVOD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE too) and register `process_sets`. Collective."""
     if comm is not None:

@@ -5,16 +5,17 @@ is an `nccl_ddp.new_group(ranks)` once registered, at `hvd.init(process_sets=...
 from __future__ import annotations
 
 import itertools
-from typing import Any, List, Optional
+from typing import Iterable, List, Optional, Union
 
 import nccl_ddp as nd
+from nccl_ddp.comm.group import NonMemberGroup, ProcessGroup
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 
 
 class ProcessSet:
     """Horovod's process set: a sorted list of global ranks, an nccl_ddp group once registered."""
 
-    def __init__(self, ranks_or_comm: Any) -> None:
+    def __init__(self, ranks_or_comm: Iterable[int]) -> None:
         if isinstance(ranks_or_comm, (str, bytes)) or not hasattr(ranks_or_comm, "__iter__"):
             raise ConfigTypeError(
                 f"ProcessSet takes a list of global ranks, got {type(ranks_or_comm).__name__} "
@@ -22,9 +23,9 @@ class ProcessSet:
             )
         self.ranks: List[int] = sorted(int(r) for r in ranks_or_comm)
         self.process_set_id: Optional[int] = None
-        self._group: Any = None
+        self._group: Union[ProcessGroup, NonMemberGroup, None] = None
 
-    def _register(self, group: Any, set_id: int = 0) -> None:
+    def _register(self, group: Union[ProcessGroup, NonMemberGroup], set_id: int = 0) -> None:
         self._group, self.process_set_id = group, set_id
         if not self.ranks:  # the global set
             self.ranks = list(range(nd.get_world_size()))
@@ -43,14 +44,14 @@ class ProcessSet:
     def included(self) -> Optional[bool]:
         return None if self.process_set_id is None else nd.get_rank() in self.ranks
 
-    def group(self, where: str) -> Any:
+    def group(self, where: str) -> ProcessGroup:
         """The nccl_ddp group of this set (this rank must be a member)."""
         if self._group is None:
             raise ConfigError(
                 f"{where}: process set {self.ranks or 'global'} is not registered; call hvd.init() "
                 "first, and hvd.add_process_set(ranks) (on every rank) for a new set"
             )
-        if not self._group:
+        if isinstance(self._group, NonMemberGroup):
             raise ConfigError(
                 f"rank {nd.get_rank()}: {where}: this rank is not in process set {self.ranks}; "
                 "call it on the set's ranks only"
@@ -68,7 +69,7 @@ _registered: List[ProcessSet] = []
 _set_ids = itertools.count(1)
 
 
-def add_process_set(process_set: Any) -> ProcessSet:
+def add_process_set(process_set: Union[ProcessSet, Iterable[int]]) -> ProcessSet:
     """Register a process set (a ProcessSet or a list of ranks); every rank calls it, in the
     same order (nccl_ddp.new_group)."""
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
@@ -89,7 +90,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     return True
 
 
-def group_of(process_set: Any, where: str) -> Any:
+def group_of(process_set: object, where: str) -> ProcessGroup:
     if not isinstance(process_set, ProcessSet):
         raise ConfigTypeError(
             f"{where}: process_set must be an hvd.ProcessSet (hvd.global_process_set or one from "

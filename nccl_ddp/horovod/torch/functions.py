@@ -3,7 +3,7 @@ broadcast_optimizer_state, and the object collectives."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Dict, Iterable, Optional, Tuple, Union
 
 import torch
 
@@ -11,11 +11,15 @@ from nccl_ddp.adapters.torch.tensors import to_native
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 from nccl_ddp.horovod import collectives
 from nccl_ddp.horovod.common import broadcast_object
-from nccl_ddp.horovod.process_sets import global_process_set, group_of
+from nccl_ddp.horovod.process_sets import ProcessSet, global_process_set, group_of
 from nccl_ddp.horovod.torch.optimizer import _DistributedOptimizer
 
+Params = Union[Dict[str, torch.Tensor], Iterable[Union[torch.Tensor, Tuple[str, torch.Tensor]]]]
 
-def broadcast_parameters(params: Any, root_rank: int, process_set: Any = global_process_set) -> None:
+
+def broadcast_parameters(
+    params: Params, root_rank: int, process_set: ProcessSet = global_process_set
+) -> None:
     """`root_rank`'s values into `params` on every rank: a `state_dict()`, `named_parameters()`
     or a list of tensors; fused into one broadcast per dtype."""
     if isinstance(params, dict):
@@ -35,7 +39,10 @@ def broadcast_parameters(params: Any, root_rank: int, process_set: Any = global_
 
 
 def broadcast_optimizer_state(
-    optimizer: Any, root_rank: int, model: Any = None, process_set: Any = global_process_set
+    optimizer: torch.optim.Optimizer,
+    root_rank: int,
+    model: Optional[torch.nn.Module] = None,
+    process_set: ProcessSet = global_process_set,
 ) -> None:
     """`root_rank`'s optimizer state (tensors fused per dtype; scalars and the param groups'
     options pickled) on every rank. A fresh optimizer's state is created first by one step on

@@ -19,7 +19,7 @@ from nccl_ddp.horovod import collectives, negotiation
 from nccl_ddp.horovod.arrays import NativeArray
 from nccl_ddp.horovod.collectives import reduce_args, where_of
 from nccl_ddp.horovod.common import Average, resolve_op
-from nccl_ddp.horovod.compression import Compressor, HalfCompressor, NoneCompressor
+from nccl_ddp.horovod.compression import Compressor, HalfCompressor, NoneCompressor, T
 from nccl_ddp.horovod.handles import new_handle, synchronize
 from nccl_ddp.horovod.negotiation import Entry
 from nccl_ddp.horovod.process_sets import ProcessSet, global_process_set, group_of
@@ -33,12 +33,13 @@ class FP16Compressor(HalfCompressor):
     half = torch.float16
 
     @staticmethod
-    def cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def cast(tensor: T, dtype: object) -> T:
+        assert isinstance(tensor, torch.Tensor) and isinstance(dtype, torch.dtype)
         return tensor.to(dtype)
 
     @staticmethod
-    def is_float(dtype: torch.dtype) -> bool:
-        return bool(dtype.is_floating_point)
+    def is_float(dtype: object) -> bool:
+        return isinstance(dtype, torch.dtype) and dtype.is_floating_point
 
 
 class Compression:
