@@ -177,7 +177,8 @@ class Reducer:
             raise ReducerError(
                 self._missing_message(
                     "Expected to have finished reduction in the prior iteration before starting a new "
-                    "one (forward was called again before every grad of the previous step was ready)"
+                    "one (forward was called again before every grad of the previous step was ready)",
+                    self.config.find_unused_parameters,
                 )
             )
         self._uses_prepare = True
@@ -444,5 +445,5 @@ class Reducer:
     def _label(self, i: int) -> str:
         return f"{i} ({self.names[i]!r})" if 0 <= i < len(self.names) and self.names[i] else str(i)
 
-    def _missing_message(self, head: str) -> str:
-        return self.step.missing_message(head, self.group.rank, self.used.excluded, self._label)
+    def _missing_message(self, head: str, finds_unused: bool = False) -> str:
+        return self.step.missing_message(head, self.group.rank, self.used.excluded, self._label, finds_unused)

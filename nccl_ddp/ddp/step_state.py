@@ -100,17 +100,30 @@ class StepState:
         return [i for i in range(len(self.ready)) if not self.ready[i] and i not in excluded]
 
     def missing_message(
-        self, head: str, rank: int, excluded: Collection[int], label: Callable[[int], str]
+        self,
+        head: str,
+        rank: int,
+        excluded: Collection[int],
+        label: Callable[[int], str],
+        finds_unused: bool = False,
     ) -> str:
-        """torch's message for grads that never came, naming them."""
+        """torch's message for grads that never came, naming them; `finds_unused`: the step had
+        find_unused_parameters=True, so only finalize() was missing."""
         missing = self.missing(excluded)
         shown = ", ".join(label(i) for i in missing[:20])
         more = f" and {len(missing) - 20} more" if len(missing) > 20 else ""
+        advice = (
+            "find_unused_parameters=True is on, but nothing ended that step: call finalize() on "
+            "the DistributedDataParallel wrapper after every backward, before the optimizer step "
+            "(this framework's backward has no end-of-backward callback to do it), so the grads "
+            "that never came are reduced as they are"
+            if finds_unused
+            else "You can enable unused parameter detection by passing find_unused_parameters=True "
+            "to DistributedDataParallel (and calling finalize() after backward), or make sure every "
+            "parameter gets a grad (mark_ready) in every step"
+        )
         return (
             f"rank {rank}: {head}. This error indicates that your module has "
             "parameters that were not used in producing loss. Parameter indices which did not "
-            f"receive grad for rank {rank}: {shown}{more}. You can enable unused "
-            "parameter detection by passing find_unused_parameters=True to "
-            "DistributedDataParallel (and calling finalize() after backward), or make sure every "
-            "parameter gets a grad (mark_ready) in every step."
+            f"receive grad for rank {rank}: {shown}{more}. {advice}."
         )

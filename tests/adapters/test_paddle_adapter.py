@@ -103,6 +103,22 @@ def test_find_unused_parameters_bitwise_equal_to_paddle(trained):
             )
 
 
+def test_find_unused_parameters_without_finalize_says_to_call_it(tmp_path):
+    """find_unused_parameters=True, the ranks using different heads, no finalize() after
+    backward: the next forward's error says to call finalize() (before: it suggested passing
+    find_unused_parameters=True, which was on)."""
+    script = os.path.join(SUPPORT, "paddle_checks.py")
+    log = _run(
+        [PY, "-m", "nccl_ddp.launch", "--nproc-per-node", "2", script, "no_finalize", str(tmp_path)], tmp_path
+    )
+    assert log.count("paddle_checks: rank") == 2, log[-3000:]
+    for rank in (0, 1):
+        msg = (tmp_path / f"nofinalize{rank}.txt").read_text()
+        assert msg.startswith(f"ReducerError: rank {rank}: Expected to have finished reduction"), msg
+        assert "find_unused_parameters=True is on, but nothing ended that step: call finalize()" in msg, msg
+        assert "You can enable unused parameter detection" not in msg, msg
+
+
 def test_state_dict_keys_and_parameter_names_are_paddles(trained):
     for rank in (0, 1):
         _, names = trained[rank]

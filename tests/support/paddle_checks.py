@@ -2,6 +2,7 @@
 
     python paddle_checks.py train OUT     # under nccl-ddp-run with 2 ranks
     python paddle_checks.py single        # one process (a job of one)
+    python paddle_checks.py no_finalize OUT   # under nccl-ddp-run with 2 ranks
 
 train: every rank joins our job and Paddle's own (gloo on the CPU: Paddle's environment
 variables, its store on a port rank 0 picked and broadcast through ours), then trains the same
@@ -333,8 +334,32 @@ def single() -> None:
     print("paddle_checks: all passed", flush=True)
 
 
+def no_finalize(out: str) -> None:
+    """find_unused_parameters=True, the ranks using different heads, and no finalize(): the next
+    forward refuses, and the message says to call finalize(). Writes OUT/nofinalize{r}.txt."""
+    nd.init_process_group(timeout=30)
+    rank = nd.get_rank()
+    model = nd.DistributedDataParallel(Branches(), find_unused_parameters=True)
+    opt = paddle.optimizer.Momentum(0.05, momentum=0.9, parameters=model.parameters())
+    got = "no error"
+    try:
+        for step, heads in enumerate(HEADS):
+            x, _ = batch(rank, step)
+            (model(x, use_c=heads[rank]) ** 2).mean().backward()
+            opt.step()
+            opt.clear_grad()
+    except Exception as e:  # the test reads it
+        got = f"{type(e).__name__}: {e}"
+    with open(os.path.join(out, f"nofinalize{rank}.txt"), "w") as f:
+        f.write(got)
+    nd.destroy_process_group()
+    print(f"paddle_checks: rank {rank} no_finalize", flush=True)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "train":
         train(sys.argv[2])
+    elif sys.argv[1] == "no_finalize":
+        no_finalize(sys.argv[2])
     else:
         single()
