@@ -85,11 +85,14 @@ def one_op_reducer(parameters):
     import nccl_ddp as nd
 
     cell = nd.DistributedGradReducer(parameters, mean=True)
-    reducer = cell.reducer
-    shapes = [spec.shape for spec in reducer.specs]
+    specs = cell.reducer.specs
+    shapes = [spec.shape for spec in specs]
     sizes = [int(np.prod(s)) for s in shapes]
     bounds = np.cumsum([0, *sizes])
     dtype = parameters[0].dtype
+    # the pyfunc op hands NumPy arrays to its function: reduce them with a reducer built on NumPy
+    # arrays of the same shapes (one on MindSpore parameters refuses other frameworks' arrays)
+    reducer = nd.DistributedGradReducer([np.zeros(s.shape, s.dtype) for s in specs], mean=True)
 
     def reduce_all(flat):
         grads = [flat[lo:hi].reshape(s) for lo, hi, s in zip(bounds, bounds[1:], shapes)]
@@ -97,7 +100,7 @@ def one_op_reducer(parameters):
 
     class OneOp(type(cell)):
         def __init__(self):
-            super().__init__(reducer)
+            super().__init__(cell.reducer)
             self.op = ops.Custom(
                 reduce_all, out_shape=[[n] for n in sizes], out_dtype=[dtype] * len(sizes), func_type="pyfunc"
             )

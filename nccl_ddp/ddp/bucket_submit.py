@@ -185,7 +185,7 @@ class BucketSubmitter:
         offsets = bucket.offsets
         if mode == "pack" and self.pool is not None:  # zeroed in stream order, after its last reader
             buf = self.pool.buffers[b]
-            submit(comm, "pack", b, bucket.nbytes, kernels.zero_, buf)
+            submit(comm, "pack", b, bucket.nbytes, self.pool.clear, b)
         srcs, offs = ([buf], [0]) if mode == "view" else (grads, offsets)
         if path is HookPath.COMPRESSED:  # pack into the compression dtype, reduce it, widen back
             wbuf = self._compressed_buffer(layout, b, compression)

@@ -103,12 +103,26 @@ class GradPool:
         return sum(int(f.nbytes) for f in self._flat.values())
 
     def buffer(self, b: int) -> Any:
-        """Bucket b's buffer, zeroed now, as the pack that follows runs (on CuPy: the current
-        stream): gaps and padding belong to no parameter, and a previous bucket's values there
-        would reach the norm."""
+        """Bucket b's buffer, cleared now (`clear`), as the pack that follows runs (on CuPy: the
+        current stream)."""
+        self.clear(b)
+        return self.buffers[b]
+
+    def clear(self, b: int) -> None:
+        """Zero bucket b's gaps and padding, which belong to no parameter (a previous bucket's
+        values there would reach the norm); the pack writes every parameter's range. On the host
+        only the gaps (one pass over the bucket less); on a GPU the whole buffer, in one kernel."""
         view = self.buffers[b]
-        kernels.zero_(view)
-        return view
+        if not isinstance(view, np.ndarray):
+            kernels.zero_(view)
+            return
+        bucket = self.layout.buckets[b]
+        end = 0
+        for o, n in zip(bucket.offsets, bucket.numels):
+            if o > end:
+                view[end:o] = 0
+            end = max(end, o + n)
+        view[end:] = 0
 
 
 def refuse_unshardable(rank: int, reducer_mode: str, static_graph: bool, comm_hook: Any) -> None:
