@@ -2,11 +2,11 @@
 way to try a multi-node job before there are two nodes."""
 
 import os
-import socket
 import sys
 
 import pytest
 from launch_run import run_together, write_script
+from ports import free_port_beside
 
 ALL_REDUCE = """
     import numpy as np
@@ -18,27 +18,13 @@ ALL_REDUCE = """
 """
 
 
-def _free_pair() -> int:
-    """A port P with P+1 free too (node 0's store listens on MASTER_PORT + 1)."""
-    for _ in range(50):
-        with socket.socket() as a, socket.socket() as b:
-            try:
-                a.bind(("127.0.0.1", 0))
-                port = a.getsockname()[1]
-                b.bind(("127.0.0.1", port + 1))
-                return port
-            except OSError:
-                continue
-    raise RuntimeError("no free port pair")
-
-
 @pytest.mark.slow
 def test_two_nodes_on_loopback_run_as_under_torchrun(tmp_path):
     # before: both launchers exited 2 with "a multi-node job needs --master-addr", which was given
     script = write_script(tmp_path, ALL_REDUCE)
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
     env["NCCL_DDP_SECRET"] = "loopback-nodes-test"
-    port = str(_free_pair())
+    port = str(free_port_beside(1))
     launch = [sys.executable, "-m", "nccl_ddp.launch", "--nnodes", "2", "--nproc-per-node", "1"]
     launch += ["--master-addr", "127.0.0.1", "--master-port", port]
     commands = [[*launch, "--node-rank", str(n), script] for n in (0, 1)]

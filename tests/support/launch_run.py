@@ -1,4 +1,4 @@
-"""Running the launcher in tests (tests/launch, test_faults): `run_launcher` runs `python -m nccl_ddp.launch
+"""Running the launcher in tests (tests/launch): `run_launcher` runs `python -m nccl_ddp.launch
 ARGS` without the caller's job variables, `write_script` writes a worker script, `alive`/`wait_gone`
 watch the processes it started."""
 

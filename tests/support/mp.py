@@ -63,6 +63,14 @@ def _child(fn, rank, world_size, args, env, results):
         results.put((rank, False, traceback.format_exc(), FailureRecord.of(e, rank)))
 
 
+def outcome(fn):
+    """('ok', value) or (exception class name, message): what a rank saw, for the test to assert on."""
+    try:
+        return "ok", fn()
+    except Exception as e:  # the test asserts on it
+        return type(e).__name__, str(e)
+
+
 class RankFailed(AssertionError):
     pass
 

@@ -6,12 +6,13 @@ import os
 import pytest
 
 
-def _shm_entries() -> set:
+def shm_entries() -> set:
+    """Our segments in /dev/shm now."""
     return {n for n in os.listdir("/dev/shm") if n.startswith("nccl_ddp-")}
 
 
 @pytest.fixture(autouse=True)
 def no_shm_leaks():
-    before = _shm_entries()
+    before = shm_entries()
     yield
-    assert _shm_entries() - before == set(), "shared-memory segments left in /dev/shm"
+    assert shm_entries() - before == set(), "shared-memory segments left in /dev/shm"
