@@ -5,7 +5,7 @@ import sys
 import time
 
 import pytest
-from launch_run import run_launcher, wait_gone, write_script
+from launch_run import TORCH_EXIT, run_launcher, wait_gone, write_script
 from paths import ROOT
 
 from nccl_ddp.errors import ConfigError
@@ -249,7 +249,8 @@ def test_allreduce_demo_through_the_launcher():
     assert "[rank 1] rank 1/2" in r.stdout and "expected 3.0" in r.stdout
 
 
-TORCH_GLOO_AND_OURS = """
+TORCH_GLOO_AND_OURS = (
+    """
     import numpy as np, torch, torch.distributed as dist
     import nccl_ddp as nd
     dist.init_process_group("gloo")          # env://: binds MASTER_PORT on rank 0, as under torchrun
@@ -262,6 +263,8 @@ TORCH_GLOO_AND_OURS = """
     nd.destroy_process_group()
     dist.destroy_process_group()
 """
+    + TORCH_EXIT
+)  # not torch's teardown, which aborts now and then (launch_run.TORCH_EXIT)
 
 
 @pytest.mark.slow

@@ -3,11 +3,12 @@ nccl_ddp: a transformers Trainer / Lightning "ddp" / torch script launched with 
 torch's DDP, which would otherwise look like ours. A job that used ours gets no such line."""
 
 import pytest
-from launch_run import run_launcher, write_script
+from launch_run import TORCH_EXIT, run_launcher, write_script
 
 NOTICE = "no worker initialised nccl_ddp"
 
-TORCH_DDP_ONLY = """
+TORCH_DDP_ONLY = (
+    """
     import torch, torch.distributed as dist
     dist.init_process_group("gloo")
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
@@ -15,6 +16,8 @@ TORCH_DDP_ONLY = """
     print("grad", model.module.bias.grad.tolist())
     dist.destroy_process_group()
 """
+    + TORCH_EXIT
+)  # not torch's teardown, which aborts now and then (launch_run.TORCH_EXIT)
 
 OURS = """
     import numpy as np
