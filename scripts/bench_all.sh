@@ -41,7 +41,7 @@ load1() { cut -d' ' -f1 /proc/loadavg; }
 [[ $dry == 1 ]] || {
   echo "# Benchmarks, $(date -u '+%Y-%m-%d %H:%M UTC'), $(git rev-parse --short HEAD 2>/dev/null)$([[ $quick == 1 ]] && echo ', QUICK MODE (sizes too small to mean anything)')"
   echo
-  echo "$(nproc) CPUs ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)), $(free -g | awk '/Mem:/{print $2}') GiB;" \
+  echo "$(getconf _NPROCESSORS_ONLN) CPUs ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)), $(free -g | awk '/Mem:/{print $2}') GiB;" \
     "$(.venv/bin/python -c 'import sys, numpy, torch; print(f"Python {sys.version.split()[0]}, NumPy {numpy.__version__}, torch {torch.__version__}")' 2>/dev/null)"
   echo
 } >"$summary"
@@ -112,7 +112,7 @@ if [[ $quick == 1 ]]; then
   table mindspore .venv-ms/bin/python 300 scripts/bench_ms_graph.py --models lenet --steps 2 --rounds 1 --warmup 1 \
     --csv "$out/mindspore.csv"
   table horovod $P 300 scripts/bench_horovod.py --steps 3 --rounds 1 --warmup 1 --csv "$out/horovod.csv"
-  table startup $P 300 scripts/bench_startup.py --repeats 1 --csv "$out/startup.csv"
+  table startup $P 600 scripts/bench_startup.py --repeats 1 --csv "$out/startup.csv"
 else
   table allreduce_2ranks $P 300 scripts/bench_allreduce.py --csv "$out/allreduce_2ranks.csv" --png "$out/allreduce_2ranks.png"
   table allreduce_3ranks $P 300 scripts/bench_allreduce.py --nranks 3 --min 16M --max 256M \
@@ -133,7 +133,7 @@ else
   table paddle .venv-paddle/bin/python 300 scripts/bench_paddle.py --rounds 9 --steps 30 --csv "$out/paddle.csv"
   table mindspore .venv-ms/bin/python 300 scripts/bench_ms_graph.py --steps 10 --rounds 5 --csv "$out/mindspore.csv"
   table horovod $P 300 scripts/bench_horovod.py --rounds 9 --steps 30 --csv "$out/horovod.csv"
-  table startup $P 300 scripts/bench_startup.py --repeats 2 --csv "$out/startup.csv"
+  table startup $P 600 scripts/bench_startup.py --repeats 2 --csv "$out/startup.csv"
 fi
 
 [[ $dry == 1 ]] && exit 0
