@@ -31,14 +31,17 @@ bucket views, and a conversion of the framework's grads to native arrays (DLPack
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any, Callable, List, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
 from nccl_ddp import frameworks
+from nccl_ddp.adapters.base import GenericAdapter
 from nccl_ddp.ddp.interfaces import GradModule
 from nccl_ddp.dlpack import native_view
 from nccl_ddp.errors import ConfigError, ConfigTypeError
+from nccl_ddp.frameworks import NativeArray
 
 
 class ArrayModule(GradModule):
@@ -49,7 +52,9 @@ class ArrayModule(GradModule):
     """
 
     def __init__(
-        self, params: Union[Sequence[Any], Mapping[str, Any]], forward: Optional[Callable[..., Any]] = None
+        self,
+        params: Union[Sequence[object], Mapping[str, object]],
+        forward: Optional[Callable[..., object]] = None,
     ) -> None:
         if isinstance(params, Mapping):
             self.keys: list = list(params)
@@ -73,26 +78,28 @@ class ArrayModule(GradModule):
         self._forward = forward
         self._native_grads = [_xp(p).zeros(p.shape, dtype=p.dtype) for p in self._natives]
         grads = [self._user_grad(g) for g in self._native_grads]
-        self.grads: Any = dict(zip(self.keys, grads)) if isinstance(self.params, dict) else grads
+        self.grads: Union[list, dict] = (
+            dict(zip(self.keys, grads)) if isinstance(self.params, dict) else grads
+        )
 
     def __len__(self) -> int:
         return len(self.keys)
 
-    def native_params(self) -> List[Any]:
+    def native_params(self) -> List[NativeArray]:
         return list(self._natives)
 
-    def native_grads(self) -> List[Any]:
+    def native_grads(self) -> List[NativeArray]:
         return list(self._native_grads)
 
     @property
     def can_install_grads(self) -> bool:
         return True
 
-    def install_grad(self, i: int, view: Any) -> None:
+    def install_grad(self, i: int, view: NativeArray) -> None:
         self._native_grads[i] = view
         self.grads[self.keys[i]] = self._user_grad(view)
 
-    def _user_grad(self, native: Any) -> Any:
+    def _user_grad(self, native: NativeArray) -> object:
         """What `grads[k]` holds for a native grad: itself, or the framework's array over it."""
         if self._framework is None:
             return native
@@ -105,13 +112,13 @@ class ArrayModule(GradModule):
             )
         return grad
 
-    def to_native(self, i: int, grad: Any) -> Any:
+    def to_native(self, i: int, grad: Any) -> NativeArray:
         """A grad given to mark_ready: a native array, or a DLPack view of the framework's."""
         if self._framework is None or type(grad).__module__.split(".")[0] in frameworks.NATIVE:
             return grad
         return native_view(grad, f"the grad of params[{self.keys[i]!r}]")
 
-    def index_of(self, key: Any) -> int:
+    def index_of(self, key: object) -> int:
         """Index of a parameter given by dict key (str) or the array object itself."""
         if isinstance(key, str):
             if key in self.keys:
@@ -122,7 +129,7 @@ class ArrayModule(GradModule):
                 return i
         raise KeyError(key)
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: object, **kwargs: object) -> object:
         if self._forward is None:
             raise ConfigTypeError(
                 "this ArrayModule has no forward function; pass forward= to "
@@ -131,7 +138,7 @@ class ArrayModule(GradModule):
         return self._forward(self.params, *args, **kwargs)
 
 
-def _xp(a: Any) -> Any:
+def _xp(a: NativeArray) -> ModuleType:
     if isinstance(a, np.ndarray):
         return np
     import cupy  # only reached for CuPy arrays
@@ -139,7 +146,7 @@ def _xp(a: Any) -> Any:
     return cupy
 
 
-def _framework_of_params(params: Any, keys: list) -> Any:
+def _framework_of_params(params: Union[list, dict], keys: list) -> Optional[GenericAdapter]:
     """The generic adapter of the parameters' framework (None for NumPy / CuPy); all must share it."""
     names = {frameworks.framework_of(params[k]) for k in keys}
     if len(names) > 1:
@@ -148,14 +155,14 @@ def _framework_of_params(params: Any, keys: list) -> Any:
             f"ArrayModule params mix frameworks ({', '.join(shown)}): pass arrays of one framework"
         )
     name = names.pop() if names else None
-    return None if name is None else frameworks.generic_adapter(name)
+    return None if name is None else GenericAdapter(name)
 
 
-def _shares(a: Any, b: Any) -> bool:
+def _shares(a: NativeArray, b: NativeArray) -> bool:
     return bool(_xp(a).may_share_memory(a, b))
 
 
-def _check_array(what: str, a: Any, framework: Any) -> Any:
+def _check_array(what: str, a: Any, framework: Optional[GenericAdapter]) -> NativeArray:
     """The native array the core uses for parameter `a` (itself, or a DLPack view of it)."""
     if frameworks.is_immutable(a):
         raise ConfigError(

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import importlib
 import sys
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Callable, List, NoReturn, Optional, Sequence
 
 from nccl_ddp import frameworks
 from nccl_ddp.buckets.layout import ParamSpec
@@ -25,6 +26,9 @@ from nccl_ddp.ddp.interfaces import FrameworkAdapter, GradsAdapter
 from nccl_ddp.dlpack import cannot_exchange, native_view, numpy_dtype
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 from nccl_ddp.frameworks import NativeArray
+
+FromDLPack = Callable[[object], object]
+"""A framework's `from_dlpack`: an array (or a capsule) in, the framework's array out."""
 
 # where a framework's module keeps from_dlpack, in the order tried (attribute paths)
 FROM_DLPACK_PATHS = (
@@ -40,9 +44,9 @@ class GenericAdapter:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self._from_dlpack: Optional[Callable[[Any], Any]] = None
+        self._from_dlpack: Optional[FromDLPack] = None
 
-    def module(self) -> Any:
+    def module(self) -> ModuleType:
         """The framework's top-level module (already imported when one of its arrays exists)."""
         if self.name in sys.modules:
             return sys.modules[self.name]
@@ -51,13 +55,13 @@ class GenericAdapter:
         except ImportError as e:
             raise ConfigTypeError(f"cannot import the framework {self.name!r} ({e})") from e
 
-    def from_dlpack(self) -> Callable[[Any], Any]:
+    def from_dlpack(self) -> FromDLPack:
         """The framework's `from_dlpack`, found once at the first of `FROM_DLPACK_PATHS`."""
         if self._from_dlpack is None:
             self._from_dlpack = find_from_dlpack(self.module(), self.name)
         return self._from_dlpack
 
-    def array_from_native(self, native: Any, like: Any = None) -> Any:
+    def array_from_native(self, native: NativeArray, like: object = None) -> object:
         """A new array of this framework over `native` (zero-copy where the framework can)."""
         make = self.from_dlpack()
         try:
@@ -72,7 +76,7 @@ class GenericAdapter:
     def grads_adapter(self) -> DLPackGrads:
         return DLPackGrads(self)
 
-    def adapt(self, module: Any) -> Any:
+    def adapt(self, module: object) -> NoReturn:
         raise ConfigTypeError(
             f"nccl_ddp has no DistributedDataParallel for {self.name} models "
             f"({type(module).__module__}.{type(module).__name__}): pass the list of its "
@@ -82,10 +86,10 @@ class GenericAdapter:
         )
 
 
-def find_from_dlpack(module: Any, name: str) -> Callable[[Any], Any]:
+def find_from_dlpack(module: ModuleType, name: str) -> FromDLPack:
     """`module.from_dlpack` or the first of `FROM_DLPACK_PATHS` the module has."""
     for path in FROM_DLPACK_PATHS:
-        obj = module
+        obj: object = module
         for part in path.split("."):
             obj = getattr(obj, part, None)
             if obj is None:
@@ -105,7 +109,7 @@ class DLPackGrads(GradsAdapter):
     def __init__(self, framework: GenericAdapter) -> None:
         self.framework = framework
 
-    def check_leaf(self, what: str, x: Any) -> None:
+    def check_leaf(self, what: str, x: object) -> None:
         """`x` must be an array of this reducer's framework (never mixed in silently)."""
         name = frameworks.framework_of(x)
         if name == self.framework.name:
@@ -117,7 +121,7 @@ class DLPackGrads(GradsAdapter):
             )
         raise frameworks.mixed_frameworks(what, x, self.framework.name, f"{self.framework.name} arrays")
 
-    def param_infos(self, parameters: Any) -> List[ParamSpec]:
+    def param_infos(self, parameters: object) -> List[ParamSpec]:
         if not isinstance(parameters, (list, tuple)) or not parameters:
             raise ConfigTypeError(
                 f"parameters must be a non-empty list or tuple of {self.framework.name} arrays, "
@@ -134,7 +138,7 @@ class DLPackGrads(GradsAdapter):
         self.framework.from_dlpack()  # a framework we could not hand results back to: now
         return specs
 
-    def leaves(self, grads: Any) -> Sequence[Any]:
+    def leaves(self, grads: object) -> Sequence[Any]:
         if not isinstance(grads, (list, tuple)):
             raise ConfigTypeError(
                 f"grads must be a list or tuple of {self.framework.name} arrays, got {type(grads).__name__}"
@@ -143,10 +147,10 @@ class DLPackGrads(GradsAdapter):
             self.check_leaf(f"grads[{i}]", g)
         return grads
 
-    def to_native(self, grads: Any) -> List[Any]:
+    def to_native(self, grads: object) -> List[NativeArray]:
         return [native_view(g, f"grads[{i}]") for i, g in enumerate(self.leaves(grads))]
 
-    def from_native(self, grads: Any, reduced: Sequence[NativeArray]) -> Any:
+    def from_native(self, grads: Sequence[object], reduced: Sequence[NativeArray]) -> Sequence[object]:
         out = [self.framework.array_from_native(r, g) for r, g in zip(reduced, grads)]
         return tuple(out) if isinstance(grads, tuple) else out
 

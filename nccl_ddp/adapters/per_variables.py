@@ -10,17 +10,19 @@ is collected; a variable that cannot be weakly referenced is kept alive by its e
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Dict, Hashable, Sequence, Tuple
+from typing import Callable, Dict, Generic, Hashable, Sequence, Tuple, TypeVar
+
+T = TypeVar("T")
 
 
-class PerVariables:
+class PerVariables(Generic[T]):
     """`get(variables, settings, build)`: the object `build()` made for these very variables and
     settings, made now if there is none."""
 
     def __init__(self) -> None:
-        self._entries: Dict[Tuple[Any, ...], Tuple[Any, Tuple[Any, ...]]] = {}
+        self._entries: Dict[Tuple[Tuple[int, ...], Hashable], Tuple[T, Tuple[object, ...]]] = {}
 
-    def get(self, variables: Sequence[Any], settings: Hashable, build: Callable[[], Any]) -> Any:
+    def get(self, variables: Sequence[object], settings: Hashable, build: Callable[[], T]) -> T:
         key = (tuple(id(v) for v in variables), settings)
         entry = self._entries.get(key)
         if entry is not None:

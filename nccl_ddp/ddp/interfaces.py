@@ -35,6 +35,9 @@ from nccl_ddp.errors import ConfigTypeError
 from nccl_ddp.frameworks import ArrayAdapter, NativeArray
 from nccl_ddp.zero.core import ZeroCore
 
+Named = Tuple[Optional[str], NativeArray]
+"""(name, writable native array) of a frozen parameter or a buffer."""
+
 ReduceNative = Callable[[List[NativeArray]], Sequence[NativeArray]]
 """The grad reducer on a list of native grads (what `GradsAdapter.reduce` runs)."""
 
@@ -104,14 +107,14 @@ class GradModule(abc.ABC):
     names: List[Optional[str]]
 
     @abc.abstractmethod
-    def native_params(self) -> List[Any]:
+    def native_params(self) -> List[NativeArray]:
         """Writable native arrays sharing memory with the parameters (init broadcast writes them)."""
 
     @abc.abstractmethod
-    def native_grads(self) -> List[Any]:
+    def native_grads(self) -> List[NativeArray]:
         """Native arrays holding the accumulated grads (zeros before the first backward)."""
 
-    def install_grad(self, i: int, view: Any) -> None:
+    def install_grad(self, i: int, view: NativeArray) -> None:
         """Make the framework's grad of parameter i alias `view` (a bucket slice)."""
         raise NotImplementedError
 
@@ -128,7 +131,7 @@ class GradModule(abc.ABC):
         grad memory (torch). False: the grads live in full-size buckets."""
         return False
 
-    def install_param(self, i: int, view: Any) -> None:
+    def install_param(self, i: int, view: NativeArray) -> None:
         """Make the framework's parameter i alias `view` (a slice of a shard core's flat
         parameter buffer, zero=), keeping its identity (torch: `p.data = view`)."""
         raise NotImplementedError
@@ -139,7 +142,7 @@ class GradModule(abc.ABC):
         parameters back into `native_params()` after every step."""
         return False
 
-    def to_native(self, i: int, grad: Any) -> Any:
+    def to_native(self, i: int, grad: Any) -> NativeArray:
         """A native array for a grad of parameter i produced by the framework."""
         return grad
 
@@ -160,12 +163,12 @@ class GradModule(abc.ABC):
         """Wait for the framework's queued work that may still read the grads (MindSpore's
         asynchronous PyNative ops) before the reducer overwrites them."""
 
-    def named_frozen(self) -> List[Tuple[Optional[str], Any]]:
+    def named_frozen(self) -> List[Named]:
         """(name, writable native array) of the parameters that get no grad (frozen): every rank
         starts from rank 0's, like the trainable ones."""
         return []
 
-    def named_buffers(self) -> List[Tuple[Optional[str], Any]]:
+    def named_buffers(self) -> List[Named]:
         """(name, writable native array) of the module's buffers as they are now (a framework
         may have replaced one since the last call); broadcast_buffers sends rank 0's."""
         return []
@@ -199,7 +202,7 @@ class GradsAdapter(abc.ABC):
         `to_native` lists the grads."""
 
     @abc.abstractmethod
-    def to_native(self, grads: Any) -> List[Any]:
+    def to_native(self, grads: Any) -> List[NativeArray]:
         """The grads as native arrays (zero-copy DLPack views where the framework allows)."""
 
     @abc.abstractmethod

@@ -27,7 +27,7 @@ JAX arrays: NumPy or torch leaves are refused, never mixed in silently.
 from __future__ import annotations
 
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, List, Optional, Sequence
+from typing import TYPE_CHECKING, List, NoReturn, Optional, Sequence
 
 import numpy as np
 
@@ -39,8 +39,14 @@ from nccl_ddp.dlpack import KDL_CPU, KDL_CUDA, is_bfloat16, native_from_dlpack
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 from nccl_ddp.frameworks import NativeArray
 
+if TYPE_CHECKING:
+    import jax
 
-def adapt(module: Any) -> Any:
+Pytree = object
+"""Any JAX pytree (dicts, lists, flax structures): only `jax.tree_util` looks inside."""
+
+
+def adapt(module: object) -> NoReturn:
     raise ConfigTypeError(
         "JAX models have no grad hooks for DistributedDataParallel: compute grads with "
         "jax.grad and reduce the pytree with nccl_ddp.DistributedGradReducer(params)"
@@ -51,7 +57,7 @@ def grads_adapter() -> JaxGrads:
     return JaxGrads()
 
 
-def first_leaf(obj: Any) -> Any:
+def first_leaf(obj: Pytree) -> object:
     """The first leaf of any pytree (None for an empty one)."""
     import jax
 
@@ -59,7 +65,7 @@ def first_leaf(obj: Any) -> Any:
     return leaves[0] if leaves else None
 
 
-def array_from_native(native: Any, like: Any = None) -> Any:
+def array_from_native(native: NativeArray, like: object = None) -> jax.Array:
     """A new JAX array holding a native (NumPy / CuPy) array's values: what a collective returns
     to a JAX caller, whose arrays are immutable."""
     import numpy
@@ -78,11 +84,11 @@ def dlpack_source(x: object) -> None:
     return None
 
 
-def _is_bf16(x: Any) -> bool:
+def _is_bf16(x: jax.Array) -> bool:
     return is_bfloat16(x.dtype)
 
 
-def to_native(x: Any) -> Any:
+def to_native(x: jax.Array) -> NativeArray:
     """A native array viewing the JAX array `x` (read-only on the CPU)."""
     import jax
 
@@ -103,7 +109,7 @@ def to_native(x: Any) -> Any:
     return native_from_dlpack(x, kind)  # CuPy 14 reads bfloat16 as ml_dtypes.bfloat16
 
 
-def from_native(a: Any, device: Any) -> Any:
+def from_native(a: NativeArray, device: jax.Device) -> jax.Array:
     """A JAX array on `device` over the native array `a`: zero-copy where JAX's alignment allows,
     a copy otherwise."""
     import jax
@@ -118,7 +124,7 @@ class JaxGrads(GradsAdapter):
     structures) of the same structure; leaves are matched in `jax.tree_util` flattening order."""
 
     def __init__(self) -> None:
-        self._treedef: Any = None
+        self._treedef: Optional[jax.tree_util.PyTreeDef] = None
         self._paths: List[str] = []
         self.native_module: ModuleType = np  # the reducer's arrays (CuPy on the GPU): bind()
         self.group: Optional[ProcessGroup] = None  # the reducer's process group: bind()
@@ -126,7 +132,7 @@ class JaxGrads(GradsAdapter):
     def bind(self, native_module: ModuleType, group: ProcessGroup) -> None:
         self.native_module, self.group = native_module, group
 
-    def param_infos(self, parameters: Any) -> List[ParamSpec]:
+    def param_infos(self, parameters: Pytree) -> List[ParamSpec]:
         import jax
 
         leaves, self._treedef = jax.tree_util.tree_flatten_with_path(parameters)
@@ -136,7 +142,7 @@ class JaxGrads(GradsAdapter):
             for keystr, (_, x) in zip(self._paths, leaves)
         ]
 
-    def leaves(self, grads: Any) -> List[Any]:
+    def leaves(self, grads: Pytree) -> List[jax.Array]:
         """The grads' leaves, once their structure is the parameters' and each is a JAX array."""
         import jax
 
@@ -149,10 +155,10 @@ class JaxGrads(GradsAdapter):
                 raise frameworks.mixed_frameworks(f"grad {path}", x, "jax", "JAX arrays (jnp.asarray)")
         return [x for _, x in flat]
 
-    def to_native(self, grads: Any) -> List[Any]:
+    def to_native(self, grads: Pytree) -> List[NativeArray]:
         return [to_native(x) for x in self.leaves(grads)]
 
-    def from_native(self, grads: Any, reduced: Sequence[NativeArray]) -> Any:
+    def from_native(self, grads: Pytree, reduced: Sequence[NativeArray]) -> Pytree:
         import jax
 
         leaves, treedef = jax.tree_util.tree_flatten(grads)
@@ -160,7 +166,7 @@ class JaxGrads(GradsAdapter):
             treedef, [from_native(a, next(iter(x.devices()))) for a, x in zip(reduced, leaves)]
         )
 
-    def reduce(self, reduce_native: ReduceNative, grads: Any) -> Any:
+    def reduce(self, reduce_native: ReduceNative, grads: Pytree) -> Pytree:
         import jax
 
         leaves = self.leaves(grads)
@@ -168,14 +174,14 @@ class JaxGrads(GradsAdapter):
             return self._reduce_in_jit(reduce_native, grads, leaves)
         return self.from_native(grads, reduce_native([to_native(x) for x in leaves]))
 
-    def _reduce_in_jit(self, reduce_native: ReduceNative, grads: Any, leaves: List[Any]) -> Any:
+    def _reduce_in_jit(self, reduce_native: ReduceNative, grads: Pytree, leaves: List[jax.Array]) -> Pytree:
         """The reduction as one ordered io_callback in the traced graph (see the module doc)."""
         import jax
         from jax.experimental import io_callback
 
         xp = self.native_module
 
-        def on_host(*arrays: Any) -> tuple:
+        def on_host(*arrays: jax.Array) -> tuple:
             try:
                 native = [np.asarray(a) if xp is np else xp.asarray(np.asarray(a)) for a in arrays]
                 return tuple(np.asarray(r) if xp is np else xp.asnumpy(r) for r in reduce_native(native))
@@ -188,7 +194,7 @@ class JaxGrads(GradsAdapter):
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(grads), list(out))
 
 
-def _poison(group: Any, e: BaseException) -> None:
+def _poison(group: Optional[ProcessGroup], e: BaseException) -> None:
     """The reduction of a jitted step failed on this rank, whose peers ran (or are running) it:
     the group is poisoned, so every later collective on every rank raises naming this failure
     instead of pairing this rank's next step with the peers' current one."""
@@ -199,7 +205,9 @@ def _poison(group: Any, e: BaseException) -> None:
         )
 
 
-def structure_difference(want: List[str], got: List[str], want_def: Any, got_def: Any) -> str:
+def structure_difference(
+    want: List[str], got: List[str], want_def: jax.tree_util.PyTreeDef, got_def: jax.tree_util.PyTreeDef
+) -> str:
     """Why the grads' pytree is not the parameters': the first key path that differs."""
     for i in range(max(len(want), len(got))):
         w = want[i] if i < len(want) else None

@@ -15,12 +15,12 @@ transformation and refuses one whose update of a shard differs from its update o
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+from typing import TYPE_CHECKING, List, Optional, Tuple
 
 import numpy as np
 
 from nccl_ddp import kernels
-from nccl_ddp.adapters.jax.adapter import from_native, to_native
+from nccl_ddp.adapters.jax.adapter import Pytree, from_native, to_native
 from nccl_ddp.comm.api import device_of, get_world_group
 from nccl_ddp.comm.collectives import broadcast
 from nccl_ddp.comm.group import ProcessGroup, ReduceOp
@@ -28,8 +28,12 @@ from nccl_ddp.errors import ConfigError, ConfigTypeError
 from nccl_ddp.zero.config import ZeroConfig
 from nccl_ddp.zero.core import build_core
 
+if TYPE_CHECKING:
+    import jax
+    import optax
 
-def check_elementwise(tx: Any, steps: int = 3) -> None:
+
+def check_elementwise(tx: optax.GradientTransformation, steps: int = 3) -> None:
     """ConfigError unless `tx` updates a parameter vector cut into shards (each with its own
     state, as ranks hold them) exactly as it updates the whole pytree. The probe: a (3, 5) matrix
     and a (7,) vector, cut through the matrix, 3 steps of grads large enough to trigger clipping
@@ -77,7 +81,7 @@ def check_elementwise(tx: Any, steps: int = 3) -> None:
         ) from e
 
 
-def _name(tx: Any) -> str:
+def _name(tx: optax.GradientTransformation) -> str:
     return getattr(getattr(tx, "update", None), "__qualname__", type(tx).__name__)
 
 
@@ -88,8 +92,8 @@ class ZeroOptimizer:
 
     def __init__(
         self,
-        params: Any,
-        tx: Any,
+        params: Pytree,
+        tx: optax.GradientTransformation,
         *,
         group: Optional[ProcessGroup] = None,
         bucket_cap_mb: Optional[float] = None,
@@ -120,13 +124,13 @@ class ZeroOptimizer:
         self.zs = self.core.zs
         self._reduce, self._pool = self.core.reduce, self.core.pool
 
-    def init(self, params: Any) -> Any:
+    def init(self, params: Pytree) -> optax.OptState:
         """The optax state of this rank's shards (a list of flat float32 arrays, one per
         bucket)."""
         self._check_tree(params, "params")
         return self.tx.init(self._master_jax())
 
-    def step(self, params: Any, grads: Any, state: Any) -> Tuple[Any, Any]:
+    def step(self, params: Pytree, grads: Pytree, state: optax.OptState) -> Tuple[Pytree, optax.OptState]:
         """(new params, new state): the mean of every rank's `grads` applied by the optax
         transformation to this rank's shards, the parameters all-gathered. `params` are the
         ones returned by the previous step (or given to the constructor)."""
@@ -156,10 +160,10 @@ class ZeroOptimizer:
     def close(self) -> None:
         self.core.close()
 
-    def _master_jax(self) -> List[Any]:
+    def _master_jax(self) -> List[jax.Array]:
         return [from_native(self.device.xp.array(m), self._jax_devices[0]) for m in self.zs.master]
 
-    def _check_tree(self, tree: Any, what: str) -> None:
+    def _check_tree(self, tree: Pytree, what: str) -> None:
         import jax
 
         leaves, treedef = jax.tree_util.tree_flatten(tree)

@@ -25,20 +25,25 @@ ops are chained with `Depend`, so every rank issues its all-reduces in the same 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from nccl_ddp import frameworks
 from nccl_ddp.adapters.base import GenericAdapter
 from nccl_ddp.buckets.layout import ParamSpec
-from nccl_ddp.ddp.interfaces import FrameworkAdapter, GradModule, GradsAdapter, StepDriver
+from nccl_ddp.ddp.interfaces import FrameworkAdapter, GradModule, GradsAdapter, Named, StepDriver
 from nccl_ddp.dlpack import KDL_CPU, CapsuleHolder, bfloat16_dtype, native_from_dlpack
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 from nccl_ddp.frameworks import NativeArray
 
+if TYPE_CHECKING:
+    import mindspore
 
-def adapt(cell: Any) -> MindSporeModule:
+    from nccl_ddp.ddp.grad_reducer import DistributedGradReducer
+
+
+def adapt(cell: object) -> MindSporeModule:
     """The DDP adapter for a `mindspore.nn.Cell`."""
     import mindspore
 
@@ -54,7 +59,7 @@ def grads_adapter() -> MindSporeGrads:
     return MindSporeGrads()
 
 
-def array_from_native(native: Any, like: object = None) -> Any:
+def array_from_native(native: NativeArray, like: object = None) -> object:
     """A collective's result for a MindSpore caller: through MindSpore's own `from_dlpack`, as
     for any framework (adapters/base.py)."""
     return GenericAdapter("mindspore").array_from_native(native, like)
@@ -76,7 +81,7 @@ def _require_pynative(what: str) -> None:
         )
 
 
-def to_native(t: Any) -> np.ndarray:
+def to_native(t: mindspore.Tensor) -> np.ndarray:
     """A read-only NumPy view of a MindSpore tensor's memory, through DLPack; bfloat16, which
     NumPy's DLPack does not know ("Unsupported dtype in DLTensor"), as a NumPy copy."""
     import mindspore
@@ -86,7 +91,7 @@ def to_native(t: Any) -> np.ndarray:
     return native_from_dlpack(CapsuleHolder(mindspore.to_dlpack(t)), KDL_CPU)
 
 
-def from_native(a: np.ndarray) -> Any:
+def from_native(a: np.ndarray) -> mindspore.Tensor:
     """A MindSpore tensor sharing memory with the NumPy array `a` (which it keeps alive)."""
     from mindspore import Tensor
 
@@ -113,7 +118,7 @@ _NUMPY_NAMES = (
 )
 
 
-def np_dtype(ms_dtype: Any) -> np.dtype:
+def np_dtype(ms_dtype: mindspore.dtype.Type) -> np.dtype:
     """NumPy's dtype for a MindSpore dtype (bfloat16: ml_dtypes')."""
     import mindspore
 
@@ -139,16 +144,16 @@ def synchronize() -> None:
 class MindSporeModule(GradModule):
     """A Cell seen by the reducer: its trainable parameters; grads live in our buckets."""
 
-    def __init__(self, cell: Any) -> None:
+    def __init__(self, cell: mindspore.nn.Cell) -> None:
         self.cell = cell
         self.params = list(cell.trainable_params())
         self.names: List[Optional[str]] = [p.name for p in self.params]
         self._grads = [np.zeros(tuple(p.shape), np_dtype(p.dtype)) for p in self.params]
         self._host_params: List[np.ndarray] = []
-        self._state_copies: List[Tuple[Any, np.ndarray]] = []  # (tensor, copy) to write back
+        self._state_copies: List[Tuple[mindspore.Tensor, np.ndarray]] = []  # (tensor, copy) to write back
         self._handles: list = []
 
-    def native_params(self) -> List[Any]:
+    def native_params(self) -> List[NativeArray]:
         # MindSpore exports read-only memory: the init broadcast writes copies, reloaded after
         synchronize()
         self._host_params = [np.array(to_native(p)) for p in self.params]
@@ -165,16 +170,16 @@ class MindSporeModule(GradModule):
     # ---- state besides the trainable parameters. MindSpore keeps BatchNorm's running statistics
     # in untrainable Parameters: they count as buffers (as in torch), with Cell.register_buffer's;
     # the other untrainable Parameters are frozen weights (broadcast at construction only).
-    def named_frozen(self) -> List[Tuple[Optional[str], Any]]:
+    def named_frozen(self) -> List[Named]:
         stats = {id(p) for p in self._batchnorm_stats()}
         return self._host_copies([(p.name, p) for p in self.cell.untrainable_params() if id(p) not in stats])
 
-    def named_buffers(self) -> List[Tuple[Optional[str], Any]]:
+    def named_buffers(self) -> List[Named]:
         return self._host_copies(
             list(self.cell.named_buffers()) + [(p.name, p) for p in self._batchnorm_stats()]
         )
 
-    def _batchnorm_stats(self) -> List[Any]:
+    def _batchnorm_stats(self) -> List[mindspore.Parameter]:
         from mindspore.nn.layer.normalization import _BatchNorm
 
         return [
@@ -184,7 +189,7 @@ class MindSporeModule(GradModule):
             for p in c.untrainable_params()
         ]
 
-    def _host_copies(self, named: List[Tuple[Optional[str], Any]]) -> List[Tuple[Optional[str], Any]]:
+    def _host_copies(self, named: List[Tuple[Optional[str], mindspore.Tensor]]) -> List[Named]:
         """Writable copies (MindSpore exports read-only memory), written back by
         `buffers_updated`."""
         synchronize()
@@ -202,20 +207,20 @@ class MindSporeModule(GradModule):
                 t.assign_value(Tensor(a))
         self._state_copies = []
 
-    def native_grads(self) -> List[Any]:
+    def native_grads(self) -> List[NativeArray]:
         return list(self._grads)
 
     @property
     def can_install_grads(self) -> bool:
         return True
 
-    def install_grad(self, i: int, view: Any) -> None:
+    def install_grad(self, i: int, view: NativeArray) -> None:
         self._grads[i] = view
 
-    def to_native(self, i: int, grad: Any) -> Any:
+    def to_native(self, i: int, grad: mindspore.Tensor) -> NativeArray:
         return to_native(grad)
 
-    def index_of(self, param: Any) -> int:
+    def index_of(self, param: object) -> int:
         for i, p in enumerate(self.params):
             if p is param or (isinstance(param, str) and p.name == param):
                 return i
@@ -228,12 +233,12 @@ class MindSporeModule(GradModule):
     def synchronize(self) -> None:
         synchronize()
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: object, **kwargs: object) -> object:
         synchronize()  # the last step's optimizer may still read the buckets
         return self.cell(*args, **kwargs)
 
-    def _grad_hook_for(self, driver: StepDriver, i: int) -> Callable[[Any], Any]:
-        def hook(grad: Any) -> Any:
+    def _grad_hook_for(self, driver: StepDriver, i: int) -> Callable[[mindspore.Tensor], mindspore.Tensor]:
+        def hook(grad: mindspore.Tensor) -> mindspore.Tensor:
             # the grad is added into bucket slot i; the returned tensor aliases that slot, so
             # what value_and_grad returns is the reduced grad once the step is finalized
             return from_native(driver.mark_ready(i, to_native(grad)))
@@ -251,7 +256,7 @@ class MindSporeGrads(GradsAdapter):
     """Parameters: MindSpore Parameters (an optimizer's `.parameters`); grads: a tuple/list of
     tensors. The reduced grads are tensors viewing the reducer's fresh bucket memory."""
 
-    def param_infos(self, parameters: Any) -> List[ParamSpec]:
+    def param_infos(self, parameters: Sequence[mindspore.Parameter]) -> List[ParamSpec]:
         # every MindSpore Parameter has a comm_fusion (default 1); as in MindSpore's reducer,
         # they override fusion_type only when they differ
         fusion = [getattr(p, "comm_fusion", None) for p in parameters]
@@ -262,7 +267,7 @@ class MindSporeGrads(GradsAdapter):
             for p, f in zip(parameters, fusion)
         ]
 
-    def to_native(self, grads: Any) -> List[Any]:
+    def to_native(self, grads: Sequence[mindspore.Tensor]) -> List[NativeArray]:
         from mindspore import Tensor
 
         if not isinstance(grads, (list, tuple)):
@@ -272,20 +277,20 @@ class MindSporeGrads(GradsAdapter):
                 raise frameworks.mixed_frameworks(f"grads[{i}]", g, "mindspore", "MindSpore tensors")
         return [to_native(g) for g in grads]
 
-    def from_native(self, grads: Any, reduced: Sequence[NativeArray]) -> Any:
+    def from_native(self, grads: object, reduced: Sequence[NativeArray]) -> Sequence[mindspore.Tensor]:
         out = [from_native(a) for a in reduced]
         return list(out) if isinstance(grads, list) else tuple(out)
 
-    def reducer_wrapper(self) -> Optional[Callable[[Any], Any]]:
+    def reducer_wrapper(self) -> Optional[Callable[[DistributedGradReducer], mindspore.nn.Cell]]:
         return grad_reducer_cell
 
 
-def grad_reducer_cell(reducer: Any) -> Any:
+def grad_reducer_cell(reducer: DistributedGradReducer) -> mindspore.nn.Cell:
     """`reducer` (a `DistributedGradReducer` over MindSpore parameters) as an `nn.Cell`."""
     return _grad_reducer_cell_class()(reducer)
 
 
-_CELL_CLASS: Any = None
+_CELL_CLASS: Optional[type] = None
 
 
 def _grad_reducer_cell_class() -> type:
@@ -301,7 +306,7 @@ def _grad_reducer_cell_class() -> type:
         """MindSpore's `DistributedGradReducer` face of our reducer: callable in PyNative mode
         and inside a compiled `construct` on a tuple of grads, one per parameter."""
 
-        def __init__(self, reducer: Any) -> None:
+        def __init__(self, reducer: DistributedGradReducer) -> None:
             super().__init__(auto_prefix=False)
             self.reducer = reducer
             self.mean, self.degree = reducer.mean, reducer.degree
@@ -309,14 +314,14 @@ def _grad_reducer_cell_class() -> type:
             buckets = layout.buckets
             # constants of the compiled graph: params per bucket, each param's (bucket, slot)
             self.bucket_params = tuple(tuple(bucket.params) for bucket in buckets)
-            self.slots = tuple(layout.locate(p) for p in range(len(reducer.specs)))
+            self.slots: tuple = tuple(layout.locate(p) for p in range(len(reducer.specs)))  # all bucketed
             self.shapes = tuple(spec.shape for spec in reducer.specs)
             self.bucket_ops = tuple(_bucket_op(reducer, b) for b in range(len(buckets)))
             self.concat = ops.Concat()
             self.reshape = ops.Reshape()
             self.depend = ops.Depend()
 
-        def __call__(self, grads: Any, *args: Any, **kwargs: Any) -> Any:
+        def __call__(self, grads: Sequence[mindspore.Tensor], *args: object, **kwargs: object) -> object:
             if mindspore.get_context("mode") == mindspore.PYNATIVE_MODE and not (args or kwargs):
                 return self.reducer(grads)  # PyNative: the reducer itself, zero-copy
             return super().__call__(grads, *args, **kwargs)
@@ -342,7 +347,7 @@ def _grad_reducer_cell_class() -> type:
     return _CELL_CLASS
 
 
-def _bucket_op(reducer: Any, b: int) -> Any:
+def _bucket_op(reducer: DistributedGradReducer, b: int) -> mindspore.ops.Custom:
     """The run-time op of bucket `b`: its grads, flat and concatenated, in; one flat reduced
     grad per parameter out. (A pyfunc must take its inputs as named parameters: MindSpore 2.10
     packs extra inputs of a `*args` function into a tuple it then rejects.)"""
@@ -366,7 +371,7 @@ def _bucket_op(reducer: Any, b: int) -> Any:
     )
 
 
-def _ms_dtype(dtype: np.dtype) -> Any:
+def _ms_dtype(dtype: np.dtype) -> mindspore.dtype.Type:
     """MindSpore's float type for a NumPy dtype (the reducer accepts float dtypes only)."""
     import mindspore
 

@@ -8,21 +8,24 @@ grad hooks need it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mindspore import nn
 
 from nccl_ddp.ddp.data_parallel import DistributedDataParallel
 
+if TYPE_CHECKING:
+    import mindspore
+
 
 class MindSporeDistributedDataParallel(nn.Cell, DistributedDataParallel):
     """What `nccl_ddp.DistributedDataParallel(cell, ...)` builds for a MindSpore Cell."""
 
-    def __init__(self, module: Any, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, module: mindspore.nn.Cell, *args: Any, **kwargs: Any) -> None:  # the core's
         # the core's signature (MindSpore's, and every option it grows) as it is
         nn.Cell.__init__(self, auto_prefix=False)
         DistributedDataParallel.__init__(self, module, *args, **kwargs)
 
-    def construct(self, *inputs: Any, **kwargs: Any) -> Any:
+    def construct(self, *inputs: object, **kwargs: object) -> object:
         self._pre_forward()
         return self._adapter.forward(*inputs, **kwargs)

@@ -23,7 +23,7 @@ result (so `nd.all_reduce(v)` updates `v`, as for a torch tensor).
 from __future__ import annotations
 
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, List, Sequence
+from typing import TYPE_CHECKING, List, NoReturn, Optional, Sequence, Union
 
 import numpy as np
 
@@ -35,6 +35,9 @@ from nccl_ddp.dlpack import native_view, numpy_dtype
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 from nccl_ddp.frameworks import NativeArray
 
+if TYPE_CHECKING:
+    import tensorflow as tf
+
 XLA_REFUSED = (
     "DistributedGradReducer was traced inside an XLA-compiled function (tf.function("
     "jit_compile=True), or Keras' model.compile(jit_compile=True)): XLA cannot call back into "
@@ -43,7 +46,7 @@ XLA_REFUSED = (
 )
 
 
-def adapt(module: Any) -> Any:
+def adapt(module: object) -> NoReturn:
     raise ConfigTypeError(
         "TensorFlow/Keras models have no grad hooks for DistributedDataParallel: reduce the "
         "tape's grads with nccl_ddp.DistributedGradReducer(model.trainable_variables), or wrap "
@@ -55,7 +58,7 @@ def grads_adapter() -> TFGrads:
     return TFGrads()
 
 
-def dlpack_source(x: Any) -> Any:
+def dlpack_source(x: object) -> tf.Tensor:
     """What DLPack reads for a TensorFlow object without `__dlpack__`: a variable's current
     value (a tensor: copied in by the collectives, as every immutable input)."""
     import tensorflow as tf
@@ -72,7 +75,7 @@ def dlpack_source(x: Any) -> Any:
     raise ConfigTypeError(f"cannot exchange a {type(x).__module__}.{type(x).__name__} through DLPack")
 
 
-def array_from_native(native: Any, like: Any = None) -> Any:
+def array_from_native(native: NativeArray, like: object = None) -> Union[tf.Tensor, tf.Variable]:
     """What a collective returns to a TensorFlow caller: a variable `like` is assigned `native`
     and returned; otherwise a new tensor over `native` (zero-copy where TensorFlow can)."""
     import tensorflow as tf
@@ -83,7 +86,7 @@ def array_from_native(native: Any, like: Any = None) -> Any:
     return tensor_from_native(native)
 
 
-def tensor_from_native(native: Any) -> Any:
+def tensor_from_native(native: NativeArray) -> tf.Tensor:
     """A tensor over a native (NumPy / CuPy) array, via DLPack; a copy for dtypes DLPack lacks."""
     import tensorflow as tf
 
@@ -102,7 +105,7 @@ def in_xla_context() -> bool:
     return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
 
 
-def variable_name(v: Any) -> Any:
+def variable_name(v: object) -> Optional[str]:
     """How messages name a variable: Keras 3's path ("dense/kernel"), else TensorFlow's name."""
     name = getattr(v, "path", None) or getattr(v, "name", None)
     return name if isinstance(name, str) else None
@@ -118,7 +121,7 @@ class TFGrads(GradsAdapter):
     def bind(self, native_module: ModuleType, group: ProcessGroup) -> None:
         self.native_module = native_module
 
-    def param_infos(self, parameters: Any) -> List[ParamSpec]:
+    def param_infos(self, parameters: Sequence[tf.Variable]) -> List[ParamSpec]:
         if not isinstance(parameters, (list, tuple)) or not parameters:
             raise ConfigTypeError(
                 "parameters must be a non-empty list or tuple of tf.Variables, got "
@@ -137,7 +140,7 @@ class TFGrads(GradsAdapter):
             specs.append(ParamSpec(tuple(int(d) for d in shape), numpy_dtype(p.dtype), variable_name(p)))
         return specs
 
-    def leaves(self, grads: Any) -> List[Any]:
+    def leaves(self, grads: Sequence[tf.Tensor]) -> List[tf.Tensor]:
         """The grads as dense tensors, once each is a TensorFlow tensor."""
         import tensorflow as tf
 
@@ -160,14 +163,14 @@ class TFGrads(GradsAdapter):
             out.append(g)
         return out
 
-    def to_native(self, grads: Any) -> List[Any]:
+    def to_native(self, grads: Sequence[tf.Tensor]) -> List[NativeArray]:
         return [native_view(g, f"grads[{i}]") for i, g in enumerate(self.leaves(grads))]
 
-    def from_native(self, grads: Any, reduced: Sequence[NativeArray]) -> Any:
+    def from_native(self, grads: Sequence[tf.Tensor], reduced: Sequence[NativeArray]) -> Sequence[tf.Tensor]:
         out = [tensor_from_native(r) for r in reduced]
         return tuple(out) if isinstance(grads, tuple) else out
 
-    def reduce(self, reduce_native: ReduceNative, grads: Any) -> Any:
+    def reduce(self, reduce_native: ReduceNative, grads: Sequence[tf.Tensor]) -> Sequence[tf.Tensor]:
         import tensorflow as tf
 
         leaves = self.leaves(grads)
@@ -175,7 +178,9 @@ class TFGrads(GradsAdapter):
             return self.from_native(grads, reduce_native(self.to_native(leaves)))
         return self._reduce_in_graph(reduce_native, grads, leaves)
 
-    def _reduce_in_graph(self, reduce_native: ReduceNative, grads: Any, leaves: List[Any]) -> Any:
+    def _reduce_in_graph(
+        self, reduce_native: ReduceNative, grads: Sequence[tf.Tensor], leaves: List[tf.Tensor]
+    ) -> Sequence[tf.Tensor]:
         """The reduction as one stateful numpy_function in the traced graph (see the module doc)."""
         import tensorflow as tf
 
@@ -183,7 +188,7 @@ class TFGrads(GradsAdapter):
             raise ConfigError(XLA_REFUSED)
         xp = self.native_module
 
-        def on_host(*arrays: Any) -> List[Any]:
+        def on_host(*arrays: np.ndarray) -> List[np.ndarray]:
             native = [np.asarray(a) if xp is np else xp.asarray(np.asarray(a)) for a in arrays]
             return [np.asarray(r) if xp is np else xp.asnumpy(r) for r in reduce_native(native)]
 

@@ -251,7 +251,7 @@ def alltoall(
 # gradients
 
 
-_reducers = PerVariables()
+_reducers: PerVariables[nd.DistributedGradReducer] = PerVariables()
 
 
 def reducer_for(variables: List[Any], op: int, compression: Any, process_set: Any, where: str) -> Any:
