@@ -15,20 +15,25 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, ContextManager, List, NoReturn, Optional
 
 from nccl_ddp.adapters.torch.grads import TorchGrads
 from nccl_ddp.adapters.torch.pooled_grads import PooledGrads
 from nccl_ddp.adapters.torch.tensors import from_native, is_cuda, to_native, torch_stream_current
 from nccl_ddp.adapters.torch.watch import ModuleWatch
 from nccl_ddp.comm.group import ProcessGroup
-from nccl_ddp.ddp.interfaces import FrameworkAdapter, GradModule, StepDriver
+from nccl_ddp.ddp.interfaces import FrameworkAdapter, GradModule, Named, StepDriver
 from nccl_ddp.errors import ConfigError, ConfigTypeError, NcclDdpError
+from nccl_ddp.frameworks import NativeArray
+from nccl_ddp.zero.core import ZeroCore
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
 
-def adapt(module: Any) -> TorchModule:
+def adapt(module: object) -> TorchModule:
     """The DDP adapter for a `torch.nn.Module`."""
     import torch
 
@@ -43,7 +48,7 @@ def grads_adapter() -> TorchGrads:
     return TorchGrads()
 
 
-def array_from_native(native: Any, like: object = None) -> Any:
+def array_from_native(native: NativeArray, like: object = None) -> torch.Tensor:
     """A collective's result for a torch caller: a tensor over `native` (no copy)."""
     return from_native(native)
 
@@ -59,7 +64,7 @@ marks its own: a weak reference to the wrapper's TorchModule (and through it the
 core, `zero=`). How `ZeroRedundancyOptimizer` finds the model of its parameters."""
 
 
-def owner_of(param: Any) -> Optional[TorchModule]:
+def owner_of(param: torch.Tensor) -> Optional[TorchModule]:
     """The TorchModule (of an nccl_ddp DistributedDataParallel) whose reducer reduces `param`'s
     grad, or None: read from the parameter's own mark (`OWNER_ATTR`)."""
     ref = getattr(param, OWNER_ATTR, None)
@@ -78,7 +83,7 @@ class TorchModule(GradModule):
     """A `torch.nn.Module` seen by the reducer: its trainable parameters, their grads (tensors we
     own, aliasing bucket memory once the reducer installs views) and autograd hooks."""
 
-    def __init__(self, module: Any) -> None:
+    def __init__(self, module: torch.nn.Module) -> None:
         import torch
 
         self.module = module
@@ -113,12 +118,12 @@ class TorchModule(GradModule):
         self._pooled: Optional[PooledGrads] = None  # ZeRO-2: grads handed over, not bucket views
 
     # ---- GradModule
-    def native_params(self) -> List[Any]:
+    def native_params(self) -> List[NativeArray]:
         # (a non-contiguous parameter, e.g. a channels_last conv weight, is a strided view: its
         # grad is contiguous bucket memory all the same, which autograd accumulates into)
         return [to_native(p) for p in self.params]
 
-    def native_grads(self) -> List[Any]:
+    def native_grads(self) -> List[NativeArray]:
         for i, p in enumerate(self.params):
             if p.grad is not None:
                 self._grads[i].copy_(p.grad)
@@ -133,7 +138,7 @@ class TorchModule(GradModule):
     def pools_grads(self) -> bool:
         return True
 
-    def install_grad(self, i: int, view: Any) -> None:
+    def install_grad(self, i: int, view: NativeArray) -> None:
         """The reducer moved grad i into bucket memory: from now on `p.grad` is that view."""
         p, old = self.params[i], self._grads[i]
         self._grads[i] = from_native(view)
@@ -161,18 +166,18 @@ class TorchModule(GradModule):
     def can_install_params(self) -> bool:
         return True
 
-    def install_param(self, i: int, view: Any) -> None:
+    def install_param(self, i: int, view: NativeArray) -> None:
         """The shard core (zero=) moved parameter i into its flat buffer: `p.data` is that view
         (the Parameter object, its hooks and its mark stay)."""
         self.params[i].data = from_native(view)
 
-    def param_moved(self, param: Any, view: Any) -> None:
+    def param_moved(self, param: torch.nn.Parameter, view: NativeArray) -> None:
         """A shard core built outside the wrapper (the optimizer's ZeRO-1) moved `param` into
         its flat buffer: the reducer's array and `p.data` follow."""
         self.driver.param_moved(self.index_of(param), view)
 
     @property
-    def zero(self) -> Any:
+    def zero(self) -> Optional[ZeroCore]:
         """The model's shard core (`DistributedDataParallel(..., zero=ZeroConfig(...))`), or
         None: what ZeroRedundancyOptimizer steps."""
         return None if self._driver is None else self._driver.zero
@@ -189,7 +194,7 @@ class TorchModule(GradModule):
         """The wrapper's process group."""
         return self.driver.group
 
-    def index_of(self, param: Any) -> int:
+    def index_of(self, param: object) -> int:
         if isinstance(param, str):
             return self.names.index(param) if param in self.names else _missing(param)
         i = self._index.get(id(param))
@@ -213,7 +218,7 @@ class TorchModule(GradModule):
                 self._grad_hooks.append(p.register_hook(self._open_without_forward))
             setattr(p, OWNER_ATTR, weakref.ref(self))
 
-    def _open_without_forward(self, grad: Any) -> None:
+    def _open_without_forward(self, grad: torch.Tensor) -> None:
         """ZeRO-2, before a grad is accumulated: in a backward without our forward (the module
         called directly), the first one opens the step as the forward would (the placeholders
         the last step left in `p.grad` make way for torch's grads)."""
@@ -231,7 +236,7 @@ class TorchModule(GradModule):
         finally:
             self.detach()
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: object, **kwargs: object) -> object:
         self.before_forward()
         return self.module(*args, **kwargs)
 
@@ -287,14 +292,14 @@ class TorchModule(GradModule):
                     mine.copy_(g)
                 p.grad = mine
 
-    def _grad_hook_for(self, i: int) -> Callable[[Any], None]:
+    def _grad_hook_for(self, i: int) -> Callable[[torch.nn.Parameter], None]:
         """The post-accumulate-grad hook of parameter i. It runs once per parameter per step, so
         it stays lean: it calls the reducer directly (i is a valid index), which enters torch's
         CUDA stream (`on_compute_stream`) only when a bucket completes."""
         mark_ready, grads, pooled = self.driver.mark_ready, self._grads, self._pooled
         if pooled is not None:
 
-            def handed(p: Any) -> None:  # ZeRO-2: torch's own grad goes to the reducer
+            def handed(p: torch.nn.Parameter) -> None:  # ZeRO-2: torch's own grad goes to the reducer
                 if not self._callback_queued:
                     self._queue_end_of_backward()
                 pooled.hand_over(i, p)
@@ -303,7 +308,7 @@ class TorchModule(GradModule):
             handed.__name__ = f"nccl_ddp_grad_ready_{i}"
             return handed
 
-        def hook(p: Any) -> None:
+        def hook(p: torch.nn.Parameter) -> None:
             if p.grad is not grads[i]:
                 self._adopt_grad(i, p)
             if not self._callback_queued:
@@ -313,7 +318,7 @@ class TorchModule(GradModule):
         hook.__name__ = f"nccl_ddp_grad_ready_{i}"
         return hook
 
-    def _adopt_grad(self, i: int, p: Any) -> None:
+    def _adopt_grad(self, i: int, p: torch.nn.Parameter) -> None:
         """The hook found `p.grad` is not our bucket view (backward without our forward, or
         `.grad` replaced or set to None after forward, e.g. `zero_grad()` between forward and
         backward): bring it into the bucket."""
@@ -352,21 +357,21 @@ class TorchModule(GradModule):
             self._pooled.end(self._syncing)
 
     # ---- state besides the trainable parameters: frozen parameters and buffers
-    def named_frozen(self) -> List[Tuple[Optional[str], Any]]:
+    def named_frozen(self) -> List[Named]:
         return [
             (n, self._native_state(n, p, "parameter"))
             for n, p in self.module.named_parameters()
             if not p.requires_grad
         ]
 
-    def named_buffers(self) -> List[Tuple[Optional[str], Any]]:
+    def named_buffers(self) -> List[Named]:
         # cached: listed and converted again only when a buffer was added, replaced or moved
         return self._watch.buffers(self._native_buffer)
 
-    def _native_buffer(self, name: str, b: Any) -> Any:
+    def _native_buffer(self, name: str, b: torch.Tensor) -> NativeArray:
         return self._native_state(name, b, "buffer")
 
-    def _native_state(self, name: str, t: Any, what: str) -> Any:
+    def _native_state(self, name: str, t: torch.Tensor, what: str) -> NativeArray:
         """A writable native array (a strided view when `t` is not contiguous) of `t`."""
         if is_cuda(t) != self.on_cuda:
             raise ConfigError(
@@ -381,7 +386,7 @@ class TorchModule(GradModule):
 
         return torch.is_grad_enabled()
 
-    def on_compute_stream(self) -> Any:
+    def on_compute_stream(self) -> ContextManager[None]:
         return torch_stream_current(self.on_cuda)
 
     def detach(self) -> None:
@@ -395,7 +400,7 @@ class TorchModule(GradModule):
                 delattr(p, OWNER_ATTR)
 
 
-def _check_initialized(module: Any) -> None:
+def _check_initialized(module: torch.nn.Module) -> None:
     """Lazy modules (LazyLinear, LazyConv2d) have no shapes until their first forward."""
     from torch.nn.parameter import is_lazy
 
@@ -409,7 +414,7 @@ def _check_initialized(module: Any) -> None:
                 )
 
 
-def _missing(param: Any) -> int:
+def _missing(param: object) -> NoReturn:
     raise KeyError(param)
 
 

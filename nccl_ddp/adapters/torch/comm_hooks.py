@@ -12,14 +12,19 @@ torch.distributed must be initialised (gloo on the CPU) on the same ranks.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, List, Optional
+from typing import TYPE_CHECKING, Callable, ContextManager, List, Optional
 
 from nccl_ddp.adapters.torch.tensors import from_native, to_native
+from nccl_ddp.comm.group import ProcessGroup
 from nccl_ddp.ddp import comm_hooks
 from nccl_ddp.errors import CommHookError, CommTimeout, ConfigError, ConfigTypeError
+from nccl_ddp.frameworks import NativeArray
+
+if TYPE_CHECKING:
+    import torch
 
 
-def ours_for(hook: Any, state: Any) -> Optional[Callable]:
+def ours_for(hook: object, state: object) -> Optional[Callable]:
     """Our fused hook for one of torch's default hooks with `state=None` (None otherwise)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as d
 
@@ -35,7 +40,7 @@ def ours_for(hook: Any, state: Any) -> Optional[Callable]:
     return None
 
 
-def check_like_torch(hook: Any, rank: int) -> None:
+def check_like_torch(hook: object, rank: int) -> None:
     """torch DDP's checks of a hook at registration, with its error types and messages (code and
     tests written for torch match them): callable (TypeError), and where annotated, a bucket of
     `dist.GradBucket` and a result of `torch.futures.Future[torch.Tensor]` (ValueError). String
@@ -64,7 +69,7 @@ def check_like_torch(hook: Any, rank: int) -> None:
         )
 
 
-def builtin_hook(comm_hook_type: Any, rank: int) -> Callable:
+def builtin_hook(comm_hook_type: object, rank: int) -> Callable:
     """Our fused hook for torch's `dist.BuiltinCommHookType` (ALLREDUCE, FP16_COMPRESS)."""
     import torch.distributed as dist
 
@@ -78,12 +83,12 @@ def builtin_hook(comm_hook_type: Any, rank: int) -> Callable:
     return comm_hooks.allreduce_hook
 
 
-def is_ours(hook: Any) -> bool:
+def is_ours(hook: object) -> bool:
     """A hook of nccl_ddp.hooks (it takes native buckets)."""
     return (getattr(hook, "__module__", "") or "").startswith("nccl_ddp.")
 
 
-def check_torch_world(hook: Any, state: Any, group: Any) -> None:
+def check_torch_world(hook: object, state: object, group: ProcessGroup) -> None:
     """torch's own hooks call torch.distributed collectives (on `state.process_group` or WORLD):
     refuse them at registration when torch.distributed cannot run them on our ranks."""
     import torch.distributed as dist
@@ -116,7 +121,7 @@ class TorchGradBucket:
     the bucket's grads (its alignment padding left out), `gradients()` views of it shaped like
     the parameters, `parameters()` the torch parameters."""
 
-    def __init__(self, bucket: comm_hooks.GradBucket, params: List[Any]) -> None:
+    def __init__(self, bucket: comm_hooks.GradBucket, params: List[torch.nn.Parameter]) -> None:
         self._bucket, self._params = bucket, params
         self._numel = bucket.numel()
         self._buffer = from_native(bucket.buffer()[: self._numel])
@@ -127,21 +132,21 @@ class TorchGradBucket:
     def is_last(self) -> bool:
         return self._bucket.is_last()
 
-    def buffer(self) -> Any:
+    def buffer(self) -> torch.Tensor:
         return self._buffer
 
-    def set_buffer(self, buffer: Any) -> None:
+    def set_buffer(self, buffer: torch.Tensor) -> None:
         """Replace the bucket's contents with `buffer`'s (copied into our bucket memory, which
         the grads view)."""
         self._buffer.copy_(buffer.reshape(-1))
 
-    def gradients(self) -> List[Any]:
+    def gradients(self) -> List[torch.Tensor]:
         return [
             self._buffer[o : o + n].view(s)
             for o, n, s in zip(self._bucket.offsets(), self._bucket.numels(), self._bucket.shapes())
         ]
 
-    def parameters(self) -> List[Any]:
+    def parameters(self) -> List[torch.nn.Parameter]:
         return list(self._params)
 
 
@@ -153,7 +158,7 @@ class TorchHook:
         self.hook, self._params, self._on_cuda = hook, torch_params, on_cuda
         self.__name__ = getattr(hook, "__name__", type(hook).__name__)
 
-    def __call__(self, state: Any, bucket: comm_hooks.GradBucket) -> comm_hooks.Future:
+    def __call__(self, state: object, bucket: comm_hooks.GradBucket) -> comm_hooks.Future:
         tb = TorchGradBucket(bucket, [self._params[id(p)] for p in bucket.parameters()])
         with _torch_on_current_stream(self._on_cuda):
             fut = self.hook(state, tb)
@@ -165,7 +170,9 @@ class TorchHook:
             )
         return comm_hooks.Future(lambda: self._result(fut, tb, bucket))
 
-    def _result(self, fut: Any, tb: TorchGradBucket, bucket: comm_hooks.GradBucket) -> Any:
+    def _result(
+        self, fut: torch.futures.Future, tb: TorchGradBucket, bucket: comm_hooks.GradBucket
+    ) -> NativeArray:
         import torch
 
         group = bucket.process_group
@@ -193,7 +200,7 @@ class TorchHook:
         return buf
 
 
-def _wait(fut: Any, timeout: float, what: str) -> Any:
+def _wait(fut: torch.futures.Future, timeout: float, what: str) -> object:
     """`fut.wait()`, bounded by `timeout` (the group's): torch's `Future.wait` takes none, and a
     hook's future that is never completed would hang the step for ever."""
     if not fut.done():
@@ -208,7 +215,7 @@ def _wait(fut: Any, timeout: float, what: str) -> Any:
     return fut.wait()
 
 
-def _torch_on_current_stream(on_cuda: bool) -> Any:
+def _torch_on_current_stream(on_cuda: bool) -> ContextManager[object]:
     """On CUDA, torch's current stream becomes CuPy's current one (the reducer's comm stream),
     so the hook's torch work is ordered with the bucket's."""
     import contextlib

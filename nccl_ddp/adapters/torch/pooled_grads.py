@@ -23,12 +23,13 @@ backward (a tensor hook that runs before torch accumulates it).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List
+from typing import Callable, Dict, List
 
 import torch
 
 from nccl_ddp.ddp.interfaces import StepDriver
 from nccl_ddp.errors import ConfigError
+from nccl_ddp.frameworks import NativeArray
 from nccl_ddp.zero.grads import ReduceScatter
 
 
@@ -39,10 +40,10 @@ class PooledGrads:
 
     def __init__(
         self,
-        params: List[Any],
+        params: List[torch.nn.Parameter],
         driver: StepDriver,
         sharding: ReduceScatter,
-        to_native: Callable[[Any], Any],
+        to_native: Callable[[torch.Tensor], NativeArray],
     ) -> None:
         self.params, self.driver, self.sharding, self._to_native = params, driver, sharding, to_native
         dtypes = {p.dtype for p in params}
@@ -61,7 +62,7 @@ class PooledGrads:
         p = self.params[i]
         return self._flags[p.dtype][i].expand(p.shape)
 
-    def _is_placeholder(self, i: int, g: Any) -> bool:
+    def _is_placeholder(self, i: int, g: torch.Tensor) -> bool:
         p = self.params[i]
         return (
             g.dtype == p.dtype
@@ -94,7 +95,7 @@ class PooledGrads:
             self.sharding.accumulate = True
         return [i for i, g in enumerate(grads) if g is None]
 
-    def hand_over(self, i: int, p: Any) -> None:
+    def hand_over(self, i: int, p: torch.nn.Parameter) -> None:
         """Parameter i's hook: its grad (as torch accumulated it) is what the reducer packs."""
         with torch._C.DisableTorchFunctionSubclass():  # (a LocalGrad kept across no_sync())
             self.driver.grads[i] = self._to_native(p.grad)

@@ -7,13 +7,17 @@ NumPy's DLPack knows no bfloat16: CPU bfloat16 tensors cross as int16 and are vi
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from nccl_ddp.dlpack import KDL_CPU, KDL_CUDA, bfloat16_dtype, is_bfloat16, native_from_dlpack
 from nccl_ddp.errors import ConfigTypeError
+from nccl_ddp.frameworks import NativeArray
+
+if TYPE_CHECKING:
+    import torch
 
 
-def to_native(t: Any) -> Any:
+def to_native(t: torch.Tensor) -> NativeArray:
     """A NumPy (CPU) or CuPy (CUDA) array sharing memory with tensor `t` (writable)."""
     import torch
 
@@ -26,7 +30,7 @@ def to_native(t: Any) -> Any:
     return native_from_dlpack(t, kind)  # CuPy 14 reads bfloat16 as ml_dtypes.bfloat16
 
 
-def from_native(a: Any) -> Any:
+def from_native(a: NativeArray) -> torch.Tensor:
     """A tensor sharing memory with the native array `a`."""
     import numpy as np
     import torch
@@ -36,7 +40,7 @@ def from_native(a: Any) -> Any:
     return torch.from_dlpack(a)
 
 
-def is_cuda(t: Any) -> bool:
+def is_cuda(t: torch.Tensor) -> bool:
     """Whether tensor `t` lives on a CUDA device."""
     return t.device.type == "cuda"
 

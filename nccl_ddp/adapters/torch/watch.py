@@ -10,13 +10,22 @@ on the inner module) or given new storage (`buf.data = ...`).
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, List, Tuple
+
+from nccl_ddp.ddp.interfaces import Named
+from nccl_ddp.frameworks import NativeArray
+
+if TYPE_CHECKING:
+    import torch
+
+Convert = Callable[[str, "torch.Tensor"], NativeArray]
+"""(name, buffer) -> the buffer's native array."""
 
 _events = 0  # registrations seen in this process (any module)
 _installed = False
 
 
-def _count(*_: Any) -> None:
+def _count(*_: object) -> None:
     global _events
     _events += 1
 
@@ -40,15 +49,15 @@ def _install() -> None:
 class ModuleWatch:
     """The wrapped module's trainable parameters (as wrapped) and its buffers (cached natives)."""
 
-    def __init__(self, module: Any, trainable: List[Any]) -> None:
+    def __init__(self, module: torch.nn.Module, trainable: List[torch.nn.Parameter]) -> None:
         _install()
         self.module = module
         self.trainable = trainable
         self._params_seen = -1
-        self._frozen: List[Any] = []
+        self._frozen: List[torch.nn.Parameter] = []
         self._buffers_seen = -1
-        self._buffer_slots: List[Tuple[dict, str, Any, int]] = []
-        self._buffers: List[Tuple[Optional[str], Any]] = []
+        self._buffer_slots: List[Tuple[dict, str, torch.Tensor, int]] = []
+        self._buffers: List[Named] = []
         self.params_checked()
 
     # ---- parameters
@@ -70,7 +79,7 @@ class ModuleWatch:
         self._frozen = [p for p in self.module.parameters() if not p.requires_grad]
 
     # ---- buffers
-    def buffers(self, convert: Callable[[str, Any], Any]) -> List[Tuple[Optional[str], Any]]:
+    def buffers(self, convert: Convert) -> List[Named]:
         """`[(name, convert(name, buffer))]` as `module.named_buffers()` lists them, converted
         again only when a buffer was added, replaced or given new storage."""
         if not self._buffers_unchanged():
@@ -85,7 +94,7 @@ class ModuleWatch:
                 return False
         return True
 
-    def _list_buffers(self, convert: Callable[[str, Any], Any]) -> None:
+    def _list_buffers(self, convert: Convert) -> None:
         seen_events = _events
         slots, named, memo = [], [], set()
         for prefix, m in self.module.named_modules():

@@ -49,7 +49,7 @@ def pick_stage(trainable: List[Any], zero_stage: Optional[int], group: Any) -> T
             "the optimizer must hold every trainable parameter of the sharded model (its "
             f"shards cut all of them); missing {missing[:10]}. Pass model.parameters()"
         )
-    stage = owner.zero.stage
+    stage = 1 if owner.zero is None else owner.zero.stage  # (never None: owners in `sharded`)
     if zero_stage is not None and zero_stage != stage:
         raise ConfigError(
             f"zero_stage={zero_stage}, but the model was built with "

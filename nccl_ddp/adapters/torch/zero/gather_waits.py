@@ -15,18 +15,21 @@ The optimizer's `wait_for_params()`, `consolidate_state_dict` and `load_state_di
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Set
+from typing import TYPE_CHECKING, Dict, List, Optional, Set
 
 from nccl_ddp.zero.shards import ZeroShards
+
+if TYPE_CHECKING:
+    import torch
 
 
 class GatherWaits:
     """The hooks above on every module of `root`; `index`: id(param) -> layout index."""
 
-    def __init__(self, zs: ZeroShards, root: Any, index: Dict[int, int]) -> None:
+    def __init__(self, zs: ZeroShards, root: torch.nn.Module, index: Dict[int, int]) -> None:
         self.zs, self.root = zs, root
         modules = list(root.modules())
-        self._parent: Dict[int, Any] = {}
+        self._parent: Dict[int, torch.nn.Module] = {}
         for m in modules:
             for c in m.children():
                 self._parent.setdefault(id(c), m)
@@ -47,7 +50,7 @@ class GatherWaits:
             self._handles.append(m.register_load_state_dict_pre_hook(self._wait_all))
         self._handles.append(root.register_forward_hook(self._after_root_forward))
 
-    def _before_forward(self, module: Any, args: Any) -> None:
+    def _before_forward(self, module: torch.nn.Module, args: object) -> None:
         if self._ran is not None:
             self._ran.add(id(module))
             self.zs.wait_all()
@@ -56,7 +59,7 @@ class GatherWaits:
             for b in self._waits.get(id(module), ()):
                 self.zs.wait_bucket(b)
 
-    def _after_root_forward(self, module: Any, args: Any, output: Any) -> None:
+    def _after_root_forward(self, module: torch.nn.Module, args: object, output: object) -> None:
         if self._ran is None:
             return
         waits: Dict[int, Set[int]] = {}
@@ -68,7 +71,7 @@ class GatherWaits:
         self._waits = {mid: sorted(bs) for mid, bs in waits.items()}
         self._ran = None
 
-    def _wait_all(self, *args: Any, **kwargs: Any) -> None:
+    def _wait_all(self, *args: object, **kwargs: object) -> None:
         self.zs.wait_all()
 
     def remove(self) -> None:

@@ -12,10 +12,11 @@ found_inf), so every rank takes the same decisions.
 from __future__ import annotations
 
 import math
-from typing import Any, List, Optional
+from typing import List, Optional
 
 import torch
 
+from nccl_ddp.zero.layout import Piece
 from nccl_ddp.zero.shards import ZeroShards
 
 
@@ -23,10 +24,18 @@ class StepGrads:
     """`order`: the layout's parameters (torch tensors); `buffers[k]`: piece k's fp32 grad
     buffer as a tensor (ZeRO-2: a view of the grad shard; ZeRO-1: None for fp32 buckets)."""
 
-    def __init__(self, stage: int, zs: ZeroShards, order: List[Any], buffers: List[Any]) -> None:
+    def __init__(
+        self,
+        stage: int,
+        zs: ZeroShards,
+        order: List[torch.nn.Parameter],
+        buffers: List[Optional[torch.Tensor]],
+    ) -> None:
         self.stage, self.zs, self.order, self.buffers = stage, zs, order, buffers
         self.pieces = zs.pieces
-        self.grads: List[Any] = []  # this step's, per piece (None: the parameter has no grad)
+        self.grads: List[
+            Optional[torch.Tensor]
+        ] = []  # this step's, per piece (None: the parameter has no grad)
         self._collected = False
         self._norm: Optional[float] = None
 
@@ -35,7 +44,7 @@ class StepGrads:
         self.grads, self._collected, self._norm = [], False, None
 
     @torch.no_grad()
-    def collect(self) -> List[Any]:
+    def collect(self) -> List[Optional[torch.Tensor]]:
         if not self._collected:
             if self.stage == 2:
                 self.zs.collect_reduced()
@@ -45,7 +54,7 @@ class StepGrads:
             self._collected, self._norm = True, None
         return self.grads
 
-    def _full_grad_piece(self, pc: Any, buf: Any) -> Any:
+    def _full_grad_piece(self, pc: Piece, buf: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         g = self.order[pc.param].grad
         if g is None:
             return None
