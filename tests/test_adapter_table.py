@@ -71,3 +71,22 @@ def test_frameworks_loads_only_under_adapters():
     assert isinstance(arg, ast.JoinedStr) and arg.values[0].value == "nccl_ddp.adapters.", (
         "frameworks._load imports only nccl_ddp.adapters.<module>"
     )
+
+
+def test_every_adapter_module_declares_the_contract():
+    """Every adapter the core loads is checked by mypy against `FrameworkAdapter` where it is
+    written: it assigns itself (or, for the generic one, an instance) to a variable annotated
+    `FrameworkAdapter`, so a member missing or renamed fails mypy in that file."""
+    for module in sorted({fw.adapter for fw in frameworks.ADAPTERS.values()} | {frameworks.GENERIC}):
+        tree = ast.parse(_file(module).read_text())
+        declared = [
+            n
+            for n in ast.walk(tree)
+            if isinstance(n, ast.AnnAssign)
+            and isinstance(n.annotation, ast.Name)
+            and n.annotation.id == "FrameworkAdapter"
+        ]
+        assert declared, (
+            f"{_file(module).relative_to(ROOT)} does not declare itself a FrameworkAdapter; end it with "
+            f"`if TYPE_CHECKING: _contract: FrameworkAdapter = <this module>` (see adapters/torch/adapter.py)"
+        )

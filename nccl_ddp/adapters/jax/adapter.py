@@ -238,5 +238,7 @@ def structure_difference(
 
 if TYPE_CHECKING:  # this module is JAX's FrameworkAdapter: mypy checks every member here
     from nccl_ddp.adapters.jax import adapter as _this
+    from nccl_ddp.frameworks import PytreeAdapter
 
     _contract: FrameworkAdapter = _this
+    _pytrees: PytreeAdapter = _this  # frameworks.first_leaf's
