@@ -54,7 +54,7 @@ table() {
     return
   fi
   if [[ $dry == 1 ]]; then
-    printf '%s\t%s' "$name" "$py"
+    printf '%s\t%s' "$name" "$py"  # (ENV_NOTE, when set, is not listed)
     printf '\t%s' "$@"
     printf '\n'
     return
@@ -78,7 +78,7 @@ table() {
   fi
   [[ $rc == 0 ]] || failed_tables+=("$name (exit $rc$([[ $rc == 124 ]] && echo ", timed out after ${limit}s"))")
   {
-    printf '## %s\n\n`%s %s`\n\n' "$name" "$py" "$*"
+    printf '## %s\n\n`%s%s %s`\n\n' "$name" "${ENV_NOTE:+$ENV_NOTE }" "$py" "$*"
     printf 'load average before %s, after %s%s; exit %s; %ss\n\n' "$before" "$after" "$mark" "$rc" "$((t1 - t0))"
     # the tables and the scripts' own comment lines, without the launcher's rank prefix
     sed -E 's/^\[rank [0-9]+\] //' "$out/$name.txt" | grep -E '^(\||# )' || echo "(no table: see $name.txt)"
@@ -93,6 +93,9 @@ if [[ $quick == 1 ]]; then
     --csv "$out/allreduce_2ranks.csv" --png "$out/allreduce_2ranks.png"
   table allreduce_3ranks $P 300 scripts/bench_allreduce.py --nranks 3 --min 1M --max 2M --iters 3 --warmup 1 --no-gloo \
     --csv "$out/allreduce_3ranks.csv" --png "$out/allreduce_3ranks.png"
+  ENV_NOTE=NCCL_DDP_HOST_CHUNK_BYTES=524288 NCCL_DDP_HOST_CHUNK_BYTES=524288 \
+    table allreduce_2ranks_chunk512k $P 300 scripts/bench_allreduce.py --min 1M --max 2M --iters 3 --warmup 1 \
+    --limit-min 1M --no-gloo --csv "$out/allreduce_2ranks_chunk512k.csv" --png ""
   table ddp_mlp $P 300 scripts/bench_ddp.py --torch --caps 1 --hidden 128 --layers 2 --steps 2 --warmup 1 \
     --profile-steps 1 --csv "$out/ddp_mlp.csv" --png "$out/ddp_mlp.png"
   table ddp_12m $P 300 scripts/bench_ddp.py --modes torch --caps 1,25 --features 200 --hidden 200 --layers 2 \
@@ -117,6 +120,11 @@ else
   table allreduce_2ranks $P 300 scripts/bench_allreduce.py --csv "$out/allreduce_2ranks.csv" --png "$out/allreduce_2ranks.png"
   table allreduce_3ranks $P 300 scripts/bench_allreduce.py --nranks 3 --min 16M --max 256M \
     --csv "$out/allreduce_3ranks.csv" --png "$out/allreduce_3ranks.png"
+  # the shm chunk size against the default (2 MiB): smaller chunks keep the staging copies in
+  # cache at the price of more signals; which wins is for a quiet machine to say
+  ENV_NOTE=NCCL_DDP_HOST_CHUNK_BYTES=524288 NCCL_DDP_HOST_CHUNK_BYTES=524288 \
+    table allreduce_2ranks_chunk512k $P 300 scripts/bench_allreduce.py --min 16M --max 256M --no-gloo \
+    --csv "$out/allreduce_2ranks_chunk512k.csv" --png ""
   table ddp_mlp $P 300 scripts/bench_ddp.py --torch --steps 20 --csv "$out/ddp_mlp.csv" --png "$out/ddp_mlp.png"
   table ddp_12m $P 300 scripts/bench_ddp.py --modes torch --caps 1,4,25 --features 1400 --hidden 1400 --layers 6 \
     --steps 10 --profile-steps 5 --csv "$out/ddp_12m.csv" --png "$out/ddp_12m.png"
