@@ -193,3 +193,48 @@ def test_join_and_built_queries(semantics):
 
     for r in semantics:  # False on a host without a GPU (where Horovod's alltoall tests skip)
         assert r["built"] == (is_available(), cuda_available())
+
+
+def _autograd(rank: int, world: int) -> dict:
+    import nccl_ddp.horovod.torch as hvd
+
+    hvd.init()
+    out: dict = {}
+    a, b = torch.ones(3, requires_grad=True), torch.ones(2, 2, dtype=torch.float64, requires_grad=True)
+    sa, sb = hvd.grouped_allreduce([a * (rank + 1), b], op=hvd.Sum)
+    (sa.sum() + sb.sum()).backward()
+    out["grouped"] = (a.grad.tolist(), b.grad.tolist())
+    x = torch.ones(5, 2, requires_grad=True)
+    hvd.reducescatter(x * (rank + 1), op=hvd.Sum).sum().backward()
+    out["reducescatter"] = x.grad.tolist()
+    y = torch.arange(3.0, requires_grad=True)
+    got, received = hvd.alltoall(y * (rank + 1), splits=[1, 2] if rank == 0 else [2, 1])
+    (got * torch.arange(1.0, 1.0 + got.shape[0])).sum().backward()
+    out["alltoall"] = (y.grad.tolist(), received.tolist())
+    sparse = torch.sparse_coo_tensor([[rank, 3]], [1.0, 2.0], (4,), check_invariants=True)
+    out["sparse"] = hvd.sparse_allreduce_async(sparse, "s", hvd.Average)().to_dense().tolist()
+    hs = hvd.grouped_reducescatter_async([torch.ones(2, 2) * (rank + 1)], name="g", op=hvd.Sum)
+    out["grouped_rs_async"] = [hvd.synchronize(h).tolist() for h in hs]
+    hvd.shutdown()
+    return out
+
+
+@pytest.fixture(scope="module")
+def autograd():
+    return run_ranks(_autograd, WORLD, timeout=120)
+
+
+@pytest.mark.slow
+def test_autograd_of_grouped_allreduce_reducescatter_alltoall(autograd):
+    r0, r1 = autograd
+    for r, factor in ((r0, 1.0), (r1, 2.0)):
+        # Sum's gradient is the Sum allreduce of the ones (Horovod's): 2, times this rank's factor
+        assert r["grouped"] == ([2.0 * factor] * 3, [[2.0, 2.0], [2.0, 2.0]])
+        # Horovod's reducescatter gradient: the grads gathered, times size for Sum
+        assert r["reducescatter"] == [[2.0 * factor] * 2] * 5
+    # alltoall's gradient: each received row's weight (its position + 1) sent back to its sender
+    # rank 0 got [r0 row 0, r1 rows 0-1] (weights 1, 2, 3); rank 1 got [r0 rows 1-2, r1 row 2]
+    assert r0["alltoall"] == ([1.0, 1.0, 2.0], [1, 2]) and r1["alltoall"] == ([4.0, 6.0, 6.0], [2, 1])
+    for r in autograd:
+        assert r["sparse"] == [0.5, 0.5, 0.0, 2.0]  # (e_rank + 2 e_3) summed over ranks, / 2
+    assert r0["grouped_rs_async"] == [[[3.0, 3.0]]] and r1["grouped_rs_async"] == [[[3.0, 3.0]]]
