@@ -91,7 +91,7 @@ def test_refused_connection_at_setup_blames_the_peer():
     test_chaos_matrix[2-shm-setup-KILL]: 'cannot connect to rank 0' matched no blame)."""
     import socket
 
-    from nccl_ddp.comm.host.wire import Rendezvous
+    from nccl_ddp.comm.host.rendezvous import Rendezvous
     from nccl_ddp.failure_record import blamed_rank
 
     with socket.socket() as s:  # a port that was just free: connecting is refused
@@ -112,7 +112,7 @@ def test_dialing_peer_retries_a_handshake_the_acceptor_dropped():
     (before: it kept the dead socket and failed later with 'peer rank 4 closed the connection')."""
     import socket
 
-    from nccl_ddp.comm.host.wire import _HANDSHAKE, Rendezvous
+    from nccl_ddp.comm.host.rendezvous import _HANDSHAKE, Rendezvous
 
     srv = socket.create_server(("127.0.0.1", 0))
     srv.settimeout(10)
@@ -411,7 +411,7 @@ def test_ranks_that_never_arrive_are_named_every_period_with_the_world_size_sour
     which waits for it). Before: it waited the whole timeout without a word (300 s by default).
     Now a WARNING every NOTICE_EVERY seconds (30; 0.3 here) names what is missing and where the
     world size came from, and so does the final error."""
-    from nccl_ddp.comm.host import wire
+    from nccl_ddp.comm.host import rendezvous
     from nccl_ddp.errors import CommTimeout, StoreTimeout
     from nccl_ddp.store import client
 
@@ -423,7 +423,7 @@ def test_ranks_that_never_arrive_are_named_every_period_with_the_world_size_sour
     port = free_port()
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
-    for module in (wire, client):  # (raising=False: so the old code ran)
+    for module in (rendezvous, client):  # (raising=False: so the old code ran)
         monkeypatch.setattr(module, "NOTICE_EVERY", 0.3, raising=False)
     caplog.set_level("WARNING", logger="nccl_ddp")
     with pytest.raises((CommTimeout, StoreTimeout)) as info:

@@ -255,10 +255,10 @@ def test_silent_connection_to_the_rendezvous_does_not_stall_group_creation(store
 
 
 def test_rendezvous_caps_handshakes_evicting_silent_strangers(store_server, monkeypatch, caplog):
-    from nccl_ddp.comm.host import wire
+    from nccl_ddp.comm.host import rendezvous
 
-    monkeypatch.setattr(wire, "MAX_UNAUTHENTICATED", 3)
-    monkeypatch.setattr(wire, "HANDSHAKE_DEADLINE", 60.0)  # only eviction can drop them
+    monkeypatch.setattr(rendezvous, "MAX_UNAUTHENTICATED", 3)
+    monkeypatch.setattr(rendezvous, "HANDSHAKE_DEADLINE", 60.0)  # only eviction can drop them
 
     def strangers(port):
         talkative = _silent(port)

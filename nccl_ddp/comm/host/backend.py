@@ -22,17 +22,10 @@ import numpy as np
 
 from nccl_ddp.comm.group import ProcessGroup, ReduceOp, Work, check_gather_buffers
 from nccl_ddp.comm.host.reduce import Reduction, dtype_code
+from nccl_ddp.comm.host.rendezvous import Rendezvous, host_id
 from nccl_ddp.comm.host.ring import RingTransport, SelfTransport
 from nccl_ddp.comm.host.shm import ShmTransport
-from nccl_ddp.comm.host.wire import (
-    ALL_GATHER,
-    ALL_REDUCE,
-    BARRIER,
-    BROADCAST,
-    REDUCE_SCATTER,
-    Rendezvous,
-    host_id,
-)
+from nccl_ddp.comm.host.wire import ALL_GATHER, ALL_REDUCE, BARRIER, BROADCAST, REDUCE_SCATTER
 from nccl_ddp.device import DEFAULT_TIMEOUT, HostEvent, ImmediateStream, Stream
 from nccl_ddp.env import env_int
 from nccl_ddp.errors import CommError, CommTimeout, ConfigError, NcclDdpError, RankMismatchError
