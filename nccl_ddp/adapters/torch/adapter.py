@@ -64,6 +64,16 @@ marks its own: a weak reference to the wrapper's TorchModule (and through it the
 core, `zero=`). How `ZeroRedundancyOptimizer` finds the model of its parameters."""
 
 
+class _OwnerRef(weakref.ref):
+    """The mark: a weak reference that pickles (torch.save / deepcopy of the model) as no mark;
+    the copy is no wrapper's until one wraps it."""
+
+    __slots__ = ()
+
+    def __reduce__(self) -> tuple:
+        return (type(None), ())
+
+
 def owner_of(param: torch.Tensor) -> Optional[TorchModule]:
     """The TorchModule (of an nccl_ddp DistributedDataParallel) whose reducer reduces `param`'s
     grad, or None: read from the parameter's own mark (`OWNER_ATTR`)."""
@@ -216,7 +226,7 @@ class TorchModule(GradModule):
             self._grad_hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook_for(i)))
             if self._pooled is not None:
                 self._grad_hooks.append(p.register_hook(self._open_without_forward))
-            setattr(p, OWNER_ATTR, weakref.ref(self))
+            setattr(p, OWNER_ATTR, _OwnerRef(self))
 
     def _open_without_forward(self, grad: torch.Tensor) -> None:
         """ZeRO-2, before a grad is accumulated: in a backward without our forward (the module

@@ -29,6 +29,7 @@ import torch
 from torch.distributed.algorithms.join import Joinable as _TorchJoinable
 
 from nccl_ddp.adapters.torch import comm_hooks as torch_hooks
+from nccl_ddp.adapters.torch import pickling
 from nccl_ddp.adapters.torch.adapter import TorchModule
 from nccl_ddp.adapters.torch.dist import join_torch_world
 from nccl_ddp.comm.api import resolve_group
@@ -99,6 +100,7 @@ class TorchDistributedDataParallel(torch.nn.Module, DistributedDataParallel, _To
 
     _reducer_class = TorchReducer
     _torch_join_config: Any = None  # the config torch's Join set last (see _join_config)
+    _torch_hook: Any = None  # the comm hook as registered, for pickling: ("hook", state, hook)
 
     def __init__(
         self,
@@ -130,6 +132,21 @@ class TorchDistributedDataParallel(torch.nn.Module, DistributedDataParallel, _To
         self.dim = dim
         self.gradient_as_bucket_view = gradient_as_bucket_view
         DistributedDataParallel.__init__(self, module, *args, **core)
+        cast(TorchReducer, self.reducer).wrapper = self
+
+    # ---- torch.save(model) / torch.load / copy.deepcopy, as torch's DDP (adapters/torch/pickling.py)
+    def __getstate__(self) -> dict:
+        return pickling.wrapper_state(self)
+
+    def __setstate__(self, state: dict) -> None:
+        pickling.restore(self, state, self._rebuild)
+
+    def _rebuild(self, module: Any, config: Any, options: dict) -> None:
+        """The construction after unpickling: on the world group in force, no init sync."""
+        join_torch_world(None, "DistributedDataParallel (unpickled)")
+        for name, value in options.items():
+            setattr(self, name, value)
+        DistributedDataParallel.__init__(self, module, config=config)
         cast(TorchReducer, self.reducer).wrapper = self
 
     # ---- what code written for torch DDP reads (Lightning, Accelerate)
@@ -191,7 +208,7 @@ class TorchDistributedDataParallel(torch.nn.Module, DistributedDataParallel, _To
         rank = self.process_group.rank
         torch_hooks.check_like_torch(hook, rank)
         self._check_no_hook_yet()
-        ours = torch_hooks.ours_for(hook, state)
+        given, ours = hook, torch_hooks.ours_for(hook, state)
         if ours is not None:
             hook = ours
         elif callable(hook) and not torch_hooks.is_ours(hook):
@@ -199,6 +216,7 @@ class TorchDistributedDataParallel(torch.nn.Module, DistributedDataParallel, _To
             params = {id(n): p for n, p in zip(self.reducer.params, self._torch_module.params)}
             hook = torch_hooks.TorchHook(hook, params, self._torch_module.on_cuda)
         super().register_comm_hook(state, hook)
+        self._torch_hook = ("hook", state, given)
 
     def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
         """torch's built-in hooks (`dist.BuiltinCommHookType.ALLREDUCE`, `FP16_COMPRESS`): ours,
@@ -206,6 +224,7 @@ class TorchDistributedDataParallel(torch.nn.Module, DistributedDataParallel, _To
         hook = torch_hooks.builtin_hook(comm_hook_type, self.process_group.rank)
         self._check_no_hook_yet()
         super().register_comm_hook(None, hook)
+        self._torch_hook = ("builtin", comm_hook_type)
 
     def _check_no_hook_yet(self) -> None:
         """torch's reducer takes one hook (RuntimeError, torch's message)."""

@@ -76,6 +76,7 @@ def _assert_equal_training(results: list) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("how", ["file", "tcp", "filestore", "tcpstore"])
 def test_joins_torch_started_from_any_init_method_with_nothing_in_the_environment(how, tmp_path):
     where = str(tmp_path / "rendezvous") if how in ("file", "filestore") else f"127.0.0.1:{free_port()}"
@@ -128,6 +129,7 @@ def _torch_groups(rank: int, world: int, where: str) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_torch_groups_as_process_group(tmp_path):
     results = run_ranks(_torch_groups, 2, str(tmp_path / "rendezvous"), timeout=240)
     for rank, r in enumerate(results):
