@@ -50,12 +50,12 @@ def test_bad_inputs_are_named(ranks):
         assert "op=hvd.Adasum is not supported" in c["adasum"]
         assert "unknown op 9" in c["unknown_op"]
         assert (
-            c["mismatch"].startswith("RankMismatchError")
+            c["mismatch"].startswith("HorovodMismatchError")
             and "Mismatched allgather tensor shapes" in c["mismatch"]
         )
         assert "float32[2, 3]" in c["mismatch"]
         assert "op must be hvd.Average or hvd.Sum" in c["tape_op"]
-        assert "gradient_accumulation_steps" in c["keras_passes"]
+        assert "gradient_accumulation_steps=2 both accumulate" in c["keras_passes"]
         assert "not a Keras 3 optimizer" in c["v1_optimizer"]
 
 
@@ -82,6 +82,87 @@ def test_keras_callbacks(ranks):
     # MetricAverageCallback: every rank logs the mean loss (each rank's data differ); the weights agree
     assert ranks[0]["callbacks"]["loss"] == ranks[1]["callbacks"]["loss"]
     assert ranks[0]["callbacks"]["weights"] == ranks[1]["callbacks"]["weights"]
+
+
+def test_ops_for_the_ranks_uint16_and_broadcast_in_place_returning_its_result(ranks):
+    for r, res in enumerate(ranks):
+        b = res["semantics"]["basics"]
+        assert b["ops"] == [r, 2, r, 2] and b["ccl"] is False and b["eagerly"] is True
+        assert b["broadcast_"] == [[1.0] * 3, [1.0] * 3]  # eager broadcast_ returns the values
+        assert b["uint16"] == [
+            [0, 60000, 1, 60000],
+            [1, 60000],
+            [0, 1] if r == 0 else [60000, 60000],
+            "uint16",
+        ]
+        assert b["grouped_allgather"] == [[0, 60000, 1, 60000], [1.0, 1.0, 1.0]]
+        assert b["grouped_reducescatter"] == [[[3.0], [3.0]]]
+
+
+def test_errors_are_horovods_tf_errors_and_the_group_stays_usable(ranks):
+    mismatch = ["FailedPreconditionError", "RankMismatchError", "RuntimeError"]
+    for res in ranks:
+        e = res["semantics"]["errors"]
+        assert e["shape"] == e["rank_of_tensor"] == e["dtype"] == e["root"] == mismatch
+        assert e["gather_shape"] == e["alltoall_dtype"] == mismatch
+        assert e["splits"][0] == "InvalidArgumentError"
+        assert e["sparse_min"] == e["sparse_scaled"] == ["NotImplementedError", "RuntimeError"]
+        assert e["eager_global_variables"] == ["RuntimeError"]
+        assert e["usable_after"] == [2.0, 2.0] and e["also_ours"] is True
+
+
+def test_tf1_graph_runs_collectives_fetched_together_and_symbolic_splits(ranks):
+    for r, res in enumerate(ranks):
+        g = res["semantics"]["graph"]
+        assert g["fused"] == [[2.0 * i + 1] * 3 for i in range(8)]
+        assert g["mismatch"][0] == "FailedPreconditionError"
+        assert g["alltoall"] == ([[0, 10, 11], [1, 2]] if r == 0 else [[1, 2, 12], [2, 1]])
+        assert g["tf_function_alltoall"] == g["alltoall"]
+        assert g["global_variables"] == [1.0, 1.0]  # rank 1's
+        assert g["grad"] == [2.0, 2.0]
+
+
+def test_every_collective_has_horovods_gradient(ranks):
+    # loss = sum(output * [1, 2, ...]); x = [1, 2, 3, 4]; see hvd_tf_semantics.gradients
+    want = [
+        {"allgather": [1, 0, 0, 0], "broadcast": [0, 0, 0, 0], "alltoall": [1, 1, 2, 3]},
+        {"allgather": [2, 3, 0, 0], "broadcast": [1, 2, 3, 4], "alltoall": [2, 3, 4, 5]},
+    ]
+    for r, res in enumerate(ranks):
+        g = res["semantics"]["gradients"]
+        assert g["allreduce_sum"] == g["grouped_allreduce"] == [2, 4, 6, 8]
+        assert g["allreduce_avg"] == [1, 2, 3, 4]
+        assert g["allgather"] == g["grouped_allgather"] == want[r]["allgather"]
+        assert g["broadcast"] == want[r]["broadcast"] and g["alltoall"] == want[r]["alltoall"]
+        assert g["reducescatter_sum"] == g["grouped_reducescatter"] == [2, 4, 2, 4]  # Horovod's: x size
+
+
+def test_indexed_slices_are_gathered_or_reduced_dense(ranks):
+    for res in ranks:
+        s = res["semantics"]["sparse"]
+        assert s["sum"] == [[[1.0, 1.0], [2.0, 2.0]], [0, 1]] and s["average"] == [[0.5, 0.5], [1.0, 1.0]]
+        # d loss / d emb: row r = r + 1 on rank r; the mean over the ranks, gathered or dense
+        dense = [[0.5, 0.5], [1.0, 1.0], [0.0, 0.0]]
+        assert s["tape_dense_False"] == ["IndexedSlices", dense] and s["tape_dense_True"] == [
+            "EagerTensor",
+            dense,
+        ]
+
+
+def test_local_sources_are_not_reduced_but_scaled(ranks):
+    for r, res in enumerate(ranks):
+        lo = res["semantics"]["local"]
+        assert lo["plain"] == [[[r + 1.0]], [[r + 1.0]]]
+        assert lo["tape"] == lo["optimizer"] == [[[(r + 1) / 2]], [[1.5]]] and lo["split"] == [1, 1]
+
+
+def test_keras_local_variables_and_backward_passes_per_step(ranks):
+    for r, res in enumerate(ranks):
+        k = res["semantics"]["keras"]
+        assert k["callback"] == [[float(r)], [float(r)], [1.0], [1.0]]  # layer 0 local, the rest rank 1's
+        # grads averaged over the ranks 1.5, 2.5, 3.5, 4.5; applied every 2nd step, summed or averaged
+        assert k["passes_average_False"] == [[0.0, 1], [-4.0, 0], [-4.0, 1], [-12.0, 0]]
+        assert k["passes_average_True"] == [[0.0, 1], [-2.0, 0], [-2.0, 1], [-6.0, 0]]
 
 
 def _params(path):

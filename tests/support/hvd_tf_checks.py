@@ -1,7 +1,8 @@
 """Run under `horovodrun -np 2` in .venv-tf by tests/horovod/test_hvd_tensorflow.py: Horovod's
 TensorFlow/Keras API (nccl_ddp.horovod.tensorflow[.keras]) on 2 ranks. Each rank writes
 OUT/rank{r}.json: collective results (eager and inside tf.function), DistributedGradientTape
-against one process on the full batch, the Keras callbacks' effects, and bad inputs' messages."""
+against one process on the full batch, the Keras callbacks' effects, bad inputs' messages, and
+the Horovod semantics of hvd_tf_semantics.py."""
 
 import json
 import os
@@ -9,6 +10,7 @@ import sys
 
 import numpy as np
 import tensorflow as tf
+from hvd_tf_semantics import semantics
 
 import nccl_ddp.horovod.tensorflow as hvd
 import nccl_ddp.horovod.tensorflow.keras as hvdk
@@ -65,7 +67,9 @@ def collectives(rank):
     out["mismatch"] = err(lambda: hvd.allgather(tf.ones([2, 2 + rank])))
     out["tape_op"] = err(lambda: hvd.DistributedGradientTape(tf.GradientTape(), op=hvd.Max))
     out["keras_passes"] = err(
-        lambda: hvdk.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), backward_passes_per_step=2)
+        lambda: hvdk.DistributedOptimizer(
+            tf.keras.optimizers.SGD(0.1, gradient_accumulation_steps=2), backward_passes_per_step=2
+        )
     )
     out["v1_optimizer"] = err(lambda: hvd.DistributedOptimizer(object()))
     return out
@@ -158,6 +162,7 @@ def main():
     res["tape_graph"] = tape_training(rank, size, graph=True)
     res["tape_fp16"] = tape_training(rank, size, graph=True, fp16=True)
     res["callbacks"] = callbacks(rank, size)
+    res["semantics"] = semantics(rank)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(res, f)
     hvd.shutdown()

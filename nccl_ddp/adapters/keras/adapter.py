@@ -144,12 +144,17 @@ class _AllReduceBeforeApply:
         else:
             variables = []  # Keras' own apply() says what is missing
         if len(variables) == len(grads):
-            keep = [i for i, g in enumerate(grads) if g is not None]
-            if keep:
-                reduced = self._nccl_ddp_reducer([variables[i] for i in keep])([grads[i] for i in keep])
-                for i, g in zip(keep, reduced):
-                    grads[i] = g
+            grads = self._nccl_ddp_reduce(grads, variables)
         return super().apply(grads, trainable_variables)  # type: ignore[misc]
+
+    def _nccl_ddp_reduce(self, grads: List[Any], variables: List[Any]) -> List[Any]:
+        """The grads reduced over the ranks (None ones untouched); a subclass may keep some local."""
+        keep = [i for i, g in enumerate(grads) if g is not None]
+        if keep:
+            reduced = self._nccl_ddp_reducer([variables[i] for i in keep])([grads[i] for i in keep])
+            for i, g in zip(keep, reduced):
+                grads[i] = g
+        return grads
 
     def _nccl_ddp_reducer(self, variables: List[Any]) -> Any:
         """The grad reducer for this set of variables (built once, on every rank at its first step)."""
@@ -169,11 +174,15 @@ def DistributedOptimizer(
     compress: Optional[str] = None,
     fusion_type: int = 1,
     group: Any = None,
+    mixin: type = _AllReduceBeforeApply,
+    config: Optional[Dict[str, Any]] = None,
 ) -> Any:
     """A copy of the Keras 3 `optimizer` (same class and config, fresh state) whose `apply()`
     all-reduces the grads (mean over the ranks, through `DistributedGradReducer`'s buckets) before
     Keras clips, accumulates and applies them. Wrap before training: `model.compile(optimizer=
-    nccl_ddp.keras.DistributedOptimizer(keras.optimizers.Adam(1e-3)), ...)`."""
+    nccl_ddp.keras.DistributedOptimizer(keras.optimizers.Adam(1e-3)), ...)`. `mixin` (a subclass
+    of `_AllReduceBeforeApply`, e.g. Horovod's) and `config` (entries that replace `optimizer`'s)
+    are for facades."""
     import keras
 
     if not isinstance(optimizer, keras.optimizers.Optimizer):
@@ -186,8 +195,8 @@ def DistributedOptimizer(
     backend()
     loss_scale.install(_AllReduceBeforeApply, KerasGrads)  # a LossScaleOptimizer around it agrees
     cls = type(optimizer)
-    wrapped: Any = type(cls.__name__, (_AllReduceBeforeApply, cls), {"__module__": __name__})
-    new = wrapped.from_config(optimizer.get_config())
+    wrapped: Any = type(cls.__name__, (mixin, cls), {"__module__": __name__})
+    new = wrapped.from_config({**optimizer.get_config(), **(config or {})})
     object.__setattr__(
         new,
         "_nccl_ddp_settings",

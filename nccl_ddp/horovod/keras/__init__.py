@@ -2,4 +2,9 @@
 TensorFlow (the same as `nccl_ddp.horovod.tensorflow.keras`)."""
 
 from nccl_ddp.horovod.tensorflow.keras import *  # noqa: F403
-from nccl_ddp.horovod.tensorflow.keras import DistributedOptimizer, broadcast_global_variables, callbacks  # noqa: F401
+from nccl_ddp.horovod.tensorflow.keras import (  # noqa: F401
+    DistributedOptimizer,
+    PartialDistributedOptimizer,
+    broadcast_global_variables,
+    callbacks,
+)

@@ -10,25 +10,23 @@ MetricAverageCallback, LearningRateWarmupCallback, LearningRateScheduleCallback)
 
 from __future__ import annotations
 
-from nccl_ddp.errors import ConfigError
 from nccl_ddp.horovod.common import *  # noqa: F403  (Horovod's basics, re-exported)
-from nccl_ddp.horovod.tensorflow.keras import callbacks  # noqa: F401
-from nccl_ddp.horovod.tensorflow.ops import (  # noqa: F401  (Horovod's names, re-exported)
+from nccl_ddp.horovod.tensorflow import (  # noqa: F401  (Horovod's names, re-exported)
     Compression,
     allgather,
     allreduce,
     alltoall,
     broadcast,
+    broadcast_,
+    broadcast_global_variables,
     broadcast_variables,
+    grouped_allgather,
     grouped_allreduce,
+    grouped_reducescatter,
     reducescatter,
 )
-from nccl_ddp.horovod.tensorflow.optimizer import DistributedOptimizer  # noqa: F401
-
-
-def broadcast_global_variables(root_rank: int) -> None:
-    raise ConfigError(
-        "hvd.broadcast_global_variables is TensorFlow 1's (graph collections); use "
-        "hvd.callbacks.BroadcastGlobalVariablesCallback(root_rank) or "
-        "hvd.broadcast_variables(model.variables, root_rank)"
-    )
+from nccl_ddp.horovod.tensorflow.keras import callbacks  # noqa: F401
+from nccl_ddp.horovod.tensorflow.optimizer import (  # noqa: F401
+    DistributedOptimizer,
+    PartialDistributedOptimizer,
+)

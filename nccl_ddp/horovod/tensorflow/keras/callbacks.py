@@ -9,7 +9,7 @@ same variables; a model that its first batch builds is broadcast after that batc
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, List, Optional, Sequence, Union
 
 import keras
 import numpy as np
@@ -20,17 +20,20 @@ from nccl_ddp.horovod.tensorflow.ops import allreduce
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
-    """Every rank starts training from `root_rank`'s model variables and optimizer state."""
+    """Every rank starts training from `root_rank`'s model variables and optimizer state, except
+    `local_variables` (and those given to `register_local_var`), which each rank keeps."""
 
-    def __init__(self, root_rank: int, device: str = "") -> None:
+    def __init__(
+        self, root_rank: int, device: str = "", local_variables: Optional[Sequence[Any]] = None
+    ) -> None:
         super().__init__()
         self.root_rank = root_rank
         self.done = False
-        self._local: set = set()
+        self._local: List[Any] = list(local_variables or [])
 
     def register_local_var(self, var: Any) -> None:
         """A variable that each rank keeps as it is (not broadcast)."""
-        self._local.add(id(var))
+        self._local.append(var)
 
     def on_train_begin(self, logs: Any = None) -> None:
         if self.model.built and self.model.variables:
@@ -47,7 +50,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         if optimizer is not None and not optimizer.built:
             optimizer.build(self.model.trainable_variables)
         group = common.global_process_set.group("BroadcastGlobalVariablesCallback")
-        shared = [v for v in self.model.variables if id(v) not in self._local]
+        shared = [v for v in self.model.variables if not any(v is lo for lo in self._local)]
         broadcast_variables(shared, self.root_rank, group)
         if optimizer is not None:
             broadcast_variables(optimizer.variables, self.root_rank, group)
