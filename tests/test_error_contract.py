@@ -50,3 +50,26 @@ def test_same_misuse_same_error_on_both_backends(make, what, call, cls, named):
     assert isinstance(info.value, NcclDdpError)
     builtin = TypeError if cls is ConfigTypeError else ValueError
     assert isinstance(info.value, builtin)
+
+
+def test_each_error_is_one_builtin_kind_as_torchs_are():
+    """A bad setting is a ValueError (or TypeError) and no RuntimeError, a failure at run time a
+    RuntimeError and no ValueError: `assertRaises(RuntimeError)` written for torch does not pass
+    on an unrelated config error (a setting torch refuses with a RuntimeError is a
+    ConfigRuntimeError)."""
+    import inspect
+
+    from nccl_ddp import errors
+
+    kinds = (ValueError, TypeError, RuntimeError, ImportError)
+    both = []
+    for name, cls in inspect.getmembers(errors, inspect.isclass):
+        if not issubclass(cls, errors.NcclDdpError) or cls is errors.NcclDdpError:
+            continue
+        mine = [k.__name__ for k in kinds if issubclass(cls, k)]
+        assert mine, f"{name} is no builtin kind"
+        if len(mine) > 1:
+            both.append(name)
+    assert both == []
+    assert not issubclass(errors.NcclDdpError, RuntimeError)
+    assert not issubclass(ConfigError, RuntimeError) and not issubclass(ConfigTypeError, RuntimeError)

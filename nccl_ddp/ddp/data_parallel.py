@@ -25,7 +25,7 @@ from nccl_ddp.ddp.join import Join, JoinHook, JoinState, ShadowJoinHook, exchang
 from nccl_ddp.ddp.param_sync import broadcast_coalesced, check_same_params
 from nccl_ddp.ddp.reducer import Reducer
 from nccl_ddp.device.base import Device
-from nccl_ddp.errors import ConfigError, ConfigTypeError, ReducerError
+from nccl_ddp.errors import ConfigError, ConfigRuntimeError, ConfigTypeError, ReducerError
 from nccl_ddp.validate import check_float_dtype
 from nccl_ddp.zero.config import ZeroConfig
 
@@ -90,7 +90,10 @@ class DistributedDataParallel:
         self.device = device_of(self.process_group)
         params = self._adapter.native_params()
         if not params:
-            raise ConfigError("module has no parameters to reduce")
+            raise ConfigRuntimeError(
+                "module has no parameters to reduce: DistributedDataParallel is not needed when a "
+                "module doesn't have any parameter that requires a gradient."
+            )
         _check_native(params, self.device, "parameter", self._adapter.names, contiguous=False)
         grads = self._adapter.native_grads()
         _check_native(grads, self.device, "grad", self._adapter.names)
