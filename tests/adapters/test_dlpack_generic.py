@@ -116,7 +116,7 @@ def one_group():
         (
             [np.zeros((3, 2), F32), np.zeros(5, F64)],
             ConfigTypeError,
-            r"grads\[0\] is a numpy.ndarray \(numpy\).*"
+            r"grads\[0\] is a numpy.ndarray \(NumPy\).*"
             "built on fakefw parameters.*never mixes",
         ),
         (
