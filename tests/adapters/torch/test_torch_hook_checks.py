@@ -10,7 +10,7 @@ the grad: c10d's test_ddp_comm_hook_future_passing).
 # no `from __future__ import annotations`: the hooks' annotations are the objects torch compares
 
 import pytest
-from mp import run_ranks
+from torch_gloo import beside_torch, on_two_ranks, raised
 
 pytest.importorskip("torch", reason="PyTorch is not installed")
 
@@ -86,43 +86,30 @@ def _simple_hook(state, bucket):
 
 def _hook_checks(rank: int, world: int, store: str) -> dict:
     import torch
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     import nccl_ddp as nd
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    both = (("torch", TorchDDP), ("ours", nd.DistributedDataParallel))
     out: dict = {}
-    try:
-        for who, ddp in (("torch", TorchDDP), ("ours", nd.DistributedDataParallel)):
+    with beside_torch(rank, world, store):
+        for who, ddp in both:
             model = ddp(_module())
             model.register_comm_hook(None, _simple_hook)
             model(8, rank).mean().backward()
             out["future passing", who] = [p.grad.tolist() for p in model.parameters()]
-        for who, ddp in (("torch", TorchDDP), ("ours", nd.DistributedDataParallel)):
-            try:
-                ddp(torch.nn.Module())
-                out["no parameter", who] = None
-            except Exception as e:
-                out["no parameter", who] = (type(e), str(e))
+        for who, ddp in both:
+            out["no parameter", who] = raised(lambda: ddp(torch.nn.Module()))
         for name, misuse in _hooks().items():  # "no Future" last: it breaks our group
-            for who, ddp in (("torch", TorchDDP), ("ours", nd.DistributedDataParallel)):
-                try:
-                    misuse(ddp(_module()))
-                    out[name, who] = None
-                except Exception as e:
-                    out[name, who] = (type(e), str(e))
-        nd.destroy_process_group()
-    finally:
-        dist.destroy_process_group()
+            for who, ddp in both:
+                out[name, who] = raised(lambda: misuse(ddp(_module())))
     return out
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_comm_hook_checks_are_torchs(tmp_path):
-    for r in run_ranks(_hook_checks, 2, str(tmp_path / "store"), timeout=240):
+    for r in on_two_ranks(_hook_checks, tmp_path):
         for name in MISUSES:
             theirs, ours = r[name, "torch"], r[name, "ours"]
             assert theirs is not None and ours is not None, name

@@ -12,7 +12,7 @@ import io
 
 import numpy as np
 import pytest
-from mp import run_ranks
+from torch_gloo import beside_torch, on_two_ranks, raised
 from torch_oracle import IN, OracleConfig, batches
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed")
@@ -79,29 +79,20 @@ def _pickling(rank: int, world: int, store: str) -> dict:
 
     import nccl_ddp as nd
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
+    with beside_torch(rank, world, store):
         out = {
             "torch": _save_load_train(rank, TorchDDP),
             "ours": _save_load_train(rank, nd.DistributedDataParallel),
         }
         alone = nd.DistributedDataParallel(make_model(rank), process_group=dist.new_group([rank]))
-        try:
-            torch.save(alone, io.BytesIO())
-            out["subgroup"] = None
-        except Exception as e:
-            out["subgroup"] = str(e)
-        nd.destroy_process_group()
-    finally:
-        dist.destroy_process_group()
+        out["subgroup"] = raised(lambda: torch.save(alone, io.BytesIO()))
     return out
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_save_load_and_deepcopy_train_as_torchs(tmp_path):
-    for r in run_ranks(_pickling, 2, str(tmp_path / "store"), timeout=240):
+    for r in on_two_ranks(_pickling, tmp_path):
         ours, theirs = r["ours"], r["torch"]
         assert ours["saved equals loaded"] and theirs["saved equals loaded"]
         for phase in ("after load", "deepcopy"):
@@ -111,4 +102,4 @@ def test_save_load_and_deepcopy_train_as_torchs(tmp_path):
                     ours[phase][key], value, rtol=1e-6, atol=1e-6, err_msg=f"{phase} {key}"
                 )
         assert ours["hook"], "the comm hook was not registered again after loading"
-        assert "world group only" in r["subgroup"]
+        assert r["subgroup"] is not None and "world group only" in r["subgroup"][1]
