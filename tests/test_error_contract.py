@@ -73,3 +73,18 @@ def test_each_error_is_one_builtin_kind_as_torchs_are():
     assert both == []
     assert not issubclass(errors.NcclDdpError, RuntimeError)
     assert not issubclass(ConfigError, RuntimeError) and not issubclass(ConfigTypeError, RuntimeError)
+
+
+def test_the_package_raises_no_bare_base_class():
+    """The base class is no builtin kind of its own: raising it, or a subclass of it alone,
+    anywhere in the package would escape `except RuntimeError` written for torch."""
+    import re
+
+    from paths import ROOT
+
+    bare = []
+    for path in sorted((ROOT / "nccl_ddp").rglob("*.py")):
+        text = path.read_text()
+        bare += [f"{path.name}: raise" for _ in re.finditer(r"raise NcclDdpError\(", text)]
+        bare += [f"{path.name}: {m.group(1)}" for m in re.finditer(r"class (\w+)\(NcclDdpError\):", text)]
+    assert bare == []

@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional
 
 from nccl_ddp.device.base import Device, Event, Stream
 from nccl_ddp.env import DEFAULT_TIMEOUT
-from nccl_ddp.errors import CommTimeout, ConfigError, KernelError, NcclDdpError
+from nccl_ddp.errors import CommTimeout, ConfigError, KernelError
 
 CUDA_SUCCESS = 0
 CUDA_ERROR_NOT_READY = 600  # cudaErrorNotReady: the event's work is still pending
@@ -20,7 +20,7 @@ def _cupy() -> Any:
     try:
         import cupy
     except ImportError as e:
-        raise NcclDdpError(
+        raise ConfigError(
             "the cuda device needs CuPy: pip install 'nccl_ddp[cuda12]' (or [cuda13]), or use the host device"
         ) from e
     return cupy

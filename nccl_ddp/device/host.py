@@ -13,7 +13,7 @@ import numpy as np
 
 from nccl_ddp.device.base import Device, Event, Stream
 from nccl_ddp.env import DEFAULT_TIMEOUT
-from nccl_ddp.errors import CommTimeout, NcclDdpError
+from nccl_ddp.errors import CommError, CommTimeout, NcclDdpError
 
 
 class HostEvent(Event):
@@ -54,7 +54,7 @@ def _reraise(error: BaseException, head: str) -> None:
     collective stays a `CommError` naming its op, bucket and rank), anything else wrapped."""
     if isinstance(error, NcclDdpError):
         raise error
-    raise NcclDdpError(f"{head}: {error}") from error
+    raise CommError(f"{head}: {error}") from error
 
 
 class HostStream(Stream):

@@ -32,7 +32,7 @@ def local_size_op(name: Optional[str] = None) -> tf.Tensor:
     return tf.constant(common.local_size(), tf.int32, name=name or "HorovodLocalSize")
 
 
-class EagerGlobalVariablesError(NcclDdpError):
+class EagerGlobalVariablesError(NcclDdpError, RuntimeError):
     """broadcast_global_variables called eagerly, where TensorFlow keeps no global variables."""
 
 
