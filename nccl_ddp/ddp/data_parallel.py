@@ -89,7 +89,7 @@ class DistributedDataParallel:
         self.process_group = resolve_group(process_group, "process_group")
         self.device = device_of(self.process_group)
         params = self._adapter.native_params()
-        if not params:
+        if not params and not self._adapter.reduces_unbucketed:
             raise ConfigRuntimeError(
                 "module has no parameters to reduce: DistributedDataParallel is not needed when a "
                 "module doesn't have any parameter that requires a gradient."

@@ -142,6 +142,12 @@ class GradModule(abc.ABC):
         parameters back into `native_params()` after every step."""
         return False
 
+    @property
+    def reduces_unbucketed(self) -> bool:
+        """Whether the adapter itself reduces trainable parameters kept out of `native_params()`
+        (torch's sparse grads): a module with only those still needs the wrapper."""
+        return False
+
     def to_native(self, i: int, grad: Any) -> NativeArray:
         """A native array for a grad of parameter i produced by the framework."""
         return grad

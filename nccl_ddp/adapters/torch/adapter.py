@@ -8,7 +8,8 @@ gradient_as_bucket_view). A `register_post_accumulate_grad_hook` per parameter m
 reducer all-reduces full buckets on its comm stream while backward goes on, and a callback queued
 on the autograd engine finalizes the step when backward ends. On CUDA the current torch stream is
 the compute stream. PyTorch's grad semantics are kept: a parameter whose `.grad` was None (after
-`optimizer.zero_grad()`) and that no rank used in a step keeps `.grad = None`.
+`optimizer.zero_grad()`) and that no rank used in a step keeps `.grad = None`. Sparse grads
+(Embedding(sparse=True)) stay out of the buckets and are reduced as sparse (adapters/torch/sparse.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Callable, ContextManager, List, NoReturn, Opti
 
 from nccl_ddp.adapters.torch.grads import TorchGrads
 from nccl_ddp.adapters.torch.pooled_grads import PooledGrads
+from nccl_ddp.adapters.torch.sparse import SparseParams
 from nccl_ddp.adapters.torch.tensors import from_native, is_cuda, to_native, torch_stream_current
 from nccl_ddp.adapters.torch.watch import ModuleWatch
 from nccl_ddp.comm.group import ProcessGroup
@@ -99,8 +101,9 @@ class TorchModule(GradModule):
         self.module = module
         _check_initialized(module)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        self.names: List[Optional[str]] = [n for n, _ in named]
-        self.params = [p for _, p in named]
+        self.sparse_params = SparseParams.of(module)  # reduced as sparse at the end of backward, unbucketed
+        self.names: List[Optional[str]] = [n for n, p in named if id(p) not in self.sparse_params.ids]
+        self.params = [p for _, p in named if id(p) not in self.sparse_params.ids]
         for n, p in named:
             if p.layout != torch.strided:
                 raise ConfigError(
@@ -108,13 +111,13 @@ class TorchModule(GradModule):
                     "reduces dense parameters only: make it dense (p.to_dense()) "
                     "before wrapping the module"
                 )
-        devices = {str(p.device) for p in self.params}
+        devices = {str(p.device) for _, p in named}
         if len(devices) > 1:
             raise ConfigError(
                 f"all parameters must be on one device, found {sorted(devices)}; "
                 "one process drives one device"
             )
-        self.on_cuda = bool(self.params) and is_cuda(self.params[0])
+        self.on_cuda = bool(named) and is_cuda(named[0][1])
         # _grads[i]: the tensor the reducer's grads[i] aliases; p.grad is set to it at forward.
         self._grads = [torch.zeros_like(p, memory_format=torch.contiguous_format) for p in self.params]
         self._index = {id(p): i for i, p in enumerate(self.params)}
@@ -143,6 +146,10 @@ class TorchModule(GradModule):
     @property
     def can_install_grads(self) -> bool:
         return True
+
+    @property
+    def reduces_unbucketed(self) -> bool:
+        return bool(self.sparse_params)
 
     @property
     def pools_grads(self) -> bool:
@@ -227,6 +234,12 @@ class TorchModule(GradModule):
             if self._pooled is not None:
                 self._grad_hooks.append(p.register_hook(self._open_without_forward))
             setattr(p, OWNER_ATTR, _OwnerRef(self))
+        for p in self.sparse_params.params:  # (no bucket: only the end of backward is theirs)
+            self._grad_hooks.append(p.register_post_accumulate_grad_hook(self._sparse_ready))
+
+    def _sparse_ready(self, p: torch.nn.Parameter) -> None:
+        if not self._callback_queued:
+            self._queue_end_of_backward()
 
     def _open_without_forward(self, grad: torch.Tensor) -> None:
         """ZeRO-2, before a grad is accumulated: in a backward without our forward (the module
@@ -266,10 +279,10 @@ class TorchModule(GradModule):
     def _check_same_params(self) -> None:
         """Parameters added, replaced or unfrozen after wrapping would silently not be reduced
         (their grads differ across ranks): refuse them at the next step."""
-        now = [p for p in self.module.parameters() if p.requires_grad]
+        now = [p for p in self.module.parameters() if p.requires_grad and id(p) not in self.sparse_params.ids]
         if len(now) == len(self.params) and all(a is b for a, b in zip(now, self.params)):
             return
-        wrapped = set(map(id, self.params))
+        wrapped = set(map(id, self.params)) | self.sparse_params.ids
         added = [n for n, p in self.module.named_parameters() if p.requires_grad and id(p) not in wrapped]
         alive = set(map(id, now))
         gone = [n for n, p in zip(self.names, self.params) if id(p) not in alive]
@@ -358,6 +371,8 @@ class TorchModule(GradModule):
         unused = driver.not_ready(self._was_none)
         with torch_stream_current(self.on_cuda):
             driver.finalize()
+            if self._syncing:
+                self.sparse_params.reduce(driver.group)
         if unused and self._syncing:
             untouched = driver.untouched_last_step()
             unused = [i for i in unused if i in untouched]
@@ -368,10 +383,10 @@ class TorchModule(GradModule):
 
     # ---- state besides the trainable parameters: frozen parameters and buffers
     def named_frozen(self) -> List[Named]:
-        return [
+        return [  # (and those with sparse grads: not the reducer's, broadcast at init all the same)
             (n, self._native_state(n, p, "parameter"))
             for n, p in self.module.named_parameters()
-            if not p.requires_grad
+            if not p.requires_grad or id(p) in self.sparse_params.ids
         ]
 
     def named_buffers(self) -> List[Named]:
@@ -386,7 +401,7 @@ class TorchModule(GradModule):
         if is_cuda(t) != self.on_cuda:
             raise ConfigError(
                 f"{what} {name!r} is on {t.device}, the trainable parameters on "
-                f"{self.params[0].device}; move the whole module to one device "
+                f"{'CUDA' if self.on_cuda else 'the CPU'}; move the whole module to one device "
                 "before wrapping it"
             )
         return to_native(t)

@@ -32,7 +32,9 @@ from nccl_ddp.adapters.torch import comm_hooks as torch_hooks
 from nccl_ddp.adapters.torch import pickling
 from nccl_ddp.adapters.torch.adapter import TorchModule
 from nccl_ddp.adapters.torch.dist import join_torch_world
+from nccl_ddp.adapters.torch.sparse import SparseParams
 from nccl_ddp.comm.api import resolve_group
+from nccl_ddp.ddp.config import DDPConfig
 from nccl_ddp.ddp.data_parallel import DistributedDataParallel
 from nccl_ddp.ddp.join import JoinConfig
 from nccl_ddp.ddp.reducer import Reducer
@@ -128,6 +130,10 @@ class TorchDistributedDataParallel(torch.nn.Module, DistributedDataParallel, _To
         if not isinstance(module, torch.nn.Module):
             raise ConfigTypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         join_torch_world(process_group, "DistributedDataParallel")
+        config = given.get("config")
+        if given.get("zero") is not None or (isinstance(config, DDPConfig) and config.zero is not None):
+            rank = resolve_group(process_group, "process_group").rank
+            SparseParams.of(module).refuse(rank, "ZeRO (zero=ZeroConfig(...))")
         self.device_ids, self.output_device = _device_ids(module, device_ids, output_device, process_group)
         self.dim = dim
         self.gradient_as_bucket_view = gradient_as_bucket_view
@@ -208,6 +214,7 @@ class TorchDistributedDataParallel(torch.nn.Module, DistributedDataParallel, _To
         rank = self.process_group.rank
         torch_hooks.check_like_torch(hook, rank)
         self._check_no_hook_yet()
+        self._torch_module.sparse_params.refuse(rank, "register_comm_hook")
         given, ours = hook, torch_hooks.ours_for(hook, state)
         if ours is not None:
             hook = ours
@@ -223,6 +230,7 @@ class TorchDistributedDataParallel(torch.nn.Module, DistributedDataParallel, _To
         fused into the bucket kernels. Once, as torch's."""
         hook = torch_hooks.builtin_hook(comm_hook_type, self.process_group.rank)
         self._check_no_hook_yet()
+        self._torch_module.sparse_params.refuse(self.process_group.rank, "register_builtin_comm_hook")
         super().register_comm_hook(None, hook)
         self._torch_hook = ("builtin", comm_hook_type)
 
@@ -234,10 +242,16 @@ class TorchDistributedDataParallel(torch.nn.Module, DistributedDataParallel, _To
                 "can only be called once."
             )
 
+    def join_hook(self, **kwargs: Any) -> Any:
+        """Join (ours or torch's): a joined rank cannot stand in for the all-gathers of sparse
+        grads (adapters/torch/sparse.py), so a model with them is refused."""
+        self._torch_module.sparse_params.refuse(self.process_group.rank, "Join (uneven inputs)")
+        return super().join_hook(**kwargs)
+
     @property
     def join_device(self) -> Any:
         """torch's Join: where its count tensors live (the parameters' device)."""
-        return self._torch_module.params[0].device
+        return next(self.module.parameters()).device
 
     @property
     def join_process_group(self) -> Any:

@@ -11,8 +11,9 @@ store=FileStore(...))`, and the model gets torch's default group as `process_gro
 - test_ddp_comm_hook_future_passing_cpu, test_ddp_invalid_comm_hook_init,
   test_ddp_invalid_comm_hook_return_type, test_ddp_comm_hook_register_just_once: in
   test_torch_hook_checks.py.
-- test_sparse_gradients (and _grad_is_view, test_ddp_comm_hook_sparse_gradients): sparse grads
-  (an EmbeddingBag(sparse=True)) reduced as sparse: not yet (issue 35 item 4), a strict xfail here.
+- test_sparse_gradients (and _grad_is_view): sparse grads (an EmbeddingBag(sparse=True)) reduced
+  as sparse (issue 35 item 4; more in test_torch_sparse.py). test_ddp_comm_hook_sparse_gradients:
+  a comm hook over sparse grads is refused, naming the parameter (test_torch_sparse.py).
 """
 
 from __future__ import annotations
@@ -146,7 +147,6 @@ def _sparse(rank: int, world: int, store: str) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(strict=True, reason="issue 35 item 4: sparse grads come back dense (values equal)")
 def test_sparse_gradients_stay_sparse(tmp_path):
     for r in on_two_ranks(_sparse, tmp_path):
         assert r["equal"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Tuple
 
 from nccl_ddp.adapters.torch.adapter import owner_of
+from nccl_ddp.adapters.torch.sparse import refuse_in_optimizer
 from nccl_ddp.adapters.torch.tensors import from_native, to_native
 from nccl_ddp.errors import ConfigError
 from nccl_ddp.zero.config import ZeroConfig
@@ -23,6 +24,7 @@ def pick_stage(trainable: List[Any], zero_stage: Optional[int], group: Any) -> T
     """(stage, the TorchModule of the sharded model or None). The model decides: its
     parameters carry the wrapper's mark, and a wrapper built with zero= holds the core.
     `zero_stage`: the optimizer's argument; `group`: its process group."""
+    refuse_in_optimizer(trainable, group.rank, "ZeroRedundancyOptimizer")
     owners = [owner_of(p) for p in trainable]
     sharded = {id(o): o for o in owners if o is not None and o.zero is not None}
     if not sharded:
