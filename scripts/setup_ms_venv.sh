@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create (or reuse) the MindSpore venv that tests/adapters/mindspore/test_mindspore_adapter.py and examples/ms_* run in.
+# Create (or reuse) the MindSpore venv that tests/adapters/mindspore_tests/test_mindspore_adapter.py and examples/ms_* run in.
 # MindSpore 2.10 was built against NumPy 1.x, so it lives apart from the system Python (NumPy 2):
 # numpy<2 and ml_dtypes<0.5 here. Idempotent: a venv that already imports mindspore is left alone
 # except for the editable install of this checkout (cheap), so CI can call it every run.

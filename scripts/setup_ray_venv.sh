@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create (or reuse) the Ray venv that tests/adapters/torch/integrations/test_ray_train.py runs its job in: Ray Train's
+# Create (or reuse) the Ray venv that tests/adapters/torch_tests/integrations/test_ray_train.py runs its job in: Ray Train's
 # TorchTrainer on a local Ray cluster (2 CPU workers). Ray lives apart from the main venv: its wheels
 # pin their own ranges (protobuf, grpcio, pydantic...). torch is the CPU wheel the main venv tests
 # (2.13.0), so the comparison with torch DDP is the same torch. Idempotent: a venv that already

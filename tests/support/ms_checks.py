@@ -1,5 +1,5 @@
 """Single-process checks of the MindSpore adapter, run in the MindSpore venv by
-tests/adapters/mindspore/test_mindspore_adapter.py (a job of one: the collectives are identities, the
+tests/adapters/mindspore_tests/test_mindspore_adapter.py (a job of one: the collectives are identities, the
 plumbing is not).
 Prints "ms_checks: all passed" or raises.
 """

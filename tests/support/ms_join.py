@@ -1,5 +1,5 @@
 """MindSpore DDP inside `nccl_ddp.Join` with the bf16 comm hook and check_finite (2 ranks with 2 and
-4 batches; run by tests/adapters/mindspore/test_join_mindspore.py through nccl-ddp-run in the MindSpore
+4 batches; run by tests/adapters/mindspore_tests/test_join_mindspore.py through nccl-ddp-run in the MindSpore
 venv)."""
 
 import mindspore as ms

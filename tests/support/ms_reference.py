@@ -1,5 +1,5 @@
 """Single-process references for the MindSpore examples (run in the MindSpore venv by
-tests/adapters/mindspore/test_mindspore_adapter.py; no nccl_ddp involved).
+tests/adapters/mindspore_tests/test_mindspore_adapter.py; no nccl_ddp involved).
 
     python tests/support/ms_reference.py ddp OUT.npz --steps N --world W
         examples/ms_ddp_lenet.py's training, with each step's grad the mean of the W ranks' grads

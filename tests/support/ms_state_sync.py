@@ -1,4 +1,4 @@
-"""Run by tests/adapters/mindspore/test_mindspore_adapter.py on 2 ranks (nccl-ddp-run, the MindSpore
+"""Run by tests/adapters/mindspore_tests/test_mindspore_adapter.py on 2 ranks (nccl-ddp-run, the MindSpore
 venv): DDP gives
 every rank rank 0's frozen Parameters, BatchNorm statistics and registered buffers at
 construction, and rank 0's buffers again at the start of each forward after a synchronised one.

@@ -1,5 +1,5 @@
 """Ray Train's TorchTrainer on a local Ray cluster, 2 CPU workers, run in .venv-ray
-(scripts/setup_ray_venv.sh) by tests/adapters/torch/integrations/test_ray_train.py: the same training
+(scripts/setup_ray_venv.sh) by tests/adapters/torch_tests/integrations/test_ray_train.py: the same training
 loop with torch's
 DDP (Ray's `prepare_model` recipe wraps in it), with `nd.init_process_group()` + our DDP beside
 Ray's torch.distributed, and with our DDP alone (it joins our group by itself). Each worker saves

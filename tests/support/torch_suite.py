@@ -1,5 +1,5 @@
 """Runs tests of torch's own DDP suite on 2 CPU ranks over gloo, with torch's
-DistributedDataParallel or ours in its place (tests/adapters/torch/test_torch_suite.py):
+DistributedDataParallel or ours in its place (tests/adapters/torch_tests/test_torch_suite.py):
 
     NCCL_DDP_TORCH_SUITE=ours|torch python torch_suite.py RESULT.json test_name ...
 

@@ -1,4 +1,4 @@
-"""The reference runs the sharded optimizer is held to (tests/adapters/torch/zero/test_zero_torch.py):
+"""The reference runs the sharded optimizer is held to (tests/adapters/torch_tests/zero/test_zero_torch.py):
 one model with
 uneven parameter sizes (shards cut through parameters, a 1-element parameter, several buckets),
 rank-dependent data, 10 steps; torch DDP on gloo with an unsharded torch optimizer (or torch's own
