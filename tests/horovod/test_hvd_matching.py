@@ -10,17 +10,9 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch==2.13.0)")
 
-from mp import run_ranks  # noqa: E402
+from mp import error_of, run_ranks  # noqa: E402
 
 WORLD = 2
-
-
-def _errors(fn) -> str:
-    try:
-        fn()
-    except Exception as e:  # what the caller sees, named
-        return f"{type(e).__name__}: {e}"
-    return "no error"
 
 
 def _mismatches(rank: int, world: int) -> dict:
@@ -30,19 +22,19 @@ def _mismatches(rank: int, world: int) -> dict:
     out: dict = {}
     ok = torch.ones(4)
     shape = (2, 3) if rank == 0 else (3, 2)
-    out["allreduce"] = _errors(lambda: hvd.allreduce(torch.ones(shape)))
+    out["allreduce"] = error_of(lambda: hvd.allreduce(torch.ones(shape)))
     out["after_allreduce"] = hvd.allreduce(ok, op=hvd.Sum).tolist()
     rows = (4, 3) if rank == 0 else (2, 6)
-    out["reducescatter"] = _errors(lambda: hvd.reducescatter(torch.ones(rows), op=hvd.Sum))
-    out["broadcast_"] = _errors(lambda: hvd.broadcast_(torch.full(shape, float(rank)), root_rank=0))
+    out["reducescatter"] = error_of(lambda: hvd.reducescatter(torch.ones(rows), op=hvd.Sum))
+    out["broadcast_"] = error_of(lambda: hvd.broadcast_(torch.full(shape, float(rank)), root_rank=0))
     group = [torch.ones(3), torch.ones(3)] if rank == 0 else [torch.ones(6)]
-    out["grouped"] = _errors(lambda: hvd.grouped_allreduce(group, op=hvd.Sum))
-    out["dtype"] = _errors(
+    out["grouped"] = error_of(lambda: hvd.grouped_allreduce(group, op=hvd.Sum))
+    out["dtype"] = error_of(
         lambda: hvd.allreduce(torch.ones(3, dtype=torch.float64 if rank else torch.float32))
     )
-    out["root"] = _errors(lambda: hvd.broadcast(torch.ones(3), root_rank=rank))
-    out["op"] = _errors(lambda: hvd.allreduce(torch.ones(3), op=hvd.Sum if rank else hvd.Max))
-    out["kind"] = _errors(
+    out["root"] = error_of(lambda: hvd.broadcast(torch.ones(3), root_rank=rank))
+    out["op"] = error_of(lambda: hvd.allreduce(torch.ones(3), op=hvd.Sum if rank else hvd.Max))
+    out["kind"] = error_of(
         lambda: hvd.allreduce(torch.ones(3), name="x") if rank else hvd.allgather(torch.ones(3), name="x")
     )
     out["after_all"] = hvd.allreduce(ok, op=hvd.Sum).tolist()  # the group still works
@@ -58,12 +50,12 @@ def _mismatches(rank: int, world: int) -> dict:
     out["by_name"] = (got[ha].tolist(), got[hb].tolist())
     # grouped_allreduce with the same tensors in another order: matched by name, so refused
     pair = [torch.ones(2), torch.ones(3)]
-    out["grouped_order"] = _errors(
+    out["grouped_order"] = error_of(
         lambda: hvd.grouped_allreduce(pair if rank == 0 else pair[::-1], op=hvd.Sum)
     )
     # duplicate names while one is pending: refused on that rank (ValueError), as Horovod's
     h = hvd.allreduce_async(torch.ones(2), name="dup", op=hvd.Sum)
-    dup = _errors(lambda: hvd.allreduce_async(torch.ones(2), name="dup"))
+    dup = error_of(lambda: hvd.allreduce_async(torch.ones(2), name="dup"))
     out["duplicate"] = (dup, isinstance_of_value_error(hvd, dup), hvd.synchronize(h).tolist())
     hvd.barrier()
     hvd.shutdown()
@@ -133,9 +125,9 @@ def _semantics(rank: int, world: int) -> dict:
     ).tolist()
     # an object that cannot be pickled on rank 0, caught: no later call pairs with it
     bad = (lambda: 0) if rank == 0 else ("fine", rank)
-    out["bad_gather"] = _errors(lambda: hvd.allgather_object(bad))
+    out["bad_gather"] = error_of(lambda: hvd.allgather_object(bad))
     out["next_gather"] = hvd.allgather_object(("next", rank))
-    out["bad_bcast"] = _errors(lambda: hvd.broadcast_object(bad, root_rank=0))
+    out["bad_bcast"] = error_of(lambda: hvd.broadcast_object(bad, root_rank=0))
     out["next_bcast"] = hvd.broadcast_object(("root", rank), root_rank=0)
     # join: rank 0 joins at once; rank 1's allreduces average over both ranks with rank 0's zeros
     if rank == 0:
@@ -144,7 +136,7 @@ def _semantics(rank: int, world: int) -> dict:
         t = torch.full((3,), 8.0)
         h = hvd.allreduce_async(t, name="late")
         out["joined_avg"] = hvd.synchronize(h).tolist()
-        out["joined_refused"] = _errors(lambda: hvd.allgather(torch.ones(2)))
+        out["joined_refused"] = error_of(lambda: hvd.allgather(torch.ones(2)))
         out["join"] = hvd.join()
     out["built"] = (hvd.nccl_built(), hvd.cuda_built())
     hvd.shutdown()

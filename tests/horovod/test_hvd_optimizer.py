@@ -9,17 +9,9 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch==2.13.0)")
 
-from mp import run_ranks  # noqa: E402
+from mp import error_of, run_ranks  # noqa: E402
 
 WORLD = 2
-
-
-def _errors(fn) -> str:
-    try:
-        fn()
-    except Exception as e:  # what the caller sees, named
-        return f"{type(e).__name__}: {e}"
-    return "no error"
 
 
 def _model():
@@ -67,7 +59,7 @@ def _optimizer(rank: int, world: int) -> dict:
     names = [
         (("renamed." if rank else "") + k if k == "0.bias" else k, v) for k, v in other.named_parameters()
     ]
-    out["names"] = _errors(
+    out["names"] = error_of(
         lambda: hvd.DistributedOptimizer(torch.optim.SGD(other.parameters(), lr=0.1), named_parameters=names)
     )
     # several param groups, no named_parameters

@@ -8,17 +8,9 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch==2.13.0)")
 
-from mp import run_ranks  # noqa: E402
+from mp import error_of, run_ranks  # noqa: E402
 
 WORLD = 2
-
-
-def _errors(fn) -> str:
-    try:
-        fn()
-    except Exception as e:  # what the caller sees, named
-        return f"{type(e).__name__}: {e}"
-    return "no error"
 
 
 def _collectives(rank: int, world: int) -> dict:
@@ -48,7 +40,7 @@ def _collectives(rank: int, world: int) -> dict:
     out["inplace"] = (same is inplace, inplace.tolist())
     h = hvd.allreduce_async(t, op=hvd.Sum)
     out["async"] = hvd.synchronize(h).tolist()
-    out["poll_after"] = _errors(lambda: hvd.poll(h))
+    out["poll_after"] = error_of(lambda: hvd.poll(h))
     a, b = torch.ones(3) * (rank + 1), torch.ones(2, dtype=torch.float64) * (rank + 1)
     out["grouped"] = [x.tolist() for x in hvd.grouped_allreduce([a, b], op=hvd.Sum)]
     x = torch.ones(2, 2, requires_grad=True)
@@ -77,20 +69,20 @@ def _collectives(rank: int, world: int) -> dict:
     if rank == 0:
         out["set_sum"] = hvd.allreduce(t, op=hvd.Sum, process_set=alone).tolist()
     else:
-        out["set_refused"] = _errors(lambda: hvd.allreduce(t, process_set=alone))
+        out["set_refused"] = error_of(lambda: hvd.allreduce(t, process_set=alone))
     out["join"] = hvd.join()
     # bad inputs: named, on every rank
-    out["adasum"] = _errors(lambda: hvd.allreduce(t, op=hvd.Adasum))
-    out["unknown_op"] = _errors(lambda: hvd.allreduce(t, op=17))
-    out["bad_scale"] = _errors(lambda: hvd.allreduce(t, prescale_factor="2"))
+    out["adasum"] = error_of(lambda: hvd.allreduce(t, op=hvd.Adasum))
+    out["unknown_op"] = error_of(lambda: hvd.allreduce(t, op=17))
+    out["bad_scale"] = error_of(lambda: hvd.allreduce(t, prescale_factor="2"))
     out["int_scale"] = hvd.allreduce(
         torch.ones(2, dtype=torch.int32), op=hvd.Sum, prescale_factor=2.5
     ).tolist()
-    out["splits"] = _errors(lambda: hvd.alltoall(torch.arange(3.0), splits=[1, 1]))
-    out["mismatch"] = _errors(lambda: hvd.allgather(torch.ones(2, 3 + rank)))
+    out["splits"] = error_of(lambda: hvd.alltoall(torch.arange(3.0), splits=[1, 1]))
+    out["mismatch"] = error_of(lambda: hvd.allgather(torch.ones(2, 3 + rank)))
     out["after_mismatch"] = hvd.allreduce(t, op=hvd.Sum).tolist()  # the group still works
     hvd.shutdown()
-    out["after_shutdown"] = _errors(hvd.rank)
+    out["after_shutdown"] = error_of(hvd.rank)
     return out
 
 
@@ -258,11 +250,13 @@ def _optimizer(rank: int, world: int) -> dict:
     )
     torch.nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
     out["unused_grad"] = extra.grad.tolist()  # no grad here, nor on the other rank: zeros reduced
-    out["zero_grad_early"] = _errors(opt.zero_grad)
-    out["second_backward"] = _errors(lambda: torch.nn.functional.mse_loss(model(x[mine]), y[mine]).backward())
+    out["zero_grad_early"] = error_of(opt.zero_grad)
+    out["second_backward"] = error_of(
+        lambda: torch.nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+    )
     opt.step()
-    out["adasum"] = _errors(lambda: hvd.DistributedOptimizer(opt, op=hvd.Adasum))
-    out["unnamed"] = _errors(
+    out["adasum"] = error_of(lambda: hvd.DistributedOptimizer(opt, op=hvd.Adasum))
+    out["unnamed"] = error_of(
         lambda: hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1), named_parameters=[])
     )
     hvd.shutdown()

@@ -88,6 +88,16 @@ class _Failure:
         return self.rec
 
 
+def error_of(fn) -> str:
+    """`fn()`'s exception as "Type: message" (what a rank reports back for the test to assert on),
+    or "no error"."""
+    try:
+        fn()
+    except Exception as e:  # the test asserts on the type and message
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
 def _exit_text(code: Optional[int]) -> str:
     if code is not None and code < 0:
         try:
