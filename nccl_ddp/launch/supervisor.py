@@ -91,7 +91,7 @@ class Worker:
         read_end, write_end = os.pipe()
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", GATE, str(read_end)] + cmd,
+                [sys.executable, "-I", "-S", GATE, str(read_end), str(os.getpid())] + cmd,
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,

@@ -739,4 +739,75 @@ def test_launcher_killed_while_starting_workers_orphans_none(tmp_path):
         finally:
             for pid in ours():
                 os.kill(pid, signal.SIGKILL)
-        assert left == [], f"try {attempt}: orphaned worker(s) {left}"
+        assert left == [], f"try {attempt}: orphaned worker(s) {[describe(p) for p in left]}"
+
+
+def describe(pid):
+    """What a test that finds a process left over says about it: state, parent, group, command."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError as e:
+        return f"{pid}: {e}"
+    keep = ("State", "PPid", "NSpgid", "NSsid")
+    return f"{pid} " + " ".join(f"{k}={fields.get(k, '?').strip()}" for k in keep) + f" cmd={cmd[:200]}"
+
+
+@pytest.mark.slow
+def test_workers_die_with_the_launcher_even_when_its_reaper_is_gone_too(tmp_path):
+    # before: with the reaper killed first, SIGKILL to the launcher left both workers running
+    # (only the reaper cleaned up); now each worker has the parent-death signal (gate.py)
+    import signal
+    import subprocess
+    import sys
+
+    script = write_script(tmp_path, STARTS_SLOWLY)
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "NCCL_DDP_SECRET")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "nccl_ddp.launch", "--nproc-per-node", "2", script],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
+    workers = []
+    try:
+        deadline = time.monotonic() + 30
+        while len(workers) < 2:
+            assert time.monotonic() < deadline and proc.poll() is None, "the workers did not start"
+            time.sleep(0.05)
+            workers = [p for p in children_of(proc.pid) if script.encode() in cmdline(p)]
+        time.sleep(0.5)  # released from the gate: running the script
+        reapers = [p for p in children_of(proc.pid) if b"reaper.py" in cmdline(p)]
+        assert len(reapers) == 1, [describe(p) for p in children_of(proc.pid)]
+        os.kill(reapers[0], signal.SIGKILL)
+        wait_gone(reapers, 10)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        left = wait_gone(workers, 15)
+    finally:
+        for pid in workers:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert left == [], f"worker(s) outlived the launcher and its reaper: {[describe(p) for p in left]}"
+
+
+def children_of(pid):
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    return [p for p in found if alive(p)]
+
+
+def cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
