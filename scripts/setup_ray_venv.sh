@@ -24,7 +24,7 @@ assert torch.__version__.split('+')[0] == '$TORCH_VERSION', torch.__version__" >
 else
     echo "setup_ray_venv: installing ray[train] and torch $TORCH_VERSION into $VENV"
     "$VENV/bin/pip" install --quiet --disable-pip-version-check \
-        "torch==$TORCH_VERSION" "ray[train]" numpy pytest pytest-timeout
+        "torch==$TORCH_VERSION" "ray[train]>=2.40,<2.61" numpy pytest pytest-timeout
 fi
 
 # --no-deps: numpy and torch are already there; never let the editable install change them.

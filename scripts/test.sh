@@ -8,7 +8,8 @@
 # (MindSpore 2.10, which needs numpy<2; the MindSpore tests run their examples in it), .venv-tf
 # (tensorflow-cpu 2.21 + Keras 3.15, ~100 s to install; the TensorFlow tests run their ranks in it)
 # and .venv-paddle (PaddlePaddle 3.3 CPU and tinygrad, 30 s to 2 min to install; Paddle's tests run
-# in it: TensorFlow and Paddle segfault in one process).
+# in it: TensorFlow and Paddle segfault in one process) and .venv-ray (Ray Train 2.60 with the same torch;
+# its pins stay out of .venv).
 # NCCL_DDP_SKIP_FRAMEWORKS=1 skips the framework installs (their tests then skip, saying why).
 set -euo pipefail
 source "$(dirname "$0")/_venv.sh"
@@ -32,6 +33,7 @@ if [[ ${NCCL_DDP_SKIP_FRAMEWORKS:-0} != 1 ]]; then
   if [[ -f scripts/setup_paddle_venv.sh ]]; then
     bash scripts/setup_paddle_venv.sh
   fi
+  bash scripts/setup_ray_venv.sh  # Ray Train's TorchTrainer (about 3 min to install)
 fi
 echo "== lint and format (ruff)"
 "$VENV/bin/ruff" check nccl_ddp tests scripts examples
