@@ -68,3 +68,34 @@ def test_a_silent_peer_times_out_naming_it():
     with pytest.raises(CommTimeout, match="peer rank 1 did not reach chunk signal 1 within 0.3s"):
         fa.signal()
     la.close(), lb.close()
+
+
+class _Bumped:
+    """A peer's counter that reads `want - 1` until `n` reads were made, then `want`: the peer
+    signals between this rank's check of its counter and its look at the socket."""
+
+    def __init__(self, want, n):
+        self.want, self.n, self.reads = want, n, 0
+
+    def __getitem__(self, i):
+        self.reads += 1
+        return self.want if self.reads > self.n else self.want - 1
+
+
+def test_a_peer_already_in_the_next_op_is_not_a_stray_message(monkeypatch):
+    # before: the peer signalled and sent the next collective's first header between this rank's
+    # counter check and its socket poll; the wait took that header for a stray message
+    # (RankMismatchError in a correct program, seen with 3 ranks on 2 cores)
+    import nccl_ddp.comm.host.flags as flags
+    from nccl_ddp.comm.host.wire import Header
+
+    monkeypatch.setattr(flags, "SPIN_S", 0.0)  # straight to the socket check
+    fa, fb, la, lb = _pair(timeout=5.0)
+    lb.send(Header(1, 1, 1, count=8))  # the peer's next all_reduce, already on the wire
+    time.sleep(0.05)
+    peer = _Bumped(1, 2)  # signal() and the wait loop read 0; the re-check after the poll reads 1
+    fa.peers = [(la, peer)]
+    fa.signal()  # returns: the peer reached signal 1
+    assert fa.count == 1
+    la.expect(Header(1, 1, 1, count=8))  # the next op's header is still there for the next op
+    la.close(), lb.close()

@@ -49,12 +49,24 @@ class Flags:
         self.count = int(self.mine[0])
 
     def signal(self) -> None:
+        want = self.post()
+        for k in range(len(self.peers)):
+            self.wait_for(k, want)
+
+    def post(self) -> int:
+        """Publish the next signal without waiting; returns its number (for `ready`/`wait_for`)."""
         self.count += 1
-        want = self.count
-        self.mine[0] = want
-        for link, c in self.peers:
-            if c[0] < want:
-                self._wait(link, c, want)
+        self.mine[0] = self.count
+        return self.count
+
+    def ready(self, k: int, want: int) -> bool:
+        """Peer `k` (index into the peers, group-rank order without this rank) reached `want`."""
+        return bool(self.peers[k][1][0] >= want)
+
+    def wait_for(self, k: int, want: int) -> None:
+        link, c = self.peers[k]
+        if c[0] < want:
+            self._wait(link, c, want)
 
     def _wait(self, link: PeerLink, c: np.ndarray, want: int) -> None:
         """Until the peer's counter reaches `want`: yield the core (and the GIL) between checks,
@@ -71,16 +83,23 @@ class Flags:
                     f"peer rank {link.peer} did not reach chunk signal {want} within "
                     f"{self.timeout:.1f}s (is it stuck or dead?)"
                 )
-            _check_peer(link, want)
+            if _peer_wrote(link) and c[0] < want:
+                _raise_peers_message(link, want)
             time.sleep(nap)
             nap = min(2 * nap, MAX_NAP_S)
 
 
-def _check_peer(link: PeerLink, want: int) -> None:
-    """Nothing may arrive on the socket while a peer is inside the collective with us, except
-    its abort message or its hang-up: read it (raising the peer's reason) when something did."""
+def _peer_wrote(link: PeerLink) -> bool:
+    """Something (a message or a hang-up) waits on the socket to the peer."""
     poller = select.poll()
     poller.register(link.sock, select.POLLIN)
-    if poller.poll(0):
-        link.expect(Header(want, 0, 0))  # raises: an abort's reason, a closed link, or a stray message
-        raise CommError(f"peer rank {link.peer} sent a message in the middle of a collective")
+    return bool(poller.poll(0))
+
+
+def _raise_peers_message(link: PeerLink, want: int) -> None:
+    """The peer wrote to the socket but has not reached signal `want`: nothing may arrive while it
+    is inside the collective with us but its abort or its hang-up (raised with its reason). A
+    peer that did reach it may already have sent the next collective's first message (the caller
+    checks its counter after the poll: the peer bumps it before it sends)."""
+    link.expect(Header(want, 0, 0))  # raises: an abort's reason, a closed link, or a stray message
+    raise CommError(f"peer rank {link.peer} sent a message in the middle of a collective")
