@@ -6,7 +6,7 @@ bucket is reduced is decided by `reducer.py`.
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 from nccl_ddp.buckets.layout import BucketLayout
 from nccl_ddp.device.base import Device, Stream
@@ -14,11 +14,15 @@ from nccl_ddp.errors import ReducerError
 
 
 class BucketBuffers:
-    """`buffers[b]` has `layout.buckets[b].padded` elements of the bucket's dtype."""
+    """`buffers[b]` has `layout.buckets[b].padded` elements of the bucket's dtype, from `zeros`
+    (the group's: shared memory on the host's shm transport) or else `device.zeros`."""
 
-    def __init__(self, layout: BucketLayout, device: Device) -> None:
+    def __init__(
+        self, layout: BucketLayout, device: Device, zeros: Optional[Callable[[int, Any], Any]] = None
+    ) -> None:
         self.layout = layout
-        self.buffers: List[Any] = [device.zeros(b.padded, b.dtype) for b in layout.buckets]
+        alloc = zeros or device.zeros
+        self.buffers: List[Any] = [alloc(b.padded, b.dtype) for b in layout.buckets]
 
     def view(self, param: int, shape: Sequence[int]) -> Any:
         """The slice of the bucket that holds `param`, shaped like the parameter (no copy)."""

@@ -12,7 +12,7 @@ import contextlib
 import enum
 from typing import Any, Iterator, Optional, Sequence
 
-from nccl_ddp.device import Stream
+from nccl_ddp.device import Device, Stream
 from nccl_ddp.errors import ConfigError, NcclDdpError, RankMismatchError
 
 
@@ -69,6 +69,21 @@ class ProcessGroup(abc.ABC):
     ranks: tuple  # global ranks of the members, in group-rank order
     timeout: float  # default seconds for blocking waits
     name: str  # for error messages: "world", "group[0,2]", ...
+
+    premul_sum = False  # all_reduce_premul_sum fuses the scale into the reduction
+
+    def all_reduce_premul_sum(
+        self, buf: Any, factor: float, stream: Optional[Stream] = None, *, tag: Optional[str] = None
+    ) -> Work:
+        """buf = the sum over ranks of `factor` * buf (NCCL's ncclRedOpCreatePreMulSum), with the
+        bits of scaling each rank's buffer by `factor` (`kernels.scale_`) and then summing. Only
+        where `premul_sum`; elsewhere callers scale first and all-reduce."""
+        raise NotImplementedError(f"{type(self).__name__} has no fused pre-multiplied sum")
+
+    def zeros(self, device: Device, n: int, dtype: Any) -> Any:
+        """A zero-filled buffer of `n` `dtype` for this group's collectives (a bucket's): here
+        `device.zeros`; the host backend's shm transport gives memory its peers read in place."""
+        return device.zeros(n, dtype)
 
     @abc.abstractmethod
     def all_reduce(

@@ -3,7 +3,8 @@
 The reducer decides *when* a bucket goes (readiness, launch order); this module decides *how*:
 
 - "python" (PythonReducer): one collective per grad, each scaled by 1/world first (no fused kernels).
-- "view" (grads are views of the bucket): scale the bucket in place (unless AVG), reduce it.
+- "view" (grads are views of the bucket): scale the bucket in place (unless AVG), reduce it; on a
+  group that fuses the two (`premul_sum`, the host backend), one pre-multiplied sum.
 - "pack" (grads live elsewhere): one fused pack with the scale, reduce, one unpack.
 - `HookPath.COMPRESSED` (either of the two, a built-in fp16/bf16 hook on a float32 bucket): pack into
   a buffer of the compression dtype with the scale, reduce that, unpack widened back.
@@ -66,6 +67,18 @@ class AllReduce:
 
     def __call__(self, buf: Any, op: ReduceOp, tag: str) -> None:
         all_reduce_here(self.group, self.device, buf, op, tag)
+
+    @property
+    def fuses_scale(self) -> bool:
+        """The group scales and sums in one pass (`ProcessGroup.premul_sum`: the host backend)."""
+        return self.group.premul_sum and self.device.kind == "host"
+
+    def premul_sum(self, buf: Any, scale: float, tag: str) -> None:
+        """buf = the sum over ranks of scale * buf, in stream order (see `all_reduce_here`)."""
+        group = self.group
+        group.all_reduce_premul_sum(buf, scale, stream=self.device.current_stream(), tag=tag).wait(
+            group.timeout
+        )
 
 
 def all_reduce_here(group: ProcessGroup, device: Device, buf: Any, op: ReduceOp, tag: str) -> None:
@@ -216,6 +229,9 @@ class BucketSubmitter:
             )
             return
         if mode == "view":
+            if flag is None and scale != 1.0 and isinstance(collective, AllReduce) and collective.fuses_scale:
+                submit(comm, collective.phase, b, bucket.nbytes, collective.premul_sum, buf, scale, tag)
+                return  # the scale costs no pass over the bucket of its own
             if flag is not None:
                 submit(comm, "pack", b, bucket.nbytes, _scale_flagged, buf, scale, flag)
             elif scale != 1.0:

@@ -7,6 +7,7 @@ A new layout (the first step's rebuild) moves the grads into new buffers, keepin
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -15,6 +16,7 @@ import numpy as np
 from nccl_ddp import kernels
 from nccl_ddp.buckets.layout import BucketLayout, ParamSpec
 from nccl_ddp.buckets.memory import BucketBuffers, copy_into, copy_of
+from nccl_ddp.comm.group import ProcessGroup
 from nccl_ddp.ddp.bucket_submit import Mode
 from nccl_ddp.device import Device, Stream
 
@@ -33,12 +35,14 @@ class GradBuckets:
         specs: Sequence[ParamSpec],
         grads: List[Any],
         device: Device,
-        rank: int,
+        group: ProcessGroup,
         *,
         python: bool,
         install: Optional[InstallFn],
     ) -> None:
-        self.specs, self.grads, self.device, self.rank = list(specs), grads, device, rank
+        self.specs, self.grads, self.device, self.rank = list(specs), grads, device, group.rank
+        # bucket memory from the group: shared on the host's shm transport (peers read it in place)
+        self._zeros = functools.partial(group.zeros, device)
         self._python, self._install = python, install
         self.pooled = False  # set by the reducer before the first layout (see the module doc)
         self.layout: BucketLayout
@@ -62,7 +66,7 @@ class GradBuckets:
             self.release()
         if self._python or self.pooled:
             return
-        self.memory = BucketBuffers(layout, self.device)
+        self.memory = BucketBuffers(layout, self.device, self._zeros)
         if self._install is None:  # the framework cannot alias its grads: pack/unpack
             return
         self.memory.adopt_grads(

@@ -77,7 +77,7 @@ class Reducer:
             ParamSpec(tuple(p.shape), np.dtype(p.dtype), n) for p, n in zip(self.params, self.names)
         ]
         python = config.reducer_mode == "PythonReducer"
-        self.buckets = GradBuckets(self.specs, grads, device, group.rank, python=python, install=install)
+        self.buckets = GradBuckets(self.specs, grads, device, group, python=python, install=install)
         self.stream_scope = stream_scope
         self.comm = device.new_stream()
         sharded = config.zero is not None and config.zero.stage == 2

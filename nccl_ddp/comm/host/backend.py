@@ -24,9 +24,9 @@ from nccl_ddp.comm.group import ProcessGroup, ReduceOp, Work, check_gather_buffe
 from nccl_ddp.comm.host.reduce import Reduction, dtype_code
 from nccl_ddp.comm.host.rendezvous import Rendezvous, host_id
 from nccl_ddp.comm.host.ring import RingTransport, SelfTransport
-from nccl_ddp.comm.host.shm import ShmTransport
+from nccl_ddp.comm.host.shm import SMALL_BYTES, ShmTransport, shared_zeros
 from nccl_ddp.comm.host.wire import ALL_GATHER, ALL_REDUCE, BARRIER, BROADCAST, REDUCE_SCATTER
-from nccl_ddp.device import DEFAULT_TIMEOUT, HostEvent, ImmediateStream, Stream
+from nccl_ddp.device import DEFAULT_TIMEOUT, Device, HostEvent, ImmediateStream, Stream
 from nccl_ddp.env import env_int
 from nccl_ddp.errors import CommError, CommTimeout, ConfigError, NcclDdpError, RankMismatchError
 
@@ -312,6 +312,16 @@ class HostProcessGroup(ProcessGroup):
             red = self._reductions[key] = Reduction(a.dtype, op, self.size, what)
         return red
 
+    def zeros(self, device: Device, n: int, dtype: Any) -> Any:
+        """On the shm transport, buffers over 64 KiB in shared memory of their own: an all-reduce
+        whose buffers are all such reads the peers' in place (`ShmTransport.all_reduce`)."""
+        if device.kind == "host" and isinstance(self._transport, ShmTransport):
+            if n * np.dtype(dtype).itemsize > SMALL_BYTES:
+                out = shared_zeros(n, dtype)
+                if out is not None:
+                    return out
+        return device.zeros(n, dtype)
+
     def all_reduce(
         self,
         buf: Any,
@@ -324,6 +334,22 @@ class HostProcessGroup(ProcessGroup):
         with self.checking("all_reduce"):
             flat = _flat(buf, what, True)
             red = self._reduction(what, flat, op)
+            desc = self._desc(what, ALL_REDUCE, flat, red.op)
+        return self._submit(
+            "all_reduce", tag, lambda: self._transport.all_reduce(flat, red, desc), buf, stream
+        )
+
+    premul_sum = True
+
+    def all_reduce_premul_sum(
+        self, buf: Any, factor: float, stream: Optional[Stream] = None, *, tag: Optional[str] = None
+    ) -> HostWork:
+        """On buffers in shared memory (`zeros`) the scale costs no pass of its own: each rank
+        scales the pieces it reduces as it reads them; elsewhere each scales its buffer first."""
+        what = self._on("all_reduce", tag)
+        with self.checking("all_reduce"):
+            flat = _flat(buf, what, True)
+            red = Reduction(flat.dtype, ReduceOp.SUM, self.size, what, prescale=float(factor))
             desc = self._desc(what, ALL_REDUCE, flat, red.op)
         return self._submit(
             "all_reduce", tag, lambda: self._transport.all_reduce(flat, red, desc), buf, stream

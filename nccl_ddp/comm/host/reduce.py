@@ -13,6 +13,7 @@ import numpy as np
 
 from nccl_ddp.comm.group import ReduceOp
 from nccl_ddp.errors import ConfigError, ConfigTypeError
+from nccl_ddp.kernels.spec import SCALE_DTYPES, scale_ref
 
 DTYPE_NAMES: tuple = (
     "float16",
@@ -68,12 +69,19 @@ def dtype_code(dtype: Any, where: str) -> int:
 
 
 class Reduction:
-    """Combines arrays of one dtype with one op; `world` is the divisor of AVG."""
+    """Combines arrays of one dtype with one op; `world` is the divisor of AVG. `prescale`: every
+    rank's input counts multiplied by it first (a SUM of floats only: NCCL's PreMulSum), with the
+    bits of `kernels.scale_` on each rank's whole buffer before the reduction."""
 
-    def __init__(self, dtype: Any, op: ReduceOp, world: int, where: str) -> None:
+    def __init__(self, dtype: Any, op: ReduceOp, world: int, where: str, prescale: float = 1.0) -> None:
         self.dtype = np.dtype(dtype)
         self.op = op
         self.world = world
+        self.prescale = prescale
+        if prescale != 1.0 and (op is not ReduceOp.SUM or self.dtype.name not in SCALE_DTYPES):
+            raise ConfigError(
+                f"{where}: a pre-multiplied reduction is a SUM of floats, not {op.value} of {self.dtype}"
+            )
         dtype_code(self.dtype, where)
         if self.dtype == np.bool_:
             if op not in _BOOL_UFUNC:
@@ -97,6 +105,17 @@ class Reduction:
             self.ufunc(out, o, out=out)
         if final:
             self._divide(out)
+
+    def scale_all(self, buf: np.ndarray) -> None:
+        """This rank's whole input multiplied by `prescale`, in place (the unfused way)."""
+        if self.prescale != 1.0:
+            scale_ref(buf, self.prescale)
+
+    def scaled(self, out: np.ndarray, x: np.ndarray) -> np.ndarray:
+        """`out` (a temporary of x's size) = x * prescale, rounded as `scale_all` rounds it."""
+        np.copyto(out, x)
+        scale_ref(out, self.prescale)
+        return out
 
     def finish(self, out: np.ndarray) -> None:
         """Apply AVG's division to a fully reduced array (no-op for the other ops)."""

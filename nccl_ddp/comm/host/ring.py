@@ -140,6 +140,7 @@ class RingTransport:
             self._recv(_part(buf, (r - step - 1) % n, n), desc)
 
     def all_reduce(self, buf: np.ndarray, red: Reduction, desc: tuple) -> None:
+        red.scale_all(buf)
         self._reduce_scatter(buf, red, desc)
         self._all_gather(buf, desc)
         self.sender.drain(self.timeout)
@@ -183,6 +184,7 @@ class SelfTransport:
     """A group of one rank: nothing to exchange."""
 
     def all_reduce(self, buf: Any, red: Reduction, desc: tuple) -> None:
+        red.scale_all(buf)
         red.finish(buf)
 
     def broadcast(self, buf: Any, root: Any, desc: tuple) -> None:

@@ -11,8 +11,12 @@ a `CommError` at setup, not a SIGBUS at the first collective that touches it.
 from __future__ import annotations
 
 import errno
+import itertools
+import logging
 import mmap
 import os
+import struct
+import weakref
 from typing import Any, Optional
 
 import numpy as np
@@ -23,6 +27,7 @@ from nccl_ddp.comm.host.wire import SETUP, Header
 from nccl_ddp.errors import CommError
 
 SHM_DIR = "/dev/shm"
+log = logging.getLogger(__name__)
 
 
 class Segment:
@@ -126,9 +131,57 @@ def _mib(n: int) -> str:
 
 
 STAGED, REDUCED = 1, 2  # signal kinds (see _wire.KIND_NAMES)
+
+# -- buffers that peers read in place ------------------------------------------------------------
+_SERIALS = itertools.count(1)
+_SHARED: dict = {}  # start address -> (end address, key, segment bytes): this process's live ones
+_WHERE = struct.Struct("<QQd96s")  # offset in the segment, its bytes (0: not shared), prescale, key
+_NOT_SHARED = _WHERE.pack(0, 0, 1.0, b"")
+
+
+def shared_zeros(n: int, dtype: Any) -> Optional[np.ndarray]:
+    """`n` zeros of `dtype` in a segment of their own, which the shm transport's peers map and read
+    in place (an all-reduce on it then copies nothing through staging slots); None when /dev/shm
+    cannot hold it (the caller allocates privately). The array keeps the mapping; its descriptor,
+    through which peers map it, stays open until the mapping is freed."""
+    dt = np.dtype(dtype)
+    nbytes = max(1, n * dt.itemsize)
+    try:
+        seg = Segment.create(nbytes)
+    except (OSError, CommError) as e:
+        log.warning("no shared bucket memory (%s); using private memory and staging copies", e)
+        return None
+    out = seg.array[: n * dt.itemsize].view(dt)
+    start = seg.array.ctypes.data
+    key = f"{seg.handle}:{next(_SERIALS)}"  # the serial: a reused descriptor or inode is a new key
+    _SHARED[start] = (start + nbytes, key, nbytes)
+    fd, seg._fd = seg._fd, None  # closed with the mapping, not before: peers may map it any time
+    assert fd is not None  # a segment's creator holds its descriptor until released
+    weakref.finalize(seg._map, _unshare, start, fd)
+    return out
+
+
+def _unshare(start: int, fd: int) -> None:
+    _SHARED.pop(start, None)
+    os.close(fd)
+
+
+def where(buf: np.ndarray, prescale: float = 1.0) -> bytes:
+    """Which shared segment of this process `buf` lies in, and the reduction's prescale, packed
+    for the peers (`_WHERE`); `_NOT_SHARED` itself when it lies in none."""
+    lo = buf.ctypes.data
+    hi = lo + buf.nbytes
+    for start, (end, key, nbytes) in _SHARED.items():
+        if start <= lo and hi <= end:
+            return _WHERE.pack(lo - start, nbytes, prescale, key.encode())
+    return _NOT_SHARED
+
+
 _SLOTS = 3
-_SMALL = 64 << 10  # all_reduce up to this many bytes: every rank reduces the whole message
+SMALL_BYTES = 64 << 10  # all_reduce up to this many bytes: every rank reduces the whole message
 _NAME_BYTES = 128  # room for a segment's handle
+_MAPPED_MAX = 256  # peers' shared segments mapped at once, at most
+_SCALE_PIECE = 256 << 10  # bytes per piece of a fused pre-multiplied reduction (stays in L2)
 CHUNK_BYTES = 2 << 20  # default slot size (NCCL_DDP_HOST_CHUNK_BYTES)
 
 
@@ -149,7 +202,7 @@ class ShmTransport:
                  stage k+1                     -> signal "reduced k / staged k+1", wait for peers'
                  copy part j of peer j's slot k into my buffer, for every j != r
     Part r is computed once (by rank r), so every rank ends with the same bits. Messages up to
-    _SMALL bytes take one signal: stage all, then every rank reduces all slots in rank order.
+    SMALL_BYTES bytes take one signal: stage all, then every rank reduces all slots in rank order.
     A rank writes a slot again three chunks later; by then every peer has signalled a later
     chunk, which it only does after it finished reading that slot.
     """
@@ -160,6 +213,8 @@ class ShmTransport:
         self.links = [links[j] for j in range(size) if j != rank]
         self.seq = 0  # signals exchanged so far
         self.chunks = 0  # chunks staged so far: chunk c uses slot c % _SLOTS
+        self._mapped: dict = {}  # a peer's shared segment key -> [its Segment here, last op used]
+        self._ops = 0  # large all-reduces on shared buffers so far
         nbytes = flags.FLAG_BYTES + _SLOTS * self.chunk
         self._own = Segment.create(nbytes, sharers=size)
         segments = {}
@@ -211,13 +266,92 @@ class ShmTransport:
         else:
             self.flags.signal()
 
-    def _exchange(self, desc: tuple, kind: int) -> None:
+    def _exchange(self, desc: tuple, kind: int, payload: bytes = b"") -> list:
+        """A signal over the sockets, checking that every peer sent the same header; with
+        `payload`, every peer sends one of the same size too: returns them in group-rank order."""
         self.seq += 1
         hdr = Header(self.seq, kind, *desc)
         for link in self.links:
-            link.send(hdr)
+            link.send(hdr, memoryview(payload))
+        got = []
         for link in self.links:
             link.expect(hdr)
+            raw = bytearray(len(payload))
+            if payload:
+                link.recv_into(memoryview(raw))
+            got.append(bytes(raw))
+        return got
+
+    def _peer_arrays(self, buf: np.ndarray, mine: bytes, desc: tuple) -> tuple:
+        """The first signal of a large all-reduce, which also tells where each rank's buffer is
+        (`mine`: `where(buf)`). If every rank's lies in a shared segment (`shared_zeros`): the
+        peers' buffers mapped here (None at this rank's index), else None (the staged path, on
+        every rank alike); and whether some but not all ranks' buffers are shared."""
+        theirs = self._exchange(desc, STAGED, mine)
+        found = [_WHERE.unpack(w) for w in theirs]
+        n_shared = sum(nbytes != 0 for _, nbytes, _, _ in found) + (mine is not _NOT_SHARED)
+        prescale = _WHERE.unpack(mine)[2]
+        if n_shared < self.size or any(f != prescale for _, _, f, _ in found):
+            # (ranks that scale by different factors: each scales its own, on the staged path)
+            return None, n_shared > 0
+        self._ops += 1
+        peers: list = []
+        for link, (offset, nbytes, _, key) in zip(self.links, found):
+            text = key.rstrip(b"\0").decode()
+            hit = self._mapped.get(text)
+            if hit is None:
+                seg = Segment.attach(text.rsplit(":", 1)[0], nbytes, link.peer)
+                hit = self._mapped[text] = [seg, 0]
+            hit[1] = self._ops
+            peers.append(hit[0].array[offset : offset + buf.nbytes].view(buf.dtype))
+        if len(self._mapped) > _MAPPED_MAX or self._ops % 256 == 0:
+            self._forget_unused()
+        peers.insert(self.rank, None)
+        return peers, False
+
+    def _forget_unused(self) -> None:
+        """Unmap peers' segments not read in the last 1024 large all-reduces (freed or rebuilt
+        buckets: their pages stay allocated while mapped here)."""
+        for key, (seg, last) in list(self._mapped.items()):
+            if self._ops - last > 1024 or len(self._mapped) > _MAPPED_MAX:
+                del self._mapped[key]
+                seg.close()
+
+    def _all_reduce_in_place(self, buf: np.ndarray, peers: list, red: Reduction, desc: tuple) -> None:
+        """Every rank's buffer is mapped here: reduce part `rank` straight from the peers'
+        buffers, signal, copy the other parts from their owners, signal (before returning, so no
+        rank changes its buffer while a peer still reads it). The copy+add limit's own work."""
+        r, size, n = self.rank, self.size, buf.size
+        a, b = _bounds(n, r, size)
+        others = [j for j in range(size) if j != r]
+        if red.prescale == 1.0:
+            red.combine(buf[a:b], [peers[j][a:b] for j in others], True)
+        else:  # the scale fused in, piece by piece through cached temporaries: the same bits
+            step = max(1, _SCALE_PIECE // buf.itemsize)
+            tmp = [np.empty(min(step, b - a), buf.dtype) for _ in others]
+            for lo in range(a, b, step):
+                hi = min(b, lo + step)
+                mine = buf[lo:hi]
+                red.scale_all(mine)
+                theirs = [red.scaled(t[: hi - lo], peers[j][lo:hi]) for t, j in zip(tmp, others)]
+                red.combine(mine, theirs, True)
+        if self.flags is None:
+            self._signal(desc, REDUCED)
+            for j in others:
+                self._copy_part(buf, peers, j)
+        else:  # each peer's part as soon as that peer has reduced it, in whatever order they finish
+            want, f = self.flags.post(), self.flags
+            pending = list(range(len(others)))
+            while pending:
+                k = next((k for k in pending if f.ready(k, want)), pending[0])
+                f.wait_for(k, want)
+                self._copy_part(buf, peers, others[k])
+                pending.remove(k)
+        self._signal(desc, REDUCED)
+
+    def _copy_part(self, buf: np.ndarray, peers: list, j: int) -> None:
+        a, b = _bounds(buf.size, j, self.size)
+        np.copyto(buf[a:b], peers[j][a:b])
 
     def _slot(self, j: int, s: int, a: int, b: int, dtype: Any) -> np.ndarray:
         it = dtype.itemsize
@@ -225,8 +359,9 @@ class ShmTransport:
 
     def all_reduce(self, buf: np.ndarray, red: Reduction, desc: tuple) -> None:
         n, dt, r, size = buf.size, buf.dtype, self.rank, self.size
-        if buf.nbytes <= min(_SMALL, self.chunk):
+        if buf.nbytes <= min(SMALL_BYTES, self.chunk):
             # one signal instead of two: every rank reduces all of it, in the same rank order
+            red.scale_all(buf)
             s = self._step()
             np.copyto(self._slot(r, s, 0, n, dt), buf)
             self._exchange(desc, STAGED)
@@ -244,8 +379,19 @@ class ShmTransport:
             np.copyto(self._slot(r, s, b, hi - lo, dt), buf[lo + b : hi])
             return lo, hi, s
 
-        cur = stage(0)
-        self._exchange(desc, STAGED)
+        shared = where(buf, red.prescale)
+        if shared is _NOT_SHARED:
+            red.scale_all(buf)
+            cur = stage(0)  # before the first signal, as when no rank's buffer is shared
+        peers, mixed = self._peer_arrays(buf, shared, desc)
+        if peers is not None:
+            self._all_reduce_in_place(buf, peers, red, desc)
+            return
+        if shared is not _NOT_SHARED:
+            red.scale_all(buf)
+            cur = stage(0)
+        if mixed:  # some ranks staged after the first signal: one more, on every rank
+            self._signal(desc, STAGED)
         for k in range(len(starts)):
             lo, hi, s = cur
             a, b = _bounds(hi - lo, r, size)
@@ -302,6 +448,9 @@ class ShmTransport:
 
     def close(self) -> None:
         self.slots = []
+        for seg, _ in self._mapped.values():
+            seg.close()
+        self._mapped = {}
         for seg in self._segments.values():
             seg.close()
         self._segments = {}

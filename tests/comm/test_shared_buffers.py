@@ -1,0 +1,150 @@
+"""Buffers in the group's shared memory (`ProcessGroup.zeros`, DDP's buckets on the host's shm
+transport): an all-reduce whose buffers all live there reads the peers' in place, with the results
+of the staged path; a rank with a private buffer sends every rank down the staged path; a freed
+buffer's memory is never read as a new one's."""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import os
+
+import numpy as np
+import pytest
+from mp import run_ranks
+from shm import no_shm_leaks  # noqa: F401  (autouse: /dev/shm stays clean)
+from test_host_collectives import _check, _close, _data, _expected, _group
+
+from nccl_ddp.comm.group import ReduceOp
+from nccl_ddp.comm.host import shm
+from nccl_ddp.device import HostDevice
+from nccl_ddp.errors import CommError
+
+CASES = [
+    (np.dtype(np.float32), ReduceOp.SUM),
+    (np.dtype(np.float32), ReduceOp.AVG),
+    (np.dtype(np.float16), ReduceOp.SUM),
+    (np.dtype(np.int32), ReduceOp.MAX),
+    (np.dtype(np.float64), ReduceOp.PROD),
+]
+N = 70_001  # over the 64 KiB one-signal size for every dtype here, several 4 KiB chunks
+
+
+def shared_body(rank, world):
+    g, store = _group(rank, world, chunk_bytes=4096)
+    dev = HostDevice()
+    digest = hashlib.sha256()
+    for dt, op in CASES:
+        ins = [_data(r, dt, N, op) for r in range(world)]
+        staged = ins[rank].copy()
+        g.all_reduce(staged, op).wait()
+        buf = g.zeros(dev, N + 3, dt)
+        assert shm.where(buf) is not shm._NOT_SHARED, "g.zeros on shm gave private memory"
+        view = buf[3:]  # an offset into the segment, as a bucket's slice
+        view[...] = ins[rank]
+        g.all_reduce(view, op).wait()
+        _check(view, _expected(ins, op, world), f"shared all_reduce {dt} {op}")
+        if world == 2 or dt.kind != "f":  # two operands: the same bits whoever adds them
+            np.testing.assert_array_equal(view, staged, err_msg=f"{dt} {op}: in place != staged")
+        assert not buf[:3].any(), "bytes before the view were written"
+        digest.update(view.tobytes())
+    mapped = len(g._transport._mapped)
+    # mixed: only rank 0's buffer is shared -> the staged path on every rank, same result
+    ins = [_data(r, np.dtype(np.float32), N, ReduceOp.SUM) for r in range(world)]
+    buf = g.zeros(dev, N, np.float32) if rank == 0 else np.empty(N, np.float32)
+    buf[...] = ins[rank]
+    g.all_reduce(buf).wait()
+    _check(buf, _expected(ins, ReduceOp.SUM, world), "mixed shared/private")
+    digest.update(buf.tobytes())
+    # a freed buffer's descriptor and inode may be reused by the next: never read as the old one
+    for i in range(4):
+        a = g.zeros(dev, N, np.float32)
+        a[...] = rank + 10 * i
+        g.all_reduce(a).wait()
+        np.testing.assert_array_equal(a, np.full(N, sum(r + 10 * i for r in range(world)), np.float32))
+        del a
+        gc.collect()
+    _close(g, store)
+    return mapped, digest.hexdigest()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.slow
+def test_shared_buffers_are_reduced_in_place_like_the_staged_path(world):
+    res = run_ranks(shared_body, world, timeout=120)
+    assert all(mapped >= world - 1 for mapped, _ in res), res  # the peers' buffers were mapped
+    assert len({d for _, d in res}) == 1  # every rank holds bitwise the same results
+
+
+def tcp_body(rank, world):
+    g, store = _group(rank, world, transport="tcp")
+    buf = g.zeros(HostDevice(), N, np.float32)
+    private = shm.where(buf) is shm._NOT_SHARED
+    _close(g, store)
+    return private
+
+
+@pytest.mark.slow
+def test_zeros_is_private_memory_off_the_shm_transport():
+    assert run_ranks(tcp_body, 2, timeout=60) == [True, True]
+
+
+def test_a_freed_shared_buffer_closes_its_descriptor():
+    before = len(os.listdir("/proc/self/fd"))
+    a = shm.shared_zeros(1 << 20, np.float32)
+    assert a is not None and not a.any() and shm.where(a[5:9]) is not shm._NOT_SHARED
+    key = shm._SHARED[a.ctypes.data][1]
+    fd = int(key.split(":")[1])
+    assert os.path.exists(f"/proc/self/fd/{fd}")  # kept open: peers map it through it
+    del a
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) == before
+    assert shm.where(np.ones(10)) is shm._NOT_SHARED
+
+
+def test_no_room_in_dev_shm_gives_private_memory(monkeypatch, caplog):
+    def full(nbytes, sharers=1):
+        raise CommError("/dev/shm is too small (test)")
+
+    monkeypatch.setattr(shm.Segment, "create", full)
+    assert shm.shared_zeros(1000, np.float32) is None
+    assert "no shared bucket memory" in caplog.text and "too small" in caplog.text
+
+
+def premul_body(rank, world, transport):
+    from nccl_ddp.kernels.spec import scale_ref
+
+    g, store = _group(rank, world, transport=transport, chunk_bytes=4096)
+    dev = HostDevice()
+    checked = 0
+    for dt in (np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.float64)):
+        for factor in (0.5, 1.0 / 3.0):
+            for n in (1000, N):  # the one-signal size and the chunked / in-place one
+                ins = [_data(r, dt, n, ReduceOp.SUM) * 1000 for r in range(world)]
+                for shared in (True, False):  # (with 3 ranks each path adds in its own order)
+                    want, buf = (g.zeros(dev, n, dt) if shared else np.empty(n, dt) for _ in "ab")
+                    want[...] = buf[...] = ins[rank]
+                    scale_ref(want, factor)
+                    g.all_reduce(want).wait()  # the unfused way: scale, then sum
+                    g.all_reduce_premul_sum(buf, factor).wait()
+                    np.testing.assert_array_equal(buf, want, err_msg=f"{dt} {factor} n={n} shared={shared}")
+                    checked += 1
+    # ranks that scale by different factors: each rank's own factor applies to its own buffer
+    ins = [_data(r, np.dtype(np.float32), N, ReduceOp.SUM) for r in range(world)]
+    buf = g.zeros(dev, N, np.float32)
+    buf[...] = ins[rank]
+    g.all_reduce_premul_sum(buf, 1.0 / (rank + 1)).wait()
+    _check(buf, sum(x / (r + 1) for r, x in enumerate(ins)).astype(np.float32), "factors that differ")
+    g.barrier().wait()
+    with pytest.raises(Exception, match="a pre-multiplied reduction is a SUM of floats"):
+        g.all_reduce_premul_sum(np.ones(10, np.int32), 0.5).wait()  # (refused: the group is done)
+    g.shutdown()
+    store.barrier("closing", g.size, 30)
+    store.close()
+    return checked
+
+
+@pytest.mark.parametrize("world,transport", [(1, "auto"), (2, "shm"), (3, "shm"), (2, "tcp")])
+@pytest.mark.slow
+def test_premul_sum_has_the_bits_of_scaling_first(world, transport):
+    assert run_ranks(premul_body, world, transport, timeout=120) == [24] * world
