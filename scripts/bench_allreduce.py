@@ -7,7 +7,8 @@ installed (same processes, same sizes, same moment).
     nccl-ddp-run --nproc-per-node 2 scripts/bench_allreduce.py --backend host
 
 busbw = algbw * 2(n-1)/n (the bytes each rank's link must carry in a ring). Times are the
-slowest rank's mean over the iterations. Rank 0 prints the table and writes the CSV.
+slowest rank's mean over the iterations, the median of --rounds interleaved rounds (ours, shared,
+limit, gloo, then again). Rank 0 prints the table and writes the CSV.
 
 `limit` (host backend, from --limit-min up, 16 MiB by default): the copy+add limit of this
 machine, measured in the same processes right after ours at each size: every rank at once adds
@@ -44,10 +45,16 @@ COLUMNS = (
     "vs_gloo",
     "limit_busbw_GBps",
     "vs_limit",
+    "shared_time_us",
+    "shared_busbw_GBps",
+    "shared_vs_limit",
 )
 FORMATS = {
     "limit_busbw_GBps": ".3f",
     "vs_limit": ".2f",
+    "shared_time_us": ".1f",
+    "shared_busbw_GBps": ".3f",
+    "shared_vs_limit": ".2f",
     "time_us": ".1f",
     "algbw_GBps": ".3f",
     "busbw_GBps": ".3f",
@@ -78,6 +85,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--op", default="sum", help="sum, avg, max, min, prod")
     p.add_argument("--iters", type=int, default=20, help="iterations per size at most (20)")
     p.add_argument("--warmup", type=int, default=2, help="untimed iterations per size (2)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per size; medians are shown (3)")
     p.add_argument("--backend", default="host", help="host, nccl, or auto (default host)")
     p.add_argument("--nranks", type=int, default=2, help="ranks to spawn without a launcher (2)")
     p.add_argument("--no-gloo", action="store_true", help="skip the torch gloo comparison")
@@ -123,6 +131,22 @@ def _time_ours(nd, args, x, iters: int) -> float:
         nd.all_reduce(x, op=args.op)
     synchronize(xp)
     return slowest(nd, (time.perf_counter() - t0) / iters)
+
+
+def _shared_buffer(nd, count: int, dtype):
+    """Ones in the group's shared bucket memory (`ProcessGroup.zeros`: on the host's shm
+    transport peers read it in place, as DDP's buckets), or None where the group has none."""
+    from nccl_ddp.comm.host.shm import SMALL_BYTES
+    from nccl_ddp.device import HostDevice
+
+    group = nd.get_world_group()
+    if group.backend != "host" or getattr(group, "transport_kind", "") != "shm":
+        return None
+    if count * dtype.itemsize <= SMALL_BYTES:  # one signal, no staging: nothing to share
+        return None
+    out = group.zeros(HostDevice(), count, dtype)
+    out[...] = 1
+    return out
 
 
 def _time_limit(nd, args, x, iters: int) -> float:
@@ -222,8 +246,27 @@ def worker(args) -> list:
         count = size // dtype.itemsize
         x = array_module(nd).asarray(np.ones(count, dtype))
         iters = _iters(args, size)
-        t = _time_ours(nd, args, x, iters)
+        shared = _shared_buffer(nd, count, dtype)
+        limit = bool(args.limit_min and size >= args.limit_min and nd.get_world_group().backend == "host")
+        times: dict = {"ours": [], "shared": [], "limit": [], "gloo": []}
+        for _ in range(args.rounds):  # interleaved: a slow moment hits every column alike
+            times["ours"].append(_time_ours(nd, args, x, iters))
+            if shared is not None:
+                times["shared"].append(_time_ours(nd, args, shared, iters))
+            if limit:
+                times["limit"].append(_time_limit(nd, args, x, iters))
+            if gloo is not None:
+                tg = _time_gloo(nd, gloo, args, x, iters)
+                if tg is not None:
+                    times["gloo"].append(tg)
+        del shared
+        med = {k: float(np.median(v)) for k, v in times.items() if v}
+        t = med["ours"]
         algbw = size / t / 1e9
+
+        def busbw(sec: float, size: int = size) -> float:
+            return size / sec / 1e9 * 2 * (n - 1) / n
+
         row = dict(
             size=size,
             size_h=_human(size),
@@ -232,21 +275,21 @@ def worker(args) -> list:
             ranks=n,
             backend=nd.get_world_group().backend,
             iters=iters,
+            rounds=args.rounds,
             time_us=t * 1e6,
             algbw_GBps=algbw,
             busbw_GBps=algbw * 2 * (n - 1) / n,
         )
-        if args.limit_min and size >= args.limit_min and row["backend"] == "host":
-            tl = _time_limit(nd, args, x, iters)
-            row.update(
-                limit_time_us=tl * 1e6, limit_busbw_GBps=size / tl / 1e9 * 2 * (n - 1) / n, vs_limit=tl / t
-            )
-        if gloo is not None:
-            tg = _time_gloo(nd, gloo, args, x, iters)
-            if tg is not None:
-                row.update(
-                    gloo_time_us=tg * 1e6, gloo_busbw_GBps=size / tg / 1e9 * 2 * (n - 1) / n, vs_gloo=tg / t
-                )
+        if "shared" in med:
+            row.update(shared_time_us=med["shared"] * 1e6, shared_busbw_GBps=busbw(med["shared"]))
+        if "limit" in med:
+            tl = med["limit"]
+            row.update(limit_time_us=tl * 1e6, limit_busbw_GBps=busbw(tl), vs_limit=tl / t)
+            if "shared" in med:
+                row.update(shared_vs_limit=tl / med["shared"])
+        if "gloo" in med:
+            tg = med["gloo"]
+            row.update(gloo_time_us=tg * 1e6, gloo_busbw_GBps=busbw(tg), vs_gloo=tg / t)
         rows.append(row)
         if prog:
             prog.step(_human(size))
@@ -265,7 +308,8 @@ def _report(args, rows: list, n: int) -> None:
     print(
         f"# all_reduce ({args.op}), {n} ranks, backend {rows[0]['backend'] if rows else '?'}; "
         f"busbw = algbw * 2(n-1)/n; vs_gloo = gloo time / our time; "
-        f"vs_limit = copy+add limit time / our time (same run)"
+        f"vs_limit = copy+add limit time / our time (same run); shared_*: ours on buffers in "
+        f"the group's shared memory (DDP's buckets on shm), read by peers in place"
     )
     print(format_table(shown, [c for c in COLUMNS if any(c in r for r in rows)], FORMATS))
     if args.csv:

@@ -6,7 +6,8 @@ both with the same bucket cap and grads as bucket views. ratio = ddp_ms / torch_
 (below 1: ours is faster).
 
 The limit (plain all-reduce hook): limit_ms = local_ms + allreduce_ms, the grads' bytes
-all-reduced alone in one buffer in the same processes: a step with its communication
+all-reduced alone in one buffer in the same processes (on the host in the group's shared memory,
+as DDP's buckets: the fastest all-reduce there is here): a step with its communication
 neither hidden nor slowed; vs_limit = ddp_ms / limit_ms (torch_vs_limit the same for torch DDP).
 Where our step's time goes, from the profiled steps (the reducer's timeline on): backward_ms,
 exposed_ms (communication after backward ended: the last bucket and what queued behind it),
@@ -76,9 +77,15 @@ def torch_bf16_compress_hook(process_group, bucket):
 
 def _allreduce_alone(nd, torch, nbytes: int, args, device) -> float:
     """Seconds per all-reduce of the model's grad bytes in one float32 buffer, alone (no step
-    around it): with the local step, the limit a DDP step would reach with nothing hidden."""
-    buf = torch.zeros(max(1, nbytes // 4), device=device)
+    around it): with the local step, the limit a DDP step would reach with nothing hidden. On the
+    host, the buffer is in the group's shared memory, as DDP's buckets (the fastest all-reduce)."""
+    import numpy as np
+
+    from nccl_ddp.device import HostDevice
+
     cuda = device.type == "cuda"
+    n = max(1, nbytes // 4)
+    buf = torch.zeros(n, device=device) if cuda else nd.get_world_group().zeros(HostDevice(), n, np.float32)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     return timed_steps(nd, lambda: nd.all_reduce(buf), args.warmup, args.steps, sync)
 

@@ -74,3 +74,27 @@ def test_markdown_tables(monkeypatch):
     assert text.splitlines()[1].split() == ["16", "MiB", "1.2"]
     monkeypatch.setenv("NCCL_DDP_BENCH_MARKDOWN", "1")
     assert benchlib.format_table(rows, ["size", "ms"], {"ms": ".1f"}).startswith("| size | ms |")
+
+
+@pytest.mark.slow
+def test_a_table_beside_a_busy_process_is_marked_loaded(tmp_path):
+    # before: only the 1-minute load average was checked (>= 1.5), which a process that keeps a core
+    # busy for the length of a short table does not reach, while the previous table's own ranks
+    # pushed it over for every later table; now the cores others keep busy, measured around it
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        r = subprocess.run(
+            ["bash", os.path.join(SCRIPTS, "bench_all.sh"), "--quick", "--only", "allreduce_2ranks"]
+            + ["--out", str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=ROOT,
+        )
+    finally:
+        spin.kill()
+        spin.wait()
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    summary = (tmp_path / "summary.md").read_text()
+    assert "cores busy with other processes before" in summary
+    assert "**LOADED (other processes kept >= 0.5 cores busy)" in summary, summary
