@@ -141,8 +141,8 @@ else
     table allreduce_2ranks_chunk512k $P 300 scripts/bench_allreduce.py --min 16M --max 256M --no-gloo \
     --csv "$out/allreduce_2ranks_chunk512k.csv" --png ""
   table ddp_mlp $P 300 scripts/bench_ddp.py --torch --steps 20 --csv "$out/ddp_mlp.csv" --png "$out/ddp_mlp.png"
-  table ddp_12m $P 300 scripts/bench_ddp.py --modes torch --caps 1,4,25 --features 1400 --hidden 1400 --layers 6 \
-    --steps 10 --profile-steps 5 --csv "$out/ddp_12m.csv" --png "$out/ddp_12m.png"
+  table ddp_12m $P 400 scripts/bench_ddp.py --modes torch --caps 1,4,25 --features 1400 --hidden 1400 --layers 6 \
+    --steps 5 --step-rounds 3 --profile-steps 5 --csv "$out/ddp_12m.csv" --png "$out/ddp_12m.png"
   table ddp_params $P 300 scripts/bench_ddp.py --many-params --params-csv "$out/ddp_params.csv" \
     --params-png "$out/ddp_params.png"
   table hooks $P 300 scripts/bench_ddp.py --modes torch --hook allreduce,bf16,fp16,powersgd --caps 25 --hidden 256 \

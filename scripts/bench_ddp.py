@@ -112,6 +112,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--steps", type=int, default=10, help="timed steps per measurement")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--step-rounds", type=int, default=3, help="torch mode: interleaved rounds (medians)")
     p.add_argument("--profile-steps", type=int, default=3, help="steps with the timeline on")
     p.add_argument("--nranks", type=int, default=2, help="ranks to start without a launcher")
     p.add_argument("--csv", default="out/bench_ddp.csv", help="CSV path ('' for none)")

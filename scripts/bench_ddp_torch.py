@@ -1,5 +1,6 @@
 """The "torch" mode of scripts/bench_ddp.py: the same ReLU MLP as nn.Sequential, one training step
-(forward, MSE loss, backward, SGD, zero_grad) timed three ways in the same processes:
+(forward, MSE loss, backward, SGD, zero_grad) timed three ways in the same processes, in
+--step-rounds interleaved rounds (medians shown):
 without DDP (local_ms), with our DistributedDataParallel (ddp_ms) and with
 torch.nn.parallel.DistributedDataParallel (torch_ddp_ms; gloo on the host backend, NCCL on GPUs),
 both with the same bucket cap and grads as bucket views. ratio = ddp_ms / torch_ddp_ms
@@ -104,6 +105,7 @@ def _cpu_split(step: Callable[[], None], steps: int) -> tuple:
 
 
 def run_torch(nd, xp, args, cap_mb: float, hook: str = "allreduce") -> dict:
+    import numpy as np
     import torch
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
@@ -130,24 +132,29 @@ def run_torch(nd, xp, args, cap_mb: float, hook: str = "allreduce") -> dict:
         return step
 
     local = _mlp(torch, dims, device)
-    t_local = _timed(nd, torch, stepper(local, local), args, cuda)
-
+    local_step = stepper(local, local)
     theirs = _mlp(torch, dims, device)
     torch_ddp = TorchDDP(theirs, bucket_cap_mb=cap_mb, gradient_as_bucket_view=True)
     torch_state = torch_hook(torch_ddp, hook, POWERSGD_RANK)
     theirs_step = stepper(theirs, torch_ddp)
-    t_torch = _timed(nd, torch, theirs_step, args, cuda)
-    torch_before = torch_state.total_numel_after_compression if torch_state else 0
-    for _ in range(args.profile_steps):
-        theirs_step()
-
     mine = _mlp(torch, dims, device)
     ddp = nd.DistributedDataParallel(mine, bucket_cap_mb=cap_mb)
     state = our_hook(nd, ddp, hook)
     step = stepper(mine, ddp)
-    t_ddp = _timed(nd, torch, step, args, cuda)
     nbytes = sum(b.nbytes for b in ddp.reducer.layout.buckets)
-    t_ar = _allreduce_alone(nd, torch, nbytes, args, device) if hook == "allreduce" else None
+    # interleaved rounds, medians: a slow moment of the machine hits every column alike
+    times: dict = {"local": [], "torch": [], "ddp": [], "ar": []}
+    for _ in range(max(1, args.step_rounds)):
+        times["local"].append(_timed(nd, torch, local_step, args, cuda))
+        times["torch"].append(_timed(nd, torch, theirs_step, args, cuda))
+        times["ddp"].append(_timed(nd, torch, step, args, cuda))
+        if hook == "allreduce":
+            times["ar"].append(_allreduce_alone(nd, torch, nbytes, args, device))
+    med = {k: float(np.median(v)) for k, v in times.items() if v}
+    t_local, t_torch, t_ddp, t_ar = med["local"], med["torch"], med["ddp"], med.get("ar")
+    torch_before = torch_state.total_numel_after_compression if torch_state else 0
+    for _ in range(args.profile_steps):
+        theirs_step()
     local_cpu = _cpu_split(stepper(local, local), args.profile_steps)
     ddp.reducer.prof = Timeline(nd.get_rank(), timeline=True)
     before = state.total_numel_after_compression if state else 0
