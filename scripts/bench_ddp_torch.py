@@ -6,7 +6,9 @@ torch.nn.parallel.DistributedDataParallel (torch_ddp_ms; gloo on the host backen
 both with the same bucket cap and grads as bucket views. ratio = ddp_ms / torch_ddp_ms
 (below 1: ours is faster).
 
-The limit (plain all-reduce hook): limit_ms = local_ms + allreduce_ms, the grads' bytes
+The limit (plain all-reduce hook): limit_ms = lockstep_ms + allreduce_ms: the local step with the
+ranks waiting for each other after each step (a barrier, no grads sent: the wait for the slower
+rank that every synchronous step pays, which the mean local step hides) plus the grads' bytes
 all-reduced alone in one buffer in the same processes (on the host in the group's shared memory,
 as DDP's buckets: the fastest all-reduce there is here): a step with its communication
 neither hidden nor slowed; vs_limit = ddp_ms / limit_ms (torch_vs_limit the same for torch DDP).
@@ -143,9 +145,15 @@ def run_torch(nd, xp, args, cap_mb: float, hook: str = "allreduce") -> dict:
     step = stepper(mine, ddp)
     nbytes = sum(b.nbytes for b in ddp.reducer.layout.buckets)
     # interleaved rounds, medians: a slow moment of the machine hits every column alike
-    times: dict = {"local": [], "torch": [], "ddp": [], "ar": []}
+    times: dict = {"local": [], "lockstep": [], "torch": [], "ddp": [], "ar": []}
+
+    def lockstep() -> None:  # the local step, ranks waiting for each other after it (no grads sent)
+        local_step()
+        nd.barrier()
+
     for _ in range(max(1, args.step_rounds)):
         times["local"].append(_timed(nd, torch, local_step, args, cuda))
+        times["lockstep"].append(_timed(nd, torch, lockstep, args, cuda))
         times["torch"].append(_timed(nd, torch, theirs_step, args, cuda))
         times["ddp"].append(_timed(nd, torch, step, args, cuda))
         if hook == "allreduce":
@@ -172,8 +180,9 @@ def run_torch(nd, xp, args, cap_mb: float, hook: str = "allreduce") -> dict:
         stall_ms=slowest(nd, ours_cpu[1] - local_cpu[1]) * 1e3,
     )
     if t_ar is not None:
-        limit = t_local + t_ar
+        limit = med["lockstep"] + t_ar
         phases.update(
+            lockstep_ms=med["lockstep"] * 1e3,
             allreduce_ms=t_ar * 1e3,
             limit_ms=limit * 1e3,
             vs_limit=t_ddp / limit,
