@@ -80,13 +80,14 @@ def test_slowest_reduces_the_backends_array_type(monkeypatch):
 
 @pytest.mark.slow
 def test_bench_ddp_torch_mode_prints_the_limit(tmp_path):
-    """torch mode: our DDP beside torch's, the step's limit (local step + the grads all-reduced
-    alone) and the timeline's phases in the same row."""
+    """torch mode: our DDP beside torch's, the step's limit (the local step in lockstep + the grads
+    all-reduced alone) and the timeline's phases in the same row."""
     pytest.importorskip("torch")
     out = tmp_path / "bench.csv"
     r = subprocess.run(
         [sys.executable, SCRIPT, "--modes", "torch", "--caps", "1", "--hidden", "32", "--layers", "2"]
-        + ["--features", "8", "--steps", "2", "--warmup", "1", "--profile-steps", "1", "--csv", str(out)],
+        + ["--features", "8", "--steps", "2", "--warmup", "1", "--profile-steps", "1", "--step-rounds", "2"]
+        + ["--csv", str(out)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -95,7 +96,7 @@ def test_bench_ddp_torch_mode_prints_the_limit(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     (row,) = list(csv.DictReader(open(out)))
     num = {k: float(v) for k, v in row.items() if k.endswith(("_ms", "limit"))}
-    assert num["limit_ms"] == pytest.approx(num["local_ms"] + num["allreduce_ms"], rel=1e-6)
+    assert num["limit_ms"] == pytest.approx(num["lockstep_ms"] + num["allreduce_ms"], rel=1e-6)
     assert num["vs_limit"] == pytest.approx(num["ddp_ms"] / num["limit_ms"], rel=1e-6)
     for k in ("torch_ddp_ms", "backward_ms", "exposed_ms", "threads_cpu_ms"):
         assert num[k] >= 0, k
