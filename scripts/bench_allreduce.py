@@ -321,6 +321,11 @@ def _report(args, rows: list, n: int) -> None:
         ours = f"nccl_ddp {rows[0]['backend']}"
         points = [dict(size=r["size"], busbw=r["busbw_GBps"], series=ours) for r in rows]
         points += [
+            dict(size=r["size"], busbw=r["shared_busbw_GBps"], series=f"{ours}, shared buffers")
+            for r in rows
+            if "shared_busbw_GBps" in r
+        ]
+        points += [
             dict(size=r["size"], busbw=r["gloo_busbw_GBps"], series="torch gloo")
             for r in rows
             if "gloo_busbw_GBps" in r
