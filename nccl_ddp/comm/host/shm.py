@@ -137,6 +137,7 @@ _SERIALS = itertools.count(1)
 _SHARED: dict = {}  # start address -> (end address, key, segment bytes): this process's live ones
 _WHERE = struct.Struct("<QQd96s")  # offset in the segment, its bytes (0: not shared), prescale, key
 _NOT_SHARED = _WHERE.pack(0, 0, 1.0, b"")
+_SAID_NO_ROOM = False  # the warning that /dev/shm had no room for a shared buffer was logged
 
 
 def shared_zeros(n: int, dtype: Any) -> Optional[np.ndarray]:
@@ -149,7 +150,10 @@ def shared_zeros(n: int, dtype: Any) -> Optional[np.ndarray]:
     try:
         seg = Segment.create(nbytes)
     except (OSError, CommError) as e:
-        log.warning("no shared bucket memory (%s); using private memory and staging copies", e)
+        global _SAID_NO_ROOM
+        level = logging.DEBUG if _SAID_NO_ROOM else logging.WARNING  # once a process, not per bucket
+        _SAID_NO_ROOM = True
+        log.log(level, "no shared bucket memory (%s); using private memory and staging copies", e)
         return None
     out = seg.array[: n * dt.itemsize].view(dt)
     start = seg.array.ctypes.data
