@@ -10,80 +10,22 @@ import time
 
 import numpy as np
 import pytest
+from host_collectives import (
+    DTYPES,
+    OPS,
+    SIZES,
+    check_result,
+    close_group,
+    expected_result,
+    host_group,
+    rank_data,
+)
 from mp import run_ranks
 from shm import no_shm_leaks  # noqa: F401  (autouse: /dev/shm stays clean)
 
 from nccl_ddp.comm.group import ReduceOp
 from nccl_ddp.comm.host.backend import HostProcessGroup
-from nccl_ddp.comm.host.reduce import dtypes
 from nccl_ddp.errors import CommError, CommTimeout, ConfigError, ConfigTypeError
-
-DTYPES = dtypes()
-
-SIZES = (0, 1, 2, 7, 1001, 3000)  # 3000 x 8 bytes spans several 4 KiB chunks
-OPS = tuple(ReduceOp)
-
-
-def _group(rank, world, transport="auto", timeout=30.0, chunk_bytes=None, store=None, prefix="test"):
-    from nccl_ddp.env import resolve_env
-    from nccl_ddp.store.client import PrefixStore, connect_store
-
-    store = store or connect_store(resolve_env(), timeout=timeout)
-    g = HostProcessGroup(
-        PrefixStore(store, prefix), rank, world, timeout=timeout, transport=transport, chunk_bytes=chunk_bytes
-    )
-    return g, store
-
-
-def _close(g, store):
-    g.barrier().wait()
-    g.shutdown()
-    store.barrier("closing", g.size, 30)
-    store.close()
-
-
-def _data(rank, dtype, n, op):
-    """Rank `rank`'s input: small values so integer sums and products do not overflow."""
-    rng = np.random.default_rng([rank, n, DTYPES.index(dtype), OPS.index(op)])
-    if dtype == np.bool_:
-        return rng.random(n) < 0.5
-    if dtype.kind in "iu":
-        lo, hi = (0, 4) if dtype.kind == "u" else (-20, 21)
-        if op is ReduceOp.PROD:
-            lo, hi = (1, 4) if dtype.kind == "u" else (-3, 4)
-        return rng.integers(lo, hi, n).astype(dtype)
-    vals = rng.uniform(0.5, 1.5, n) if op is ReduceOp.PROD else rng.standard_normal(n)
-    return vals.astype(dtype)
-
-
-def _expected(inputs, op, world):
-    dt = inputs[0].dtype
-    stack = np.stack(inputs) if inputs[0].size else np.zeros((world, 0), dt)
-    if dt == np.bool_:
-        return stack.any(0) if op is ReduceOp.MAX else stack.all(0)
-    wide = stack.astype(np.float64) if dt.kind == "f" or dt.name == "bfloat16" else stack
-    if op in (ReduceOp.SUM, ReduceOp.AVG):
-        r = wide.sum(0, dtype=wide.dtype)
-    elif op is ReduceOp.PROD:
-        r = wide.prod(0, dtype=wide.dtype)
-    else:
-        r = wide.max(0) if op is ReduceOp.MAX else wide.min(0)
-    if op is ReduceOp.AVG:
-        if r.dtype.kind == "f":
-            r = r / world
-        else:  # NCCL's rule: truncate toward zero
-            r = (np.abs(r) // world) * np.sign(r)
-    return r.astype(dt)
-
-
-def _check(got, want, what):
-    if want.dtype.kind in "iub":
-        np.testing.assert_array_equal(got, want, err_msg=what)
-        return
-    tol = {"float16": 1e-2, "bfloat16": 5e-2, "float32": 1e-5, "float64": 1e-12}[want.dtype.name]
-    np.testing.assert_allclose(
-        got.astype(np.float64), want.astype(np.float64), rtol=tol, atol=tol, err_msg=what
-    )
 
 
 def _ops_for(dt):
@@ -91,17 +33,17 @@ def _ops_for(dt):
 
 
 def collectives_body(rank, world, transport):
-    g, store = _group(rank, world, transport, chunk_bytes=4096)
+    g, store = host_group(rank, world, transport, chunk_bytes=4096)
     digest = hashlib.sha256()
     for dt in DTYPES:
         for n in SIZES:
             for op in _ops_for(dt):
-                ins = [_data(r, dt, n, op) for r in range(world)]
+                ins = [rank_data(r, dt, n, op) for r in range(world)]
                 buf = ins[rank].copy()
                 g.all_reduce(buf, op).wait()
-                _check(buf, _expected(ins, op, world), f"all_reduce {dt} n={n} {op}")
+                check_result(buf, expected_result(ins, op, world), f"all_reduce {dt} n={n} {op}")
                 digest.update(buf.tobytes())
-            ins = [_data(r, dt, n, ReduceOp.MAX) for r in range(world)]
+            ins = [rank_data(r, dt, n, ReduceOp.MAX) for r in range(world)]
             buf = ins[rank].copy()
             g.broadcast(buf, root=world - 1).wait()
             np.testing.assert_array_equal(buf, ins[world - 1], err_msg=f"broadcast {dt} {n}")
@@ -109,21 +51,21 @@ def collectives_body(rank, world, transport):
             g.all_gather(out, ins[rank]).wait()
             np.testing.assert_array_equal(out, np.concatenate(ins), err_msg=f"all_gather {dt}")
             for op in _ops_for(dt)[:3]:
-                big = [_data(r, dt, world * n, op) for r in range(world)]
+                big = [rank_data(r, dt, world * n, op) for r in range(world)]
                 out = np.empty(n, dt)
                 g.reduce_scatter(out, big[rank], op).wait()
-                want = _expected(big, op, world)[rank * n : (rank + 1) * n]
-                _check(out, want, f"reduce_scatter {dt} n={n} {op}")
+                want = expected_result(big, op, world)[rank * n : (rank + 1) * n]
+                check_result(out, want, f"reduce_scatter {dt} n={n} {op}")
     # bigger than one default chunk: the pipelined path with real chunk sizes
     g.shutdown()
-    g, store = _group(rank, world, transport, store=store, prefix="default-chunks")
-    ins = [_data(r, np.dtype(np.float32), 300_001, ReduceOp.SUM) for r in range(world)]
+    g, store = host_group(rank, world, transport, store=store, prefix="default-chunks")
+    ins = [rank_data(r, np.dtype(np.float32), 300_001, ReduceOp.SUM) for r in range(world)]
     buf = ins[rank].copy()
     g.all_reduce(buf).wait()
     np.testing.assert_allclose(buf, np.sum(ins, axis=0, dtype=np.float64), rtol=1e-5, atol=1e-5)
     digest.update(buf.tobytes())
     kind = g.transport_kind
-    _close(g, store)
+    close_group(g, store)
     return kind, digest.hexdigest()
 
 
@@ -139,7 +81,7 @@ def test_collectives_match_numpy(world, transport):
 def ordering_body(rank, world):
     from nccl_ddp.device import HostStream
 
-    g, store = _group(rank, world)
+    g, store = host_group(rank, world)
     # several async ops, waited for in reverse order
     bufs = [np.full(100_000, float(rank + i), np.float64) for i in range(5)]
     works = [g.all_reduce(b) for b in bufs]
@@ -177,7 +119,7 @@ def ordering_body(rank, world):
     assert w.is_completed()
     np.testing.assert_array_equal(now, total * world)
     stream.close()
-    _close(g, store)
+    close_group(g, store)
 
 
 @pytest.mark.slow
@@ -186,7 +128,7 @@ def test_async_and_stream_ordering():
 
 
 def subgroup_body(rank, world):
-    g, store = _group(rank, world)
+    g, store = host_group(rank, world)
     sub = g.new_subgroup([2, 0])
     if rank == 1:
         assert sub is None
@@ -201,7 +143,7 @@ def subgroup_body(rank, world):
     np.testing.assert_array_equal(x, world - 1)
     with pytest.raises(ConfigError, match="not members"):
         g.new_subgroup([0, 7])
-    _close(g, store)
+    close_group(g, store)
 
 
 @pytest.mark.slow
@@ -210,7 +152,7 @@ def test_subgroup():
 
 
 def mismatch_body(rank, world):
-    g, store = _group(rank, world, timeout=20)
+    g, store = host_group(rank, world, timeout=20)
     try:
         g.all_reduce(np.zeros(10 + rank, np.float32)).wait()
     except CommError as e:  # RankMismatchError is not a CommError: this is a failure
@@ -229,7 +171,7 @@ def test_mismatched_sizes_name_the_peer():
 
 
 def dying_body(rank, world, transport):
-    g, store = _group(rank, world, transport, timeout=60)
+    g, store = host_group(rank, world, transport, timeout=60)
     x = np.ones(1 << 20, np.float32)
     g.all_reduce(x).wait()
     if rank == 1:
@@ -258,7 +200,7 @@ def test_dead_rank_is_named(transport):
 
 
 def hung_body(rank, world):
-    g, store = _group(rank, world, timeout=2.0)
+    g, store = host_group(rank, world, timeout=2.0)
     if rank == 1:
         time.sleep(4)  # never joins the collective, but stays alive
         return "slept"

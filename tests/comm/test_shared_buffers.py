@@ -11,9 +11,9 @@ import os
 
 import numpy as np
 import pytest
+from host_collectives import check_result, close_group, expected_result, host_group, rank_data
 from mp import run_ranks
 from shm import no_shm_leaks  # noqa: F401  (autouse: /dev/shm stays clean)
-from test_host_collectives import _check, _close, _data, _expected, _group
 
 from nccl_ddp.comm.group import ReduceOp
 from nccl_ddp.comm.host import shm
@@ -31,11 +31,11 @@ N = 70_001  # over the 64 KiB one-signal size for every dtype here, several 4 Ki
 
 
 def shared_body(rank, world):
-    g, store = _group(rank, world, chunk_bytes=4096)
+    g, store = host_group(rank, world, chunk_bytes=4096)
     dev = HostDevice()
     digest = hashlib.sha256()
     for dt, op in CASES:
-        ins = [_data(r, dt, N, op) for r in range(world)]
+        ins = [rank_data(r, dt, N, op) for r in range(world)]
         staged = ins[rank].copy()
         g.all_reduce(staged, op).wait()
         buf = g.zeros(dev, N + 3, dt)
@@ -43,18 +43,18 @@ def shared_body(rank, world):
         view = buf[3:]  # an offset into the segment, as a bucket's slice
         view[...] = ins[rank]
         g.all_reduce(view, op).wait()
-        _check(view, _expected(ins, op, world), f"shared all_reduce {dt} {op}")
+        check_result(view, expected_result(ins, op, world), f"shared all_reduce {dt} {op}")
         if world == 2 or dt.kind != "f":  # two operands: the same bits whoever adds them
             np.testing.assert_array_equal(view, staged, err_msg=f"{dt} {op}: in place != staged")
         assert not buf[:3].any(), "bytes before the view were written"
         digest.update(view.tobytes())
     mapped = len(g._transport._mapped)
     # mixed: only rank 0's buffer is shared -> the staged path on every rank, same result
-    ins = [_data(r, np.dtype(np.float32), N, ReduceOp.SUM) for r in range(world)]
+    ins = [rank_data(r, np.dtype(np.float32), N, ReduceOp.SUM) for r in range(world)]
     buf = g.zeros(dev, N, np.float32) if rank == 0 else np.empty(N, np.float32)
     buf[...] = ins[rank]
     g.all_reduce(buf).wait()
-    _check(buf, _expected(ins, ReduceOp.SUM, world), "mixed shared/private")
+    check_result(buf, expected_result(ins, ReduceOp.SUM, world), "mixed shared/private")
     digest.update(buf.tobytes())
     # a freed buffer's descriptor and inode may be reused by the next: never read as the old one
     for i in range(4):
@@ -64,7 +64,7 @@ def shared_body(rank, world):
         np.testing.assert_array_equal(a, np.full(N, sum(r + 10 * i for r in range(world)), np.float32))
         del a
         gc.collect()
-    _close(g, store)
+    close_group(g, store)
     return mapped, digest.hexdigest()
 
 
@@ -77,10 +77,10 @@ def test_shared_buffers_are_reduced_in_place_like_the_staged_path(world):
 
 
 def tcp_body(rank, world):
-    g, store = _group(rank, world, transport="tcp")
+    g, store = host_group(rank, world, transport="tcp")
     buf = g.zeros(HostDevice(), N, np.float32)
     private = shm.where(buf) is shm._NOT_SHARED
-    _close(g, store)
+    close_group(g, store)
     return private
 
 
@@ -119,13 +119,13 @@ def test_no_room_in_dev_shm_gives_private_memory(monkeypatch, caplog):
 def premul_body(rank, world, transport):
     from nccl_ddp.kernels.spec import scale_ref
 
-    g, store = _group(rank, world, transport=transport, chunk_bytes=4096)
+    g, store = host_group(rank, world, transport=transport, chunk_bytes=4096)
     dev = HostDevice()
     checked = 0
     for dt in (np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.float64)):
         for factor in (0.5, 1.0 / 3.0):
             for n in (1000, N):  # the one-signal size and the chunked / in-place one
-                ins = [_data(r, dt, n, ReduceOp.SUM) * 1000 for r in range(world)]
+                ins = [rank_data(r, dt, n, ReduceOp.SUM) * 1000 for r in range(world)]
                 for shared in (True, False):  # (with 3 ranks each path adds in its own order)
                     want, buf = (g.zeros(dev, n, dt) if shared else np.empty(n, dt) for _ in "ab")
                     want[...] = buf[...] = ins[rank]
@@ -135,11 +135,11 @@ def premul_body(rank, world, transport):
                     np.testing.assert_array_equal(buf, want, err_msg=f"{dt} {factor} n={n} shared={shared}")
                     checked += 1
     # ranks that scale by different factors: each rank's own factor applies to its own buffer
-    ins = [_data(r, np.dtype(np.float32), N, ReduceOp.SUM) for r in range(world)]
+    ins = [rank_data(r, np.dtype(np.float32), N, ReduceOp.SUM) for r in range(world)]
     buf = g.zeros(dev, N, np.float32)
     buf[...] = ins[rank]
     g.all_reduce_premul_sum(buf, 1.0 / (rank + 1)).wait()
-    _check(buf, sum(x / (r + 1) for r, x in enumerate(ins)).astype(np.float32), "factors that differ")
+    check_result(buf, sum(x / (r + 1) for r, x in enumerate(ins)).astype(np.float32), "factors that differ")
     g.barrier().wait()
     with pytest.raises(Exception, match="a pre-multiplied reduction is a SUM of floats"):
         g.all_reduce_premul_sum(np.ones(10, np.int32), 0.5).wait()  # (refused: the group is done)
