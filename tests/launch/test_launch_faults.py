@@ -57,7 +57,7 @@ def _wait_files(proc, files, timeout=30):
 # Each worker maps a segment of its own (as shm setup does) and a child process, then waits.
 HOLDS_SHM = """
     import os, subprocess, sys, time
-    from nccl_ddp.comm.host.shm import Segment
+    from nccl_ddp.comm.host.segment import Segment
     seg = Segment.create(4096)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     rank = os.environ["RANK"]
@@ -759,12 +759,17 @@ def describe(pid):
 def test_workers_die_with_the_launcher_even_when_its_reaper_is_gone_too(tmp_path):
     # before: with the reaper killed first, SIGKILL to the launcher left both workers running
     # (only the reaper cleaned up); now each worker has the parent-death signal (gate.py)
+    import glob
+    import shutil
     import signal
     import subprocess
     import sys
+    import tempfile
 
     script = write_script(tmp_path, STARTS_SLOWLY)
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "NCCL_DDP_SECRET")}
+    records = os.path.join(tempfile.gettempdir(), "nccl-ddp-run-*")
+    before = set(glob.glob(records))
     proc = subprocess.Popen(
         [sys.executable, "-m", "nccl_ddp.launch", "--nproc-per-node", "2", script],
         stdout=subprocess.DEVNULL,
@@ -790,6 +795,10 @@ def test_workers_die_with_the_launcher_even_when_its_reaper_is_gone_too(tmp_path
         for pid in workers:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
+        for path in (
+            set(glob.glob(records)) - before
+        ):  # the launcher's records: nobody was left to remove them
+            shutil.rmtree(path, ignore_errors=True)
     assert left == [], f"worker(s) outlived the launcher and its reaper: {[describe(p) for p in left]}"
 
 
