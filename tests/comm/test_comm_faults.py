@@ -173,16 +173,16 @@ def small_tmpfs(tmp_path):
 
 def test_segment_that_does_not_fit_in_shm_is_a_comm_error_at_creation(small_tmpfs, monkeypatch):
     # before: created sparse, and the first write past the free space killed with SIGBUS
-    from nccl_ddp.comm.host import shm
+    from nccl_ddp.comm.host import segment
 
-    monkeypatch.setattr(shm, "SHM_DIR", str(small_tmpfs))
+    monkeypatch.setattr(segment, "SHM_DIR", str(small_tmpfs))
     with pytest.raises(CommError) as e:
-        shm.Segment.create(4 << 20)
+        segment.Segment.create(4 << 20)
     msg = str(e.value)
     assert "4.0 MiB (4194304 bytes) does not fit" in msg and "need 4.0 MiB" in msg, msg
     assert "has 1.0 MiB (1048576 bytes) free" in msg and "NCCL_DDP_HOST_TRANSPORT=tcp" in msg, msg
     assert os.listdir(small_tmpfs) == []  # nothing left behind
-    seg = shm.Segment.create(256 << 10)  # what fits still works
+    seg = segment.Segment.create(256 << 10)  # what fits still works
     seg.array[:] = 1
     seg.close()
 

@@ -16,7 +16,7 @@ from mp import run_ranks
 from shm import no_shm_leaks  # noqa: F401  (autouse: /dev/shm stays clean)
 
 from nccl_ddp.comm.group import ReduceOp
-from nccl_ddp.comm.host import shm
+from nccl_ddp.comm.host import shared
 from nccl_ddp.device import HostDevice
 from nccl_ddp.errors import CommError
 
@@ -39,7 +39,7 @@ def shared_body(rank, world):
         staged = ins[rank].copy()
         g.all_reduce(staged, op).wait()
         buf = g.zeros(dev, N + 3, dt)
-        assert shm.where(buf) is not shm._NOT_SHARED, "g.zeros on shm gave private memory"
+        assert shared.where(buf) is not shared.NOT_SHARED, "g.zeros on shm gave private memory"
         view = buf[3:]  # an offset into the segment, as a bucket's slice
         view[...] = ins[rank]
         g.all_reduce(view, op).wait()
@@ -79,7 +79,7 @@ def test_shared_buffers_are_reduced_in_place_like_the_staged_path(world):
 def tcp_body(rank, world):
     g, store = host_group(rank, world, transport="tcp")
     buf = g.zeros(HostDevice(), N, np.float32)
-    private = shm.where(buf) is shm._NOT_SHARED
+    private = shared.where(buf) is shared.NOT_SHARED
     close_group(g, store)
     return private
 
@@ -91,26 +91,26 @@ def test_zeros_is_private_memory_off_the_shm_transport():
 
 def test_a_freed_shared_buffer_closes_its_descriptor():
     before = len(os.listdir("/proc/self/fd"))
-    a = shm.shared_zeros(1 << 20, np.float32)
-    assert a is not None and not a.any() and shm.where(a[5:9]) is not shm._NOT_SHARED
-    key = shm._SHARED[a.ctypes.data][1]
+    a = shared.shared_zeros(1 << 20, np.float32)
+    assert a is not None and not a.any() and shared.where(a[5:9]) is not shared.NOT_SHARED
+    key = shared._SHARED[a.ctypes.data][1]
     fd = int(key.split(":")[1])
     assert os.path.exists(f"/proc/self/fd/{fd}")  # kept open: peers map it through it
     del a
     gc.collect()
     assert len(os.listdir("/proc/self/fd")) == before
-    assert shm.where(np.ones(10)) is shm._NOT_SHARED
+    assert shared.where(np.ones(10)) is shared.NOT_SHARED
 
 
 def test_no_room_in_dev_shm_gives_private_memory(monkeypatch, caplog):
     def full(nbytes, sharers=1):
         raise CommError("/dev/shm is too small (test)")
 
-    monkeypatch.setattr(shm.Segment, "create", full)
-    monkeypatch.setattr(shm, "_SAID_NO_ROOM", False)
-    with caplog.at_level("DEBUG", logger="nccl_ddp.comm.host.shm"):
-        assert shm.shared_zeros(1000, np.float32) is None
-        assert shm.shared_zeros(1000, np.float32) is None
+    monkeypatch.setattr(shared.Segment, "create", full)
+    monkeypatch.setattr(shared, "_SAID_NO_ROOM", False)
+    with caplog.at_level("DEBUG", logger="nccl_ddp.comm.host.shared"):
+        assert shared.shared_zeros(1000, np.float32) is None
+        assert shared.shared_zeros(1000, np.float32) is None
     said = [r for r in caplog.records if "no shared bucket memory" in r.getMessage()]
     assert [r.levelname for r in said] == ["WARNING", "DEBUG"]  # warned once, not per bucket
     assert "too small" in said[0].getMessage()
@@ -126,13 +126,13 @@ def premul_body(rank, world, transport):
         for factor in (0.5, 1.0 / 3.0):
             for n in (1000, N):  # the one-signal size and the chunked / in-place one
                 ins = [rank_data(r, dt, n, ReduceOp.SUM) * 1000 for r in range(world)]
-                for shared in (True, False):  # (with 3 ranks each path adds in its own order)
-                    want, buf = (g.zeros(dev, n, dt) if shared else np.empty(n, dt) for _ in "ab")
+                for in_place in (True, False):  # (with 3 ranks each path adds in its own order)
+                    want, buf = (g.zeros(dev, n, dt) if in_place else np.empty(n, dt) for _ in "ab")
                     want[...] = buf[...] = ins[rank]
                     scale_ref(want, factor)
                     g.all_reduce(want).wait()  # the unfused way: scale, then sum
                     g.all_reduce_premul_sum(buf, factor).wait()
-                    np.testing.assert_array_equal(buf, want, err_msg=f"{dt} {factor} n={n} shared={shared}")
+                    np.testing.assert_array_equal(buf, want, err_msg=f"{dt} {factor} n={n} shared={in_place}")
                     checked += 1
     # ranks that scale by different factors: each rank's own factor applies to its own buffer
     ins = [rank_data(r, np.dtype(np.float32), N, ReduceOp.SUM) for r in range(world)]

@@ -12,7 +12,7 @@ import pytest
 from mp import run_ranks
 
 import nccl_ddp as nd
-from nccl_ddp.comm.host import shm
+from nccl_ddp.comm.host import segment
 from nccl_ddp.errors import CommError
 
 SHM = {"NCCL_DDP_HOST_TRANSPORT": "shm"}
@@ -22,7 +22,7 @@ def _killed_in_setup(rank, world, out, when):
     """Rank 0 dies by SIGKILL inside init_process_group with its segment created: right after
     creating it, or after sending its handle and before rank 1 mapped it (rank 1 maps only once
     rank 0 is gone)."""
-    real_create, real_attach = shm.Segment.create, getattr(shm.Segment, "attach", None)
+    real_create, real_attach = segment.Segment.create, getattr(segment.Segment, "attach", None)
 
     def create(*args, **kwargs):
         seg = real_create(*args, **kwargs)
@@ -42,9 +42,9 @@ def _killed_in_setup(rank, world, out, when):
         return real_attach(handle, nbytes, peer)
 
     if rank == 0:
-        shm.Segment.create = create
+        segment.Segment.create = create
     if when == "sent":
-        shm.Segment.attach = attach
+        segment.Segment.attach = attach
     try:
         nd.init_process_group("host", timeout=20)
     except CommError as e:
@@ -62,7 +62,7 @@ def test_a_rank_killed_between_creating_and_sharing_its_segment_leaves_nothing(t
     pid, nbytes = (int(x) for x in (tmp_path / "created").read_text().split())
     assert nbytes > 0
     assert set(failed) == {0} and "SIGKILL" in failed[0], failed
-    left = [n for n in os.listdir(shm.SHM_DIR) if f"-{pid}-" in n]
+    left = [n for n in os.listdir(segment.SHM_DIR) if f"-{pid}-" in n]
     assert left == [], f"segments of the killed rank (pid {pid}) outlived it: {left}"
 
 

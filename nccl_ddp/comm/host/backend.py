@@ -1,7 +1,7 @@
 """The "host" backend: real collectives between processes on NumPy arrays, no GPU needed.
 
-Ranks that share a host stage data in shared memory (`_shm.ShmTransport`); groups that span hosts
-use pipelined TCP rings (`_ring.RingTransport`). Set NCCL_DDP_HOST_TRANSPORT=tcp to force TCP.
+Ranks that share a host move data through shared memory (`shm.ShmTransport`); groups that span
+hosts use pipelined TCP rings (`ring.RingTransport`). Set NCCL_DDP_HOST_TRANSPORT=tcp to force TCP.
 Each group runs its collectives in call order on one worker thread, like a CUDA stream, and
 every call returns a `HostWork` at once; its errors name the op, its `tag` (what the buffer
 is: "bucket 3 (1.0 MiB)"), the group and the rank. After a failure the group is broken: it tells
@@ -20,51 +20,22 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 
-from nccl_ddp.comm.group import ProcessGroup, ReduceOp, Work, check_gather_buffers
+from nccl_ddp.comm.group import ProcessGroup, ReduceOp, check_gather_buffers
 from nccl_ddp.comm.host.reduce import Reduction, dtype_code
 from nccl_ddp.comm.host.rendezvous import Rendezvous, host_id
 from nccl_ddp.comm.host.ring import RingTransport, SelfTransport
-from nccl_ddp.comm.host.shm import SMALL_BYTES, ShmTransport, shared_zeros
+from nccl_ddp.comm.host.shared import shared_zeros
+from nccl_ddp.comm.host.shm import SMALL_BYTES, ShmTransport
 from nccl_ddp.comm.host.wire import ALL_GATHER, ALL_REDUCE, BARRIER, BROADCAST, REDUCE_SCATTER
-from nccl_ddp.device import DEFAULT_TIMEOUT, Device, HostEvent, ImmediateStream, Stream
+from nccl_ddp.comm.host.work import HostWork
+from nccl_ddp.device import DEFAULT_TIMEOUT, Device, ImmediateStream, Stream
 from nccl_ddp.env import env_int
-from nccl_ddp.errors import CommError, CommTimeout, ConfigError, NcclDdpError, RankMismatchError
+from nccl_ddp.errors import CommError, ConfigError, NcclDdpError, RankMismatchError
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_BYTES = 2 << 20  # per TCP piece; shm slots default to shm.CHUNK_BYTES
 _REDOPS = list(ReduceOp)
-
-
-class HostWork(Work):
-    """Completion of one queued collective; `event` can be waited on by a `device.Stream`."""
-
-    def __init__(self, what: str, result: Any, timeout: float) -> None:
-        self.what = what
-        self.event = HostEvent()
-        self._result = result
-        self._timeout = timeout
-
-    def _finish(self, error: Optional[BaseException]) -> None:
-        self.event._set(error)
-
-    def wait(self, timeout: Optional[float] = None) -> bool:
-        t = self._timeout if timeout is None else timeout
-        if not self.event.reached(t):
-            raise CommTimeout(
-                f"{self.what} did not complete within {t:.1f}s; a peer may be stuck "
-                f"or slow (raise the timeout, or check the other ranks' logs)"
-            )
-        if self.event.error is not None:
-            raise self.event.error
-        return True
-
-    def is_completed(self) -> bool:
-        return self.event.query()
-
-    def result(self) -> Any:
-        self.wait()
-        return self._result
 
 
 def _flat(a: np.ndarray, what: str, writable: bool) -> np.ndarray:
@@ -113,7 +84,7 @@ class HostProcessGroup(ProcessGroup):
         self._where = f"group {name!r} (rank {self.ranks[rank]}, group rank {rank}/{size})"
         self._subgroups = itertools.count(1)
         self._seq = itertools.count(1)
-        self._reductions: dict = {}  # (dtype, op) -> Reduction
+        self._reductions: dict = {}  # (dtype, op, prescale) -> Reduction
         self._error: Optional[BaseException] = None
         self._closed = False
         self._transport = self._connect(
@@ -304,12 +275,12 @@ class HostProcessGroup(ProcessGroup):
     ) -> tuple:
         return (op, dtype_code(a.dtype, what), _REDOPS.index(redop) if redop else 0, root, a.size)
 
-    def _reduction(self, what: str, a: np.ndarray, op: Any) -> Reduction:
+    def _reduction(self, what: str, a: np.ndarray, op: Any, prescale: float = 1.0) -> Reduction:
         op = ReduceOp.parse(op)
-        key = (a.dtype, op)  # (a DDP step reduces a few dtypes with one op, bucket by bucket)
+        key = (a.dtype, op, prescale)  # (a DDP step reduces a few dtypes with one op and scale)
         red = self._reductions.get(key)
         if red is None:
-            red = self._reductions[key] = Reduction(a.dtype, op, self.size, what)
+            red = self._reductions[key] = Reduction(a.dtype, op, self.size, what, prescale)
         return red
 
     def zeros(self, device: Device, n: int, dtype: Any) -> Any:
@@ -330,14 +301,7 @@ class HostProcessGroup(ProcessGroup):
         *,
         tag: Optional[str] = None,
     ) -> HostWork:
-        what = self._on("all_reduce", tag)
-        with self.checking("all_reduce"):
-            flat = _flat(buf, what, True)
-            red = self._reduction(what, flat, op)
-            desc = self._desc(what, ALL_REDUCE, flat, red.op)
-        return self._submit(
-            "all_reduce", tag, lambda: self._transport.all_reduce(flat, red, desc), buf, stream
-        )
+        return self._all_reduce(buf, op, 1.0, stream, tag)
 
     premul_sum = True
 
@@ -346,10 +310,15 @@ class HostProcessGroup(ProcessGroup):
     ) -> HostWork:
         """On buffers in shared memory (`zeros`) the scale costs no pass of its own: each rank
         scales the pieces it reduces as it reads them; elsewhere each scales its buffer first."""
+        return self._all_reduce(buf, ReduceOp.SUM, float(factor), stream, tag)
+
+    def _all_reduce(
+        self, buf: Any, op: Any, prescale: float, stream: Optional[Stream], tag: Optional[str]
+    ) -> HostWork:
         what = self._on("all_reduce", tag)
         with self.checking("all_reduce"):
             flat = _flat(buf, what, True)
-            red = Reduction(flat.dtype, ReduceOp.SUM, self.size, what, prescale=float(factor))
+            red = self._reduction(what, flat, op, prescale)
             desc = self._desc(what, ALL_REDUCE, flat, red.op)
         return self._submit(
             "all_reduce", tag, lambda: self._transport.all_reduce(flat, red, desc), buf, stream

@@ -1,185 +1,20 @@
-"""Shared-memory segments without a name: an unnamed file in /dev/shm's tmpfs (O_TMPFILE), mapped
-with mmap, that peers open through its creator's /proc/<pid>/fd/<n>.
-
-No path in /dev/shm ever names a segment, so nothing outlives its creator however it dies, with
-or without our launcher (a SIGKILL between creating and sharing it included): the pages go when
-the last process that maps them exits. The creator keeps the descriptor open only until every peer
-has mapped it. A segment's pages are allocated when it is created: a /dev/shm too small for it is
-a `CommError` at setup, not a SIGBUS at the first collective that touches it.
-"""
+"""The shm transport: collectives between the ranks of one host through segments
+(`segment.py`), staged chunk by chunk, or read in place where every rank's buffer is shared
+(`shared.py`)."""
 
 from __future__ import annotations
 
-import errno
-import itertools
-import logging
-import mmap
-import os
-import struct
-import weakref
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
 from nccl_ddp.comm.host import flags
 from nccl_ddp.comm.host.reduce import Reduction
+from nccl_ddp.comm.host.segment import Segment
+from nccl_ddp.comm.host.shared import NOT_SHARED, WHERE, where
 from nccl_ddp.comm.host.wire import SETUP, Header
-from nccl_ddp.errors import CommError
-
-SHM_DIR = "/dev/shm"
-log = logging.getLogger(__name__)
-
-
-class Segment:
-    """One mapped segment; `array` is a uint8 view of all of it, `handle` what a peer of this
-    host passes to `attach` while the creator still holds the descriptor (until `release`)."""
-
-    def __init__(self, fd: int, nbytes: int, owner: bool) -> None:
-        try:
-            self._map: Optional[mmap.mmap] = mmap.mmap(fd, nbytes)
-        except BaseException:
-            os.close(fd)
-            raise
-        st = os.fstat(fd)
-        self.handle = f"{os.getpid()}:{fd}:{st.st_dev}:{st.st_ino}"
-        self._fd: Optional[int] = fd
-        if not owner:
-            self.release()
-        self.array = np.frombuffer(self._map, dtype=np.uint8)
-
-    @classmethod
-    def create(cls, nbytes: int, sharers: int = 1) -> Segment:
-        """A new segment of `nbytes`, its pages reserved. `sharers`: how many processes of this
-        host create one alike (for the error when /dev/shm is full)."""
-        try:
-            fd = os.open(SHM_DIR, os.O_TMPFILE | os.O_RDWR, 0o600)
-        except OSError as e:  # no O_TMPFILE on this tmpfs: an anonymous memory file
-            if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
-                raise
-            fd = os.memfd_create("nccl_ddp-segment", os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(fd, nbytes)
-            _allocate(fd, nbytes, sharers)
-        except BaseException:
-            os.close(fd)
-            raise
-        return cls(fd, nbytes, owner=True)
-
-    @classmethod
-    def attach(cls, handle: str, nbytes: int, peer: int) -> Segment:
-        """Map peer rank `peer`'s segment from its `handle` (same host, same PID namespace)."""
-        pid, num, dev, ino = (int(x) for x in handle.split(":"))
-        path = f"/proc/{pid}/fd/{num}"
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        except OSError as e:
-            raise CommError(
-                f"cannot map peer rank {peer}'s shared-memory segment through {path} ({e.strerror}): "
-                f"the peer exited during setup, or it runs in another PID namespace or /proc is "
-                f"restricted; set NCCL_DDP_HOST_TRANSPORT=tcp in the last two cases"
-            ) from e
-        st = os.fstat(fd)
-        if (st.st_dev, st.st_ino, st.st_size) != (dev, ino, nbytes):
-            os.close(fd)
-            raise CommError(
-                f"{path} is not peer rank {peer}'s segment of {nbytes} bytes (the peer exited and "
-                f"its pid was reused?); restart the job"
-            )
-        return cls(fd, nbytes, owner=False)
-
-    def release(self) -> None:
-        """Close the descriptor peers open the segment through (the mapping stays). Idempotent."""
-        if self._fd is not None:
-            fd, self._fd = self._fd, None
-            os.close(fd)
-
-    def close(self) -> None:
-        """Release and unmap. Views of `array` must be gone first."""
-        self.release()
-        if self._map is not None:
-            del self.array
-            try:
-                self._map.close()
-            except BufferError:  # a view is still alive; the map is freed with it
-                pass
-            self._map = None
-
-
-def _allocate(fd: int, nbytes: int, sharers: int) -> None:
-    """Reserve the segment's pages now; tmpfs otherwise hands them out on first touch and a full
-    /dev/shm kills the process with SIGBUS there."""
-    try:
-        os.posix_fallocate(fd, 0, nbytes)
-    except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
-            raise
-        try:
-            st = os.statvfs(SHM_DIR)
-            free = f"{_mib(st.f_bavail * st.f_frsize)} free"
-        except OSError:
-            free = "its free space unknown"
-        raise CommError(
-            f"{SHM_DIR} is too small for the shm transport: a segment of {_mib(nbytes)} does not "
-            f"fit ({e.strerror}); {sharers} rank(s) on this host need {_mib(nbytes * sharers)} "
-            f"in all, {SHM_DIR} has {free}. Set NCCL_DDP_HOST_TRANSPORT=tcp, enlarge {SHM_DIR} "
-            f"(docker run --shm-size), or lower NCCL_DDP_HOST_CHUNK_BYTES"
-        ) from e
-
-
-def _mib(n: int) -> str:
-    return f"{n / (1 << 20):.1f} MiB ({n} bytes)"
-
 
 STAGED, REDUCED = 1, 2  # signal kinds (see _wire.KIND_NAMES)
-
-# -- buffers that peers read in place ------------------------------------------------------------
-_SERIALS = itertools.count(1)
-_SHARED: dict = {}  # start address -> (end address, key, segment bytes): this process's live ones
-_WHERE = struct.Struct("<QQd96s")  # offset in the segment, its bytes (0: not shared), prescale, key
-_NOT_SHARED = _WHERE.pack(0, 0, 1.0, b"")
-_SAID_NO_ROOM = False  # the warning that /dev/shm had no room for a shared buffer was logged
-
-
-def shared_zeros(n: int, dtype: Any) -> Optional[np.ndarray]:
-    """`n` zeros of `dtype` in a segment of their own, which the shm transport's peers map and read
-    in place (an all-reduce on it then copies nothing through staging slots); None when /dev/shm
-    cannot hold it (the caller allocates privately). The array keeps the mapping; its descriptor,
-    through which peers map it, stays open until the mapping is freed."""
-    dt = np.dtype(dtype)
-    nbytes = max(1, n * dt.itemsize)
-    try:
-        seg = Segment.create(nbytes)
-    except (OSError, CommError) as e:
-        global _SAID_NO_ROOM
-        level = logging.DEBUG if _SAID_NO_ROOM else logging.WARNING  # once a process, not per bucket
-        _SAID_NO_ROOM = True
-        log.log(level, "no shared bucket memory (%s); using private memory and staging copies", e)
-        return None
-    out = seg.array[: n * dt.itemsize].view(dt)
-    start = seg.array.ctypes.data
-    key = f"{seg.handle}:{next(_SERIALS)}"  # the serial: a reused descriptor or inode is a new key
-    _SHARED[start] = (start + nbytes, key, nbytes)
-    fd, seg._fd = seg._fd, None  # closed with the mapping, not before: peers may map it any time
-    assert fd is not None  # a segment's creator holds its descriptor until released
-    weakref.finalize(seg._map, _unshare, start, fd)
-    return out
-
-
-def _unshare(start: int, fd: int) -> None:
-    _SHARED.pop(start, None)
-    os.close(fd)
-
-
-def where(buf: np.ndarray, prescale: float = 1.0) -> bytes:
-    """Which shared segment of this process `buf` lies in, and the reduction's prescale, packed
-    for the peers (`_WHERE`); `_NOT_SHARED` itself when it lies in none."""
-    lo = buf.ctypes.data
-    hi = lo + buf.nbytes
-    for start, (end, key, nbytes) in _SHARED.items():
-        if start <= lo and hi <= end:
-            return _WHERE.pack(lo - start, nbytes, prescale, key.encode())
-    return _NOT_SHARED
-
 
 _SLOTS = 3
 SMALL_BYTES = 64 << 10  # all_reduce up to this many bytes: every rank reduces the whole message
@@ -292,9 +127,9 @@ class ShmTransport:
         peers' buffers mapped here (None at this rank's index), else None (the staged path, on
         every rank alike); and whether some but not all ranks' buffers are shared."""
         theirs = self._exchange(desc, STAGED, mine)
-        found = [_WHERE.unpack(w) for w in theirs]
-        n_shared = sum(nbytes != 0 for _, nbytes, _, _ in found) + (mine is not _NOT_SHARED)
-        prescale = _WHERE.unpack(mine)[2]
+        found = [WHERE.unpack(w) for w in theirs]
+        n_shared = sum(nbytes != 0 for _, nbytes, _, _ in found) + (mine is not NOT_SHARED)
+        prescale = WHERE.unpack(mine)[2]
         if n_shared < self.size or any(f != prescale for _, _, f, _ in found):
             # (ranks that scale by different factors: each scales its own, on the staged path)
             return None, n_shared > 0
@@ -384,14 +219,14 @@ class ShmTransport:
             return lo, hi, s
 
         shared = where(buf, red.prescale)
-        if shared is _NOT_SHARED:
+        if shared is NOT_SHARED:
             red.scale_all(buf)
             cur = stage(0)  # before the first signal, as when no rank's buffer is shared
         peers, mixed = self._peer_arrays(buf, shared, desc)
         if peers is not None:
             self._all_reduce_in_place(buf, peers, red, desc)
             return
-        if shared is not _NOT_SHARED:
+        if shared is not NOT_SHARED:
             red.scale_all(buf)
             cur = stage(0)
         if mixed:  # some ranks staged after the first signal: one more, on every rank
