@@ -15,6 +15,7 @@ and builds the shard memory (zero/shards.py). Every form uses it:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, List, Optional
 
 from nccl_ddp.buckets.layout import BucketLayout, ParamSpec, assign_buckets
@@ -78,7 +79,7 @@ def build_core(
     reduce, pool = None, None
     if config.stage == 2:
         if grad_memory is None:  # no full-size grad buckets: a pool reused bucket after bucket
-            pool = GradPool(shards.layout, device)
+            pool = GradPool(shards.layout, device, functools.partial(group.zeros, device))
         memory = pool if grad_memory is None else grad_memory
         reduce = ReduceScatter(group, device, shards, memory, config.reduce_dtype)
     zs = ZeroShards(

@@ -14,7 +14,7 @@ reduced shards are what is kept).
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Union
+from typing import Any, Callable, List, Optional, Union
 
 import numpy as np
 
@@ -88,13 +88,16 @@ class GradPool:
     stream order (pack, reduce-scatter, next bucket) instead of one full-size buffer per bucket:
     the reduced grads then exist only as this rank's shards."""
 
-    def __init__(self, layout: BucketLayout, device: Device) -> None:
+    def __init__(
+        self, layout: BucketLayout, device: Device, zeros: Optional[Callable[[int, Any], Any]] = None
+    ) -> None:
         self.layout = layout
         sizes: dict = {}
         for b in layout.buckets:
             dt = np.dtype(b.dtype)
             sizes[dt] = max(sizes.get(dt, 0), b.padded)
-        self._flat = {dt: device.zeros(n, dt) for dt, n in sizes.items()}
+        alloc = zeros or device.zeros  # the group's: shared on the host's shm (peers read in place)
+        self._flat = {dt: alloc(n, dt) for dt, n in sizes.items()}
         self.buffers = [self._flat[np.dtype(b.dtype)][: b.padded] for b in layout.buckets]
         """Bucket b's buffer, not zeroed (the same object every time: ReduceScatter's index)."""
 

@@ -14,6 +14,7 @@ is measured).
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Callable, List, Optional, Sequence
 
@@ -68,7 +69,8 @@ class ZeroShards:
         self._owns_comm = comm is None
         self.comm = device.new_stream() if comm is None else comm
         compute = device.current_stream()
-        self.param_buffers = BucketBuffers(self.layout, device)
+        # from the group: on the host's shm transport, peers read the shards in place (all_gather)
+        self.param_buffers = BucketBuffers(self.layout, device, functools.partial(group.zeros, device))
         views = list(self.params)
         self.param_buffers.adopt_grads(
             views, [tuple(p.shape) for p in self.params], install or _no_install, compute

@@ -153,3 +153,53 @@ def premul_body(rank, world, transport):
 @pytest.mark.slow
 def test_premul_sum_has_the_bits_of_scaling_first(world, transport):
     assert run_ranks(premul_body, world, transport, timeout=120) == [24] * world
+
+
+def gather_scatter_body(rank, world):
+    """reduce_scatter and all_gather with every rank's input shared (read in place: no chunk
+    staged), private, and shared on rank 0 only; the three give the same bits, the right ones."""
+    g, store = host_group(rank, world, chunk_bytes=4096)
+    dev, t = HostDevice(), g._transport
+    n = N // world * world
+
+    def inputs(kind, size, dt):
+        shared_here = kind == "shared" or (kind == "mixed" and rank == 0)
+        return g.zeros(dev, size, dt) if shared_here else np.empty(size, dt)
+
+    checked = 0
+    for dt, op in CASES[:4]:
+        ins = [rank_data(r, dt, n, op) for r in range(world)]
+        want_rs = expected_result(ins, op, world).reshape(world, -1)[rank]
+        results = {}
+        for kind in ("private", "shared", "mixed"):
+            inp = inputs(kind, n, dt)
+            inp[...] = ins[rank]
+            out = np.empty(n // world, dt)
+            staged = t.chunks
+            g.reduce_scatter(out, inp, op).wait()
+            moved = t.chunks - staged
+            assert (moved == 0) == (kind == "shared"), f"reduce_scatter {kind}: {moved} chunks staged"
+            check_result(out, want_rs, f"reduce_scatter {kind} {dt} {op}")
+            results[kind] = out
+        if world == 2 or dt.kind != "f":
+            for kind in ("shared", "mixed"):
+                np.testing.assert_array_equal(results[kind], results["private"], err_msg=f"{dt} {op} {kind}")
+        for kind in ("private", "shared", "mixed"):
+            full = inputs(kind, n, dt)  # ZeRO's form: the input is this rank's slice of the output
+            part = full[rank * (n // world) : (rank + 1) * (n // world)]
+            part[...] = ins[rank][: n // world]
+            staged = t.chunks
+            g.all_gather(full, part).wait()
+            moved = t.chunks - staged
+            assert (moved == 0) == (kind == "shared"), f"all_gather {kind}: {moved} chunks staged"
+            want = np.concatenate([ins[r][: n // world] for r in range(world)])
+            np.testing.assert_array_equal(full, want, err_msg=f"all_gather {kind} {dt}")
+            checked += 1
+    close_group(g, store)
+    return checked
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.slow
+def test_reduce_scatter_and_all_gather_read_shared_inputs_in_place(world):
+    assert run_ranks(gather_scatter_body, world, timeout=120) == [12] * world

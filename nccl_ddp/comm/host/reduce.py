@@ -90,6 +90,8 @@ class Reduction:
         else:
             self.ufunc = _UFUNC[op]
         self.half = self.dtype.name in _HALF and op in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PROD)
+        # the factor as scale_ref multiplies by it, where that is one multiply in the data's dtype
+        self._factor = self.dtype.type(prescale) if self.dtype.name in ("float32", "float64") else None
 
     def combine(self, out: np.ndarray, others: Sequence[np.ndarray], final: bool) -> None:
         """out = out (op) others[0] (op) others[1] ..., in that order; `final`: divide for AVG."""
@@ -112,8 +114,13 @@ class Reduction:
             scale_ref(buf, self.prescale)
 
     def scaled(self, out: np.ndarray, x: np.ndarray) -> np.ndarray:
-        """`out` (a temporary of x's size) = x * prescale, rounded as `scale_all` rounds it."""
-        np.copyto(out, x)
+        """`out` (x's size; x itself allowed) = x * prescale, rounded as `scale_all` rounds it.
+        float32/float64: one multiply in x's own precision, scale_ref's, without its per-call
+        checks (a fused reduction calls this per 256 KiB piece; the caller ignores overflow)."""
+        if self._factor is not None:
+            return np.multiply(x, self._factor, out=out)
+        if out is not x:
+            np.copyto(out, x)
         scale_ref(out, self.prescale)
         return out
 

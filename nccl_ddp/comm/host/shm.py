@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
@@ -170,8 +170,7 @@ class ShmTransport:
             tmp = [np.empty(min(step, b - a), buf.dtype) for _ in others]
             for lo in range(a, b, step):
                 hi = min(b, lo + step)
-                mine = buf[lo:hi]
-                red.scale_all(mine)
+                mine = red.scaled(buf[lo:hi], buf[lo:hi])
                 theirs = [red.scaled(t[: hi - lo], peers[j][lo:hi]) for t, j in zip(tmp, others)]
                 red.combine(mine, theirs, True)
         if self.flags is None:
@@ -196,6 +195,27 @@ class ShmTransport:
         it = dtype.itemsize
         return self.slots[j][s][a * it : b * it].view(dtype)
 
+    def _open(
+        self, buf: np.ndarray, desc: tuple, stage0: Callable[[], None], prescale: float = 1.0
+    ) -> Optional[list]:
+        """An op's first signal, over the sockets, telling where each rank's `buf` is (the buffer
+        its peers read): the peers' `buf`s mapped here (None at this rank's index) if every
+        rank's lies in a shared segment, else None after `stage0()` (its first chunk into the
+        slots) ran on every rank before the op's next signal: before the first where this
+        rank's buffer is private, as when no rank's is shared; after it, then one more signal
+        on every rank, where only some ranks' are."""
+        mine = where(buf, prescale)
+        if mine is NOT_SHARED:
+            stage0()
+        peers, mixed = self._peer_arrays(buf, mine, desc)
+        if peers is not None:
+            return peers
+        if mine is not NOT_SHARED:
+            stage0()
+        if mixed:
+            self._signal(desc, STAGED)
+        return None
+
     def all_reduce(self, buf: np.ndarray, red: Reduction, desc: tuple) -> None:
         n, dt, r, size = buf.size, buf.dtype, self.rank, self.size
         if buf.nbytes <= min(SMALL_BYTES, self.chunk):
@@ -218,19 +238,17 @@ class ShmTransport:
             np.copyto(self._slot(r, s, b, hi - lo, dt), buf[lo + b : hi])
             return lo, hi, s
 
-        shared = where(buf, red.prescale)
-        if shared is NOT_SHARED:
+        first: list = []
+
+        def stage0() -> None:
             red.scale_all(buf)
-            cur = stage(0)  # before the first signal, as when no rank's buffer is shared
-        peers, mixed = self._peer_arrays(buf, shared, desc)
+            first.append(stage(0))
+
+        peers = self._open(buf, desc, stage0, red.prescale)
         if peers is not None:
             self._all_reduce_in_place(buf, peers, red, desc)
             return
-        if shared is not NOT_SHARED:
-            red.scale_all(buf)
-            cur = stage(0)
-        if mixed:  # some ranks staged after the first signal: one more, on every rank
-            self._signal(desc, STAGED)
+        cur = first[0]
         for k in range(len(starts)):
             lo, hi, s = cur
             a, b = _bounds(hi - lo, r, size)
@@ -258,29 +276,60 @@ class ShmTransport:
                 np.copyto(buf[lo:hi], self._slot(root, s, 0, hi - lo, dt))
 
     def all_gather(self, out: np.ndarray, inp: np.ndarray, desc: tuple) -> None:
+        """Peers' inputs read in place where every rank's lies in shared memory (ZeRO's
+        parameter shards: each a slice of its rank's shared bucket), else staged chunk by chunk."""
         n, dt = inp.size, inp.dtype
         ce = self.chunk // dt.itemsize
-        for lo in range(0, max(n, 1), ce):
-            hi = min(n, lo + ce)
-            s = self._step()
+
+        def stage(lo: int) -> None:
+            hi, s = min(n, lo + ce), self._step()
             np.copyto(self._slot(self.rank, s, 0, hi - lo, dt), inp[lo:hi])
-            self._signal(desc, STAGED, first=lo == 0)
+
+        peers = self._open(inp, desc, lambda: stage(0))
+        if peers is not None:
+            for j in range(self.size):
+                part = out[j * n : (j + 1) * n]
+                src = inp if j == self.rank else peers[j]
+                if part.ctypes.data != src.ctypes.data:  # (ZeRO's own shard is already in place)
+                    np.copyto(part, src)
+            self._signal(desc, REDUCED)  # no rank changes its input while a peer still reads it
+            return
+        for lo, hi, s in self._chunks(n, ce, stage, desc):
             for j in range(self.size):
                 np.copyto(out[j * n + lo : j * n + hi], self._slot(j, s, 0, hi - lo, dt))
 
     def reduce_scatter(self, out: np.ndarray, inp: np.ndarray, red: Reduction, desc: tuple) -> None:
+        """Part `rank` of every rank's input reduced into `out`, in rank order after this rank's
+        own: read in place where every rank's input lies in shared memory (ZeRO-2's grad
+        pool), else staged chunk by chunk."""
         n, dt, r, size = out.size, out.dtype, self.rank, self.size
         parts = inp.reshape(size, n)
         ce = max(1, self.chunk // (dt.itemsize * size))
-        for lo in range(0, max(n, 1), ce):
-            hi = min(n, lo + ce)
+
+        def stage(lo: int) -> None:
+            hi, s = min(n, lo + ce), self._step()
+            np.copyto(self._slot(r, s, 0, size * (hi - lo), dt).reshape(size, hi - lo), parts[:, lo:hi])
+
+        peers = self._open(inp, desc, lambda: stage(0))
+        if peers is not None:
+            np.copyto(out, parts[r])
+            red.combine(out, [peers[j].reshape(size, n)[r] for j in range(size) if j != r], final=True)
+            self._signal(desc, REDUCED)  # no rank changes its input while a peer still reads it
+            return
+        for lo, hi, s in self._chunks(n, ce, stage, desc):
             m = hi - lo
-            s = self._step()
-            np.copyto(self._slot(r, s, 0, size * m, dt).reshape(size, m), parts[:, lo:hi])
-            self._signal(desc, STAGED, first=lo == 0)
             np.copyto(out[lo:hi], parts[r, lo:hi])
             others = [self._slot(j, s, r * m, (r + 1) * m, dt) for j in range(size) if j != r]
             red.combine(out[lo:hi], others, final=True)
+
+    def _chunks(self, n: int, ce: int, stage: Callable[[int], None], desc: tuple) -> Iterator[tuple]:
+        """(lo, hi, slot) of each chunk of a staged op whose first chunk `_open` staged: the
+        later ones staged here, each followed by a signal."""
+        for lo in range(0, max(n, 1), ce):
+            if lo:
+                stage(lo)
+                self._signal(desc, STAGED)
+            yield lo, min(n, lo + ce), self.chunks % _SLOTS
 
     def barrier(self, desc: tuple) -> None:
         self._exchange(desc, STAGED)
