@@ -296,23 +296,20 @@ class TorchModule(GradModule):
 
     # ---- the step
     def _point_grads_at_buckets(self) -> None:
-        """Before backward: every `.grad` is our bucket view, so autograd accumulates in place.
-        A `.grad` that is None starts from zero; one the user replaced is copied in."""
+        """Before backward: every `.grad` that is set becomes our bucket view (one the user
+        replaced is copied in), so autograd accumulates in place. One that is None (after
+        `zero_grad()`) stays None: autograd hands over a fresh grad, which the hook copies into
+        the view, as torch's reducer does (one pass over the bucket instead of a fill and an add
+        into it); `_end_of_backward` zeroes the views of those that got none."""
         self._was_none = [i for i, p in enumerate(self.params) if p.grad is None]
+        if len(self._was_none) == len(self.params):
+            return
         with torch_stream_current(self.on_cuda):
-            if len(self._was_none) == len(self.params):  # after optimizer.zero_grad()
-                self.driver.zero_grad()  # one fill per bucket
-                for p, mine in zip(self.params, self._grads):
-                    p.grad = mine
-                return
             for p, mine in zip(self.params, self._grads):
                 g = p.grad
-                if g is mine or (g is not None and g.data_ptr() == mine.data_ptr()):
+                if g is None or g is mine or g.data_ptr() == mine.data_ptr():
                     continue
-                if g is None:
-                    mine.zero_()
-                else:
-                    mine.copy_(g)
+                mine.copy_(g)
                 p.grad = mine
 
     def _grad_hook_for(self, i: int) -> Callable[[torch.nn.Parameter], None]:
@@ -342,9 +339,9 @@ class TorchModule(GradModule):
         return hook
 
     def _adopt_grad(self, i: int, p: torch.nn.Parameter) -> None:
-        """The hook found `p.grad` is not our bucket view (backward without our forward, or
-        `.grad` replaced or set to None after forward, e.g. `zero_grad()` between forward and
-        backward): bring it into the bucket."""
+        """The hook found `p.grad` is not our bucket view (the fresh grad of a `.grad` that was
+        None at forward; backward without our forward; `.grad` replaced after forward): bring
+        it into the bucket."""
         mine, g = self._grads[i], p.grad
         if g is not None and g.data_ptr() == mine.data_ptr():
             return
@@ -370,6 +367,10 @@ class TorchModule(GradModule):
         driver = self.driver
         unused = driver.not_ready(self._was_none)
         with torch_stream_current(self.on_cuda):
+            if self._pooled is None:
+                for i in unused:  # no grad here this step: reduced as zeros, then theirs
+                    self._grads[i].zero_()
+                    self.params[i].grad = self._grads[i]
             driver.finalize()
             if self._syncing:
                 self.sparse_params.reduce(driver.group)
