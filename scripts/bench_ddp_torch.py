@@ -40,9 +40,10 @@ def _mlp(torch, dims, device):
     return torch.nn.Sequential(*layers).to(device)
 
 
-def _timed(nd, torch, step: Callable[[], None], args, cuda: bool) -> float:
+def _timed(nd, torch, step: Callable[[], None], args, cuda: bool, first: bool) -> float:
+    """Mean seconds per step over --steps steps; the --warmup steps only in the first round."""
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    return timed_steps(nd, step, args.warmup, args.steps, sync)
+    return timed_steps(nd, step, args.warmup if first else 0, args.steps, sync)
 
 
 def torch_hook(ddp, hook: str, rank_r: int):
@@ -78,7 +79,7 @@ def torch_bf16_compress_hook(process_group, bucket):
     return dist.all_reduce(compressed, group=group, async_op=True).get_future().then(decompress)
 
 
-def _allreduce_alone(nd, torch, nbytes: int, args, device) -> float:
+def _allreduce_alone(nd, torch, nbytes: int, args, device, first: bool) -> float:
     """Seconds per all-reduce of the model's grad bytes in one float32 buffer, alone (no step
     around it): with the local step, the limit a DDP step would reach with nothing hidden. On the
     host, the buffer is in the group's shared memory, as DDP's buckets (the fastest all-reduce)."""
@@ -90,7 +91,7 @@ def _allreduce_alone(nd, torch, nbytes: int, args, device) -> float:
     n = max(1, nbytes // 4)
     buf = torch.zeros(n, device=device) if cuda else nd.get_world_group().zeros(HostDevice(), n, np.float32)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    return timed_steps(nd, lambda: nd.all_reduce(buf), args.warmup, args.steps, sync)
+    return timed_steps(nd, lambda: nd.all_reduce(buf), args.warmup if first else 1, args.steps, sync)
 
 
 def _cpu_split(step: Callable[[], None], steps: int) -> tuple:
@@ -151,13 +152,13 @@ def run_torch(nd, xp, args, cap_mb: float, hook: str = "allreduce") -> dict:
         local_step()
         nd.barrier()
 
-    for _ in range(max(1, args.step_rounds)):
-        times["local"].append(_timed(nd, torch, local_step, args, cuda))
-        times["lockstep"].append(_timed(nd, torch, lockstep, args, cuda))
-        times["torch"].append(_timed(nd, torch, theirs_step, args, cuda))
-        times["ddp"].append(_timed(nd, torch, step, args, cuda))
+    for i in range(max(1, args.step_rounds)):
+        times["local"].append(_timed(nd, torch, local_step, args, cuda, i == 0))
+        times["lockstep"].append(_timed(nd, torch, lockstep, args, cuda, i == 0))
+        times["torch"].append(_timed(nd, torch, theirs_step, args, cuda, i == 0))
+        times["ddp"].append(_timed(nd, torch, step, args, cuda, i == 0))
         if hook == "allreduce":
-            times["ar"].append(_allreduce_alone(nd, torch, nbytes, args, device))
+            times["ar"].append(_allreduce_alone(nd, torch, nbytes, args, device, i == 0))
     med = {k: float(np.median(v)) for k, v in times.items() if v}
     t_local, t_torch, t_ddp, t_ar = med["local"], med["torch"], med["ddp"], med.get("ar")
     torch_before = torch_state.total_numel_after_compression if torch_state else 0

@@ -18,12 +18,15 @@ full-size grad memory backward accumulates into (DDP: the same buckets as its re
 ZeRO-2: the GradPool, one bucket per dtype, torch's .grad tensors being let go after each
 step; torch: the .grad tensors, its DDP's own bucket copies
 not counted); `total` = state + master + every grad byte. Step time is the slowest rank's mean
-over `--steps` after `--warmup`; `ratio` = mode / ddp_adamw in the same world. Our modes then
+over `--steps` after `--warmup` (with `--rounds R`: the median of R jobs per mode, the modes
+taking turns); `ratio` = mode / ddp_adamw, `vs_torch_zero` = mode / torch_zero in the same world.
+`peak_rss` is the kernel's peak RSS, which counts every page a rank maps (on the host's shm
+transport the peers' shared bucket memory too: the ranks read each other's buckets in place). Our modes then
 run `--profile-steps` with the reducer's timeline on: `hidden_pct` is the share of the bucket
 communication (all-reduce or reduce-scatter) that ran before backward ended, `gather_hidden_pct`
 (ZeRO-2) the share of the parameter all-gathers that ran inside the next step's forward (hidden
 behind it; the first profiled step has none, its gathers were queued before the timeline).
-`opt_growth`: resident memory (after malloc_trim) once the timed steps are done, minus the same
+`opt_growth`: resident memory (PSS, after malloc_trim) once the timed steps are done, minus the same
 measured with the model wrapped and its grads allocated (one backward) before the optimizer was
 built: what the optimizer itself costs a rank.
 """
@@ -60,6 +63,7 @@ COLUMNS = (
     "opt_growth_MiB",
     "step_ms",
     "ratio",
+    "vs_torch_zero",
     "hidden_pct",
     "gather_hidden_pct",
 )
@@ -77,6 +81,7 @@ FORMATS = {
     "opt_growth_MiB": ".1f",
     "step_ms": ".0f",
     "ratio": ".2f",
+    "vs_torch_zero": ".2f",
     "hidden_pct": ".0f",
     "gather_hidden_pct": ".0f",
 }
@@ -92,6 +97,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8, help="per rank")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=1, help="jobs per mode, modes in turn; median step time")
     p.add_argument("--profile-steps", type=int, default=2, help="steps with the timeline on")
     p.add_argument("--csv", default="out/bench_zero.csv", help="CSV path ('' for none)")
     p.add_argument("--timeout", type=float, default=1200)
@@ -126,7 +132,9 @@ def state_bytes(optimizer) -> int:
 
 
 def rss_trimmed() -> int:
-    """This process's resident bytes after freed heap is returned to the OS (malloc_trim)."""
+    """This process's resident bytes after freed heap is returned to the OS (malloc_trim): its
+    proportional share (PSS: a page that n processes map counts 1/n in each; on the host's shm
+    transport the ranks map each other's bucket memory) where Linux tells it, else its RSS."""
     import ctypes
     import gc
 
@@ -134,6 +142,11 @@ def rss_trimmed() -> int:
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
+        pass
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:"))
+    except (OSError, StopIteration):
         pass
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -278,8 +291,16 @@ def _gather_rows(nd, row: dict) -> list:
     return [dict(row, **{k: float(v) for k, v in zip(keys, mine)})]
 
 
+def median_row(rows: list) -> dict:
+    """One mode's jobs as one row: the median step time (and the run it came from for the rest;
+    byte counts are the same in every run)."""
+    ranked = sorted(rows, key=lambda r: r["step_ms"])
+    return ranked[(len(ranked) - 1) // 2]
+
+
 def table_rows(raw: list) -> list:
     base = {r["world"]: r for r in raw if r["mode"] == "ddp_adamw"}
+    peer = {r["world"]: r for r in raw if r["mode"] == "torch_zero"}
     out = []
 
     def kept(r: dict) -> float:
@@ -307,6 +328,7 @@ def table_rows(raw: list) -> list:
                 opt_growth_MiB=r["opt_growth"] / MiB,
                 step_ms=r["step_ms"],
                 ratio="" if b is None else r["step_ms"] / b["step_ms"],
+                vs_torch_zero="" if r["world"] not in peer else r["step_ms"] / peer[r["world"]]["step_ms"],
                 hidden_pct="" if r["hidden_pct"] < 0 else r["hidden_pct"],
                 gather_hidden_pct="" if r["gather_hidden_pct"] < 0 else r["gather_hidden_pct"],
             )
@@ -323,19 +345,23 @@ def main(argv=None) -> int:
     raw = []
     with tempfile.TemporaryDirectory(prefix="bench-zero-") as tmp:
         for world in [int(w) for w in args.worlds.split(",")]:
-            for mode in args.modes.split(","):
-                out = os.path.join(tmp, f"{world}-{mode}", "row.json")
-                os.makedirs(os.path.dirname(out))
-                rc = run_ranks(__file__, world, argv + ["--mode", mode, "--out", out], args.timeout)
-                if rc != 0:
-                    print(f"# world {world} {mode}: the job failed (exit {rc})", file=sys.stderr)
-                    return rc
-                with open(out) as f:
-                    raw += json.load(f)
+            runs: dict = {}
+            for i in range(max(1, args.rounds)):  # the modes in turn, round after round
+                for mode in args.modes.split(","):
+                    out = os.path.join(tmp, f"{world}-{mode}-{i}", "row.json")
+                    os.makedirs(os.path.dirname(out))
+                    rc = run_ranks(__file__, world, argv + ["--mode", mode, "--out", out], args.timeout)
+                    if rc != 0:
+                        print(f"# world {world} {mode}: the job failed (exit {rc})", file=sys.stderr)
+                        return rc
+                    with open(out) as f:
+                        runs.setdefault(mode, []).extend(json.load(f))
+            raw += [median_row(rs) for rs in runs.values()]
     rows = table_rows(raw)
     print(
         f"# bench_zero {date.today()}: {rows[0]['params_M']:.1f}M fp32 params, AdamW, "
-        f"batch {args.batch}/rank, {args.steps} steps after {args.warmup}; bytes per rank"
+        f"batch {args.batch}/rank, {args.steps} steps after {args.warmup}, median of {args.rounds} "
+        f"job(s) per mode (modes interleaved); bytes per rank; vs_torch_zero = step / torch_zero's"
     )
     print(format_table(rows, COLUMNS, FORMATS))
     if args.csv:
