@@ -26,6 +26,21 @@ from nccl_ddp.errors import CommError, CommTimeout
 
 FLAG_BYTES = 64  # one cache line at the head of every segment: the counter, then padding
 SPIN_S = 2e-3  # yield-and-recheck this long before sleeping between checks
+CROWDED_SPIN_S = 2e-5  # the same with more ranks on this host than cores to run them
+
+
+def spin_seconds(ranks: int) -> float:
+    """How long a wait yields and rechecks before it sleeps: briefly where this host's `ranks`
+    outnumber the cores this process may run on (a spinning rank then takes a core from the
+    peer it waits for: sleeping hands it over), else long enough to catch a peer's signal
+    without a sleep's wake-up latency."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return CROWDED_SPIN_S if ranks > cores else SPIN_S
+
+
 MAX_NAP_S = 2e-4  # the longest sleep between two checks once spinning is over
 
 
@@ -47,6 +62,7 @@ class Flags:
         self.peers = [(link, c) for link, c in zip(links, (c for j, c in enumerate(counters) if j != rank))]
         self.timeout = timeout
         self.count = int(self.mine[0])
+        self.spin_s = spin_seconds(len(counters))
 
     def signal(self) -> None:
         want = self.post()
@@ -75,7 +91,7 @@ class Flags:
         nap = 1e-5
         while c[0] < want:
             now = time.perf_counter()
-            if now - start < SPIN_S:
+            if now - start < self.spin_s:
                 os.sched_yield()  # releases the GIL: another thread of this process runs meanwhile
                 continue
             if now - start > self.timeout:
