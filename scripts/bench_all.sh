@@ -140,7 +140,7 @@ else
   ENV_NOTE=NCCL_DDP_HOST_CHUNK_BYTES=524288 NCCL_DDP_HOST_CHUNK_BYTES=524288 \
     table allreduce_2ranks_chunk512k $P 300 scripts/bench_allreduce.py --min 16M --max 256M --no-gloo \
     --csv "$out/allreduce_2ranks_chunk512k.csv" --png ""
-  table ddp_mlp $P 300 scripts/bench_ddp.py --torch --steps 20 --csv "$out/ddp_mlp.csv" --png "$out/ddp_mlp.png"
+  table ddp_mlp $P 300 scripts/bench_ddp.py --torch --steps 10 --csv "$out/ddp_mlp.csv" --png "$out/ddp_mlp.png"
   table ddp_12m $P 400 scripts/bench_ddp.py --modes torch --caps 1,4,25 --features 1400 --hidden 1400 --layers 6 \
     --steps 1 --step-rounds 15 --profile-steps 5 --csv "$out/ddp_12m.csv" --png "$out/ddp_12m.png"
   table ddp_params $P 300 scripts/bench_ddp.py --many-params --params-csv "$out/ddp_params.csv" \
@@ -149,13 +149,13 @@ else
     --layers 3 --steps 20 --csv "$out/hooks.csv" --png "$out/hooks.png"
   table find_unused $P 300 scripts/bench_ddp.py --many-params --find-unused --worlds 2 --rounds 20 \
     --params-csv "$out/find_unused.csv" --params-png ""
-  table zero $P 600 scripts/bench_zero.py --worlds 2 --modes ddp_adamw,zero1,zero2,torch_zero --rounds 3 \
+  table zero $P 600 scripts/bench_zero.py --worlds 2 --modes ddp_adamw,zero2,torch_zero --rounds 3 \
     --csv "$out/zero.csv"
   table jax_jit $P 300 scripts/bench_jax_jit.py --steps 10 --rounds 5 --csv "$out/jax_jit.csv"
   table tf .venv-tf/bin/python 300 scripts/bench_tf.py --rounds 5 --steps 10
   table tf_mwms .venv-tf/bin/python 300 scripts/bench_tf.py --mode mwms --rounds 5 --steps 10
   table paddle .venv-paddle/bin/python 300 scripts/bench_paddle.py --rounds 9 --steps 30 --csv "$out/paddle.csv"
-  table mindspore .venv-ms/bin/python 300 scripts/bench_ms_graph.py --steps 10 --rounds 5 --csv "$out/mindspore.csv"
+  table mindspore .venv-ms/bin/python 300 scripts/bench_ms_graph.py --steps 10 --rounds 3 --csv "$out/mindspore.csv"
   table horovod $P 300 scripts/bench_horovod.py --rounds 9 --steps 30 --csv "$out/horovod.csv"
   table startup $P 600 scripts/bench_startup.py --repeats 2 --csv "$out/startup.csv"
 fi

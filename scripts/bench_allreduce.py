@@ -15,6 +15,12 @@ machine, measured in the same processes right after ours at each size: every ran
 the n-1 other ranks' share of its 1/n part into it (NumPy add, the reduction's own work) and
 copies the other (n-1)/n back (NumPy copy, what an all-gather must write), from arrays of its
 own; `vs_limit` = limit time / ours (1.0: ours moves data as fast as that bare NumPy work).
+The all-reduce on shared buffers does less than that: each rank reads its part of every rank's
+buffer and writes its result into all of them, 256 KiB at a time (the piece it writes is still
+in its cache: no copy reads it back from memory), so it can pass the copy+add limit. `work`:
+that same memory work alone, on arrays of each rank's own, every rank at once;
+`shared_vs_work` = work time / shared time (1.0: no cost for signals or for another
+process's memory).
 """
 
 from __future__ import annotations
@@ -48,8 +54,12 @@ COLUMNS = (
     "shared_time_us",
     "shared_busbw_GBps",
     "shared_vs_limit",
+    "work_busbw_GBps",
+    "shared_vs_work",
 )
 FORMATS = {
+    "work_busbw_GBps": ".3f",
+    "shared_vs_work": ".2f",
     "limit_busbw_GBps": ".3f",
     "vs_limit": ".2f",
     "shared_time_us": ".1f",
@@ -175,6 +185,36 @@ def _time_limit(nd, args, x, iters: int) -> float:
     return slowest(nd, dt / iters)
 
 
+def _time_work(nd, args, x, iters: int) -> float:
+    """Seconds per round of the shared all-reduce's own memory work on arrays of this rank's own,
+    every rank at once: part `rank` of `x` plus the n-1 others' shares of it, 256 KiB at a time,
+    each reduced piece then written into those shares (where it goes in the peers' buffers)."""
+    from nccl_ddp.comm.host.shm import _PIECE
+
+    rank, n = nd.get_rank(), nd.get_world_size()
+    lo, hi = x.size * rank // n, x.size * (rank + 1) // n
+    shares = [np.ones(x.size, x.dtype)[lo:hi] for _ in range(n - 1)]  # the peers' buffers' part
+    add = np.add if x.dtype.kind != "b" else np.logical_or
+    step = max(1, _PIECE // x.itemsize)
+
+    def once() -> None:
+        for a in range(lo, hi, step):
+            b = min(hi, a + step)
+            mine = x[a:b]
+            for s in shares:
+                add(mine, s[a - lo : b - lo], out=mine)
+            for s in shares:
+                np.copyto(s[a - lo : b - lo], mine)
+
+    for _ in range(args.warmup):
+        once()
+    nd.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        once()
+    return slowest(nd, (time.perf_counter() - t0) / iters)
+
+
 def _gloo_setup(nd, args):
     """torch.distributed on gloo, rendezvous through our own store; None without torch."""
     if args.no_gloo:
@@ -248,13 +288,15 @@ def worker(args) -> list:
         iters = _iters(args, size)
         shared = _shared_buffer(nd, count, dtype)
         limit = bool(args.limit_min and size >= args.limit_min and nd.get_world_group().backend == "host")
-        times: dict = {"ours": [], "shared": [], "limit": [], "gloo": []}
+        times: dict = {"ours": [], "shared": [], "limit": [], "work": [], "gloo": []}
         for _ in range(args.rounds):  # interleaved: a slow moment hits every column alike
             times["ours"].append(_time_ours(nd, args, x, iters))
             if shared is not None:
                 times["shared"].append(_time_ours(nd, args, shared, iters))
             if limit:
                 times["limit"].append(_time_limit(nd, args, x, iters))
+                if shared is not None:
+                    times["work"].append(_time_work(nd, args, x, iters))
             if gloo is not None:
                 tg = _time_gloo(nd, gloo, args, x, iters)
                 if tg is not None:
@@ -287,6 +329,9 @@ def worker(args) -> list:
             row.update(limit_time_us=tl * 1e6, limit_busbw_GBps=busbw(tl), vs_limit=tl / t)
             if "shared" in med:
                 row.update(shared_vs_limit=tl / med["shared"])
+        if "work" in med and "shared" in med:
+            tw = med["work"]
+            row.update(work_busbw_GBps=busbw(tw), shared_vs_work=tw / med["shared"])
         if "gloo" in med:
             tg = med["gloo"]
             row.update(gloo_time_us=tg * 1e6, gloo_busbw_GBps=busbw(tg), vs_gloo=tg / t)
@@ -309,7 +354,8 @@ def _report(args, rows: list, n: int) -> None:
         f"# all_reduce ({args.op}), {n} ranks, backend {rows[0]['backend'] if rows else '?'}; "
         f"busbw = algbw * 2(n-1)/n; vs_gloo = gloo time / our time; "
         f"vs_limit = copy+add limit time / our time (same run); shared_*: ours on buffers in "
-        f"the group's shared memory (DDP's buckets on shm), read by peers in place"
+        f"the group's shared memory (DDP's buckets on shm), read and written in place; work = "
+        f"that op's own memory work on local arrays (shared_vs_work = work time / shared time)"
     )
     print(format_table(shown, [c for c in COLUMNS if any(c in r for r in rows)], FORMATS))
     if args.csv:

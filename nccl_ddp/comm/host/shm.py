@@ -20,7 +20,7 @@ _SLOTS = 3
 SMALL_BYTES = 64 << 10  # all_reduce up to this many bytes: every rank reduces the whole message
 _NAME_BYTES = 128  # room for a segment's handle
 _MAPPED_MAX = 256  # peers' shared segments mapped at once, at most
-_SCALE_PIECE = 256 << 10  # bytes per piece of a fused pre-multiplied reduction (stays in L2)
+_PIECE = 256 << 10  # bytes per piece of an all-reduce on shared buffers (stays in L2)
 CHUNK_BYTES = 2 << 20  # default slot size (NCCL_DDP_HOST_CHUNK_BYTES)
 
 
@@ -157,39 +157,29 @@ class ShmTransport:
                 seg.close()
 
     def _all_reduce_in_place(self, buf: np.ndarray, peers: list, red: Reduction, desc: tuple) -> None:
-        """Every rank's buffer is mapped here: reduce part `rank` straight from the peers'
-        buffers, signal, copy the other parts from their owners, signal (before returning, so no
-        rank changes its buffer while a peer still reads it). The copy+add limit's own work."""
-        r, size, n = self.rank, self.size, buf.size
-        a, b = _bounds(n, r, size)
-        others = [j for j in range(size) if j != r]
-        if red.prescale == 1.0:
-            red.combine(buf[a:b], [peers[j][a:b] for j in others], True)
-        else:  # the scale fused in, piece by piece through cached temporaries: the same bits
-            step = max(1, _SCALE_PIECE // buf.itemsize)
-            tmp = [np.empty(min(step, b - a), buf.dtype) for _ in others]
-            for lo in range(a, b, step):
-                hi = min(b, lo + step)
-                mine = red.scaled(buf[lo:hi], buf[lo:hi])
-                theirs = [red.scaled(t[: hi - lo], peers[j][lo:hi]) for t, j in zip(tmp, others)]
-                red.combine(mine, theirs, True)
-        if self.flags is None:
-            self._signal(desc, REDUCED)
-            for j in others:
-                self._copy_part(buf, peers, j)
-        else:  # each peer's part as soon as that peer has reduced it, in whatever order they finish
-            want, f = self.flags.post(), self.flags
-            pending = list(range(len(others)))
-            while pending:
-                k = next((k for k in pending if f.ready(k, want)), pending[0])
-                f.wait_for(k, want)
-                self._copy_part(buf, peers, others[k])
-                pending.remove(k)
+        """Every rank's buffer is mapped here: reduce part `rank` straight from the peers' buffers
+        and write the result into theirs too, piece by piece (_PIECE bytes: the piece just read
+        and reduced is still in this core's cache when it is written out; a peer reading it
+        would fetch it from this core's cache instead); then one signal, before returning, so no
+        rank reads its buffer before every part is in. No rank reads what another writes during
+        the op: part j of every buffer is read and written by rank j alone."""
+        a, b = _bounds(buf.size, self.rank, self.size)
+        theirs = [peers[j] for j in range(self.size) if j != self.rank]
+        tmp = None
+        if red.prescale != 1.0:  # the scale fused in, through cached temporaries: the same bits
+            tmp = [np.empty(max(1, _PIECE // buf.itemsize), buf.dtype) for _ in theirs]
+        step = max(1, _PIECE // buf.itemsize)
+        for x in range(a, b, step):
+            y = min(b, x + step)
+            mine = buf[x:y]
+            if tmp is None:
+                red.combine(mine, [p[x:y] for p in theirs], True)
+            else:
+                red.scaled(mine, mine)
+                red.combine(mine, [red.scaled(t[: y - x], p[x:y]) for t, p in zip(tmp, theirs)], True)
+            for p in theirs:
+                np.copyto(p[x:y], mine)
         self._signal(desc, REDUCED)
-
-    def _copy_part(self, buf: np.ndarray, peers: list, j: int) -> None:
-        a, b = _bounds(buf.size, j, self.size)
-        np.copyto(buf[a:b], peers[j][a:b])
 
     def _slot(self, j: int, s: int, a: int, b: int, dtype: Any) -> np.ndarray:
         it = dtype.itemsize
