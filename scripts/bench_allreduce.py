@@ -36,7 +36,16 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import Progress, array_module, format_table, plot_series, slowest, synchronize, write_csv  # noqa: E402
+from benchlib import (  # noqa: E402
+    Progress,
+    array_module,
+    format_table,
+    plot_series,
+    slowest,
+    synchronize,
+    timed_steps,
+    write_csv,
+)
 
 BYTES_PER_SIZE = 1 << 30  # aim to move about this much per size and backend (caps iterations)
 COLUMNS = (
@@ -175,14 +184,7 @@ def _time_limit(nd, args, x, iters: int) -> float:
         np.copyto(x[:lo], src[:lo])
         np.copyto(x[hi:], src[hi:])
 
-    for _ in range(args.warmup):
-        once()
-    nd.barrier()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        once()
-    dt = time.perf_counter() - t0
-    return slowest(nd, dt / iters)
+    return timed_steps(nd, once, args.warmup, iters, lambda: None)
 
 
 def _time_work(nd, args, x, iters: int) -> float:
@@ -206,13 +208,7 @@ def _time_work(nd, args, x, iters: int) -> float:
             for s in shares:
                 np.copyto(s[a - lo : b - lo], mine)
 
-    for _ in range(args.warmup):
-        once()
-    nd.barrier()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        once()
-    return slowest(nd, (time.perf_counter() - t0) / iters)
+    return timed_steps(nd, once, args.warmup, iters, lambda: None)
 
 
 def _gloo_setup(nd, args):
