@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+_COPY_IN_NUMEL = 1 << 16  # a grad this large that is None at forward is copied in by its hook
+
 
 def adapt(module: object) -> TorchModule:
     """The DDP adapter for a `torch.nn.Module`."""
@@ -298,19 +300,27 @@ class TorchModule(GradModule):
     def _point_grads_at_buckets(self) -> None:
         """Before backward: every `.grad` that is set becomes our bucket view (one the user
         replaced is copied in), so autograd accumulates in place. One that is None (after
-        `zero_grad()`) stays None: autograd hands over a fresh grad, which the hook copies into
-        the view, as torch's reducer does (one pass over the bucket instead of a fill and an add
-        into it); `_end_of_backward` zeroes the views of those that got none."""
-        self._was_none = [i for i, p in enumerate(self.params) if p.grad is None]
-        if len(self._was_none) == len(self.params):
-            return
+        `zero_grad()`) gets its view zeroed if it is small; a large one stays None until its grad
+        is ready, when the hook copies torch's fresh grad into the view, as torch's reducer does
+        (one pass over it instead of a fill and an add; for small grads the hook's copy costs
+        more than both). `_end_of_backward` zeroes the views of those that got none."""
+        import torch
+
+        self._was_none = []
+        small = []
         with torch_stream_current(self.on_cuda):
-            for p, mine in zip(self.params, self._grads):
+            for i, (p, mine) in enumerate(zip(self.params, self._grads)):
                 g = p.grad
-                if g is None or g is mine or g.data_ptr() == mine.data_ptr():
-                    continue
-                mine.copy_(g)
-                p.grad = mine
+                if g is None:
+                    self._was_none.append(i)
+                    if mine.numel() < _COPY_IN_NUMEL:
+                        small.append(mine)
+                        p.grad = mine
+                elif g is not mine and g.data_ptr() != mine.data_ptr():
+                    mine.copy_(g)
+                    p.grad = mine
+            if small:
+                torch._foreach_zero_(small)
 
     def _grad_hook_for(self, i: int) -> Callable[[torch.nn.Parameter], None]:
         """The post-accumulate-grad hook of parameter i. It runs once per parameter per step, so
@@ -369,8 +379,9 @@ class TorchModule(GradModule):
         with torch_stream_current(self.on_cuda):
             if self._pooled is None:
                 for i in unused:  # no grad here this step: reduced as zeros, then theirs
-                    self._grads[i].zero_()
-                    self.params[i].grad = self._grads[i]
+                    if self.params[i].grad is None:
+                        self._grads[i].zero_()
+                        self.params[i].grad = self._grads[i]
             driver.finalize()
             if self._syncing:
                 self.sparse_params.reduce(driver.group)
