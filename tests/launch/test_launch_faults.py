@@ -361,6 +361,15 @@ def test_chaos_matrix(tmp_path, world, transport, point, sig):
 # -- the launcher under stress (issue 22, items 3, 4, 7, 8, 10, 11, 12) and c10d node ranks --------
 
 
+def _ctrl_c_default() -> None:
+    """In a launcher child: SIGINT back to its default (Python then installs its handler), as in a
+    terminal's foreground job. A suite started in the background of a non-interactive shell runs
+    with SIGINT ignored, which every child inherits: the Ctrl-C tests failed there."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start_nodes(script, per_node, *extra, script_args=(), port=None, env=None):
     """Two launchers as two nodes on 127.0.0.2 (TCP transport, a shared secret), started and
     running; per_node: each one's flags."""
@@ -379,6 +388,7 @@ def _start_nodes(script, per_node, *extra, script_args=(), port=None, env=None):
             stderr=subprocess.PIPE,
             text=True,
             env=full,
+            preexec_fn=_ctrl_c_default,
         )
         for flags in per_node
     ]
@@ -617,6 +627,7 @@ def test_sigint_between_two_attempts_stops_cleanly_with_130(tmp_path):
         text=True,
         timeout=60,
         env=env,
+        preexec_fn=_ctrl_c_default,
     )
     assert r.returncode == 130, r.stderr
     assert "Traceback" not in r.stderr and "received SIGINT; stopping" in r.stderr, r.stderr
