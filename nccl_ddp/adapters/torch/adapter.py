@@ -22,7 +22,7 @@ from nccl_ddp.adapters.torch.grads import TorchGrads
 from nccl_ddp.adapters.torch.pooled_grads import PooledGrads
 from nccl_ddp.adapters.torch.sparse import SparseParams
 from nccl_ddp.adapters.torch.tensors import from_native, is_cuda, to_native, torch_stream_current
-from nccl_ddp.adapters.torch.watch import ModuleWatch
+from nccl_ddp.adapters.torch.watch import ModuleWatch, check_initialized, check_same_params
 from nccl_ddp.comm.group import ProcessGroup
 from nccl_ddp.ddp.interfaces import FrameworkAdapter, GradModule, Named, StepDriver
 from nccl_ddp.errors import ConfigError, ConfigTypeError, NcclDdpError
@@ -101,7 +101,7 @@ class TorchModule(GradModule):
         import torch
 
         self.module = module
-        _check_initialized(module)
+        check_initialized(module)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.sparse_params = SparseParams.of(module)  # reduced as sparse at the end of backward, unbucketed
         self.names: List[Optional[str]] = [n for n, p in named if id(p) not in self.sparse_params.ids]
@@ -269,7 +269,7 @@ class TorchModule(GradModule):
         """The wrapper has just opened the step (reducer.prepare), reading sync_enabled as we do:
         check that the trainable parameters are still the wrapped ones, point grads at buckets."""
         if not self._watch.params_unchanged():
-            self._check_same_params()
+            check_same_params(self.module, self.params, self.names, self.sparse_params.ids, self.group.rank)
             self._watch.params_checked()
         self._syncing = self.driver.sync_enabled
         self._forward_opened = True
@@ -277,24 +277,6 @@ class TorchModule(GradModule):
             self._was_none = self._pooled.open(self._syncing)
         else:
             self._point_grads_at_buckets()
-
-    def _check_same_params(self) -> None:
-        """Parameters added, replaced or unfrozen after wrapping would silently not be reduced
-        (their grads differ across ranks): refuse them at the next step."""
-        now = [p for p in self.module.parameters() if p.requires_grad and id(p) not in self.sparse_params.ids]
-        if len(now) == len(self.params) and all(a is b for a, b in zip(now, self.params)):
-            return
-        wrapped = set(map(id, self.params)) | self.sparse_params.ids
-        added = [n for n, p in self.module.named_parameters() if p.requires_grad and id(p) not in wrapped]
-        alive = set(map(id, now))
-        gone = [n for n, p in zip(self.names, self.params) if id(p) not in alive]
-        raise ConfigError(
-            f"rank {self.group.rank}: the module's trainable parameters changed after "
-            f"it was wrapped in DistributedDataParallel (new or unfrozen: {added or 'none'}; "
-            f"removed, replaced or frozen: {gone or 'none'}). DDP reduces the parameters it found "
-            "when it was built: add, replace or (un)freeze parameters before wrapping, or wrap the "
-            "module again"
-        )
 
     # ---- the step
     def _point_grads_at_buckets(self) -> None:
@@ -435,20 +417,6 @@ class TorchModule(GradModule):
             ref = getattr(p, OWNER_ATTR, None)
             if isinstance(ref, weakref.ref) and ref() is self:
                 delattr(p, OWNER_ATTR)
-
-
-def _check_initialized(module: torch.nn.Module) -> None:
-    """Lazy modules (LazyLinear, LazyConv2d) have no shapes until their first forward."""
-    from torch.nn.parameter import is_lazy
-
-    for kind, named in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
-        for n, t in named:
-            if is_lazy(t):
-                raise ConfigError(
-                    f"{kind} {n!r} is uninitialized (a lazy module such as LazyLinear creates it "
-                    "at its first forward): run one forward pass on the module (e.g. with a dummy "
-                    "batch) before wrapping it in DistributedDataParallel"
-                )
 
 
 def _missing(param: object) -> NoReturn:

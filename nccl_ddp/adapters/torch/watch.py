@@ -5,14 +5,16 @@ torch calls process-wide hooks whenever any module registers a parameter, a buff
 (`setattr`, `register_*`, `add_module`): a counter of those events says whether the tree may have
 changed since the last full look. What registration does not report is checked directly:
 `requires_grad` flips, and buffers replaced in their module's dict (`Module._apply`, e.g. `.to()`
-on the inner module) or given new storage (`buf.data = ...`).
+on the inner module) or given new storage (`buf.data = ...`). `check_initialized` and
+`check_same_params` are the refusals: lazy parameters at wrapping, changed ones at a step.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, List, Tuple
+from typing import TYPE_CHECKING, AbstractSet, Any, Callable, List, Optional, Sequence, Tuple
 
 from nccl_ddp.ddp.interfaces import Named
+from nccl_ddp.errors import ConfigError
 from nccl_ddp.frameworks import NativeArray
 
 if TYPE_CHECKING:
@@ -108,3 +110,43 @@ class ModuleWatch:
                 # its address: a changed data_ptr always shows)
                 slots.append((m._buffers, name, b, b.data_ptr()))
         self._buffer_slots, self._buffers, self._buffers_seen = slots, named, seen_events
+
+
+def check_initialized(module: torch.nn.Module) -> None:
+    """Lazy modules (LazyLinear, LazyConv2d) have no shapes until their first forward."""
+    from torch.nn.parameter import is_lazy
+
+    for kind, named in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
+        for n, t in named:
+            if is_lazy(t):
+                raise ConfigError(
+                    f"{kind} {n!r} is uninitialized (a lazy module such as LazyLinear creates it "
+                    "at its first forward): run one forward pass on the module (e.g. with a dummy "
+                    "batch) before wrapping it in DistributedDataParallel"
+                )
+
+
+def check_same_params(
+    module: torch.nn.Module,
+    params: Sequence[Any],
+    names: Sequence[Optional[str]],
+    sparse: AbstractSet[int],
+    rank: int,
+) -> None:
+    """Parameters added, replaced or unfrozen after wrapping would silently not be reduced
+    (their grads differ across ranks): refused at the next step. `sparse`: ids of the
+    parameters reduced as sparse, outside `params`."""
+    now = [p for p in module.parameters() if p.requires_grad and id(p) not in sparse]
+    if len(now) == len(params) and all(a is b for a, b in zip(now, params)):
+        return
+    wrapped = set(map(id, params)) | set(sparse)
+    added = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in wrapped]
+    alive = set(map(id, now))
+    gone = [n for n, p in zip(names, params) if id(p) not in alive]
+    raise ConfigError(
+        f"rank {rank}: the module's trainable parameters changed after "
+        f"it was wrapped in DistributedDataParallel (new or unfrozen: {added or 'none'}; "
+        f"removed, replaced or frozen: {gone or 'none'}). DDP reduces the parameters it found "
+        "when it was built: add, replace or (un)freeze parameters before wrapping, or wrap the "
+        "module again"
+    )
