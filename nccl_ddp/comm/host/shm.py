@@ -1,6 +1,6 @@
 """The shm transport: collectives between the ranks of one host through segments
-(`segment.py`), staged chunk by chunk, or read in place where every rank's buffer is shared
-(`shared.py`)."""
+(`segment.py`), staged chunk by chunk, or read (and, for all_reduce, written) in place where every
+rank's buffer is shared (`shared.py`)."""
 
 from __future__ import annotations
 
