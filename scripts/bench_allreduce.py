@@ -191,13 +191,13 @@ def _time_work(nd, args, x, iters: int) -> float:
     """Seconds per round of the shared all-reduce's own memory work on arrays of this rank's own,
     every rank at once: part `rank` of `x` plus the n-1 others' shares of it, 256 KiB at a time,
     each reduced piece then written into those shares (where it goes in the peers' buffers)."""
-    from nccl_ddp.comm.host.shm import _PIECE
+    from nccl_ddp.comm.host.shm import PIECE_BYTES
 
     rank, n = nd.get_rank(), nd.get_world_size()
     lo, hi = x.size * rank // n, x.size * (rank + 1) // n
     shares = [np.ones(x.size, x.dtype)[lo:hi] for _ in range(n - 1)]  # the peers' buffers' part
     add = np.add if x.dtype.kind != "b" else np.logical_or
-    step = max(1, _PIECE // x.itemsize)
+    step = max(1, PIECE_BYTES // x.itemsize)
 
     def once() -> None:
         for a in range(lo, hi, step):

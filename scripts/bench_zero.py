@@ -292,8 +292,8 @@ def _gather_rows(nd, row: dict) -> list:
 
 
 def median_row(rows: list) -> dict:
-    """One mode's jobs as one row: the median step time (and the run it came from for the rest;
-    byte counts are the same in every run)."""
+    """One mode's jobs as one row: the job of the median step time (the lower middle one for an
+    even count; byte counts are the same in every run)."""
     ranked = sorted(rows, key=lambda r: r["step_ms"])
     return ranked[(len(ranked) - 1) // 2]
 

@@ -33,7 +33,7 @@ N = 70_001  # over the 64 KiB one-signal size for every dtype here, several 4 Ki
 def shared_body(rank, world):
     from nccl_ddp.comm.host import shm
 
-    shm._PIECE = 16 << 10  # N spans several pieces of the in-place all-reduce (256 KiB: one)
+    shm.PIECE_BYTES = 16 << 10  # N spans several pieces of the in-place all-reduce (256 KiB: one)
     g, store = host_group(rank, world, chunk_bytes=4096)
     dev = HostDevice()
     digest = hashlib.sha256()

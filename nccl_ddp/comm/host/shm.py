@@ -20,7 +20,7 @@ _SLOTS = 3
 SMALL_BYTES = 64 << 10  # all_reduce up to this many bytes: every rank reduces the whole message
 _NAME_BYTES = 128  # room for a segment's handle
 _MAPPED_MAX = 256  # peers' shared segments mapped at once, at most
-_PIECE = 256 << 10  # bytes per piece of an all-reduce on shared buffers (stays in L2)
+PIECE_BYTES = 256 << 10  # bytes per piece of an all-reduce on shared buffers (stays in L2)
 CHUNK_BYTES = 2 << 20  # default slot size (NCCL_DDP_HOST_CHUNK_BYTES)
 
 
@@ -43,7 +43,10 @@ class ShmTransport:
     Part r is computed once (by rank r), so every rank ends with the same bits. Messages up to
     SMALL_BYTES bytes take one signal: stage all, then every rank reduces all slots in rank order.
     A rank writes a slot again three chunks later; by then every peer has signalled a later
-    chunk, which it only does after it finished reading that slot.
+    chunk, which it only does after it finished reading that slot. Where every rank's buffer
+    lies in shared memory (`_open` finds out in the first signal) no slot is used: all_reduce
+    reduces part r from the peers' buffers and writes it into all of them, reduce_scatter and
+    all_gather read the peers' inputs, and one last signal ends the op.
     """
 
     def __init__(self, links: dict, rank: int, size: int, chunk_bytes: int) -> None:
@@ -122,7 +125,7 @@ class ShmTransport:
         return got
 
     def _peer_arrays(self, buf: np.ndarray, mine: bytes, desc: tuple) -> tuple:
-        """The first signal of a large all-reduce, which also tells where each rank's buffer is
+        """An op's first signal (`_open`'s), which also tells where each rank's buffer is
         (`mine`: `where(buf)`). If every rank's lies in a shared segment (`shared_zeros`): the
         peers' buffers mapped here (None at this rank's index), else None (the staged path, on
         every rank alike); and whether some but not all ranks' buffers are shared."""
@@ -158,17 +161,17 @@ class ShmTransport:
 
     def _all_reduce_in_place(self, buf: np.ndarray, peers: list, red: Reduction, desc: tuple) -> None:
         """Every rank's buffer is mapped here: reduce part `rank` straight from the peers' buffers
-        and write the result into theirs too, piece by piece (_PIECE bytes: the piece just read
+        and write the result into theirs too, piece by piece (PIECE_BYTES: the piece just read
         and reduced is still in this core's cache when it is written out; a peer reading it
         would fetch it from this core's cache instead); then one signal, before returning, so no
         rank reads its buffer before every part is in. No rank reads what another writes during
         the op: part j of every buffer is read and written by rank j alone."""
         a, b = _bounds(buf.size, self.rank, self.size)
         theirs = [peers[j] for j in range(self.size) if j != self.rank]
+        step = max(1, PIECE_BYTES // buf.itemsize)
         tmp = None
         if red.prescale != 1.0:  # the scale fused in, through cached temporaries: the same bits
-            tmp = [np.empty(max(1, _PIECE // buf.itemsize), buf.dtype) for _ in theirs]
-        step = max(1, _PIECE // buf.itemsize)
+            tmp = [np.empty(step, buf.dtype) for _ in theirs]
         for x in range(a, b, step):
             y = min(b, x + step)
             mine = buf[x:y]
