@@ -7,13 +7,19 @@ Any other hook that is not ours (torch's `powerSGD_hook`, a user's hook written 
 zero-copy DLPack views of our bucket, and returns a `torch.futures.Future` that we wait for. Such
 hooks run torch.distributed collectives on `state`'s torch group or torch's default (WORLD) group:
 torch.distributed must be initialised (gloo on the CPU) on the same ranks.
+
+Sparse grads (Embedding(sparse=True), adapters/torch/sparse.py) meet a hook as torch's reducer
+hands them over: each in a bucket of its own (`SparseGradBucket`, after the dense buckets), whose
+`buffer()` is the sparse grad, not yet averaged; the future's sparse tensor becomes `p.grad`
+(`route_sparse`).
 """
 
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Callable, ContextManager, List, Optional
+from typing import TYPE_CHECKING, Callable, ContextManager, List, Optional, Tuple
 
+from nccl_ddp.adapters.torch.sparse import SparseParams, as_sparse
 from nccl_ddp.adapters.torch.tensors import from_native, to_native
 from nccl_ddp.comm.group import ProcessGroup
 from nccl_ddp.ddp import comm_hooks
@@ -121,8 +127,10 @@ class TorchGradBucket:
     the bucket's grads (its alignment padding left out), `gradients()` views of it shaped like
     the parameters, `parameters()` the torch parameters."""
 
-    def __init__(self, bucket: comm_hooks.GradBucket, params: List[torch.nn.Parameter]) -> None:
-        self._bucket, self._params = bucket, params
+    def __init__(
+        self, bucket: comm_hooks.GradBucket, params: List[torch.nn.Parameter], is_last: bool
+    ) -> None:
+        self._bucket, self._params, self._is_last = bucket, params, is_last
         self._numel = bucket.numel()
         self._buffer = from_native(bucket.buffer()[: self._numel])
 
@@ -130,7 +138,7 @@ class TorchGradBucket:
         return self._bucket.index()
 
     def is_last(self) -> bool:
-        return self._bucket.is_last()
+        return self._is_last
 
     def buffer(self) -> torch.Tensor:
         return self._buffer
@@ -152,23 +160,41 @@ class TorchGradBucket:
 
 class TorchHook:
     """A hook written for torch, run by our reducer: gets a `TorchGradBucket`, returns a torch
-    future whose tensor becomes the bucket's reduced value."""
+    future whose tensor becomes the bucket's reduced value. `buckets_after`: the sparse grads'
+    buckets that follow the dense ones (`route_sparse`): the last dense one is then not last."""
 
     def __init__(self, hook: Callable, torch_params: dict, on_cuda: bool) -> None:
-        self.hook, self._params, self._on_cuda = hook, torch_params, on_cuda
+        self.hook, self._params, self.on_cuda = hook, torch_params, on_cuda
         self.__name__ = getattr(hook, "__name__", type(hook).__name__)
+        self.buckets_after = 0
 
     def __call__(self, state: object, bucket: comm_hooks.GradBucket) -> comm_hooks.Future:
-        tb = TorchGradBucket(bucket, [self._params[id(p)] for p in bucket.parameters()])
-        with _torch_on_current_stream(self._on_cuda):
-            fut = self.hook(state, tb)
+        params = [self._params[id(p)] for p in bucket.parameters()]
+        tb = TorchGradBucket(bucket, params, bucket.is_last() and not self.buckets_after)
+        fut = self.start(state, tb, bucket.process_group.rank, f"bucket {bucket.index()}")
+        return comm_hooks.Future(lambda: self._result(fut, tb, bucket))
+
+    def start(self, state: object, bucket: object, rank: int, what: str) -> torch.futures.Future:
+        """The hook's future for `bucket` (a torch GradBucket), checked to be one."""
+        with _torch_on_current_stream(self.on_cuda):
+            fut = self.hook(state, bucket)
         if not (hasattr(fut, "wait") and hasattr(fut, "value")):
             raise CommHookError(
-                f"rank {bucket.process_group.rank}: comm hook {self.__name__}: callback must "
-                f"return a torch.futures.Future object, but got {type(fut).__name__} for bucket "
-                f"{bucket.index()}; return a Future of the reduced bucket tensor"
+                f"rank {rank}: comm hook {self.__name__}: callback must return a "
+                f"torch.futures.Future object, but got {type(fut).__name__} for {what}; return "
+                "a Future of the reduced bucket tensor"
             )
-        return comm_hooks.Future(lambda: self._result(fut, tb, bucket))
+        return fut
+
+    def value_of(self, fut: torch.futures.Future, group: ProcessGroup, what: str) -> object:
+        """What `fut` (from `start`) holds once done, within the group's timeout; a
+        collective's list of one tensor unwrapped."""
+        where = f"rank {group.rank}: comm hook {self.__name__}"
+        with _torch_on_current_stream(self.on_cuda):
+            value = _wait(fut, group.timeout, f"{where}: the future it returned for {what}")
+        if isinstance(value, (list, tuple)) and len(value) == 1:
+            return value[0]
+        return value
 
     def _result(
         self, fut: torch.futures.Future, tb: TorchGradBucket, bucket: comm_hooks.GradBucket
@@ -177,10 +203,7 @@ class TorchHook:
 
         group = bucket.process_group
         where = f"rank {group.rank}: comm hook {self.__name__}"
-        with _torch_on_current_stream(self._on_cuda):
-            value = _wait(fut, group.timeout, f"{where}: the future it returned for bucket {bucket.index()}")
-        if isinstance(value, (list, tuple)) and len(value) == 1:
-            value = value[0]  # a collective's future holds a list of one tensor
+        value = self.value_of(fut, group, f"bucket {bucket.index()}")
         held = f"{tb.buffer().numel()} {tb.buffer().dtype} elements"
         if not isinstance(value, torch.Tensor):
             raise CommHookError(
@@ -198,6 +221,134 @@ class TorchHook:
                 )
             buf[: tb.buffer().numel()] = to_native(value.reshape(-1))
         return buf
+
+
+# ---------------------------------------------------------------------------------------------
+# sparse grads
+
+
+def route_sparse(
+    sparse: SparseParams,
+    hook: Callable,
+    what: str,
+    state: object,
+    dense_buckets: Callable[[], int],
+    rank: int,
+) -> Optional[SparseHook]:
+    """How the registered `hook` (what the reducer runs; `what` names it as registered) meets
+    the grads reduced as sparse, if the model has any: the `SparseParams.through_hook` to set
+    once it is registered, or None. A hook written for torch (`TorchHook`) gets each in a bucket
+    of its own after the `dense_buckets()` dense ones, as torch's reducer hands it one. Our
+    all-reduce (torch's `allreduce_hook` with state None, the ALLREDUCE built-in) leaves them to
+    the sparse all-reduce, which computes what torch's `allreduce_hook` does with them (each
+    rank's grad divided by the group size, then summed). Our compressing hooks refuse them
+    (torch's `fp16_compress_hook` fails on them too: no sparse float16 sum)."""
+    if not sparse or hook is comm_hooks.allreduce_hook:
+        return None
+    if isinstance(hook, TorchHook):
+        hook.buckets_after = len(sparse.params)
+        return SparseHook(hook, state, dense_buckets)
+    sparse.refuse(
+        rank,
+        what,
+        "; torch's allreduce_hook, or a hook of your own written for torch, reduces them (each "
+        "in a bucket of its own, as torch's DDP hands them over)",
+    )
+    return None
+
+
+class SparseGradBucket:
+    """torch's `dist.GradBucket` of one sparse grad, as torch's reducer builds it: `buffer()` is
+    the parameter's sparse grad itself (this rank's, not averaged), `parameters()` the one
+    parameter, `gradients()` empty (torch's sparse bucket has no dense views)."""
+
+    def __init__(self, index: int, is_last: bool, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+        self._index, self._is_last, self._param, self._buffer = index, is_last, param, grad
+
+    def index(self) -> int:
+        return self._index
+
+    def is_last(self) -> bool:
+        return self._is_last
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def set_buffer(self, buffer: torch.Tensor) -> None:
+        self._buffer = buffer
+
+    def gradients(self) -> List[torch.Tensor]:
+        return []
+
+    def parameters(self) -> List[torch.nn.Parameter]:
+        return [self._param]
+
+
+class SparseHook:
+    """The end of a synchronised backward with a torch hook registered: each sparse grad goes
+    through the hook (all the hooks started, then each result waited for and installed as the
+    parameter's `.grad`). A rank whose grad is None hands the hook an empty one (the hook's
+    collectives need every rank), so `.grad` is then the hook's result."""
+
+    def __init__(self, hook: TorchHook, state: object, dense_buckets: Callable[[], int]) -> None:
+        self.hook, self.state, self.dense_buckets = hook, state, dense_buckets
+
+    def __call__(self, sparse: SparseParams, group: ProcessGroup) -> None:
+        first = self.dense_buckets()
+        last = first + len(sparse.params) - 1
+        started: List[Tuple[str, torch.nn.Parameter, torch.futures.Future]] = []
+        for k, (name, p) in enumerate(zip(sparse.names, sparse.params)):
+            p.grad = _local_grad(p)
+            bucket = SparseGradBucket(first + k, first + k == last, p, p.grad)
+            started.append(
+                (name, p, self.hook.start(self.state, bucket, group.rank, _which(first + k, name)))
+            )
+        for k, (name, p, fut) in enumerate(started):
+            what = _which(first + k, name)
+            p.grad = _sparse_result(
+                self.hook.value_of(fut, group, what),
+                p,
+                f"rank {group.rank}: comm hook {self.hook.__name__}",
+                what,
+            )
+
+
+def _which(index: int, name: str) -> str:
+    return f"bucket {index} (the sparse grad of parameter {name!r})"
+
+
+def _local_grad(p: torch.nn.Parameter) -> torch.Tensor:
+    """This rank's sparse grad of `p`; an empty one where `.grad` is None."""
+    import torch
+
+    if p.grad is not None:
+        return as_sparse(p.grad)
+    indices = torch.empty((1, 0), dtype=torch.int64, device=p.device)
+    values = torch.empty((0, *p.shape[1:]), dtype=p.dtype, device=p.device)
+    return torch.sparse_coo_tensor(indices, values, p.shape, dtype=p.dtype, device=p.device)
+
+
+def _sparse_result(value: object, p: torch.nn.Parameter, where: str, what: str) -> torch.Tensor:
+    """`value` (what the hook's future held for `p`'s sparse bucket), checked to be a grad of
+    `p`: a sparse COO tensor of its shape, dtype and device."""
+    import torch
+
+    if (
+        isinstance(value, torch.Tensor)
+        and value.layout == torch.sparse_coo
+        and value.shape == p.shape
+        and value.dtype == p.dtype
+        and value.device == p.device
+    ):
+        return value
+    got = comm_hooks.describe(value)
+    if isinstance(value, torch.Tensor):
+        got = f"a {value.layout} tensor of shape {tuple(value.shape)}, {value.dtype} on {value.device}"
+    raise CommHookError(
+        f"{where} returned a future of {got} for {what}; its value must be the reduced grad: a "
+        f"torch.sparse_coo tensor of shape {tuple(p.shape)}, {p.dtype} on {p.device} (or a list "
+        "of that one tensor, as a collective's future holds)"
+    )
 
 
 def _wait(fut: torch.futures.Future, timeout: float, what: str) -> object:

@@ -214,7 +214,6 @@ class TorchDistributedDataParallel(torch.nn.Module, DistributedDataParallel, _To
         rank = self.process_group.rank
         torch_hooks.check_like_torch(hook, rank)
         self._check_no_hook_yet()
-        self._torch_module.sparse_params.refuse(rank, "register_comm_hook")
         given, ours = hook, torch_hooks.ours_for(hook, state)
         if ours is not None:
             hook = ours
@@ -222,7 +221,10 @@ class TorchDistributedDataParallel(torch.nn.Module, DistributedDataParallel, _To
             torch_hooks.check_torch_world(hook, state, self.process_group)
             params = {id(n): p for n, p in zip(self.reducer.params, self._torch_module.params)}
             hook = torch_hooks.TorchHook(hook, params, self._torch_module.on_cuda)
+        name = getattr(given, "__name__", type(given).__name__)
+        through = self._sparse_through(hook, f"register_comm_hook({name})", state)
         super().register_comm_hook(state, hook)
+        self._torch_module.sparse_params.through_hook = through
         self._torch_hook = ("hook", state, given)
 
     def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
@@ -230,9 +232,16 @@ class TorchDistributedDataParallel(torch.nn.Module, DistributedDataParallel, _To
         fused into the bucket kernels. Once, as torch's."""
         hook = torch_hooks.builtin_hook(comm_hook_type, self.process_group.rank)
         self._check_no_hook_yet()
-        self._torch_module.sparse_params.refuse(self.process_group.rank, "register_builtin_comm_hook")
+        self._sparse_through(hook, f"register_builtin_comm_hook({comm_hook_type})", None)
         super().register_comm_hook(None, hook)
         self._torch_hook = ("builtin", comm_hook_type)
+
+    def _sparse_through(self, hook: Any, what: str, state: Any) -> Any:
+        """How sparse grads go through `hook` as torch's do, or its refusal (comm_hooks.py)."""
+        sparse, rank = self._torch_module.sparse_params, self.process_group.rank
+        return torch_hooks.route_sparse(
+            sparse, hook, what, state, lambda: len(self.reducer.layout.buckets), rank
+        )
 
     def _check_no_hook_yet(self) -> None:
         """torch's reducer takes one hook (RuntimeError, torch's message)."""

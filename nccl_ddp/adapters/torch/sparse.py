@@ -8,11 +8,15 @@ sparse grad before its all-reduce), then the nonzero counts are exchanged (one a
 every such parameter), then indices and values padded to the largest count. A parameter whose
 `.grad` is None on every rank keeps it None. Under `no_sync()` autograd accumulates them locally;
 the next synchronised step reduces the sum.
+
+With a comm hook written for torch registered (`register_comm_hook`), each such grad goes through
+the hook instead, in a bucket of its own, as torch's reducer sends it (`through_hook`, set by
+adapters/torch/comm_hooks.py `route_sparse`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Callable, Iterable, List, Optional, Set, Tuple
 
 from nccl_ddp.adapters.torch.tensors import to_native
 from nccl_ddp.comm.api import device_of
@@ -45,6 +49,8 @@ class SparseParams:
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.ids = {id(p) for p in self.params}
+        self.through_hook: Optional[Callable[[SparseParams, ProcessGroup], None]] = None
+        """Set when a registered comm hook reduces these grads (one bucket each) instead."""
         for n, p in named:
             setattr(p, MARK, n)
 
@@ -57,23 +63,25 @@ class SparseParams:
     def __bool__(self) -> bool:
         return bool(self.params)
 
-    def refuse(self, rank: int, what: str) -> None:
+    def refuse(self, rank: int, what: str, instead: str = "") -> None:
         """ConfigError naming these parameters, if any, when `what` needs every grad dense."""
-        refuse(rank, what, self.names)
+        refuse(rank, what, self.names, instead)
 
     def reduce(self, group: ProcessGroup) -> None:
         """Replace each parameter's `.grad` with the group's average, sparse and coalesced
-        (a collective: every rank calls it at the end of each synchronised backward)."""
+        (a collective: every rank calls it at the end of each synchronised backward); with a
+        comm hook registered, the hook's result (`through_hook`)."""
         import torch
 
         if not self.params:
             return
+        if self.through_hook is not None:
+            self.through_hook(self, group)
+            return
         world = group.size
         local: List[Optional[torch.Tensor]] = []
         for p in self.params:
-            g = p.grad
-            if g is not None and (not g.is_sparse or g.sparse_dim() != 1):  # (one set by hand)
-                g = g.to_dense().to_sparse(sparse_dim=1)
+            g = None if p.grad is None else as_sparse(p.grad)
             local.append(None if g is None else (g.coalesce() / world).coalesce())
         device = self.params[0].device
         counts = torch.tensor([-1 if g is None else g._nnz() for g in local], device=device)
@@ -85,20 +93,28 @@ class SparseParams:
             p.grad = _gathered(p, g, nnz, group)
 
 
+def as_sparse(grad: torch.Tensor) -> torch.Tensor:
+    """`grad` as an embedding's sparse grad (rows as the one sparse dim): one set by hand may be
+    dense or sparse over more dims."""
+    if grad.is_sparse and grad.sparse_dim() == 1:
+        return grad
+    return grad.to_dense().to_sparse(sparse_dim=1)
+
+
 def refuse_in_optimizer(params: Iterable[torch.Tensor], rank: int, what: str) -> None:
     """ConfigError naming the parameters among `params` whose grads are sparse (marked)."""
     refuse(rank, what, [str(getattr(p, MARK)) for p in params if hasattr(p, MARK)])
 
 
-def refuse(rank: int, what: str, names: List[str]) -> None:
-    """ConfigError naming `names` (parameters with sparse grads), if any: `what` (ZeRO, a comm
-    hook) works on dense grads only."""
+def refuse(rank: int, what: str, names: List[str], instead: str = "") -> None:
+    """ConfigError naming `names` (parameters with sparse grads), if any: `what` (ZeRO, a
+    compressing comm hook) works on dense grads only; `instead`: what else would do."""
     if names:
         raise ConfigError(
             f"rank {rank}: {what} works on dense grads only, but parameter(s) {names} get sparse "
             "grads (Embedding/EmbeddingBag with sparse=True), which DistributedDataParallel "
             "reduces as sparse, outside the buckets: build those modules with sparse=False, or "
-            f"do without {what}"
+            f"do without {what}{instead}"
         )
 
 
