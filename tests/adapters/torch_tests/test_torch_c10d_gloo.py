@@ -13,7 +13,10 @@ store=FileStore(...))`, and the model gets torch's default group as `process_gro
   test_torch_hook_checks.py.
 - test_sparse_gradients (and _grad_is_view): sparse grads (an EmbeddingBag(sparse=True)) reduced
   as sparse (issue 35 item 4; more in test_torch_sparse.py). test_ddp_comm_hook_sparse_gradients:
-  a comm hook over sparse grads is refused, naming the parameter (test_torch_sparse.py).
+  a hook written for torch (an all-reduce on the torch group, then a division by the group size)
+  gets the sparse grad in a bucket of its own, as torch's reducer hands it over, and its result
+  is the grad: the local model's on the whole batch, bitwise torch DDP's with the same hook
+  (issue 43 item 4; more in test_torch_sparse.py).
 """
 
 from __future__ import annotations
@@ -123,31 +126,74 @@ def test_c10d_gloo_cpu_behaviours(tmp_path):
                     np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6)
 
 
-def _sparse(rank: int, world: int, store: str) -> dict:
+def _sparse_gradient_module():
+    import torch
+
+    class SparseGradientModule(torch.nn.Module):  # c10d's: an EmbeddingBag, then softmax
+        def __init__(self) -> None:
+            super().__init__()
+            self.embedding = torch.nn.EmbeddingBag(10, 10, sparse=True)
+
+        def forward(self, x):
+            return torch.nn.functional.softmax(self.embedding(x), dim=1)
+
+    return SparseGradientModule()
+
+
+def _sparse_grads(ddp_class, group, rank: int, world: int, hooked: bool) -> dict:
+    """c10d's _run_and_verify_sparse_gradients: the local model on the whole batch, the DDP one
+    on this rank's half; both grads, coalesced; with `hooked`, c10d's allreduce_hook_gloo."""
     import copy
 
     import torch
 
+    torch.manual_seed(1337)
+    vanilla = _sparse_gradient_module()
+    ddp = ddp_class(copy.deepcopy(vanilla), process_group=group)
+    if hooked:
+
+        def allreduce_hook_gloo(state: object, bucket):
+            fut = group.allreduce([bucket.buffer()]).get_future()
+            return fut.then(lambda f: f.wait()[0] / world)
+
+        ddp.register_comm_hook(None, allreduce_hook_gloo)
+    criterion = torch.nn.CrossEntropyLoss()
+    x, y = torch.randint(0, 10, [2 * world, 2]), torch.randint(0, 10, [2 * world])
+    criterion(vanilla(x), y).backward()
+    criterion(ddp(x.split(2)[rank]), y.split(2)[rank]).backward()
+    out = {}
+    for who, p in (("local", next(vanilla.parameters())), ("ddp", next(ddp.parameters()))):
+        g = p.grad.coalesce()
+        out[who] = (p.grad.is_sparse, g.indices().numpy().copy(), g.values().numpy().copy())
+    return out
+
+
+def _sparse(rank: int, world: int, store: str) -> dict:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
     import nccl_ddp as nd
 
+    out = {}
     with beside_torch(rank, world, store, explicit_store=True):
-        torch.manual_seed(1337)
-        vanilla = torch.nn.EmbeddingBag(10, 10, sparse=True)
-        ddp = nd.DistributedDataParallel(copy.deepcopy(vanilla))
-        x, y = torch.randint(0, 10, [2 * world, 2]), torch.randint(0, 10, [2 * world])
-        torch.nn.functional.cross_entropy(vanilla(x), y).backward()
-        torch.nn.functional.cross_entropy(ddp(x.split(2)[rank]), y.split(2)[rank]).backward()
-        grad = ddp.module.weight.grad
-        out = {
-            "sparse": grad.is_sparse,
-            "equal": torch.allclose(grad.to_dense(), vanilla.weight.grad.to_dense()),
-        }
+        group = dist.distributed_c10d._get_default_group()
+        for who, ddp in (("torch", TorchDDP), ("ours", nd.DistributedDataParallel)):
+            for hooked in (False, True):
+                out[who, hooked] = _sparse_grads(ddp, group, rank, world, hooked)
     return out
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_sparse_gradients_stay_sparse(tmp_path):
+def test_sparse_gradients_stay_sparse_with_and_without_a_comm_hook(tmp_path):
     for r in on_two_ranks(_sparse, tmp_path):
-        assert r["equal"]
-        assert r["sparse"]
+        for hooked in (False, True):
+            ours, theirs = r["ours", hooked], r["torch", hooked]
+            assert ours["ddp"][0] and theirs["ddp"][0]  # sparse
+            np.testing.assert_array_equal(ours["ddp"][1], ours["local"][1])  # the rows
+            np.testing.assert_allclose(ours["ddp"][2], ours["local"][2], rtol=1.3e-6, atol=1e-5)  # c10d's
+            if hooked:  # the same hook on the same grads: torch's result, bit for bit
+                np.testing.assert_array_equal(ours["ddp"][1], theirs["ddp"][1])
+                np.testing.assert_array_equal(ours["ddp"][2], theirs["ddp"][2])
+            else:
+                np.testing.assert_allclose(ours["ddp"][2], theirs["ddp"][2], rtol=1e-6, atol=1e-7)
