@@ -232,7 +232,15 @@ def test_comm_hooks_reduce_sparse_grads_bitwise_as_torch_ddp(tmp_path):
         )
 
 
-def _wrong_results(rank: int, world: int, store: str) -> dict:
+def _one_step(ddp) -> None:
+    import torch
+
+    x = torch.randint(0, 20, (3, 4))
+    torch.nn.functional.cross_entropy(ddp(x), torch.zeros(3, dtype=torch.long)).backward()
+
+
+def _wrong_results() -> dict:
+    """What each hook that returns no sparse grad of the parameter raised at backward."""
     import torch
 
     import nccl_ddp as nd
@@ -260,30 +268,45 @@ def _wrong_results(rank: int, world: int, store: str) -> dict:
         "no future": no_future,
     }
     out = {}
-    with beside_torch(rank, world, store):
-        for case, hook in cases.items():
-            ddp = nd.DistributedDataParallel(_model("embedding"))
-            ddp.register_comm_hook(None, hook)
-            x = torch.randint(0, 20, (3, 4))
-            out[case] = raised(
-                lambda: torch.nn.functional.cross_entropy(ddp(x), torch.zeros(3, dtype=torch.long)).backward()
-            )
-            ddp.close()
+    for case, hook in cases.items():
+        ddp = nd.DistributedDataParallel(_model("embedding"))
+        ddp.register_comm_hook(None, hook)
+        out[case] = raised(lambda: _one_step(ddp))
+        ddp.close()
     return out
+
+
+def _message(got, kind: type, rank: int, case: str) -> str:
+    """The message of what `raised` caught, checked to be a `kind` naming the rank and the
+    parameter."""
+    assert got is not None, case
+    cls, message = got
+    assert issubclass(cls, kind), (case, cls, message)
+    assert f"rank {rank}" in message and "'emb.weight'" in message, message
+    return message
+
+
+def _misuses(rank: int, world: int, store: str) -> dict:
+    with beside_torch(rank, world, store):
+        return {**_refusals(), "results": _wrong_results()}
+
+
+@pytest.fixture(scope="module")
+def misuses(tmp_path_factory) -> list:
+    """Per rank: the refusals (`_refusals`) and the hooks' wrong results (under "results")."""
+    return on_two_ranks(_misuses, tmp_path_factory.mktemp("misuses"))
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_hook_returning_no_sparse_grad_is_named(tmp_path):
+def test_a_hook_returning_no_sparse_grad_is_named(misuses):
     from nccl_ddp.errors import CommHookError
 
-    for rank, r in enumerate(on_two_ranks(_wrong_results, tmp_path)):
+    for rank, r in enumerate(misuses):
+        r = r["results"]
         for case, got in r.items():
-            assert got is not None, case
-            kind, message = got
-            assert issubclass(kind, CommHookError), (case, kind, message)
-            assert f"rank {rank}: comm hook " in message, message
-            assert "parameter 'emb.weight'" in message, message
+            message = _message(got, CommHookError, rank, case)
+            assert f"rank {rank}: comm hook " in message and "parameter 'emb.weight'" in message, message
             if case == "no future":
                 assert "torch.futures.Future" in message, message
             else:  # what to return
@@ -292,7 +315,8 @@ def test_a_hook_returning_no_sparse_grad_is_named(tmp_path):
         assert "torch.strided tensor" in r["dense"][1]
 
 
-def _refusals(rank: int, world: int, store: str) -> dict:
+def _refusals() -> dict:
+    """What refused a model with sparse grads, and that it trains all the same."""
     import torch
     import torch.distributed as dist
     import torch.distributed.algorithms.join
@@ -300,38 +324,33 @@ def _refusals(rank: int, world: int, store: str) -> dict:
 
     import nccl_ddp as nd
 
-    with beside_torch(rank, world, store):
-        out = {"zero": raised(lambda: nd.DistributedDataParallel(_model("bag"), zero=nd.ZeroConfig(stage=1)))}
-        ddp = nd.DistributedDataParallel(_model("embedding"))
-        out["hook"] = raised(lambda: ddp.register_comm_hook(None, default_hooks.fp16_compress_hook))
-        out["ours"] = raised(lambda: ddp.register_comm_hook(None, nd.hooks.bf16_compress))
-        out["builtin"] = raised(
-            lambda: ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
-        )
-        out["optimizer"] = raised(
-            lambda: nd.ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)
-        )
-        out["join"] = raised(lambda: nd.Join([ddp]))
-        out["torch join"] = raised(lambda: torch.distributed.algorithms.join.Join([ddp]))
-        x = torch.randint(0, 20, (3, 4))  # the wrapper still trains after the refusals
-        torch.nn.functional.cross_entropy(ddp(x), torch.zeros(3, dtype=torch.long)).backward()
-        out["trains"] = ddp.module.emb.weight.grad.is_sparse
-        out["unhooked"] = ddp.reducer.comm_hook is None
-        ddp.close()
-        ddp = nd.DistributedDataParallel(_model("embedding"))  # the all-reduce built-in takes them
-        ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
-        torch.nn.functional.cross_entropy(ddp(x), torch.zeros(3, dtype=torch.long)).backward()
-        out["builtin allreduce"] = ddp.module.emb.weight.grad.is_sparse
-        ddp.close()
+    out = {"zero": raised(lambda: nd.DistributedDataParallel(_model("bag"), zero=nd.ZeroConfig(stage=1)))}
+    ddp = nd.DistributedDataParallel(_model("embedding"))
+    out["hook"] = raised(lambda: ddp.register_comm_hook(None, default_hooks.fp16_compress_hook))
+    out["ours"] = raised(lambda: ddp.register_comm_hook(None, nd.hooks.bf16_compress))
+    out["builtin"] = raised(lambda: ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS))
+    out["optimizer"] = raised(
+        lambda: nd.ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)
+    )
+    out["join"] = raised(lambda: nd.Join([ddp]))
+    out["torch join"] = raised(lambda: torch.distributed.algorithms.join.Join([ddp]))
+    _one_step(ddp)  # the wrapper still trains after the refusals
+    out["trains"] = ddp.module.emb.weight.grad.is_sparse and ddp.reducer.comm_hook is None
+    ddp.close()
+    ddp = nd.DistributedDataParallel(_model("embedding"))  # the all-reduce built-in takes them
+    ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
+    _one_step(ddp)
+    out["builtin allreduce"] = ddp.module.emb.weight.grad.is_sparse
+    ddp.close()
     return out
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_zero_compressing_hooks_and_join_refuse_sparse_grads_naming_the_parameter(tmp_path):
+def test_zero_compressing_hooks_and_join_refuse_sparse_grads_naming_the_parameter(misuses):
     from nccl_ddp.errors import ConfigError
 
-    for rank, r in enumerate(on_two_ranks(_refusals, tmp_path)):
+    for rank, r in enumerate(misuses):
         for what, name in (
             ("zero", "ZeRO"),
             ("hook", "register_comm_hook(fp16_compress_hook)"),
@@ -341,11 +360,8 @@ def test_zero_compressing_hooks_and_join_refuse_sparse_grads_naming_the_paramete
             ("join", "Join"),
             ("torch join", "Join"),
         ):
-            assert r[what] is not None, what
-            kind, message = r[what]
-            assert issubclass(kind, ConfigError), (what, kind, message)
-            assert f"rank {rank}" in message and name in message and "'emb.weight'" in message, message
-            assert "sparse=False" in message
+            message = _message(r[what], ConfigError, rank, what)
+            assert name in message and "sparse=False" in message, message
             if what in ("hook", "ours", "builtin"):
                 assert "torch's allreduce_hook" in message, message
-        assert r["trains"] and r["unhooked"] and r["builtin allreduce"]
+        assert r["trains"] and r["builtin allreduce"]
