@@ -227,19 +227,19 @@ def worker(args) -> None:
         opt_growth=growth,
     )
     if args.mode.startswith("zero2"):
-        zs = opt.zs
+        shard_memory = opt.shard_memory
         reducer = wrapped.reducer
-        reduced = zs.nbytes["grad_shards"] + sum(
-            o.nbytes for o, g in zip(reducer.sharding.outputs, zs.grads) if o is not g
+        reduced = shard_memory.nbytes["grad_shards"] + sum(
+            o.nbytes for o, g in zip(reducer.sharding.outputs, shard_memory.grads) if o is not g
         )
         # the grad buffers kept across the step: the GradPool (one bucket per dtype; torch's
         # own p.grad tensors are let go after the step), or full-size buckets where kept
         kept = (0 if reducer.memory is None else reducer.memory.nbytes) + (
-            0 if reducer.zero.pool is None else reducer.zero.pool.nbytes
+            0 if reducer.shard_core.pool is None else reducer.shard_core.pool.nbytes
         )
         row.update(
             state=state_bytes(opt._inner),
-            master=zs.nbytes["master"],
+            master=shard_memory.nbytes["master"],
             reduced=reduced,
             grad_buf=kept,
             total_grads=reduced + kept,
@@ -250,10 +250,10 @@ def worker(args) -> None:
             if args.mode == "torch_zero"
             else wrapped.reducer.memory.nbytes
         )
-        widened = opt.zs.nbytes["grad_shards"] if args.mode == "zero1" else 0  # bf16 grads only
+        widened = opt.shard_memory.nbytes["grad_shards"] if args.mode == "zero1" else 0  # bf16 grads only
         row.update(
             state=state_bytes(opt.optim if args.mode in ("torch_zero", "torch_zero_nd", "zero1") else opt),
-            master=opt.zs.nbytes["master"] if args.mode == "zero1" else 0,
+            master=opt.shard_memory.nbytes["master"] if args.mode == "zero1" else 0,
             reduced=grads + widened,
             grad_buf=grads,
             total_grads=grads + widened,

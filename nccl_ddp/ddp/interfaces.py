@@ -33,7 +33,7 @@ from nccl_ddp.buckets.layout import ParamSpec
 from nccl_ddp.comm.group import ProcessGroup
 from nccl_ddp.errors import ConfigTypeError
 from nccl_ddp.frameworks import ArrayAdapter, NativeArray
-from nccl_ddp.zero.core import ZeroCore
+from nccl_ddp.zero.core import ShardCore
 
 Named = Tuple[Optional[str], NativeArray]
 """(name, writable native array) of a frozen parameter or a buffer."""
@@ -67,7 +67,7 @@ class StepDriver(Protocol):
     decides it itself, as Horovod's backward_passes_per_step, sets it)."""
 
     @property
-    def zero(self) -> Optional[ZeroCore]:
+    def shard_core(self) -> Optional[ShardCore]:
         """The model's shard core (built with `zero=`), or None."""
         ...
 

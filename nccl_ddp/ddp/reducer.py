@@ -34,7 +34,7 @@ from nccl_ddp.ddp.step_state import StepState
 from nccl_ddp.device import Device
 from nccl_ddp.errors import ConfigError, ReducerError
 from nccl_ddp.profiling import Timeline
-from nccl_ddp.zero.core import ZeroCore, build_core, plan
+from nccl_ddp.zero.core import ShardCore, build_core, plan
 from nccl_ddp.zero.grads import ReduceScatter, refuse_unshardable
 
 log = logging.getLogger(__name__)
@@ -97,12 +97,12 @@ class Reducer:
         check = config.check_finite
         self._finite = FiniteCheck(check, device, group.rank, self.settle, self._label) if check else None
         base = assign_buckets(self.specs, config.cap_bytes, config.first_cap_bytes)
-        self.zero: Optional[ZeroCore] = None  # the shard core (config.zero), built here once
+        self.shard_core: Optional[ShardCore] = None  # the shard core (config.zero), built here once
         shards = None if config.zero is None else plan(base, group, device)
         self.buckets.set(shards.layout if sharded and shards is not None else base)
         self._install_param = install_param
         if config.zero is not None:
-            self.zero = build_core(
+            self.shard_core = build_core(
                 config.zero,
                 self.params,
                 group,
@@ -123,7 +123,7 @@ class Reducer:
             # the reduce-scatter (ZeRO-2) averages in the collective: the buckets keep local grads
             average_in_collective=config.average_in_collective or sharded,
             label=self._label,
-            collective=None if self.zero is None else self.zero.reduce,  # None: all-reduce
+            collective=None if self.shard_core is None else self.shard_core.reduce,  # None: all-reduce
         )
 
     @property
@@ -162,7 +162,7 @@ class Reducer:
     @property
     def sharding(self) -> Optional[ReduceScatter]:
         """ZeRO-2's reduce-scatter (its `outputs`: this rank's reduced grad shards), or None."""
-        return None if self.zero is None else self.zero.reduce
+        return None if self.shard_core is None else self.shard_core.reduce
 
     def param_moved(self, i: int, view: Any) -> None:
         """A shard core moved parameter i into its flat parameter buffer (`view`)."""

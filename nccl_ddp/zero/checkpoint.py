@@ -28,12 +28,14 @@ FullState = Dict[int, Dict[str, Any]]  # param -> key -> flat array of the param
 _KEYS_BYTES = 4096
 
 
-def consolidate(zs: ZeroShards, local: Dict[int, PieceState], to: Optional[int] = 0) -> Optional[FullState]:
-    """`local[k]`: the state of this rank's piece `zs.pieces[k]` (missing: none yet). Collective
-    over `zs.group`; returns the full state on rank `to` (every rank when `to` is None)."""
-    kinds = _agree_keys(zs, local)
-    xp, layout, pieces = zs.device.xp, zs.layout, zs.pieces
-    mine = to is None or zs.rank == to
+def consolidate(
+    shard_memory: ZeroShards, local: Dict[int, PieceState], to: Optional[int] = 0
+) -> Optional[FullState]:
+    """`local[k]`: the state of this rank's piece `shard_memory.pieces[k]` (missing: none yet). Collective
+    over `shard_memory.group`; returns the full state on rank `to` (every rank when `to` is None)."""
+    kinds = _agree_keys(shard_memory, local)
+    xp, layout, pieces = shard_memory.device.xp, shard_memory.layout, shard_memory.pieces
+    mine = to is None or shard_memory.rank == to
     full: FullState = {}
     scalar_keys = sorted(k for k, kind in kinds.items() if kind == "s")
     # per parameter: [present, scalars...] from the rank owning its first element
@@ -44,8 +46,10 @@ def consolidate(zs: ZeroShards, local: Dict[int, PieceState], to: Optional[int] 
             for j, key in enumerate(scalar_keys):
                 table[piece.param, 1 + j] = float(local[k][key])
     buf = xp.asarray(table.reshape(-1))
-    zs.blocking(
-        lambda s: zs.group.all_reduce(buf, ReduceOp.SUM, stream=s, tag="per-parameter optimizer scalars")
+    shard_memory.blocking(
+        lambda s: shard_memory.group.all_reduce(
+            buf, ReduceOp.SUM, stream=s, tag="per-parameter optimizer scalars"
+        )
     )
     summed = np.asarray(to_host(buf), np.float64).reshape(table.shape)
     present = [p for p in range(layout.num_params) if summed[p, 0] > 0]
@@ -54,13 +58,15 @@ def consolidate(zs: ZeroShards, local: Dict[int, PieceState], to: Optional[int] 
             full[p] = {key: float(summed[p, 1 + j]) for j, key in enumerate(scalar_keys)}
     for key in sorted(k for k, kind in kinds.items() if kind == "e"):
         for b, bucket in enumerate(layout.buckets):
-            shard = zs.device.zeros(zs.shards.shard_numel[b], np.float32)
+            shard = shard_memory.device.zeros(shard_memory.shards.shard_numel[b], np.float32)
             for k, piece in enumerate(pieces):
                 if piece.bucket == b and k in local:
                     shard[piece.shard_lo : piece.shard_lo + piece.numel] = local[k][key]
-            whole = zs.device.zeros(bucket.padded, np.float32)
-            zs.blocking(
-                functools.partial(_all_gather, zs, whole, shard, f"optimizer state {key!r} of bucket {b}")
+            whole = shard_memory.device.zeros(bucket.padded, np.float32)
+            shard_memory.blocking(
+                functools.partial(
+                    _all_gather, shard_memory, whole, shard, f"optimizer state {key!r} of bucket {b}"
+                )
             )
             if mine:
                 for p, off, n in zip(bucket.params, bucket.offsets, bucket.numels):
@@ -98,7 +104,7 @@ def reshard(
     return out
 
 
-def _agree_keys(zs: ZeroShards, local: Dict[int, PieceState]) -> Dict[str, str]:
+def _agree_keys(shard_memory: ZeroShards, local: Dict[int, PieceState]) -> Dict[str, str]:
     """Every rank's state keys with their kind ("e" elementwise, "s" scalar), the same on all."""
     kinds: Dict[str, str] = {}
     for state in local.values():
@@ -106,28 +112,28 @@ def _agree_keys(zs: ZeroShards, local: Dict[int, PieceState]) -> Dict[str, str]:
             kind = "s" if np.isscalar(v) else "e"
             if kinds.setdefault(key, kind) != kind:
                 raise ConfigError(
-                    f"rank {zs.rank}: optimizer state {key!r} is a scalar for some "
+                    f"rank {shard_memory.rank}: optimizer state {key!r} is a scalar for some "
                     "parameters and an array for others; cannot shard it"
                 )
     raw = json.dumps(sorted(kinds.items())).encode()
     if len(raw) > _KEYS_BYTES:
         raise ConfigError(
-            f"rank {zs.rank}: optimizer state keys {sorted(kinds)} are too many "
+            f"rank {shard_memory.rank}: optimizer state keys {sorted(kinds)} are too many "
             f"to exchange ({len(raw)} > {_KEYS_BYTES} bytes)"
         )
     mine = np.zeros(_KEYS_BYTES, np.uint8)
     mine[: len(raw)] = np.frombuffer(raw, np.uint8)
-    xp = zs.device.xp
+    xp = shard_memory.device.xp
     inp = xp.asarray(mine)
-    out = xp.zeros(_KEYS_BYTES * zs.group.size, np.uint8)
-    zs.blocking(functools.partial(_all_gather, zs, out, inp, "optimizer state key names"))
+    out = xp.zeros(_KEYS_BYTES * shard_memory.group.size, np.uint8)
+    shard_memory.blocking(functools.partial(_all_gather, shard_memory, out, inp, "optimizer state key names"))
     allk: Dict[str, str] = {}
-    for r, row in enumerate(np.asarray(to_host(out)).reshape(zs.group.size, _KEYS_BYTES)):
+    for r, row in enumerate(np.asarray(to_host(out)).reshape(shard_memory.group.size, _KEYS_BYTES)):
         for key, kind in json.loads(bytes(row).rstrip(b"\0").decode() or "[]"):
             if allk.setdefault(key, kind) != kind:
                 raise ConfigError(f"optimizer state {key!r} is a scalar on one rank and an array on rank {r}")
     return allk
 
 
-def _all_gather(zs: ZeroShards, out: Any, inp: Any, tag: str, stream: Stream) -> Any:
-    return zs.group.all_gather(out, inp, stream=stream, tag=tag)
+def _all_gather(shard_memory: ZeroShards, out: Any, inp: Any, tag: str, stream: Stream) -> Any:
+    return shard_memory.group.all_gather(out, inp, stream=stream, tag=tag)

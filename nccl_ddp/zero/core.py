@@ -30,14 +30,14 @@ from nccl_ddp.zero.shards import ZeroShards
 
 
 @dataclasses.dataclass
-class ZeroCore:
+class ShardCore:
     """What one sharded model (or optimizer) holds. `reduce`: the bucket collective of stage 2
     (its `outputs` are the reduced grad shards), None under stage 1; `grad_memory`: the
     reducer's full-size grad buckets it reduces, or None (then `pool`)."""
 
     config: ZeroConfig
     shards: ShardLayout
-    zs: ZeroShards
+    shard_memory: ZeroShards
     reduce: Optional[ReduceScatter]
     grad_memory: Optional[BucketBuffers]
     group: ProcessGroup
@@ -49,7 +49,7 @@ class ZeroCore:
         return self.config.stage
 
     def close(self) -> None:
-        self.zs.close()
+        self.shard_memory.close()
 
 
 def build_core(
@@ -64,7 +64,7 @@ def build_core(
     comm: Optional[Stream] = None,
     timeline: Optional[Callable[[], Timeline]] = None,
     fp32_grad_shards: bool = True,
-) -> ZeroCore:
+) -> ShardCore:
     """The shard core over `params` (native arrays). `shards`: the cut (`plan`; None: one made
     here with the config's bucket cap); `grad_memory`: stage 2's grad buckets laid out as the
     shards (None: a `GradPool`, one bucket-sized buffer per dtype); `install(i, view)`: parameter
@@ -82,7 +82,7 @@ def build_core(
             pool = GradPool(shards.layout, device, functools.partial(group.zeros, device))
         memory = pool if grad_memory is None else grad_memory
         reduce = ReduceScatter(group, device, shards, memory, config.reduce_dtype)
-    zs = ZeroShards(
+    shard_memory = ZeroShards(
         shards,
         params,
         group,
@@ -93,7 +93,7 @@ def build_core(
         timeline=timeline,
         fp32_grad_shards=fp32_grad_shards,
     )
-    return ZeroCore(config, shards, zs, reduce, grad_memory, group, pool)
+    return ShardCore(config, shards, shard_memory, reduce, grad_memory, group, pool)
 
 
 def plan(layout: BucketLayout, group: ProcessGroup, device: Device) -> ShardLayout:

@@ -44,22 +44,28 @@ def _rank(rank, world, kind, dtype):
         device = device_of(group)
         params = _init(dtype)
         core = build_core(nd.ZeroConfig(stage=1, bucket_cap_mb=512 / 2**20), params, group, device)
-        zs = core.zs
+        shard_memory = core.shard_memory
         opt = _make(kind)
-        states = [opt.init_state(m) for m in zs.master]
+        states = [opt.init_state(m) for m in shard_memory.master]
         low = np.dtype(dtype) != np.float32
         for step in range(STEPS):
             grads = _grads(rank, step)
             for g in grads:
                 nd.all_reduce(g)  # sum; 1/world fused into the step
-            zs.collect_full(grads)
+            shard_memory.collect_full(grads)
             device.current_stream().synchronize()
-            for b, (m, g, s) in enumerate(zip(zs.master, zs.grads, states)):
-                opt.step(m, g, s, params_out=zs.owned_params(b) if low else None, grad_scale=1 / world)
-            zs.gather(wait=True)
+            for b, (m, g, s) in enumerate(zip(shard_memory.master, shard_memory.grads, states)):
+                opt.step(
+                    m, g, s, params_out=shard_memory.owned_params(b) if low else None, grad_scale=1 / world
+                )
+            shard_memory.gather(wait=True)
         device.current_stream().synchronize()
-        zs.close()
-        return [p.astype(np.float32) for p in params], len(zs.master), sum(m.size for m in zs.master)
+        shard_memory.close()
+        return (
+            [p.astype(np.float32) for p in params],
+            len(shard_memory.master),
+            sum(m.size for m in shard_memory.master),
+        )
     finally:
         nd.destroy_process_group()
 

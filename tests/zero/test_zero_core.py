@@ -82,13 +82,13 @@ def test_the_model_is_validated_when_built(world1):
 def test_zero2_only_when_the_model_asks_for_it(world1):
     import torch
 
-    from nccl_ddp.zero.core import ZeroCore
+    from nccl_ddp.zero.core import ShardCore
 
     m = _model()
     plain = nd.DistributedDataParallel(m)
     opt = nd.ZeroRedundancyOptimizer(m.parameters(), torch.optim.SGD, lr=0.1)
-    assert opt._stage == 1 and plain.reducer.zero is None and plain.reducer.sharding is None
-    assert isinstance(opt.core, ZeroCore) and opt.core.reduce is None  # the factory's, ZeRO-1
+    assert opt._stage == 1 and plain.reducer.shard_core is None and plain.reducer.sharding is None
+    assert isinstance(opt.shard_core, ShardCore) and opt.shard_core.reduce is None  # the factory's, ZeRO-1
     opt.zero_grad()
     plain(torch.ones(3, 5)).square().sum().backward()
     full = {n: p.grad.clone() for n, p in m.named_parameters()}
@@ -97,10 +97,10 @@ def test_zero2_only_when_the_model_asks_for_it(world1):
 
     m = _model()
     sharded = nd.DistributedDataParallel(m, zero=nd.ZeroConfig(stage=2))
-    core = sharded.reducer.zero
-    assert isinstance(core, ZeroCore) and core.reduce is sharded.reducer.submitter.collective
+    core = sharded.reducer.shard_core
+    assert isinstance(core, ShardCore) and core.reduce is sharded.reducer.submitter.collective
     opt = nd.ZeroRedundancyOptimizer(m.parameters(), torch.optim.SGD, lr=0.1)
-    assert opt._stage == 2 and opt.core is core  # found through the parameters' mark
+    assert opt._stage == 2 and opt.shard_core is core  # found through the parameters' mark
     with pytest.raises(
         ConfigError, match=r"zero_stage=1, but the model was built with zero=ZeroConfig\(stage=2\)"
     ):
@@ -112,7 +112,7 @@ def test_zero2_only_when_the_model_asks_for_it(world1):
     m = _model()  # stage 1 asked on the model: it builds the core, all-reduces whole grads
     one = nd.DistributedDataParallel(m, zero=nd.ZeroConfig(stage=1))
     opt = nd.ZeroRedundancyOptimizer(m.parameters(), torch.optim.SGD, lr=0.1)
-    assert opt._stage == 1 and opt.core is one.reducer.zero and one.reducer.sharding is None
+    assert opt._stage == 1 and opt.shard_core is one.reducer.shard_core and one.reducer.sharding is None
     before = [p.detach().clone() for p in m.parameters()]
     opt.zero_grad()
     one(torch.ones(3, 5)).square().sum().backward()
@@ -134,17 +134,21 @@ def test_jax_uses_the_same_factory_and_config(world1):
     optax = pytest.importorskip("optax")
     import jax.numpy as jnp
 
-    from nccl_ddp.zero.core import ZeroCore
+    from nccl_ddp.zero.core import ShardCore
 
     params = {"w": jnp.ones((3, 4)), "b": jnp.zeros(4)}
     zopt = nd.ZeroOptimizer(params, optax.sgd(0.1))
-    assert isinstance(zopt.core, ZeroCore) and zopt.core.stage == 2 and zopt.core.reduce is not None
+    assert (
+        isinstance(zopt.shard_core, ShardCore)
+        and zopt.shard_core.stage == 2
+        and zopt.shard_core.reduce is not None
+    )
     zopt.close()
     # several buckets: their grads pass through one pooled bucket buffer, none kept full size
     zopt = nd.ZeroOptimizer(params, optax.sgd(0.1), bucket_cap_mb=32 / 2**20)
-    buckets = zopt.core.shards.layout.buckets
-    assert len(buckets) > 1 and zopt.core.grad_memory is None
-    assert zopt.core.pool.nbytes == max(b.nbytes for b in buckets) < sum(b.nbytes for b in buckets)
+    buckets = zopt.shard_core.shards.layout.buckets
+    assert len(buckets) > 1 and zopt.shard_core.grad_memory is None
+    assert zopt.shard_core.pool.nbytes == max(b.nbytes for b in buckets) < sum(b.nbytes for b in buckets)
     grads = {"w": jnp.arange(12.0).reshape(3, 4), "b": jnp.full(4, 2.0)}
     state = zopt.init(params)
     for _ in range(2):  # the second step reuses the pool: stale values must not leak in
@@ -228,13 +232,13 @@ def test_the_global_norm_is_one_host_read_per_step(world1, monkeypatch):
     rng = np.random.default_rng(0)
     params = [rng.standard_normal(s).astype(np.float32) for s in [(40,), (30, 3), (50,), (7,)]]
     core = build_core(nd.ZeroConfig(stage=1, bucket_cap_mb=200 / 2**20), params, group, device)
-    assert len(core.zs.layout.buckets) >= 3
+    assert len(core.shard_memory.layout.buckets) >= 3
     grads = [rng.standard_normal(p.shape).astype(np.float32) for p in params]
-    core.zs.collect_full(grads)
+    core.shard_memory.collect_full(grads)
     reads = []
     real = shards_mod.to_host
     monkeypatch.setattr(shards_mod, "to_host", lambda x: reads.append(1) or real(x))
-    norm = core.zs.global_norm()
+    norm = core.shard_memory.global_norm()
     core.close()
     want = np.sqrt(sum(float(np.dot(g.ravel().astype(np.float64), g.ravel())) for g in grads))
     assert norm == pytest.approx(want, rel=1e-6)

@@ -118,11 +118,11 @@ class ZeroOptimizer:
             broadcast(x, 0, self.group)
         # the same validated config and factory as the torch forms; the core holds its own
         # grad buckets (JAX hands the grads over whole, after backward)
-        self.core = build_core(
+        self.shard_core = build_core(
             ZeroConfig(stage=2, bucket_cap_mb=bucket_cap_mb), natives, self.group, self.device
         )
-        self.zs = self.core.zs
-        self._reduce, self._pool = self.core.reduce, self.core.pool
+        self.shard_memory = self.shard_core.shard_memory
+        self._reduce, self._pool = self.shard_core.reduce, self.shard_core.pool
 
     def init(self, params: Pytree) -> optax.OptState:
         """The optax state of this rank's shards (a list of flat float32 arrays, one per
@@ -141,27 +141,32 @@ class ZeroOptimizer:
         self._check_tree(grads, "grads")
         natives = [to_native(g) for g in jax.tree_util.tree_leaves(grads)]
         assert self._reduce is not None and self._pool is not None  # stage 2, the core's pool
-        for b, bucket in enumerate(self.zs.layout.buckets):
+        for b, bucket in enumerate(self.shard_memory.layout.buckets):
             buf = self._pool.buffer(b)  # one buffer reused: no full-size grad copy is kept
             kernels.pack([natives[i] for i in bucket.params], buf, list(bucket.offsets))
             self._reduce.reduce(b, buf, ReduceOp.AVG, f"grad bucket {b}")
-        self.zs.collect_reduced()
+        self.shard_memory.collect_reduced()
         self.device.current_stream().synchronize()
         master = self._master_jax()
-        shard_grads = [from_native(self.device.xp.array(g), self._jax_devices[0]) for g in self.zs.grads]
+        shard_grads = [
+            from_native(self.device.xp.array(g), self._jax_devices[0]) for g in self.shard_memory.grads
+        ]
         updates, state = self.tx.update(shard_grads, state, master)
         new = optax.apply_updates(master, updates)
-        for m, x in zip(self.zs.master, new):
+        for m, x in zip(self.shard_memory.master, new):
             m[...] = to_native(x)
-        self.zs.gather(wait=True)
-        out = [from_native(self.device.xp.array(p), d) for p, d in zip(self.zs.params, self._jax_devices)]
+        self.shard_memory.gather(wait=True)
+        out = [
+            from_native(self.device.xp.array(p), d)
+            for p, d in zip(self.shard_memory.params, self._jax_devices)
+        ]
         return jax.tree_util.tree_unflatten(self.treedef, out), state
 
     def close(self) -> None:
-        self.core.close()
+        self.shard_core.close()
 
     def _master_jax(self) -> List[jax.Array]:
-        return [from_native(self.device.xp.array(m), self._jax_devices[0]) for m in self.zs.master]
+        return [from_native(self.device.xp.array(m), self._jax_devices[0]) for m in self.shard_memory.master]
 
     def _check_tree(self, tree: Pytree, what: str) -> None:
         import jax
@@ -172,7 +177,7 @@ class ZeroOptimizer:
                 f"ZeroOptimizer.step: {what} has structure {treedef}, the optimizer "
                 f"was built for {self.treedef}; pass the same pytree structure"
             )
-        for i, (x, p) in enumerate(zip(leaves, self.zs.params)):
+        for i, (x, p) in enumerate(zip(leaves, self.shard_memory.params)):
             if tuple(x.shape) != tuple(p.shape):
                 raise ConfigError(
                     f"ZeroOptimizer.step: {what} leaf {i} has shape "

@@ -27,7 +27,7 @@ from nccl_ddp.comm.group import ProcessGroup
 from nccl_ddp.ddp.interfaces import FrameworkAdapter, GradModule, Named, StepDriver
 from nccl_ddp.errors import ConfigError, ConfigTypeError, NcclDdpError
 from nccl_ddp.frameworks import NativeArray
-from nccl_ddp.zero.core import ZeroCore
+from nccl_ddp.zero.core import ShardCore
 
 if TYPE_CHECKING:
     import torch
@@ -196,10 +196,10 @@ class TorchModule(GradModule):
         self.driver.param_moved(self.index_of(param), view)
 
     @property
-    def zero(self) -> Optional[ZeroCore]:
+    def shard_core(self) -> Optional[ShardCore]:
         """The model's shard core (`DistributedDataParallel(..., zero=ZeroConfig(...))`), or
         None: what ZeroRedundancyOptimizer steps."""
-        return None if self._driver is None else self._driver.zero
+        return None if self._driver is None else self._driver.shard_core
 
     @property
     def driver(self) -> StepDriver:
@@ -227,9 +227,9 @@ class TorchModule(GradModule):
         older = {id(o): o for o in map(owner_of, self.params) if o is not None and o is not self}
         for old in older.values():
             old.superseded()
-        zero = driver.zero
-        if zero is not None and zero.reduce is not None:  # ZeRO-2: torch's grads, handed over per step
-            self._pooled = PooledGrads(self.params, driver, zero.reduce, to_native)
+        core = driver.shard_core
+        if core is not None and core.reduce is not None:  # ZeRO-2: torch's grads, handed over per step
+            self._pooled = PooledGrads(self.params, driver, core.reduce, to_native)
             self._grads = [None] * len(self.params)  # (a p.grad given before wrapping stays)
         for i, p in enumerate(self.params):
             self._grad_hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook_for(i)))

@@ -349,9 +349,9 @@ class TorchDistributedDataParallel(torch.nn.Module, DistributedDataParallel, _To
         """torch's; with a shard core whose parameter all-gathers are pending
         (`ZeroConfig(overlap_param_gather=True)` after `step()`), they finish first, so what is
         read through the wrapper (`parameters()` too) are the stepped values."""
-        zero = getattr(getattr(self, "reducer", None), "zero", None)
-        if zero is not None:
-            zero.zs.wait_all()
+        core = getattr(getattr(self, "reducer", None), "shard_core", None)
+        if core is not None:
+            core.shard_memory.wait_all()
         return super().named_parameters(*args, **kwargs)
 
     def _apply(self, fn: Any, recurse: bool = True) -> TorchDistributedDataParallel:

@@ -56,9 +56,9 @@ def _rank(rank, world, kind, cap_mb):
         state = zopt.init(params)
         for step in range(STEPS):
             params, state = zopt.step(params, _grads(rank, step), state)
-        nbuckets = len(zopt.zs.master)
-        shard = sum(m.size for m in zopt.zs.master)
-        assert sum(g.size for g in zopt.zs.grads) == shard  # only the owned grad slices kept
+        nbuckets = len(zopt.shard_memory.master)
+        shard = sum(m.size for m in zopt.shard_memory.master)
+        assert sum(g.size for g in zopt.shard_memory.grads) == shard  # only the owned grad slices kept
         zopt.close()
         return jax.tree_util.tree_map(np.asarray, params), nbuckets, shard
     finally:

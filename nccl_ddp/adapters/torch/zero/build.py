@@ -26,7 +26,7 @@ def pick_stage(trainable: List[Any], zero_stage: Optional[int], group: Any) -> T
     `zero_stage`: the optimizer's argument; `group`: its process group."""
     refuse_in_optimizer(trainable, group.rank, "ZeroRedundancyOptimizer")
     owners = [owner_of(p) for p in trainable]
-    sharded = {id(o): o for o in owners if o is not None and o.zero is not None}
+    sharded = {id(o): o for o in owners if o is not None and o.shard_core is not None}
     if not sharded:
         if zero_stage == 2:
             raise ConfigError(
@@ -51,7 +51,7 @@ def pick_stage(trainable: List[Any], zero_stage: Optional[int], group: Any) -> T
             "the optimizer must hold every trainable parameter of the sharded model (its "
             f"shards cut all of them); missing {missing[:10]}. Pass model.parameters()"
         )
-    stage = 1 if owner.zero is None else owner.zero.stage  # (never None: owners in `sharded`)
+    stage = 1 if owner.shard_core is None else owner.shard_core.stage  # (never None: owners in `sharded`)
     if zero_stage is not None and zero_stage != stage:
         raise ConfigError(
             f"zero_stage={zero_stage}, but the model was built with "

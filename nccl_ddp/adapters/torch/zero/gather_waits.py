@@ -26,14 +26,14 @@ if TYPE_CHECKING:
 class GatherWaits:
     """The hooks above on every module of `root`; `index`: id(param) -> layout index."""
 
-    def __init__(self, zs: ZeroShards, root: torch.nn.Module, index: Dict[int, int]) -> None:
-        self.zs, self.root = zs, root
+    def __init__(self, shard_memory: ZeroShards, root: torch.nn.Module, index: Dict[int, int]) -> None:
+        self.shard_memory, self.root = shard_memory, root
         modules = list(root.modules())
         self._parent: Dict[int, torch.nn.Module] = {}
         for m in modules:
             for c in m.children():
                 self._parent.setdefault(id(c), m)
-        layout = zs.layout
+        layout = shard_memory.layout
         self._own: Dict[int, List[int]] = {}
         for m in modules:
             located = [layout.locate(index[id(p)]) for p in m.parameters(recurse=False) if id(p) in index]
@@ -53,11 +53,11 @@ class GatherWaits:
     def _before_forward(self, module: torch.nn.Module, args: object) -> None:
         if self._ran is not None:
             self._ran.add(id(module))
-            self.zs.wait_all()
+            self.shard_memory.wait_all()
             return
-        if self.zs.gather_pending:
+        if self.shard_memory.gather_pending:
             for b in self._waits.get(id(module), ()):
-                self.zs.wait_bucket(b)
+                self.shard_memory.wait_bucket(b)
 
     def _after_root_forward(self, module: torch.nn.Module, args: object, output: object) -> None:
         if self._ran is None:
@@ -72,7 +72,7 @@ class GatherWaits:
         self._ran = None
 
     def _wait_all(self, *args: object, **kwargs: object) -> None:
-        self.zs.wait_all()
+        self.shard_memory.wait_all()
 
     def remove(self) -> None:
         for h in self._handles:

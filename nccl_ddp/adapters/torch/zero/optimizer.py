@@ -144,27 +144,29 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if not trainable:
             raise ConfigError("ZeroRedundancyOptimizer: no parameter requires grad")
         self._stage, owner = pick_stage(trainable, self._zero_stage, self.group)
-        adopt_options(self, self._asked, None if owner is None else owner.zero.config)
+        adopt_options(self, self._asked, None if owner is None else owner.shard_core.config)
         self.device = device_of(self.group)
         if owner is not None:  # the model's core, built with it (zero=)
-            order, names, core = owner.params, list(owner.names), owner.zero
+            order, names, core = owner.params, list(owner.names), owner.shard_core
         else:  # ZeRO-1 over grads all-reduced by anyone: a core of our own
             order, names, core = own_core(trainable, self.group, self.device)
         self._own_core = owner is None
-        self.core = core
-        self.zs = core.zs
+        self.shard_core = core
+        self.shard_memory = core.shard_memory
         self._order: List[Any] = list(order)
         self._names = [str(n) for n in names]
         self._index = {id(p): i for i, p in enumerate(self._order)}
         self._global = [self._index.get(id(p), -1) for p in params]  # state_dict id -> layout index
-        self._pieces = self.zs.pieces
-        self._piece_params = [from_native(self.zs.master_piece(pc)) for pc in self._pieces]
+        self._pieces = self.shard_memory.pieces
+        self._piece_params = [from_native(self.shard_memory.master_piece(pc)) for pc in self._pieces]
         piece_grads = [
-            None if self.zs.grads[pc.bucket] is None else from_native(self.zs.grad_piece(pc))
+            None
+            if self.shard_memory.grads[pc.bucket] is None
+            else from_native(self.shard_memory.grad_piece(pc))
             for pc in self._pieces
         ]
-        self._grads = StepGrads(self._stage, self.zs, self._order, piece_grads)
-        self._param_views = [from_native(v) for v in self.zs.params]  # what each p.data must be
+        self._grads = StepGrads(self._stage, self.shard_memory, self._order, piece_grads)
+        self._param_views = [from_native(v) for v in self.shard_memory.params]  # what each p.data must be
         inner_groups = piece_groups(self.param_groups, self._pieces, self._piece_params, self._order)
         self._inner = self.optimizer_class(inner_groups, **self.defaults)
         for ours, theirs in zip(self.param_groups, self._inner.param_groups):
@@ -172,7 +174,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 if k != "params":
                     ours.setdefault(k, v)
         if self.overlap_param_gather:
-            self._gather_waits = GatherWaits(self.zs, owner.module, self._index)
+            self._gather_waits = GatherWaits(self.shard_memory, owner.module, self._index)
         # ZeRO-2: GradScaler unscales and checks the shards through us (torch's contract), and
         # p.grad (local values) refuses to be read as the averaged grad
         self._step_supports_amp_scaling = self._stage == 2
@@ -241,7 +243,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._inner.step()
         for t in self._piece_params:
             t.grad = None  # no reference to this step's grads is kept
-        self.zs.gather(wait=not self.overlap_param_gather)
+        self.shard_memory.gather(wait=not self.overlap_param_gather)
         return loss
 
     def _realias(self) -> None:
@@ -262,7 +264,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 t.copy_(p.detach())
             model = owner_of(p)
             if model is not None:
-                model.param_moved(p, self.zs.params[i])
+                model.param_moved(p, self.shard_memory.params[i])
             else:
                 p.data = t
 
@@ -280,7 +282,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         saved = self._full_state(to=None)
         assert saved is not None
         super().add_param_group(param_group)
-        old = self.core
+        old = self.shard_core
         self._build()
         old.close()
         new = self.param_groups[-1]
@@ -296,9 +298,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ state
 
     def _full_state(self, to: Optional[int]) -> Optional[dict]:
-        self.zs.wait_all()
-        local = local_state(self._inner, self._piece_params, self.zs)
-        full = consolidate(self.zs, local, to)
+        self.shard_memory.wait_all()
+        local = local_state(self._inner, self._piece_params, self.shard_memory)
+        full = consolidate(self.shard_memory, local, to)
         if full is None:
             return None
         return full_to_torch(full, self._global, self.param_groups, self._order)
@@ -335,13 +337,19 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a full (consolidated, or an unsharded torch optimizer's) state on every rank,
         each keeping its shards' slices; checked whole before anything changes."""
-        self.zs.wait_all()
+        self.shard_memory.wait_all()
         self._realias()
         full, groups = torch_to_full(state_dict, self.param_groups, self._global, self._order, self._names)
-        pieces = reshard(self.zs.shards, self.zs.rank, full, [p.numel() for p in self._order], self._names)
+        pieces = reshard(
+            self.shard_memory.shards,
+            self.shard_memory.rank,
+            full,
+            [p.numel() for p in self._order],
+            self._names,
+        )
         for ours, saved in zip(self.param_groups, groups):
             ours.update({k: v for k, v in saved.items() if k != "params"})
-        set_local_state(self._inner, self._piece_params, pieces, self.zs)
+        set_local_state(self._inner, self._piece_params, pieces, self.shard_memory)
         self._consolidated = None
 
     # ------------------------------------------------------------------ Join (uneven inputs)
@@ -373,13 +381,13 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         """Wait for the parameter all-gathers that `step()` left pending
         (`overlap_param_gather=True`): after it, reading or writing the parameters directly
         (`p.copy_(...)`, a forward outside the model) is safe. A no-op when none is pending."""
-        self.zs.wait_all()
+        self.shard_memory.wait_all()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
         self._grads.reset()
-        if self._stage == 2 and self.core.reduce is not None:  # the next step starts from zero
-            self.core.reduce.accumulate = False
+        if self._stage == 2 and self.shard_core.reduce is not None:  # the next step starts from zero
+            self.shard_core.reduce.accumulate = False
 
     def __repr__(self) -> str:
         return (

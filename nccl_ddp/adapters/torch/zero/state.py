@@ -20,7 +20,7 @@ from nccl_ddp.errors import ConfigError
 MASTER = "__fp32_master__"
 
 
-def local_state(inner: Any, piece_params: List[Any], zs: Any) -> Dict[int, Dict[str, Any]]:
+def local_state(inner: Any, piece_params: List[Any], shard_memory: Any) -> Dict[int, Dict[str, Any]]:
     """This rank's piece states for consolidation (pieces of low-precision buckets carry their
     fp32 master beside the optimizer's state)."""
     out: Dict[int, Dict[str, Any]] = {}
@@ -40,9 +40,9 @@ def local_state(inner: Any, piece_params: List[Any], zs: Any) -> Dict[int, Dict[
                     f"parameter slice of shape {tuple(t.shape)}: the optimizer is "
                     "not elementwise and cannot be sharded"
                 )
-        piece = zs.pieces[k]
-        if zs.master[piece.bucket] is not zs.owned_params(piece.bucket):
-            s[MASTER] = zs.master_piece(piece)
+        piece = shard_memory.pieces[k]
+        if shard_memory.master[piece.bucket] is not shard_memory.owned_params(piece.bucket):
+            s[MASTER] = shard_memory.master_piece(piece)
         out[k] = s
     return out
 
@@ -125,19 +125,21 @@ def torch_to_full(
     return full, groups
 
 
-def set_local_state(inner: Any, piece_params: List[Any], pieces: Dict[int, Dict[str, Any]], zs: Any) -> None:
+def set_local_state(
+    inner: Any, piece_params: List[Any], pieces: Dict[int, Dict[str, Any]], shard_memory: Any
+) -> None:
     """Replace the inner optimizer's state by the resharded piece states; the fp32 masters of
     low-precision pieces come from the checkpoint, or from the parameters when it has none."""
     inner.state.clear()
     for k, t in enumerate(piece_params):
-        piece = zs.pieces[k]
-        low = zs.master[piece.bucket] is not zs.owned_params(piece.bucket)
+        piece = shard_memory.pieces[k]
+        low = shard_memory.master[piece.bucket] is not shard_memory.owned_params(piece.bucket)
         s = dict(pieces.get(k, {}))
         if low:
             m = s.pop(MASTER, None)
-            dst = zs.master_piece(piece)
+            dst = shard_memory.master_piece(piece)
             if m is None:
-                src = zs.owned_params(piece.bucket)[piece.shard_lo : piece.shard_lo + piece.numel]
+                src = shard_memory.owned_params(piece.bucket)[piece.shard_lo : piece.shard_lo + piece.numel]
                 dst[...] = src.astype(dst.dtype)
             else:
                 dst[...] = m

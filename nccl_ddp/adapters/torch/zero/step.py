@@ -27,12 +27,12 @@ class StepGrads:
     def __init__(
         self,
         stage: int,
-        zs: ZeroShards,
+        shard_memory: ZeroShards,
         order: List[torch.nn.Parameter],
         buffers: List[Optional[torch.Tensor]],
     ) -> None:
-        self.stage, self.zs, self.order, self.buffers = stage, zs, order, buffers
-        self.pieces = zs.pieces
+        self.stage, self.shard_memory, self.order, self.buffers = stage, shard_memory, order, buffers
+        self.pieces = shard_memory.pieces
         self.grads: List[
             Optional[torch.Tensor]
         ] = []  # this step's, per piece (None: the parameter has no grad)
@@ -47,7 +47,7 @@ class StepGrads:
     def collect(self) -> List[Optional[torch.Tensor]]:
         if not self._collected:
             if self.stage == 2:
-                self.zs.collect_reduced()
+                self.shard_memory.collect_reduced()
                 self.grads = list(self.buffers)
             else:
                 self.grads = [self._full_grad_piece(pc, buf) for pc, buf in zip(self.pieces, self.buffers)]
@@ -72,11 +72,11 @@ class StepGrads:
         self.collect()
         if self._norm is None:
             if self.stage == 2:
-                self._norm = self.zs.global_norm()
+                self._norm = self.shard_memory.global_norm()
             else:
                 present = [g for g in self.grads if g is not None]
                 sq = torch.stack(torch._foreach_norm(present)).double().pow(2).sum() if present else 0.0
-                self._norm = self.zs.global_norm(local_sq=float(sq))
+                self._norm = self.shard_memory.global_norm(local_sq=float(sq))
         return self._norm
 
     @torch.no_grad()
@@ -85,7 +85,7 @@ class StepGrads:
         torch's tools see, and the widened copies)."""
         self.collect()
         if self.stage == 2:
-            self.zs.scale_grads(factor)
+            self.shard_memory.scale_grads(factor)
         else:
             full = [p.grad for p in self.order if p.grad is not None]
             if full:

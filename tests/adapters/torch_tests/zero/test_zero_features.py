@@ -46,8 +46,8 @@ def _features(rank: int, world: int, store_dir: str) -> dict:
         ddp = nd.DistributedDataParallel(m, bucket_cap_mb=SMALL, zero=overlap_cfg)
         z = nd.ZeroRedundancyOptimizer(m.parameters(), adamw, zero_stage=2, **kw)
         ours = train(m, z, ddp, rank, world)
-        out["overlap_pending_after_step"] = z.zs.gather_pending
-        z.zs.wait_all()
+        out["overlap_pending_after_step"] = z.shard_memory.gather_pending
+        z.shard_memory.wait_all()
         out["overlap"] = (ref, {n: p.detach().numpy().copy() for n, p in m.named_parameters()})
         ddp.close()
         assert set(ours) == set(ref)
@@ -66,7 +66,7 @@ def _features(rank: int, world: int, store_dir: str) -> dict:
                 ddp.reducer.comm.submit(time.sleep, 0.3)
             z.step()
             nd.all_reduce(torch.ones(1))
-        z.zs.wait_all()
+        z.shard_memory.wait_all()
         out["overlap_collective"] = (ref, {n: p.detach().numpy().copy() for n, p in m.named_parameters()})
         ddp.close()
 

@@ -249,12 +249,12 @@ def test_param_gather_is_on_the_step_timeline(world1, overlap):
         m.parameters(), torch.optim.SGD, lr=0.1, zero_stage=2, skip_nonfinite=False
     )  # (the non-finite check's norm would wait for the comm stream inside step())
     ddp.reducer.prof = Timeline(0, timeline=True)
-    nbuckets = len(opt.zs.layout.buckets)
+    nbuckets = len(opt.shard_memory.layout.buckets)
     assert nbuckets > 1
     for _ in range(3):
         opt.zero_grad()
         ddp(torch.ones(2, 7)).square().sum().backward()
-        opt.zs.comm.submit(time.sleep, 0.3)  # the gathers start 0.3 s after step() returns
+        opt.shard_memory.comm.submit(time.sleep, 0.3)  # the gathers start 0.3 s after step() returns
         opt.step()
     steps = list(ddp.reducer.prof.steps)
     assert steps[0].gather_s == 0 and steps[0].forward_s > 0  # no optimizer step before it

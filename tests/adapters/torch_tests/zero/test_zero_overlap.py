@@ -74,7 +74,7 @@ def _train(make, rank: int, world: int, ours: bool, mode: str) -> list:
         opt.zero_grad()
         torch.nn.functional.mse_loss(wrapped(x), y).backward()
         if ours:
-            opt.zs.comm.submit(time.sleep, LAG_S)  # the gathers start LAG_S after step() returns
+            opt.shard_memory.comm.submit(time.sleep, LAG_S)  # the gathers start LAG_S after step() returns
         opt.step()
         if mode == "wait_for_params":
             if ours:

@@ -44,7 +44,7 @@ def _grad_bytes_held(model, ddp) -> dict:
     for g in ddp._torch_module._grads:
         if g is not None:
             storages[g.untyped_storage().data_ptr()] = g.untyped_storage().nbytes()
-    pool = reducer.zero.pool
+    pool = reducer.shard_core.pool
     return {
         "buckets": 0 if reducer.memory is None else reducer.memory.nbytes,
         "handed": sum(g.nbytes for g in reducer.grads if g is not None),

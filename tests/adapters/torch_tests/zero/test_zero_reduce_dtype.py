@@ -34,7 +34,7 @@ def _run(rank: int, world: int, store_dir: str) -> dict:
             outputs = ddp.reducer.sharding.outputs
             out[f"{name}_wire"] = sorted({str(o.dtype) for o in outputs})
             out[f"{name}_buckets"] = len(ddp.reducer.layout.buckets)
-            out[f"{name}_no_copy"] = all(g is o for g, o in zip(z.zs.grads, outputs))
+            out[f"{name}_no_copy"] = all(g is o for g, o in zip(z.shard_memory.grads, outputs))
             ddp.close()
     return out
 
