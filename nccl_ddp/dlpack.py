@@ -4,7 +4,7 @@ the one module that speaks DLPack for the functional API and the framework adapt
 Writable inputs become zero-copy views, so a collective writes into the caller's own object.
 Read-only or immutable inputs (JAX, TensorFlow, any read-only DLPack export) are copied, and
 `from_native` hands back a new array of the caller's framework: through its adapter, or for a
-framework without one through its own `from_dlpack` (`nccl_ddp.adapters.base`). Framework dtypes
+framework without one through its own `from_dlpack` (`nccl_ddp.adapters.generic`). Framework dtypes
 (`tf.float32`, `paddle.float32`, names) become NumPy's in `numpy_dtype`. Frameworks are imported
 only when such an array shows up.
 """

@@ -4,7 +4,7 @@ Nothing here imports a framework: the decision is made from the classes' modules
 (nccl_ddp/adapters/<name>/adapter.py, which does import its framework) is loaded only when needed.
 
 `ADAPTERS` is the whole table. A framework that is not in it but whose arrays speak DLPack
-(`__dlpack__`) goes through the generic adapter (`nccl_ddp.adapters.base`), which finds the
+(`__dlpack__`) goes through the generic adapter (`nccl_ddp.adapters.generic`), which finds the
 framework's own `from_dlpack`; NumPy and CuPy arrays are the backends' own and need no adapter.
 
 What this layer asks of an adapter is `ArrayAdapter`; the DDP core asks more of the same modules
@@ -85,7 +85,7 @@ ADAPTERS: Mapping[str, Framework] = {
 }
 
 NATIVE = ("numpy", "cupy")  # the backends' own arrays: no adapter
-GENERIC = "base"  # the adapter module for any other framework whose arrays speak DLPack
+GENERIC = "generic"  # the adapter module for any other framework whose arrays speak DLPack
 
 
 def framework_of(obj: Any) -> Optional[str]:
@@ -149,7 +149,7 @@ def adapter(name: str) -> ArrayAdapter:
 
 
 def generic_adapter(name: str) -> ArrayAdapter:
-    """The generic DLPack adapter (`nccl_ddp.adapters.base.GenericAdapter`) for framework `name`."""
+    """The generic DLPack adapter (`nccl_ddp.adapters.generic.GenericAdapter`) for framework `name`."""
     return _load(GENERIC, name).GenericAdapter(name)
 
 

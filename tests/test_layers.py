@@ -215,7 +215,7 @@ def test_frameworks_are_imported_only_in_adapters():
 
 def framework_package(module: str) -> str:
     """The framework package of an adapter module ('nccl_ddp.adapters.torch.zero.step' -> 'torch'),
-    '' for the framework-neutral modules at the adapters' root (base, arrays, per_variables)."""
+    '' for the framework-neutral modules at the adapters' root (generic, arrays, per_variables)."""
     parts = module.split(".")
     if parts[:2] != ["nccl_ddp", "adapters"] or len(parts) < 3:
         return ""

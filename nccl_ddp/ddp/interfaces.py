@@ -2,7 +2,7 @@
 it, so it never imports an adapter (`nccl_ddp.frameworks` loads one by name).
 
 - `FrameworkAdapter`: what the core calls on an adapter module (`adapters/<fw>/adapter.py`, or
-  `adapters/base.GenericAdapter`); it builds the two below. Each adapter module declares itself
+  `adapters/generic.GenericAdapter`); it builds the two below. Each adapter module declares itself
   one at its end, so a missing or renamed member fails mypy there.
 - `GradModule`: a wrapped model, in native arrays, for `DistributedDataParallel`.
 - `GradsAdapter`: one framework's parameters and grads, for `DistributedGradReducer`.

@@ -1,4 +1,4 @@
-"""The generic DLPack path (nccl_ddp.adapters.base) on a fake framework that speaks only DLPack
+"""The generic DLPack path (nccl_ddp.adapters.generic) on a fake framework that speaks only DLPack
 (tests/support/fakefw.py): the functional collectives, DistributedGradReducer and the array form of
 DDP take its arrays and hand back arrays of its own, its dtype objects are read as its own, and
 frameworks we cannot exchange with are refused naming them and the way out. 2 ranks as threads

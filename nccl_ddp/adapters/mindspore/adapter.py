@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Callable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from nccl_ddp import frameworks
-from nccl_ddp.adapters.base import GenericAdapter
+from nccl_ddp.adapters.generic import GenericAdapter
 from nccl_ddp.buckets.layout import ParamSpec
 from nccl_ddp.ddp.interfaces import FrameworkAdapter, GradModule, GradsAdapter, Named, StepDriver
 from nccl_ddp.dlpack import KDL_CPU, CapsuleHolder, bfloat16_dtype, native_from_dlpack
@@ -61,7 +61,7 @@ def grads_adapter() -> MindSporeGrads:
 
 def array_from_native(native: NativeArray, like: object = None) -> object:
     """A collective's result for a MindSpore caller: through MindSpore's own `from_dlpack`, as
-    for any framework (adapters/base.py)."""
+    for any framework (adapters/generic.py)."""
     return GenericAdapter("mindspore").array_from_native(native, like)
 
 

@@ -1,6 +1,6 @@
 """PaddlePaddle adapter (dynamic graph, CPU tensors on the host backend): `paddle.nn.Layer` for
 `DistributedDataParallel`; lists of tensors for `DistributedGradReducer` and tensors in the
-functional collectives go through the generic DLPack path (adapters/base.py), with bfloat16
+functional collectives go through the generic DLPack path (adapters/generic.py), with bfloat16
 results handed back as Paddle's.
 
 Tensors cross through DLPack: `numpy.from_dlpack(t.detach())` is a writable zero-copy view of a
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
 
 import numpy as np
 
-from nccl_ddp.adapters.base import DLPackGrads, GenericAdapter
+from nccl_ddp.adapters.generic import DLPackGrads, GenericAdapter
 from nccl_ddp.ddp.interfaces import FrameworkAdapter, GradModule, StepDriver
 from nccl_ddp.dlpack import bfloat16_dtype, is_bfloat16, numpy_dtype
 from nccl_ddp.errors import ConfigError, ConfigTypeError
