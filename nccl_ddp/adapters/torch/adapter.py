@@ -1,5 +1,5 @@
 """PyTorch adapter: `torch.nn.Module` for `DistributedDataParallel`, lists of tensors for
-`DistributedGradReducer` (adapters/torch/grads.py). Data crosses only through DLPack, without copies
+`DistributedGradReducer` (adapters/torch/grad_lists.py). Data crosses only through DLPack, without copies
 (adapters/torch/tensors.py).
 
 DDP: every parameter's `.grad` becomes a view of our bucket memory (`p.grad =
@@ -18,7 +18,7 @@ import logging
 import weakref
 from typing import TYPE_CHECKING, Callable, ContextManager, List, NoReturn, Optional
 
-from nccl_ddp.adapters.torch.grads import TorchGrads
+from nccl_ddp.adapters.torch.grad_lists import TorchGrads
 from nccl_ddp.adapters.torch.pooled_grads import PooledGrads
 from nccl_ddp.adapters.torch.sparse import SparseParams
 from nccl_ddp.adapters.torch.tensors import from_native, is_cuda, to_native, torch_stream_current
