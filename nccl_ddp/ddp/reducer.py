@@ -35,7 +35,7 @@ from nccl_ddp.device import Device
 from nccl_ddp.errors import ConfigError, ReducerError
 from nccl_ddp.profiling import Timeline
 from nccl_ddp.zero.core import ShardCore, build_core, plan
-from nccl_ddp.zero.grads import ReduceScatter, refuse_unshardable
+from nccl_ddp.zero.reduce_scatter import ReduceScatter, refuse_unshardable
 
 log = logging.getLogger(__name__)
 

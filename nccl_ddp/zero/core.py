@@ -1,5 +1,5 @@
 """The one factory of the shard core: from a validated `ZeroConfig`, the parameters and the group,
-`build_core` cuts the shards (zero/layout.py), wires the reduce-scatter (stage 2, zero/grads.py)
+`build_core` cuts the shards (zero/layout.py), wires the reduce-scatter (stage 2, zero/reduce_scatter.py)
 and builds the shard memory (zero/shards.py). Every form uses it:
 
 - our `DistributedDataParallel(module, zero=ZeroConfig(...))`: its reducer builds the core at
@@ -24,8 +24,8 @@ from nccl_ddp.comm.group import ProcessGroup
 from nccl_ddp.device import Device, Stream
 from nccl_ddp.profiling import Timeline
 from nccl_ddp.zero.config import ZeroConfig
-from nccl_ddp.zero.grads import GradPool, ReduceScatter
 from nccl_ddp.zero.layout import ShardLayout, shard_layout
+from nccl_ddp.zero.reduce_scatter import GradPool, ReduceScatter
 from nccl_ddp.zero.shards import ZeroShards
 
 

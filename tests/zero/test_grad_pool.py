@@ -6,7 +6,7 @@ import numpy as np
 from nccl_ddp import kernels
 from nccl_ddp.buckets.layout import ParamSpec, assign_buckets
 from nccl_ddp.device.host import HostDevice
-from nccl_ddp.zero.grads import GradPool
+from nccl_ddp.zero.reduce_scatter import GradPool
 
 
 def test_clear_zeroes_gaps_and_padding_only():

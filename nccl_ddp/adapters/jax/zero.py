@@ -6,7 +6,7 @@
 
 Rank r keeps the float32 master weights, the optax state and the reduced grads of its slice of
 every flat bucket (zero/layout.py) and nothing else; a step packs the grads into the flat
-buckets and reduce-scatters each (mean, zero/grads.py), runs the optax transformation on the
+buckets and reduce-scatters each (mean, zero/reduce_scatter.py), runs the optax transformation on the
 rank's flat shards, and all-gathers the parameters (zero/shards.py). Sharding is exact only
 for elementwise transformations (adam, adamw, sgd, schedules, ...): the constructor probes the
 transformation and refuses one whose update of a shard differs from its update of the whole

@@ -30,7 +30,7 @@ import torch
 from nccl_ddp.ddp.interfaces import StepDriver
 from nccl_ddp.errors import ConfigError
 from nccl_ddp.frameworks import NativeArray
-from nccl_ddp.zero.grads import ReduceScatter
+from nccl_ddp.zero.reduce_scatter import ReduceScatter
 
 
 class PooledGrads:
