@@ -1,2 +1,2 @@
-"""torch's ZeroRedundancyOptimizer over nccl_ddp.zero: the optimizer, its build, grads, gathers, state
+"""torch's ZeroRedundancyOptimizer over nccl_ddp.zero: the optimizer, its build, guarded grads, gathers, state
 and step."""

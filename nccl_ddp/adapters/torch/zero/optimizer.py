@@ -24,7 +24,7 @@ from nccl_ddp.adapters.torch.dist import join_torch_world
 from nccl_ddp.adapters.torch.tensors import from_native
 from nccl_ddp.adapters.torch.zero.build import adopt_options, own_core, pick_stage, piece_groups
 from nccl_ddp.adapters.torch.zero.gather_waits import GatherWaits
-from nccl_ddp.adapters.torch.zero.grads import GradGuard
+from nccl_ddp.adapters.torch.zero.guarded_grads import GradGuard
 from nccl_ddp.adapters.torch.zero.state import (
     full_to_torch,
     local_state,

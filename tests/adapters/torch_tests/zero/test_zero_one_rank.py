@@ -291,7 +291,7 @@ def test_zero2_grads_refuse_to_be_read_as_averaged(world1):
     clip_grad_norm_ or arithmetic on it raises ShardedGradError naming opt.clip_grad_norm_
     (before: it silently clipped local values); metadata reads and zero_grad(set_to_none=False)
     still work, and training with the latter equals torch's SGD on the same model."""
-    from nccl_ddp.adapters.torch.zero.grads import LocalGrad
+    from nccl_ddp.adapters.torch.zero.guarded_grads import LocalGrad
     from nccl_ddp.errors import ShardedGradError
 
     ours, ref = make_model(), make_model()
@@ -318,7 +318,7 @@ def test_zero2_grads_refuse_to_be_read_as_averaged(world1):
 def test_zero2_module_moves_keep_the_grads_guarded(world1):
     """module.cpu() / .to() / .double() apply to the grads too (Lightning's teardown calls
     .cpu()): they work under ZeRO-2 and the moved grads stay guarded."""
-    from nccl_ddp.adapters.torch.zero.grads import LocalGrad
+    from nccl_ddp.adapters.torch.zero.guarded_grads import LocalGrad
 
     m = make_model()
     ddp = nd.DistributedDataParallel(m, zero=nd.ZeroConfig(stage=2))
