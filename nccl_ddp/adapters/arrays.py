@@ -13,8 +13,8 @@ its own backprop. This is how any framework without an adapter plugs in.
         ddp.zero_grad()                      # grads accumulate until you zero them
 
 Instead of passing `grad=` you may write into `model.grads[k]` in place and call
-`ddp.mark_ready(k)`. With the default CppReducer, `model.grads[k]` are views of the bucket buffers
-(assigned when DDP is built): keep reading them through `model.grads`, never hold on to an old one.
+`ddp.mark_ready(k)`. On the default fused-bucket path, `model.grads[k]` are views of the bucket
+buffers (assigned when DDP is built): keep reading them through `model.grads`, never hold on to an old one.
 
 The arrays may also be any framework's writable DLPack arrays (all of one framework: Paddle
 tensors, torch tensors outside a module): the parameters stay the caller's objects, the core works

@@ -2,7 +2,8 @@
 
 The reducer decides *when* a bucket goes (readiness, launch order); this module decides *how*:
 
-- "python" (PythonReducer): one collective per grad, each scaled by 1/world first (no fused kernels).
+- "per_grad" (reducer_mode="PythonReducer"): one collective per grad, each scaled by 1/world
+  first (no fused kernels).
 - "view" (grads are views of the bucket): scale the bucket in place (unless AVG), reduce it; on a
   group that fuses the two (`premul_sum`, the host backend), one pre-multiplied sum.
 - "pack" (grads live elsewhere): one fused pack with the scale, reduce, one unpack.
@@ -31,7 +32,7 @@ from nccl_ddp.device import Device, Stream
 from nccl_ddp.errors import CommHookError
 from nccl_ddp.profiling import Timeline
 
-Mode = Literal["python", "view", "pack"]
+Mode = Literal["per_grad", "view", "pack"]
 """How a bucket's grads relate to its buffer (see the module doc)."""
 
 
@@ -138,14 +139,14 @@ class BucketSubmitter:
             return HookPath.COMPRESSED, compression
         return HookPath.HOOK, ""
 
-    def submit_zeros(self, layout: BucketLayout, python: bool, flags: Any, divisor: Optional[int]) -> None:
+    def submit_zeros(self, layout: BucketLayout, per_grad: bool, flags: Any, divisor: Optional[int]) -> None:
         """Every bucket of `layout` on zeros, in order (a joined rank's stand-in for the others'
         step); `flags`: the step's non-finite flags or None."""
         for b, bucket in enumerate(layout.buckets):
             buf = self.device.zeros(bucket.padded, bucket.dtype)
             grads = [buf[o : o + n] for o, n in zip(bucket.offsets, bucket.numels)]
             flag = None if flags is None else flags[b : b + 1]
-            self.submit(layout, b, "python" if python else "view", grads, buf, flag, divisor)
+            self.submit(layout, b, "per_grad" if per_grad else "view", grads, buf, flag, divisor)
 
     def submit(
         self,
@@ -158,14 +159,14 @@ class BucketSubmitter:
         divisor: Optional[int] = None,
     ) -> None:
         """Queue bucket b of `layout` on the comm stream. `grads`: the bucket's grads (unused
-        in "view" mode, where they are views of `buf`); `buf`: its buffer (None in "python"
+        in "view" mode, where they are views of `buf`); `buf`: its buffer (None in "per_grad"
         mode); a Join shadow passes zeros. `flag`: the bucket's non-finite flag or None.
         `divisor`: the ranks the step divides by (None: the group)."""
         bucket = layout.buckets[b]
         scale, op = self.scale_and_op(divisor)
         submit, comm, tag = self.prof.submit, self.comm, bucket_tag(b, bucket.nbytes)
         collective = self.collective
-        if mode == "python":
+        if mode == "per_grad":
             for p, g in zip(bucket.params, grads):
                 if scale != 1.0 or flag is not None:
                     submit(comm, "pack", b, g.nbytes, _scale_checked, g, scale, flag)
@@ -340,7 +341,7 @@ def _views(bucket: Bucket, buf: Any) -> List[Any]:
 
 
 def _scale_checked(g: Any, f: float, flag: Any) -> None:
-    """PythonReducer's per-grad scale; with a flag, through the pack kernel, which sets it."""
+    """The per-grad path's scale; with a flag, through the pack kernel, which sets it."""
     if flag is None:
         g *= g.dtype.type(f)
     else:

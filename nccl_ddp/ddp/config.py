@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any, Literal, Optional, Type, TypeVar, Union
 
 from nccl_ddp.buckets.layout import BucketCaps, MiB
@@ -11,7 +12,21 @@ from nccl_ddp.validate import check_bool, check_mib, check_positive_int
 from nccl_ddp.zero.config import ZeroConfig, check_zero_config
 
 ReducerMode = Literal["CppReducer", "PythonReducer"]
-REDUCER_MODES = ("CppReducer", "PythonReducer")
+"""The public `reducer_mode` values, MindSpore's names (there is no C++ here): see `GradPath`."""
+
+
+class GradPath(enum.Enum):
+    """How the reducer moves a step's grads, by role; each value is the `reducer_mode` naming it."""
+
+    FUSED_BUCKETS = "CppReducer"
+    """Grads in flat buckets (views of them where the adapter can alias, else one fused
+    pack/unpack launch per bucket), one collective per bucket as soon as it is full."""
+    PER_GRAD = "PythonReducer"
+    """One collective per grad, each scaled by 1/world first, no buckets nor fused kernels (a
+    reference path; no comm hooks, no ZeRO-2)."""
+
+
+REDUCER_MODES = tuple(path.value for path in GradPath)
 CheckFinite = Union[bool, Literal["raise"]]
 """The check_finite option: False (off), True (flag, read when asked) or "raise"."""
 
@@ -34,9 +49,8 @@ class DDPConfig(BucketCaps):
     """The set of used parameters never changes: step 1 finds the unused ones (as with
     find_unused_parameters), later steps leave them out of the buckets."""
     reducer_mode: ReducerMode = "CppReducer"
-    """"CppReducer": fused buckets; the grads become views of the bucket buffers when the module's
-    adapter can alias them (zero copy), else one fused pack/unpack per bucket. "PythonReducer":
-    one all-reduce per grad, no fused kernels (a reference path)."""
+    """MindSpore's name of the grad path (`grad_path`): "CppReducer" fused buckets
+    (`GradPath.FUSED_BUCKETS`), "PythonReducer" one all-reduce per grad (`GradPath.PER_GRAD`)."""
     broadcast_buffers: bool = True
     """PyTorch's default: rank 0's buffers (BatchNorm running statistics and the like) go to every
     rank at construction (with init_sync) and at the start of each forward that follows a
@@ -73,6 +87,11 @@ class DDPConfig(BucketCaps):
                     f"zero=ZeroConfig(bucket_cap_mb={zero.bucket_cap_mb}): a model's shards are cut "
                     "from its own buckets; pass bucket_cap_mb to DistributedDataParallel instead"
                 )
+
+    @property
+    def grad_path(self) -> GradPath:
+        """The grad path `reducer_mode` names."""
+        return GradPath(self.reducer_mode)
 
     @property
     def broadcast_chunk_bytes(self) -> int:

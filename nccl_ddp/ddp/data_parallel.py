@@ -19,7 +19,7 @@ from nccl_ddp.buckets.layout import ParamSpec
 from nccl_ddp.comm.api import device_of, resolve_group
 from nccl_ddp.comm.group import ProcessGroup, ReduceOp
 from nccl_ddp.ddp import comm_hooks
-from nccl_ddp.ddp.config import CheckFinite, DDPConfig, ReducerMode, config_from
+from nccl_ddp.ddp.config import CheckFinite, DDPConfig, GradPath, ReducerMode, config_from
 from nccl_ddp.ddp.interfaces import GradModule, module_adapter
 from nccl_ddp.ddp.join import Join, JoinHook, JoinState, ShadowJoinHook, exchange
 from nccl_ddp.ddp.param_sync import broadcast_coalesced, check_same_params
@@ -182,7 +182,7 @@ class DistributedDataParallel:
         """Parameter `param` (index, name or the parameter itself) has its grad for this step.
 
         With `grad`, it is added to the accumulated grad first. Returns the accumulated grad (a
-        bucket view with the default CppReducer). The last parameter finalizes the step.
+        bucket view on the default fused-bucket path). The last parameter finalizes the step.
         """
         if grad is None and type(param) is int and 0 <= param < len(self.reducer.params) and not self._closed:
             return self.reducer.mark_ready(param)  # a framework hook's call, once per grad
@@ -292,11 +292,12 @@ class DistributedDataParallel:
 
     def register_comm_hook(self, state: Any, hook: Callable[[Any, Any], Any]) -> None:
         """Reduce each bucket with `hook(state, bucket) -> Future` (torch's contract; built-ins
-        in `nccl_ddp.hooks`). Once, before the first step; not with PythonReducer."""
+        in `nccl_ddp.hooks`). Once, before the first step; not on the per-grad path
+        (reducer_mode="PythonReducer")."""
         comm_hooks.check_hook(hook)
         r = self.reducer
         where = f"rank {self.process_group.rank}: register_comm_hook"
-        if self.config.reducer_mode == "PythonReducer":
+        if self.config.grad_path is GradPath.PER_GRAD:
             raise ConfigError(
                 f'{where}: comm hooks work on buckets; use reducer_mode="CppReducer" (the default)'
             )

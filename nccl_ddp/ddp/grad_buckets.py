@@ -1,9 +1,10 @@
 """The reducer's bucket layout and the grad memory laid out by it: which bucket each parameter is
 in, the flat buffers (buckets/memory.py), and how the grads relate to them (the reducer's mode):
 "view" (the framework's grads alias the buffers), "pack" (they live elsewhere and are packed
-in), "python" (PythonReducer: no buffers). `pooled` (ZeRO-2 over a framework that hands its own
-grads each step): "pack" without buffers of its own, the shard core's `GradPool` is packed into.
-A new layout (the first step's rebuild) moves the grads into new buffers, keeping their values."""
+in), "per_grad" (reducer_mode="PythonReducer": no buffers). `pooled` (ZeRO-2 over a framework
+that hands its own grads each step): "pack" without buffers of its own, the shard core's
+`GradPool` is packed into. A new layout (the first step's rebuild) moves the grads into new
+buffers, keeping their values."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ InstallFn = Callable[[int, Any], None]
 
 
 class GradBuckets:
-    """`layout`, `memory` (None under PythonReducer) and, per parameter, `bucket_of[i]` (-1:
+    """`layout`, `memory` (None per grad) and, per parameter, `bucket_of[i]` (-1:
     excluded by static_graph; what mark_ready's fast path reads)."""
 
     def __init__(
@@ -37,13 +38,13 @@ class GradBuckets:
         device: Device,
         group: ProcessGroup,
         *,
-        python: bool,
+        per_grad: bool,
         install: Optional[InstallFn],
     ) -> None:
         self.specs, self.grads, self.device, self.rank = list(specs), grads, device, group.rank
         # bucket memory from the group: shared on the host's shm transport (peers read it in place)
         self._zeros = functools.partial(group.zeros, device)
-        self._python, self._install = python, install
+        self._per_grad, self._install = per_grad, install
         self.pooled = False  # set by the reducer before the first layout (see the module doc)
         self.layout: BucketLayout
         self.memory: Optional[BucketBuffers] = None
@@ -53,8 +54,8 @@ class GradBuckets:
 
     @property
     def mode(self) -> Mode:
-        if self._python:
-            return "python"
+        if self._per_grad:
+            return "per_grad"
         return "view" if self._views else "pack"
 
     def set(self, layout: BucketLayout) -> None:
@@ -64,7 +65,7 @@ class GradBuckets:
         self.memory, self._views = None, False
         if self.pooled:  # no grads of ours: the framework hands them in each step
             self.release()
-        if self._python or self.pooled:
+        if self._per_grad or self.pooled:
             return
         self.memory = BucketBuffers(layout, self.device, self._zeros)
         if self._install is None:  # the framework cannot alias its grads: pack/unpack

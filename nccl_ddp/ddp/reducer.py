@@ -7,7 +7,7 @@ is still running, and makes the compute stream wait for them at the end of the s
 It works on native arrays (NumPy on "host", CuPy on "cuda") and a `Device`; it cannot tell which
 device it runs on. Memory is `buckets.memory.BucketBuffers`, the layout `buckets.layout.BucketLayout`,
 how a bucket is reduced `bucket_submit.BucketSubmitter`, the non-finite flags `finite_check`. The
-mode ("view", "pack", "python": grad_buckets.py) says how grads relate to the buckets (the same
+mode ("view", "pack", "per_grad": grad_buckets.py) says how grads relate to the buckets (the same
 numbers in all three). One step's counts are `step_state.StepState`, the small collectives at its
 end `step_collectives.py`; with `DDPConfig.zero` the shard core is built here (zero/core.py).
 """
@@ -25,7 +25,7 @@ from nccl_ddp.buckets.memory import BucketBuffers, accumulate_into
 from nccl_ddp.comm.group import ProcessGroup
 from nccl_ddp.ddp import comm_hooks
 from nccl_ddp.ddp.bucket_submit import BucketSubmitter, Mode
-from nccl_ddp.ddp.config import DDPConfig
+from nccl_ddp.ddp.config import DDPConfig, GradPath
 from nccl_ddp.ddp.finite_check import FiniteCheck, require_check
 from nccl_ddp.ddp.grad_buckets import GradBuckets, InstallFn
 from nccl_ddp.ddp.step_collectives import UsedParams, rank0_order
@@ -76,14 +76,14 @@ class Reducer:
         self.specs = [
             ParamSpec(tuple(p.shape), np.dtype(p.dtype), n) for p, n in zip(self.params, self.names)
         ]
-        python = config.reducer_mode == "PythonReducer"
-        self.buckets = GradBuckets(self.specs, grads, device, group, python=python, install=install)
+        per_grad = config.grad_path is GradPath.PER_GRAD
+        self.buckets = GradBuckets(self.specs, grads, device, group, per_grad=per_grad, install=install)
         self.stream_scope = stream_scope
         self.comm = device.new_stream()
         sharded = config.zero is not None and config.zero.stage == 2
         self.buckets.pooled = sharded and pool_grads  # ZeRO-2 over grads handed in per step: GradPool
         if sharded:
-            refuse_unshardable(group.rank, config.reducer_mode, config.static_graph, None)
+            refuse_unshardable(group.rank, per_grad, config.static_graph, None)
         self.sync_enabled = True  # False inside no_sync()
         self.closed: Optional[str] = None  # why close() was called (the wrapper then refuses steps)
         self.steps = 0  # synchronised steps finished
@@ -135,7 +135,7 @@ class Reducer:
         return self.buckets.layout
 
     @property
-    def memory(self) -> Optional[BucketBuffers]:  # the flat grad buffers (None: PythonReducer, pooled)
+    def memory(self) -> Optional[BucketBuffers]:  # the flat grad buffers (None: per grad, pooled)
         return self.buckets.memory
 
     @property
@@ -156,7 +156,7 @@ class Reducer:
         """Reduce every bucket through `hook(state, bucket)` from the next step on (the wrapper
         checks that it is registered once, before the first step)."""
         if self.sharding is not None:
-            refuse_unshardable(self.group.rank, "", False, (state, hook))
+            refuse_unshardable(self.group.rank, False, False, (state, hook))
         self.submitter.comm_hook = (state, hook)
 
     @property
@@ -277,7 +277,7 @@ class Reducer:
         grads = [] if mode == "view" else [self.buckets.grad_for_pack(p) for p in bucket.params]
         with self.comm.awaited() if alone else contextlib.nullcontext():
             self.comm.wait(self.device.current_stream().record())
-            buf = None if self.memory is None else self.memory.buffers[b]  # None: PythonReducer/pool
+            buf = None if self.memory is None else self.memory.buffers[b]  # None: per grad/pool
             flag = None if self._finite is None else self._finite.flag(b)
             self.submitter.submit(self.layout, b, mode, grads, buf, flag, self.step_divisor)
             self.step.done.append(self.comm.record())
@@ -383,7 +383,7 @@ class Reducer:
                 self._finite.open(self.layout, self.steps)
             compute = self.device.current_stream()
             self.comm.wait(compute.record())
-            self.submitter.submit_zeros(self.layout, self.mode == "python", self._flags, divisor)
+            self.submitter.submit_zeros(self.layout, self.mode == "per_grad", self._flags, divisor)
             compute.wait(self.comm.record())
             missing = [i for i in range(len(self.params)) if i not in self.used.excluded]
             # torch's joined rank sends the used map of its last step (as reduced then), not

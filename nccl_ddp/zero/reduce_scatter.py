@@ -128,10 +128,11 @@ class GradPool:
         view[end:] = 0
 
 
-def refuse_unshardable(rank: int, reducer_mode: str, static_graph: bool, comm_hook: Any) -> None:
-    """ZeRO-2 needs flat buckets fixed from the start and reduced by the collective itself."""
+def refuse_unshardable(rank: int, per_grad: bool, static_graph: bool, comm_hook: Any) -> None:
+    """ZeRO-2 needs flat buckets fixed from the start and reduced by the collective itself
+    (`per_grad`: the reducer runs one collective per grad, reducer_mode="PythonReducer")."""
     why = None
-    if reducer_mode == "PythonReducer":
+    if per_grad:
         why = "reducer_mode='PythonReducer' reduces grad by grad, without buckets to shard"
     elif static_graph:
         why = (

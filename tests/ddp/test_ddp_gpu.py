@@ -53,7 +53,7 @@ def _flags_on_gpu(rank, world):
 def test_ddp_flag_matrix_on_gpu():
     out, reduced = run_ranks(_flags_on_gpu, 1, timeout=300)[0]
     for flags, (res, mode) in out.items():
-        assert mode == ("python" if flags[1] == "PythonReducer" else "view")
+        assert mode == ("per_grad" if flags[1] == "PythonReducer" else "view")
         for step in range(2):
             for k, _ in zip(res[step], SHAPES):
                 want = local_grads(0, step)[k].astype(np.float64)

@@ -47,7 +47,7 @@ def test_reduced_grads_equal_numpy_mean(flags):
     rank0_params = make_params(seed=0)
     for out, params, nbuckets, mode in res:
         assert nbuckets >= 4
-        assert mode == ("python" if flags[1] == "PythonReducer" else "view")
+        assert mode == ("per_grad" if flags[1] == "PythonReducer" else "view")
         for k in params:
             np.testing.assert_array_equal(params[k], rank0_params[k])
         for step in range(steps):
