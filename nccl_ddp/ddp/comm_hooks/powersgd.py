@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 
 from nccl_ddp.comm.group import ProcessGroup
-from nccl_ddp.ddp.comm_hooks import Future, GradBucket, all_reduce_fut, allreduce_hook
+from nccl_ddp.ddp.comm_hooks.default import Future, GradBucket, all_reduce_fut, allreduce_hook
 from nccl_ddp.errors import ConfigError
 from nccl_ddp.validate import check_bool, check_positive_int
 

@@ -8,7 +8,7 @@ comm thread; on CUDA with the comm stream current), so collectives they issue th
 `all_reduce_fut` are ordered with the bucket's other work.
 
 The built-ins (`nccl_ddp.hooks`) compute what torch's `default_hooks` compute. The reducer's
-bucket submission (`bucket_submit.py`) also recognises them (`builtin_compression`) and runs them in
+bucket submission (`ddp/bucket_submit.py`) also recognises them (`builtin_compression`) and runs them in
 its fused kernels: `allreduce_hook` is its default path; `fp16_compress_hook` /
 `bf16_compress_hook` pack a float32 bucket straight into the compression dtype with the 1/world scale
 (one launch), all-reduce that, and unpack it widened back.
