@@ -126,8 +126,8 @@ def slurm_tasks_on_node(tasks_per_node: str, node_id: int) -> int:
     return counts[node_id]
 
 
-def slurm_first_host(nodelist: str) -> Optional[str]:
-    """First host of a simple SLURM_NODELIST ("n1,n2", "gpu[03-06,9]"); None when it is not simple."""
+def slurm_first_node(nodelist: str) -> Optional[str]:
+    """First node of a simple SLURM_NODELIST ("n1,n2", "gpu[03-06,9]"); None when it is not simple."""
     m = re.fullmatch(r"([\w.-]+)(?:\[(\d+)[^\]]*\])?(?:,.*)?", nodelist.strip())
     if not m:
         return None
@@ -145,7 +145,7 @@ def _slurm_local_world_size(environ: Mapping[str, str]) -> Optional[int]:
 
 
 def _slurm_master_addr(environ: Mapping[str, str]) -> Optional[str]:
-    host = slurm_first_host(environ.get("SLURM_NODELIST", environ.get("SLURM_JOB_NODELIST", "")))
+    host = slurm_first_node(environ.get("SLURM_NODELIST", environ.get("SLURM_JOB_NODELIST", "")))
     return host or environ.get("SLURM_LAUNCH_NODE_IPADDR") or None
 
 

@@ -1,6 +1,6 @@
 import pytest
 
-from nccl_ddp.env import DistEnv, resolve_env, slurm_first_host, slurm_tasks_on_node
+from nccl_ddp.env import DistEnv, resolve_env, slurm_first_node, slurm_tasks_on_node
 from nccl_ddp.errors import ConfigError
 
 TORCHRUN = {
@@ -65,14 +65,14 @@ def test_slurm_master_falls_back_to_launch_node():
         "SLURM_LAUNCH_NODE_IPADDR": "10.2.0.9",
         "MASTER_PORT": "2000",
     }
-    assert slurm_first_host(environ["SLURM_NODELIST"]) is None
+    assert slurm_first_node(environ["SLURM_NODELIST"]) is None
     assert resolve_env(environ=environ).master_addr == "10.2.0.9"
 
 
 def test_slurm_parsers():
     assert slurm_tasks_on_node("4(x2),3", 2) == 3
     assert slurm_tasks_on_node("2", 0) == 2
-    assert slurm_first_host("node1,node2") == "node1"
+    assert slurm_first_node("node1,node2") == "node1"
     with pytest.raises(ConfigError, match="SLURM_TASKS_PER_NODE"):
         slurm_tasks_on_node("four", 0)
 

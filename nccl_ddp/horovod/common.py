@@ -280,7 +280,7 @@ def gloo_built() -> bool:
 
 
 def nccl_built() -> bool:
-    """True when this host can run NCCL collectives (CuPy sees a GPU and loads NCCL)."""
+    """True when this node can run NCCL collectives (CuPy sees a GPU and loads NCCL)."""
     from nccl_ddp.comm.nccl.runtime import is_available
 
     return is_available()

@@ -28,7 +28,7 @@ _LOCAL = {"localhost", "127.0.0.1", "::1"}
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="horovodrun",
-        description="Horovod's launcher command line on nccl_ddp (one host): starts -np workers "
+        description="Horovod's launcher command line on nccl_ddp (one node): starts -np workers "
         "with nccl-ddp-run.",
     )
     p.add_argument("-np", "--num-proc", dest="np", type=int, required=True, help="number of workers")
@@ -58,7 +58,7 @@ def _slots(spec: str, where: str) -> Tuple[str, int]:
 
 
 def parse_hosts(hosts: Optional[str], hostfile: Optional[str]) -> List[Tuple[str, int]]:
-    """(host, slots) from -H or --hostfile (None: this host with unlimited slots)."""
+    """(host, slots) from -H or --hostfile (None: this node with unlimited slots)."""
     if hosts and hostfile:
         raise ConfigError("horovodrun: pass -H or --hostfile, not both")
     if hosts:
@@ -83,7 +83,7 @@ def parse_hosts(hosts: Optional[str], hostfile: Optional[str]) -> List[Tuple[str
     return out
 
 
-def _is_this_host(host: str) -> bool:
+def _is_this_node(host: str) -> bool:
     return host in _LOCAL or host in (socket.gethostname(), socket.getfqdn())
 
 
@@ -96,11 +96,11 @@ def to_nccl_ddp_run(argv: Sequence[str]) -> Tuple[List[str], dict]:
     if not command:
         raise ConfigError("horovodrun: no command given; e.g. horovodrun -np 2 python train.py")
     hosts = parse_hosts(a.hosts, a.hostfile)
-    others = sorted({h for h, _ in hosts if not _is_this_host(h)})
+    others = sorted({h for h, _ in hosts if not _is_this_node(h)})
     if others:
         raise ConfigError(
             f"horovodrun: hosts {others} are not this machine; this launcher starts workers on one "
-            "host only: run `nccl-ddp-run --nnodes N --node-rank i --master-addr HOST0 "
+            "node only: run `nccl-ddp-run --nnodes N --node-rank i --master-addr HOST0 "
             "--nproc-per-node SLOTS script.py` on each node (docs/launch.md)"
         )
     slots = sum(s for _, s in hosts)

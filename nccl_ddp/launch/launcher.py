@@ -1,4 +1,4 @@
-"""nccl-ddp-run: start one worker process per GPU (or per host slot) and watch them fail fast.
+"""nccl-ddp-run: start one worker process per GPU (or `--nproc-per-node N`) and watch them fail fast.
 
     nccl-ddp-run [--nproc-per-node N|auto] [--nnodes N [--node-rank R] --master-addr A
                  --master-port P [--store-port S]] [--standalone] [--max-restarts N]

@@ -75,7 +75,7 @@ def env_beside_torch(rank: Optional[int], world_size: Optional[int]) -> Optional
         )
         return None
     addr, port, secret = everyone[0][2]
-    if addr is None:  # no MASTER_ADDR on rank 0: loopback on one host, else rank 0's host
+    if addr is None:  # no MASTER_ADDR on rank 0: loopback on one node, else rank 0's host name
         one_host = len({host for _, host, _ in everyone}) == 1
         addr = LOOPBACK if one_host else everyone[0][1]
     master_port = None if os.environ.get("MASTER_PORT", "").strip() else port

@@ -28,7 +28,7 @@ def local_rank_op(name: Optional[str] = None) -> tf.Tensor:
 
 
 def local_size_op(name: Optional[str] = None) -> tf.Tensor:
-    """The number of processes on this host, as an int32 tensor."""
+    """The number of processes on this node, as an int32 tensor."""
     return tf.constant(common.local_size(), tf.int32, name=name or "HorovodLocalSize")
 
 
