@@ -15,7 +15,7 @@ pack/unpack alike) that overlaps kernels running on the other streams of the sam
 Per process and GPU: total NCCL kernel time (union of kernels whose name contains "nccl"), the part
 of it that overlaps non-NCCL kernels (union of those, intersected), the ratio, and the host-side
 durations of our NVTX phase ranges (backward, pack, allreduce, unpack, finalize; see
-nccl_ddp/profiling.py). Make the exports with scripts/profile_nsys.sh, or
+nccl_ddp/profiling/timeline.py). Make the exports with scripts/profile_nsys.sh, or
 `nsys export --type sqlite -o X.sqlite X.nsys-rep`.
 
 Schema used (Nsight Systems "SQLite Export Schema Reference",
@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchlib import format_table, write_csv  # noqa: E402
 
 from nccl_ddp.profiling import PHASES  # noqa: E402
-from nccl_ddp.step_summary import overlap_length, union_length  # noqa: E402
+from nccl_ddp.profiling.step_summary import overlap_length, union_length  # noqa: E402
 
 NVTX_RANGE_TYPES = (59, 60)
 COLUMNS = [

@@ -7,10 +7,11 @@ import inspect
 
 from paths import ROOT
 
-from nccl_ddp import env, profiling
+from nccl_ddp import env
 from nccl_ddp.comm import api
 from nccl_ddp.comm.host.backend import HostProcessGroup
 from nccl_ddp.device import cuda, host
+from nccl_ddp.profiling import timeline
 from nccl_ddp.store import client
 
 # a 300 that is not the default wait: torchrun's exit barrier, a bound of its own
@@ -31,7 +32,7 @@ def test_the_defaults_are_the_one_constant():
     ):
         assert _default(fn) is env.DEFAULT_TIMEOUT, fn.__qualname__
     # what a device event's synchronize() waits when given no timeout
-    assert profiling.SYNC_TIMEOUT is host.DEFAULT_TIMEOUT is cuda.DEFAULT_TIMEOUT is env.DEFAULT_TIMEOUT
+    assert timeline.SYNC_TIMEOUT is host.DEFAULT_TIMEOUT is cuda.DEFAULT_TIMEOUT is env.DEFAULT_TIMEOUT
 
 
 def _literal_300s(path) -> list:

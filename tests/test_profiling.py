@@ -1,4 +1,5 @@
-"""profiling.py: interval math, the host-stream timeline, Chrome trace, NVTX hooks, off = free."""
+"""nccl_ddp.profiling (timeline, step_summary): interval math, the host-stream timeline, Chrome
+trace, NVTX hooks, off = free."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import types
 import pytest
 
 from nccl_ddp import profiling as pf
-from nccl_ddp import step_summary as ss
 from nccl_ddp.device import HostStream
+from nccl_ddp.profiling import step_summary as ss
 
 MiB = 1 << 20
 
