@@ -1,15 +1,15 @@
-"""`nccl_ddp.frameworks` loads adapters by name (importlib), so the import graph that
+"""`nccl_ddp.arrays.frameworks` loads adapters by name (importlib), so the import graph that
 tests/test_layers.py reads cannot see those edges. This test covers them: every module the core can
 load that way is named by the explicit table (`ADAPTERS`, `GENERIC`) or by a literal
 `adapter_module("...")` call, lives in nccl_ddp/adapters/ (the layer allowed to import frameworks),
-and defines the wrapper class the table names; and frameworks.py loads nothing outside adapters/."""
+and defines the wrapper class the table names; and arrays/frameworks.py loads nothing outside adapters/."""
 
 import ast
 from pathlib import Path
 
 from paths import ROOT
 
-from nccl_ddp import frameworks
+from nccl_ddp.arrays import frameworks
 
 PKG = ROOT / "nccl_ddp"
 ADAPTERS_DIR = PKG / "adapters"
@@ -60,7 +60,7 @@ def test_every_dynamically_loaded_module_is_an_adapter():
 
 
 def test_frameworks_loads_only_under_adapters():
-    tree = ast.parse((PKG / "frameworks.py").read_text())
+    tree = ast.parse((PKG / "arrays" / "frameworks.py").read_text())
     loads = [
         n
         for n in ast.walk(tree)

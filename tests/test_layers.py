@@ -3,7 +3,7 @@ lower ones, and a framework (torch, JAX, MindSpore) only inside nccl_ddp/adapter
 facade nccl_ddp/horovod/ (whose modules are named after the framework they imitate), which sits
 on top: nothing in the package imports it. Inside a layer
 (and among the scripts) no modules import each other in a circle. Every import statement counts,
-those inside functions too; `nccl_ddp.frameworks` loads adapters by name."""
+those inside functions too; `nccl_ddp.arrays.frameworks` loads adapters by name."""
 
 import ast
 import functools
@@ -19,7 +19,7 @@ SCRIPTS = PKG.parent / "scripts"
 # lowest first; a module may import from its own layer and the layers before it
 LAYERS = [
     ["errors", "env", "failure_record", "validate"],
-    ["frameworks", "dlpack"],
+    ["arrays"],  # which framework an array belongs to (the adapter table), DLPack in and out
     ["store"],
     ["device", "kernels"],
     ["comm", "profiling"],

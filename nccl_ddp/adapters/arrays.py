@@ -36,12 +36,12 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
-from nccl_ddp import frameworks
 from nccl_ddp.adapters.generic import GenericAdapter
+from nccl_ddp.arrays import frameworks
+from nccl_ddp.arrays.dlpack import native_view
+from nccl_ddp.arrays.frameworks import NativeArray
 from nccl_ddp.ddp.interfaces import GradModule
-from nccl_ddp.dlpack import native_view
 from nccl_ddp.errors import ConfigError, ConfigTypeError
-from nccl_ddp.frameworks import NativeArray
 
 
 class ArrayModule(GradModule):

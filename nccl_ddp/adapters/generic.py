@@ -7,7 +7,7 @@ In: a grad is read through DLPack without a copy (NumPy on the CPU, CuPy on the 
 view when the producer says so). Out: each reduced grad is a fresh bucket slice handed to the
 framework's `from_dlpack`, which keeps it without a copy where the framework can (the host backend
 aligns every slice to 64 bytes). Dtypes come from the framework's own dtype objects
-(`nccl_ddp.dlpack.numpy_dtype`), never assumed to be NumPy's.
+(`nccl_ddp.arrays.dlpack.numpy_dtype`), never assumed to be NumPy's.
 
 Framework adapters with more to do (TensorFlow's variables and graphs) subclass `DLPackGrads` and
 hand a `GenericAdapter` the places to look for `from_dlpack`.
@@ -20,12 +20,12 @@ import sys
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Callable, List, NoReturn, Optional, Sequence
 
-from nccl_ddp import frameworks
+from nccl_ddp.arrays import frameworks
+from nccl_ddp.arrays.dlpack import cannot_exchange, native_view, numpy_dtype
+from nccl_ddp.arrays.frameworks import NativeArray
 from nccl_ddp.buckets.layout import ParamSpec
 from nccl_ddp.ddp.interfaces import FrameworkAdapter, GradsAdapter
-from nccl_ddp.dlpack import cannot_exchange, native_view, numpy_dtype
 from nccl_ddp.errors import ConfigError, ConfigTypeError
-from nccl_ddp.frameworks import NativeArray
 
 FromDLPack = Callable[[object], object]
 """A framework's `from_dlpack`: an array (or a capsule) in, the framework's array out."""

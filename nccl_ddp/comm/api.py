@@ -149,7 +149,7 @@ def _beside_torch(rank: Optional[int], world_size: Optional[int]) -> Optional[Di
     or not with our world. Collective over torch's world."""
     if "torch.distributed" not in sys.modules:
         return None
-    from nccl_ddp.frameworks import adapter_module
+    from nccl_ddp.arrays.frameworks import adapter_module
 
     return cast(Optional[DistEnv], adapter_module("torch.dist", "torch").env_beside_torch(rank, world_size))
 
@@ -413,7 +413,7 @@ def resolve_group(group: Optional[ProcessGroup], argname: str) -> ProcessGroup:
     if isinstance(group, NonMemberGroup):
         raise group.refuse(f"{argname}")
     if not isinstance(group, ProcessGroup) and "torch.distributed" in sys.modules:
-        from nccl_ddp.frameworks import adapter_module
+        from nccl_ddp.arrays.frameworks import adapter_module
 
         # a torch.distributed group: ours over the same ranks (adapters/torch/groups.py)
         group = adapter_module("torch.groups", "torch").ours_for(group, argname) or group

@@ -1,5 +1,5 @@
 """The torch.distributed-like functional collectives on any DLPack array (converted by
-`nccl_ddp.dlpack`), over the world group of `comm/api.py` or a `new_group`.
+`nccl_ddp.arrays.dlpack`), over the world group of `comm/api.py` or a `new_group`.
 
     nd.all_reduce(grad, op="avg")            # in place on NumPy / torch CPU / CuPy arrays
     w = nd.all_reduce(x, async_op=True); ...; x = w.result()
@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from nccl_ddp import dlpack
+from nccl_ddp.arrays import dlpack
 from nccl_ddp.comm.api import check_timeout, require_world
 from nccl_ddp.comm.group import NonMemberGroup, ProcessGroup, ReduceOp, Work
 from nccl_ddp.device import HostDevice

@@ -14,7 +14,7 @@ from typing import Any, Callable, FrozenSet, Iterator, List, Optional
 
 import numpy as np
 
-from nccl_ddp import frameworks
+from nccl_ddp.arrays import frameworks
 from nccl_ddp.buckets.layout import ParamSpec
 from nccl_ddp.comm.api import device_of, resolve_group
 from nccl_ddp.comm.group import ProcessGroup, ReduceOp

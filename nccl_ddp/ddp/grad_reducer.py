@@ -28,7 +28,9 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from nccl_ddp import frameworks, kernels
+from nccl_ddp import kernels
+from nccl_ddp.arrays import frameworks
+from nccl_ddp.arrays.dlpack import numpy_dtype
 from nccl_ddp.buckets.layout import (
     DEFAULT_CAP_BYTES,
     FIRST_CAP_BYTES,
@@ -45,7 +47,6 @@ from nccl_ddp.ddp.interfaces import grads_adapter_of
 from nccl_ddp.ddp.join import Join, JoinHook, JoinState, ShadowJoinHook
 from nccl_ddp.ddp.param_sync import check_same_params
 from nccl_ddp.ddp.step_failure import StepFailure
-from nccl_ddp.dlpack import numpy_dtype
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 from nccl_ddp.validate import check_float_dtype, check_positive_int
 

@@ -1,5 +1,5 @@
 """The contract between the DDP core and a framework adapter, typed both ways: the core defines
-it, so it never imports an adapter (`nccl_ddp.frameworks` loads one by name).
+it, so it never imports an adapter (`nccl_ddp.arrays.frameworks` loads one by name).
 
 - `FrameworkAdapter`: what the core calls on an adapter module (`adapters/<fw>/adapter.py`, or
   `adapters/generic.GenericAdapter`); it builds the two below. Each adapter module declares itself
@@ -28,11 +28,11 @@ from typing import (
     cast,
 )
 
-from nccl_ddp import frameworks
+from nccl_ddp.arrays import frameworks
+from nccl_ddp.arrays.frameworks import ArrayAdapter, NativeArray
 from nccl_ddp.buckets.layout import ParamSpec
 from nccl_ddp.comm.group import ProcessGroup
 from nccl_ddp.errors import ConfigTypeError
-from nccl_ddp.frameworks import ArrayAdapter, NativeArray
 from nccl_ddp.zero.core import ShardCore
 
 Named = Tuple[Optional[str], NativeArray]
@@ -232,7 +232,7 @@ class GradsAdapter(abc.ABC):
 
 
 class FrameworkAdapter(ArrayAdapter, Protocol):
-    """What the core calls on a framework's adapter (`nccl_ddp.frameworks.adapter(name)`): the
+    """What the core calls on a framework's adapter (`nccl_ddp.arrays.frameworks.adapter(name)`): the
     array members of `ArrayAdapter`, and the builders of the two contracts above."""
 
     def adapt(self, module: Any) -> GradModule:

@@ -12,9 +12,9 @@ import pytest
 from fakegroup import FakeGroup, _Shared, run_threads
 
 import nccl_ddp as nd
-from nccl_ddp import frameworks
 from nccl_ddp.adapters.arrays import ArrayModule
-from nccl_ddp.dlpack import numpy_dtype
+from nccl_ddp.arrays import frameworks
+from nccl_ddp.arrays.dlpack import numpy_dtype
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 
 F32, F64 = np.float32, np.float64

@@ -63,7 +63,7 @@ def test_torch_model_wraps_without_ml_dtypes(tmp_path):
 
 
 def test_bfloat16_without_ml_dtypes_says_what_to_install():
-    from nccl_ddp.dlpack import bfloat16_dtype
+    from nccl_ddp.arrays.dlpack import bfloat16_dtype
     from nccl_ddp.errors import ConfigError
 
     saved = sys.modules.get("ml_dtypes")

@@ -24,7 +24,7 @@ def _float32_job(rank, world):
 
 
 def _bfloat16_job(rank, world):
-    from nccl_ddp.dlpack import bfloat16_dtype
+    from nccl_ddp.arrays.dlpack import bfloat16_dtype
 
     nd.init_process_group()
     try:

@@ -31,13 +31,13 @@ from typing import TYPE_CHECKING, List, NoReturn, Optional, Sequence
 
 import numpy as np
 
-from nccl_ddp import frameworks
+from nccl_ddp.arrays import frameworks
+from nccl_ddp.arrays.dlpack import KDL_CPU, KDL_CUDA, is_bfloat16, native_from_dlpack
+from nccl_ddp.arrays.frameworks import NativeArray
 from nccl_ddp.buckets.layout import ParamSpec
 from nccl_ddp.comm.group import ProcessGroup
 from nccl_ddp.ddp.interfaces import FrameworkAdapter, GradsAdapter, ReduceNative
-from nccl_ddp.dlpack import KDL_CPU, KDL_CUDA, is_bfloat16, native_from_dlpack
 from nccl_ddp.errors import ConfigError, ConfigTypeError
-from nccl_ddp.frameworks import NativeArray
 
 if TYPE_CHECKING:
     import jax
@@ -238,7 +238,7 @@ def structure_difference(
 
 if TYPE_CHECKING:  # this module is JAX's FrameworkAdapter: mypy checks every member here
     from nccl_ddp.adapters.jax import adapter as _this
-    from nccl_ddp.frameworks import PytreeAdapter
+    from nccl_ddp.arrays.frameworks import PytreeAdapter
 
     _contract: FrameworkAdapter = _this
     _pytrees: PytreeAdapter = _this  # frameworks.first_leaf's

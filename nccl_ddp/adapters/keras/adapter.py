@@ -25,14 +25,14 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from nccl_ddp import frameworks
 from nccl_ddp.adapters.keras import loss_scale
 from nccl_ddp.adapters.per_variables import PerVariables
+from nccl_ddp.arrays import frameworks
+from nccl_ddp.arrays.frameworks import NativeArray
 from nccl_ddp.buckets.layout import ParamSpec
 from nccl_ddp.comm.group import ProcessGroup
 from nccl_ddp.ddp.interfaces import FrameworkAdapter, GradsAdapter, ReduceNative, adapter_of
 from nccl_ddp.errors import ConfigError, ConfigTypeError
-from nccl_ddp.frameworks import NativeArray
 
 _BACKENDS = ("tensorflow", "jax", "torch")
 

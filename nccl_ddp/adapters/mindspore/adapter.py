@@ -29,13 +29,13 @@ from typing import TYPE_CHECKING, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from nccl_ddp import frameworks
 from nccl_ddp.adapters.generic import GenericAdapter
+from nccl_ddp.arrays import frameworks
+from nccl_ddp.arrays.dlpack import KDL_CPU, CapsuleHolder, bfloat16_dtype, native_from_dlpack
+from nccl_ddp.arrays.frameworks import NativeArray
 from nccl_ddp.buckets.layout import ParamSpec
 from nccl_ddp.ddp.interfaces import FrameworkAdapter, GradModule, GradsAdapter, Named, StepDriver
-from nccl_ddp.dlpack import KDL_CPU, CapsuleHolder, bfloat16_dtype, native_from_dlpack
 from nccl_ddp.errors import ConfigError, ConfigTypeError
-from nccl_ddp.frameworks import NativeArray
 
 if TYPE_CHECKING:
     import mindspore

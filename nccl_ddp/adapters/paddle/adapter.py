@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
 import numpy as np
 
 from nccl_ddp.adapters.generic import DLPackGrads, GenericAdapter
+from nccl_ddp.arrays.dlpack import bfloat16_dtype, is_bfloat16, numpy_dtype
 from nccl_ddp.ddp.interfaces import FrameworkAdapter, GradModule, StepDriver
-from nccl_ddp.dlpack import bfloat16_dtype, is_bfloat16, numpy_dtype
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 
 

@@ -27,13 +27,13 @@ from typing import TYPE_CHECKING, List, NoReturn, Optional, Sequence, Union
 
 import numpy as np
 
-from nccl_ddp import frameworks
+from nccl_ddp.arrays import frameworks
+from nccl_ddp.arrays.dlpack import native_view, numpy_dtype
+from nccl_ddp.arrays.frameworks import NativeArray
 from nccl_ddp.buckets.layout import ParamSpec
 from nccl_ddp.comm.group import ProcessGroup
 from nccl_ddp.ddp.interfaces import FrameworkAdapter, GradsAdapter, ReduceNative
-from nccl_ddp.dlpack import native_view, numpy_dtype
 from nccl_ddp.errors import ConfigError, ConfigTypeError
-from nccl_ddp.frameworks import NativeArray
 
 if TYPE_CHECKING:
     import tensorflow as tf

@@ -23,10 +23,10 @@ from nccl_ddp.adapters.torch.pooled_grads import PooledGrads
 from nccl_ddp.adapters.torch.sparse import SparseParams
 from nccl_ddp.adapters.torch.tensors import from_native, is_cuda, to_native, torch_stream_current
 from nccl_ddp.adapters.torch.watch import ModuleWatch, check_initialized, check_same_params
+from nccl_ddp.arrays.frameworks import NativeArray
 from nccl_ddp.comm.group import ProcessGroup
 from nccl_ddp.ddp.interfaces import FrameworkAdapter, GradModule, Named, StepDriver
 from nccl_ddp.errors import ConfigError, ConfigTypeError, NcclDdpError
-from nccl_ddp.frameworks import NativeArray
 from nccl_ddp.zero.core import ShardCore
 
 if TYPE_CHECKING:

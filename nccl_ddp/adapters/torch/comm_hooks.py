@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Callable, ContextManager, List, Optional, Tupl
 
 from nccl_ddp.adapters.torch.sparse import SparseParams, as_sparse
 from nccl_ddp.adapters.torch.tensors import from_native, to_native
+from nccl_ddp.arrays.frameworks import NativeArray
 from nccl_ddp.comm.group import ProcessGroup
 from nccl_ddp.ddp import comm_hooks
 from nccl_ddp.errors import CommHookError, CommTimeout, ConfigError, ConfigTypeError
-from nccl_ddp.frameworks import NativeArray
 
 if TYPE_CHECKING:
     import torch

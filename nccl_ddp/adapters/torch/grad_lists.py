@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterable, List, Sequence, Tuple, Union
 
-from nccl_ddp import frameworks
 from nccl_ddp.adapters.torch.tensors import from_native, is_cuda, to_native, torch_stream_current
+from nccl_ddp.arrays import frameworks
+from nccl_ddp.arrays.frameworks import NativeArray
 from nccl_ddp.buckets.layout import ParamSpec
 from nccl_ddp.ddp.interfaces import GradsAdapter, ReduceNative
 from nccl_ddp.errors import ConfigError, ConfigTypeError
-from nccl_ddp.frameworks import NativeArray
 
 if TYPE_CHECKING:
     import torch

@@ -27,9 +27,9 @@ from typing import Callable, Dict, List
 
 import torch
 
+from nccl_ddp.arrays.frameworks import NativeArray
 from nccl_ddp.ddp.interfaces import StepDriver
 from nccl_ddp.errors import ConfigError
-from nccl_ddp.frameworks import NativeArray
 from nccl_ddp.zero.reduce_scatter import ReduceScatter
 
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Iterator
 
-from nccl_ddp.dlpack import KDL_CPU, KDL_CUDA, bfloat16_dtype, is_bfloat16, native_from_dlpack
+from nccl_ddp.arrays.dlpack import KDL_CPU, KDL_CUDA, bfloat16_dtype, is_bfloat16, native_from_dlpack
+from nccl_ddp.arrays.frameworks import NativeArray
 from nccl_ddp.errors import ConfigTypeError
-from nccl_ddp.frameworks import NativeArray
 
 if TYPE_CHECKING:
     import torch

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, AbstractSet, Any, Callable, List, Optional, Sequence, Tuple
 
+from nccl_ddp.arrays.frameworks import NativeArray
 from nccl_ddp.ddp.interfaces import Named
 from nccl_ddp.errors import ConfigError
-from nccl_ddp.frameworks import NativeArray
 
 if TYPE_CHECKING:
     import torch

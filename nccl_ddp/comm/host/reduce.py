@@ -38,7 +38,7 @@ def dtypes() -> tuple:
     imports ml_dtypes, so only tests and diagnostics call it."""
     out = [np.dtype(n) for n in DTYPE_NAMES if n != "bfloat16"]
     try:
-        from nccl_ddp.dlpack import bfloat16_dtype
+        from nccl_ddp.arrays.dlpack import bfloat16_dtype
 
         out.append(bfloat16_dtype())
     except ConfigError:  # bfloat16 arrays cannot exist without ml_dtypes either

@@ -216,7 +216,7 @@ def builtin_compression(hook: Any) -> Optional[str]:
 def compression_dtype(name: str) -> np.dtype:
     """The NumPy dtype of a compression's dtype name ("bfloat16" is ml_dtypes')."""
     if name == "bfloat16":
-        from nccl_ddp.dlpack import bfloat16_dtype
+        from nccl_ddp.arrays.dlpack import bfloat16_dtype
 
         return bfloat16_dtype()
     return np.dtype(name)

@@ -16,9 +16,9 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 
-from nccl_ddp import frameworks
+from nccl_ddp.arrays import frameworks
+from nccl_ddp.arrays.frameworks import is_immutable
 from nccl_ddp.errors import ConfigError, ConfigTypeError
-from nccl_ddp.frameworks import is_immutable
 
 KDL_CPU, KDL_CUDA, KDL_CUDA_HOST = 1, 2, 3
 _DEVICE_NAMES = {
