@@ -27,7 +27,7 @@ def _rank(rank: int, world: int, calls: int, env: dict, out) -> None:
     import numpy as np
 
     from nccl_ddp.comm.desync import DesyncChecker
-    from nccl_ddp.env import resolve_env
+    from nccl_ddp.job.env import resolve_env
     from nccl_ddp.store.client import connect_store
 
     store = connect_store(resolve_env(), timeout=60)

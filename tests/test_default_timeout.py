@@ -1,4 +1,4 @@
-"""One default bound for every blocking wait: `nccl_ddp.env.DEFAULT_TIMEOUT` (300 s) is what
+"""One default bound for every blocking wait: `nccl_ddp.job.env.DEFAULT_TIMEOUT` (300 s) is what
 init_process_group, the store, the host backend, device streams and the profiler default to, and
 no other module writes the number again (it was written in five places)."""
 
@@ -7,10 +7,10 @@ import inspect
 
 from paths import ROOT
 
-from nccl_ddp import env
 from nccl_ddp.comm import api
 from nccl_ddp.comm.host.backend import HostProcessGroup
 from nccl_ddp.device import cuda, host
+from nccl_ddp.job import env
 from nccl_ddp.profiling import timeline
 from nccl_ddp.store import client
 
@@ -59,4 +59,4 @@ def test_no_module_writes_300_for_a_wait_of_its_own():
         for p in sorted((ROOT / "nccl_ddp").rglob("*.py"))
         if p.name != "env.py" and "300" in p.read_text() and (lines := _literal_300s(p))
     }
-    assert not found, f"use nccl_ddp.env.DEFAULT_TIMEOUT instead of 300 at {found}"
+    assert not found, f"use nccl_ddp.job.env.DEFAULT_TIMEOUT instead of 300 at {found}"

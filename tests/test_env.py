@@ -1,7 +1,7 @@
 import pytest
 
-from nccl_ddp.env import DistEnv, resolve_env, slurm_first_node, slurm_tasks_on_node
 from nccl_ddp.errors import ConfigError
+from nccl_ddp.job.env import DistEnv, resolve_env, slurm_first_node, slurm_tasks_on_node
 
 TORCHRUN = {
     "RANK": "1",

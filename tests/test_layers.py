@@ -18,7 +18,7 @@ SCRIPTS = PKG.parent / "scripts"
 
 # lowest first; a module may import from its own layer and the layers before it
 LAYERS = [
-    ["errors", "env", "failure_record", "validate"],
+    ["errors", "job", "validate"],  # job: the launcher <-> worker contract (env, failure_record)
     ["arrays"],  # which framework an array belongs to (the adapter table), DLPack in and out
     ["store"],
     ["device", "kernels"],

@@ -24,7 +24,6 @@ import numpy as np
 from nccl_ddp.comm.backends import backend_name
 from nccl_ddp.comm.group import NonMemberGroup, ProcessGroup
 from nccl_ddp.device import CudaDevice, Device, get_device
-from nccl_ddp.env import DEFAULT_TIMEOUT, DistEnv, resolve_env
 from nccl_ddp.errors import (
     CommTimeout,
     ConfigError,
@@ -33,7 +32,8 @@ from nccl_ddp.errors import (
     RankMismatchError,
     StoreTimeout,
 )
-from nccl_ddp.failure_record import install_failure_hook
+from nccl_ddp.job.env import DEFAULT_TIMEOUT, DistEnv, resolve_env
+from nccl_ddp.job.failure_record import install_failure_hook
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ import json
 import socket
 from typing import Any, Optional, Sequence
 
-from nccl_ddp.env import debug_level
 from nccl_ddp.errors import CommTimeout, ConfigError, RankMismatchError, StoreTimeout
+from nccl_ddp.job.env import debug_level
 
 _generations: dict = {}  # (name, ranks) -> groups checked so far: fresh keys for each
 

@@ -7,8 +7,8 @@ from typing import Optional
 from nccl_ddp.device.base import Device, Event, Stream
 from nccl_ddp.device.cuda import CudaDevice, CudaEvent, CudaStream, RawStream, cuda_available
 from nccl_ddp.device.host import HostDevice, HostEvent, HostStream, ImmediateStream, aligned_empty
-from nccl_ddp.env import DEFAULT_TIMEOUT
 from nccl_ddp.errors import ConfigError
+from nccl_ddp.job.env import DEFAULT_TIMEOUT
 
 __all__ = [
     "DEFAULT_TIMEOUT",

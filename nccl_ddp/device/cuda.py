@@ -9,8 +9,8 @@ import time
 from typing import Any, Callable, Optional
 
 from nccl_ddp.device.base import Device, Event, Stream
-from nccl_ddp.env import DEFAULT_TIMEOUT
 from nccl_ddp.errors import CommTimeout, ConfigError, KernelError
+from nccl_ddp.job.env import DEFAULT_TIMEOUT
 
 CUDA_SUCCESS = 0
 CUDA_ERROR_NOT_READY = 600  # cudaErrorNotReady: the event's work is still pending

@@ -12,8 +12,8 @@ from typing import Any, Callable, Iterator, Optional
 import numpy as np
 
 from nccl_ddp.device.base import Device, Event, Stream
-from nccl_ddp.env import DEFAULT_TIMEOUT
 from nccl_ddp.errors import CommError, CommTimeout, NcclDdpError
+from nccl_ddp.job.env import DEFAULT_TIMEOUT
 
 
 class HostEvent(Event):

@@ -82,7 +82,7 @@ _NOT_APPLICABLE = {
     "HOROVOD_AUTOTUNE": "bucket sizes come from HOROVOD_FUSION_THRESHOLD (or our 25 MiB default)",
     "HOROVOD_TIMELINE": "use nccl_ddp's timeline (docs/profiling.md)",
 }
-# Horovod's launcher variables -> the ones nccl_ddp.env reads
+# Horovod's launcher variables -> the ones nccl_ddp.job.env reads
 _LAUNCHER_VARS = {
     "HOROVOD_RANK": "RANK",
     "HOROVOD_SIZE": "WORLD_SIZE",

@@ -27,8 +27,8 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from nccl_ddp.env import env_int
 from nccl_ddp.errors import KernelError
+from nccl_ddp.job.env import env_int
 from nccl_ddp.kernels.optim_spec import GRAD_DTYPES, PARAM_DTYPES
 from nccl_ddp.kernels.spec import (
     PACK_PAIRS,

@@ -16,8 +16,8 @@ import sys
 import uuid
 from typing import Any, Optional, Sequence
 
-from nccl_ddp.env import LOOPBACK
 from nccl_ddp.errors import ConfigError, NcclDdpError
+from nccl_ddp.job.env import LOOPBACK
 from nccl_ddp.launch.config import LaunchConfig
 from nccl_ddp.launch.logs import parse_std
 from nccl_ddp.launch.supervisor import DEFAULT_SIGNALS, parse_signals

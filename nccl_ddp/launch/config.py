@@ -9,8 +9,8 @@ import signal
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from nccl_ddp.env import LOOPBACK
 from nccl_ddp.errors import ConfigError
+from nccl_ddp.job.env import LOOPBACK
 
 log = logging.getLogger("nccl_ddp.launch")
 

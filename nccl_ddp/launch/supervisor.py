@@ -17,7 +17,7 @@ from types import FrameType
 from typing import IO, Any, Callable, Optional
 
 from nccl_ddp.errors import ConfigError
-from nccl_ddp.failure_record import FailureRecord
+from nccl_ddp.job.failure_record import FailureRecord
 from nccl_ddp.launch.logs import LogFile, WorkerLogs
 
 log = logging.getLogger("nccl_ddp.launch")
@@ -158,7 +158,7 @@ class Worker:
             self.logs.close()
 
     def record(self) -> Optional[FailureRecord]:
-        """Why the worker failed: its nccl_ddp record (nccl_ddp.failure_record), else the one
+        """Why the worker failed: its nccl_ddp record (nccl_ddp.job.failure_record), else the one
         torch's `record` decorator wrote to TORCHELASTIC_ERROR_FILE, if any."""
         rec = FailureRecord.read(self.error_file)
         if rec is not None:

@@ -43,8 +43,8 @@ from dataclasses import asdict
 from typing import Any, Callable, ContextManager, Iterator, Optional
 
 from nccl_ddp.device import HostStream, ImmediateStream, Stream
-from nccl_ddp.env import DEFAULT_TIMEOUT
 from nccl_ddp.errors import ConfigError, NcclDdpError
+from nccl_ddp.job.env import DEFAULT_TIMEOUT
 from nccl_ddp.profiling.step_summary import Span, StepSummary, summarize
 
 log = logging.getLogger("nccl_ddp.profiling")  # the package's name: what users configure

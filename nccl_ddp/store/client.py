@@ -23,8 +23,8 @@ import threading
 import time
 from typing import Iterable, Optional, Sequence
 
-from nccl_ddp.env import DEFAULT_TIMEOUT, DistEnv
 from nccl_ddp.errors import AuthError, StoreError, StoreTimeout
+from nccl_ddp.job.env import DEFAULT_TIMEOUT, DistEnv
 from nccl_ddp.store.server import StoreServer
 from nccl_ddp.store.wire import (
     HANDSHAKE_TIMEOUT,

@@ -92,7 +92,7 @@ def test_refused_connection_at_setup_blames_the_peer():
     import socket
 
     from nccl_ddp.comm.host.rendezvous import Rendezvous
-    from nccl_ddp.failure_record import blamed_rank
+    from nccl_ddp.job.failure_record import blamed_rank
 
     with socket.socket() as s:  # a port that was just free: connecting is refused
         s.bind(("127.0.0.1", 0))
@@ -286,7 +286,7 @@ def test_destroy_with_staggered_ranks_waits_for_the_last_not_a_timeout_per_peer(
 def _nccl_group(rank, world, rt, timeout=10.0):
     """(store, group, error): the group built through a real store on the fake runtime."""
     from nccl_ddp.comm.nccl import backend as nb
-    from nccl_ddp.env import resolve_env
+    from nccl_ddp.job.env import resolve_env
     from nccl_ddp.store.client import PrefixStore, connect_store
 
     store = connect_store(resolve_env(), timeout=30)

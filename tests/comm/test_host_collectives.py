@@ -221,7 +221,7 @@ def test_unresponsive_peer_times_out_naming_it():
 
 
 def absent_body(rank, world):
-    from nccl_ddp.env import resolve_env
+    from nccl_ddp.job.env import resolve_env
     from nccl_ddp.store.client import connect_store
 
     if rank == 2:

@@ -370,7 +370,7 @@ def test_new_subgroup_without_split_exchanges_a_new_id():
 
 def _uid_rank(rank, world):
     """Two groups through a real TCPStore; returns the unique ids this rank's comms were built with."""
-    from nccl_ddp.env import resolve_env
+    from nccl_ddp.job.env import resolve_env
     from nccl_ddp.store.client import connect_store
 
     store = connect_store(resolve_env(), timeout=30)

@@ -77,8 +77,8 @@ def test_fusion_threshold_is_the_bucket_cap(monkeypatch):
 
 def test_horovods_launcher_variables_are_read(monkeypatch):
     """Started by Horovod's own launcher (gloo mode): HOROVOD_RANK/SIZE/LOCAL_* become ours."""
-    from nccl_ddp.env import resolve_env
     from nccl_ddp.horovod.common import _map_horovod_launcher_vars
+    from nccl_ddp.job.env import resolve_env
 
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):  # restored after the test
         monkeypatch.setenv(k, "")

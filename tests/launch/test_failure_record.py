@@ -2,7 +2,7 @@
 
 import json
 
-from nccl_ddp.failure_record import ERROR_FILE_VAR, FailureRecord, record_failure
+from nccl_ddp.job.failure_record import ERROR_FILE_VAR, FailureRecord, record_failure
 
 
 def test_record_round_trips_and_the_first_failure_wins(tmp_path):

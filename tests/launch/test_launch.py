@@ -15,7 +15,7 @@ from nccl_ddp.launch.launcher import LaunchConfig, local_device_count, resolve_n
 # Uses the job's store through the plain torchrun variables: nothing nccl_ddp-specific is passed.
 TORCHRUN_STYLE = """
     import os, sys
-    from nccl_ddp.env import resolve_env
+    from nccl_ddp.job.env import resolve_env
     from nccl_ddp.store.client import connect_store
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ["LOCAL_RANK"])

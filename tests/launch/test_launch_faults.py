@@ -229,7 +229,7 @@ CHAOS = """
 
     import nccl_ddp as nd
     from nccl_ddp.adapters.arrays import ArrayModule
-    from nccl_ddp.failure_record import record_failure
+    from nccl_ddp.job.failure_record import record_failure
     report = {"rank": rank, "error": None}
     try:
         strike("setup", rng.uniform(0.0, 0.15))

@@ -6,8 +6,8 @@ import time
 import pytest
 from mp import free_port, run_ranks
 
-from nccl_ddp.env import resolve_env
 from nccl_ddp.errors import AuthError, StoreError, StoreTimeout
+from nccl_ddp.job.env import resolve_env
 from nccl_ddp.store.client import MAX_FRAME, PrefixStore, StoreServer, TCPStore, connect_store
 
 

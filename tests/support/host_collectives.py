@@ -16,7 +16,7 @@ OPS = tuple(ReduceOp)
 
 
 def host_group(rank, world, transport="auto", timeout=30.0, chunk_bytes=None, store=None, prefix="test"):
-    from nccl_ddp.env import resolve_env
+    from nccl_ddp.job.env import resolve_env
     from nccl_ddp.store.client import PrefixStore, connect_store
 
     store = store or connect_store(resolve_env(), timeout=timeout)

@@ -29,7 +29,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Optional
 
-from nccl_ddp.failure_record import FailureRecord
+from nccl_ddp.job.failure_record import FailureRecord
 from nccl_ddp.launch.supervisor import order_failures
 
 # the launcher's variables run_ranks sets in every rank (a test of a script that starts with

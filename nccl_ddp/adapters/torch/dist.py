@@ -23,8 +23,8 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from nccl_ddp.comm import api
-from nccl_ddp.env import DEFAULT_TIMEOUT, LOOPBACK, DistEnv, launcher_ranks, resolve_env
 from nccl_ddp.errors import ConfigError
+from nccl_ddp.job.env import DEFAULT_TIMEOUT, LOOPBACK, DistEnv, launcher_ranks, resolve_env
 
 log = logging.getLogger(__name__)
 

@@ -29,8 +29,8 @@ from nccl_ddp.comm.host.shm import SMALL_BYTES, ShmTransport
 from nccl_ddp.comm.host.wire import ALL_GATHER, ALL_REDUCE, BARRIER, BROADCAST, REDUCE_SCATTER
 from nccl_ddp.comm.host.work import HostWork
 from nccl_ddp.device import DEFAULT_TIMEOUT, Device, ImmediateStream, Stream
-from nccl_ddp.env import env_int
 from nccl_ddp.errors import CommError, ConfigError, NcclDdpError, RankMismatchError
+from nccl_ddp.job.env import env_int
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from nccl_ddp.adapters.torch.dist import init_beside_torch
 from nccl_ddp.adapters.torch.integrations import private_names
 from nccl_ddp.adapters.torch.zero.optimizer import ZeroRedundancyOptimizer
 from nccl_ddp.comm import api
-from nccl_ddp.env import DEFAULT_TIMEOUT
+from nccl_ddp.job.env import DEFAULT_TIMEOUT
 
 _PATCH = threading.Lock()
 _TORCH_DDP = "torch.nn.parallel.DistributedDataParallel"

@@ -27,8 +27,8 @@ from nccl_ddp.adapters.torch.dist import init_beside_torch
 from nccl_ddp.adapters.torch.integrations import private_names
 from nccl_ddp.adapters.torch.zero.optimizer import ZeroRedundancyOptimizer
 from nccl_ddp.comm import api
-from nccl_ddp.env import DEFAULT_TIMEOUT
 from nccl_ddp.errors import ConfigError
+from nccl_ddp.job.env import DEFAULT_TIMEOUT
 
 # DDPStrategy's private attributes that its __init__ sets and the strategy reads or replaces
 INSTANCE_ATTRS = (
