@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create (or reuse) the PaddlePaddle venv that tests/adapters/test_paddle_adapter.py runs Paddle in,
+# Create (or reuse) the PaddlePaddle venv that tests/adapters/paddle_tests/test_paddle_adapter.py runs Paddle in,
 # with tinygrad (pure Python, no dependencies) for examples/tinygrad_mlp.py and its test. Paddle lives apart from the main venv: importing TensorFlow and Paddle
 # in one process segfaults, and its wheel pins its own protobuf/numpy ranges. Idempotent: a venv
 # that already imports paddle at $PADDLE_VERSION is left alone except for the editable install of

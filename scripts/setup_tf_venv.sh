@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create (or reuse) the TensorFlow venv that tests/adapters/test_tensorflow_adapter.py runs its ranks in.
+# Create (or reuse) the TensorFlow venv that tests/adapters/tensorflow_tests/test_tensorflow_adapter.py runs its ranks in.
 # TensorFlow lives apart from the main venv: its wheels pin their own protobuf/ml_dtypes/numpy ranges,
 # and it must never share a process with PaddlePaddle (importing both segfaults). Holds tensorflow-cpu,
 # Keras 3, tf_keras (Keras 2, for the MultiWorkerMirroredStrategy comparison) and the test tools.

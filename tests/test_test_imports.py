@@ -41,3 +41,31 @@ def test_the_check_catches_a_planted_import(tmp_path):
     (tmp_path / "support.py").write_text("import conftest\n")
     (tmp_path / "conftest.py").write_text("")
     assert _borrowed(tmp_path) == [("support.py", "conftest"), ("test_two.py", "test_one")]
+
+
+def _test_folder_faults(root: pathlib.Path) -> list:
+    """Each framework package adapters/<fw>/ has its tests in tests/adapters/<fw>_tests/, and no
+    tests/adapters/<fw>/ exists (a namespace package that `import <fw>` would find)."""
+    adapters = root / "nccl_ddp" / "adapters"
+    frameworks = sorted(p.name for p in adapters.iterdir() if (p / "__init__.py").is_file())
+    tests = root / "tests" / "adapters"
+    missing = [fw for fw in frameworks if not (tests / f"{fw}_tests").is_dir()]
+    faults = [f"tests/adapters/{fw}_tests/ is missing" for fw in missing]
+    return faults + [f"tests/adapters/{fw}/ shadows {fw}" for fw in frameworks if (tests / fw).exists()]
+
+
+def test_every_framework_has_its_tests_folder():
+    faults = _test_folder_faults(ROOT)
+    assert not faults, "tests/adapters/<fw>_tests/ for each adapters/<fw>/: " + ", ".join(faults)
+
+
+def test_the_folder_check_catches_a_flat_or_shadowing_layout(tmp_path):
+    for fw in ("torch", "paddle"):
+        (tmp_path / "nccl_ddp" / "adapters" / fw).mkdir(parents=True)
+        (tmp_path / "nccl_ddp" / "adapters" / fw / "__init__.py").write_text("")
+    (tmp_path / "tests" / "adapters" / "torch").mkdir(parents=True)
+    (tmp_path / "tests" / "adapters" / "torch_tests").mkdir()
+    assert _test_folder_faults(tmp_path) == [
+        "tests/adapters/paddle_tests/ is missing",
+        "tests/adapters/torch/ shadows torch",
+    ]

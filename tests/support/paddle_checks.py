@@ -1,4 +1,4 @@
-"""Checks of the Paddle adapter, run in the Paddle venv by tests/adapters/test_paddle_adapter.py.
+"""Checks of the Paddle adapter, run in the Paddle venv by tests/adapters/paddle_tests/test_paddle_adapter.py.
 
     python paddle_checks.py train OUT     # under nccl-ddp-run with 2 ranks
     python paddle_checks.py single        # one process (a job of one)

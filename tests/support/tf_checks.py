@@ -1,5 +1,5 @@
-"""TensorFlow / Keras 3 checks, run by tests/adapters/test_tensorflow_adapter.py in .venv-tf under
-`python -m nccl_ddp.launch --nproc-per-node 2 tf_checks.py OUT_DIR`. Each rank writes
+"""TensorFlow / Keras 3 checks, run by tests/adapters/tensorflow_tests/test_tensorflow_adapter.py
+in .venv-tf under `python -m nccl_ddp.launch --nproc-per-node 2 tf_checks.py OUT_DIR`. Each rank writes
 OUT_DIR/rank{r}.json: what it saw (values, types, error messages); the test asserts on them.
 
 The oracle is a single process on the full batch, computed by each rank itself after the

@@ -1,7 +1,8 @@
 """TensorFlow's own data parallelism as the oracle: tf_keras (Keras 2) model.fit under
 tf.distribute.MultiWorkerMirroredStrategy, and nccl_ddp.keras's Keras 3 model.fit, on the same 2
-ranks, data shards and initial weights. Run by tests/adapters/test_tensorflow_adapter.py in .venv-tf
-under `python -m nccl_ddp.launch --nproc-per-node 2 tf_mwms.py OUT_DIR`; each rank writes
+ranks, data shards and initial weights. Run by
+tests/adapters/tensorflow_tests/test_tensorflow_adapter.py in .venv-tf under
+`python -m nccl_ddp.launch --nproc-per-node 2 tf_mwms.py OUT_DIR`; each rank writes
 OUT_DIR/mwms{r}.json with both models' weights."""
 
 from __future__ import annotations
