@@ -25,6 +25,9 @@ launch per call whatever the tensor count, bit-identical to the references.
 Offsets are in elements of the bucket dtype. Arithmetic is in float32 (float64 for float64 data):
 cast(x * scale) rounds once to nearest-even; accumulate computes cast(dst + x * scale) without a
 fused multiply-add.
+
+This folder holds the Python half (loaders, launch tables, the NumPy specification); the CUDA
+sources are in the repository's top-level kernels/ (kernels/README.md), shipped as nccl_ddp/_kernels.
 """
 
 from __future__ import annotations
