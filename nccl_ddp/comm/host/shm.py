@@ -14,7 +14,7 @@ from nccl_ddp.comm.host.segment import Segment
 from nccl_ddp.comm.host.shared import NOT_SHARED, WHERE, where
 from nccl_ddp.comm.host.wire import SETUP, Header
 
-STAGED, REDUCED = 1, 2  # signal kinds (see _wire.KIND_NAMES)
+STAGED, REDUCED = 1, 2  # signal kinds (see wire.KIND_NAMES)
 
 _SLOTS = 3
 SMALL_BYTES = 64 << 10  # all_reduce up to this many bytes: every rank reduces the whole message

@@ -200,7 +200,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         return torch.tensor(self._grads.clip_(max_norm))
 
     def _amp_unscale_shards(self, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
-        """ZeRO-2: GradScaler's unscale-and-check of `p.grad` (torch_zero_grads.LocalGrad routes
+        """ZeRO-2: GradScaler's unscale-and-check of `p.grad` (guarded_grads.LocalGrad routes
         it here), on the reduced shards: `found_inf` is set on every rank when any rank's shard
         is non-finite (the global norm's all-reduce), so the ranks skip the same steps."""
         if self._grads.unscale_and_check(float(inv_scale)):
