@@ -200,6 +200,8 @@ class HostProcessGroup(ProcessGroup):
         The caller's own immediate stream (`HostDevice.current_stream()`, what the synchronous
         API passes) makes the op synchronous: it runs on the calling thread when the worker is
         idle (in order, and without two thread switches per small op), else it waits its turn.
+        A DDP bucket's collective comes this way from the comm stream's thread (the second hop
+        of a gradient, docs/architecture.md): it stays on that thread unless the worker is busy.
         """
         if self._closed:
             raise CommError(f"{self._where}: {self._on(opname, tag)} called after the group was shut down")
@@ -303,7 +305,9 @@ class HostProcessGroup(ProcessGroup):
     ) -> HostWork:
         return self._all_reduce(buf, op, 1.0, stream, tag)
 
-    premul_sum = True
+    def fuses_premul_sum(self, device: Device) -> bool:
+        """On the host device's (NumPy) buffers: the reduction scales the pieces as it reads them."""
+        return device.kind == "host"
 
     def all_reduce_premul_sum(
         self, buf: Any, factor: float, stream: Optional[Stream] = None, *, tag: Optional[str] = None
