@@ -314,3 +314,22 @@ def test_each_path_queues_todays_steps(path):
         assert sub.prof.steps == want
     finally:
         group.shutdown()
+
+
+class _Device:
+    def __init__(self, kind):
+        self.kind = kind
+
+
+def test_the_group_says_whether_it_fuses_the_scale():
+    """The device choice is the group's: the host backend fuses the pre-multiplied sum on its
+    own (NumPy) buffers, not on another device's; a group that says nothing does not."""
+    host = HostProcessGroup(None, 0, 1)
+    plain = FakeGroup(_Shared(1, 5.0), 0, 1)
+    try:
+        assert AllReduce(host, get_device("host")).fuses_scale
+        assert not host.fuses_premul_sum(_Device("cuda"))
+        assert not AllReduce(plain, get_device("host")).fuses_scale
+    finally:
+        host.shutdown()
+        plain.shutdown()
