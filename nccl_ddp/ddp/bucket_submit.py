@@ -219,9 +219,9 @@ class BucketSubmitter:
             return first + plan_compressed(work, mode == "view", wire, compression, collective)
         if mode == "pack":
             return first + plan_pack(work, collective)
-        fused = isinstance(collective, AllReduce) and collective.fuses_scale
-        if fused and work.flag is None and work.scale != 1.0:
-            return plan_premul_view(work, collective.phase, collective.premul_sum)
+        if work.flag is None and work.scale != 1.0:  # a scale that the group may fuse (no flag pass)
+            if isinstance(collective, AllReduce) and collective.fuses_scale:
+                return plan_premul_view(work, collective.phase, collective.premul_sum)
         return plan_view(work, collective)
 
     def _compressed_buffer(self, layout: BucketLayout, b: int, compression: str) -> Any:
