@@ -427,4 +427,4 @@ def resolve_group(group: Optional[ProcessGroup], argname: str) -> ProcessGroup:
 
 def device_of(group: ProcessGroup) -> Device:
     """The device whose arrays `group` reduces: host (NumPy) or cuda (CuPy)."""
-    return get_device("host" if group.backend == "host" else "cuda", group.device_id)
+    return get_device("host" if group.backend == "host" else "cuda", getattr(group, "device_id", None))

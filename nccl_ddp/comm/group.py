@@ -69,7 +69,6 @@ class ProcessGroup(abc.ABC):
     ranks: tuple  # global ranks of the members, in group-rank order
     timeout: float  # default seconds for blocking waits
     name: str  # for error messages: "world", "group[0,2]", ...
-    device_id: Optional[int] = None  # the GPU a "nccl" group communicates on (None on "host")
 
     def fuses_premul_sum(self, device: Device) -> bool:
         """Whether `all_reduce_premul_sum` on `device`'s buffers scales as it sums, so the scale
