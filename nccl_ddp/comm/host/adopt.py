@@ -3,16 +3,18 @@ array's buffer are replaced, at the same addresses, by a shared segment holding 
 (mmap MAP_FIXED), so the shm transport's peers read and write that array in place from then on,
 as a buffer from `group.zeros`, and a collective on it again copies (almost) nothing.
 
-Only buffers NumPy allocated with glibc's malloc in a mapping of their own (glibc's "mmapped"
-chunks: arrays over its mmap threshold, 128 KiB, rising to at most 32 MiB as large arrays are
-freed): freeing or moving such a buffer unmaps its whole range, shared pages included, so no later
-allocation can land on an adopted page while it is still shared. The bytes before the first and
-after the last whole page stay private: `Adopted.edges` says where they are, and the transport
-copies them into / out of the segment's own mapping around each collective (a few KiB at most).
-The segment is released when the array dies (a weakref callback, which NumPy runs before it frees
-the buffer) and, the bytes first copied back into private pages, when the last shm transport of
-the process closes (`release_all`). A child forked meanwhile shares an adopted array's pages with
-its parent. NCCL_DDP_HOST_ADOPT=0 turns adoption off (private arrays then get mirrors: twins.py).
+Only buffers NumPy's default allocator made (malloc): only the pages wholly inside the buffer are
+replaced, and no other object has bytes there. The bytes before the first and after the last whole
+page stay private: `Adopted.edges` says where they are, and the transport copies them into / out
+of the segment's own mapping around each collective (a few KiB at most). The segment is released
+when the array dies (a weakref callback, which NumPy runs before it frees the buffer) and, the
+bytes first copied back into private pages, when the last shm transport of the process closes
+(`let_go`). A buffer in a mapping of its own (glibc's "mmapped" chunks: over its mmap threshold,
+128 KiB rising to 32 MiB as large arrays are freed) is unmapped whole when freed; one on the heap
+stays shared memory once freed (the heap reuses it; nothing else reads it) and is put back in
+private pages in a forked child (`_after_fork`, before the child runs anything), so neither
+adopted arrays nor such heap pages are shared with a child. Past STALE_BYTES of such pages, heap
+buffers are mirrored instead. NCCL_DDP_HOST_ADOPT=0 turns adoption off (mirrors: twins.py).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from nccl_ddp.comm.host import shared
-from nccl_ddp.comm.host.segment import Segment
+from nccl_ddp.comm.host.segment import SHM_DIR, Segment
+from nccl_ddp.errors import CommError
 
 PAGE = mmap.PAGESIZE
 MIN_BYTES = 256 << 10  # smaller arrays are not adopted (their edges are a large share of them)
@@ -37,8 +40,10 @@ _MAP_FIXED = 0x10  # Linux, every architecture we run on
 _IS_MMAPPED = 0x2  # glibc: the chunk's size field flags a chunk in a mapping of its own
 _PROT = mmap.PROT_READ | mmap.PROT_WRITE
 
+STALE_BYTES = 1 << 30
 _LOCK = threading.Lock()
 _ADOPTED: dict = {}  # id(owner array) -> Adopted
+_STALE: list = []  # [lo, hi): whole pages of heap buffers freed (or moved) while adopted
 _TRANSPORTS = [0]  # shm transports open in this process (the last to close releases all)
 
 
@@ -57,7 +62,7 @@ def _mmap_call() -> Optional[Callable[..., Any]]:
     f = libc.mmap
     f.restype = ctypes.c_void_p
     f.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    return f  # type: ignore[no-any-return]
+    return f
 
 
 def _map_at(addr: int, length: int, flags: int, fd: int, offset: int) -> None:
@@ -70,11 +75,13 @@ def _map_at(addr: int, length: int, flags: int, fd: int, offset: int) -> None:
 
 
 def _handler_name(a: np.ndarray) -> str:
+    import importlib
+
     try:
-        from numpy._core.multiarray import get_handler_name  # NumPy 2
-    except ImportError:  # pragma: no cover (NumPy 1.x)
-        from numpy.core.multiarray import get_handler_name
-    return str(get_handler_name(a))
+        mod = importlib.import_module("numpy._core.multiarray")  # NumPy 2
+    except ImportError:  # NumPy 1.x
+        mod = importlib.import_module("numpy.core.multiarray")
+    return str(mod.get_handler_name(a))
 
 
 def owner_of(buf: np.ndarray) -> Optional[np.ndarray]:
@@ -85,10 +92,17 @@ def owner_of(buf: np.ndarray) -> Optional[np.ndarray]:
     return o if o.base is None and o.flags.owndata else None
 
 
+def _glibc() -> bool:
+    try:
+        return hasattr(ctypes.CDLL(None), "gnu_get_libc_version")
+    except OSError:
+        return False
+
+
 def _own_mapping(owner: np.ndarray) -> bool:
-    """`owner`'s buffer is a glibc chunk in a mapping of its own, as malloc made it for NumPy's
-    default allocator (the chunk header: prev_size, then size | flags, right before the data)."""
-    if _mmap_call() is None or _handler_name(owner) != "default_allocator":
+    """`owner`'s buffer (malloc's, NumPy's default allocator) is a glibc chunk in a mapping of
+    its own (the chunk header: prev_size, then size | flags, right before the data)."""
+    if not _glibc():
         return False
     data = owner.ctypes.data
     prev = ctypes.c_size_t.from_address(data - 16).value
@@ -124,29 +138,59 @@ class Adopted:
         try:
             _map_at(self.lo, self.hi - self.lo, mmap.MAP_SHARED, fd, self.lo - self.base)
         except BaseException:
-            self.release(restore=False)
+            self.release()
             raise
         self.edges = [(data, self.lo), (self.hi, data + n)]
+        self.unmapped_when_freed = _own_mapping(owner)
 
     def twin(self, buf: np.ndarray) -> np.ndarray:
         """`buf` (a view of the adopted array) as it lies in `view`."""
         off = buf.ctypes.data - self.base
         return self.view[off : off + buf.nbytes].view(buf.dtype)
 
-    def release(self, restore: bool) -> None:
-        """Unpublish and unmap the segment; `restore`: first put private pages holding the same
-        bytes back under the array (it lives on)."""
-        if restore:
-            keep = np.empty(self.hi - self.lo, np.uint8)
-            ctypes.memmove(keep.ctypes.data, self.lo, keep.nbytes)
-            _map_at(self.lo, keep.nbytes, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
-            ctypes.memmove(self.lo, keep.ctypes.data, keep.nbytes)
+    def release(self) -> None:
+        """Unpublish the segment and unmap it here (the array's pages stay as they are)."""
         shared.unpublish(self._start, self._fd)
         del self.view
         try:
             self._mapping.close()
         except BufferError:  # a twin view is still alive: the map goes with it
             pass
+
+
+def _privatize(ranges: list) -> None:
+    """Private pages holding the same bytes put under whatever of `ranges` ([lo, hi) addresses)
+    is still mapped shared from /dev/shm (glibc may have unmapped some since)."""
+    with open("/proc/self/maps") as f:
+        maps = [line.split() for line in f]
+    mapped = [
+        tuple(int(x, 16) for x in m[0].split("-"))
+        for m in maps
+        if len(m) > 5 and "s" in m[1] and m[5].startswith(SHM_DIR + "/")
+    ]
+    for lo, hi in ranges:
+        for a, b in mapped:
+            x, y = max(lo, a), min(hi, b)
+            if x < y:
+                keep = np.empty(y - x, np.uint8)
+                ctypes.memmove(keep.ctypes.data, x, keep.nbytes)
+                _map_at(x, keep.nbytes, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+                ctypes.memmove(x, keep.ctypes.data, keep.nbytes)
+
+
+def _qualifies(owner: np.ndarray) -> bool:
+    """NumPy's own malloc'd buffer, large enough; on the heap only while STALE_BYTES allow."""
+    if owner.nbytes < MIN_BYTES or _mmap_call() is None or _handler_name(owner) != "default_allocator":
+        return False
+    return _own_mapping(owner) or sum(hi - lo for lo, hi in _STALE) < STALE_BYTES
+
+
+def _drop(key: int, a: Adopted) -> None:
+    """Under the lock: `a` is no longer its owner's (dead, or its buffer moved or resized)."""
+    del _ADOPTED[key]
+    a.release()
+    if not a.unmapped_when_freed:
+        _STALE.append((a.lo, a.hi))
 
 
 def adopted(buf: np.ndarray) -> Optional[Adopted]:
@@ -162,25 +206,41 @@ def adopted(buf: np.ndarray) -> Optional[Adopted]:
         a = _ADOPTED.get(key)
         if a is not None and (a.data, a.nbytes) == (owner.ctypes.data, owner.nbytes):
             return a
-        if a is not None:  # resized: glibc moved or shrank the buffer; the old pages are its own
-            del _ADOPTED[key]
-            a.release(restore=False)
-        if owner.nbytes < MIN_BYTES or not _own_mapping(owner):
+        if a is not None:  # resized (resize(refcheck=False)): realloc moved or resized it
+            _drop(key, a)
+        if not _qualifies(owner):
             return None
         try:
             a = _ADOPTED[key] = Adopted(owner)
-        except OSError:  # /dev/shm full, or the kernel refused: the caller mirrors it
+        except (OSError, CommError):  # /dev/shm full, or the kernel refused: the caller mirrors it
             return None
-    weakref.finalize(owner, _forget, key, a)
+        _STALE[:] = [(lo, hi) for lo, hi in _STALE if not (a.lo <= lo and hi <= a.hi)]
+    weakref.finalize(owner, _forget, key, a).atexit = False  # (at exit the arrays stay as they are)
     return a
 
 
 def _forget(key: int, a: Adopted) -> None:
-    """The owner died (its buffer is freed right after, unmapping the shared pages with it)."""
+    """The owner dies: its buffer is freed right after (a mapping of its own unmapped with it)."""
     with _LOCK:
         if _ADOPTED.get(key) is a:
-            del _ADOPTED[key]
-            a.release(restore=False)
+            _drop(key, a)
+
+
+def _after_fork() -> None:
+    """In a forked child, before it runs anything else (one thread): private copies of every
+    adopted array's pages and of the freed heap pages that stayed shared; nothing is adopted."""
+    global _LOCK
+    _LOCK = threading.Lock()  # (another thread may have held it at the fork)
+    if _ADOPTED or _STALE:
+        _privatize([(a.lo, a.hi) for a in _ADOPTED.values()] + _STALE)
+    for a in _ADOPTED.values():
+        a.release()
+    _ADOPTED.clear()
+    _STALE.clear()
+    _TRANSPORTS[0] = 0
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 def hold() -> None:
@@ -195,8 +255,9 @@ def let_go() -> None:
         _TRANSPORTS[0] -= 1
         if _TRANSPORTS[0] > 0:
             return
+        _privatize([(a.lo, a.hi) for a in _ADOPTED.values()])
         for a in _ADOPTED.values():
-            a.release(restore=True)
+            a.release()
         _ADOPTED.clear()
 
 

@@ -371,7 +371,7 @@ class ShmTransport:
     def close(self) -> None:
         self.twins.close()
         adopt.let_go()
-        self.slots = []
+        self.slots, self.flags = [], None  # (views of the segments: they would keep them mapped)
         for seg, _ in self._mapped.values():
             seg.close()
         self._mapped = {}
