@@ -21,6 +21,13 @@ in its cache: no copy reads it back from memory), so it can pass the copy+add li
 that same memory work alone, on arrays of each rank's own, every rank at once;
 `shared_vs_work` = work time / shared time (1.0: no cost for signals or for another
 process's memory).
+
+Private arrays (host shm, above 64 KiB) run in place through a shared twin (comm/host/twins.py:
+NumPy's own buffers adopted into shared memory where they lie, others mirrored). `time_us` /
+`busbw_GBps` are ours on one private NumPy array reused every call (`reused_vs_shared` = shared
+time / that time); `first_*`: a fresh private array every call (allocated and filled untimed),
+its twin made in the call; `staged_*`: the private array with twins off on every rank (the path
+every private array took before twins).
 """
 
 from __future__ import annotations
@@ -58,6 +65,9 @@ COLUMNS = (
     "gloo_time_us",
     "gloo_busbw_GBps",
     "vs_gloo",
+    "first_busbw_GBps",
+    "staged_busbw_GBps",
+    "reused_vs_shared",
     "limit_busbw_GBps",
     "vs_limit",
     "shared_time_us",
@@ -67,6 +77,9 @@ COLUMNS = (
     "shared_vs_work",
 )
 FORMATS = {
+    "first_busbw_GBps": ".3f",
+    "staged_busbw_GBps": ".3f",
+    "reused_vs_shared": ".2f",
     "work_busbw_GBps": ".3f",
     "shared_vs_work": ".2f",
     "limit_busbw_GBps": ".3f",
@@ -166,6 +179,36 @@ def _shared_buffer(nd, count: int, dtype):
     out = group.zeros(HostDevice(), count, dtype)
     out[...] = 1
     return out
+
+
+def _twins(nd, on: bool) -> None:
+    """Private arrays get shared twins (adopted or mirrored) on this rank, or not (staged)."""
+    from nccl_ddp.comm.host.twins import MIRROR_BYTES
+
+    os.environ["NCCL_DDP_HOST_ADOPT"] = "1" if on else "0"
+    nd.get_world_group()._transport.twins.max_bytes = MIRROR_BYTES if on else 0
+
+
+def _time_staged(nd, args, x, iters: int) -> float:
+    _twins(nd, False)
+    try:
+        return _time_ours(nd, args, x, iters)
+    finally:
+        _twins(nd, True)
+
+
+def _time_first(nd, args, x, iters: int) -> float:
+    """Seconds per all-reduce of a private array new at every call (allocation and fill untimed):
+    its twin is made inside the call."""
+    total = 0.0
+    for _ in range(iters):
+        y = np.ones_like(x)
+        nd.barrier()
+        t0 = time.perf_counter()
+        nd.all_reduce(y, op=args.op)
+        total += time.perf_counter() - t0
+        del y
+    return slowest(nd, total / iters)
 
 
 def _time_limit(nd, args, x, iters: int) -> float:
@@ -284,11 +327,21 @@ def worker(args) -> list:
         iters = _iters(args, size)
         shared = _shared_buffer(nd, count, dtype)
         limit = bool(args.limit_min and size >= args.limit_min and nd.get_world_group().backend == "host")
-        times: dict = {"ours": [], "shared": [], "limit": [], "work": [], "gloo": []}
+        times: dict = {
+            "ours": [],
+            "shared": [],
+            "first": [],
+            "staged": [],
+            "limit": [],
+            "work": [],
+            "gloo": [],
+        }
         for _ in range(args.rounds):  # interleaved: a slow moment hits every column alike
             times["ours"].append(_time_ours(nd, args, x, iters))
-            if shared is not None:
+            if shared is not None:  # (host shm above 64 KiB: private arrays have twins)
                 times["shared"].append(_time_ours(nd, args, shared, iters))
+                times["first"].append(_time_first(nd, args, x, iters))
+                times["staged"].append(_time_staged(nd, args, x, iters))
             if limit:
                 times["limit"].append(_time_limit(nd, args, x, iters))
                 if shared is not None:
@@ -320,6 +373,8 @@ def worker(args) -> list:
         )
         if "shared" in med:
             row.update(shared_time_us=med["shared"] * 1e6, shared_busbw_GBps=busbw(med["shared"]))
+            row.update(reused_vs_shared=med["shared"] / t, first_busbw_GBps=busbw(med["first"]))
+            row.update(first_time_us=med["first"] * 1e6, staged_busbw_GBps=busbw(med["staged"]))
         if "limit" in med:
             tl = med["limit"]
             row.update(limit_time_us=tl * 1e6, limit_busbw_GBps=busbw(tl), vs_limit=tl / t)
@@ -351,7 +406,9 @@ def _report(args, rows: list, n: int) -> None:
         f"busbw = algbw * 2(n-1)/n; vs_gloo = gloo time / our time; "
         f"vs_limit = copy+add limit time / our time (same run); shared_*: ours on buffers in "
         f"the group's shared memory (DDP's buckets on shm), read and written in place; work = "
-        f"that op's own memory work on local arrays (shared_vs_work = work time / shared time)"
+        f"that op's own memory work on local arrays (shared_vs_work = work time / shared time); "
+        f"ours = a private array reused (reused_vs_shared = shared time / ours), first = a new "
+        f"private array each call, staged = private without twins"
     )
     print(format_table(shown, [c for c in COLUMNS if any(c in r for r in rows)], FORMATS))
     if args.csv:

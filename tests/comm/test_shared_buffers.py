@@ -198,6 +198,7 @@ def gather_scatter_body(rank, world):
             inp = inputs(kind, n, dt)
             inp[...] = ins[rank]
             out = np.empty(n // world, dt)
+            t.twins.get(inp)  # (seen once: a private buffer's first op is staged, its twin made next)
             staged = t.chunks
             g.reduce_scatter(out, inp, op).wait()
             moved = t.chunks - staged
@@ -211,6 +212,7 @@ def gather_scatter_body(rank, world):
             full = inputs(kind, n, dt)  # ZeRO's form: the input is this rank's slice of the output
             part = full[rank * (n // world) : (rank + 1) * (n // world)]
             part[...] = ins[rank][: n // world]
+            t.twins.get(part)
             staged = t.chunks
             g.all_gather(full, part).wait()
             moved = t.chunks - staged

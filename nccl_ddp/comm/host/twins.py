@@ -1,7 +1,9 @@
 """The shared twin of a buffer handed to an shm collective: the memory its peers read (and, for
 all_reduce, write) in place, so that every large collective can take the in-place paths.
 
-In order: the buffer itself where it lies in shared memory (`group.zeros`); its adopted pages
+In order: the buffer itself where it lies in shared memory (`group.zeros`); none the first time a
+private buffer is seen (the staged path: making a twin costs more than one staged op, and an array
+used once never pays it); its adopted pages
 (`adopt.py`: a private NumPy array moved into shared memory where it lies, the bytes at its two
 edges copied in and out); else a mirror, a shared buffer of the same size kept per (address,
 size) and reused (the whole buffer copied in before the op and out after). Mirrors are scratch:
@@ -56,12 +58,21 @@ class Twins:
         self._lock = threading.Lock()  # (an owner's death drops its mirror on whatever thread)
         self._mirrors: OrderedDict = OrderedDict()  # (address, nbytes) -> uint8 shared buffer
         self._bytes = 0
+        self._seen: set = set()  # (id(owner), address, nbytes) of private buffers seen once
+        self.last = ""  # the path the last `get` gave: shared, adopted, mirror or staged
 
     def get(self, buf: np.ndarray) -> Optional[Twin]:
         """`buf`'s twin (1-D, contiguous), or None where none can be had (/dev/shm full, or a
         mirror over the cap)."""
+        tw = self._get(buf)
+        self.last = "staged" if tw is None else tw.path
+        return tw
+
+    def _get(self, buf: np.ndarray) -> Optional[Twin]:
         if where(buf) is not NOT_SHARED:
             return Twin(buf, [], "shared")
+        if self._first_time(buf):
+            return None
         a = adopt.adopted(buf)
         if a is not None:
             lo, hi = buf.ctypes.data, buf.ctypes.data + buf.nbytes
@@ -69,6 +80,27 @@ class Twins:
             return Twin(a.twin(buf), edges, "adopted")
         m = self._mirror(buf)
         return None if m is None else Twin(m.view(buf.dtype), [(0, buf.nbytes)], "mirror")
+
+    def _first_time(self, buf: np.ndarray) -> bool:
+        """True the first time this private buffer (of this owner, at this address and size) is
+        seen, and again after its owner died."""
+        owner = _outermost(buf)
+        key = (id(owner), buf.ctypes.data, buf.nbytes)
+        with self._lock:
+            if key in self._seen:
+                return False
+            if len(self._seen) > 4096:  # (owners that cannot be watched: forget them all)
+                self._seen.clear()
+            self._seen.add(key)
+        try:
+            weakref.finalize(owner, self._unsee, key).atexit = False
+        except TypeError:
+            pass
+        return True
+
+    def _unsee(self, key: tuple) -> None:
+        with self._lock:
+            self._seen.discard(key)
 
     def _mirror(self, buf: np.ndarray) -> Optional[np.ndarray]:
         if buf.nbytes > self.max_bytes:  # (NCCL_DDP_HOST_MIRROR_BYTES=0: no mirrors, staged)
@@ -109,6 +141,7 @@ class Twins:
     def close(self) -> None:
         with self._lock:
             self._mirrors.clear()
+            self._seen.clear()
             self._bytes = 0
 
 
