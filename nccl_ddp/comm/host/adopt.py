@@ -39,6 +39,7 @@ MIN_BYTES = 256 << 10  # smaller arrays are not adopted (their edges are a large
 _MAP_FIXED = 0x10  # Linux, every architecture we run on
 _IS_MMAPPED = 0x2  # glibc: the chunk's size field flags a chunk in a mapping of its own
 _PROT = mmap.PROT_READ | mmap.PROT_WRITE
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 STALE_BYTES = 1 << 30
 _LOCK = threading.Lock()
@@ -126,17 +127,17 @@ class Adopted:
         self.data, self.nbytes = data, n
         self.base = data // PAGE * PAGE
         self.lo, self.hi = -(-data // PAGE) * PAGE, (data + n) // PAGE * PAGE
-        seg = Segment.create(-(-(data + n) // PAGE) * PAGE - self.base)
+        inner = (ctypes.c_char * (self.hi - self.lo)).from_address(self.lo)
+        seg = Segment.create(-(-(data + n) // PAGE) * PAGE - self.base, fill=(self.lo - self.base, inner))
         try:
             view = seg.array
-            ctypes.memmove(view.ctypes.data + self.lo - self.base, self.lo, self.hi - self.lo)
             mapping, fd, start = shared.publish(seg)
         except BaseException:
             seg.close()
             raise
         self.view, self._mapping, self._fd, self._start = view, mapping, fd, start
         try:
-            _map_at(self.lo, self.hi - self.lo, mmap.MAP_SHARED, fd, self.lo - self.base)
+            _map_at(self.lo, self.hi - self.lo, mmap.MAP_SHARED | _POPULATE, fd, self.lo - self.base)
         except BaseException:
             self.release()
             raise
