@@ -108,6 +108,20 @@ def env_int(name: str, default: int) -> int:
     return default if value is None else value
 
 
+NODE_RANK_VARS = ("GROUP_RANK", "NODE_RANK", "SLURM_NODEID")  # ours / torchrun, Lightning, Slurm
+
+
+def node_rank(environ: Mapping[str, str] = os.environ) -> Optional[int]:
+    """This process's node in the launcher's topology (nccl-ddp-run and torchrun export
+    GROUP_RANK), or None where no launcher says: which ranks share a node is the launcher's word,
+    not the hostname's (two `--node-rank`s on one machine are two nodes)."""
+    for name in NODE_RANK_VARS:
+        value = _int(environ, name)
+        if value is not None:
+            return value
+    return None
+
+
 def slurm_tasks_on_node(tasks_per_node: str, node_id: int) -> int:
     """Task count of node `node_id` from SLURM_TASKS_PER_NODE syntax such as "4(x2),3"."""
     counts: list[int] = []

@@ -1,7 +1,7 @@
 """The "host" backend: real collectives between processes on NumPy arrays, no GPU needed.
 
-Ranks that share a host move data through shared memory (`shm.ShmTransport`); groups that span
-hosts use pipelined TCP rings (`ring.RingTransport`). Set NCCL_DDP_HOST_TRANSPORT=tcp to force TCP.
+Ranks of one node (the launcher's GROUP_RANK) use shared memory (`shm.ShmTransport`), groups over
+nodes TCP rings (`ring.RingTransport`; `throttle.py`). NCCL_DDP_HOST_TRANSPORT=tcp forces TCP.
 Each group runs its collectives in call order on one worker thread, like a CUDA stream, and
 every call returns a `HostWork` at once; its errors name the op, its `tag` (what the buffer
 is: "bucket 3 (1.0 MiB)"), the group and the rank. After a failure the group is broken: it tells
@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import numpy as np
 
 from nccl_ddp.comm.group import ProcessGroup, ReduceOp, check_gather_buffers
+from nccl_ddp.comm.host import throttle
 from nccl_ddp.comm.host.reduce import Reduction, dtype_code
 from nccl_ddp.comm.host.rendezvous import Rendezvous, host_id
 from nccl_ddp.comm.host.ring import RingTransport, SelfTransport
@@ -29,7 +30,7 @@ from nccl_ddp.comm.host.shm import SMALL_BYTES, ShmTransport
 from nccl_ddp.comm.host.wire import ALL_GATHER, ALL_REDUCE, BARRIER, BROADCAST, REDUCE_SCATTER
 from nccl_ddp.comm.host.work import HostWork
 from nccl_ddp.device import DEFAULT_TIMEOUT, Device, ImmediateStream, Stream
-from nccl_ddp.env import env_int
+from nccl_ddp.env import env_int, node_rank
 from nccl_ddp.errors import CommError, ConfigError, NcclDdpError, RankMismatchError
 
 log = logging.getLogger(__name__)
@@ -125,7 +126,13 @@ class HostProcessGroup(ProcessGroup):
             list(self.ranks),
             self.timeout,
             self._where,
-            {"host": host_id(), "transport": transport, "chunk": chunk_bytes, "members": list(self.ranks)},
+            dict(
+                host=host_id(),
+                node=node_rank(),
+                transport=transport,
+                chunk=chunk_bytes,
+                members=list(self.ranks),
+            ),
             origin=self._origin,
         )
         infos = rdv.infos
@@ -138,7 +145,8 @@ class HostProcessGroup(ProcessGroup):
                     f"every member must create the group from the same ranks"
                 )
         chunk = infos[0]["chunk"]  # every rank must chunk alike
-        same_host = len({i["host"] for i in infos}) == 1
+        nodes = [(i["host"], i["node"]) for i in infos]  # the launcher's nodes (2 on 1 host: no shm)
+        same_host = len(set(nodes)) == 1
         if any(i["transport"] == "shm" for i in infos) and not same_host:
             rdv.listener.close()
             raise ConfigError(
@@ -158,6 +166,9 @@ class HostProcessGroup(ProcessGroup):
                 ),
             )
         self._links = list(links.values())
+        for j, link in links.items():  # links between nodes: counted, and paced where asked
+            link.cross_node = nodes[j] != nodes[self.rank]
+            link.throttle = throttle.from_env() if link.cross_node else None
         try:
             out = t()
         except NcclDdpError as e:
@@ -405,6 +416,9 @@ class HostProcessGroup(ProcessGroup):
     @property
     def failed(self) -> bool:
         return self._error is not None
+
+    def cross_node_bytes(self) -> int:  # (sent so far to ranks on other nodes, headers included)
+        return sum(link.sent for link in self._links if link.cross_node)
 
     def lost_peers(self) -> list:
         return sorted(link.peer for link in self._links if link.closed_by_peer())
