@@ -12,14 +12,16 @@ from host_collectives import close_group, host_group
 from mp import run_ranks
 from shm import no_shm_leaks  # noqa: F401  (autouse: /dev/shm stays clean)
 
+from nccl_ddp.comm.group import ReduceOp
 from nccl_ddp.comm.host import throttle
 from nccl_ddp.env import node_rank
 
 N = 1 << 18  # float32: 1 MiB
 
 
-def nodes_body(rank, world, per_node):
+def nodes_body(rank, world, per_node, hierarchy="0"):
     os.environ["GROUP_RANK"] = str(rank // per_node)
+    os.environ["NCCL_DDP_HOST_HIERARCHY"] = hierarchy
     g, store = host_group(rank, world)
     kind = g.transport_kind
     before = g.cross_node_bytes()
@@ -72,3 +74,68 @@ def test_token_bucket_paces_to_its_rate(monkeypatch):
     assert throttle.from_env() is None
     monkeypatch.setenv("NCCL_DDP_HOST_THROTTLE_BPS", "5000000")
     assert throttle.from_env().rate == 5e6
+
+
+CASES = [
+    (np.float32, ReduceOp.SUM, "random"),
+    (np.float32, ReduceOp.SUM, "exact"),
+    (np.float32, ReduceOp.AVG, "exact"),
+    (np.int32, ReduceOp.SUM, "random"),
+    (np.int64, ReduceOp.MAX, "random"),
+    (np.float16, ReduceOp.SUM, "exact"),
+    (np.float64, ReduceOp.PROD, "exact"),
+]
+SIZES = (0, 1, 3, 1001, 70_001, 600_003)
+
+
+def _data(rank, dt, n, kind):
+    rng = np.random.default_rng([rank, n])
+    if kind == "exact":  # small integers: every partial sum exact, in any order
+        return rng.integers(-8, 9, n).astype(dt) if dt != np.float64 else rng.choice([0.5, 1.0, 2.0], n)
+    if np.dtype(dt).kind == "f":
+        return rng.standard_normal(n).astype(dt)
+    return rng.integers(-1000, 1000, n).astype(dt)
+
+
+def hier_body(rank, world, per_node):
+    """Every case on the hierarchy and on the flat ring (two groups of the same ranks): the
+    bytes each sends to the other node, and a digest of the results."""
+    import hashlib
+
+    os.environ["GROUP_RANK"] = str(rank // per_node)
+    out, store = {}, None
+    for hierarchy in ("1", "0"):
+        os.environ["NCCL_DDP_HOST_HIERARCHY"] = hierarchy
+        g, store = host_group(rank, world, store=store, prefix=f"h{hierarchy}")
+        digest, exact = hashlib.sha256(), []
+        for dt, op, kind in CASES:
+            for n in SIZES:
+                x = _data(rank, dt, n, kind)
+                g.all_reduce(x, op).wait()
+                digest.update(x.tobytes())
+                if kind == "exact" or np.dtype(dt).kind != "f":
+                    exact.append(x.tobytes())
+        g.broadcast(x, 1).wait()  # the other ops: the flat ring's
+        big = np.ones(1 << 22, np.float32)  # 16 MiB: the bytes between nodes
+        before = g.cross_node_bytes()
+        g.all_reduce(big).wait()
+        assert (big == world).all()
+        out[hierarchy] = (g.transport_kind, digest.hexdigest(), exact, g.cross_node_bytes() - before)
+        g.barrier().wait()
+        g.shutdown()
+    store.barrier("closing", world, 30)
+    store.close()
+    return out
+
+
+@pytest.mark.slow
+def test_hierarchical_all_reduce_crosses_between_nodes_once():
+    res = run_ranks(hier_body, 4, 2, timeout=240)
+    assert [r["1"][0] for r in res] == ["hier"] * 4 and [r["0"][0] for r in res] == ["tcp"] * 4
+    assert len({r["1"][1] for r in res}) == 1  # every rank: the same bits
+    for r in res:
+        assert r["1"][2] == r["0"][2]  # exact sums, integers, max: the flat ring's bits
+    hier_bytes, flat_bytes = (sum(r[h][3] for r in res) for h in ("1", "0"))
+    # 2 nodes: the flat ring moves 3x the buffer between them, the hierarchy 2x (the least an
+    # all-reduce between two nodes can: each must receive the other's share of every element)
+    assert hier_bytes <= 0.7 * flat_bytes, (hier_bytes, flat_bytes)

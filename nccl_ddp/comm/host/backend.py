@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import numpy as np
 
 from nccl_ddp.comm.group import ProcessGroup, ReduceOp, check_gather_buffers
-from nccl_ddp.comm.host import throttle
+from nccl_ddp.comm.host import hier, throttle
 from nccl_ddp.comm.host.reduce import Reduction, dtype_code
 from nccl_ddp.comm.host.rendezvous import Rendezvous, host_id
 from nccl_ddp.comm.host.ring import RingTransport, SelfTransport
@@ -35,7 +35,6 @@ from nccl_ddp.errors import CommError, ConfigError, NcclDdpError, RankMismatchEr
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CHUNK_BYTES = 2 << 20  # per TCP piece; shm slots default to shm.CHUNK_BYTES
 _REDOPS = list(ReduceOp)
 
 
@@ -129,6 +128,7 @@ class HostProcessGroup(ProcessGroup):
             dict(
                 host=host_id(),
                 node=node_rank(),
+                hier=hier.wanted(),
                 transport=transport,
                 chunk=chunk_bytes,
                 members=list(self.ranks),
@@ -157,14 +157,8 @@ class HostProcessGroup(ProcessGroup):
         if same_host and all(i["transport"] != "tcp" for i in infos):
             links = rdv.connect(range(self.size))
             kind, t = "shm", lambda: ShmTransport(links, self.rank, self.size, chunk)
-        else:
-            links = rdv.connect({(self.rank - 1) % self.size, (self.rank + 1) % self.size})
-            kind, t = (
-                "tcp",
-                lambda: RingTransport(
-                    links, self.rank, self.size, chunk or DEFAULT_CHUNK_BYTES, self.timeout
-                ),
-            )
+        else:  # the flat TCP ring, or the hierarchy over the nodes
+            kind, links, t = hier.choose(rdv, infos, nodes, self.rank, self.size, chunk, self.timeout)
         self._links = list(links.values())
         for j, link in links.items():  # links between nodes: counted, and paced where asked
             link.cross_node = nodes[j] != nodes[self.rank]

@@ -26,7 +26,7 @@ PIECE_BYTES = 256 << 10  # bytes per piece of an all-reduce on shared buffers (s
 CHUNK_BYTES = 2 << 20  # default slot size (NCCL_DDP_HOST_CHUNK_BYTES)
 
 
-def _bounds(m: int, j: int, n: int) -> tuple:
+def bounds(m: int, j: int, n: int) -> tuple:
     """Elements [a, b) of chunk part j when m elements are split over n ranks."""
     return m * j // n, m * (j + 1) // n
 
@@ -175,7 +175,7 @@ class ShmTransport:
         would fetch it from this core's cache instead); then one signal, before returning, so no
         rank reads its buffer before every part is in. No rank reads what another writes during
         the op: part j of every buffer is read and written by rank j alone."""
-        a, b = _bounds(buf.size, self.rank, self.size)
+        a, b = bounds(buf.size, self.rank, self.size)
         theirs = [peers[j] for j in range(self.size) if j != self.rank]
         step = max(1, PIECE_BYTES // buf.itemsize)
         tmp = None
@@ -244,7 +244,7 @@ class ShmTransport:
 
         def stage(lo: int) -> tuple:
             hi, s = min(n, lo + ce), self._step()
-            a, b = _bounds(hi - lo, r, size)
+            a, b = bounds(hi - lo, r, size)
             # peers need every part but mine, which I reduce straight from my buffer
             np.copyto(self._slot(r, s, 0, a, dt), buf[lo : lo + a])
             np.copyto(self._slot(r, s, b, hi - lo, dt), buf[lo + b : hi])
@@ -265,7 +265,7 @@ class ShmTransport:
         cur = first[0]
         for k in range(len(starts)):
             lo, hi, s = cur
-            a, b = _bounds(hi - lo, r, size)
+            a, b = bounds(hi - lo, r, size)
             mine = buf[lo + a : lo + b]
             red.combine(mine, [self._slot(j, s, a, b, dt) for j in range(size) if j != r], True)
             np.copyto(self._slot(r, s, a, b, dt), mine)
@@ -274,7 +274,7 @@ class ShmTransport:
             self._signal(desc, REDUCED)
             for j in range(size):
                 if j != r:
-                    a, b = _bounds(hi - lo, j, size)
+                    a, b = bounds(hi - lo, j, size)
                     np.copyto(buf[lo + a : lo + b], self._slot(j, s, a, b, dt))
 
     def broadcast(self, buf: np.ndarray, root: int, desc: tuple) -> None:
