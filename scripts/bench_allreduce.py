@@ -28,6 +28,12 @@ NumPy's own buffers adopted into shared memory where they lie, others mirrored).
 time / that time); `first_*`: a fresh private array every call (allocated and filled untimed),
 its twin made in the call; `staged_*`: the private array with twins off on every rank (the path
 every private array took before twins).
+
+`--nodes K`: the spawned ranks form K nodes of one machine (GROUP_RANK, as K launchers would set
+it): ours is then the hierarchical all-reduce (comm/host/hier.py), `flat_*` the flat TCP ring on
+the same ranks (a second group, NCCL_DDP_HOST_HIERARCHY=0), `vs_flat` = flat time / ours, and
+`cross_MiB` / `flat_cross_MiB` the bytes one rank sent between nodes per op (the most of any rank).
+With NCCL_DDP_HOST_THROTTLE_BPS set, our links between nodes are paced (gloo's are not).
 """
 
 from __future__ import annotations
@@ -65,6 +71,10 @@ COLUMNS = (
     "gloo_time_us",
     "gloo_busbw_GBps",
     "vs_gloo",
+    "flat_busbw_GBps",
+    "vs_flat",
+    "cross_MiB",
+    "flat_cross_MiB",
     "first_busbw_GBps",
     "staged_busbw_GBps",
     "reused_vs_shared",
@@ -77,6 +87,10 @@ COLUMNS = (
     "shared_vs_work",
 )
 FORMATS = {
+    "flat_busbw_GBps": ".3f",
+    "vs_flat": ".2f",
+    "cross_MiB": ".1f",
+    "flat_cross_MiB": ".1f",
     "first_busbw_GBps": ".3f",
     "staged_busbw_GBps": ".3f",
     "reused_vs_shared": ".2f",
@@ -121,6 +135,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--backend", default="host", help="host, nccl, or auto (default host)")
     p.add_argument("--nranks", type=int, default=2, help="ranks to spawn without a launcher (2)")
     p.add_argument("--no-gloo", action="store_true", help="skip the torch gloo comparison")
+    p.add_argument("--nodes", type=int, default=1, help="nodes the spawned ranks form on this machine (1)")
     p.add_argument(
         "--limit-min",
         type=_bytes,
@@ -209,6 +224,31 @@ def _time_first(nd, args, x, iters: int) -> float:
         total += time.perf_counter() - t0
         del y
     return slowest(nd, total / iters)
+
+
+def _flat_group(nd):
+    """The same ranks on the flat TCP ring, where the world group is hierarchical; else None."""
+    if getattr(nd.get_world_group(), "transport_kind", "") != "hier":
+        return None
+    os.environ["NCCL_DDP_HOST_HIERARCHY"] = "0"
+    try:
+        return nd.new_group(list(range(nd.get_world_size())))
+    finally:
+        os.environ["NCCL_DDP_HOST_HIERARCHY"] = "1"
+
+
+def _time_on(nd, args, x, iters: int, group) -> tuple:
+    """(seconds per all-reduce of `x` on `group`, MiB a rank sent between nodes per op, the most
+    of any rank)."""
+    for _ in range(max(2, args.warmup)):
+        nd.all_reduce(x, op=args.op, group=group)
+    nd.barrier()
+    sent = group.cross_node_bytes()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        nd.all_reduce(x, op=args.op, group=group)
+    t = slowest(nd, (time.perf_counter() - t0) / iters)
+    return t, slowest(nd, (group.cross_node_bytes() - sent) / iters / (1 << 20))
 
 
 def _time_limit(nd, args, x, iters: int) -> float:
@@ -318,6 +358,7 @@ def worker(args) -> list:
     nd.init_process_group(backend=None if args.backend == "auto" else args.backend)
     rank, n = nd.get_rank(), nd.get_world_size()
     gloo = _gloo_setup(nd, args)
+    flat = _flat_group(nd)
     sizes = _sizes(args, dtype.itemsize)
     prog = Progress(len(sizes), "bench_allreduce") if rank == 0 else None
     rows = []
@@ -335,6 +376,9 @@ def worker(args) -> list:
             "limit": [],
             "work": [],
             "gloo": [],
+            "flat": [],
+            "cross": [],
+            "flat_cross": [],
         }
         for _ in range(args.rounds):  # interleaved: a slow moment hits every column alike
             times["ours"].append(_time_ours(nd, args, x, iters))
@@ -346,6 +390,12 @@ def worker(args) -> list:
                 times["limit"].append(_time_limit(nd, args, x, iters))
                 if shared is not None:
                     times["work"].append(_time_work(nd, args, x, iters))
+            if flat is not None:
+                for key, g in (("", nd.get_world_group()), ("flat_", flat)):
+                    tf, mib = _time_on(nd, args, x, iters, g)
+                    times[key + "cross"].append(mib)
+                    if key:
+                        times["flat"].append(tf)
             if gloo is not None:
                 tg = _time_gloo(nd, gloo, args, x, iters)
                 if tg is not None:
@@ -383,6 +433,9 @@ def worker(args) -> list:
         if "work" in med and "shared" in med:
             tw = med["work"]
             row.update(work_busbw_GBps=busbw(tw), shared_vs_work=tw / med["shared"])
+        if "flat" in med:
+            row.update(flat_busbw_GBps=busbw(med["flat"]), vs_flat=med["flat"] / t)
+            row.update(cross_MiB=med["cross"], flat_cross_MiB=med["flat_cross"])
         if "gloo" in med:
             tg = med["gloo"]
             row.update(gloo_time_us=tg * 1e6, gloo_busbw_GBps=busbw(tg), vs_gloo=tg / t)
@@ -443,7 +496,8 @@ def _report(args, rows: list, n: int) -> None:
 
 
 def _spawned(rank: int, n: int, env: dict, args) -> None:
-    os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
+    per_node = n // args.nodes
+    os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank % per_node), GROUP_RANK=str(rank // per_node))
     worker(args)
 
 
@@ -454,7 +508,7 @@ def spawn(args) -> int:
         port = s.getsockname()[1]
     env = {
         "WORLD_SIZE": str(args.nranks),
-        "LOCAL_WORLD_SIZE": str(args.nranks),
+        "LOCAL_WORLD_SIZE": str(args.nranks // args.nodes),
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
         "NCCL_DDP_SECRET": secrets.token_hex(16),
