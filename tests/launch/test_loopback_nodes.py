@@ -1,5 +1,6 @@
 """`nccl-ddp-run --nnodes 2 --master-addr 127.0.0.1` on one machine, as torchrun takes it: the usual
-way to try a multi-node job before there are two nodes."""
+way to try a multi-node job before there are two nodes; with 2 ranks each (127.0.0.2) the two are
+two nodes to the host backend too: its all-reduce runs hierarchically."""
 
 import os
 import sys
