@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -203,8 +204,13 @@ def test_a_forked_child_gets_private_copies_of_adopted_arrays():
         if pid == 0:  # the child writes its copy; the parent's must not change
             x[...] = 5.0
             os._exit(0 if adopt.count() == 0 and x.sum() == 5.0 * x.size else 1)
-        _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0
+        deadline = time.monotonic() + 60
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if done[0] == 0:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0, "the forked child failed or hung"
         assert (x == 1.0).all(), "the child's writes reached the parent's adopted array"
     finally:
         adopt.let_go()
