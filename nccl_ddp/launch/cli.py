@@ -89,13 +89,8 @@ def _endpoint(value: str) -> tuple:
         raise ConfigError(f"--rdzv-endpoint={value!r}: use host:port (e.g. 10.0.0.1:29500)") from None
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="nccl-ddp-run",
-        description="Start one nccl_ddp worker per GPU on this node.",
-        epilog="Each option falls back to the environment variable shown in its help, then to "
-        "torchrun's PET_<OPTION>; torchrun's spellings (underscores) are accepted.",
-    )
+def _node_flags(p: argparse.ArgumentParser) -> None:
+    """How many workers and nodes, and where node 0 is."""
     _flag(
         p,
         "nproc-per-node",
@@ -138,6 +133,10 @@ def _parser() -> argparse.ArgumentParser:
         help="MASTER_PORT given to the workers (free for the script's own use, e.g. "
         "torch.distributed); 0 picks a free one (single node) [MASTER_PORT]",
     )
+
+
+def _rendezvous_flags(p: argparse.ArgumentParser) -> None:
+    """How the nodes meet: torchrun's rendezvous flags and our store's port."""
     _flag(p, "rdzv-endpoint", help="torchrun's host[:port] of node 0: sets --master-addr and --master-port")
     _flag(
         p,
@@ -174,6 +173,10 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="single node on loopback with a free port (ignores MASTER_ADDR/PORT)",
     )
+
+
+def _worker_flags(p: argparse.ArgumentParser) -> None:
+    """What each worker runs and how often the launcher restarts and watches it."""
     _flag(
         p,
         "max-restarts",
@@ -201,6 +204,10 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run the script (absolute path) with runpy.run_path in each worker's interpreter",
     )
+
+
+def _output_flags(p: argparse.ArgumentParser) -> None:
+    """Where the workers' stdout and stderr go: log files, console, or both."""
     _flag(
         p,
         "log-dir",
@@ -230,6 +237,10 @@ def _parser() -> argparse.ArgumentParser:
         default="",
         help="show only these local ranks' output on the console, e.g. 0 or 0,1 (logs keep all)",
     )
+
+
+def _stop_flags(p: argparse.ArgumentParser) -> None:
+    """How the launcher stops the workers: the signals it forwards and the grace before SIGKILL."""
     _flag(
         p,
         "signals-to-handle",
@@ -245,12 +256,20 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds between SIGTERM and SIGKILL when stopping workers [NCCL_DDP_GRACE_PERIOD]",
     )
     _flag(p, "shutdown-timeout", type=float, help="torchrun's name for --grace-period")
+
+
+def _device_flags(p: argparse.ArgumentParser) -> None:
+    """Which GPU each worker sees."""
     _flag(
         p,
         "virtual-local-rank",
         action="store_true",
         help="LOCAL_RANK=0 for every worker, CUDA_VISIBLE_DEVICES its own GPU only",
     )
+
+
+def _filtered_log_flags(p: argparse.ArgumentParser) -> None:
+    """Extra log files holding the stdout/stderr lines that match a filter."""
     for stream in ("stdout", "stderr"):
         _flag(
             p,
@@ -260,6 +279,10 @@ def _parser() -> argparse.ArgumentParser:
             help=f"also copy {stream} lines containing any of these (comma-separated, ',,' "
             f"for a comma) to attempt_<N>/filtered_{stream}.log in the log directory",
         )
+
+
+def _torchrun_only_flags(p: argparse.ArgumentParser) -> None:
+    """torchrun flags accepted so its command lines run, with no effect here."""
     for name, kw in (
         ("logs-specs", {}),
         ("numa-binding", {"choices": NUMA_MODES}),
@@ -267,6 +290,23 @@ def _parser() -> argparse.ArgumentParser:
         ("local-addr", {}),
     ):
         _flag(p, name, help="accepted for torchrun command lines; has no effect here", **kw)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="nccl-ddp-run",
+        description="Start one nccl_ddp worker per GPU on this node.",
+        epilog="Each option falls back to the environment variable shown in its help, then to "
+        "torchrun's PET_<OPTION>; torchrun's spellings (underscores) are accepted.",
+    )
+    _node_flags(p)
+    _rendezvous_flags(p)
+    _worker_flags(p)
+    _output_flags(p)
+    _stop_flags(p)
+    _device_flags(p)
+    _filtered_log_flags(p)
+    _torchrun_only_flags(p)
     p.add_argument("entrypoint", help="the training script (or module with -m)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     return p
