@@ -289,24 +289,49 @@ def resolve_env(
     environ: Optional[Mapping[str, str]] = None,
 ) -> DistEnv:
     """Work out this process's DistEnv; raises ConfigError naming the variable to fix."""
-    for name, value in (
-        ("rank", rank),
-        ("world_size", world_size),
-        ("local_rank", local_rank),
-        ("master_port", master_port),
-    ):
+    _check_int_args(rank=rank, world_size=world_size, local_rank=local_rank, master_port=master_port)
+    environ = os.environ if environ is None else environ
+    found = _identity(environ)
+    source = "arguments" if world_size is not None else found.source
+    rank, world_size = _rank_and_world(found, source, rank, world_size)
+    _check_not_alone(environ, source, world_size)
+    local_rank, local_world = _local_rank_and_world(found, rank, world_size, local_rank)
+    addr = _master_addr(environ, found, master_addr, rank, world_size, local_world)
+    master_port = _master_port(environ, found, master_port, rank, world_size)
+    hosted = environ.get("NCCL_DDP_STORE_HOSTED", "").strip().lower() in ("1", "true", "yes")
+    store_port = _store_port(environ, found, master_port, rank, world_size)
+    return DistEnv(
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        local_world_size=local_world,
+        master_addr=addr,
+        master_port=master_port,
+        secret=environ.get("NCCL_DDP_SECRET", ""),
+        store_hosted_externally=hosted,
+        store_port=store_port,
+        source=found.source if source != "arguments" else source,
+        ms_scheduler=found.ms_scheduler,
+        world_from=_world_from(environ, source, found.names[1], world_size),
+    )
+
+
+def _check_int_args(**args: Optional[int]) -> None:
+    """The integer arguments of `resolve_env` are ints or None (bool refused), named when not."""
+    for name, value in args.items():
         if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
             raise ConfigTypeError(
                 f"{name} must be an int or None (read from the environment), got "
                 f"{type(value).__name__} {value!r}"
             )
-    environ = os.environ if environ is None else environ
-    found = _identity(environ)
-    source = found.source
-    rank_var, world_var, local_var, local_world_var = found.names
-    e_rank, e_world, e_local, e_local_world = found.values
-    if world_size is not None:
-        source = "arguments"
+
+
+def _rank_and_world(
+    found: _Found, source: str, rank: Optional[int], world_size: Optional[int]
+) -> Tuple[int, int]:
+    """Rank and world size, the arguments before the launcher's; both unset: a job of one."""
+    rank_var, world_var = found.names[0], found.names[1]
+    e_rank, e_world = found.values[0], found.values[1]
     rank = e_rank if rank is None else rank
     world_size = e_world if world_size is None else world_size
     if rank is None and world_size is None:
@@ -326,8 +351,15 @@ def resolve_env(
             f"rank {rank} is outside [0, {world_size}) (from {_NAMES[source]}); set "
             f"{rank_var} to a value below {world_var}"
         )
-    _check_not_alone(environ, source, world_size)
+    return rank, world_size
 
+
+def _local_rank_and_world(
+    found: _Found, rank: int, world_size: int, local_rank: Optional[int]
+) -> Tuple[int, int]:
+    """Local rank and ranks on this node; unset: one node (rank modulo the local world size)."""
+    local_var, local_world_var = found.names[2], found.names[3]
+    e_local, e_local_world = found.values[2], found.values[3]
     local_world = e_local_world if e_local_world is not None else world_size
     if local_world < 1:
         raise ConfigError(
@@ -342,7 +374,18 @@ def resolve_env(
             f"rank {rank}: local rank {local_rank} is outside [0, {local_world}); "
             f"set {local_var} below {local_world_var}"
         )
+    return local_rank, local_world
 
+
+def _master_addr(
+    environ: Mapping[str, str],
+    found: _Found,
+    master_addr: Optional[str],
+    rank: int,
+    world_size: int,
+    local_world: int,
+) -> str:
+    """The rendezvous host: the argument, MASTER_ADDR, the launcher's; loopback on one node only."""
     addr = master_addr or environ.get("MASTER_ADDR", "").strip() or found.addr
     if not addr:
         if local_world < world_size:
@@ -352,6 +395,13 @@ def resolve_env(
                 f"address of the node running rank 0"
             )
         addr = LOOPBACK
+    return addr
+
+
+def _master_port(
+    environ: Mapping[str, str], found: _Found, master_port: Optional[int], rank: int, world_size: int
+) -> int:
+    """The rendezvous port: the argument, MASTER_PORT, the launcher's store; 0 (free) for one rank."""
     if master_port is None:
         master_port = _int(environ, "MASTER_PORT")
     if master_port is None and found.store_port is not None:
@@ -368,8 +418,13 @@ def resolve_env(
             f"rank {rank}: MASTER_PORT={master_port} is not a usable port; set it "
             f"to a free port in 1..65535, the same on every rank"
         )
+    return master_port
 
-    hosted = environ.get("NCCL_DDP_STORE_HOSTED", "").strip().lower() in ("1", "true", "yes")
+
+def _store_port(
+    environ: Mapping[str, str], found: _Found, master_port: int, rank: int, world_size: int
+) -> int:
+    """Our store's port: NCCL_DDP_STORE_PORT, else beside the launcher's store (DistEnv says where)."""
     store_port = _int(environ, "NCCL_DDP_STORE_PORT")
     if store_port is None:
         store_port = (
@@ -385,20 +440,7 @@ def resolve_env(
             f"set it to a free port in 1..65535, the same on every rank (or unset "
             f"it to use MASTER_PORT)"
         )
-    return DistEnv(
-        rank=rank,
-        world_size=world_size,
-        local_rank=local_rank,
-        local_world_size=local_world,
-        master_addr=addr,
-        master_port=master_port,
-        secret=environ.get("NCCL_DDP_SECRET", ""),
-        store_hosted_externally=hosted,
-        store_port=store_port,
-        source=found.source if source != "arguments" else source,
-        ms_scheduler=found.ms_scheduler,
-        world_from=_world_from(environ, source, world_var, world_size),
-    )
+    return store_port
 
 
 def _world_from(environ: Mapping[str, str], source: str, world_var: Optional[str], world_size: int) -> str:
