@@ -18,7 +18,7 @@ SCRIPTS = PKG.parent / "scripts"
 
 # lowest first; a module may import from its own layer and the layers before it
 LAYERS = [
-    ["errors", "env", "failure_record", "validate", "step_summary"],
+    ["errors", "env", "launcher_env", "failure_record", "validate", "step_summary"],
     ["frameworks", "dlpack"],
     ["store"],
     ["device", "kernels"],
