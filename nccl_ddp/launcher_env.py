@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import Mapping, Optional, Tuple
+from typing import Callable, Mapping, Optional, Tuple
 
 from nccl_ddp.errors import ConfigError
 
@@ -170,26 +170,41 @@ def _msrun(environ: Mapping[str, str]) -> LauncherVars:
     )
 
 
+def _torchrun(environ: Mapping[str, str]) -> LauncherVars:
+    agent = environ.get("TORCHELASTIC_USE_AGENT_STORE", "").strip().lower() == "true"
+    return LauncherVars(
+        "torchrun", _TORCHRUN, tuple(read_int(environ, n) for n in _TORCHRUN), store_after_master=agent
+    )
+
+
+def _slurm(environ: Mapping[str, str]) -> LauncherVars:
+    values = [read_int(environ, n) for n in _SLURM]
+    values[3] = _slurm_local_world_size(environ)
+    return LauncherVars("slurm", _SLURM, tuple(values), addr=_slurm_master_addr(environ))
+
+
+def _mpi(source: str, names: tuple) -> Callable[[Mapping[str, str]], LauncherVars]:
+    """Open MPI's or MPICH's reader: its four variables as they are."""
+    return lambda environ: LauncherVars(source, names, tuple(read_int(environ, n) for n in names))
+
+
+# Each launcher: the variables that mark it (all set), its reader. First match wins.
+_LAUNCHERS: Tuple[Tuple[Tuple[str, ...], Callable[[Mapping[str, str]], LauncherVars]], ...] = (
+    (("RANK",), _torchrun),
+    (("WORLD_SIZE", "LOCAL_RANK"), _lightning),
+    (("MS_ROLE",), _msrun),
+    (("RANK_ID",), _msrun),
+    ((_SLURM[0],), _slurm),
+    ((_OMPI[0],), _mpi("openmpi", _OMPI)),
+    ((_PMI[0],), _mpi("pmi", _PMI)),
+)
+
+
 def identify(environ: Mapping[str, str]) -> LauncherVars:
     """What the first launcher whose variables are set says about this process."""
-    if _set(environ, "RANK"):
-        agent = environ.get("TORCHELASTIC_USE_AGENT_STORE", "").strip().lower() == "true"
-        return LauncherVars(
-            "torchrun", _TORCHRUN, tuple(read_int(environ, n) for n in _TORCHRUN), store_after_master=agent
-        )
-    if _set(environ, "WORLD_SIZE") and _set(environ, "LOCAL_RANK"):
-        return _lightning(environ)
-    if _set(environ, "MS_ROLE") or _set(environ, "RANK_ID"):
-        return _msrun(environ)
-    for name, names in (("slurm", _SLURM), ("openmpi", _OMPI), ("pmi", _PMI)):
-        if not _set(environ, names[0]):
-            continue
-        values = [read_int(environ, n) for n in names]
-        addr = None
-        if name == "slurm":
-            values[3] = _slurm_local_world_size(environ)
-            addr = _slurm_master_addr(environ)
-        return LauncherVars(name, names, tuple(values), addr=addr)
+    for marks, read in _LAUNCHERS:
+        if all(_set(environ, m) for m in marks):
+            return read(environ)
     return LauncherVars("none", _TORCHRUN, (None,) * 4)
 
 
