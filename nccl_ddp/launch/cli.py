@@ -1,4 +1,4 @@
-"""The `nccl-ddp-run` command line: the parsed flags (launch/flags.py) read into one LaunchConfig.
+"""The `nccl-ddp-run` command line: the parsed flags (launch/parser.py) read into one LaunchConfig.
 
 `--rdzv-endpoint host:port` sets the master address and port; `--standalone` loopback and a free
 port. torchrun flags that have no meaning here are accepted with a one-line notice.
@@ -16,8 +16,8 @@ from typing import Optional, Sequence
 from nccl_ddp.env import LOOPBACK
 from nccl_ddp.errors import ConfigError, NcclDdpError
 from nccl_ddp.launch.config import LaunchConfig
-from nccl_ddp.launch.flags import RDZV_BACKENDS, build_parser
 from nccl_ddp.launch.logs import parse_std
+from nccl_ddp.launch.parser import RDZV_BACKENDS, build_parser
 from nccl_ddp.launch.supervisor import parse_signals
 
 log = logging.getLogger("nccl_ddp.launch")

@@ -2,7 +2,7 @@
 
     nccl-ddp-run [--nproc-per-node N|auto] [--nnodes N [--node-rank R] --master-addr A
                  --master-port P [--store-port S]] [--standalone] [--max-restarts N]
-                 [--log-dir DIR] [-m] script.py ...     (and every torchrun flag: flags.py)
+                 [--log-dir DIR] [-m] script.py ...     (and every torchrun flag: parser.py)
 
 Workers get torchrun's environment (worker_start.py builds it, and their command) plus
 NCCL_DDP_SECRET, NCCL_DDP_STORE_PORT and NCCL_DDP_STORE_HOSTED=1: node 0's launcher hosts the job's

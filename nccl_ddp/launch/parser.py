@@ -1,4 +1,4 @@
-"""The `nccl-ddp-run` flags: ours and every torchrun flag, each with its environment fallback.
+"""The `nccl-ddp-run` parser: our flags and every torchrun flag, each with its environment fallback.
 
 Every flag is accepted with dashes and with underscores (`--nproc-per-node`, `--nproc_per_node`)
 and falls back to the environment variable shown in its help, then to torchrun's `PET_<FLAG>`.
