@@ -238,7 +238,7 @@ class DistributedDataParallel:
         return [self.grad_hook(i) for i in range(len(self.reducer.params))]
 
     def finalize(self) -> None:
-        """End the step now (needed when some params got no grad: find_unused_parameters)."""
+        """End the step now, the one end of a step (after backward if a param may get no grad)."""
         self.reducer.finalize()
 
     @contextlib.contextmanager

@@ -62,14 +62,7 @@ class ToyModule(GradModule):
         return [to_native(p) for p in self.params]
 
     def native_grads(self) -> List[NativeArray]:
-        return list(self._grads)
-
-    @property
-    def can_install_grads(self) -> bool:
-        return True  # the reducer's grads may be bucket views: toyfw's are copied in and out
-
-    def install_grad(self, i: int, view: NativeArray) -> None:
-        self._grads[i] = view
+        return self._grads  # ours, packed into the buckets (no install_grad: toyfw's are copied in)
 
     def to_native(self, i: int, grad: Any) -> NativeArray:
         return to_native(grad)
