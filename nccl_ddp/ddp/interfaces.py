@@ -8,6 +8,7 @@ it, so it never imports an adapter (`nccl_ddp.frameworks` loads one by name).
 - `GradsAdapter`: one framework's parameters and grads, for `DistributedGradReducer`.
 - `StepDriver`: the adapter's view of the wrapper it serves (the reducer), handed to
   `GradModule.attach`: what a framework's grad hooks call, and nothing else.
+- `StepHooks`: what the driver calls back on a `GradModule` (which is one) as steps open and end.
 
 The step lifecycle, the same for every adapter (the driver owns it; an adapter neither ends a
 step another way nor infers that one ended):
@@ -116,35 +117,32 @@ class StepDriver(Protocol):
         ...
 
 
-class StepHooks(Protocol):
+class StepHooks:
     """What the driver tells the wrapped model's adapter as its steps open and end (the
-    lifecycle above; documented on `GradModule`, which implements them as doing nothing)."""
-
-    def step_opened(self, syncs: bool) -> None: ...
-
-    def before_step_end(self, missing: Sequence[int]) -> None: ...
-
-    def step_ended(self, synced: bool) -> None: ...
-
-
-class _NoStepHooks:
-    """The hooks of a driver that serves no `GradModule` (a reducer built alone, in tests)."""
+    lifecycle above); every `GradModule` is one, and each hook does nothing unless overridden."""
 
     def step_opened(self, syncs: bool) -> None:
-        pass
+        """The driver opened a step (by forward, the first grad, or again before any grad with
+        a changed sync: torch's prepare_for_backward); `syncs`: whether it reduces its grads."""
 
     def before_step_end(self, missing: Sequence[int]) -> None:
-        pass
+        """A synchronised step is ending with the grads of `missing` not marked ready (found
+        unused, or `finalize()` before backward was done): make each one's `driver.grads[i]` hold
+        this rank's contribution (the accumulated grad, or zeros). Before any of them is reduced."""
 
     def step_ended(self, synced: bool) -> None:
-        pass
+        """The driver ended a step (on every path: the last grad, `finalize()`); `synced`: its
+        grads were reduced and can be read in `driver.grads` (those of `untouched_last_step()`
+        were left as they were). Nothing to do where the framework's grads are bucket views."""
 
 
-NO_STEP_HOOKS: StepHooks = _NoStepHooks()
+NO_STEP_HOOKS = StepHooks()
+"""The hooks of a driver that serves no `GradModule` (a reducer built alone, in tests)."""
 
 
-class GradModule(abc.ABC):
-    """What `DistributedDataParallel` needs from a wrapped model, in native arrays."""
+class GradModule(StepHooks, abc.ABC):
+    """What `DistributedDataParallel` needs from a wrapped model, in native arrays (and the
+    step hooks of `StepHooks`, which the driver calls)."""
 
     names: List[Optional[str]]
 
@@ -206,20 +204,6 @@ class GradModule(abc.ABC):
     def detach(self) -> None:
         """Called when the wrapper closes: remove what `attach` installed, so the module can be
         wrapped again and this wrapper's hooks never run in another's backward."""
-
-    def step_opened(self, syncs: bool) -> None:
-        """The driver opened a step (by forward, the first grad, or again before any grad with
-        a changed sync: torch's prepare_for_backward); `syncs`: whether it reduces its grads."""
-
-    def before_step_end(self, missing: Sequence[int]) -> None:
-        """A synchronised step is ending with the grads of `missing` not marked ready (found
-        unused, or `finalize()` before backward was done): make each one's `driver.grads[i]` hold
-        this rank's contribution (the accumulated grad, or zeros). Before any of them is reduced."""
-
-    def step_ended(self, synced: bool) -> None:
-        """The driver ended a step (on every path: the last grad, `finalize()`); `synced`: its
-        grads were reduced and can be read in `driver.grads` (those of `untouched_last_step()`
-        were left as they were). Nothing to do where the framework's grads are bucket views."""
 
     def synchronize(self) -> None:
         """Wait for the framework's queued work that may still read the grads (MindSpore's
