@@ -74,7 +74,7 @@ class StepDriver(Protocol):
 
     @property
     def steps(self) -> int:
-        """Synchronised steps finished (a change after `mark_ready` says it ended one)."""
+        """Synchronised steps finished (an adapter learns that a step ended from `step_ended`)."""
         ...
 
     sync_enabled: bool
