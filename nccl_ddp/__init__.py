@@ -41,6 +41,10 @@ def __getattr__(name: str) -> Any:
         from nccl_ddp.adapters.torch.zero.optimizer import ZeroRedundancyOptimizer
 
         return ZeroRedundancyOptimizer
+    if name in ("fully_shard", "FSDPModule"):
+        from nccl_ddp.adapters.torch.fsdp import api
+
+        return getattr(api, name)
     if name == "ZeroOptimizer":
         from nccl_ddp.adapters.jax.zero import ZeroOptimizer
 
@@ -70,6 +74,8 @@ __all__ = [
     "broadcast",
     "destroy_process_group",
     "errors",
+    "FSDPModule",
+    "fully_shard",
     "hooks",
     "get_local_rank",
     "get_rank",
