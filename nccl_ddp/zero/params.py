@@ -117,7 +117,8 @@ class UnitShards:
     ) -> None:
         if group.size != layout.world:
             raise ConfigError(
-                f"rank {group.rank}: {name}: the layout is for {layout.world} ranks, the group has {group.size}"
+                f"rank {group.rank}: {name}: the layout is for {layout.world} ranks, "
+                f"the group has {group.size}"
             )
         self.layout, self.group, self.device, self.comm = layout, group, device, comm
         self.scratch, self.name, self.rank = scratch, name, group.rank
@@ -160,9 +161,10 @@ class UnitShards:
         self, grads: Sequence[Optional[Any]], dtype: Any = None, op: ReduceOp = ReduceOp.AVG
     ) -> Tuple[Event, List[Any]]:
         """Reduce the unsharded grads (flat arrays, full numel; None reads as zeros) over the
-        group in `dtype` (None: each bucket's own): packed rank-major into the shared scratch buffer, reduce-scattered
-        with `op`. Returns the done event and this rank's reduced shards (one flat array per
-        bucket, in the shard layout: `grad_chunk` cuts parameter i's rows out of them)."""
+        group in `dtype` (None: each bucket's own): packed rank-major into the shared scratch
+        buffer, reduce-scattered with `op`. Returns the done event and this rank's reduced
+        shards (one flat array per bucket, in the shard layout: `grad_local` cuts parameter i's
+        rows out of them)."""
         outs = []
         for b, bucket in enumerate(self.layout.shard.buckets):
             n, dt = bucket.padded, bucket.dtype if dtype is None else dtype
@@ -200,7 +202,7 @@ def _pack(layout: UnitLayout, pack: Any, shard_n: int, params: list, grads: Sequ
         for r in range(layout.world):
             dst = pack[r * shard_n + off : r * shard_n + off + chunk]
             n = layout.local_rows(i, r) * per if g is not None else 0
-            if n:
+            if g is not None and n:
                 lo = r * layout.rows[i] * per
                 dst[:n] = g[lo : lo + n]
             dst[n:] = 0

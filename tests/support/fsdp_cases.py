@@ -100,7 +100,9 @@ def gloo(rank: int, world: int, store_dir: str) -> Any:
     import nccl_ddp as nd
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{os.path.join(store_dir, 'gloo')}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{os.path.join(store_dir, 'gloo')}", rank=rank, world_size=world
+    )
     try:
         yield
     finally:

@@ -44,7 +44,7 @@ class FSDPModule(TorchFSDPModule):
     """What `fully_shard` makes of a module (torch's FSDPModule methods, over our unit)."""
 
     def _nccl_unit(self) -> Unit:
-        return getattr(self, _UNIT)  # type: ignore[no-any-return]
+        return _unit_of(self, type(self).__name__)
 
     def _get_fsdp_state(self) -> Any:
         raise ConfigError(
@@ -94,7 +94,9 @@ class FSDPModule(TorchFSDPModule):
         self._nccl_unit().forward_prefetch = [_unit_of(m, "set_modules_to_forward_prefetch") for m in modules]
 
     def set_modules_to_backward_prefetch(self, modules: List[Any]) -> None:
-        self._nccl_unit().backward_prefetch = [_unit_of(m, "set_modules_to_backward_prefetch") for m in modules]
+        self._nccl_unit().backward_prefetch = [
+            _unit_of(m, "set_modules_to_backward_prefetch") for m in modules
+        ]
 
 
 class UnshardHandle:
@@ -135,10 +137,15 @@ def fully_shard(
     policy = mp_policy
     param_dtype = getattr(policy, "param_dtype", None)
     found = _collect(module, rank)
-    specs = [
-        ParamSpec(tuple(p.shape), _np_dtype(param_dtype or p.dtype), name=fqn) for fqn, _, p in found
-    ]
-    check_same_params(specs, ours, device, {"reshard_after_forward": reshard_after_forward}, owner="fully_shard", subject=_SHARDED)
+    specs = [ParamSpec(tuple(p.shape), _np_dtype(param_dtype or p.dtype), name=fqn) for fqn, _, p in found]
+    check_same_params(
+        specs,
+        ours,
+        device,
+        {"reshard_after_forward": reshard_after_forward},
+        owner="fully_shard",
+        subject=_SHARDED,
+    )
     name = type(module).__name__
     schedule = Schedule(ours, device, mesh)
     layout = unit_layout(specs, ours.size, device.align_bytes)
@@ -153,7 +160,9 @@ def fully_shard(
         params,
         shards,
         schedule,
-        reshard_after_forward=_check_reshard(True if reshard_after_forward is None else reshard_after_forward),
+        reshard_after_forward=_check_reshard(
+            True if reshard_after_forward is None else reshard_after_forward
+        ),
         reduce_dtype=None,
     )
     unit.reduce_dtype = _np_dtype(reduce) if reduce is not None else None
@@ -182,16 +191,22 @@ def _check_args(module: Any, rank: int, offload_policy: Any, shard_placement_fn:
             "supported by nccl_ddp's fully_shard yet: shard a module holding them, or each one"
         )
     if not isinstance(module, torch.nn.Module):
-        raise ConfigTypeError(f"rank {rank}: fully_shard takes a torch.nn.Module, got {type(module).__name__}")
+        raise ConfigTypeError(
+            f"rank {rank}: fully_shard takes a torch.nn.Module, got {type(module).__name__}"
+        )
     if isinstance(getattr(module, _UNIT, None), Unit):
         raise ConfigError(
             f"rank {rank}: fully_shard was applied twice to the same {type(module).__name__}: "
             "call it once per module (submodules first, then the root)"
         )
     if shard_placement_fn is not None:
-        raise ConfigError(f"rank {rank}: fully_shard(shard_placement_fn=...) is not supported: ours shards dim 0")
+        raise ConfigError(
+            f"rank {rank}: fully_shard(shard_placement_fn=...) is not supported: ours shards dim 0"
+        )
     if offload_policy is not None and type(offload_policy).__name__ != "OffloadPolicy":
-        raise ConfigError(f"rank {rank}: fully_shard(offload_policy={offload_policy!r}) is not supported (no offload)")
+        raise ConfigError(
+            f"rank {rank}: fully_shard(offload_policy={offload_policy!r}) is not supported (no offload)"
+        )
 
 
 def _check_reshard(value: Any) -> bool:
@@ -262,12 +277,16 @@ def _check_param(fqn: str, p: Any, rank: int) -> None:
         raise ConfigError(f"rank {rank}: parameter {fqn!r} is already a DTensor (torch's fully_shard or TP?)")
     if is_lazy(p) or p.is_meta:
         raise ConfigError(
-            f"rank {rank}: parameter {fqn!r} is {'uninitialized (lazy)' if is_lazy(p) else 'on the meta device'}: "
+            f"rank {rank}: parameter {fqn!r} is "
+            f"{'uninitialized (lazy)' if is_lazy(p) else 'on the meta device'}: "
             "materialise it (module.to_empty(device='cpu') and initialise, or run one forward for lazy "
             "modules) before fully_shard"
         )
     if p.device.type != "cpu":
-        raise ConfigError(f"rank {rank}: parameter {fqn!r} is on {p.device}: nccl_ddp's fully_shard runs on CPU tensors only so far")
+        raise ConfigError(
+            f"rank {rank}: parameter {fqn!r} is on {p.device}: nccl_ddp's fully_shard runs on "
+            "CPU tensors only so far (the GPU path is not built yet)"
+        )
     if not p.is_contiguous():
         raise ConfigError(
             f"rank {rank}: parameter {fqn!r} is not contiguous (strides {p.stride()}): make it "

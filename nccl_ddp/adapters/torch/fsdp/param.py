@@ -56,7 +56,8 @@ class ShardedParam:
             )
         self.sharded = torch.nn.Parameter(dt, requires_grad=self.requires_grad)
         self.unsharded = torch.nn.Parameter(
-            torch.empty(self.shape, dtype=compute_dtype, device=param.device), requires_grad=self.requires_grad
+            torch.empty(self.shape, dtype=compute_dtype, device=param.device),
+            requires_grad=self.requires_grad,
         )
         self._nbytes = self.unsharded.numel() * self.unsharded.element_size()
         self.free()

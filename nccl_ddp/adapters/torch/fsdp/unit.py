@@ -14,6 +14,7 @@ the comm stream, and the end of backward waits for them all and installs the sha
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
@@ -137,7 +138,7 @@ class Unit:
             return
         outs = [p.alloc() for p in self.params]
         mirrors = [p for p in self.params if p.mirror is not None]
-        before = (lambda: [p.cast_into_mirror() for p in mirrors]) if mirrors else None
+        before = functools.partial(_cast_all, mirrors) if mirrors else None
         self._gathered = self.shards.start_gather(outs, before)
         self.state = State.GATHERING
 
@@ -227,3 +228,9 @@ class Unit:
         for p, had in zip(self.params, had_grad):
             if had and p.requires_grad:
                 p.add_sharded_grad(from_native(self.shards.grad_local(outs, p.index)), self.schedule.mesh)
+
+
+def _cast_all(params: List[ShardedParam]) -> None:
+    """Mixed precision: every fp32 shard rounded into the gather shard, on the comm stream."""
+    for p in params:
+        p.cast_into_mirror()

@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch==2.13.0)")
 pytest.importorskip("expecttest", reason="torch's test helpers need expecttest (the test extra)")
 
-from fsdp_cases import VOCAB, full_params, gloo, shard_blocks, tokens, torch_and_ours, train, transformer  # noqa: E402
+from fsdp_cases import full_params, gloo, shard_blocks, tokens, torch_and_ours, train, transformer  # noqa: E402
 from mp import outcome, run_ranks  # noqa: E402
 
 CASES: dict = {}
@@ -72,7 +72,8 @@ def torch_test_param_registration_after_forward(rank):
             if isinstance(m, nd.FSDPModule):
                 m.reshard()
         same = all(
-            np.array_equal(a, b.detach().numpy()) for a, b in zip(full_params(model).values(), ref.parameters())
+            np.array_equal(a, b.detach().numpy())
+            for a, b in zip(full_params(model).values(), ref.parameters())
         )
         seen[str(reshard)] = (all(before), after, all(_is_dtensor(model.parameters())), same)
     return seen
@@ -98,7 +99,9 @@ def torch_test_train_parity_single_group_shard_dim0(rank):
 
         def build(shapes=shapes):
             torch.manual_seed(42)
-            return torch.nn.Sequential(torch.nn.Linear(*shapes[0]), torch.nn.ReLU(), torch.nn.Linear(*shapes[1]))
+            return torch.nn.Sequential(
+                torch.nn.Linear(*shapes[0]), torch.nn.ReLU(), torch.nn.Linear(*shapes[1])
+            )
 
         g = torch.Generator().manual_seed(rank)
         data = [[torch.randn(4, shapes[0][0], generator=g)] for _ in range(10)]
@@ -176,7 +179,12 @@ def torch_test_explicit_prefetching(rank):
 def torch_test_train_parity_with_shared_params(rank):
     """Tied embedding and output weights (both in the root unit), reshard True and False."""
     return {
-        str(r): _both(lambda: transformer(2, weight_tying=True), lambda m, fs: shard_blocks(m, fs, reshard_after_forward=r), 10, rank)
+        str(r): _both(
+            lambda: transformer(2, weight_tying=True),
+            lambda m, fs: shard_blocks(m, fs, reshard_after_forward=r),
+            10,
+            rank,
+        )
         for r in (True, False)
     }
 
@@ -226,8 +234,14 @@ def torch_test_gradient_accumulation(rank):
             if not rab:
                 model.set_reshard_after_backward(last)
 
-        out[str(rab)] = _both(lambda: transformer(2), lambda m, fs: shard_blocks(m, fs), 5, rank,
-                              data=tokens(rank, 5, micro=3), sync=sync)
+        out[str(rab)] = _both(
+            lambda: transformer(2),
+            lambda m, fs: shard_blocks(m, fs),
+            5,
+            rank,
+            data=tokens(rank, 5, micro=3),
+            sync=sync,
+        )
     return out
 
 
@@ -354,9 +368,7 @@ def _errors(rank):
         m.weight = torch.nn.Parameter(torch.randn(4, 6).t())
         nd.fully_shard(m)
 
-    return {
-        f.__name__: outcome(f) for f in (twice, shared_across_units, shapes_differ, meta, not_contiguous)
-    }
+    return {f.__name__: outcome(f) for f in (twice, shared_across_units, shapes_differ, meta, not_contiguous)}
 
 
 def _features(rank: int, world: int, store_dir: str) -> dict:
@@ -419,7 +431,12 @@ def test_equal_to_torch_fully_shard(ranks, name):
 
 
 @pytest.mark.parametrize(
-    "name", ["test_train_parity_single_group_shard_dim0", "test_train_parity_with_shared_params", "test_gradient_accumulation"]
+    "name",
+    [
+        "test_train_parity_single_group_shard_dim0",
+        "test_train_parity_with_shared_params",
+        "test_gradient_accumulation",
+    ],
 )
 def test_equal_to_torch_fully_shard_per_setting(ranks, name):
     for got in _ok(ranks, name):

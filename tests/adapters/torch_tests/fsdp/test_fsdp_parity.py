@@ -59,7 +59,9 @@ def test_losses_and_params_equal_torch_fully_shard(runs, case):
         if world == 2:
             assert ours["losses"] == ref["losses"], f"rank {rank}"
         else:
-            np.testing.assert_allclose(ours["losses"], ref["losses"], rtol=1e-5, atol=1e-7, err_msg=f"rank {rank}")
+            np.testing.assert_allclose(
+                ours["losses"], ref["losses"], rtol=1e-5, atol=1e-7, err_msg=f"rank {rank}"
+            )
         for name, value in ref["params"].items():
             if world == 2:
                 np.testing.assert_array_equal(ours["params"][name], value, err_msg=f"rank {rank} {name}")
