@@ -8,7 +8,8 @@ mixed-precision casts of inputs and outputs happen here too."""
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Optional, Tuple
+import time
+from typing import TYPE_CHECKING, Any, Callable, Optional, Tuple
 
 from nccl_ddp.adapters.torch.fsdp.unit import Unit
 
@@ -19,9 +20,22 @@ if TYPE_CHECKING:
 def install(module: torch.nn.Module, unit: Unit, policy: Any) -> None:
     """Register the unit's forward hooks on `module`. `policy`: a MixedPrecisionPolicy or None."""
     module.register_forward_pre_hook(
-        functools.partial(_pre_forward, unit, policy), prepend=True, with_kwargs=True
+        _timed(unit, functools.partial(_pre_forward, unit, policy)), prepend=True, with_kwargs=True
     )
-    module.register_forward_hook(functools.partial(_post_forward, unit, policy), prepend=False)
+    module.register_forward_hook(_timed(unit, functools.partial(_post_forward, unit, policy)), prepend=False)
+
+
+def _timed(unit: Unit, hook: Callable[..., Any]) -> Callable[..., Any]:
+    """`hook`, its time (less the unit's gather waits) added to `unit.times.hooks_s`."""
+
+    def timed(*args: Any) -> Any:
+        t0, waited = time.perf_counter(), unit.times.waited_s
+        try:
+            return hook(*args)
+        finally:
+            unit.times.hooks_s += time.perf_counter() - t0 - (unit.times.waited_s - waited)
+
+    return timed
 
 
 def _pre_forward(unit: Unit, policy: Any, module: Any, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
@@ -62,7 +76,7 @@ def _post_forward(unit: Unit, policy: Any, module: Any, args: tuple, output: Any
 
 
 def _pre_backward(unit: Unit, grad: Any) -> Optional[Any]:
-    unit.pre_backward()
+    _timed(unit, unit.pre_backward)()
     return None
 
 
@@ -93,7 +107,7 @@ def _post_backward_function() -> Any:
 
         @staticmethod
         def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-            ctx.unit.post_backward_call()
+            _timed(ctx.unit, ctx.unit.post_backward_call)()
             return (None, *grads)
 
     return PostBackward

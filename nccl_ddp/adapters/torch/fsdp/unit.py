@@ -13,9 +13,11 @@ the comm stream, and the end of backward waits for them all and installs the sha
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import logging
+import time
 from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
 from nccl_ddp.adapters.torch.fsdp.param import ShardedParam
@@ -35,6 +37,17 @@ class State(enum.Enum):
     SHARDED = "sharded"  # only the shards exist
     GATHERING = "gathering"  # unsharded memory allocated, the all-gather in flight
     UNSHARDED = "unsharded"  # gathered and registered on the modules
+
+
+@dataclasses.dataclass
+class UnitTimes:
+    """What a unit's hooks cost the compute thread, summed since it was built (the benchmark
+    reads them): `waited_s`, blocked on its all-gathers (the exposed, not hidden, part);
+    `hooks_s`, in its hooks apart from those waits (the Python overhead); `gathers`."""
+
+    waited_s: float = 0.0
+    hooks_s: float = 0.0
+    gathers: int = 0
 
 
 class Schedule:
@@ -129,6 +142,7 @@ class Unit:
         self.backward_open = False  # ran forward with grad this step, grads not yet reduced
         self.forward_prefetch: Optional[List[Unit]] = None  # set_modules_to_forward_prefetch
         self.backward_prefetch: Optional[List[Unit]] = None
+        self.times = UnitTimes()
 
     # ------------------------------------------------------------------ all-gather
 
@@ -140,6 +154,7 @@ class Unit:
         mirrors = [p for p in self.params if p.mirror is not None]
         before = functools.partial(_cast_all, mirrors) if mirrors else None
         self._gathered = self.shards.start_gather(outs, before)
+        self.times.gathers += 1
         self.state = State.GATHERING
 
     def wait(self) -> None:
@@ -165,7 +180,9 @@ class Unit:
 
     def _sync_gather(self) -> None:
         if self._gathered is not None:
+            t0 = time.perf_counter()
             self._gathered.synchronize(self.schedule.group.timeout)
+            self.times.waited_s += time.perf_counter() - t0
             self._gathered = None
 
     def prefetch(self, units: Optional[List[Unit]], implicit: Optional[Unit]) -> None:
