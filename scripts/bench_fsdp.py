@@ -220,7 +220,8 @@ def main(argv=None) -> int:
     print(
         f"# bench_fsdp {date.today()}: {rows[0]['params_M']:.2f}M fp32 params, {args.layers} blocks "
         f"of dim {args.dim}, AdamW, batch {args.batch}x{args.seq}/rank, {args.steps} steps after "
-        f"{args.warmup}, reshard_after_forward={bool(args.reshard_after_forward)}; per rank, largest over the ranks"
+        f"{args.warmup}, reshard_after_forward={bool(args.reshard_after_forward)}; "
+        "per rank, largest over the ranks"
     )
     print(format_table(rows, COLUMNS, FORMATS))
     return 0
