@@ -12,6 +12,7 @@ through our group over the mesh's ranks (the host backend on CPU), never torch's
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any, Dict, List, Optional, Tuple, Type
 
 import numpy as np
@@ -179,6 +180,7 @@ def fully_shard(
     if reshard_after_forward is None:  # FSDP2's None: the root keeps its parameters after forward
         unit.reshard_after_forward = False
     setattr(module, _UNIT, unit)
+    weakref.finalize(module, schedule.close)  # its comm thread ends with the module
     hooks.install(module, unit, policy)
     module.__class__ = _fsdp_class(type(module))
     return module

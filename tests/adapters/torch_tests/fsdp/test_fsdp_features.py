@@ -93,7 +93,7 @@ def torch_test_param_registration_after_backward(rank):
 
 @case
 def torch_test_train_parity_single_group_shard_dim0(rank):
-    """One unit (the root) over uneven dim-0 sizes (7 and 15 rows over 2 ranks), Adam, 10 steps."""
+    """One unit (the root) over uneven dim-0 sizes (7 and 15 rows over 2 ranks), Adam, 5 steps."""
     out = {}
     for shapes in ([(16, 15), (15, 8)], [(7, 15), (15, 3)], [(16, 17), (17, 8)]):
 
@@ -104,8 +104,8 @@ def torch_test_train_parity_single_group_shard_dim0(rank):
             )
 
         g = torch.Generator().manual_seed(rank)
-        data = [[torch.randn(4, shapes[0][0], generator=g)] for _ in range(10)]
-        out[str(shapes)] = _both(build, lambda m, fs: fs(m), 10, rank, data=data)
+        data = [[torch.randn(4, shapes[0][0], generator=g)] for _ in range(5)]
+        out[str(shapes)] = _both(build, lambda m, fs: fs(m), 5, rank, data=data)
     return out
 
 
@@ -130,7 +130,7 @@ def torch_test_multi_forward_module(rank):
         return fs(m)
 
     g = torch.Generator().manual_seed(rank)
-    return _both(build, shard, 10, rank, data=[[torch.randn(32, 4, generator=g)] for _ in range(10)])
+    return _both(build, shard, 5, rank, data=[[torch.randn(32, 4, generator=g)] for _ in range(5)])
 
 
 @case
@@ -159,7 +159,7 @@ def torch_test_non_root_forward_backward(rank):
 
 @case
 def torch_test_explicit_prefetching(rank):
-    """set_modules_to_forward_prefetch / _backward_prefetch over 4 blocks, AdamW, 10 steps."""
+    """set_modules_to_forward_prefetch / _backward_prefetch over 4 blocks, AdamW, 5 steps."""
 
     def shard(model, fs):
         for layer in model.layers:
@@ -172,7 +172,7 @@ def torch_test_explicit_prefetching(rank):
             layer.set_modules_to_backward_prefetch([layers[i - 1], layers[i - 2]])
         return model
 
-    return _both(lambda: transformer(4), shard, 10, rank, opt=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    return _both(lambda: transformer(4), shard, 5, rank, opt=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
 
 
 @case
@@ -182,7 +182,7 @@ def torch_test_train_parity_with_shared_params(rank):
         str(r): _both(
             lambda: transformer(2, weight_tying=True),
             lambda m, fs: shard_blocks(m, fs, reshard_after_forward=r),
-            10,
+            5,
             rank,
         )
         for r in (True, False)
@@ -324,6 +324,27 @@ def torch_test_layer_by_layer_shard_no_false_positive(rank):
 
 
 @case
+def torch_test_group_instead_of_mesh(rank):
+    """Not torch's: our group (or torch's world group) given as group= instead of a mesh."""
+    import torch.distributed as dist
+
+    import nccl_ddp as nd
+
+    nd.fully_shard(_mlp(4))  # our world is up from here on
+    out = {}
+    for name, kw in (
+        ("mesh", {}),
+        ("ours", {"group": nd.get_world_group()}),
+        ("torch", {"group": dist.group.WORLD}),
+    ):
+        model = nd.fully_shard(_mlp(4), **kw)
+        g = torch.Generator().manual_seed(rank)
+        data = [[torch.randn(2, 4, generator=g)] for _ in range(3)]
+        out[name] = train(model, torch.optim.SGD(model.parameters(), lr=0.1), data)["losses"]
+    return out
+
+
+@case
 def torch_test_fsdp_class_and_methods(rank):
     """The module's class becomes FSDP<cls>, an nccl_ddp and a torch FSDPModule."""
     from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
@@ -458,6 +479,11 @@ def test_uneven_tied_rows_all_train(ranks):
     got = _ok(ranks, "test_train_shared_params_uneven_shard")
     assert [g[1] for g in got] == [5, 4]  # 9 rows: 5 + 4
     assert all(all(g[0]) for g in got)
+
+
+def test_group_instead_of_mesh(ranks):
+    for got in _ok(ranks, "test_group_instead_of_mesh"):
+        assert got["ours"] == got["mesh"] == got["torch"]
 
 
 def test_root_without_inputs_and_layer_by_layer(ranks):

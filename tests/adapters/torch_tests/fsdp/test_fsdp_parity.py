@@ -1,6 +1,6 @@
 """nccl_ddp.fully_shard against torch's own fully_shard (FSDP2 over gloo), 2 and 4 ranks: torch's
 test Transformer sharded per block and at the root, 20 steps of SGD-momentum and AdamW on
-rank-dependent tokens, reshard_after_forward True and False: every step's loss is equal, bit for
+rank-dependent tokens, reshard_after_forward True (and False for AdamW): every step's loss is equal, bit for
 bit (the same averaging: a sum over the ranks, then a division, in the same order on 2 ranks;
 on 4 gloo's ring and our shm transport add in a different order, so there the losses and
 parameters are held to 1e-5 / 1e-4 relative; 4 ranks run the AdamW case with resharding only,
@@ -22,7 +22,7 @@ OPTIMIZERS = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
 }
-CASES = [(opt, raf) for opt in OPTIMIZERS for raf in (True, False)]
+CASES = [("sgd", True), ("adamw", True), ("adamw", False)]
 FOUR_RANKS = [("adamw", True)]
 
 

@@ -1,5 +1,5 @@
 """nccl_ddp.fully_shard (ZeRO-3) against our own ZeRO-2 (DistributedDataParallel built with
-zero=ZeroConfig(stage=2) + ZeroRedundancyOptimizer), 2 ranks, 10 steps, plain SGD and AdamW on
+zero=ZeroConfig(stage=2) + ZeroRedundancyOptimizer), 2 ranks, 6 steps, plain SGD and AdamW on
 tests/support/zero_oracle.py's model (uneven sizes, a 1-element parameter): the parameters are
 bitwise equal. Both average the grads with the host backend's reduce-scatter (a sum of the two
 ranks' grads, then a division: the same order), and torch's optimizer steps the same elements
@@ -18,7 +18,7 @@ from fsdp_cases import full_params, gloo  # noqa: E402
 from mp import run_ranks  # noqa: E402
 from zero_oracle import OPTIMIZERS, global_batches, local, make_model  # noqa: E402
 
-STEPS = 10
+STEPS = 6
 PLAIN = {"sgd": ("SGD", {"lr": 0.05}), "adamw": OPTIMIZERS["adamw"]}
 
 
