@@ -199,12 +199,8 @@ def table_rows(raw: list) -> list:
     return rows
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.mode:
-        worker(args)
-        return 0
-    argv = list(sys.argv[1:] if argv is None else argv)
+def _jobs(args, argv: list) -> list:
+    """Every (world, mode) as its own nccl-ddp-run job; their ranks' rows (None if one failed)."""
     raw: list = []
     with tempfile.TemporaryDirectory(prefix="bench-fsdp-") as tmp:
         for world in [int(w) for w in args.worlds.split(",")]:
@@ -213,9 +209,20 @@ def main(argv=None) -> int:
                 rc = run_ranks(__file__, world, argv + ["--mode", mode, "--out", out], args.timeout)
                 if rc != 0:
                     print(f"# world {world} {mode}: the job failed (exit {rc})", file=sys.stderr)
-                    return rc
+                    return []
                 with open(out) as f:
                     raw += json.load(f)
+    return raw
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.mode:  # a worker of one job
+        worker(args)
+        return 0
+    raw = _jobs(args, list(sys.argv[1:] if argv is None else argv))
+    if not raw:
+        return 1
     rows = table_rows(raw)
     print(
         f"# bench_fsdp {date.today()}: {rows[0]['params_M']:.2f}M fp32 params, {args.layers} blocks "
