@@ -37,7 +37,7 @@ TORCH_TESTS = {
         UNSUPPORTED + "a list of modules; " + PRIVATE + "_fsdp_param_group"
     ),
     "test_reset_iter_state_after_exception": UNSUPPORTED + "reset_iter_state, a list of modules",
-    "test_double_forward_with_nested_fsdp_and_checkpoint": "not answered yet (activation checkpointing untested)",
+    "test_double_forward_with_nested_fsdp_and_checkpoint": "not answered yet (checkpointing untested)",
     "test_double_partial_forward_then_backward": UNSUPPORTED + "fully_shard of a list of modules",
     # TestFullyShardShardPlacementFnMultiProcess / MultiThread
     "test_train_parity_shard_placement_fn_shard_largest_dim": UNSUPPORTED + "shard_placement_fn",
