@@ -2,7 +2,8 @@
 (torch.distributed.checkpoint.state_dict's full_state_dict + cpu_offload) equal to torch
 fully_shard's and to the unsharded model's keys; torch.distributed.checkpoint saves the sharded
 model and optimizer state and loads them into a fresh model (ours, and torch's fully_shard:
-the files are the same format), which then trains on exactly as the saved one."""
+the files are the same format), which then trains on exactly as the saved one; 3 ranks load
+the 2 ranks' checkpoint (DCP reshards: 3-way shards of other sizes) to the same values."""
 
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ def _checkpoint(rank: int, world: int, store_dir: str) -> dict:
         msd, osd = get_state_dict(model, opt)
         path = os.path.join(store_dir, "dcp")
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+        out["saved"] = full_params(model)
         expected = train(model, opt, data[3:])
         resumed = {}
         for who, fs in impls.items():
@@ -63,9 +65,29 @@ def _checkpoint(rank: int, world: int, store_dir: str) -> dict:
     return out
 
 
+def _load_at_three(rank: int, world: int, store_dir: str, path: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    import nccl_ddp as nd
+
+    with gloo(rank, world, store_dir):
+        model = shard_blocks(transformer(), nd.fully_shard)
+        state = {"model": get_model_state_dict(model)}
+        dcp.load(state, checkpoint_id=path)
+        set_model_state_dict(model, state["model"])
+        return full_params(model)
+
+
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list:
-    return run_ranks(_checkpoint, 2, str(tmp_path_factory.mktemp("fsdp-ckpt")), timeout=600)
+def saved_at_two(tmp_path_factory) -> tuple:
+    store = tmp_path_factory.mktemp("fsdp-ckpt")
+    return str(store), run_ranks(_checkpoint, 2, str(store), timeout=600)
+
+
+@pytest.fixture(scope="module")
+def ranks(saved_at_two) -> list:
+    return saved_at_two[1]
 
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(700)]
@@ -85,3 +107,11 @@ def test_dcp_save_then_load_resumes_exactly(ranks, into):
         assert got["losses"] == want["losses"], f"rank {rank}"
         for name, value in want["params"].items():
             np.testing.assert_array_equal(got["params"][name], value, err_msg=f"rank {rank} {name}")
+
+
+def test_dcp_checkpoint_of_two_ranks_loads_at_three(saved_at_two, tmp_path):
+    store, two = saved_at_two
+    three = run_ranks(_load_at_three, 3, str(tmp_path), os.path.join(store, "dcp"), timeout=300)
+    for rank, got in enumerate(three):
+        for name, value in two[0]["saved"].items():
+            np.testing.assert_array_equal(got[name], value, err_msg=f"rank {rank} {name}")
