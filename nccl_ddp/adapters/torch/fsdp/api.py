@@ -164,9 +164,8 @@ def fully_shard(
         reshard_after_forward=_check_reshard(
             True if reshard_after_forward is None else reshard_after_forward
         ),
-        reduce_dtype=None,
+        reduce_dtype=None if reduce is None else _np_dtype(reduce),  # None: each parameter's dtype
     )
-    unit.reduce_dtype = _np_dtype(reduce) if reduce is not None else None
     for (_, _, p), sp in zip(found, params):
         setattr(p, _UNIT, name)
         setattr(sp.sharded, _UNIT, name)
@@ -177,8 +176,8 @@ def fully_shard(
             schedule.adopt(inner)
     schedule.units.append(unit)
     schedule.root = unit
-    if reshard_after_forward is None:  # FSDP2's None: the root keeps its parameters after forward
-        unit.reshard_after_forward = False
+    if reshard_after_forward is None:  # FSDP2's None: only the root keeps its parameters
+        unit.reshard_after_forward, unit.reshard_unless_root = False, True
     setattr(module, _UNIT, unit)
     weakref.finalize(module, schedule.close)  # its comm thread ends with the module
     hooks.install(module, unit, policy)

@@ -73,6 +73,8 @@ class Schedule:
         """`unit` (built before the root was sharded) joins this schedule."""
         old = unit.schedule
         unit.schedule = self
+        if unit.reshard_unless_root:  # reshard_after_forward=None, and no longer the root
+            unit.reshard_after_forward = True
         unit.shards.comm = self.comm
         unit.shards.scratch = self.scratch
         self.units.append(unit)
@@ -133,6 +135,7 @@ class Unit:
     ) -> None:
         self.name, self.params, self.shards, self.schedule = name, params, shards, schedule
         self.reshard_after_forward = reshard_after_forward
+        self.reshard_unless_root = False  # reshard_after_forward=None: True once adopted
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
         self.reduce_dtype = reduce_dtype  # numpy dtype of the reduce-scatter

@@ -387,8 +387,8 @@ def test_registration_after_forward(ranks):
     for seen in _ok(ranks, "test_param_registration_after_forward"):
         assert seen["True"] == (True, [True] * 8, True, True)
         assert seen["False"] == (True, [False] * 8, True, True)
-        # None: FSDP2's rule, the non-roots reshard, the root (no parameters of its own here) keeps
-        assert seen["None"][0] and seen["None"][2:] == (True, True)
+        # None: FSDP2's rule, the non-roots (model[0]'s) reshard, the root (model[1]'s) keeps
+        assert seen["None"] == (True, [True] * 4 + [False] * 4, True, True)
 
 
 def test_registration_after_backward(ranks):
