@@ -30,6 +30,23 @@ def transformer(n_layers: int = 2, weight_tying: bool = False) -> Any:
     return Transformer(args)
 
 
+def tied(vocab: int, dim: int = 16) -> Any:
+    """An embedding and an output head sharing one weight of `vocab` rows (torch's TiedModel)."""
+    import torch
+
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tok_embeddings = torch.nn.Embedding(vocab, dim)
+            self.output = torch.nn.Linear(dim, vocab, bias=False)
+            self.output.weight = self.tok_embeddings.weight
+
+        def forward(self, ids: Any) -> Any:
+            return self.output(self.tok_embeddings(ids))
+
+    return Tied()
+
+
 def shard_blocks(model: Any, fully_shard: Callable[..., Any], **kw: Any) -> Any:
     """fully_shard on every TransformerBlock, then on the root (FSDP2's recipe)."""
     from torch.testing._internal.distributed._tensor.common_dtensor import TransformerBlock

@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch==2.13.0)")
 pytest.importorskip("expecttest", reason="torch's test helpers need expecttest (the test extra)")
 
-from fsdp_cases import gloo  # noqa: E402
+from fsdp_cases import gloo, tied  # noqa: E402
 from mp import outcome, run_ranks  # noqa: E402
 
 
@@ -30,14 +30,7 @@ def _errors(rank: int, world: int, store_dir: str) -> dict:
         nd.fully_shard(m)
 
     def shared_across_units():
-        class Tied(torch.nn.Module):
-            def __init__(self) -> None:
-                super().__init__()
-                self.tok_embeddings = torch.nn.Embedding(17, 16)
-                self.output = torch.nn.Linear(16, 17, bias=False)
-                self.output.weight = self.tok_embeddings.weight
-
-        m = Tied()
+        m = tied(17)
         nd.fully_shard(m.tok_embeddings)
         nd.fully_shard(m.output)
 

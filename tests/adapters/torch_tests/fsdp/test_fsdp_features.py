@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch==2.13.0)")
 pytest.importorskip("expecttest", reason="torch's test helpers need expecttest (the test extra)")
 
-from fsdp_cases import full_params, gloo, shard_blocks, tokens, torch_and_ours, train, transformer  # noqa: E402
+from fsdp_cases import full_params, tied, gloo, shard_blocks, tokens, torch_and_ours, train, transformer  # noqa: E402
 from mp import outcome, run_ranks  # noqa: E402
 
 CASES: dict = {}
@@ -194,18 +194,8 @@ def torch_test_train_shared_params_uneven_shard(rank):
     """Tied weights of 9 rows over 2 ranks (rank 1's shard padded): every row trains."""
     import nccl_ddp as nd
 
-    class Tied(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.tok_embeddings = torch.nn.Embedding(9, 16)
-            self.output = torch.nn.Linear(16, 9, bias=False)
-            self.output.weight = self.tok_embeddings.weight
-
-        def forward(self, ids):
-            return self.output(self.tok_embeddings(ids))
-
     torch.manual_seed(42)
-    model = nd.fully_shard(Tied())
+    model = nd.fully_shard(tied(9))
     model.unshard()
     first = model.tok_embeddings.weight.detach().clone()
     model.reshard()
