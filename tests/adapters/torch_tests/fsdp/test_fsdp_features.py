@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch==2.13.0)")
 pytest.importorskip("expecttest", reason="torch's test helpers need expecttest (the test extra)")
 
-from fsdp_cases import full_params, tied, gloo, shard_blocks, tokens, torch_and_ours, train, transformer  # noqa: E402
+from fsdp_cases import full_params, gloo, shard_blocks, tied, tokens, torch_and_ours, train, transformer  # noqa: E402
 from mp import outcome, run_ranks  # noqa: E402
 
 CASES: dict = {}
