@@ -6,7 +6,7 @@
 import importlib
 from typing import Any
 
-from nccl_ddp import errors, hooks
+from nccl_ddp import errors, frameworks, hooks
 from nccl_ddp.comm.api import (
     destroy_process_group,
     get_local_rank,
@@ -41,6 +41,10 @@ def __getattr__(name: str) -> Any:
         from nccl_ddp.adapters.torch.zero.optimizer import ZeroRedundancyOptimizer
 
         return ZeroRedundancyOptimizer
+    if name in ("fully_shard", "FSDPModule"):
+        from nccl_ddp.adapters.torch.fsdp import api
+
+        return getattr(api, name)
     if name == "ZeroOptimizer":
         from nccl_ddp.adapters.jax.zero import ZeroOptimizer
 
@@ -70,6 +74,9 @@ __all__ = [
     "broadcast",
     "destroy_process_group",
     "errors",
+    "FSDPModule",
+    "fully_shard",
+    "frameworks",
     "hooks",
     "get_local_rank",
     "get_rank",

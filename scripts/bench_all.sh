@@ -111,6 +111,11 @@ if [[ $quick == 1 ]]; then
   ENV_NOTE=NCCL_DDP_HOST_CHUNK_BYTES=524288 NCCL_DDP_HOST_CHUNK_BYTES=524288 \
     table allreduce_2ranks_chunk512k $P 300 scripts/bench_allreduce.py --min 1M --max 2M --iters 3 --warmup 1 \
     --limit-min 1M --no-gloo --csv "$out/allreduce_2ranks_chunk512k.csv" --png ""
+  # 2 nodes x 2 ranks on this machine: the hierarchical all-reduce against the flat ring, links
+  # between the nodes paced to 100 MB/s (gloo's are not)
+  ENV_NOTE=NCCL_DDP_HOST_THROTTLE_BPS=100000000 NCCL_DDP_HOST_THROTTLE_BPS=100000000 \
+    table allreduce_2nodes_throttled $P 300 scripts/bench_allreduce.py --nranks 4 --nodes 2 --min 1M --max 1M \
+    --iters 3 --warmup 1 --limit-min 0 --csv "$out/allreduce_2nodes_throttled.csv" --png ""
   table ddp_mlp $P 300 scripts/bench_ddp.py --torch --caps 1 --hidden 128 --layers 2 --steps 2 --warmup 1 \
     --profile-steps 1 --csv "$out/ddp_mlp.csv" --png "$out/ddp_mlp.png"
   table ddp_12m $P 300 scripts/bench_ddp.py --modes torch --caps 1,25 --features 200 --hidden 200 --layers 2 \
@@ -140,6 +145,13 @@ else
   ENV_NOTE=NCCL_DDP_HOST_CHUNK_BYTES=524288 NCCL_DDP_HOST_CHUNK_BYTES=524288 \
     table allreduce_2ranks_chunk512k $P 300 scripts/bench_allreduce.py --min 16M --max 256M --no-gloo \
     --csv "$out/allreduce_2ranks_chunk512k.csv" --png ""
+  # 2 nodes x 2 ranks on this machine (GROUP_RANK per rank): hierarchical vs the flat ring vs gloo,
+  # unpaced, then with our links between the nodes paced to 100 MB/s (gloo's are not: no tc here)
+  table allreduce_2nodes $P 400 scripts/bench_allreduce.py --nranks 4 --nodes 2 --min 16M --max 64M \
+    --limit-min 0 --csv "$out/allreduce_2nodes.csv" --png ""
+  ENV_NOTE=NCCL_DDP_HOST_THROTTLE_BPS=100000000 NCCL_DDP_HOST_THROTTLE_BPS=100000000 \
+    table allreduce_2nodes_throttled $P 400 scripts/bench_allreduce.py --nranks 4 --nodes 2 --min 25M --max 25M \
+    --limit-min 0 --csv "$out/allreduce_2nodes_throttled.csv" --png ""
   table ddp_mlp $P 300 scripts/bench_ddp.py --torch --steps 10 --csv "$out/ddp_mlp.csv" --png "$out/ddp_mlp.png"
   table ddp_12m $P 400 scripts/bench_ddp.py --modes torch --caps 1,4,25 --features 1400 --hidden 1400 --layers 6 \
     --steps 1 --step-rounds 15 --profile-steps 5 --csv "$out/ddp_12m.csv" --png "$out/ddp_12m.png"

@@ -21,6 +21,19 @@ in its cache: no copy reads it back from memory), so it can pass the copy+add li
 that same memory work alone, on arrays of each rank's own, every rank at once;
 `shared_vs_work` = work time / shared time (1.0: no cost for signals or for another
 process's memory).
+
+Private arrays (host shm, above 64 KiB) run in place through a shared twin (comm/host/twins.py:
+NumPy's own buffers adopted into shared memory where they lie, others mirrored). `time_us` /
+`busbw_GBps` are ours on one private NumPy array reused every call (`reused_vs_shared` = shared
+time / that time); `first_*`: a fresh private array every call (allocated and filled untimed),
+its twin made in the call; `staged_*`: the private array with twins off on every rank (the path
+every private array took before twins).
+
+`--nodes K`: the spawned ranks form K nodes of one machine (GROUP_RANK, as K launchers would set
+it): ours is then the hierarchical all-reduce (comm/host/hier.py), `flat_*` the flat TCP ring on
+the same ranks (a second group, NCCL_DDP_HOST_HIERARCHY=0), `vs_flat` = flat time / ours, and
+`cross_MiB` / `flat_cross_MiB` the bytes one rank sent between nodes per op (the most of any rank).
+With NCCL_DDP_HOST_THROTTLE_BPS set, our links between nodes are paced (gloo's are not).
 """
 
 from __future__ import annotations
@@ -58,6 +71,13 @@ COLUMNS = (
     "gloo_time_us",
     "gloo_busbw_GBps",
     "vs_gloo",
+    "flat_busbw_GBps",
+    "vs_flat",
+    "cross_MiB",
+    "flat_cross_MiB",
+    "first_busbw_GBps",
+    "staged_busbw_GBps",
+    "reused_vs_shared",
     "limit_busbw_GBps",
     "vs_limit",
     "shared_time_us",
@@ -67,6 +87,13 @@ COLUMNS = (
     "shared_vs_work",
 )
 FORMATS = {
+    "flat_busbw_GBps": ".3f",
+    "vs_flat": ".2f",
+    "cross_MiB": ".1f",
+    "flat_cross_MiB": ".1f",
+    "first_busbw_GBps": ".3f",
+    "staged_busbw_GBps": ".3f",
+    "reused_vs_shared": ".2f",
     "work_busbw_GBps": ".3f",
     "shared_vs_work": ".2f",
     "limit_busbw_GBps": ".3f",
@@ -108,6 +135,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--backend", default="host", help="host, nccl, or auto (default host)")
     p.add_argument("--nranks", type=int, default=2, help="ranks to spawn without a launcher (2)")
     p.add_argument("--no-gloo", action="store_true", help="skip the torch gloo comparison")
+    p.add_argument("--nodes", type=int, default=1, help="nodes the spawned ranks form on this machine (1)")
     p.add_argument(
         "--limit-min",
         type=_bytes,
@@ -141,7 +169,7 @@ def _time_ours(nd, args, x, iters: int) -> float:
     """Seconds per all-reduce of `x` (NumPy on host, CuPy on nccl: NCCL calls return before the
     GPU ran them, so the device is synchronised around the timed loop)."""
     xp = array_module(nd)
-    for _ in range(args.warmup):
+    for _ in range(max(2, args.warmup)):  # (a private array's twin is made at its second call)
         nd.all_reduce(x, op=args.op)
     nd.barrier()
     synchronize(xp)
@@ -166,6 +194,61 @@ def _shared_buffer(nd, count: int, dtype):
     out = group.zeros(HostDevice(), count, dtype)
     out[...] = 1
     return out
+
+
+def _twins(nd, on: bool) -> None:
+    """Private arrays get shared twins (adopted or mirrored) on this rank, or not (staged)."""
+    from nccl_ddp.comm.host.twins import MIRROR_BYTES
+
+    os.environ["NCCL_DDP_HOST_ADOPT"] = "1" if on else "0"
+    nd.get_world_group()._transport.twins.max_bytes = MIRROR_BYTES if on else 0
+
+
+def _time_staged(nd, args, x, iters: int) -> float:
+    _twins(nd, False)
+    try:
+        return _time_ours(nd, args, x, iters)
+    finally:
+        _twins(nd, True)
+
+
+def _time_first(nd, args, x, iters: int) -> float:
+    """Seconds per all-reduce of a private array new at every call (allocation and fill untimed):
+    its twin is made inside the call."""
+    total = 0.0
+    for _ in range(iters):
+        y = np.ones_like(x)
+        nd.barrier()
+        t0 = time.perf_counter()
+        nd.all_reduce(y, op=args.op)
+        total += time.perf_counter() - t0
+        del y
+    return slowest(nd, total / iters)
+
+
+def _flat_group(nd):
+    """The same ranks on the flat TCP ring, where the world group is hierarchical; else None."""
+    if getattr(nd.get_world_group(), "transport_kind", "") != "hier":
+        return None
+    os.environ["NCCL_DDP_HOST_HIERARCHY"] = "0"
+    try:
+        return nd.new_group(list(range(nd.get_world_size())))
+    finally:
+        os.environ["NCCL_DDP_HOST_HIERARCHY"] = "1"
+
+
+def _time_on(nd, args, x, iters: int, group) -> tuple:
+    """(seconds per all-reduce of `x` on `group`, MiB a rank sent between nodes per op, the most
+    of any rank)."""
+    for _ in range(max(2, args.warmup)):
+        nd.all_reduce(x, op=args.op, group=group)
+    nd.barrier()
+    sent = group.cross_node_bytes()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        nd.all_reduce(x, op=args.op, group=group)
+    t = slowest(nd, (time.perf_counter() - t0) / iters)
+    return t, slowest(nd, (group.cross_node_bytes() - sent) / iters / (1 << 20))
 
 
 def _time_limit(nd, args, x, iters: int) -> float:
@@ -275,6 +358,7 @@ def worker(args) -> list:
     nd.init_process_group(backend=None if args.backend == "auto" else args.backend)
     rank, n = nd.get_rank(), nd.get_world_size()
     gloo = _gloo_setup(nd, args)
+    flat = _flat_group(nd)
     sizes = _sizes(args, dtype.itemsize)
     prog = Progress(len(sizes), "bench_allreduce") if rank == 0 else None
     rows = []
@@ -284,15 +368,34 @@ def worker(args) -> list:
         iters = _iters(args, size)
         shared = _shared_buffer(nd, count, dtype)
         limit = bool(args.limit_min and size >= args.limit_min and nd.get_world_group().backend == "host")
-        times: dict = {"ours": [], "shared": [], "limit": [], "work": [], "gloo": []}
+        times: dict = {
+            "ours": [],
+            "shared": [],
+            "first": [],
+            "staged": [],
+            "limit": [],
+            "work": [],
+            "gloo": [],
+            "flat": [],
+            "cross": [],
+            "flat_cross": [],
+        }
         for _ in range(args.rounds):  # interleaved: a slow moment hits every column alike
             times["ours"].append(_time_ours(nd, args, x, iters))
-            if shared is not None:
+            if shared is not None:  # (host shm above 64 KiB: private arrays have twins)
                 times["shared"].append(_time_ours(nd, args, shared, iters))
+                times["first"].append(_time_first(nd, args, x, iters))
+                times["staged"].append(_time_staged(nd, args, x, iters))
             if limit:
                 times["limit"].append(_time_limit(nd, args, x, iters))
                 if shared is not None:
                     times["work"].append(_time_work(nd, args, x, iters))
+            if flat is not None:
+                for key, g in (("", nd.get_world_group()), ("flat_", flat)):
+                    tf, mib = _time_on(nd, args, x, iters, g)
+                    times[key + "cross"].append(mib)
+                    if key:
+                        times["flat"].append(tf)
             if gloo is not None:
                 tg = _time_gloo(nd, gloo, args, x, iters)
                 if tg is not None:
@@ -320,6 +423,8 @@ def worker(args) -> list:
         )
         if "shared" in med:
             row.update(shared_time_us=med["shared"] * 1e6, shared_busbw_GBps=busbw(med["shared"]))
+            row.update(reused_vs_shared=med["shared"] / t, first_busbw_GBps=busbw(med["first"]))
+            row.update(first_time_us=med["first"] * 1e6, staged_busbw_GBps=busbw(med["staged"]))
         if "limit" in med:
             tl = med["limit"]
             row.update(limit_time_us=tl * 1e6, limit_busbw_GBps=busbw(tl), vs_limit=tl / t)
@@ -328,6 +433,9 @@ def worker(args) -> list:
         if "work" in med and "shared" in med:
             tw = med["work"]
             row.update(work_busbw_GBps=busbw(tw), shared_vs_work=tw / med["shared"])
+        if "flat" in med:
+            row.update(flat_busbw_GBps=busbw(med["flat"]), vs_flat=med["flat"] / t)
+            row.update(cross_MiB=med["cross"], flat_cross_MiB=med["flat_cross"])
         if "gloo" in med:
             tg = med["gloo"]
             row.update(gloo_time_us=tg * 1e6, gloo_busbw_GBps=busbw(tg), vs_gloo=tg / t)
@@ -351,7 +459,9 @@ def _report(args, rows: list, n: int) -> None:
         f"busbw = algbw * 2(n-1)/n; vs_gloo = gloo time / our time; "
         f"vs_limit = copy+add limit time / our time (same run); shared_*: ours on buffers in "
         f"the group's shared memory (DDP's buckets on shm), read and written in place; work = "
-        f"that op's own memory work on local arrays (shared_vs_work = work time / shared time)"
+        f"that op's own memory work on local arrays (shared_vs_work = work time / shared time); "
+        f"ours = a private array reused (reused_vs_shared = shared time / ours), first = a new "
+        f"private array each call, staged = private without twins"
     )
     print(format_table(shown, [c for c in COLUMNS if any(c in r for r in rows)], FORMATS))
     if args.csv:
@@ -386,7 +496,8 @@ def _report(args, rows: list, n: int) -> None:
 
 
 def _spawned(rank: int, n: int, env: dict, args) -> None:
-    os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
+    per_node = n // args.nodes
+    os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank % per_node), GROUP_RANK=str(rank // per_node))
     worker(args)
 
 
@@ -397,7 +508,7 @@ def spawn(args) -> int:
         port = s.getsockname()[1]
     env = {
         "WORLD_SIZE": str(args.nranks),
-        "LOCAL_WORLD_SIZE": str(args.nranks),
+        "LOCAL_WORLD_SIZE": str(args.nranks // args.nodes),
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
         "NCCL_DDP_SECRET": secrets.token_hex(16),

@@ -2,7 +2,9 @@
 tests/test_layers.py reads cannot see those edges. This test covers them: every module the core can
 load that way is named by the explicit table (`ADAPTERS`, `GENERIC`) or by a literal
 `adapter_module("...")` call, lives in nccl_ddp/adapters/ (the layer allowed to import frameworks),
-and defines the wrapper class the table names; and arrays/frameworks.py loads nothing outside adapters/."""
+and defines the wrapper class the table names; and arrays/frameworks.py loads `<package>.<module>` only,
+every row it ships having package nccl_ddp.adapters (a row a third party adds with
+`frameworks.register` names its own package: tests/adapters/test_toy_framework.py)."""
 
 import ast
 from pathlib import Path
@@ -68,9 +70,12 @@ def test_frameworks_loads_only_under_adapters():
     ]
     assert len(loads) == 1, "frameworks.py imports by name in exactly one place (_load)"
     arg = loads[0].args[0]
-    assert isinstance(arg, ast.JoinedStr) and arg.values[0].value == "nccl_ddp.adapters.", (
-        "frameworks._load imports only nccl_ddp.adapters.<module>"
+    assert isinstance(arg, ast.JoinedStr) and getattr(arg.values[0].value, "id", "") == "package", (
+        "frameworks._load imports only <package>.<module>"
     )
+    assert frameworks.OURS == "nccl_ddp.adapters"
+    foreign = {key: fw.package for key, fw in frameworks.ADAPTERS.items() if fw.package != frameworks.OURS}
+    assert not foreign, f"rows of the shipped table whose adapter is not under nccl_ddp/adapters/: {foreign}"
 
 
 def test_every_adapter_module_declares_the_contract():

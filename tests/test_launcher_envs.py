@@ -14,7 +14,7 @@ from ports import free_port_beside
 
 import nccl_ddp as nd
 from nccl_ddp.comm import api
-from nccl_ddp.job.env import _WORLD_VARS
+from nccl_ddp.job.launcher_env import WORLD_VARS as _WORLD_VARS
 
 LAUNCH_VARS = (
     "RANK",

@@ -13,6 +13,8 @@ from typing import Dict, Iterator, List, Set
 import pytest
 from paths import ROOT
 
+from nccl_ddp.arrays import frameworks
+
 PKG = ROOT / "nccl_ddp"
 SCRIPTS = PKG.parent / "scripts"
 
@@ -31,6 +33,7 @@ LAYERS = [
         "",
         "launch",
         "hooks",
+        "frameworks",
         "lightning",
         "accelerate",
         "keras",
@@ -38,20 +41,10 @@ LAYERS = [
     ],  # "" is the package (__init__.py)
     ["horovod"],  # a facade above everything: nothing imports it
 ]
-FRAMEWORKS = {
-    "torch",
-    "jax",
-    "jaxlib",
-    "flax",
-    "mindspore",
-    "lightning",
-    "pytorch_lightning",
-    "accelerate",
-    "tensorflow",
-    "keras",
-    "tf_keras",
-    "paddle",
-    "transformers",
+# the frameworks (every key of the adapters' table) and the libraries built on them that an
+# adapter package integrates: a row added to frameworks.ADAPTERS is checked here as it lands
+FRAMEWORKS = set(frameworks.ADAPTERS) | {
+    lib for fw in frameworks.ADAPTERS.values() for lib in fw.integrations
 }
 FRAMEWORK_HOMES = ("adapters", "horovod")  # the folders that may import a framework
 

@@ -73,6 +73,13 @@ class GenericAdapter:
         """None: the generic path is for arrays that speak `__dlpack__`."""
         return None
 
+    def to_native(self, x: object) -> NativeArray:
+        """A native view of one of the framework's arrays, through DLPack (never a copy)."""
+        return native_view(x, f"a {self.name} array")
+
+    def from_native(self, native: NativeArray) -> object:
+        return self.array_from_native(native)
+
     def grads_adapter(self) -> DLPackGrads:
         return DLPackGrads(self)
 

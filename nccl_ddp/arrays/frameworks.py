@@ -3,9 +3,10 @@
 Nothing here imports a framework: the decision is made from the classes' modules, and the adapter
 (nccl_ddp/adapters/<name>/adapter.py, which does import its framework) is loaded only when needed.
 
-`ADAPTERS` is the whole table. A framework that is not in it but whose arrays speak DLPack
-(`__dlpack__`) goes through the generic adapter (`nccl_ddp.adapters.generic`), which finds the
-framework's own `from_dlpack`; NumPy and CuPy arrays are the backends' own and need no adapter.
+`ADAPTERS` is the whole table: ours, and those a third party adds with `register` (an adapter
+in its own package). A framework that is not in it but whose arrays speak DLPack (`__dlpack__`)
+goes through the generic adapter (`nccl_ddp.adapters.generic`), which finds the framework's own
+`from_dlpack`; NumPy and CuPy arrays are the backends' own and need no adapter.
 
 What this layer asks of an adapter is `ArrayAdapter`; the DDP core asks more of the same modules
 (`nccl_ddp.ddp.interfaces.FrameworkAdapter`), and each adapter module declares itself one, so
@@ -17,11 +18,12 @@ from __future__ import annotations
 import importlib
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Protocol, Tuple, Union
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Protocol, Tuple, Union
 
 import numpy as np
 
-from nccl_ddp.errors import ConfigTypeError
+from nccl_ddp.errors import ConfigError, ConfigTypeError
 
 if TYPE_CHECKING:
     import cupy
@@ -52,17 +54,28 @@ class PytreeAdapter(ArrayAdapter, Protocol):
         ...
 
 
+OURS = "nccl_ddp.adapters"  # the package of the adapters nccl_ddp ships
+
+
 @dataclass(frozen=True)
 class Framework:
     """One row of the table: a framework with its own adapter module."""
 
     name: str  # how messages name it, and the key of the adapter it shares (jaxlib -> jax)
-    adapter: str  # module under nccl_ddp.adapters (imports the framework itself)
+    adapter: str  # module under `package` (imports the framework itself)
     immutable: bool = False  # its arrays are never written in place: a new array comes back
     wrapper: Optional[Tuple[str, str]] = None  # (adapter module, class) of its models' DDP wrapper
+    # libraries built on the framework that its adapter package integrates (imported only there)
+    integrations: Tuple[str, ...] = ()
+    package: str = OURS  # where `adapter` and the wrapper's module live (a third party's own)
 
 
-_TORCH = Framework("torch", "torch.adapter", wrapper=("torch.ddp", "TorchDistributedDataParallel"))
+_TORCH = Framework(
+    "torch",
+    "torch.adapter",
+    wrapper=("torch.ddp", "TorchDistributedDataParallel"),
+    integrations=("lightning", "pytorch_lightning", "accelerate", "transformers"),
+)
 _MS_DDP = ("mindspore.ddp", "MindSporeDistributedDataParallel")
 _MINDSPORE = Framework("mindspore", "mindspore.adapter", wrapper=_MS_DDP)
 _JAX = Framework("jax", "jax.adapter", immutable=True)
@@ -72,7 +85,7 @@ _PADDLE = Framework("paddle", "paddle.adapter", wrapper=("paddle.ddp", "PaddleDi
 
 # top-level module of a class in an object's MRO -> its framework (a user's model subclasses the
 # framework's own class, and MindSpore's Parameter lives in "abc"); the whole list of adapters
-ADAPTERS: Mapping[str, Framework] = {
+_TABLE: Dict[str, Framework] = {
     "torch": _TORCH,
     "mindspore": _MINDSPORE,
     "jax": _JAX,
@@ -83,9 +96,31 @@ ADAPTERS: Mapping[str, Framework] = {
     "keras": _KERAS,
     "paddle": _PADDLE,
 }
+ADAPTERS: Mapping[str, Framework] = MappingProxyType(_TABLE)  # (read-only: `register` adds)
 
 NATIVE = ("numpy", "cupy")  # the backends' own arrays: no adapter
 GENERIC = "generic"  # the adapter module for any other framework whose arrays speak DLPack
+
+
+def register(top_module: str, framework: Framework) -> None:
+    """Add a framework whose adapter lives in a third party's package (`framework.package`): the
+    objects whose classes come from the top-level module `top_module` go to it from now on, in
+    this process (each rank registers it, before wrapping a model). Its adapter module implements
+    `nccl_ddp.ddp.interfaces.FrameworkAdapter`, as ours do (docs/architecture.md)."""
+    if not isinstance(framework, Framework):
+        raise ConfigTypeError(
+            f"framework must be an nccl_ddp.frameworks.Framework, got {type(framework).__name__}"
+        )
+    taken = _TABLE.get(top_module)
+    if taken is not None or top_module in NATIVE or top_module in ("builtins", "nccl_ddp"):
+        whose = f"the {taken.name} adapter's" if taken is not None else "not a framework's"
+        raise ConfigError(f"cannot register an adapter for {top_module!r}: that module is {whose}")
+    if framework.package == OURS:
+        raise ConfigError(
+            f"Framework({framework.name!r}, ...).package is {OURS!r}, whose adapters ship with "
+            f"nccl_ddp: pass package= the package of your adapter module ({framework.adapter!r})"
+        )
+    _TABLE[top_module] = framework
 
 
 def framework_of(obj: Any) -> Optional[str]:
@@ -145,7 +180,7 @@ def adapter(name: str) -> ArrayAdapter:
     `nccl_ddp.adapters.<adapter>` for a framework of `ADAPTERS`, else `generic_adapter(name)`.
     The DDP core sees the same object as a `FrameworkAdapter` (`ddp.interfaces.adapter_of`)."""
     entry = ADAPTERS.get(name)
-    return _load(entry.adapter, name) if entry is not None else generic_adapter(name)
+    return _load(entry.adapter, name, entry.package) if entry is not None else generic_adapter(name)
 
 
 def generic_adapter(name: str) -> ArrayAdapter:
@@ -162,15 +197,16 @@ def adapter_module(module: str, name: str) -> Any:
 def wrapper_class(name: str) -> Any:
     """The DDP wrapper class for models of framework `name` (None: the core class itself)."""
     entry = ADAPTERS.get(name)
-    wrapper = None if entry is None else entry.wrapper
-    return None if wrapper is None else getattr(_load(wrapper[0], name), wrapper[1])
+    if entry is None or entry.wrapper is None:
+        return None
+    return getattr(_load(entry.wrapper[0], name, entry.package), entry.wrapper[1])
 
 
-def _load(module: str, name: str) -> Any:
-    """The module `nccl_ddp.adapters.<module>` (typed where it is used: each adapter module
-    declares the Protocol it implements, which mypy checks there)."""
+def _load(module: str, name: str, package: str = OURS) -> Any:
+    """The module `<package>.<module>` (`nccl_ddp.adapters.<module>` for ours; typed where it
+    is used: each adapter module declares the Protocol it implements, which mypy checks there)."""
     try:
-        return importlib.import_module(f"nccl_ddp.adapters.{module}")
+        return importlib.import_module(f"{package}.{module}")
     except ImportError as e:
         raise ConfigTypeError(
             f"the nccl_ddp adapter for {name} could not be loaded ({e}); install "

@@ -1,6 +1,7 @@
-"""The torch.distributed-like process-group lifecycle: one world group per process, joined from
-any launcher's variables, plus the queries and `new_group` on it. The collectives on DLPack
-arrays are in `comm/collectives.py`.
+"""The world group, torch.distributed's way: its lifecycle, its queries, the groups made from it.
+
+One world group per process, joined from any launcher's variables; `new_group` and the
+`group=` resolution work on it. The collectives on DLPack arrays are in `comm/collectives.py`.
 
     nd.init_process_group()                  # env from nccl-ddp-run / torchrun / Slurm / MPI
     nd.get_rank(), nd.get_world_size()

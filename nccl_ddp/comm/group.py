@@ -70,14 +70,19 @@ class ProcessGroup(abc.ABC):
     timeout: float  # default seconds for blocking waits
     name: str  # for error messages: "world", "group[0,2]", ...
 
-    premul_sum = False  # all_reduce_premul_sum fuses the scale into the reduction
+    def fuses_premul_sum(self, device: Device) -> bool:
+        """Whether `all_reduce_premul_sum` on `device`'s buffers scales as it sums, so the scale
+        costs no pass of its own (the reducer then asks for it instead of scaling first). The
+        device is the group's concern, not its caller's: a backend answers for each it serves.
+        False here: callers scale, then all-reduce."""
+        return False
 
     def all_reduce_premul_sum(
         self, buf: Any, factor: float, stream: Optional[Stream] = None, *, tag: Optional[str] = None
     ) -> Work:
         """buf = the sum over ranks of `factor` * buf (NCCL's ncclRedOpCreatePreMulSum), with the
         bits of scaling each rank's buffer by `factor` (`kernels.scale_`) and then summing. Only
-        where `premul_sum`; elsewhere callers scale first and all-reduce."""
+        where `fuses_premul_sum`; elsewhere callers scale first and all-reduce."""
         raise NotImplementedError(f"{type(self).__name__} has no fused pre-multiplied sum")
 
     def zeros(self, device: Device, n: int, dtype: Any) -> Any:

@@ -1,11 +1,14 @@
 """Bucket submission: how one bucket's grads reach the collective, queued on the comm stream.
 
 The reducer decides *when* a bucket goes (readiness, launch order); this module decides *how*:
+`BucketSubmitter.plan` picks the bucket's path and its planner (bucket_plan.py) lists the steps,
+which `submit` queues on the comm stream in one loop. The paths:
 
 - "per_grad" (reducer_mode="PythonReducer"): one collective per grad, each scaled by 1/world
   first (no fused kernels).
 - "view" (grads are views of the bucket): scale the bucket in place (unless AVG), reduce it; on a
-  group that fuses the two (`premul_sum`, the host backend), one pre-multiplied sum.
+  group that fuses the two (`ProcessGroup.fuses_premul_sum`: the host backend), one pre-multiplied
+  sum.
 - "pack" (grads live elsewhere): one fused pack with the scale, reduce, one unpack.
 - `HookPath.COMPRESSED` (either of the two, a built-in fp16/bf16 hook on a float32 bucket): pack into
   a buffer of the compression dtype with the scale, reduce that, unpack widened back.
@@ -17,19 +20,29 @@ Today's is `AllReduce`; a sharded optimizer's reduce-scatter into the rank's sli
 
 from __future__ import annotations
 
+import dataclasses
 import enum
-import functools
-from typing import Any, Callable, Dict, List, Literal, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Tuple
 
 import numpy as np
 
-from nccl_ddp import kernels
 from nccl_ddp.buckets.layout import Bucket, BucketLayout, ParamSpec, bucket_tag
-from nccl_ddp.buckets.memory import copy_into
 from nccl_ddp.comm.group import ProcessGroup, ReduceOp
 from nccl_ddp.ddp import comm_hooks
+from nccl_ddp.ddp.bucket_plan import (
+    BucketCollective,
+    BucketWork,
+    HookCall,
+    Plan,
+    Step,
+    plan_comm_hook,
+    plan_compressed,
+    plan_pack,
+    plan_per_grad,
+    plan_premul_view,
+    plan_view,
+)
 from nccl_ddp.device import Device, Stream
-from nccl_ddp.errors import CommHookError
 from nccl_ddp.profiling import Timeline
 
 Mode = Literal["per_grad", "view", "pack"]
@@ -49,17 +62,18 @@ class HookPath(enum.Enum):
     compression hook on a bucket it cannot fuse)."""
 
 
-class BucketCollective(Protocol):
-    """Reduces a bucket's flat buffer across the group, run in comm-stream order (a submitted
-    task, so the current stream is the comm stream). `phase`: its name on the timeline."""
-
-    phase: str
-
-    def __call__(self, buf: Any, op: ReduceOp, tag: str) -> None: ...
-
-
 class AllReduce:
-    """The whole buffer, reduced in place on every rank."""
+    """The whole buffer, reduced in place on every rank.
+
+    The second hop of a gradient is here: a comm-stream step hands its buffer to the group,
+    ordered on the current (comm) stream. On CUDA, NCCL's kernel is queued on the comm stream
+    and this thread goes on; on the host, the collective runs on this (the comm stream's)
+    thread when the group's own worker is idle, else on that worker while the stream waits
+    (`HostProcessGroup._submit`):
+
+        comm stream : ─[pack]─ all_reduce(stream=comm) ─ wait(done) ────────────── [unpack] ─
+        group worker:                      ╲ (busy: queued) ─ [collective] ─●done ╱
+    """
 
     phase = "allreduce"
 
@@ -71,8 +85,8 @@ class AllReduce:
 
     @property
     def fuses_scale(self) -> bool:
-        """The group scales and sums in one pass (`ProcessGroup.premul_sum`: the host backend)."""
-        return self.group.premul_sum and self.device.kind == "host"
+        """The group scales and sums in one pass on this device (the group's answer)."""
+        return self.group.fuses_premul_sum(self.device)
 
     def premul_sum(self, buf: Any, scale: float, tag: str) -> None:
         """buf = the sum over ranks of scale * buf, in stream order (see `all_reduce_here`)."""
@@ -84,8 +98,9 @@ class AllReduce:
 
 def all_reduce_here(group: ProcessGroup, device: Device, buf: Any, op: ReduceOp, tag: str) -> None:
     """An all-reduce run in stream order: cuda enqueues it on the current (comm) stream without
-    blocking; host runs it on the group's worker while this stream waits. `tag` names the buffer
-    in errors ("bucket 3 (1.0 MiB)")."""
+    blocking; host runs it on this thread, or on the group's worker while this stream waits
+    when that one is busy (`AllReduce` draws the hand-off). `tag` names the buffer in errors
+    ("bucket 3 (1.0 MiB)")."""
     group.all_reduce(buf, op, stream=device.current_stream(), tag=tag).wait(group.timeout)
 
 
@@ -114,6 +129,7 @@ class BucketSubmitter:
         self.pool = getattr(self.collective, "pool", None)
         self.prof = Timeline(group.rank)  # NVTX ranges / per-step timeline when switched on
         self.comm_hook: Optional[Tuple[Any, comm_hooks.CommHook]] = None
+        self._hook_call = HookCall(group, specs, params)
         self._compressed_buffers: Dict[Tuple[BucketLayout, int], Any] = {}
 
     def scale_and_op(self, divisor: Optional[int] = None) -> Tuple[float, ReduceOp]:
@@ -158,120 +174,56 @@ class BucketSubmitter:
         flag: Any,
         divisor: Optional[int] = None,
     ) -> None:
-        """Queue bucket b of `layout` on the comm stream. `grads`: the bucket's grads (unused
-        in "view" mode, where they are views of `buf`); `buf`: its buffer (None in "per_grad"
-        mode); a Join shadow passes zeros. `flag`: the bucket's non-finite flag or None.
-        `divisor`: the ranks the step divides by (None: the group)."""
+        """Queue bucket b of `layout` on the comm stream: its plan (`plan`), step by step.
+        `grads`: the bucket's grads (unused in "view" mode, where they are views of `buf`);
+        `buf`: its buffer (None in "per_grad" mode); a Join shadow passes zeros. `flag`: the
+        bucket's non-finite flag or None. `divisor`: the ranks the step divides by (None: the
+        group).
+
+        The first thread hop of a gradient is in the loop below. This runs on the thread that
+        marked the bucket's last grad ready (the framework's autograd thread, in its hook); each
+        step goes to the comm stream: on the host, its worker thread runs it later (inline only
+        inside an idle `awaited()`, the step's end); on CUDA, this thread queues its kernels on
+        the comm stream.
+
+            hook thread: ─ start_bucket(b) ─ submit: step 1 ─ step 2 ─ step 3 ─ backward goes on ─▶
+                                                      ╲        ╲        ╲
+            comm stream: ── wait(ready) ──────────── [step 1] [step 2] [step 3] ─●record(done)
+        """
         bucket = layout.buckets[b]
         scale, op = self.scale_and_op(divisor)
-        submit, comm, tag = self.prof.submit, self.comm, bucket_tag(b, bucket.nbytes)
-        collective = self.collective
+        work = BucketWork(bucket, grads, buf, flag, scale, op, bucket_tag(b, bucket.nbytes))
+        for step in self.plan(layout, b, mode, work, divisor):
+            self.prof.submit(self.comm, step.phase, b, step.nbytes, step.fn, *step.args, dtype=step.dtype)
+
+    def plan(
+        self, layout: BucketLayout, b: int, mode: Mode, work: BucketWork, divisor: Optional[int]
+    ) -> Plan:
+        """The steps that reduce bucket b of `layout` (`work`: its grads, buffer, flag, scale and
+        op), by path: the planner of bucket_plan.py that fits its mode and the comm hook."""
+        bucket, collective = work.bucket, self.collective
         if mode == "per_grad":
-            for p, g in zip(bucket.params, grads):
-                if scale != 1.0 or flag is not None:
-                    submit(comm, "pack", b, g.nbytes, _scale_checked, g, scale, flag)
-                submit(
-                    comm, collective.phase, b, g.nbytes, collective, g, op, f"grad {self.label(p)} of {tag}"
-                )
-                if flag is not None:  # what the reduction handed back (an overflowing sum)
-                    flat = g.reshape(-1)
-                    submit(comm, "unpack", b, g.nbytes, kernels.flag_nonfinite, [flat], flat, [0], flag)
-            return
+            tags = [f"grad {self.label(p)} of {work.tag}" for p in bucket.params]
+            return plan_per_grad(work, collective, tags)
         path, compression = self.hook_path(bucket)
         if path is HookPath.HOOK and self.comm_hook is not None:
             state, hook = self.comm_hook
-            submit(
-                comm,
-                "hook",
-                b,
-                bucket.nbytes,
-                self._run_comm_hook,
-                layout,
-                b,
-                mode,
-                grads,
-                buf,
-                flag,
-                state,
-                hook,
-            )
-            return
-        offsets = bucket.offsets
+            args = (layout, b, mode, work.grads, work.buf, work.flag, state, hook)
+            return plan_comm_hook(work, self._hook_call.run_comm_hook, args)
+        first: Plan = []
         if mode == "pack" and self.pool is not None:  # zeroed in stream order, after its last reader
-            buf = self.pool.buffers[b]
-            submit(comm, "pack", b, bucket.nbytes, self.pool.clear, b)
-        srcs, offs = ([buf], [0]) if mode == "view" else (grads, offsets)
-        if path is HookPath.COMPRESSED:  # pack into the compression dtype, reduce it, widen back
-            wbuf = self._compressed_buffer(layout, b, compression)
-            submit(
-                comm,
-                "pack",
-                b,
-                bucket.nbytes,
-                functools.partial(
-                    kernels.pack, scale=1.0 / (divisor or self.group.size), nonfinite_flag=flag
-                ),
-                srcs,
-                wbuf,
-                offs,
-            )
-            submit(
-                comm, collective.phase, b, wbuf.nbytes, collective, wbuf, ReduceOp.SUM, tag, dtype=compression
-            )
-            submit(
-                comm,
-                "unpack",
-                b,
-                bucket.nbytes,
-                functools.partial(kernels.unpack, nonfinite_flag=flag),
-                srcs,
-                wbuf,
-                offs,
-            )
-            return
-        if mode == "view":
-            if flag is None and scale != 1.0 and isinstance(collective, AllReduce) and collective.fuses_scale:
-                submit(comm, collective.phase, b, bucket.nbytes, collective.premul_sum, buf, scale, tag)
-                return  # the scale costs no pass over the bucket of its own
-            if flag is not None:
-                submit(comm, "pack", b, bucket.nbytes, _scale_flagged, buf, scale, flag)
-            elif scale != 1.0:
-                submit(comm, "pack", b, bucket.nbytes, kernels.scale_, buf, scale)
-        else:
-            submit(
-                comm,
-                "pack",
-                b,
-                bucket.nbytes,
-                functools.partial(kernels.pack, scale=scale, nonfinite_flag=flag),
-                grads,
-                buf,
-                offsets,
-            )
-        submit(comm, collective.phase, b, bucket.nbytes, collective, buf, op, tag)
-        if mode == "pack":  # the unpack writes every reduced value: it raises the flag too
-            submit(
-                comm,
-                "unpack",
-                b,
-                bucket.nbytes,
-                functools.partial(kernels.unpack, nonfinite_flag=flag),
-                grads,
-                buf,
-                offsets,
-            )
-        elif flag is not None:  # the grads are views of the bucket: nothing writes them again
-            submit(
-                comm,
-                "unpack",
-                b,
-                bucket.nbytes,
-                kernels.flag_nonfinite,
-                _views(bucket, buf),
-                buf,
-                offsets,
-                flag,
-            )
+            work = dataclasses.replace(work, buf=self.pool.buffers[b])
+            first = [Step("pack", bucket.nbytes, self.pool.clear, (b,))]
+        if path is HookPath.COMPRESSED:  # the hook's contract: scaled by 1/world, then summed
+            wire = self._compressed_buffer(layout, b, compression)
+            work = dataclasses.replace(work, scale=1.0 / (divisor or self.group.size), op=ReduceOp.SUM)
+            return first + plan_compressed(work, mode == "view", wire, compression, collective)
+        if mode == "pack":
+            return first + plan_pack(work, collective)
+        if work.flag is None and work.scale != 1.0:  # a scale that the group may fuse (no flag pass)
+            if isinstance(collective, AllReduce) and collective.fuses_scale:
+                return plan_premul_view(work, collective.phase, collective.premul_sum)
+        return plan_view(work, collective)
 
     def _compressed_buffer(self, layout: BucketLayout, b: int, compression: str) -> Any:
         """Bucket b's buffer in the compression dtype (allocated once per layout)."""
@@ -283,74 +235,3 @@ class BucketSubmitter:
                 layout.buckets[b].padded, comm_hooks.compression_dtype(compression)
             )
         return buf
-
-    def _run_comm_hook(
-        self,
-        layout: BucketLayout,
-        b: int,
-        mode: Mode,
-        grads: List[Any],
-        buf: Any,
-        flag: Any,
-        state: Any,
-        hook: comm_hooks.CommHook,
-    ) -> None:
-        """A registered hook on bucket b, in comm-stream order: the buffer it gets holds the
-        unscaled grads (torch's contract); its result goes back into the bucket and the grads."""
-        bucket = layout.buckets[b]
-        offsets = list(bucket.offsets)
-        if mode == "pack":
-            kernels.pack(grads, buf, offsets, nonfinite_flag=flag)
-        elif flag is not None:
-            _scale_flagged(buf, 1.0, flag)
-        gb = comm_hooks.GradBucket(
-            b,
-            buf,
-            offsets,
-            [self.specs[p].shape for p in bucket.params],
-            [self.params[p] for p in bucket.params],
-            b == len(layout.buckets) - 1,
-            self.group,
-        )
-        out = comm_hooks.resolve(hook(state, gb), hook)
-        if out is not buf:
-            name, tag = getattr(hook, "__name__", hook), bucket_tag(b, bucket.nbytes)
-            if not (hasattr(out, "shape") and hasattr(out, "dtype")):
-                raise CommHookError(
-                    f"rank {self.group.rank}: comm hook {name!r} returned a future of "
-                    f"{comm_hooks.describe(out)} for {tag}; its value must be the reduced bucket "
-                    f"buffer, a {tuple(buf.shape)} {buf.dtype} array"
-                )
-            if tuple(out.shape) != tuple(buf.shape) or out.dtype != buf.dtype:
-                raise CommHookError(
-                    f"rank {self.group.rank}: comm hook {name!r} "
-                    f"returned a {tuple(out.shape)} {out.dtype} array for "
-                    f"{tag}, which is {tuple(buf.shape)} {buf.dtype}; "
-                    "return the reduced bucket buffer (same shape and dtype)"
-                )
-            copy_into(buf, out)
-        if mode == "pack":
-            kernels.unpack(grads, buf, offsets, nonfinite_flag=flag)
-        elif flag is not None:
-            kernels.flag_nonfinite(_views(bucket, buf), buf, offsets, flag)
-
-
-def _views(bucket: Bucket, buf: Any) -> List[Any]:
-    """The bucket's parameter ranges of `buf` (not its padding), for the non-finite check."""
-    return [buf[o : o + n] for o, n in zip(bucket.offsets, bucket.numels)]
-
-
-def _scale_checked(g: Any, f: float, flag: Any) -> None:
-    """The per-grad path's scale; with a flag, through the pack kernel, which sets it."""
-    if flag is None:
-        g *= g.dtype.type(f)
-    else:
-        _scale_flagged(g.reshape(-1), f, flag)
-
-
-def _scale_flagged(buf: Any, f: float, flag: Any) -> None:
-    """buf *= f, raising `flag` on a NaN/Inf: the pack kernel, in place on the host (the NumPy
-    reference reads a segment before writing it); on the GPU from a copy, since the kernel's
-    source and destination must not alias (it reads through the read-only cache)."""
-    src = buf if isinstance(buf, np.ndarray) else buf.copy()
-    kernels.pack([src], buf, [0], scale=f, nonfinite_flag=flag)

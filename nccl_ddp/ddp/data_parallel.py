@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Callable, FrozenSet, Iterator, List, Optional
+from typing import Any, Callable, ClassVar, FrozenSet, Iterator, List, Optional, Type
 
 import numpy as np
 
@@ -40,7 +40,9 @@ class DistributedDataParallel:
     (adapters/torch/ddp.py), which is also a torch.nn.Module. Joinable (`nccl_ddp.Join`).
     """
 
-    _reducer_class = Reducer  # a framework's wrapper may add its framework's reducer API
+    reducer_class: ClassVar[Type[Reducer]] = Reducer
+    """The reducer this wrapper builds: a framework's wrapper may name a subclass that adds its
+    framework's reducer API (torch's `TorchReducer`)."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> DistributedDataParallel:
         module = args[0] if args else kwargs.get("module")
@@ -100,7 +102,7 @@ class DistributedDataParallel:
         install = self._adapter.install_grad if self._adapter.can_install_grads else None
         if self.config.init_sync:  # before a shard core (zero=) moves the parameters
             self._init_sync(params)
-        self.reducer = self._reducer_class(
+        self.reducer = self.reducer_class(
             params,
             grads,
             self.process_group,
@@ -111,6 +113,7 @@ class DistributedDataParallel:
             install_param=self._adapter.install_param if self._adapter.can_install_params else None,
             stream_scope=self._adapter.on_compute_stream,
             pool_grads=self._adapter.pools_grads,
+            hooks=self._adapter,
         )
         self._sync_buffers_next = True  # torch: the first forward syncs buffers
         self.join_state = JoinState()
@@ -235,7 +238,7 @@ class DistributedDataParallel:
         return [self.grad_hook(i) for i in range(len(self.reducer.params))]
 
     def finalize(self) -> None:
-        """End the step now (needed when some params got no grad: find_unused_parameters)."""
+        """End the step now, the one end of a step (after backward if a param may get no grad)."""
         self.reducer.finalize()
 
     @contextlib.contextmanager

@@ -76,6 +76,12 @@ class GradBuckets:
         self._views = True
         log.debug("rank %d: bucket layout %s (%s mode)", self.rank, layout.summary(), self.mode)
 
+    def rearrange(self, layout: BucketLayout) -> None:
+        """Refill the buckets in `layout` (the first step's arrival order), if it differs."""
+        if layout.buckets != self.layout.buckets:
+            self.set(layout)
+            log.info("rank %d: buckets rebuilt in arrival order: %s", self.rank, layout.summary())
+
     def release(self) -> None:
         """Pooled: `grads[i]` is set by the framework's hook before `mark_ready(i)` (its own
         grad array) and dropped here once a synchronised step has reduced it (the compute stream

@@ -91,59 +91,26 @@ class DistributedGradReducer:
             compress=compress,
             check_finite=check_finite,
         )
-        mean, fusion_type = self.config.mean, self.config.fusion_type
         parameters, names = _split_names(_materialize(parameters))
         # the parameters' framework: grads of another are refused, never mixed in silently
         self._framework = frameworks.framework_of_leaves(parameters)
-        adapter = self._adapter = grads_adapter_of(parameters)
-        if adapter is not None:  # torch / JAX / MindSpore parameters, described natively
-            parameters = adapter.param_infos(parameters)
-        if not isinstance(parameters, (list, tuple)) or not parameters:
-            raise ConfigTypeError(
-                f"parameters must be a non-empty list or tuple of parameters, got {type(parameters).__name__}"
-            )
+        self._adapter, parameters = _described(parameters)
         self.compress, self.check_finite = self.config.compress, self.config.check_finite
         self.join_state = JoinState()
         self._divisor = 1
         self._calls = 0  # calls (steps) opened so far, shadowed ones too
         self.group = resolve_group(group, "group")
         self.device = device_of(self.group)
-        if adapter is not None:  # JAX, TensorFlow inside a compiled step: the arrays, the group
-            adapter.bind(self.device.xp, self.group)
-        self.mean = mean
+        if self._adapter is not None:  # JAX, TensorFlow inside a compiled step: the arrays, the group
+            self._adapter.bind(self.device.xp, self.group)
+        self.mean = self.config.mean
         self.degree = self.group.size if self.config.degree is None else self.config.degree
-        self.fusion_type = fusion_type
-        specs, fusion_ids = [], []
-        for i, p in enumerate(parameters):
-            if not hasattr(p, "shape") or not hasattr(p, "dtype"):
-                raise ConfigTypeError(f"parameters[{i}] has no shape/dtype: {type(p).__name__}")
-            fid = getattr(p, "comm_fusion", None)
-            fid = fusion_type if fid is None else fid
-            check_positive_int(f"parameters[{i}].comm_fusion", fid, allow_zero=True)
-            fusion_ids.append(fid)
-            key = ("alone", i) if fid == 0 else fid
-            dtype = _param_dtype(p, i)
-            check_float_dtype(f"parameters[{i}]", dtype)
-            name = names[i] if names is not None else getattr(p, "name", None)
-            specs.append(ParamSpec(tuple(p.shape), dtype, name, key))
-        self.specs = specs
-        # every rank constructs the reducer: one collective now instead of wrong numbers later
-        check_same_params(
-            specs,
-            self.group,
-            self.device,
-            {
-                "mean": mean,
-                "degree": self.degree,
-                "compress": self.compress,
-                "check_finite": self.check_finite,
-                "fusion id (fusion_type or comm_fusion)": fusion_ids,
-            },
-            owner="DistributedGradReducer",
-        )
+        self.fusion_type = self.config.fusion_type
+        self.specs, fusion_ids = _param_specs(parameters, names, self.fusion_type)
+        self._check_same_on_every_rank(fusion_ids)
         # the device's alignment: on the host, 64 bytes, so JAX can alias each reduced grad
         self.layout = assign_buckets(
-            specs, DEFAULT_CAP_BYTES, FIRST_CAP_BYTES, align_bytes=self.device.align_bytes
+            self.specs, DEFAULT_CAP_BYTES, FIRST_CAP_BYTES, align_bytes=self.device.align_bytes
         )
         self.comm = self.device.new_stream()
         self._failure = StepFailure(self.group.rank, "DistributedGradReducer", self.group)
@@ -151,6 +118,22 @@ class DistributedGradReducer:
             FiniteCheck(self.check_finite, self.device, self.group.rank, self.settle, self._label)
             if self.check_finite
             else None
+        )
+
+    def _check_same_on_every_rank(self, fusion_ids: list) -> None:
+        """Every rank constructs the reducer: one collective now instead of wrong numbers later."""
+        check_same_params(
+            self.specs,
+            self.group,
+            self.device,
+            {
+                "mean": self.mean,
+                "degree": self.degree,
+                "compress": self.compress,
+                "check_finite": self.check_finite,
+                "fusion id (fusion_type or comm_fusion)": fusion_ids,
+            },
+            owner="DistributedGradReducer",
         )
 
     def __call__(self, grads: Sequence[Any]) -> Sequence[Any]:
@@ -330,6 +313,38 @@ class DistributedGradReducer:
         if self._failure.error is None:
             self.comm.synchronize(self.group.timeout)
         self.comm.close()
+
+
+def _described(parameters: Any) -> tuple:
+    """(the parameters' adapter or None, the parameters as the core reads them: shape and dtype;
+    torch / JAX / MindSpore parameters described natively); not a non-empty list: an error."""
+    adapter = grads_adapter_of(parameters)
+    if adapter is not None:
+        parameters = adapter.param_infos(parameters)
+    if not isinstance(parameters, (list, tuple)) or not parameters:
+        raise ConfigTypeError(
+            f"parameters must be a non-empty list or tuple of parameters, got {type(parameters).__name__}"
+        )
+    return adapter, parameters
+
+
+def _param_specs(parameters: Sequence[Any], names: Optional[list], fusion_type: int) -> tuple:
+    """(one ParamSpec per parameter, each one's fusion id): shape, float dtype, name and bucket
+    key, a parameter's `comm_fusion` before `fusion_type` (id 0: a bucket of its own)."""
+    specs, fusion_ids = [], []
+    for i, p in enumerate(parameters):
+        if not hasattr(p, "shape") or not hasattr(p, "dtype"):
+            raise ConfigTypeError(f"parameters[{i}] has no shape/dtype: {type(p).__name__}")
+        fid = getattr(p, "comm_fusion", None)
+        fid = fusion_type if fid is None else fid
+        check_positive_int(f"parameters[{i}].comm_fusion", fid, allow_zero=True)
+        fusion_ids.append(fid)
+        key = ("alone", i) if fid == 0 else fid
+        dtype = _param_dtype(p, i)
+        check_float_dtype(f"parameters[{i}]", dtype)
+        name = names[i] if names is not None else getattr(p, "name", None)
+        specs.append(ParamSpec(tuple(p.shape), dtype, name, key))
+    return specs, fusion_ids
 
 
 def _param_dtype(p: Any, i: int) -> np.dtype:

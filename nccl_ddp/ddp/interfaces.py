@@ -8,6 +8,21 @@ it, so it never imports an adapter (`nccl_ddp.arrays.frameworks` loads one by na
 - `GradsAdapter`: one framework's parameters and grads, for `DistributedGradReducer`.
 - `StepDriver`: the adapter's view of the wrapper it serves (the reducer), handed to
   `GradModule.attach`: what a framework's grad hooks call, and nothing else.
+- `StepHooks`: what the driver calls back on a `GradModule` (which is one) as steps open and end.
+
+The step lifecycle, the same for every adapter (the driver owns it; an adapter neither ends a
+step another way nor infers that one ended):
+- open: by the wrapper's forward, else by the step's first `mark_ready`; the driver then calls
+  `GradModule.step_opened(syncs)`.
+- end: in the driver only, at the `mark_ready` of the step's last expected grad or at
+  `StepDriver.finalize()`, its one public end. An adapter whose framework says when backward has
+  ended (torch's queued autograd callback) calls `finalize()` there; where the framework does not
+  (Paddle, MindSpore), the user calls `DistributedDataParallel.finalize()` (the same) after
+  backward when some grads may be missing (find_unused_parameters).
+- on every path the driver calls `GradModule.before_step_end(missing)` (a synchronised step that
+  ends without every grad: the adapter puts this rank's contribution of those into
+  `driver.grads`), then `GradModule.step_ended(synced)` (the reduced grads can be read: an adapter
+  whose framework keeps its own grad memory copies them back).
 """
 
 from __future__ import annotations
@@ -59,7 +74,7 @@ class StepDriver(Protocol):
 
     @property
     def steps(self) -> int:
-        """Synchronised steps finished (a change after `mark_ready` says it ended one)."""
+        """Synchronised steps finished (an adapter learns that a step ended from `step_ended`)."""
         ...
 
     sync_enabled: bool
@@ -80,7 +95,8 @@ class StepDriver(Protocol):
         ...
 
     def finalize(self) -> None:
-        """End the step now (the framework's backward has ended)."""
+        """End the step now: the one public end of a step (the framework's backward has ended).
+        Nothing when no step is open (its last grad ended it already)."""
         ...
 
     def untouched_last_step(self) -> FrozenSet[int]:
@@ -101,8 +117,32 @@ class StepDriver(Protocol):
         ...
 
 
-class GradModule(abc.ABC):
-    """What `DistributedDataParallel` needs from a wrapped model, in native arrays."""
+class StepHooks:
+    """What the driver tells the wrapped model's adapter as its steps open and end (the
+    lifecycle above); every `GradModule` is one, and each hook does nothing unless overridden."""
+
+    def step_opened(self, syncs: bool) -> None:
+        """The driver opened a step (by forward, the first grad, or again before any grad with
+        a changed sync: torch's prepare_for_backward); `syncs`: whether it reduces its grads."""
+
+    def before_step_end(self, missing: Sequence[int]) -> None:
+        """A synchronised step is ending with the grads of `missing` not marked ready (found
+        unused, or `finalize()` before backward was done): make each one's `driver.grads[i]` hold
+        this rank's contribution (the accumulated grad, or zeros). Before any of them is reduced."""
+
+    def step_ended(self, synced: bool) -> None:
+        """The driver ended a step (on every path: the last grad, `finalize()`); `synced`: its
+        grads were reduced and can be read in `driver.grads` (those of `untouched_last_step()`
+        were left as they were). Nothing to do where the framework's grads are bucket views."""
+
+
+NO_STEP_HOOKS = StepHooks()
+"""The hooks of a driver that serves no `GradModule` (a reducer built alone, in tests)."""
+
+
+class GradModule(StepHooks, abc.ABC):
+    """What `DistributedDataParallel` needs from a wrapped model, in native arrays (and the
+    step hooks of `StepHooks`, which the driver calls)."""
 
     names: List[Optional[str]]
 
@@ -233,7 +273,17 @@ class GradsAdapter(abc.ABC):
 
 class FrameworkAdapter(ArrayAdapter, Protocol):
     """What the core calls on a framework's adapter (`nccl_ddp.arrays.frameworks.adapter(name)`): the
-    array members of `ArrayAdapter`, and the builders of the two contracts above."""
+    array members of `ArrayAdapter`, one array each way, and the builders of the two contracts
+    above."""
+
+    def to_native(self, x: Any, /) -> NativeArray:
+        """A native array over one of the framework's arrays: a zero-copy view where the
+        framework exports its memory (read-only where it exports it so), else a copy."""
+        ...
+
+    def from_native(self, native: NativeArray, /) -> Any:
+        """A new array of the framework over `native` (zero-copy where the framework can)."""
+        ...
 
     def adapt(self, module: Any) -> GradModule:
         """The `GradModule` of one of the framework's models; `ConfigTypeError` saying what to

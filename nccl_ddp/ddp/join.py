@@ -29,6 +29,7 @@ from typing import Any, Dict, Iterator, List, Optional, Protocol, Sequence, runt
 import numpy as np
 
 from nccl_ddp.buckets.memory import to_host
+from nccl_ddp.comm.api import device_of
 from nccl_ddp.comm.group import ProcessGroup, ReduceOp
 from nccl_ddp.errors import CommError, ConfigError, ConfigTypeError, JoinError, NcclDdpError, StoreError
 from nccl_ddp.validate import check_bool
@@ -258,9 +259,7 @@ class Join:
 
 def exchange(group: ProcessGroup, values: List[int], tag: str, op: ReduceOp = ReduceOp.SUM) -> List[int]:
     """A small int32 all-reduce of `values`, in the caller's stream order; the reduced values."""
-    from nccl_ddp.device import get_device
-
-    device = get_device("host" if group.backend == "host" else "cuda", getattr(group, "device_id", None))
+    device = device_of(group)
     buf = device.xp.asarray(np.asarray(values, dtype=np.int32))
     group.all_reduce(buf, op, stream=device.current_stream(), tag=tag).wait(group.timeout)
     return [int(v) for v in to_host(buf)]

@@ -1,8 +1,8 @@
 """The reducer: tracks which grads are ready, launches bucket all-reduces in order while backward
 is still running, and makes the compute stream wait for them at the end of the step. It schedules
 (Megatron's bucket group: start_grad_sync / finish_grad_sync), in public phases: `start_step`,
-`mark_ready(i)` -> `start_bucket(b)`, `finalize` -> `finish_step`; adapters see it as their
-`StepDriver` (ddp/interfaces.py).
+`mark_ready(i)` -> `start_bucket(b)`, `finalize` (also the last grad's); adapters see it as their
+`StepDriver`, and it calls their step hooks (the lifecycle in ddp/interfaces.py).
 
 It works on native arrays (NumPy on "host", CuPy on "cuda") and a `Device`; it cannot tell which
 device it runs on. Memory is `buckets.memory.BucketBuffers`, the layout `buckets.layout.BucketLayout`,
@@ -15,7 +15,6 @@ end `step_collectives.py`; with `DDPConfig.zero` the shard core is built here (z
 from __future__ import annotations
 
 import contextlib
-import logging
 from typing import Any, Callable, ContextManager, FrozenSet, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -28,6 +27,7 @@ from nccl_ddp.ddp.bucket_submit import BucketSubmitter, Mode
 from nccl_ddp.ddp.config import DDPConfig, GradPath
 from nccl_ddp.ddp.finite_check import FiniteCheck, require_check
 from nccl_ddp.ddp.grad_buckets import GradBuckets, InstallFn
+from nccl_ddp.ddp.interfaces import NO_STEP_HOOKS, StepHooks
 from nccl_ddp.ddp.step_collectives import UsedParams, rank0_order
 from nccl_ddp.ddp.step_failure import StepFailure
 from nccl_ddp.ddp.step_state import StepState
@@ -36,8 +36,6 @@ from nccl_ddp.errors import ConfigError, ReducerError
 from nccl_ddp.profiling import Timeline
 from nccl_ddp.zero.core import ShardCore, build_core, plan
 from nccl_ddp.zero.reduce_scatter import ReduceScatter, refuse_unshardable
-
-log = logging.getLogger(__name__)
 
 StreamScope = Callable[[], ContextManager[Any]]
 """stream_scope(): a context whose current stream is the framework's compute stream (torch: its
@@ -48,7 +46,7 @@ class Reducer:
     """Per-step state machine: idle -> open (grads arriving, buckets launching) -> idle.
 
     A step opens with `prepare()` (the wrapper's forward) or the first `mark_ready`; it closes with
-    `finalize()`, called automatically once every bucketed grad is ready.
+    `finalize()`, reached too once every bucketed grad is ready; `hooks` hear of both.
 
     `mark_ready` runs once per parameter per step, so its common case is a flat fast path: no
     stream, event, allocation or context manager unless a bucket completes (then a constant
@@ -68,8 +66,10 @@ class Reducer:
         install_param: Optional[InstallFn] = None,
         stream_scope: StreamScope = contextlib.nullcontext,
         pool_grads: bool = False,
+        hooks: StepHooks = NO_STEP_HOOKS,
     ) -> None:
         self.params = list(params)
+        self.hooks = hooks  # the wrapped model's (GradModule), told as steps open and end
         self.grads = grads  # native arrays; entries replaced by views on install
         self.group, self.device, self.config = group, device, config
         self.names = list(names) if names is not None else [None] * len(self.params)
@@ -191,6 +191,7 @@ class Reducer:
             self._finite.open(self.layout, self.steps)
         if self.on_open is not None:
             self.on_open(self.step.syncs)
+        self.hooks.step_opened(self.step.syncs)
 
     def mark_ready(self, i: int, grad: Any = None) -> Any:
         """Grad `i` of this step is final (`grad` given: add it to the accumulated grad first).
@@ -211,7 +212,7 @@ class Reducer:
                         with self.comm.awaited():  # the step waits for what is left at once
                             self._mark_backward_end()
                             self._launch_ready()
-                            self.finish_step()
+                            self._finish_step()
                     else:
                         self._launch_ready()
             return self.grads[i]
@@ -238,7 +239,7 @@ class Reducer:
         with self._failure.closes_step(self._abandon_step):
             self._set_ready(i)
             if st.count == st.expected:
-                self.finish_step()
+                self._finish_step()
         st.fast = st.open and st.syncs and self.steps > 0
         return self.grads[i]
 
@@ -283,7 +284,7 @@ class Reducer:
             self.step.done.append(self.comm.record())
 
     def finalize(self) -> None:
-        """End the step: launch what is left, make the compute stream wait for every bucket.
+        """The one end of a step: launch what is left, make the compute stream wait for every bucket.
 
         Without find_unused_parameters / static_graph a missing grad is an error. With them, the
         missing grads are reduced as they are (their local contribution this step is zero), then a
@@ -291,7 +292,7 @@ class Reducer:
         """
         self._failure.check()
         with self.stream_scope(), self._failure.closes_step(self._abandon_step), self.comm.awaited():
-            self.finish_step()
+            self._finish_step()
 
     def _mark_backward_end(self) -> None:
         """The timeline's end of backward, once per step, before what is left is launched."""
@@ -299,7 +300,7 @@ class Reducer:
             self.step.backward_ended = True
             self.prof.mark("backward", "end", self.device.current_stream())
 
-    def finish_step(self) -> None:
+    def _finish_step(self) -> None:
         """`finalize()`'s work, inside its stream scope and failure guard (also the last grad's)."""
         st = self.step
         st.fast = False
@@ -307,7 +308,10 @@ class Reducer:
             return
         if not st.syncs:  # no_sync(): grads stay local and keep accumulating
             st.open = False
+            self.hooks.step_ended(False)
             return
+        if st.count < st.expected:  # (before the unsynced grads below count as ready)
+            self.hooks.before_step_end(st.missing(self.used.excluded))
         self._mark_backward_end()
         # a grad accumulated in a no_sync() step since the last sync is part of this step's grad,
         # whether or not it got one now: it counts as used and is reduced (PyTorch's
@@ -342,6 +346,7 @@ class Reducer:
         self._close_step()
         if self._finite is not None:
             self._finite.raise_if_flagged()
+        self.hooks.step_ended(True)
 
     def settle(self) -> None:  # the reduced non-finite flags can be read (compute waited on them)
         self.device.current_stream().synchronize(self.group.timeout)
@@ -351,13 +356,9 @@ class Reducer:
         return None if self._finite is None else self._finite.flags
 
     def _close_step(self) -> None:
-        first = self.steps == 0
         self.steps += 1
-        if (
-            first
-            and (self.config.static_graph or not self.config.find_unused_parameters)
-            and self.sharding is None
-        ):
+        rebuilds = self.config.static_graph or not self.config.find_unused_parameters
+        if self.steps == 1 and rebuilds and self.sharding is None:
             self._rebuild()
 
     def shadow_step(self, divisor: Optional[int] = None) -> None:
@@ -402,13 +403,11 @@ class Reducer:
     def _rebuild(self) -> None:
         """Refill the buckets in the order rank 0's grads arrived in the first step."""
         order = rank0_order(self.group, self.device, self.comm, self._arrival, len(self.params))
-        caps = (self.config.cap_bytes, self.config.first_cap_bytes)
-        layout = assign_buckets(self.specs, *caps, order=order, exclude=sorted(self.used.excluded))
         self._arrival = []
-        if layout.buckets == self.layout.buckets:
-            return
-        self.buckets.set(layout)
-        log.info("rank %d: buckets rebuilt in arrival order: %s", self.group.rank, layout.summary())
+        caps = (self.config.cap_bytes, self.config.first_cap_bytes)
+        self.buckets.rearrange(
+            assign_buckets(self.specs, *caps, order=order, exclude=sorted(self.used.excluded))
+        )
 
     def _abandon_step(self) -> None:
         """A launch or finalize raised (a collective failed: peer died, group destroyed): the

@@ -108,6 +108,8 @@ class HostStream(Stream):
         self._queue.put(item)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Queue `fn(*args)` for the worker thread: the thread hop from the caller (a DDP hook,
+        `BucketSubmitter.submit`) to this stream; inline inside an idle `awaited()`."""
         self._check()
         if not self._inline():
             self._put((fn, args))

@@ -58,6 +58,14 @@ class LaunchConfig:
             raise ConfigError(
                 "nccl-ddp-run: no script given; usage: nccl-ddp-run [options] script.py args..."
             )
+        self._check_topology()
+        self._check_timing()
+        self._check_how_to_run()
+        if self.nnodes > 1:
+            self._check_multi_node()
+
+    def _check_topology(self) -> None:
+        """Workers per node, nodes, this node's rank and the two ports."""
         if self.nproc_per_node != "auto" and (
             not isinstance(self.nproc_per_node, int) or self.nproc_per_node < 1
         ):
@@ -81,6 +89,9 @@ class LaunchConfig:
             raise ConfigError(f"--master-port={self.master_port} is not a port (0..65535)")
         if not 0 <= self.store_port <= 65535:
             raise ConfigError(f"--store-port={self.store_port} is not a port (0..65535)")
+
+    def _check_timing(self) -> None:
+        """Every wait finite and positive; restarts not negative."""
         for flag, seconds in (
             ("--grace-period", self.grace_period),
             ("--monitor-interval", self.monitor_interval),
@@ -106,6 +117,9 @@ class LaunchConfig:
             )
         if not self.join_timeout > 0:
             raise ConfigError(f"--rdzv-conf join_timeout={self.join_timeout} must be > 0 seconds")
+
+    def _check_how_to_run(self) -> None:
+        """-m, --no-python and --run-path: one way to start the entrypoint."""
         if self.module and (self.no_python or self.run_path):
             raise ConfigError(
                 "-m/--module runs a module with python: drop it, or drop --no-python/--run-path"
@@ -114,24 +128,26 @@ class LaunchConfig:
             raise ConfigError(
                 f"--run-path needs the script's absolute path (as torchrun), got {self.entrypoint!r}"
             )
-        if self.nnodes > 1:
-            if self.standalone:
-                raise ConfigError("--standalone runs a single node; drop it or --nnodes")
-            if self.master_port == 0:
-                raise ConfigError(
-                    "a multi-node job needs --master-port (or MASTER_PORT), the same free port on every node"
-                )
-            if not self.master_addr:
-                raise ConfigError(
-                    "a multi-node job needs --master-addr (or MASTER_ADDR): the "
-                    "address of node 0, the same on every node (127.0.0.1 for nodes on this machine)"
-                )
-            if not self.secret:
-                raise ConfigError(
-                    "a multi-node job needs NCCL_DDP_SECRET set to the same value on "
-                    "every node (e.g. from `python -c 'import secrets; "
-                    "print(secrets.token_hex(32))'`)"
-                )
+
+    def _check_multi_node(self) -> None:
+        """What a job across nodes needs: not --standalone, node 0's address and port, one secret."""
+        if self.standalone:
+            raise ConfigError("--standalone runs a single node; drop it or --nnodes")
+        if self.master_port == 0:
+            raise ConfigError(
+                "a multi-node job needs --master-port (or MASTER_PORT), the same free port on every node"
+            )
+        if not self.master_addr:
+            raise ConfigError(
+                "a multi-node job needs --master-addr (or MASTER_ADDR): the "
+                "address of node 0, the same on every node (127.0.0.1 for nodes on this machine)"
+            )
+        if not self.secret:
+            raise ConfigError(
+                "a multi-node job needs NCCL_DDP_SECRET set to the same value on "
+                "every node (e.g. from `python -c 'import secrets; "
+                "print(secrets.token_hex(32))'`)"
+            )
 
 
 def local_device_count() -> int:

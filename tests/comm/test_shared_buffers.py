@@ -16,7 +16,8 @@ from mp import run_ranks
 from shm import no_shm_leaks  # noqa: F401  (autouse: /dev/shm stays clean)
 
 from nccl_ddp.comm.group import ReduceOp
-from nccl_ddp.comm.host import shared
+from nccl_ddp.comm.host import shared, twins
+from nccl_ddp.comm.host.shm import SMALL_BYTES
 from nccl_ddp.device import HostDevice
 from nccl_ddp.errors import CommError
 
@@ -30,6 +31,13 @@ CASES = [
 N = 70_001  # over the 64 KiB one-signal size for every dtype here, several 4 KiB chunks
 
 
+def twins_off(t, off):
+    """Private buffers get no shared twin on this rank (neither adopted nor mirrored): the staged
+    path, or with `off` False, twins again."""
+    os.environ["NCCL_DDP_HOST_ADOPT"] = "0" if off else "1"
+    t.twins.max_bytes = 0 if off else twins.MIRROR_BYTES
+
+
 def shared_body(rank, world):
     from nccl_ddp.comm.host import shm
 
@@ -40,7 +48,9 @@ def shared_body(rank, world):
     for dt, op in CASES:
         ins = [rank_data(r, dt, N, op) for r in range(world)]
         staged = ins[rank].copy()
+        twins_off(g._transport, True)
         g.all_reduce(staged, op).wait()
+        twins_off(g._transport, False)
         buf = g.zeros(dev, N + 3, dt)
         assert shared.where(buf) is not shared.NOT_SHARED, "g.zeros on shm gave private memory"
         view = buf[3:]  # an offset into the segment, as a bucket's slice
@@ -52,11 +62,14 @@ def shared_body(rank, world):
         assert not buf[:3].any(), "bytes before the view were written"
         digest.update(view.tobytes())
     mapped = len(g._transport._mapped)
-    # mixed: only rank 0's buffer is shared -> the staged path on every rank, same result
+    # mixed: only rank 0's buffer is shared, the others have no twin -> the staged path on
+    # every rank, same result
     ins = [rank_data(r, np.dtype(np.float32), N, ReduceOp.SUM) for r in range(world)]
     buf = g.zeros(dev, N, np.float32) if rank == 0 else np.empty(N, np.float32)
     buf[...] = ins[rank]
+    twins_off(g._transport, rank != 0)
     g.all_reduce(buf).wait()
+    twins_off(g._transport, False)
     check_result(buf, expected_result(ins, ReduceOp.SUM, world), "mixed shared/private")
     digest.update(buf.tobytes())
     # a freed buffer's descriptor and inode may be reused by the next: never read as the old one
@@ -158,15 +171,22 @@ def test_premul_sum_has_the_bits_of_scaling_first(world, transport):
     assert run_ranks(premul_body, world, transport, timeout=120) == [24] * world
 
 
+KINDS = ("staged", "private", "shared", "mixed")
+
+
 def gather_scatter_body(rank, world):
     """reduce_scatter and all_gather with every rank's input shared (read in place: no chunk
-    staged), private, and shared on rank 0 only; the three give the same bits, the right ones."""
+    staged), private (its twin read in place), staged, and shared on rank 0 only; all give the
+    same bits, the right ones."""
     g, store = host_group(rank, world, chunk_bytes=4096)
     dev, t = HostDevice(), g._transport
     n = N // world * world
 
     def inputs(kind, size, dt):
+        """shared: from g.zeros; private: np.empty (a twin: adopted or mirrored, in place);
+        staged: np.empty without twins; mixed: shared on rank 0, staged elsewhere."""
         shared_here = kind == "shared" or (kind == "mixed" and rank == 0)
+        twins_off(t, kind in ("staged", "mixed") and not shared_here)
         return g.zeros(dev, size, dt) if shared_here else np.empty(size, dt)
 
     checked = 0
@@ -174,27 +194,30 @@ def gather_scatter_body(rank, world):
         ins = [rank_data(r, dt, n, op) for r in range(world)]
         want_rs = expected_result(ins, op, world).reshape(world, -1)[rank]
         results = {}
-        for kind in ("private", "shared", "mixed"):
+        for kind in KINDS:
             inp = inputs(kind, n, dt)
             inp[...] = ins[rank]
             out = np.empty(n // world, dt)
+            t.twins.get(inp)  # (seen once: a private buffer's first op is staged, its twin made next)
             staged = t.chunks
             g.reduce_scatter(out, inp, op).wait()
             moved = t.chunks - staged
-            assert (moved == 0) == (kind == "shared"), f"reduce_scatter {kind}: {moved} chunks staged"
+            assert (moved == 0) == (kind in ("shared", "private")), f"reduce_scatter {kind}: {moved} staged"
             check_result(out, want_rs, f"reduce_scatter {kind} {dt} {op}")
             results[kind] = out
         if world == 2 or dt.kind != "f":
-            for kind in ("shared", "mixed"):
-                np.testing.assert_array_equal(results[kind], results["private"], err_msg=f"{dt} {op} {kind}")
-        for kind in ("private", "shared", "mixed"):
+            for kind in KINDS[1:]:
+                np.testing.assert_array_equal(results[kind], results["staged"], err_msg=f"{dt} {op} {kind}")
+        for kind in KINDS:
             full = inputs(kind, n, dt)  # ZeRO's form: the input is this rank's slice of the output
             part = full[rank * (n // world) : (rank + 1) * (n // world)]
             part[...] = ins[rank][: n // world]
+            t.twins.get(part)
             staged = t.chunks
             g.all_gather(full, part).wait()
             moved = t.chunks - staged
-            assert (moved == 0) == (kind == "shared"), f"all_gather {kind}: {moved} chunks staged"
+            twinned = kind == "private" and part.nbytes > SMALL_BYTES  # (small ones are staged)
+            assert (moved == 0) == (kind == "shared" or twinned), f"all_gather {kind}: {moved} staged"
             want = np.concatenate([ins[r][: n // world] for r in range(world)])
             np.testing.assert_array_equal(full, want, err_msg=f"all_gather {kind} {dt}")
             checked += 1
@@ -205,4 +228,4 @@ def gather_scatter_body(rank, world):
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.slow
 def test_reduce_scatter_and_all_gather_read_shared_inputs_in_place(world):
-    assert run_ranks(gather_scatter_body, world, timeout=120) == [12] * world
+    assert run_ranks(gather_scatter_body, world, timeout=120) == [16] * world

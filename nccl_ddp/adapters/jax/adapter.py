@@ -109,9 +109,9 @@ def to_native(x: jax.Array) -> NativeArray:
     return native_from_dlpack(x, kind)  # CuPy 14 reads bfloat16 as ml_dtypes.bfloat16
 
 
-def from_native(a: NativeArray, device: jax.Device) -> jax.Array:
-    """A JAX array on `device` over the native array `a`: zero-copy where JAX's alignment allows,
-    a copy otherwise."""
+def from_native(a: NativeArray, device: Optional[jax.Device] = None) -> jax.Array:
+    """A JAX array on `device` (None: JAX's default) over the native array `a`: zero-copy where
+    JAX's alignment allows, a copy otherwise."""
     import jax
 
     if isinstance(a, np.ndarray) and is_bfloat16(a.dtype):

@@ -75,6 +75,18 @@ def array_from_native(native: Any, like: Any = None) -> Any:
     return like
 
 
+def to_native(x: Any) -> NativeArray:
+    """A native array over a Keras variable's value or a tensor of Keras' backend (by the
+    backend's adapter)."""
+    value = x.value if frameworks.framework_of(x) == "keras" else x
+    return adapter_of(backend()).to_native(value)
+
+
+def from_native(native: NativeArray) -> Any:
+    """A tensor of Keras' backend over `native` (by the backend's adapter)."""
+    return adapter_of(backend()).from_native(native)
+
+
 class KerasGrads(GradsAdapter):
     """Parameters: `keras.Variable`s; grads: the backend's tensors, given to its adapter."""
 

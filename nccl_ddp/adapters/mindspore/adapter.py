@@ -91,7 +91,7 @@ def to_native(t: mindspore.Tensor) -> np.ndarray:
     return native_from_dlpack(CapsuleHolder(mindspore.to_dlpack(t)), KDL_CPU)
 
 
-def from_native(a: np.ndarray) -> mindspore.Tensor:
+def from_native(a: NativeArray) -> mindspore.Tensor:
     """A MindSpore tensor sharing memory with the NumPy array `a` (which it keeps alive)."""
     from mindspore import Tensor
 

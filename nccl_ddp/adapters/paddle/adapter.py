@@ -16,19 +16,21 @@ memory after `clear_grad()`, so it cannot alias our buckets: a hook that runs af
 accumulated a parameter's grad (`Tensor._register_backward_hook`, the one Paddle's own sharding
 uses) copies the grad into its bucket slot and marks it ready; full buckets are all-reduced while
 backward goes on, and when the step ends the reduced grads are copied back into `param.grad`
-(Paddle's own `EagerReducer` also concatenates and splits). Paddle has no end-of-backward
-callback: with find_unused_parameters=True call `model.finalize()` after backward, as for
-MindSpore.
+(Paddle's own `EagerReducer` also concatenates and splits: `step_ended`). Paddle has no
+end-of-backward callback: with find_unused_parameters=True call `model.finalize()` after backward,
+as for MindSpore; the parameters without a grad then contribute Paddle's as it is
+(`before_step_end`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from nccl_ddp.adapters.generic import DLPackGrads, GenericAdapter
 from nccl_ddp.arrays.dlpack import bfloat16_dtype, is_bfloat16, numpy_dtype
+from nccl_ddp.arrays.frameworks import NativeArray
 from nccl_ddp.ddp.interfaces import FrameworkAdapter, GradModule, StepDriver
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 
@@ -72,7 +74,7 @@ def to_native(t: Any) -> np.ndarray:
     return np.from_dlpack(t)
 
 
-def from_native(a: np.ndarray) -> Any:
+def from_native(a: NativeArray) -> Any:
     """A Paddle tensor sharing memory with the NumPy array `a` (which it keeps alive)."""
     import paddle
 
@@ -195,10 +197,7 @@ class PaddleModule(GradModule):
                 return
             try:
                 np.copyto(driver.grads[i], to_native(param.grad))
-                steps = driver.steps
-                driver.mark_ready(i)
-                if driver.steps != steps:  # this grad finalized a synchronised step
-                    self.grads_reduced()
+                driver.mark_ready(i)  # (the last grad ends the step: step_ended)
             except BaseException:
                 self._failed = True
                 raise
@@ -206,22 +205,24 @@ class PaddleModule(GradModule):
         hook.__name__ = f"nccl_ddp_grad_ready_{i}"
         return hook
 
-    def refresh_missing(self) -> None:
-        """Before `finalize()` ends a step in which some parameters got no grad here: their bucket
-        slots take Paddle's grad as it is (zeros where Paddle has none), this rank's contribution."""
+    def before_step_end(self, missing: Sequence[int]) -> None:
+        """A step ends in which some parameters got no grad here: their bucket slots take Paddle's
+        grad as it is (zeros where Paddle has none), this rank's contribution."""
         driver = self.driver
-        for i in driver.not_ready(range(len(self.params))):
+        for i in missing:
             g = self.params[i].grad
             if g is None:
                 driver.grads[i][...] = 0
             else:
                 np.copyto(driver.grads[i], to_native(g))
 
-    def grads_reduced(self) -> None:
+    def step_ended(self, synced: bool) -> None:
         """A synchronised step ended: Paddle's grads become the reduced ones (those no rank used
         keep theirs)."""
         import paddle
 
+        if not synced:
+            return
         driver = self.driver
         untouched = driver.untouched_last_step()
         for i, p in enumerate(self.params):

@@ -59,16 +59,6 @@ class PaddleDistributedDataParallel(paddle.nn.Layer, DistributedDataParallel):
         self._pre_forward()
         return self._adapter.forward(*inputs, **kwargs)
 
-    def finalize(self) -> None:
-        """End the step now (find_unused_parameters=True: call it after backward). The parameters
-        without a grad here contribute Paddle's grad as it is (zeros if none)."""
-        module = self._paddle_module
-        module.refresh_missing()
-        steps = self.reducer.steps
-        super().finalize()
-        if self.reducer.steps != steps:
-            module.grads_reduced()
-
     def zero_grad(self) -> None:
         """Paddle's `clear_gradients()` of the wrapped layer, and our accumulated grads."""
         self._layers.clear_gradients()

@@ -97,6 +97,14 @@ def tensor_from_native(native: NativeArray) -> tf.Tensor:
         return tf.convert_to_tensor(host)
 
 
+def to_native(x: object) -> NativeArray:
+    """A native array over a TensorFlow tensor (a variable: its current value), through DLPack."""
+    return native_view(x, f"a {type(x).__name__}")
+
+
+from_native = tensor_from_native
+
+
 def in_xla_context() -> bool:
     """Whether the function being traced is compiled by XLA."""
     import tensorflow as tf

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import TYPE_CHECKING, Callable, ContextManager, List, NoReturn, Optional
+from typing import TYPE_CHECKING, Callable, ContextManager, List, NoReturn, Optional, Sequence
 
 from nccl_ddp.adapters.torch.grad_lists import TorchGrads
 from nccl_ddp.adapters.torch.pooled_grads import PooledGrads
@@ -128,7 +128,7 @@ class TorchModule(GradModule):
         self._grad_hooks: list = []
         self._was_none: List[int] = []  # params whose .grad was None at this step's forward
         self._callback_queued = False
-        self._syncing = True  # whether this step all-reduces (fixed when it opens)
+        self._syncing = True  # whether this step all-reduces (step_opened; before, a hook's guess)
         self._forward_opened = False  # the step was opened by our forward, not by a hook
         self._pooled: Optional[PooledGrads] = None  # ZeRO-2: grads handed over, not bucket views
 
@@ -271,7 +271,6 @@ class TorchModule(GradModule):
         if not self._watch.params_unchanged():
             check_same_params(self.module, self.params, self.names, self.sparse_params.ids, self.group.rank)
             self._watch.params_checked()
-        self._syncing = self.driver.sync_enabled
         self._forward_opened = True
         if self._pooled is not None:
             self._was_none = self._pooled.open(self._syncing)
@@ -279,6 +278,20 @@ class TorchModule(GradModule):
             self._point_grads_at_buckets()
 
     # ---- the step
+    def step_opened(self, syncs: bool) -> None:
+        self._syncing = syncs
+
+    def before_step_end(self, missing: Sequence[int]) -> None:
+        """A grad still None (its view not installed: large, or no forward) that got none this
+        step is reduced as zeros: its view is zeroed and installed (`_end_of_backward` gives
+        None back to those no rank used)."""
+        if self._pooled is not None:  # (ZeRO-2: the pool reduces a grad not handed in as zeros)
+            return
+        for i in missing:
+            if self.params[i].grad is None:
+                self._grads[i].zero_()
+                self.params[i].grad = self._grads[i]
+
     def _point_grads_at_buckets(self) -> None:
         """Before backward: every `.grad` that is set becomes our bucket view (one the user
         replaced is copied in), so autograd accumulates in place. One that is None (after
@@ -359,12 +372,7 @@ class TorchModule(GradModule):
         driver = self.driver
         unused = driver.not_ready(self._was_none)
         with torch_stream_current(self.on_cuda):
-            if self._pooled is None:
-                for i in unused:  # no grad here this step: reduced as zeros, then theirs
-                    if self.params[i].grad is None:
-                        self._grads[i].zero_()
-                        self.params[i].grad = self._grads[i]
-            driver.finalize()
+            driver.finalize()  # (the step may have ended at its last grad already)
             if self._syncing:
                 self.sparse_params.reduce(driver.group)
         if unused and self._syncing:

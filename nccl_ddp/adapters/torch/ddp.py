@@ -36,7 +36,7 @@ from nccl_ddp.adapters.torch.sparse import SparseParams
 from nccl_ddp.comm.api import resolve_group
 from nccl_ddp.ddp.config import DDPConfig
 from nccl_ddp.ddp.data_parallel import DistributedDataParallel
-from nccl_ddp.ddp.join import JoinConfig
+from nccl_ddp.ddp.join import JoinConfig, JoinState
 from nccl_ddp.ddp.reducer import Reducer
 from nccl_ddp.errors import ConfigError, ConfigTypeError, ReducerError
 from nccl_ddp.validate import check_bool
@@ -69,7 +69,7 @@ class TorchReducer(Reducer):
     """The reducer with the part of torch's `Reducer` API that code written for torch DDP calls
     (Lightning's manual optimization, Accelerate's trigger_sync_in_backward)."""
 
-    wrapper: Any = None  # the TorchDistributedDataParallel, set once it is built
+    join_state: Optional[JoinState] = None  # its wrapper's Join state (set by the wrapper)
 
     def prepare_for_backward(self, outputs: Any = None) -> None:
         """The coming backward all-reduces iff sync is enabled now (torch decides it here). Our
@@ -78,14 +78,12 @@ class TorchReducer(Reducer):
         so `outputs` is not searched."""
         if not self.step.open or self.step.count or self.step.syncs == self.sync_enabled:
             return
-        if self.wrapper is not None and self.wrapper.join_state.config.enable:
+        if self.join_state is not None and self.join_state.config.enable:
             raise ConfigError(
                 f"rank {self.group.rank}: inside Join, decide no_sync() before the "
                 "forward; prepare_for_backward cannot change this step's sync"
             )
-        self.start_step()
-        if self.wrapper is not None:
-            self.wrapper._torch_module._syncing = self.step.syncs
+        self.start_step()  # (the adapter hears of the new sync through its step_opened hook)
 
     def _rebuild_buckets(self) -> bool:
         """torch rebuilds its buckets here after the first step; ours are rebuilt when the
@@ -100,7 +98,7 @@ class TorchDistributedDataParallel(torch.nn.Module, DistributedDataParallel, _To
     """What `nccl_ddp.DistributedDataParallel(torch_module, ...)` builds: the core's arguments
     (positional and keyword, as `DistributedDataParallel` takes them) plus torch's own."""
 
-    _reducer_class = TorchReducer
+    reducer_class = TorchReducer
     _torch_join_config: Any = None  # the config torch's Join set last (see _join_config)
     _torch_hook: Any = None  # the comm hook as registered, for pickling: ("hook", state, hook)
 
@@ -138,7 +136,7 @@ class TorchDistributedDataParallel(torch.nn.Module, DistributedDataParallel, _To
         self.dim = dim
         self.gradient_as_bucket_view = gradient_as_bucket_view
         DistributedDataParallel.__init__(self, module, *args, **core)
-        cast(TorchReducer, self.reducer).wrapper = self
+        self._torch_reducer.join_state = self.join_state
 
     # ---- torch.save(model) / torch.load / copy.deepcopy, as torch's DDP (adapters/torch/pickling.py)
     def __getstate__(self) -> dict:
@@ -153,7 +151,7 @@ class TorchDistributedDataParallel(torch.nn.Module, DistributedDataParallel, _To
         for name, value in options.items():
             setattr(self, name, value)
         DistributedDataParallel.__init__(self, module, config=config)
-        cast(TorchReducer, self.reducer).wrapper = self
+        self._torch_reducer.join_state = self.join_state
 
     # ---- what code written for torch DDP reads (Lightning, Accelerate)
     @property
@@ -344,6 +342,10 @@ class TorchDistributedDataParallel(torch.nn.Module, DistributedDataParallel, _To
     @property
     def _torch_module(self) -> TorchModule:
         return cast(TorchModule, self._adapter)
+
+    @property
+    def _torch_reducer(self) -> TorchReducer:
+        return cast(TorchReducer, self.reducer)  # built as reducer_class
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Any:
         """torch's; with a shard core whose parameter all-gathers are pending

@@ -1,7 +1,7 @@
 """The "host" backend: real collectives between processes on NumPy arrays, no GPU needed.
 
-Ranks that share a host move data through shared memory (`shm.ShmTransport`); groups that span
-hosts use pipelined TCP rings (`ring.RingTransport`). Set NCCL_DDP_HOST_TRANSPORT=tcp to force TCP.
+Ranks of one node (the launcher's GROUP_RANK) use shared memory (`shm.ShmTransport`), groups over
+nodes TCP rings (`ring.RingTransport`; `throttle.py`). NCCL_DDP_HOST_TRANSPORT=tcp forces TCP.
 Each group runs its collectives in call order on one worker thread, like a CUDA stream, and
 every call returns a `HostWork` at once; its errors name the op, its `tag` (what the buffer
 is: "bucket 3 (1.0 MiB)"), the group and the rank. After a failure the group is broken: it tells
@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import numpy as np
 
 from nccl_ddp.comm.group import ProcessGroup, ReduceOp, check_gather_buffers
+from nccl_ddp.comm.host import hier, throttle
 from nccl_ddp.comm.host.reduce import Reduction, dtype_code
 from nccl_ddp.comm.host.rendezvous import Rendezvous, host_id
 from nccl_ddp.comm.host.ring import RingTransport, SelfTransport
@@ -30,11 +31,10 @@ from nccl_ddp.comm.host.wire import ALL_GATHER, ALL_REDUCE, BARRIER, BROADCAST, 
 from nccl_ddp.comm.host.work import HostWork
 from nccl_ddp.device import DEFAULT_TIMEOUT, Device, ImmediateStream, Stream
 from nccl_ddp.errors import CommError, ConfigError, NcclDdpError, RankMismatchError
-from nccl_ddp.job.env import env_int
+from nccl_ddp.job.env import env_int, node_rank
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CHUNK_BYTES = 2 << 20  # per TCP piece; shm slots default to shm.CHUNK_BYTES
 _REDOPS = list(ReduceOp)
 
 
@@ -125,7 +125,14 @@ class HostProcessGroup(ProcessGroup):
             list(self.ranks),
             self.timeout,
             self._where,
-            {"host": host_id(), "transport": transport, "chunk": chunk_bytes, "members": list(self.ranks)},
+            dict(
+                host=host_id(),
+                node=node_rank(),
+                hier=hier.wanted(),
+                transport=transport,
+                chunk=chunk_bytes,
+                members=list(self.ranks),
+            ),
             origin=self._origin,
         )
         infos = rdv.infos
@@ -138,7 +145,8 @@ class HostProcessGroup(ProcessGroup):
                     f"every member must create the group from the same ranks"
                 )
         chunk = infos[0]["chunk"]  # every rank must chunk alike
-        same_host = len({i["host"] for i in infos}) == 1
+        nodes = [(i["host"], i["node"]) for i in infos]  # the launcher's nodes (2 on 1 host: no shm)
+        same_host = len(set(nodes)) == 1
         if any(i["transport"] == "shm" for i in infos) and not same_host:
             rdv.listener.close()
             raise ConfigError(
@@ -149,15 +157,12 @@ class HostProcessGroup(ProcessGroup):
         if same_host and all(i["transport"] != "tcp" for i in infos):
             links = rdv.connect(range(self.size))
             kind, t = "shm", lambda: ShmTransport(links, self.rank, self.size, chunk)
-        else:
-            links = rdv.connect({(self.rank - 1) % self.size, (self.rank + 1) % self.size})
-            kind, t = (
-                "tcp",
-                lambda: RingTransport(
-                    links, self.rank, self.size, chunk or DEFAULT_CHUNK_BYTES, self.timeout
-                ),
-            )
+        else:  # the flat TCP ring, or the hierarchy over the nodes
+            kind, links, t = hier.choose(rdv, infos, nodes, self.rank, self.size, chunk, self.timeout)
         self._links = list(links.values())
+        for j, link in links.items():  # links between nodes: counted, and paced where asked
+            link.cross_node = nodes[j] != nodes[self.rank]
+            link.throttle = throttle.from_env() if link.cross_node else None
         try:
             out = t()
         except NcclDdpError as e:
@@ -200,6 +205,8 @@ class HostProcessGroup(ProcessGroup):
         The caller's own immediate stream (`HostDevice.current_stream()`, what the synchronous
         API passes) makes the op synchronous: it runs on the calling thread when the worker is
         idle (in order, and without two thread switches per small op), else it waits its turn.
+        A DDP bucket's collective comes this way from the comm stream's thread (the second hop
+        of a gradient, docs/architecture.md): it stays on that thread unless the worker is busy.
         """
         if self._closed:
             raise CommError(f"{self._where}: {self._on(opname, tag)} called after the group was shut down")
@@ -303,7 +310,9 @@ class HostProcessGroup(ProcessGroup):
     ) -> HostWork:
         return self._all_reduce(buf, op, 1.0, stream, tag)
 
-    premul_sum = True
+    def fuses_premul_sum(self, device: Device) -> bool:
+        """On the host device's (NumPy) buffers: the reduction scales the pieces as it reads them."""
+        return device.kind == "host"
 
     def all_reduce_premul_sum(
         self, buf: Any, factor: float, stream: Optional[Stream] = None, *, tag: Optional[str] = None
@@ -401,6 +410,9 @@ class HostProcessGroup(ProcessGroup):
     @property
     def failed(self) -> bool:
         return self._error is not None
+
+    def cross_node_bytes(self) -> int:  # (sent so far to ranks on other nodes, headers included)
+        return sum(link.sent for link in self._links if link.cross_node)
 
     def lost_peers(self) -> list:
         return sorted(link.peer for link in self._links if link.closed_by_peer())

@@ -145,7 +145,7 @@ class RingTransport:
         self._all_gather(buf, desc)
         self.sender.drain(self.timeout)
 
-    def _agree(self, desc: tuple) -> None:
+    def agree(self, desc: tuple) -> None:
         """Send this rank's description of the op to the next rank and check the previous
         rank's: around the ring, every rank then knows that its neighbour runs the same op."""
         self.send_seq += 1
@@ -156,7 +156,7 @@ class RingTransport:
     def broadcast(self, buf: np.ndarray, root: int, desc: tuple) -> None:
         # data flows only away from the root: without this check, ranks that disagree on the root
         # would all return (the mismatch surfacing at a later collective, under its name)
-        self._agree(desc)
+        self.agree(desc)
         pos = (self.rank - root) % self.size
         if pos == 0:
             self._send(buf, desc)

@@ -14,13 +14,14 @@ from __future__ import annotations
 import errno
 import mmap
 import os
-from typing import Optional
+from typing import NoReturn, Optional
 
 import numpy as np
 
 from nccl_ddp.errors import CommError
 
 SHM_DIR = "/dev/shm"
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 class Segment:
@@ -28,8 +29,8 @@ class Segment:
     host passes to `attach` while the creator still holds the descriptor (until `release`)."""
 
     def __init__(self, fd: int, nbytes: int, owner: bool) -> None:
-        try:
-            self._map: Optional[mmap.mmap] = mmap.mmap(fd, nbytes)
+        try:  # (populated: its page tables filled at once, not one fault per page on first touch)
+            self._map: Optional[mmap.mmap] = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | _POPULATE)
         except BaseException:
             os.close(fd)
             raise
@@ -41,9 +42,11 @@ class Segment:
         self.array = np.frombuffer(self._map, dtype=np.uint8)
 
     @classmethod
-    def create(cls, nbytes: int, sharers: int = 1) -> Segment:
+    def create(cls, nbytes: int, sharers: int = 1, fill: Optional[tuple] = None) -> Segment:
         """A new segment of `nbytes`, its pages reserved. `sharers`: how many processes of this
-        host create one alike (for the error when /dev/shm is full)."""
+        host create one alike (for the error when /dev/shm is full). `fill`: (offset, bytes-like)
+        written at that offset first (tmpfs then allocates those pages and copies in one pass,
+        without zeroing them first)."""
         try:
             fd = os.open(SHM_DIR, os.O_TMPFILE | os.O_RDWR, 0o600)
         except OSError as e:  # no O_TMPFILE on this tmpfs: an anonymous memory file
@@ -52,6 +55,8 @@ class Segment:
             fd = os.memfd_create("nccl_ddp-segment", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, nbytes)
+            if fill is not None:
+                _write(fd, fill[0], memoryview(fill[1]).cast("B"), sharers)
             _allocate(fd, nbytes, sharers)
         except BaseException:
             os.close(fd)
@@ -107,6 +112,17 @@ class Segment:
             self._map = None
 
 
+def _write(fd: int, offset: int, data: memoryview, sharers: int) -> None:
+    done = 0
+    while done < data.nbytes:
+        try:
+            done += os.pwrite(fd, data[done:], offset + done)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            _too_small(e, offset + data.nbytes, sharers)
+
+
 def _allocate(fd: int, nbytes: int, sharers: int) -> None:
     """Reserve the segment's pages now; tmpfs otherwise hands them out on first touch and a full
     /dev/shm kills the process with SIGBUS there."""
@@ -115,17 +131,22 @@ def _allocate(fd: int, nbytes: int, sharers: int) -> None:
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
             raise
-        try:
-            st = os.statvfs(SHM_DIR)
-            free = f"{_mib(st.f_bavail * st.f_frsize)} free"
-        except OSError:
-            free = "its free space unknown"
-        raise CommError(
-            f"{SHM_DIR} is too small for the shm transport: a segment of {_mib(nbytes)} does not "
-            f"fit ({e.strerror}); {sharers} rank(s) on this host need {_mib(nbytes * sharers)} "
-            f"in all, {SHM_DIR} has {free}. Set NCCL_DDP_HOST_TRANSPORT=tcp, enlarge {SHM_DIR} "
-            f"(docker run --shm-size), or lower NCCL_DDP_HOST_CHUNK_BYTES"
-        ) from e
+        _too_small(e, nbytes, sharers)
+
+
+def _too_small(e: OSError, nbytes: int, sharers: int) -> NoReturn:
+    """Raise the CommError of a /dev/shm without room for a segment of `nbytes`."""
+    try:
+        st = os.statvfs(SHM_DIR)
+        free = f"{_mib(st.f_bavail * st.f_frsize)} free"
+    except OSError:
+        free = "its free space unknown"
+    raise CommError(
+        f"{SHM_DIR} is too small for the shm transport: a segment of {_mib(nbytes)} does not "
+        f"fit ({e.strerror}); {sharers} rank(s) on this host need {_mib(nbytes * sharers)} "
+        f"in all, {SHM_DIR} has {free}. Set NCCL_DDP_HOST_TRANSPORT=tcp, enlarge {SHM_DIR} "
+        f"(docker run --shm-size), or lower NCCL_DDP_HOST_CHUNK_BYTES"
+    ) from e
 
 
 def _mib(n: int) -> str:

@@ -40,15 +40,23 @@ def shared_zeros(n: int, dtype: Any) -> Optional[np.ndarray]:
         log.log(level, "no shared bucket memory (%s); using private memory and staging copies", e)
         return None
     out = seg.array[: n * dt.itemsize].view(dt)
-    start = seg.array.ctypes.data
-    key = f"{seg.handle}:{next(_SERIALS)}"  # the serial: a reused descriptor or inode is a new key
-    _SHARED[start] = (start + nbytes, key, nbytes)
-    mapping, fd = seg.keep_open()  # the descriptor closes with the mapping: peers may map it any time
-    weakref.finalize(mapping, _unshare, start, fd)
+    mapping, fd, start = publish(seg)
+    weakref.finalize(mapping, unpublish, start, fd)  # the descriptor closes with the mapping
     return out
 
 
-def _unshare(start: int, fd: int) -> None:
+def publish(seg: Segment) -> tuple:
+    """Make the peers able to map `seg` (`where` finds every view of it) until `unpublish`:
+    returns (its mapping, its descriptor, the mapping's start address), this process's to keep."""
+    start = seg.array.ctypes.data
+    key = f"{seg.handle}:{next(_SERIALS)}"  # the serial: a reused descriptor or inode is a new key
+    _SHARED[start] = (start + seg.array.nbytes, key, seg.array.nbytes)
+    mapping, fd = seg.keep_open()
+    return mapping, fd, start
+
+
+def unpublish(start: int, fd: int) -> None:
+    """`where` no longer finds the segment published at `start`; its descriptor closes."""
     _SHARED.pop(start, None)
     os.close(fd)
 
@@ -58,7 +66,7 @@ def where(buf: np.ndarray, prescale: float = 1.0) -> bytes:
     for the peers (`WHERE`); `NOT_SHARED` itself when it lies in none."""
     lo = buf.ctypes.data
     hi = lo + buf.nbytes
-    for start, (end, key, nbytes) in _SHARED.items():
+    for start, (end, key, nbytes) in tuple(_SHARED.items()):  # (a finalizer may pop one meanwhile)
         if start <= lo and hi <= end:
             return WHERE.pack(lo - start, nbytes, prescale, key.encode())
     return NOT_SHARED

@@ -1,6 +1,7 @@
 """The shm transport: collectives between the ranks of one host through segments
-(`segment.py`), staged chunk by chunk, or read (and, for all_reduce, written) in place where every
-rank's buffer is shared (`shared.py`)."""
+(`segment.py`), read (and, for all_reduce, written) in place where every rank's buffer has a
+shared twin (`twins.py`: shared memory from `group.zeros`, an adopted array, or a mirror), else
+staged chunk by chunk."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
-from nccl_ddp.comm.host import flags
+from nccl_ddp.comm.host import adopt, flags
 from nccl_ddp.comm.host.reduce import Reduction
 from nccl_ddp.comm.host.segment import Segment
 from nccl_ddp.comm.host.shared import NOT_SHARED, WHERE, where
+from nccl_ddp.comm.host.twins import Twin, Twins
 from nccl_ddp.comm.host.wire import SETUP, Header
 
 STAGED, REDUCED = 1, 2  # signal kinds (see wire.KIND_NAMES)
@@ -24,7 +26,7 @@ PIECE_BYTES = 256 << 10  # bytes per piece of an all-reduce on shared buffers (s
 CHUNK_BYTES = 2 << 20  # default slot size (NCCL_DDP_HOST_CHUNK_BYTES)
 
 
-def _bounds(m: int, j: int, n: int) -> tuple:
+def bounds(m: int, j: int, n: int) -> tuple:
     """Elements [a, b) of chunk part j when m elements are split over n ranks."""
     return m * j // n, m * (j + 1) // n
 
@@ -46,7 +48,9 @@ class ShmTransport:
     chunk, which it only does after it finished reading that slot. Where every rank's buffer
     lies in shared memory (`_open` finds out in the first signal) no slot is used: all_reduce
     reduces part r from the peers' buffers and writes it into all of them, reduce_scatter and
-    all_gather read the peers' inputs, and one last signal ends the op.
+    all_gather read the peers' inputs, broadcast the root's, and one last signal ends the op.
+    A large buffer that is not shared takes its twin's place (`twins.Twins`: its adopted pages,
+    or a mirror it is copied into and out of), so every large op can run in place.
     """
 
     def __init__(self, links: dict, rank: int, size: int, chunk_bytes: int) -> None:
@@ -94,6 +98,8 @@ class ShmTransport:
             if flags.available()
             else None
         )
+        self.twins = Twins()
+        adopt.hold()
 
     def _step(self) -> int:
         """The slot of the next chunk."""
@@ -124,31 +130,34 @@ class ShmTransport:
             got.append(bytes(raw))
         return got
 
-    def _peer_arrays(self, buf: np.ndarray, mine: bytes, desc: tuple) -> tuple:
+    def _peer_arrays(self, buf: np.ndarray, mine: bytes, desc: tuple, root: Optional[int] = None) -> tuple:
         """An op's first signal (`_open`'s), which also tells where each rank's buffer is
-        (`mine`: `where(buf)`). If every rank's lies in a shared segment (`shared_zeros`): the
-        peers' buffers mapped here (None at this rank's index), else None (the staged path, on
-        every rank alike); and whether some but not all ranks' buffers are shared."""
-        theirs = self._exchange(desc, STAGED, mine)
-        found = [WHERE.unpack(w) for w in theirs]
-        n_shared = sum(nbytes != 0 for _, nbytes, _, _ in found) + (mine is not NOT_SHARED)
-        prescale = WHERE.unpack(mine)[2]
-        if n_shared < self.size or any(f != prescale for _, _, f, _ in found):
+        (`mine`: `where(buf)`). If every rank's (with `root`: that rank's) lies in a shared
+        segment: the peers' buffers mapped here (None at this rank's index and the ranks not
+        counted), else None (the staged path, on every rank alike); and whether some but not
+        all ranks' buffers are shared."""
+        found = [WHERE.unpack(w) for w in self._exchange(desc, STAGED, mine)]
+        found.insert(self.rank, WHERE.unpack(mine))
+        counted = range(self.size) if root is None else [root]
+        n_shared = sum(found[j][1] != 0 for j in counted)
+        if n_shared < len(counted) or any(f[2] != found[self.rank][2] for f in found):
             # (ranks that scale by different factors: each scales its own, on the staged path)
             return None, n_shared > 0
         self._ops += 1
-        peers: list = []
-        for link, (offset, nbytes, _, key) in zip(self.links, found):
+        peers: list = [None] * self.size
+        for j in counted:
+            if j == self.rank:
+                continue
+            offset, nbytes, _, key = found[j]
             text = key.rstrip(b"\0").decode()
             hit = self._mapped.get(text)
             if hit is None:
-                seg = Segment.attach(text.rsplit(":", 1)[0], nbytes, link.peer)
+                seg = Segment.attach(text.rsplit(":", 1)[0], nbytes, self.links[j - (j > self.rank)].peer)
                 hit = self._mapped[text] = [seg, 0]
             hit[1] = self._ops
-            peers.append(hit[0].array[offset : offset + buf.nbytes].view(buf.dtype))
+            peers[j] = hit[0].array[offset : offset + buf.nbytes].view(buf.dtype)
         if len(self._mapped) > _MAPPED_MAX or self._ops % 256 == 0:
             self._forget_unused()
-        peers.insert(self.rank, None)
         return peers, False
 
     def _forget_unused(self) -> None:
@@ -166,7 +175,7 @@ class ShmTransport:
         would fetch it from this core's cache instead); then one signal, before returning, so no
         rank reads its buffer before every part is in. No rank reads what another writes during
         the op: part j of every buffer is read and written by rank j alone."""
-        a, b = _bounds(buf.size, self.rank, self.size)
+        a, b = bounds(buf.size, self.rank, self.size)
         theirs = [peers[j] for j in range(self.size) if j != self.rank]
         step = max(1, PIECE_BYTES // buf.itemsize)
         tmp = None
@@ -188,15 +197,25 @@ class ShmTransport:
         it = dtype.itemsize
         return self.slots[j][s][a * it : b * it].view(dtype)
 
+    def _twin(self, buf: np.ndarray) -> Optional[Twin]:
+        """The shared twin of a buffer its peers read, its private bytes copied in; None for a
+        small one (one signal, staged) or where there is none."""
+        if buf.nbytes <= SMALL_BYTES:
+            return None
+        tw = self.twins.get(buf)
+        if tw is not None:
+            tw.load(buf)
+        return tw
+
     def _open(
         self, buf: np.ndarray, desc: tuple, stage0: Callable[[], None], prescale: float = 1.0
     ) -> Optional[list]:
-        """An op's first signal, over the sockets, telling where each rank's `buf` is (the buffer
-        its peers read): the peers' `buf`s mapped here (None at this rank's index) if every
-        rank's lies in a shared segment, else None after `stage0()` (its first chunk into the
-        slots) ran on every rank before the op's next signal: before the first where this
-        rank's buffer is private, as when no rank's is shared; after it, then one more signal
-        on every rank, where only some ranks' are."""
+        """An op's first signal, over the sockets, telling where each rank's `buf` (its twin
+        where it has one: the buffer its peers read) is: the peers' twins mapped here (None at
+        this rank's index) if every rank's lies in a shared segment, else None after `stage0()`
+        (its first chunk, from the buffer itself, into the slots) ran on every rank before the
+        op's next signal: before the first where this rank has no twin, as when no rank has
+        one; after it, then one more signal on every rank, where only some ranks have."""
         mine = where(buf, prescale)
         if mine is NOT_SHARED:
             stage0()
@@ -225,7 +244,7 @@ class ShmTransport:
 
         def stage(lo: int) -> tuple:
             hi, s = min(n, lo + ce), self._step()
-            a, b = _bounds(hi - lo, r, size)
+            a, b = bounds(hi - lo, r, size)
             # peers need every part but mine, which I reduce straight from my buffer
             np.copyto(self._slot(r, s, 0, a, dt), buf[lo : lo + a])
             np.copyto(self._slot(r, s, b, hi - lo, dt), buf[lo + b : hi])
@@ -237,14 +256,16 @@ class ShmTransport:
             red.scale_all(buf)
             first.append(stage(0))
 
-        peers = self._open(buf, desc, stage0, red.prescale)
-        if peers is not None:
-            self._all_reduce_in_place(buf, peers, red, desc)
+        tw = self._twin(buf)
+        peers = self._open(buf if tw is None else tw.view, desc, stage0, red.prescale)
+        if peers is not None and tw is not None:
+            self._all_reduce_in_place(tw.view, peers, red, desc)
+            tw.store(buf)
             return
         cur = first[0]
         for k in range(len(starts)):
             lo, hi, s = cur
-            a, b = _bounds(hi - lo, r, size)
+            a, b = bounds(hi - lo, r, size)
             mine = buf[lo + a : lo + b]
             red.combine(mine, [self._slot(j, s, a, b, dt) for j in range(size) if j != r], True)
             np.copyto(self._slot(r, s, a, b, dt), mine)
@@ -253,19 +274,37 @@ class ShmTransport:
             self._signal(desc, REDUCED)
             for j in range(size):
                 if j != r:
-                    a, b = _bounds(hi - lo, j, size)
+                    a, b = bounds(hi - lo, j, size)
                     np.copyto(buf[lo + a : lo + b], self._slot(j, s, a, b, dt))
 
     def broadcast(self, buf: np.ndarray, root: int, desc: tuple) -> None:
-        n, dt = buf.size, buf.dtype
-        ce = self.chunk // dt.itemsize
-        for lo in range(0, max(n, 1), ce):
-            hi = min(n, lo + ce)
-            s = self._step()
-            if self.rank == root:
+        """The root's buffer read in place where it has a shared twin (the first signal says),
+        else staged chunk by chunk, as are small ones."""
+        n, dt, r = buf.size, buf.dtype, self.rank
+
+        def stage(lo: int) -> None:
+            hi, s = min(n, lo + self.chunk // dt.itemsize), self._step()
+            if r == root:
                 np.copyto(self._slot(root, s, 0, hi - lo, dt), buf[lo:hi])
-            self._signal(desc, STAGED, first=lo == 0)
-            if self.rank != root:
+
+        if buf.nbytes <= SMALL_BYTES:
+            stage(0)
+            self._exchange(desc, STAGED)
+        else:
+            tw = self._twin(buf) if r == root else None
+            mine = NOT_SHARED if tw is None else where(tw.view)
+            if r == root and tw is None:
+                stage(0)  # before the first signal: the peers read it after
+            peers, _ = self._peer_arrays(buf, mine, desc, root)
+            if peers is not None:
+                if r != root:
+                    np.copyto(buf, peers[root])
+                self._signal(desc, REDUCED)  # the root keeps its buffer until every peer read it
+                return
+            if r != root:
+                stage(0)  # (the slot counter only: the root staged its chunk before)
+        for lo, hi, s in self._chunks(n, self.chunk // dt.itemsize, stage, desc):
+            if r != root:
                 np.copyto(buf[lo:hi], self._slot(root, s, 0, hi - lo, dt))
 
     def all_gather(self, out: np.ndarray, inp: np.ndarray, desc: tuple) -> None:
@@ -278,7 +317,8 @@ class ShmTransport:
             hi, s = min(n, lo + ce), self._step()
             np.copyto(self._slot(self.rank, s, 0, hi - lo, dt), inp[lo:hi])
 
-        peers = self._open(inp, desc, lambda: stage(0))
+        tw = self._twin(inp)
+        peers = self._open(inp if tw is None else tw.view, desc, lambda: stage(0))
         if peers is not None:
             for j in range(self.size):
                 part = out[j * n : (j + 1) * n]
@@ -303,7 +343,8 @@ class ShmTransport:
             hi, s = min(n, lo + ce), self._step()
             np.copyto(self._slot(r, s, 0, size * (hi - lo), dt).reshape(size, hi - lo), parts[:, lo:hi])
 
-        peers = self._open(inp, desc, lambda: stage(0))
+        tw = self._twin(inp)
+        peers = self._open(inp if tw is None else tw.view, desc, lambda: stage(0))
         if peers is not None:
             np.copyto(out, parts[r])
             red.combine(out, [peers[j].reshape(size, n)[r] for j in range(size) if j != r], final=True)
@@ -328,7 +369,9 @@ class ShmTransport:
         self._exchange(desc, STAGED)
 
     def close(self) -> None:
-        self.slots = []
+        self.twins.close()
+        adopt.let_go()
+        self.slots, self.flags = [], None  # (views of the segments: they would keep them mapped)
         for seg, _ in self._mapped.values():
             seg.close()
         self._mapped = {}

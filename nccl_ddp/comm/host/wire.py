@@ -13,7 +13,7 @@ import select
 import socket
 import struct
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from nccl_ddp.comm.host.reduce import DTYPE_NAMES
 from nccl_ddp.errors import CommError, CommTimeout, RankMismatchError
@@ -54,16 +54,25 @@ class Header:
 
 
 class PeerLink:
-    """A connected TCP socket to one peer; every blocking call is bounded by `timeout`."""
+    """A connected TCP socket to one peer; every blocking call is bounded by `timeout`. `sent`:
+    bytes sent on it so far (headers included); `cross_node`: the peer runs on another node
+    (the backend sets it, and `throttle`, a `throttle.TokenBucket` that paces what it sends)."""
 
     def __init__(self, sock: socket.socket, peer: int, timeout: float) -> None:
         self.sock = sock
         self.peer = peer  # the peer's global rank, for messages
         self.timeout = timeout
+        self.sent = 0
+        self.cross_node = False
+        self.throttle: Optional[Any] = None
         sock.settimeout(timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def send(self, header: Header, payload: Optional[memoryview] = None) -> None:
+        n = _HEADER.size + (payload.nbytes if payload is not None else 0)
+        if self.throttle is not None:
+            self.throttle.take(n)
+        self.sent += n
         try:
             if payload is not None and payload.nbytes:
                 self.sock.sendall(header.pack())

@@ -148,11 +148,9 @@ def describe(value: Any) -> str:
 def current_stream(group: ProcessGroup) -> Any:
     """The stream collectives of a hook are ordered on: the caller's (the comm stream inside a
     reducer; on the host the calling thread, which runs a collective synchronously)."""
-    from nccl_ddp.device import get_device
+    from nccl_ddp.comm.api import device_of
 
-    return get_device(
-        "host" if group.backend == "host" else "cuda", getattr(group, "device_id", None)
-    ).current_stream()
+    return device_of(group).current_stream()
 
 
 def all_reduce_fut(group: ProcessGroup, buf: Any, op: ReduceOp = ReduceOp.SUM) -> Future:

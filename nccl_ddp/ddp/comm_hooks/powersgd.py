@@ -84,23 +84,50 @@ class PowerSGDState:
 def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> Future:  # noqa: N802 - torch's name
     """Reduce `bucket` with rank-`matrix_approximation_rank` PowerSGD (see the module doc)."""
     group = state.process_group or bucket.process_group
-    world = group.size
     buf = bucket.buffer()
     if state.iter < state.start_powerSGD_iter:
         state.maybe_increase_iter(bucket)
         return allreduce_hook(group, bucket)
     xp = _xp(buf)
     b = bucket.index()
-    buf_cp = None
-    if state.use_error_feedback:
-        if b in state.error_dict:
-            buf += state.error_dict[b]
-        else:
-            state.error_dict[b] = xp.zeros_like(buf)
-        buf_cp = buf.copy()
+    buf_cp = _add_error(state, b, buf, xp)
+    to_compress, uncompressed, p_size, q_size = _sort_grads(state, bucket.gradients())
+    flat_unc = (
+        xp.concatenate([t.reshape(-1) for t in uncompressed]) if uncompressed else xp.zeros(0, buf.dtype)
+    )
+    mats, ps, qs = _factors(state, b, to_compress, p_size, q_size, buf.dtype, xp)
+    eps = state.orthogonalization_epsilon
+    _compute_ps(mats, ps, qs, eps, xp)
+    _reduce_uncompressed(group, flat_unc, uncompressed)
+    _compute_qs(group, state.p_memory_dict[b], mats, ps, qs, eps, xp)
+    _decompress(group, state.q_memory_dict[b], mats, ps, qs)
+    if buf_cp is not None:
+        state.error_dict[b] = buf_cp - buf
+    if not state.warm_start:
+        state.p_memory_dict.clear()
+        state.q_memory_dict.clear()
+    state.maybe_increase_iter(bucket)
+    return Future.completed(buf)
+
+
+def _add_error(state: PowerSGDState, b: int, buf: Any, xp: Any) -> Any:
+    """Error feedback, first half: add what the last step's approximation lost to this grad; the
+    copy returned (None without error feedback) gives this step's loss after decompression."""
+    if not state.use_error_feedback:
+        return None
+    if b in state.error_dict:
+        buf += state.error_dict[b]
+    else:
+        state.error_dict[b] = xp.zeros_like(buf)
+    return buf.copy()
+
+
+def _sort_grads(state: PowerSGDState, grads: List[Any]) -> tuple:
+    """(matrices worth compressing, grads sent as they are, P's and Q's sizes), counting both
+    into the state's compression statistics."""
     to_compress, uncompressed = [], []
     p_size = q_size = 0
-    for t in bucket.gradients():
+    for t in grads:
         if t.ndim == 0:
             uncompressed.append(t)
             state.total_numel_before_compression += 1
@@ -118,13 +145,18 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> Future:  # noqa: 
         else:
             uncompressed.append(t)
             state.total_numel_after_compression += n * m
-    flat_unc = (
-        xp.concatenate([t.reshape(-1) for t in uncompressed]) if uncompressed else xp.zeros(0, buf.dtype)
-    )
+    return to_compress, uncompressed, p_size, q_size
+
+
+def _factors(
+    state: PowerSGDState, b: int, to_compress: List[Any], p_size: int, q_size: int, dtype: Any, xp: Any
+) -> tuple:
+    """(matrices, P views, Q views) in torch's order (grouped by shape), over the bucket's flat
+    P and Q memory; new memory and random Qs on the first step, or every step without warm start."""
     randomize = not state.warm_start or b not in state.p_memory_dict
     if randomize:
-        state.p_memory_dict[b] = xp.empty(p_size, buf.dtype)
-        state.q_memory_dict[b] = xp.empty(q_size, buf.dtype)
+        state.p_memory_dict[b] = xp.empty(p_size, dtype)
+        state.q_memory_dict[b] = xp.empty(q_size, dtype)
     by_shape: Dict[tuple, list] = defaultdict(list)  # torch's order: grouped by shape
     for mat in to_compress:
         by_shape[mat.shape].append(mat)
@@ -138,37 +170,48 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> Future:  # noqa: 
             ps.append(state.p_memory_dict[b][pi : pi + n * r].reshape(n, r))
             qs.append(state.q_memory_dict[b][qi : qi + m * r].reshape(m, r))
             pi, qi = pi + n * r, qi + m * r
-    eps = state.orthogonalization_epsilon
     if randomize:
         seed = state.rng.randint(1_000_000_000)
-        for q, init in zip(qs, state.random_factors(seed, [q.shape for q in qs], buf.dtype)):
+        for q, init in zip(qs, state.random_factors(seed, [q.shape for q in qs], dtype)):
             q[...] = xp.asarray(init)
+    return mats, ps, qs
+
+
+def _compute_ps(mats: List[Any], ps: List[Any], qs: List[Any], eps: float, xp: Any) -> None:
+    """P = M Q, from the orthogonalized Qs."""
     for q in qs:
         orthogonalize(q, eps)
     for mat, q, p in zip(mats, qs, ps):
         xp.matmul(mat, q, out=p)
+
+
+def _reduce_uncompressed(group: ProcessGroup, flat_unc: Any, uncompressed: List[Any]) -> None:
+    """Average the grads sent as they are, in one flat all-reduce, and copy them back."""
     all_reduce_fut(group, flat_unc).wait()
-    flat_unc /= world
+    flat_unc /= group.size
     at = 0
     for t in uncompressed:
         t[...] = flat_unc[at : at + t.size].reshape(t.shape)
         at += t.size
-    all_reduce_fut(group, state.p_memory_dict[b]).wait()
+
+
+def _compute_qs(
+    group: ProcessGroup, p_memory: Any, mats: List[Any], ps: List[Any], qs: List[Any], eps: float, xp: Any
+) -> None:
+    """All-reduce every P (one flat buffer), orthogonalize it, then Q = M^T P."""
+    all_reduce_fut(group, p_memory).wait()
     for p in ps:
         orthogonalize(p, eps)
     for mat, p, q in zip(mats, ps, qs):
         xp.matmul(mat.T, p, out=q)
-    all_reduce_fut(group, state.q_memory_dict[b]).wait()
-    state.q_memory_dict[b] /= world
+
+
+def _decompress(group: ProcessGroup, q_memory: Any, mats: List[Any], ps: List[Any], qs: List[Any]) -> None:
+    """Average every Q (one flat all-reduce), then each grad matrix becomes P Q^T."""
+    all_reduce_fut(group, q_memory).wait()
+    q_memory /= group.size
     for p, q, mat in zip(ps, qs, mats):
         mat[...] = p @ q.T
-    if buf_cp is not None:
-        state.error_dict[b] = buf_cp - buf
-    if not state.warm_start:
-        state.p_memory_dict.clear()
-        state.q_memory_dict.clear()
-    state.maybe_increase_iter(bucket)
-    return Future.completed(buf)
 
 
 def orthogonalize(mat: Any, epsilon: float = 0) -> None:

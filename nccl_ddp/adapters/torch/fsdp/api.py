@@ -1,0 +1,319 @@
+"""`nccl_ddp.fully_shard`: torch FSDP2's public contract (`torch.distributed.fsdp.fully_shard`)
+with the data moved by our process group.
+
+Applied to submodules first and then to the root, as FSDP2: each call makes one unit of the
+module's parameters that no sharded submodule holds, replaces them by `Shard(0)` DTensors on the
+mesh (torch's optimizers, `clip_grad_norm_` and `torch.distributed.checkpoint` take them as they
+take FSDP2's) and changes the module's class to `FSDP<cls>`, an `FSDPModule` (torch's, so
+`isinstance` checks hold) whose public methods are ours. The all-gathers and reduce-scatters go
+through our group over the mesh's ranks (the host backend on CPU), never torch's collectives.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any, Dict, List, Optional, Tuple, Type
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+
+from nccl_ddp.adapters.torch.fsdp import hooks
+from nccl_ddp.adapters.torch.fsdp.param import ShardedParam, Slot
+from nccl_ddp.adapters.torch.fsdp.unit import Schedule, State, Unit
+from nccl_ddp.adapters.torch.groups import ours_for
+from nccl_ddp.adapters.torch.tensors import to_native
+from nccl_ddp.buckets.layout import ParamSpec
+from nccl_ddp.ddp.param_sync import Subject, check_same_params
+from nccl_ddp.device import HostDevice
+from nccl_ddp.errors import ConfigError, ConfigTypeError
+from nccl_ddp.zero.params import UnitShards, unit_layout
+
+log = logging.getLogger(__name__)
+
+_UNIT = "_nccl_ddp_fsdp_unit"  # on a sharded module: its Unit; on a managed parameter: the unit's name
+_SHARDED = Subject(
+    "parameters of the module given to fully_shard",
+    "parameter",
+    "build the same model (same parameter names, shapes and dtypes) before fully_shard",
+)
+
+
+class FSDPModule(TorchFSDPModule):
+    """What `fully_shard` makes of a module (torch's FSDPModule methods, over our unit)."""
+
+    def _nccl_unit(self) -> Unit:
+        return _unit_of(self, type(self).__name__)
+
+    def _get_fsdp_state(self) -> Any:
+        raise ConfigError(
+            f"{type(self).__name__} was sharded by nccl_ddp.fully_shard, which has no torch "
+            "FSDPState: this torch FSDPModule method is not supported by nccl_ddp's fully_shard"
+        )
+
+    def _units(self, recurse: bool) -> List[Unit]:
+        mods = self.modules() if recurse else [self]
+        return [getattr(m, _UNIT) for m in mods if isinstance(getattr(m, _UNIT, None), Unit)]
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters; the module holds its sharded DTensors (not recursive)."""
+        self._nccl_unit().reshard()
+
+    def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
+        """Gather the parameters (not recursive); `async_op=True` returns a handle to wait on."""
+        unit = self._nccl_unit()
+        unit.unshard()
+        if async_op:
+            return UnshardHandle(unit)
+        unit.wait()
+        return None
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """False: backward keeps the local unsharded grads (no reduce-scatter) and adds them to
+        the next synchronised backward's, which reduces the sum (torch's no_sync)."""
+        for unit in self._units(recurse):
+            unit.requires_gradient_sync = bool(requires_gradient_sync)
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP's all-reduce switch: ours shards on one dimension only, so there is none to skip."""
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        for unit in self._units(recurse):
+            unit.reshard_after_forward = _check_reshard(reshard_after_forward)
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        for unit in self._units(recurse):
+            unit.reshard_after_backward = bool(reshard_after_backward)
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Accepted for torch's contract: every backward of ours ends by waiting for its
+        reduce-scatters, so there is nothing to defer."""
+
+    def set_modules_to_forward_prefetch(self, modules: List[Any]) -> None:
+        self._nccl_unit().forward_prefetch = [_unit_of(m, "set_modules_to_forward_prefetch") for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: List[Any]) -> None:
+        self._nccl_unit().backward_prefetch = [
+            _unit_of(m, "set_modules_to_backward_prefetch") for m in modules
+        ]
+
+
+class UnshardHandle:
+    """`unshard(async_op=True)`'s handle: `wait()` until the parameters are gathered."""
+
+    def __init__(self, unit: Unit) -> None:
+        self._unit = unit
+
+    def wait(self) -> None:
+        if self._unit.state is not State.SHARDED:
+            self._unit.wait()
+
+
+_CLASSES: Dict[type, type] = {}
+
+
+def fully_shard(
+    module: torch.nn.Module,
+    *,
+    mesh: Any = None,
+    group: Any = None,
+    reshard_after_forward: Optional[bool] = True,
+    mp_policy: Any = None,
+    offload_policy: Any = None,
+    shard_placement_fn: Any = None,
+) -> torch.nn.Module:
+    """Shard `module`'s parameters along dim 0 over `mesh` (a 1-D torch DeviceMesh; None: every
+    rank of torch.distributed's world) or `group` (a group of ours or torch's over the ranks
+    of the mesh to build). Collective: every rank calls it for the same modules in the same
+    order. Returns `module`, whose class is now `FSDP<cls>`."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    _check_args(module, rank, offload_policy, shard_placement_fn)
+    mesh = _mesh(mesh, group, rank)
+    ours = ours_for(mesh.get_group(), "fully_shard(mesh=...)")
+    if ours is None:  # mesh.get_group() is a torch group: ours_for always answers for one
+        raise ConfigError(f"rank {rank}: fully_shard found no nccl_ddp group for the mesh {mesh}")
+    device = HostDevice()
+    policy = mp_policy
+    param_dtype = getattr(policy, "param_dtype", None)
+    found = _collect(module, rank)
+    specs = [ParamSpec(tuple(p.shape), _np_dtype(param_dtype or p.dtype), name=fqn) for fqn, _, p in found]
+    check_same_params(
+        specs,
+        ours,
+        device,
+        {"reshard_after_forward": reshard_after_forward},
+        owner="fully_shard",
+        subject=_SHARDED,
+    )
+    name = type(module).__name__
+    schedule = Schedule(ours, device, mesh)
+    layout = unit_layout(specs, ours.size, device.align_bytes)
+    shards = UnitShards(layout, ours, device, schedule.comm, schedule.scratch, f"fully_shard unit {name}")
+    params = [
+        ShardedParam(i, fqn, slots, p, shards, mesh, param_dtype or p.dtype)
+        for i, (fqn, slots, p) in enumerate(found)
+    ]
+    reduce = getattr(policy, "reduce_dtype", None) or param_dtype
+    unit = Unit(
+        name,
+        params,
+        shards,
+        schedule,
+        reshard_after_forward=_check_reshard(
+            True if reshard_after_forward is None else reshard_after_forward
+        ),
+        reduce_dtype=None if reduce is None else _np_dtype(reduce),  # None: each parameter's dtype
+    )
+    for (_, _, p), sp in zip(found, params):
+        setattr(p, _UNIT, name)
+        setattr(sp.sharded, _UNIT, name)
+        sp.register(unsharded=False)
+    for sub in module.modules():  # the root's schedule: every unit below shares its comm stream
+        inner = getattr(sub, _UNIT, None)
+        if isinstance(inner, Unit):
+            schedule.adopt(inner)
+    schedule.units.append(unit)
+    schedule.root = unit
+    if reshard_after_forward is None:  # FSDP2's None: only the root keeps its parameters
+        unit.reshard_after_forward, unit.reshard_unless_root = False, True
+    setattr(module, _UNIT, unit)
+    weakref.finalize(module, schedule.close)  # its comm thread ends with the module
+    hooks.install(module, unit, policy)
+    module.__class__ = _fsdp_class(type(module))
+    return module
+
+
+def _check_args(module: Any, rank: int, offload_policy: Any, shard_placement_fn: Any) -> None:
+    if isinstance(module, (list, tuple)):
+        raise ConfigError(
+            f"rank {rank}: fully_shard of a list of modules (one unit over several) is not "
+            "supported by nccl_ddp's fully_shard yet: shard a module holding them, or each one"
+        )
+    if not isinstance(module, torch.nn.Module):
+        raise ConfigTypeError(
+            f"rank {rank}: fully_shard takes a torch.nn.Module, got {type(module).__name__}"
+        )
+    if isinstance(getattr(module, _UNIT, None), Unit):
+        raise ConfigError(
+            f"rank {rank}: fully_shard was applied twice to the same {type(module).__name__}: "
+            "call it once per module (submodules first, then the root)"
+        )
+    if shard_placement_fn is not None:
+        raise ConfigError(
+            f"rank {rank}: fully_shard(shard_placement_fn=...) is not supported: ours shards dim 0"
+        )
+    if offload_policy is not None and type(offload_policy).__name__ != "OffloadPolicy":
+        raise ConfigError(
+            f"rank {rank}: fully_shard(offload_policy={offload_policy!r}) is not supported (no offload)"
+        )
+
+
+def _check_reshard(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(
+            f"reshard_after_forward must be True or False for nccl_ddp's fully_shard, got {value!r} "
+            "(an int, FSDP2's reshard to a smaller mesh, is not supported)"
+        )
+    return value
+
+
+def _mesh(mesh: Any, group: Any, rank: int) -> Any:
+    """The 1-D DeviceMesh the DTensors live on."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    if not dist.is_initialized():
+        raise ConfigError(
+            f"rank {rank}: fully_shard needs torch.distributed initialised (its DTensors live on a "
+            "DeviceMesh): call torch.distributed.init_process_group('gloo') first"
+        )
+    if mesh is not None and group is not None:
+        raise ConfigError(f"rank {rank}: pass mesh= or group= to fully_shard, not both")
+    if mesh is None and group is None:
+        return init_device_mesh("cpu", (dist.get_world_size(),))
+    if mesh is None:
+        if isinstance(group, dist.ProcessGroup):
+            return DeviceMesh.from_group(group, "cpu")
+        return DeviceMesh("cpu", list(group.ranks))
+    if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
+        raise ConfigError(
+            f"rank {rank}: fully_shard takes a 1-D DeviceMesh, got {mesh!r} (HSDP's 2-D mesh is "
+            "not supported yet: compose our DDP across nodes with fully_shard inside one)"
+        )
+    return mesh
+
+
+def _collect(module: torch.nn.Module, rank: int) -> List[Tuple[str, List[Slot], Any]]:
+    """The unit's parameters: every (fqn, slots, parameter) in `module`'s tree that no sharded
+    submodule holds, tied ones once; bad ones are named before any data moves."""
+    found: Dict[int, Tuple[str, List[Slot], Any]] = {}
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        for pname, p in list(sub._parameters.items()):
+            if p is None:
+                continue
+            fqn = f"{prefix}.{pname}" if prefix else pname
+            owner = getattr(p, _UNIT, None)
+            if owner is not None:
+                if _is_dtensor(p):
+                    continue  # a sharded submodule's
+                raise ConfigError(
+                    f"rank {rank}: parameter {fqn!r} of {type(module).__name__} is shared with the "
+                    f"fully_shard unit {owner!r}, which already manages it: a parameter shared across "
+                    "units is not supported; shard the modules that share it as one unit (apply "
+                    "fully_shard to a module holding both)"
+                )
+            if id(p) in found:
+                found[id(p)][1].append((sub, pname))
+                continue
+            _check_param(fqn, p, rank)
+            found[id(p)] = (fqn, [(sub, pname)], p)
+    return list(found.values())
+
+
+def _check_param(fqn: str, p: Any, rank: int) -> None:
+    from torch.nn.parameter import is_lazy
+
+    if _is_dtensor(p):
+        raise ConfigError(f"rank {rank}: parameter {fqn!r} is already a DTensor (torch's fully_shard or TP?)")
+    if is_lazy(p) or p.is_meta:
+        raise ConfigError(
+            f"rank {rank}: parameter {fqn!r} is "
+            f"{'uninitialized (lazy)' if is_lazy(p) else 'on the meta device'}: "
+            "materialise it (module.to_empty(device='cpu') and initialise, or run one forward for lazy "
+            "modules) before fully_shard"
+        )
+    if p.device.type != "cpu":
+        raise ConfigError(
+            f"rank {rank}: parameter {fqn!r} is on {p.device}: nccl_ddp's fully_shard runs on "
+            "CPU tensors only so far (the GPU path is not built yet)"
+        )
+    if not p.is_contiguous():
+        raise ConfigError(
+            f"rank {rank}: parameter {fqn!r} is not contiguous (strides {p.stride()}): make it "
+            "contiguous (p.data = p.data.contiguous()) before fully_shard"
+        )
+
+
+def _is_dtensor(p: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(p, DTensor)
+
+
+def _unit_of(module: Any, what: str) -> Unit:
+    unit = getattr(module, _UNIT, None)
+    if not isinstance(unit, Unit):
+        raise ConfigError(f"{what}: {type(module).__name__} was not sharded by nccl_ddp.fully_shard")
+    return unit
+
+
+def _np_dtype(dtype: torch.dtype) -> np.dtype:
+    return np.dtype(to_native(torch.empty(0, dtype=dtype)).dtype)
+
+
+def _fsdp_class(cls: Type[Any]) -> type:
+    """FSDP<cls>, one per class (torch's naming)."""
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"_orig_cls_mro_index": 3})
+    return _CLASSES[cls]

@@ -1,0 +1,256 @@
+"""One `fully_shard` unit (FSDP2's parameter group): its parameters' all-gather, wait, free and
+grad reduce-scatter, and the `Schedule` its model's units share (the comm stream, the scratch
+buffers, the order units ran in for prefetching, the reduce-scatters still in flight).
+
+  compute: ─pre-forward(u)─wait(u)─[forward u]────────────wait(u+1)─[forward u+1]─
+                  ╲ start(u), start(u+1)                     ╱
+  comm:    ───────[all-gather u | copy out]─[all-gather u+1 | copy out]───────────
+
+Backward is the mirror: a unit's pre-backward waits for its own gather and starts the one of
+the unit that ran before it in forward; its post-backward packs and reduce-scatters its grads on
+the comm stream, and the end of backward waits for them all and installs the sharded grads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import logging
+import time
+from typing import TYPE_CHECKING, Any, List, Optional, Tuple
+
+from nccl_ddp.adapters.torch.fsdp.param import ShardedParam
+from nccl_ddp.adapters.torch.tensors import from_native, to_native
+from nccl_ddp.comm.group import ProcessGroup, ReduceOp
+from nccl_ddp.device import Device, Event, Stream
+from nccl_ddp.zero.params import ScratchPool, UnitShards
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
+log = logging.getLogger(__name__)
+
+
+class State(enum.Enum):
+    SHARDED = "sharded"  # only the shards exist
+    GATHERING = "gathering"  # unsharded memory allocated, the all-gather in flight
+    UNSHARDED = "unsharded"  # gathered and registered on the modules
+
+
+@dataclasses.dataclass
+class UnitTimes:
+    """What a unit's hooks cost the compute thread, summed since it was built (the benchmark
+    reads them): `waited_s`, blocked on its all-gathers (the exposed, not hidden, part);
+    `hooks_s`, in its hooks apart from those waits (the Python overhead); `gathers`."""
+
+    waited_s: float = 0.0
+    hooks_s: float = 0.0
+    gathers: int = 0
+
+
+class Schedule:
+    """What the units of one root share. `comm`: the stream every collective of these units
+    runs on, in issue order (the same on every rank); `forward_order` / `post_forward_order`:
+    the units as their forwards began / ended in the first step (for prefetching)."""
+
+    def __init__(self, group: ProcessGroup, device: Device, mesh: DeviceMesh) -> None:
+        import functools
+
+        self.group, self.device, self.mesh = group, device, mesh
+        self.comm: Stream = device.new_stream()
+        self.scratch = ScratchPool(functools.partial(group.zeros, device))
+        self.units: List[Unit] = []
+        self.root: Optional[Unit] = None
+        self.forward_order: List[Unit] = []
+        self.post_forward_order: List[Unit] = []
+        self.recording = True
+        self.pending: List[Tuple[Unit, Event, List[Any], list]] = []
+        self.end_queued = False
+
+    def adopt(self, unit: Unit) -> None:
+        """`unit` (built before the root was sharded) joins this schedule."""
+        old = unit.schedule
+        unit.schedule = self
+        if unit.reshard_unless_root:  # reshard_after_forward=None, and no longer the root
+            unit.reshard_after_forward = True
+        unit.shards.comm = self.comm
+        unit.shards.scratch = self.scratch
+        self.units.append(unit)
+        if old is not self:
+            old.comm.close()
+
+    def next_in_forward(self, unit: Unit) -> Optional[Unit]:
+        order = self.forward_order
+        i = order.index(unit) if unit in order else -1
+        return order[i + 1] if 0 <= i < len(order) - 1 else None
+
+    def next_in_backward(self, unit: Unit) -> Optional[Unit]:
+        order = self.post_forward_order
+        i = order.index(unit) if unit in order else -1
+        return order[i - 1] if i > 0 else None
+
+    def queue_end_of_backward(self) -> None:
+        """Once per backward: `end_of_backward` runs when autograd's engine finishes."""
+        if not self.end_queued:
+            import torch
+
+            self.end_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.end_of_backward)
+
+    def end_of_backward(self) -> None:
+        """Reduce the units whose post-backward never ran (no input needed a grad), wait for
+        every reduce-scatter, install the sharded grads, reshard what backward left gathered."""
+        self.end_queued = False
+        for unit in self.units:
+            if unit.backward_open:
+                unit.post_backward()
+        pending, self.pending = self.pending, []
+        for unit, event, outs, grads in pending:
+            event.synchronize(self.group.timeout)
+            unit.install_grads(outs, [g is not None for g in grads])
+        for unit in self.units:
+            unit.forward_calls = 0
+            if unit.reshard_after_backward and unit.state is not State.SHARDED:
+                unit.reshard()
+
+    def close(self) -> None:
+        self.comm.close()
+
+
+class Unit:
+    """The parameters of one sharded module (those of sharded submodules excluded) and their
+    collectives. `name`: the module's path in messages and collective tags."""
+
+    def __init__(
+        self,
+        name: str,
+        params: List[ShardedParam],
+        shards: UnitShards,
+        schedule: Schedule,
+        *,
+        reshard_after_forward: bool,
+        reduce_dtype: Any,
+    ) -> None:
+        self.name, self.params, self.shards, self.schedule = name, params, shards, schedule
+        self.reshard_after_forward = reshard_after_forward
+        self.reshard_unless_root = False  # reshard_after_forward=None: True once adopted
+        self.reshard_after_backward = True
+        self.requires_gradient_sync = True
+        self.reduce_dtype = reduce_dtype  # numpy dtype of the reduce-scatter
+        self.state = State.SHARDED
+        self._gathered: Optional[Event] = None
+        self.forward_calls = 0  # post-backward functions registered this step, not yet run
+        self.backward_open = False  # ran forward with grad this step, grads not yet reduced
+        self.forward_prefetch: Optional[List[Unit]] = None  # set_modules_to_forward_prefetch
+        self.backward_prefetch: Optional[List[Unit]] = None
+        self.times = UnitTimes()
+
+    # ------------------------------------------------------------------ all-gather
+
+    def unshard(self) -> None:
+        """Start the all-gather (no-op when gathered or in flight)."""
+        if self.state is not State.SHARDED:
+            return
+        outs = [p.alloc() for p in self.params]
+        mirrors = [p for p in self.params if p.mirror is not None]
+        before = functools.partial(_cast_all, mirrors) if mirrors else None
+        self._gathered = self.shards.start_gather(outs, before)
+        self.times.gathers += 1
+        self.state = State.GATHERING
+
+    def wait(self) -> None:
+        """Block until the gather is done and compute with the unsharded parameters."""
+        if self.state is State.SHARDED:
+            self.unshard()
+        if self.state is State.GATHERING:
+            self._sync_gather()
+            for p in self.params:
+                p.register(unsharded=True)
+            self.state = State.UNSHARDED
+
+    def reshard(self) -> None:
+        """Free the unsharded memory; the modules see the sharded DTensors again."""
+        if self.state is State.SHARDED:
+            return
+        if self.state is State.GATHERING:  # the comm stream still writes into it
+            self._sync_gather()
+        for p in self.params:
+            p.register(unsharded=False)
+            p.free()
+        self.state = State.SHARDED
+
+    def _sync_gather(self) -> None:
+        if self._gathered is not None:
+            t0 = time.perf_counter()
+            self._gathered.synchronize(self.schedule.group.timeout)
+            self.times.waited_s += time.perf_counter() - t0
+            self._gathered = None
+
+    def prefetch(self, units: Optional[List[Unit]], implicit: Optional[Unit]) -> None:
+        for u in units if units is not None else ([implicit] if implicit is not None else []):
+            u.unshard()
+
+    # ------------------------------------------------------------------ hooks' work
+
+    def pre_forward(self) -> None:
+        sched = self.schedule
+        if sched.recording and self not in sched.forward_order:
+            sched.forward_order.append(self)
+        self.unshard()
+        self.prefetch(self.forward_prefetch, sched.next_in_forward(self))
+        self.wait()
+
+    def post_forward(self) -> None:
+        sched = self.schedule
+        if sched.recording and self not in sched.post_forward_order:
+            sched.post_forward_order.append(self)
+        if self is sched.root:  # the first step's order is known now
+            sched.recording = False
+        if self.reshard_after_forward:
+            self.reshard()
+
+    def pre_backward(self) -> None:
+        self.schedule.queue_end_of_backward()
+        self.unshard()
+        self.prefetch(self.backward_prefetch, self.schedule.next_in_backward(self))
+        self.wait()
+
+    def post_backward_call(self) -> None:
+        """One forward call's inputs got their grads: the last one reduces."""
+        self.forward_calls = max(0, self.forward_calls - 1)
+        if self.forward_calls == 0 and self.backward_open:
+            self.post_backward()
+
+    def post_backward(self) -> None:
+        """Reduce-scatter the unsharded grads (or keep them, without gradient sync), and free
+        the unsharded parameters when `reshard_after_backward`."""
+        self.backward_open = False
+        if not self.requires_gradient_sync:
+            for p in self.params:
+                p.keep_grad()
+        else:
+            self._reduce()
+        if self.reshard_after_backward:
+            self.reshard()
+
+    def _reduce(self) -> None:
+        grads: List[Optional[torch.Tensor]] = [p.take_grad() for p in self.params]
+        if all(g is None for g in grads):
+            return
+        native = [None if g is None else to_native(g) for g in grads]
+        event, outs = self.shards.start_reduce(native, self.reduce_dtype, ReduceOp.AVG)
+        self.schedule.pending.append((self, event, outs, native))
+
+    def install_grads(self, outs: List[Any], had_grad: List[bool]) -> None:
+        """The reduced shards as the sharded grads of the parameters that had a grad here."""
+        for p, had in zip(self.params, had_grad):
+            if had and p.requires_grad:
+                p.add_sharded_grad(from_native(self.shards.grad_local(outs, p.index)), self.schedule.mesh)
+
+
+def _cast_all(params: List[ShardedParam]) -> None:
+    """Mixed precision: every fp32 shard rounded into the gather shard, on the comm stream."""
+    for p in params:
+        p.cast_into_mirror()

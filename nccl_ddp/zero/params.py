@@ -1,0 +1,208 @@
+"""Parameter sharding (ZeRO-3), framework-free: one unit's parameters cut along dim 0, its
+parameter all-gather and its grad reduce-scatter.
+
+A unit is the set of parameters gathered together (FSDP2's parameter group: one module's own,
+not those of a sharded submodule). Parameter i of dim-0 size `d` is cut in `world` chunks of
+`rows[i] = ceil(d / world)` rows (torch.chunk's cut, FSDP2's and DTensor's `Shard(0)`): rank r
+holds rows [r * rows[i], min(d, (r + 1) * rows[i])), the rest of its chunk is padding that stays
+zero. This rank's chunks of every parameter of one dtype sit in one flat shard, laid out by
+`buckets/layout.py` (one bucket per dtype, aligned offsets), so a unit's all-gather is one
+collective per dtype into a buffer of `world` shards, rank after rank; each parameter's rows
+are then copied out of the `world` chunks into its unsharded memory. The reduce-scatter is the
+reverse: the unsharded grads are packed rank-major (padding rows zero) into a scratch buffer the
+units share, reduced, and this rank's grad shard comes back in the shard's layout.
+
+Everything a collective reads or writes runs on one comm stream in issue order (on the host
+backend its worker thread): packing, the collective, the copy out. Plain, frozen layout data;
+memory in `UnitShards`, scheduling in the adapter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from nccl_ddp.buckets.layout import ALIGN_BYTES, BucketLayout, ParamSpec, assign_buckets, bucket_tag
+from nccl_ddp.comm.group import ProcessGroup, ReduceOp
+from nccl_ddp.device import Device, Event, Stream
+from nccl_ddp.errors import ConfigError
+
+_ONE_BUCKET = 1 << 62  # a cap no unit reaches: one flat shard per dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitLayout:
+    """`specs[i]`: parameter i's full shape and dtype; `rows[i]` the rows of its chunk on every
+    rank; `shard`: the layout of one rank's flat shard (a bucket per dtype holding each
+    parameter's chunk of `rows[i] * row_numel[i]` elements)."""
+
+    specs: Tuple[ParamSpec, ...]
+    world: int
+    rows: Tuple[int, ...]
+    row_numel: Tuple[int, ...]
+    shard: BucketLayout
+
+    def local_rows(self, i: int, rank: int) -> int:
+        """The real (unpadded) rows of parameter i that `rank` holds: 0 past the end."""
+        d = self.specs[i].shape[0]
+        return max(0, min(self.rows[i], d - rank * self.rows[i]))
+
+    def where(self, i: int) -> Tuple[int, int]:
+        """(bucket, element offset) of parameter i's chunk in a rank's shard."""
+        found = self.shard.locate(i)
+        if found is None:  # every parameter has a bucket: assign_buckets excludes none here
+            raise ConfigError(f"parameter {i} of the unit has no place in its shard layout")
+        b, slot = found
+        return b, self.shard.buckets[b].offsets[slot]
+
+    def chunk_numel(self, i: int) -> int:
+        return self.rows[i] * self.row_numel[i]
+
+
+def unit_layout(specs: Sequence[ParamSpec], world: int, align_bytes: int = ALIGN_BYTES) -> UnitLayout:
+    """The dim-0 cut of `specs` for `world` ranks. A parameter without dimensions cannot be cut
+    along dim 0: `ConfigError` naming it."""
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ConfigError(f"world size for sharding must be a positive int, got {world!r}")
+    rows, row_numel = [], []
+    for i, s in enumerate(specs):
+        if len(s.shape) == 0:
+            raise ConfigError(
+                f"parameter {s.name or i} has no dimensions, so it cannot be sharded along dim 0: "
+                "give it shape (1,) (e.g. torch.nn.Parameter(t.reshape(1)))"
+            )
+        rows.append(-(-int(s.shape[0]) // world))
+        row_numel.append(int(np.prod(s.shape[1:], dtype=np.int64)))
+    chunks = [ParamSpec((r * n,), s.dtype, s.name) for s, r, n in zip(specs, rows, row_numel)]
+    shard = assign_buckets(chunks, _ONE_BUCKET, _ONE_BUCKET, order=range(len(specs)), align_bytes=align_bytes)
+    return UnitLayout(tuple(specs), world, tuple(rows), tuple(row_numel), shard)
+
+
+class ScratchPool:
+    """One growing buffer per dtype that every unit of a model packs its grads into before the
+    reduce-scatter (from `zeros`: the group's, shared memory on the host's shm transport). Safe
+    to share: the packs and collectives that use it run in order on one comm stream."""
+
+    def __init__(self, zeros: Callable[[int, Any], Any]) -> None:
+        self._zeros = zeros
+        self._buffers: Dict[np.dtype, Any] = {}
+
+    def get(self, n: int, dtype: Any) -> Any:
+        dt = np.dtype(dtype)
+        buf = self._buffers.get(dt)
+        if buf is None or buf.size < n:
+            buf = self._buffers[dt] = self._zeros(n, dt)
+        return buf[:n]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self._buffers.values())
+
+
+class UnitShards:
+    """One unit's memory on this rank: `shards[b]`, its flat shard per dtype (from the group's
+    `zeros`: peers read it in place on the shm transport), and the two collectives on `comm`.
+    `name` says which unit, in collective tags and errors."""
+
+    def __init__(
+        self,
+        layout: UnitLayout,
+        group: ProcessGroup,
+        device: Device,
+        comm: Stream,
+        scratch: ScratchPool,
+        name: str,
+    ) -> None:
+        if group.size != layout.world:
+            raise ConfigError(
+                f"rank {group.rank}: {name}: the layout is for {layout.world} ranks, "
+                f"the group has {group.size}"
+            )
+        self.layout, self.group, self.device, self.comm = layout, group, device, comm
+        self.scratch, self.name, self.rank = scratch, name, group.rank
+        self.shards: List[Any] = [group.zeros(device, b.padded, b.dtype) for b in layout.shard.buckets]
+
+    def chunk(self, i: int) -> Any:
+        """Parameter i's whole chunk in this rank's shard (padding rows included), flat."""
+        b, off = self.layout.where(i)
+        return self.shards[b][off : off + self.layout.chunk_numel(i)]
+
+    def local(self, i: int) -> Any:
+        """This rank's real rows of parameter i, flat: what the framework's sharded parameter views."""
+        return self.chunk(i)[: self.layout.local_rows(i, self.rank) * self.layout.row_numel[i]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.shards)
+
+    def _tag(self, what: str, b: int) -> str:
+        return f"{self.name} {what} {bucket_tag(b, self.layout.shard.buckets[b].nbytes)}"
+
+    # ------------------------------------------------------------------ all-gather
+
+    def start_gather(self, outs: Sequence[Any], before: Optional[Callable[[], None]] = None) -> Event:
+        """Gather every rank's shards and copy parameter i's rows into `outs[i]` (flat, its full
+        numel, the unsharded memory), all on the comm stream after `before()` (e.g. a cast into
+        the shards). Returns the event to wait on before the unsharded values are read."""
+        if before is not None:
+            self.comm.submit(before)
+        for b, bucket in enumerate(self.layout.shard.buckets):
+            gathered = self.device.empty(bucket.padded * self.layout.world, bucket.dtype)
+            self.group.all_gather(gathered, self.shards[b], self.comm, tag=self._tag("all-gather", b))
+            params = [(i, off) for i, off in zip(bucket.params, bucket.offsets)]
+            self.comm.submit(_copy_out, self.layout, gathered, bucket.padded, params, outs)
+        return self.comm.record()
+
+    # ------------------------------------------------------------------ reduce-scatter
+
+    def start_reduce(
+        self, grads: Sequence[Optional[Any]], dtype: Any = None, op: ReduceOp = ReduceOp.AVG
+    ) -> Tuple[Event, List[Any]]:
+        """Reduce the unsharded grads (flat arrays, full numel; None reads as zeros) over the
+        group in `dtype` (None: each bucket's own): packed rank-major into the shared scratch
+        buffer, reduce-scattered with `op`. Returns the done event and this rank's reduced
+        shards (one flat array per bucket, in the shard layout: `grad_local` cuts parameter i's
+        rows out of them)."""
+        outs = []
+        for b, bucket in enumerate(self.layout.shard.buckets):
+            n, dt = bucket.padded, bucket.dtype if dtype is None else dtype
+            pack = self.scratch.get(n * self.layout.world, dt)
+            params = list(zip(bucket.params, bucket.offsets))
+            self.comm.submit(_pack, self.layout, pack, n, params, [grads[i] for i in bucket.params])
+            out = self.device.empty(n, dt)
+            self.group.reduce_scatter(out, pack, op, self.comm, tag=self._tag("reduce-scatter", b))
+            outs.append(out)
+        return self.comm.record(), outs
+
+    def grad_local(self, outs: Sequence[Any], i: int) -> Any:
+        """This rank's real rows of parameter i's reduced grad, flat, from `start_reduce`'s shards."""
+        b, off = self.layout.where(i)
+        return outs[b][off : off + self.layout.local_rows(i, self.rank) * self.layout.row_numel[i]]
+
+
+def _copy_out(layout: UnitLayout, gathered: Any, shard_n: int, params: list, outs: Sequence[Any]) -> None:
+    """Each parameter's rows out of the `world` gathered shards into its unsharded array."""
+    for i, off in params:
+        per = layout.row_numel[i]
+        dst = outs[i]
+        for r in range(layout.world):
+            n = layout.local_rows(i, r) * per
+            if n:
+                lo = r * layout.rows[i] * per
+                dst[lo : lo + n] = gathered[r * shard_n + off : r * shard_n + off + n]
+
+
+def _pack(layout: UnitLayout, pack: Any, shard_n: int, params: list, grads: Sequence[Optional[Any]]) -> None:
+    """Rank r's rows of every grad into chunk r of `pack` (cast to its dtype); padding rows and
+    missing grads as zeros (alignment gaps are left as they are: no parameter reads them)."""
+    for (i, off), g in zip(params, grads):
+        per, chunk = layout.row_numel[i], layout.chunk_numel(i)
+        for r in range(layout.world):
+            dst = pack[r * shard_n + off : r * shard_n + off + chunk]
+            n = layout.local_rows(i, r) * per if g is not None else 0
+            if g is not None and n:
+                lo = r * layout.rows[i] * per
+                dst[:n] = g[lo : lo + n]
+            dst[n:] = 0

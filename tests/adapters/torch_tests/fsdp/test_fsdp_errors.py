@@ -1,0 +1,79 @@
+"""fully_shard's bad inputs, 2 ranks: each raises on every rank, before any data moves, naming
+the rank, the parameter and what to do (a unit applied twice, a parameter shared with another
+unit, shapes that differ across ranks, a meta parameter, a non-contiguous one)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch==2.13.0)")
+pytest.importorskip("expecttest", reason="torch's test helpers need expecttest (the test extra)")
+
+from fsdp_cases import gloo, tied  # noqa: E402
+from mp import outcome, run_ranks  # noqa: E402
+
+
+def _mlp(dim: int = 4):
+    from torch.testing._internal.common_fsdp import MLP
+
+    torch.manual_seed(42)
+    return MLP(dim)
+
+
+def _errors(rank: int, world: int, store_dir: str) -> dict:
+    """What each bad input raises, on every rank, before any data moves."""
+    import nccl_ddp as nd
+
+    def twice():
+        m = _mlp(4)
+        nd.fully_shard(m)
+        nd.fully_shard(m)
+
+    def shared_across_units():
+        m = tied(17)
+        nd.fully_shard(m.tok_embeddings)
+        nd.fully_shard(m.output)
+
+    def shapes_differ():
+        nd.fully_shard(torch.nn.Linear(4, 4 + rank))
+
+    def meta():
+        with torch.device("meta"):
+            m = torch.nn.Linear(4, 4)
+        nd.fully_shard(m)
+
+    def not_contiguous():
+        m = torch.nn.Linear(4, 6)
+        m.weight = torch.nn.Parameter(torch.randn(4, 6).t())
+        nd.fully_shard(m)
+
+    with gloo(rank, world, store_dir):
+        return {
+            f.__name__: outcome(f) for f in (twice, shared_across_units, shapes_differ, meta, not_contiguous)
+        }
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list:
+    return run_ranks(_errors, 2, str(tmp_path_factory.mktemp("fsdp-errors")), timeout=300)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize(
+    "case,error,words",
+    [
+        ("twice", "ConfigError", ["applied twice", "once per module"]),
+        ("shared_across_units", "ConfigError", ["'weight'", "already manages it", "one unit"]),
+        ("shapes_differ", "RankMismatchError", ["'weight'", "rank 1 has shape (5, 4)"]),
+        ("meta", "ConfigError", ["'weight'", "meta device", "to_empty"]),
+        ("not_contiguous", "ConfigError", ["'weight'", "not contiguous", "contiguous()"]),
+    ],
+)
+def test_errors_named_on_every_rank(ranks, case, error, words):
+    for rank, res in enumerate(ranks):
+        kind, msg = res[case]
+        assert kind == error, (rank, kind, msg)
+        assert f"rank {rank}" in msg
+        for w in words:
+            assert w in msg, (w, msg)

@@ -1,0 +1,83 @@
+"""ZeRO-3's framework-free core (zero/params.py): the dim-0 cut of a unit (torch.chunk's rows,
+padding past the end, one aligned flat shard per dtype), and on 3 ranks of the host backend the
+all-gather that rebuilds every parameter from the shards and the reduce-scatter that averages
+the grads into them (NumPy arrays only)."""
+
+import numpy as np
+import pytest
+
+from nccl_ddp.buckets.layout import ParamSpec
+from nccl_ddp.errors import ConfigError
+from nccl_ddp.zero.params import unit_layout
+
+F32, F64 = np.dtype(np.float32), np.dtype(np.float64)
+SHAPES = [(7, 3), (1,), (10,), (2, 2, 2), (0, 4)]  # uneven rows, fewer rows than ranks, empty
+
+
+def _specs(dtypes=(F32, F32, F64, F32, F32)):
+    return [ParamSpec(s, d, name=f"p{i}") for i, (s, d) in enumerate(zip(SHAPES, dtypes))]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_rows_are_torch_chunks_and_every_row_has_one_owner(world):
+    layout = unit_layout(_specs(), world)
+    for i, shape in enumerate(SHAPES):
+        rows = [layout.local_rows(i, r) for r in range(world)]
+        assert layout.rows[i] == -(-shape[0] // world)
+        assert sum(rows) == shape[0] and all(0 <= n <= layout.rows[i] for n in rows)
+        b, off = layout.where(i)
+        assert np.dtype(layout.shard.buckets[b].dtype) == _specs()[i].dtype
+        assert off * layout.shard.buckets[b].dtype.itemsize % 16 == 0
+    assert len(layout.shard.buckets) == 2  # one flat shard per dtype
+
+
+def test_a_parameter_without_dimensions_is_refused_by_name():
+    with pytest.raises(ConfigError, match="p0 has no dimensions"):
+        unit_layout([ParamSpec((), F32, name="p0")], 2)
+
+
+def _round_trip(rank, world, _):
+    import nccl_ddp as nd
+    from nccl_ddp.device import HostDevice
+    from nccl_ddp.zero.params import ScratchPool, UnitShards
+
+    nd.init_process_group("host")
+    try:
+        group, device = nd.get_world_group(), HostDevice()
+        layout = unit_layout(_specs(), world, device.align_bytes)
+        comm = device.new_stream()
+        shards = UnitShards(
+            layout, group, device, comm, ScratchPool(lambda n, dt: group.zeros(device, n, dt)), "u"
+        )
+        full = [
+            np.arange(np.prod(s), dtype=sp.dtype) + 100 * i for i, (s, sp) in enumerate(zip(SHAPES, _specs()))
+        ]
+        for i, f in enumerate(full):  # this rank's rows into its shard
+            lo = rank * layout.rows[i] * layout.row_numel[i]
+            shards.local(i)[...] = f[lo : lo + shards.local(i).size]
+        outs = [np.full(f.size, -1, f.dtype) for f in full]
+        shards.start_gather(outs).synchronize(30)
+        gathered = all(np.array_equal(o, f) for o, f in zip(outs, full))
+        grads = [f * (rank + 1) for f in full]
+        grads[3] = None  # a missing grad reads as zeros
+        event, red = shards.start_reduce(grads)
+        event.synchronize(30)
+        mean = (world + 1) / 2
+        reduced = []
+        for i, f in enumerate(full):
+            lo = rank * layout.rows[i] * layout.row_numel[i]
+            want = f[lo : lo + shards.local(i).size] * (0 if i == 3 else mean)
+            reduced.append(np.allclose(shards.grad_local(red, i), want))
+        comm.close()
+        return gathered, reduced
+    finally:
+        nd.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_gather_rebuilds_and_reduce_scatter_averages_on_three_ranks():
+    from mp import run_ranks
+
+    for rank, (gathered, reduced) in enumerate(run_ranks(_round_trip, 3, None, timeout=60)):
+        assert gathered, rank
+        assert all(reduced), (rank, reduced)
