@@ -32,6 +32,7 @@ from nccl_ddp.adapters.torch import comm_hooks as torch_hooks
 from nccl_ddp.adapters.torch import pickling
 from nccl_ddp.adapters.torch.adapter import TorchModule
 from nccl_ddp.adapters.torch.dist import join_torch_world
+from nccl_ddp.adapters.torch.options import check_torch_options, device_ids_of
 from nccl_ddp.adapters.torch.sparse import SparseParams
 from nccl_ddp.comm.api import resolve_group
 from nccl_ddp.ddp.config import DDPConfig
@@ -39,27 +40,6 @@ from nccl_ddp.ddp.data_parallel import DistributedDataParallel
 from nccl_ddp.ddp.join import JoinConfig, JoinState
 from nccl_ddp.ddp.reducer import Reducer
 from nccl_ddp.errors import ConfigError, ConfigTypeError, ReducerError
-from nccl_ddp.validate import check_bool
-
-# torch's arguments that need a feature we do not have: name -> (the value that is fine, why)
-_UNSUPPORTED = {
-    "mixed_precision": (None, "use torch.autocast (or cast the model) instead"),
-    "device_mesh": (None, "pass its data-parallel group (a torch group or ours) as process_group"),
-    "delay_all_reduce_named_params": (None, "every parameter is reduced as its grad is ready"),
-    "param_to_hook_all_reduce": (None, "every parameter is reduced as its grad is ready"),
-    "skip_all_reduce_unused_params": (
-        False,
-        ("unused parameters are reduced as zeros, as by default in torch"),
-    ),
-    "forward_sync_buffers": (
-        True,
-        (
-            "use broadcast_buffers=False to keep buffers per rank "
-            "(which also skips their broadcast at construction)"
-        ),
-    ),
-}
-
 
 _CORE = inspect.signature(DistributedDataParallel.__init__)
 """The core's options: they pass through as given, so a new one is added in one place."""
@@ -124,7 +104,7 @@ class TorchDistributedDataParallel(torch.nn.Module, DistributedDataParallel, _To
                 "init_sync (MindSpore's signature), not torch's device_ids; pass "
                 "device_ids=[...] by keyword"
             )
-        _check_torch_options(torch_options, dim, gradient_as_bucket_view, check_reduction)
+        check_torch_options(torch_options, dim, gradient_as_bucket_view, check_reduction)
         if not isinstance(module, torch.nn.Module):
             raise ConfigTypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         join_torch_world(process_group, "DistributedDataParallel")
@@ -132,7 +112,7 @@ class TorchDistributedDataParallel(torch.nn.Module, DistributedDataParallel, _To
         if given.get("zero") is not None or (isinstance(config, DDPConfig) and config.zero is not None):
             rank = resolve_group(process_group, "process_group").rank
             SparseParams.of(module).refuse(rank, "ZeRO (zero=ZeroConfig(...))")
-        self.device_ids, self.output_device = _device_ids(module, device_ids, output_device, process_group)
+        self.device_ids, self.output_device = device_ids_of(module, device_ids, output_device, process_group)
         self.dim = dim
         self.gradient_as_bucket_view = gradient_as_bucket_view
         DistributedDataParallel.__init__(self, module, *args, **core)
@@ -376,75 +356,3 @@ class TorchDistributedDataParallel(torch.nn.Module, DistributedDataParallel, _To
         super()._apply(fn, recurse)
         self._torch_module.realias_grads()
         return self
-
-
-def _check_torch_options(options: dict, dim: Any, gradient_as_bucket_view: Any, check_reduction: Any) -> None:
-    for name, value in options.items():
-        if name not in _UNSUPPORTED:
-            raise ConfigTypeError(f"DistributedDataParallel got an unexpected keyword argument {name!r}")
-        fine, why = _UNSUPPORTED[name]
-        if value != fine:
-            raise ConfigError(
-                f"{name}={value!r} is not supported by nccl_ddp's "
-                f"DistributedDataParallel (only {fine!r}): {why}"
-            )
-    if isinstance(dim, bool) or not isinstance(dim, int):
-        raise ConfigTypeError(f"dim must be an int, got {type(dim).__name__} {dim!r}")
-    check_bool("gradient_as_bucket_view", gradient_as_bucket_view)
-    check_bool("check_reduction", check_reduction)
-
-
-def _device_ids(module: Any, device_ids: Any, output_device: Any, process_group: Any) -> tuple:
-    """torch's single-device contract: device_ids None for a CPU module, [the module's GPU] for a
-    GPU one; output_device None or that GPU."""
-    devices = {p.device for p in module.parameters()}
-    if device_ids is None:
-        if output_device is not None:
-            raise ConfigError(
-                f"output_device={output_device!r} needs device_ids=[...]; the "
-                "output stays where the module computes it"
-            )
-        return None, None
-    if not isinstance(device_ids, (list, tuple)) or len(device_ids) != 1:
-        raise ConfigError(
-            f"device_ids must be None or a list of one GPU (this process's), got "
-            f"{device_ids!r}: one process drives one device, as in torch DDP"
-        )
-    if len(devices) != 1 or next(iter(devices)).type != "cuda":
-        raise ConfigError(
-            f"device_ids={device_ids!r} is for a module on one GPU, but its "
-            f"parameters are on {sorted(map(str, devices))}: pass device_ids=None "
-            "for a CPU module (or move the module to the GPU first)"
-        )
-    index = _device_index(device_ids[0], "device_ids[0]")
-    (device,) = devices
-    if index != device.index:
-        raise ConfigError(
-            f"device_ids={device_ids!r}, but the module's parameters are on "
-            f"{device}: move the module to cuda:{index} (model.to(device_ids[0])) "
-            "before wrapping it"
-        )
-    group_device = getattr(resolve_group(process_group, "process_group"), "device_id", None)
-    if group_device is not None and group_device != index:
-        raise ConfigError(
-            f"device_ids={device_ids!r}, but this process's nccl_ddp group "
-            f"communicates on cuda:{group_device} (its LOCAL_RANK): use that GPU"
-        )
-    if output_device is not None and _device_index(output_device, "output_device") != index:
-        raise ConfigError(
-            f"output_device={output_device!r} differs from device_ids[0]; the "
-            "output stays on the module's GPU, as in torch's single-device DDP"
-        )
-    return [index], index
-
-
-def _device_index(d: Any, what: str) -> int:
-    if isinstance(d, int) and not isinstance(d, bool):
-        return d
-    try:
-        device = torch.device(d)
-    except (TypeError, RuntimeError) as e:
-        raise ConfigTypeError(f"{what} must be a GPU index or a CUDA device, got {d!r}") from e
-    if device.type != "cuda":
-        raise ConfigError(f"{what} must be a CUDA device, got {device}")
-    return device.index if device.index is not None else torch.cuda.current_device()
