@@ -1,6 +1,7 @@
-"""nccl_ddp.fully_shard with a gradient scaler (torch's ShardedGradScaler on CPU), held to torch's
-own fully_shard with the same scaler over gloo: unscale_ on the sharded (DTensor) grads, an inf
-in one rank's shard found by every rank, that step skipped everywhere and the scale backed off."""
+"""nccl_ddp.fully_shard with a gradient scaler (torch's ShardedGradScaler and torch.amp.GradScaler,
+on CPU), held to torch's own fully_shard with the same scaler over gloo: unscale_ on the sharded
+(DTensor) grads, an inf in one rank's shard found by every rank, that step skipped everywhere and
+the scale backed off."""
 
 from __future__ import annotations
 
@@ -16,12 +17,13 @@ from mp import run_ranks  # noqa: E402
 STEPS, OVERFLOW = 6, 2  # step OVERFLOW gets an inf in rank 0's shard of one grad
 
 
-def _train(model, rank: int) -> dict:
+def _train(model, rank: int, kind: str) -> dict:
     """Losses, scales and whether each step moved the parameters, with an inf on rank 0 only."""
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    scaler = ShardedGradScaler(device="cpu", init_scale=2.0**8, growth_interval=2)
+    cls = ShardedGradScaler if kind == "sharded" else torch.amp.GradScaler
+    scaler = cls("cpu", init_scale=2.0**8, growth_interval=2)
     losses, scales, moved = [], [], []
     for step, (x,) in enumerate(tokens(rank, STEPS)):
         opt.zero_grad()
@@ -40,17 +42,25 @@ def _train(model, rank: int) -> dict:
 
 def _scaler(rank: int, world: int, store_dir: str) -> dict:
     with gloo(rank, world, store_dir):
-        return {who: _train(shard_blocks(transformer(2), fs), rank) for who, fs in torch_and_ours()}
+        return {
+            (kind, who): _train(shard_blocks(transformer(2), fs), rank, kind)
+            for kind in ("sharded", "amp")
+            for who, fs in torch_and_ours()
+        }
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_sharded_grad_scaler_skips_the_overflow_step_like_torch(tmp_path):
+def test_grad_scalers_skip_the_overflow_step_like_torch(tmp_path):
     for rank, got in enumerate(run_ranks(_scaler, 2, str(tmp_path), timeout=240)):
-        ours, ref = got["ours"], got["torch"]
-        assert ours["moved"] == [True] * OVERFLOW + [False] + [True] * (STEPS - OVERFLOW - 1), rank
-        assert ours["scales"][OVERFLOW] == ours["scales"][OVERFLOW - 1] / 2, rank  # backed off
-        for key in ("losses", "scales", "moved"):
-            assert ours[key] == ref[key], (rank, key)
-        for name, value in ref["params"].items():
-            np.testing.assert_array_equal(ours["params"][name], value, err_msg=name)
+        for kind in ("sharded", "amp"):
+            ours, ref = got[kind, "ours"], got[kind, "torch"]
+            assert ours["moved"] == [True] * OVERFLOW + [False] + [True] * (STEPS - OVERFLOW - 1), (
+                rank,
+                kind,
+            )
+            assert ours["scales"][OVERFLOW] == ours["scales"][OVERFLOW - 1] / 2, (rank, kind)  # backed off
+            for key in ("losses", "scales", "moved"):
+                assert ours[key] == ref[key], (rank, kind, key)
+            for name, value in ref["params"].items():
+                np.testing.assert_array_equal(ours["params"][name], value, err_msg=name)
