@@ -128,6 +128,17 @@ def gloo(rank: int, world: int, store_dir: str) -> Any:
         dist.destroy_process_group()
 
 
+def assert_same_run(ours: dict, ref: dict, keys: tuple, where: Any) -> None:
+    """`ours` and `ref` (torch's) equal in each of `keys` and in every trained parameter, bit
+    for bit; `where` names the rank and setting in the message."""
+    import numpy as np
+
+    for key in keys:
+        assert ours[key] == ref[key], (where, key)
+    for name, value in ref["params"].items():
+        np.testing.assert_array_equal(ours["params"][name], value, err_msg=f"{where} {name}")
+
+
 def torch_and_ours() -> list:
     """[("torch", torch's fully_shard), ("ours", nccl_ddp.fully_shard)]."""
     from torch.distributed.fsdp import fully_shard

@@ -1,10 +1,12 @@
 """Every test of torch v2.13.0's test/distributed/_composable/fsdp/test_fully_shard_training.py
 (not in the wheel: read with the search tools; no torch code is copied here), and what answers
 it here: "case" (a case of tests/adapters/torch_tests/fsdp/test_fsdp_features.py of that name,
-held to torch's fully_shard), "case: <what differs>" (answered in part), or why not."""
+held to torch's fully_shard), "case: <what differs>" (answered in part), "<file> case: ..." (a
+test of that file in the same folder), or why not."""
 
 GPU = "runs only with GPUs (skip_if_lt_x_gpu without allow_cpu, or CUDA graphs)"
 UNSUPPORTED = "not supported by nccl_ddp's fully_shard yet: "
+LIST = "not answered yet: a list's unit is built (test_fsdp_grouped.py), this test's "
 PRIVATE = "reads torch-private FSDP2 internals: "
 
 TORCH_TESTS = {
@@ -30,21 +32,21 @@ TORCH_TESTS = {
     "test_post_optim_event": GPU,
     # TestFullyShard1DTrainingCompose
     "test_train_parity_with_activation_checkpointing": GPU,
-    "test_partial_group_forward_then_standalone": UNSUPPORTED + "fully_shard of a list of modules",
-    "test_grouped_module_cast_forward_inputs": UNSUPPORTED + "fully_shard of a list of modules",
-    "test_partial_group_forward_grad_accum_chunked": UNSUPPORTED + "fully_shard of a list of modules",
-    "test_partial_group_reshard_toggle": (
-        UNSUPPORTED + "a list of modules; " + PRIVATE + "_fsdp_param_group"
-    ),
-    "test_reset_iter_state_after_exception": UNSUPPORTED + "reset_iter_state, a list of modules",
+    "test_partial_group_forward_then_standalone": LIST + "partial forwards are unchecked",
+    "test_grouped_module_cast_forward_inputs": LIST + "input casts are unchecked",
+    "test_partial_group_forward_grad_accum_chunked": LIST + "partial forwards are unchecked",
+    "test_partial_group_reshard_toggle": PRIVATE + "_fsdp_param_group",
+    "test_reset_iter_state_after_exception": UNSUPPORTED + "reset_iter_state",
     "test_double_forward_with_nested_fsdp_and_checkpoint": "not answered yet (checkpointing untested)",
-    "test_double_partial_forward_then_backward": UNSUPPORTED + "fully_shard of a list of modules",
+    "test_double_partial_forward_then_backward": LIST + "partial forwards are unchecked",
     # TestFullyShardShardPlacementFnMultiProcess / MultiThread
     "test_train_parity_shard_placement_fn_shard_largest_dim": UNSUPPORTED + "shard_placement_fn",
     "test_shard_placement_fn_contiguous_params_grads": UNSUPPORTED + "shard_placement_fn",
     # TestFullyShardSharedParams
     "test_train_parity_with_shared_params": "case: without activation checkpointing",
-    "test_train_shared_params_uneven_shard": "case: the tied modules in the root's unit (no list)",
+    "test_train_shared_params_uneven_shard": (
+        "case: the tied modules in the root's unit; as a list's unit in test_fsdp_grouped.py"
+    ),
     "test_shared_params_separate_fsdp_groups_error": (
         "errors case: ours raises at the second fully_shard (a ConfigError, a ValueError), torch at "
         "the first forward, with other words"

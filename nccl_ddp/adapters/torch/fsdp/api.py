@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Dict, List, Optional, Tuple, Type
+from typing import Any, Dict, List, Optional, Tuple, Type, Union
 
 import numpy as np
 import torch
@@ -54,8 +54,7 @@ class FSDPModule(TorchFSDPModule):
         )
 
     def _units(self, recurse: bool) -> List[Unit]:
-        mods = self.modules() if recurse else [self]
-        return [getattr(m, _UNIT) for m in mods if isinstance(getattr(m, _UNIT, None), Unit)]
+        return _units_in([self], recurse)
 
     def reshard(self) -> None:
         """Free the unsharded parameters; the module holds its sharded DTensors (not recursive)."""
@@ -115,7 +114,7 @@ _CLASSES: Dict[type, type] = {}
 
 
 def fully_shard(
-    module: torch.nn.Module,
+    module: Union[torch.nn.Module, List[torch.nn.Module]],
     *,
     mesh: Any = None,
     group: Any = None,
@@ -126,10 +125,12 @@ def fully_shard(
 ) -> torch.nn.Module:
     """Shard `module`'s parameters along dim 0 over `mesh` (a 1-D torch DeviceMesh; None: every
     rank of torch.distributed's world) or `group` (a group of ours or torch's over the ranks
-    of the mesh to build). Collective: every rank calls it for the same modules in the same
-    order. Returns `module`, whose class is now `FSDP<cls>`."""
+    of the mesh to build). `module` may be a list of modules: one unit over all of them, gathered
+    before the first of them runs forward and resharded after the last (FSDP2's grouping).
+    Collective: every rank calls it for the same modules in the same order. Returns `module`,
+    whose class (each module's, for a list) is now `FSDP<cls>`."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    _check_args(module, rank, offload_policy, shard_placement_fn)
+    modules = _check_args(module, rank, offload_policy, shard_placement_fn)
     mesh = _mesh(mesh, group, rank)
     ours = ours_for(mesh.get_group(), "fully_shard(mesh=...)")
     if ours is None:  # mesh.get_group() is a torch group: ours_for always answers for one
@@ -137,7 +138,7 @@ def fully_shard(
     device = HostDevice()
     policy = mp_policy
     param_dtype = getattr(policy, "param_dtype", None)
-    found = _collect(module, rank)
+    found = _collect(modules, rank)
     specs = [ParamSpec(tuple(p.shape), _np_dtype(param_dtype or p.dtype), name=fqn) for fqn, _, p in found]
     check_same_params(
         specs,
@@ -147,7 +148,7 @@ def fully_shard(
         owner="fully_shard",
         subject=_SHARDED,
     )
-    name = type(module).__name__
+    name = "+".join(type(m).__name__ for m in modules)
     schedule = Schedule(ours, device, mesh)
     layout = unit_layout(specs, ours.size, device.align_bytes)
     shards = UnitShards(layout, ours, device, schedule.comm, schedule.scratch, f"fully_shard unit {name}")
@@ -170,36 +171,41 @@ def fully_shard(
         setattr(p, _UNIT, name)
         setattr(sp.sharded, _UNIT, name)
         sp.register(unsharded=False)
-    for sub in module.modules():  # the root's schedule: every unit below shares its comm stream
-        inner = getattr(sub, _UNIT, None)
-        if isinstance(inner, Unit):
-            schedule.adopt(inner)
+    for inner in _units_in(
+        modules, recurse=True
+    ):  # the root's schedule: every unit below shares its comm stream
+        schedule.adopt(inner)
     schedule.units.append(unit)
     schedule.root = unit
     if reshard_after_forward is None:  # FSDP2's None: only the root keeps its parameters
         unit.reshard_after_forward, unit.reshard_unless_root = False, True
-    setattr(module, _UNIT, unit)
-    weakref.finalize(module, schedule.close)  # its comm thread ends with the module
-    hooks.install(module, unit, policy)
-    module.__class__ = _fsdp_class(type(module))
+    for m in modules:
+        setattr(m, _UNIT, unit)
+        m.__class__ = _fsdp_class(type(m))
+    weakref.finalize(modules[0], schedule.close)  # its comm thread ends with the module
+    hooks.install(modules, unit, policy)
     return module
 
 
-def _check_args(module: Any, rank: int, offload_policy: Any, shard_placement_fn: Any) -> None:
-    if isinstance(module, (list, tuple)):
-        raise ConfigError(
-            f"rank {rank}: fully_shard of a list of modules (one unit over several) is not "
-            "supported by nccl_ddp's fully_shard yet: shard a module holding them, or each one"
-        )
-    if not isinstance(module, torch.nn.Module):
-        raise ConfigTypeError(
-            f"rank {rank}: fully_shard takes a torch.nn.Module, got {type(module).__name__}"
-        )
-    if isinstance(getattr(module, _UNIT, None), Unit):
-        raise ConfigError(
-            f"rank {rank}: fully_shard was applied twice to the same {type(module).__name__}: "
-            "call it once per module (submodules first, then the root)"
-        )
+def _check_args(
+    module: Any, rank: int, offload_policy: Any, shard_placement_fn: Any
+) -> List[torch.nn.Module]:
+    """The modules of the unit (`module`, or the list's), checked."""
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    if not modules:
+        raise ConfigError(f"rank {rank}: fully_shard got an empty list of modules")
+    for m in modules:
+        if not isinstance(m, torch.nn.Module):
+            raise ConfigTypeError(
+                f"rank {rank}: fully_shard takes a torch.nn.Module or a list of them, got {type(m).__name__}"
+            )
+        if isinstance(getattr(m, _UNIT, None), Unit):
+            raise ConfigError(
+                f"rank {rank}: fully_shard was applied twice to the same {type(m).__name__}: "
+                "call it once per module (submodules first, then the root)"
+            )
+    if len({id(m) for m in modules}) != len(modules):
+        raise ConfigError(f"rank {rank}: fully_shard got the same module twice in its list")
     if shard_placement_fn is not None:
         raise ConfigError(
             f"rank {rank}: fully_shard(shard_placement_fn=...) is not supported: ours shards dim 0"
@@ -208,6 +214,7 @@ def _check_args(module: Any, rank: int, offload_policy: Any, shard_placement_fn:
         raise ConfigError(
             f"rank {rank}: fully_shard(offload_policy={offload_policy!r}) is not supported (no offload)"
         )
+    return modules
 
 
 def _check_reshard(value: Any) -> bool:
@@ -244,11 +251,17 @@ def _mesh(mesh: Any, group: Any, rank: int) -> Any:
     return mesh
 
 
-def _collect(module: torch.nn.Module, rank: int) -> List[Tuple[str, List[Slot], Any]]:
-    """The unit's parameters: every (fqn, slots, parameter) in `module`'s tree that no sharded
-    submodule holds, tied ones once; bad ones are named before any data moves."""
+def _collect(modules: List[torch.nn.Module], rank: int) -> List[Tuple[str, List[Slot], Any]]:
+    """The unit's parameters: every (fqn, slots, parameter) in the modules' trees that no sharded
+    submodule holds, tied ones once (fqn: prefixed by the module's index for a list); bad ones
+    are named before any data moves."""
     found: Dict[int, Tuple[str, List[Slot], Any]] = {}
-    for prefix, sub in module.named_modules(remove_duplicate=False):
+    named = [
+        (".".join(filter(None, [str(i) if len(modules) > 1 else "", prefix])), sub)
+        for i, module in enumerate(modules)
+        for prefix, sub in module.named_modules(remove_duplicate=False)
+    ]
+    for prefix, sub in named:
         for pname, p in list(sub._parameters.items()):
             if p is None:
                 continue
@@ -258,7 +271,7 @@ def _collect(module: torch.nn.Module, rank: int) -> List[Tuple[str, List[Slot], 
                 if _is_dtensor(p):
                     continue  # a sharded submodule's
                 raise ConfigError(
-                    f"rank {rank}: parameter {fqn!r} of {type(module).__name__} is shared with the "
+                    f"rank {rank}: parameter {fqn!r} of {type(sub).__name__} is shared with the "
                     f"fully_shard unit {owner!r}, which already manages it: a parameter shared across "
                     "units is not supported; shard the modules that share it as one unit (apply "
                     "fully_shard to a module holding both)"
@@ -299,6 +312,18 @@ def _is_dtensor(p: Any) -> bool:
     from torch.distributed.tensor import DTensor
 
     return isinstance(p, DTensor)
+
+
+def _units_in(modules: List[torch.nn.Module], recurse: bool) -> List[Unit]:
+    """The units of `modules` (and of their submodules with `recurse`), each once (a unit over
+    a list of modules is on each of them)."""
+    found: Dict[int, Unit] = {}
+    for m in modules:
+        for sub in m.modules() if recurse else [m]:
+            unit = getattr(sub, _UNIT, None)
+            if isinstance(unit, Unit):
+                found.setdefault(id(unit), unit)
+    return list(found.values())
 
 
 def _unit_of(module: Any, what: str) -> Unit:

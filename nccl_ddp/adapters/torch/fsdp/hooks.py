@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import TYPE_CHECKING, Any, Callable, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Set, Tuple
 
 from nccl_ddp.adapters.torch.fsdp.unit import Unit
 
@@ -17,12 +17,43 @@ if TYPE_CHECKING:
     import torch
 
 
-def install(module: torch.nn.Module, unit: Unit, policy: Any) -> None:
-    """Register the unit's forward hooks on `module`. `policy`: a MixedPrecisionPolicy or None."""
-    module.register_forward_pre_hook(
-        _timed(unit, functools.partial(_pre_forward, unit, policy)), prepend=True, with_kwargs=True
-    )
-    module.register_forward_hook(_timed(unit, functools.partial(_post_forward, unit, policy)), prepend=False)
+def install(modules: List[torch.nn.Module], unit: Unit, policy: Any) -> None:
+    """Register the unit's forward hooks on its modules. `policy`: a MixedPrecisionPolicy or
+    None. For several modules (`fully_shard([a, b])`, FSDP2's grouping) the pre-forward runs
+    before the first of them to run and the post-forward after the last of them has run."""
+    pre = _timed(unit, functools.partial(_pre_forward, unit, policy))
+    post = _timed(unit, functools.partial(_post_forward, unit, policy))
+    if len(modules) == 1:
+        modules[0].register_forward_pre_hook(pre, prepend=True, with_kwargs=True)
+        modules[0].register_forward_hook(post, prepend=False)
+        return
+    first, post_of = _grouped(modules, pre, post)
+    for m in modules:
+        m.register_forward_pre_hook(first, prepend=True, with_kwargs=True)
+        m.register_forward_hook(post_of(m), prepend=False)
+
+
+def _grouped(
+    modules: List[torch.nn.Module], pre: Callable[..., Any], post: Callable[..., Any]
+) -> Tuple[Callable[..., Any], Callable[[Any], Callable[..., Any]]]:
+    """`pre` only when none of `modules` is mid-forward (the first to run), `post` once each of
+    them has run (the set still to run empties)."""
+    to_run: Set[int] = set()
+
+    def grouped_pre(*args: Any) -> Any:
+        if not to_run:
+            to_run.update(id(m) for m in modules)
+            return pre(*args)
+        return None
+
+    def post_of(module: Any) -> Callable[..., Any]:
+        def grouped_post(*args: Any) -> Any:
+            to_run.discard(id(module))
+            return post(*args) if not to_run else None
+
+        return grouped_post
+
+    return grouped_pre, post_of
 
 
 def _timed(unit: Unit, hook: Callable[..., Any]) -> Callable[..., Any]:
