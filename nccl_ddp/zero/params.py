@@ -114,6 +114,8 @@ class UnitShards:
         comm: Stream,
         scratch: ScratchPool,
         name: str,
+        *,
+        replicate: Optional[ProcessGroup] = None,
     ) -> None:
         if group.size != layout.world:
             raise ConfigError(
@@ -122,6 +124,7 @@ class UnitShards:
             )
         self.layout, self.group, self.device, self.comm = layout, group, device, comm
         self.scratch, self.name, self.rank = scratch, name, group.rank
+        self.replicate = replicate  # HSDP: the reduced shards are all-reduced over it too
         self.shards: List[Any] = [group.zeros(device, b.padded, b.dtype) for b in layout.shard.buckets]
 
     def chunk(self, i: int) -> Any:
@@ -173,6 +176,8 @@ class UnitShards:
             self.comm.submit(_pack, self.layout, pack, n, params, [grads[i] for i in bucket.params])
             out = self.device.empty(n, dt)
             self.group.reduce_scatter(out, pack, op, self.comm, tag=self._tag("reduce-scatter", b))
+            if self.replicate is not None:
+                self.replicate.all_reduce(out, op, self.comm, tag=self._tag("replicate all-reduce", b))
             outs.append(out)
         return self.comm.record(), outs
 

@@ -56,10 +56,13 @@ TORCH_TESTS = {
     "test_gradient_accumulation": "case: mode 'all', 1-D mesh, no offload, no CommDebugMode counts",
     "test_1f1b_microbatching": "case: explicit unshard and reshard_after_backward=True",
     # TestFullyShardNDTraining / HSDP3D / HSDP
-    "test_2d_mlp_with_nd_mesh": UNSUPPORTED + "tensor parallel DTensors and 2-D meshes",
+    "test_2d_mlp_with_nd_mesh": UNSUPPORTED + "tensor parallel DTensors on the 2-D mesh",
     "test_shard_placement_fn_tp_ep": GPU,
     "test_3d_mlp_with_nd_mesh": UNSUPPORTED + "3-D meshes",
-    "test_train_parity_hsdp": UNSUPPORTED + "HSDP's 2-D mesh",
+    "test_train_parity_hsdp": (
+        "test_fsdp_hsdp.py case: a (2, 2) mesh at 4 ranks, AdamW on the test Transformer, to 1e-5 "
+        "(torch's: MLP stacks on GPUs, set_requires_all_reduce variants)"
+    ),
     # TestFullyShardCustomForwardMethod / ShareCommContext / WorldSize1 / CudaGraph
     "test_register_fsdp_forward_method": UNSUPPORTED + "register_fsdp_forward_method",
     "test_share_comm_context": PRIVATE + "_comm_ctx, foreach_all_gather / foreach_reduce patches",

@@ -26,6 +26,7 @@ from nccl_ddp.adapters.torch.fsdp.unit import Schedule, State, Unit
 from nccl_ddp.adapters.torch.groups import ours_for
 from nccl_ddp.adapters.torch.tensors import to_native
 from nccl_ddp.buckets.layout import ParamSpec
+from nccl_ddp.comm.group import ProcessGroup
 from nccl_ddp.ddp.param_sync import Subject, check_same_params
 from nccl_ddp.device import HostDevice
 from nccl_ddp.errors import ConfigError, ConfigTypeError
@@ -76,7 +77,7 @@ class FSDPModule(TorchFSDPModule):
             unit.requires_gradient_sync = bool(requires_gradient_sync)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """HSDP's all-reduce switch: ours shards on one dimension only, so there is none to skip."""
+        """HSDP's all-reduce switch: accepted, not built (the replicate all-reduce always runs)."""
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         for unit in self._units(recurse):
@@ -123,8 +124,9 @@ def fully_shard(
     offload_policy: Any = None,
     shard_placement_fn: Any = None,
 ) -> torch.nn.Module:
-    """Shard `module`'s parameters along dim 0 over `mesh` (a 1-D torch DeviceMesh; None: every
-    rank of torch.distributed's world) or `group` (a group of ours or torch's over the ranks
+    """Shard `module`'s parameters along dim 0 over `mesh` (a 1-D torch DeviceMesh; a 2-D one
+    for HSDP: replicated on dim 0, sharded on dim 1, the reduced shards all-reduced over dim 0;
+    None: every rank of torch.distributed's world) or `group` (a group of ours or torch's over the ranks
     of the mesh to build). `module` may be a list of modules: one unit over all of them, gathered
     before the first of them runs forward and resharded after the last (FSDP2's grouping).
     Collective: every rank calls it for the same modules in the same order. Returns `module`,
@@ -132,9 +134,8 @@ def fully_shard(
     rank = dist.get_rank() if dist.is_initialized() else 0
     modules = _check_args(module, rank, offload_policy, shard_placement_fn)
     mesh = _mesh(mesh, group, rank)
-    ours = ours_for(mesh.get_group(), "fully_shard(mesh=...)")
-    if ours is None:  # mesh.get_group() is a torch group: ours_for always answers for one
-        raise ConfigError(f"rank {rank}: fully_shard found no nccl_ddp group for the mesh {mesh}")
+    ours = _ours(mesh, mesh.ndim - 1, rank)
+    replicate = _ours(mesh, 0, rank) if mesh.ndim == 2 else None
     device = HostDevice()
     policy = mp_policy
     param_dtype = getattr(policy, "param_dtype", None)
@@ -151,7 +152,9 @@ def fully_shard(
     name = "+".join(type(m).__name__ for m in modules)
     schedule = Schedule(ours, device, mesh)
     layout = unit_layout(specs, ours.size, device.align_bytes)
-    shards = UnitShards(layout, ours, device, schedule.comm, schedule.scratch, f"fully_shard unit {name}")
+    shards = UnitShards(
+        layout, ours, device, schedule.comm, schedule.scratch, f"fully_shard unit {name}", replicate=replicate
+    )
     params = [
         ShardedParam(i, fqn, slots, p, shards, mesh, param_dtype or p.dtype)
         for i, (fqn, slots, p) in enumerate(found)
@@ -227,7 +230,7 @@ def _check_reshard(value: Any) -> bool:
 
 
 def _mesh(mesh: Any, group: Any, rank: int) -> Any:
-    """The 1-D DeviceMesh the DTensors live on."""
+    """The DeviceMesh the DTensors live on (1-D, or 2-D for HSDP)."""
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     if not dist.is_initialized():
@@ -243,12 +246,20 @@ def _mesh(mesh: Any, group: Any, rank: int) -> Any:
         if isinstance(group, dist.ProcessGroup):
             return DeviceMesh.from_group(group, "cpu")
         return DeviceMesh("cpu", list(group.ranks))
-    if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
+    if not isinstance(mesh, DeviceMesh) or mesh.ndim not in (1, 2):
         raise ConfigError(
-            f"rank {rank}: fully_shard takes a 1-D DeviceMesh, got {mesh!r} (HSDP's 2-D mesh is "
-            "not supported yet: compose our DDP across nodes with fully_shard inside one)"
+            f"rank {rank}: fully_shard takes a 1-D DeviceMesh (shard) or a 2-D one (HSDP: "
+            f"replicate on dim 0, shard on dim 1), got {mesh!r}"
         )
     return mesh
+
+
+def _ours(mesh: Any, dim: int, rank: int) -> ProcessGroup:
+    """Our group over the ranks of the mesh's dimension `dim` that hold this rank."""
+    ours = ours_for(mesh.get_group(dim), "fully_shard(mesh=...)")
+    if ours is None:  # mesh.get_group() is a torch group: ours_for always answers for one
+        raise ConfigError(f"rank {rank}: fully_shard found no nccl_ddp group for the mesh {mesh}")
+    return ours
 
 
 def _collect(modules: List[torch.nn.Module], rank: int) -> List[Tuple[str, List[Slot], Any]]:

@@ -1,8 +1,9 @@
 """One sharded parameter of `fully_shard`: its dim-0 shard as a torch DTensor (`Shard(0)` on the
-unit's DeviceMesh, the local tensor a view of the unit's flat shard, so torch's optimizers,
-`clip_grad_norm_` and `torch.distributed.checkpoint` work on it unchanged), and the unsharded
-`nn.Parameter` the module computes with, whose storage is allocated for the all-gather and
-freed again at reshard (FSDP2's scheme: autograd's saved references see the new values)."""
+unit's DeviceMesh, `(Replicate(), Shard(0))` on HSDP's 2-D one; the local tensor a view of the
+unit's flat shard, so torch's optimizers, `clip_grad_norm_` and `torch.distributed.checkpoint`
+work on it unchanged), and the unsharded `nn.Parameter` the module computes with, whose storage
+is allocated for the all-gather and freed again at reshard (FSDP2's scheme: autograd's saved
+references see the new values)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ class ShardedParam:
         compute_dtype: torch.dtype,
     ) -> None:
         import torch
-        from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.tensor import DTensor
 
         self.index, self.fqn, self.slots = index, fqn, slots
         self.shape = tuple(param.shape)
@@ -52,7 +53,12 @@ class ShardedParam:
             local.copy_(param.detach()[lo : lo + rows])
             self.mirror: Optional[Any] = None if local is chunk else chunk
             dt = DTensor.from_local(
-                local, mesh, [Shard(0)], run_check=False, shape=param.shape, stride=_contiguous(self.shape)
+                local,
+                mesh,
+                _placements(mesh),
+                run_check=False,
+                shape=param.shape,
+                stride=_contiguous(self.shape),
             )
         self.sharded = torch.nn.Parameter(dt, requires_grad=self.requires_grad)
         self.unsharded = torch.nn.Parameter(
@@ -118,7 +124,7 @@ class ShardedParam:
         """This rank's reduced rows (a view of the reduce-scatter's output) as the sharded
         parameter's grad, or added to it (torch's accumulation until `zero_grad`)."""
         import torch
-        from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.tensor import DTensor
 
         local = reduced.view(-1, *self.shape[1:])
         if local.dtype != self.orig_dtype:
@@ -126,10 +132,22 @@ class ShardedParam:
         with torch.no_grad():
             if self.sharded.grad is None:
                 self.sharded.grad = DTensor.from_local(
-                    local, mesh, [Shard(0)], run_check=False, shape=self.shape, stride=_contiguous(self.shape)
+                    local,
+                    mesh,
+                    _placements(mesh),
+                    run_check=False,
+                    shape=self.shape,
+                    stride=_contiguous(self.shape),
                 )
             else:
                 self.sharded.grad.to_local().add_(local)
+
+
+def _placements(mesh: DeviceMesh) -> list:
+    """Shard(0) on the mesh's last dim, replicated on the one before (HSDP's 2-D mesh)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    return [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
 
 
 def _contiguous(shape: tuple) -> tuple:
