@@ -35,7 +35,6 @@ class ShardedParam:
         compute_dtype: torch.dtype,
     ) -> None:
         import torch
-        from torch.distributed.tensor import DTensor
 
         self.index, self.fqn, self.slots = index, fqn, slots
         self.shape = tuple(param.shape)
@@ -52,14 +51,7 @@ class ShardedParam:
                 local = torch.empty_like(chunk, dtype=param.dtype)
             local.copy_(param.detach()[lo : lo + rows])
             self.mirror: Optional[Any] = None if local is chunk else chunk
-            dt = DTensor.from_local(
-                local,
-                mesh,
-                _placements(mesh),
-                run_check=False,
-                shape=param.shape,
-                stride=_contiguous(self.shape),
-            )
+            dt = _sharded(local, mesh, self.shape)
         self.sharded = torch.nn.Parameter(dt, requires_grad=self.requires_grad)
         self.unsharded = torch.nn.Parameter(
             torch.empty(self.shape, dtype=compute_dtype, device=param.device),
@@ -124,30 +116,26 @@ class ShardedParam:
         """This rank's reduced rows (a view of the reduce-scatter's output) as the sharded
         parameter's grad, or added to it (torch's accumulation until `zero_grad`)."""
         import torch
-        from torch.distributed.tensor import DTensor
 
         local = reduced.view(-1, *self.shape[1:])
         if local.dtype != self.orig_dtype:
             local = local.to(self.orig_dtype)
         with torch.no_grad():
             if self.sharded.grad is None:
-                self.sharded.grad = DTensor.from_local(
-                    local,
-                    mesh,
-                    _placements(mesh),
-                    run_check=False,
-                    shape=self.shape,
-                    stride=_contiguous(self.shape),
-                )
+                self.sharded.grad = _sharded(local, mesh, self.shape)
             else:
                 self.sharded.grad.to_local().add_(local)
 
 
-def _placements(mesh: DeviceMesh) -> list:
-    """Shard(0) on the mesh's last dim, replicated on the one before (HSDP's 2-D mesh)."""
-    from torch.distributed.tensor import Replicate, Shard
+def _sharded(local: torch.Tensor, mesh: DeviceMesh, shape: tuple) -> Any:
+    """`local` as this rank's rows of a DTensor of `shape`: Shard(0) on the mesh's last dim,
+    replicated on the one before (HSDP's 2-D mesh)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    return [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
+    placements = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
+    return DTensor.from_local(
+        local, mesh, placements, run_check=False, shape=shape, stride=_contiguous(shape)
+    )
 
 
 def _contiguous(shape: tuple) -> tuple:

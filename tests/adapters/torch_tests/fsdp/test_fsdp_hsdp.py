@@ -33,12 +33,12 @@ def _hsdp(rank: int, world: int, store_dir: str) -> dict:
     return out
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(400)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+
 def test_hsdp_2d_mesh_matches_torch(tmp_path):
     ranks = run_ranks(_hsdp, 4, str(tmp_path), timeout=360)
-    for rank, got in enumerate(ranks):
-        ours, ref = got["ours"], got["torch"]
+    for rank, (ours, ref) in enumerate((got["ours"], got["torch"]) for got in ranks):
         assert ours["local_rows"] == ref["local_rows"] == 32, rank  # 64 rows over the 2 shards
         np.testing.assert_allclose(ours["losses"], ref["losses"], rtol=1e-5, err_msg=str(rank))
         for name, value in ref["params"].items():
