@@ -77,7 +77,20 @@ class FSDPModule(TorchFSDPModule):
             unit.requires_gradient_sync = bool(requires_gradient_sync)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """HSDP's all-reduce switch: accepted, not built (the replicate all-reduce always runs)."""
+        """HSDP's all-reduce switch. True (every step all-reduces over the replicate group) is
+        what ours does; False, torch's accumulation of partial reductions, is not built: a
+        ConfigError on a 2-D mesh, rather than a step that silently all-reduces anyway. On a
+        1-D mesh there is no replicate group, and torch's switch changes nothing either."""
+        if requires_all_reduce:
+            return
+        hsdp = [u.name for u in self._units(recurse) if u.shards.replicate is not None]
+        if hsdp:
+            raise ConfigError(
+                f"rank {dist.get_rank()}: set_requires_all_reduce(False) on {hsdp[0]}: nccl_ddp's "
+                "fully_shard always all-reduces the shards over the replicate group (mesh dim 0); "
+                "accumulate with set_requires_gradient_sync(False) instead, which defers the "
+                "reduce-scatter and the all-reduce both"
+            )
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         for unit in self._units(recurse):

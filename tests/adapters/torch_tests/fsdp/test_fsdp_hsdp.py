@@ -21,6 +21,8 @@ STEPS = 20
 def _hsdp(rank: int, world: int, store_dir: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
+    from nccl_ddp.errors import ConfigError
+
     out = {}
     with gloo(rank, world, store_dir):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
@@ -29,6 +31,12 @@ def _hsdp(rank: int, world: int, store_dir: str) -> dict:
             res = train(model, torch.optim.AdamW(model.parameters(), lr=1e-2), tokens(rank, STEPS))
             res["params"] = full_params(model)
             res["local_rows"] = model.output.weight.to_local().shape[0]
+            if who == "ours":  # torch's partial reductions are not built: refused, not ignored
+                model.set_requires_all_reduce(True)
+                try:
+                    model.set_requires_all_reduce(False)
+                except ConfigError as e:
+                    res["refused"] = str(e)
             out[who] = res
     return out
 
@@ -40,6 +48,7 @@ def test_hsdp_2d_mesh_matches_torch(tmp_path):
     ranks = run_ranks(_hsdp, 4, str(tmp_path), timeout=360)
     for rank, (ours, ref) in enumerate((got["ours"], got["torch"]) for got in ranks):
         assert ours["local_rows"] == ref["local_rows"] == 32, rank  # 64 rows over the 2 shards
+        assert f"rank {rank}: set_requires_all_reduce(False)" in ours["refused"]
         np.testing.assert_allclose(ours["losses"], ref["losses"], rtol=1e-5, err_msg=str(rank))
         for name, value in ref["params"].items():
             np.testing.assert_allclose(ours["params"][name], value, rtol=1e-5, atol=1e-6, err_msg=name)
