@@ -1,10 +1,13 @@
 """`DistributedGradReducer`: all-reduce a list of grads after backward (MindSpore's signature).
 
 Grads are fused into buckets and pipelined: while bucket i is all-reduced on the comm stream,
-bucket i+1 is packed on the caller's stream. The reduced grads come back as views of fresh
-bucket buffers (no unpack copy), reshaped like the inputs, in a list/tuple like the input. Every
-call allocates its own buffers and never touches them again, so returned grads never change
-(JAX's zero-copy arrays over them rely on that); the grads keep their buffers alive.
+bucket i+1 is packed on the caller's stream. Each bucket is packed into a buffer of its own
+from `group.zeros`, made at the first call and reused by every later one (as torch's DDP
+buckets), so the host backend all-reduces it in place in shared memory. The reduced grads are
+then copied out (widened, with compress) into fresh memory and come back as views of it,
+reshaped like the inputs, in a list/tuple like the input: every call's grads are its own and
+never change afterwards (the adapters' zero-copy framework arrays over them rely on that, as
+every adapter aliases them); the grads keep their memory alive.
 Framework tensors go through their adapter (`nccl_ddp.ddp.interfaces.grads_adapter_of`) in and out via DLPack.
 Every rank constructs the reducer (as in MindSpore); construction checks with one collective that
 all ranks pass the same parameter shapes/dtypes, mean, degree and fusion ids (`RankMismatchError`
@@ -113,6 +116,7 @@ class DistributedGradReducer:
             self.specs, DEFAULT_CAP_BYTES, FIRST_CAP_BYTES, align_bytes=self.device.align_bytes
         )
         self.comm = self.device.new_stream()
+        self._wire: dict = {}  # bucket index -> its reused all-reduce buffer (_wire_buffer)
         self._failure = StepFailure(self.group.rank, "DistributedGradReducer", self.group)
         self._finite = (
             FiniteCheck(self.check_finite, self.device, self.group.rank, self.settle, self._label)
@@ -172,8 +176,9 @@ class DistributedGradReducer:
         return [out[p] for p in bucket.params]
 
     def _reduce(self, native: list, buckets: Optional[Sequence[int]] = None) -> list:
-        """The native grads of `buckets` (all by default) reduced: views of fresh bucket
-        buffers, packing and all-reducing pipelined across the compute and comm streams."""
+        """The native grads of `buckets` (all by default) reduced: views of fresh memory
+        copied out of the reused bucket buffers, packing, all-reducing and copying out
+        pipelined across the compute and comm streams."""
         if buckets is None or buckets[0] == 0:  # a call (or its first bucket) opens a step
             active = Join.notify_join_context(self) if self.join_state.config.enable else None
             self._divisor = self.degree if self.join_state.divide_by_initial or active is None else active
@@ -184,11 +189,10 @@ class DistributedGradReducer:
         done = []
         for b in range(len(self.layout.buckets)) if buckets is None else buckets:
             bucket = self.layout.buckets[b]
-            buf = self.device.empty(bucket.padded, bucket.dtype)
+            buf = self.device.empty(bucket.padded, bucket.dtype)  # this call's grads: fresh
             offsets = list(bucket.offsets)
             views = [buf[off : off + n] for off, n in zip(offsets, bucket.numels)]
-            wire = self._compression_dtype(bucket)
-            wbuf = buf if wire is None else self.device.empty(bucket.padded, wire)
+            wbuf = self._wire_buffer(b)
             flag = None if flags is None else flags[b : b + 1]
             # compute: ─[pack b]─●ready b─[pack b+1]─●ready b+1─ ... ── wait(done *) ─▶
             #                      ╲                   ╲
@@ -201,10 +205,9 @@ class DistributedGradReducer:
             )
             self.comm.wait(compute.record())
             self.group.all_reduce(wbuf, ReduceOp.SUM, stream=self.comm, tag=bucket_tag(b, bucket.nbytes))
-            if wire is not None:  # widen into the fresh float32 buffer the grads view
-                self.comm.submit(functools.partial(kernels.unpack, nonfinite_flag=flag), views, wbuf, offsets)
-            elif flag is not None:  # check_finite: what the reduction handed back
-                self.comm.submit(kernels.flag_nonfinite, views, wbuf, offsets, flag)
+            # out of the reused buffer (widened with compress; check_finite: what the reduction
+            # handed back is flagged where it is written) into the fresh one the grads view
+            self.comm.submit(functools.partial(kernels.unpack, nonfinite_flag=flag), views, wbuf, offsets)
             done.append(self.comm.record())
             for p, v in zip(bucket.params, views):
                 out[p] = v.reshape(self.specs[p].shape)
@@ -212,6 +215,18 @@ class DistributedGradReducer:
         for ev in done:
             compute.wait(ev)
         return out
+
+    def _wire_buffer(self, b: int) -> Any:
+        """Bucket `b`'s buffer for the all-reduce, in the dtype it travels in: from
+        `group.zeros` (shared memory on the host backend) at the first call, reused after. The
+        next call packs into it only once the compute stream waited for this call's copy-out."""
+        buf = self._wire.get(b)
+        if buf is None:
+            bucket = self.layout.buckets[b]
+            wire = self._compression_dtype(bucket)
+            buf = self.group.zeros(self.device, bucket.padded, bucket.dtype if wire is None else wire)
+            self._wire[b] = buf
+        return buf
 
     def _compression_dtype(self, bucket: Any) -> Any:
         """The dtype a bucket travels in: compress's for float32 buckets, else None (its own)."""

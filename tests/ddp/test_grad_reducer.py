@@ -107,3 +107,36 @@ def test_bad_parameters_and_grads():
     out = red(grads(0))
     assert isinstance(out, list)
     np.testing.assert_allclose(out[0], grads(0)[0] / 1)
+
+
+def _calls_rank(group, kwargs):
+    """Four calls on one reducer, every result kept; the buffers the all-reduces were handed."""
+    sent = []
+    all_reduce = group.all_reduce
+
+    def spy(buf, *args, **kw):
+        sent.append(buf)
+        return all_reduce(buf, *args, **kw)
+
+    group.all_reduce = spy
+    red = DistributedGradReducer(params(), group=group, **kwargs)
+    sent.clear()  # the construction's check
+    kept = [red([g * (call + 1) for g in grads(group.rank)]) for call in range(4)]
+    return kept, sent, len(red.layout.buckets)
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(compress="fp16"), dict(check_finite=True)])
+def test_buffers_reused_results_kept(kwargs):
+    """The all-reduce buffers are the same at every call (group.zeros, made once); each call's
+    grads are copied out of them: a later call never overwrites an earlier call's results."""
+    total = [sum(grads(r)[i].astype(np.float64) for r in range(2)) / 2 for i in range(4)]
+    for kept, sent, nbuckets in run_threads(_calls_rank, 2, kwargs):
+        if kwargs.get("check_finite"):  # each call's last all-reduce: its non-finite flags
+            sent = [b for i, b in enumerate(sent) if (i + 1) % (nbuckets + 1)]
+        assert len(sent) == 4 * nbuckets
+        assert all(sent[c * nbuckets + b] is sent[b] for c in range(4) for b in range(nbuckets))
+        assert all(a is not b for a in kept[0] for b in kept[3])
+        for call, out in enumerate(kept):
+            for i, o in enumerate(out):
+                t = dict(rtol=5e-3, atol=5e-3) if DT[i] == np.float16 or kwargs else dict(rtol=1e-5)
+                np.testing.assert_allclose(o, total[i] * (call + 1), **t)

@@ -2,14 +2,15 @@
 (JAX arrays are immutable), bucketed and pipelined by the reducer.
 
 In: every leaf is read without a copy (`numpy.from_dlpack` gives a read-only view on the CPU,
-`cupy.from_dlpack` on the GPU); the reducer packs it into fresh bucket memory. Out: each reduced
-grad is a slice of that memory handed to `jax.dlpack.from_dlpack`, which keeps it without a copy
-when the slice meets JAX's alignment (64 bytes on the CPU: the host device allocates buckets and
-places grads at 64-byte boundaries, so every leaf is aliased there) and copies it otherwise. The
-reducer allocates new buckets per call and never writes them after it returns, so a returned leaf
-never changes, and it keeps its bucket alive. bfloat16 has no NumPy DLPack type: on the CPU it
-goes in through `numpy.asarray` (a read-only view) and out through `jax.device_put`, which aliases
-aligned NumPy memory as well; on the GPU CuPy 14's DLPack reads it as ml_dtypes.bfloat16.
+`cupy.from_dlpack` on the GPU); the reducer packs it into its bucket and copies the reduced bucket
+out into fresh memory. Out: each reduced grad is a slice of that memory handed to
+`jax.dlpack.from_dlpack`, which keeps it without a copy when the slice meets JAX's alignment (64
+bytes on the CPU: the host device allocates buckets and places grads at 64-byte boundaries, so
+every leaf is aliased there) and copies it otherwise. The reducer never writes that memory after it
+returns (each call copies out into memory of its own), so a returned leaf never changes, and it
+keeps its memory alive. bfloat16 has no NumPy DLPack type: on the CPU it goes in through
+`numpy.asarray` (a read-only view) and out through `jax.device_put`, which aliases aligned NumPy
+memory as well; on the GPU CuPy 14's DLPack reads it as ml_dtypes.bfloat16.
 
 JAX has no per-parameter grad hooks and `jax.grad` returns all grads at once, so there is no
 JAX `DistributedDataParallel`: reduce the grads pytree after `jax.grad` instead.
