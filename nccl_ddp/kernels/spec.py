@@ -10,6 +10,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from nccl_ddp.errors import KernelError
+from nccl_ddp.kernels import half
 
 # (tensor dtype, bucket dtype) pairs. pack: tensor -> bucket; unpack: bucket -> tensor.
 _SAME = {(t, t) for t in ("float16", "bfloat16", "float32", "float64")}
@@ -209,6 +210,8 @@ def pack_ref(
             y = flat[o : o + n]
             if x.dtype == dst.dtype == acc:  # float32/float64: the same rounding, no temporaries
                 _scaled_into(y, x, s)
+            elif x.dtype == np.float32 and dst.dtype == np.float16:  # these bits, faster
+                half.pack_scaled(y, x, s)
             else:
                 if dst.dtype.itemsize < x.dtype.itemsize:
                     x = x.astype(dst.dtype)
@@ -248,6 +251,8 @@ def unpack_ref(
                     np.add(out, seg, out=out)
                 else:
                     np.add(out, seg * s, out=out)
+            elif seg.dtype == np.float16 and out.dtype == acc and not accumulate:
+                half.unpack_scaled(out, seg, s)
             else:
                 v = seg.astype(acc) * s
                 if accumulate:
