@@ -3,9 +3,9 @@ TensorFlow backend) and `GradientTape` grads, eagerly and inside `tf.function`; 
 collectives on tensors and variables.
 
 Eager: every grad is read without a copy (`numpy.from_dlpack` of the EagerTensor, a read-only
-view); the reducer packs it into its bucket, and each reduced grad comes back as a tensor
-over its slice of the call's fresh memory the bucket is copied out into (`tf.experimental.dlpack.from_dlpack`, zero-copy: the host backend aligns
-slices to 64 bytes).
+view); the reducer packs it into its bucket, and each reduced grad comes back as a tensor over its
+slice of the call's fresh memory the bucket is copied out into
+(`tf.experimental.dlpack.from_dlpack`, zero-copy: the host backend aligns slices to 64 bytes).
 
 Inside `tf.function` the grads are symbolic: the reduction becomes one `tf.numpy_function(...,
 stateful=True)` op. At run time TensorFlow hands it the grads as NumPy arrays, the reducer
