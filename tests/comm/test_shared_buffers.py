@@ -229,3 +229,22 @@ def gather_scatter_body(rank, world):
 @pytest.mark.slow
 def test_reduce_scatter_and_all_gather_read_shared_inputs_in_place(world):
     assert run_ranks(gather_scatter_body, world, timeout=120) == [16] * world
+
+
+def small_view_body(rank, world):
+    g, store = host_group(rank, world, chunk_bytes=4096)
+    buf = g.zeros(HostDevice(), N, np.float32)
+    view = buf[8 : 8 + 8192]  # 32 KiB: over a chunk, under the one-signal size, in shared memory
+    assert 4096 < view.nbytes <= SMALL_BYTES and shared.where(view) is not shared.NOT_SHARED
+    view[...] = rank + 1
+    g.all_reduce(view).wait()
+    close_group(g, store)
+    return float(view.min()), float(view.max()), bool(buf[:8].any())
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_small_shared_view_over_a_chunk_is_reduced_in_place(world):
+    """A slice of a shared buffer between a chunk and the one-signal size has no twin of its own
+    but lies in shared memory: every rank's first signal says so, and it is reduced in place."""
+    total = float(sum(range(1, world + 1)))
+    assert run_ranks(small_view_body, world, timeout=60) == [(total, total, False)] * world

@@ -257,10 +257,12 @@ class ShmTransport:
             first.append(stage(0))
 
         tw = self._twin(buf)
-        peers = self._open(buf if tw is None else tw.view, desc, stage0, red.prescale)
-        if peers is not None and tw is not None:
-            self._all_reduce_in_place(tw.view, peers, red, desc)
-            tw.store(buf)
+        read = buf if tw is None else tw.view  # what the peers read: a twin, or buf if shared
+        peers = self._open(read, desc, stage0, red.prescale)
+        if peers is not None:
+            self._all_reduce_in_place(read, peers, red, desc)
+            if tw is not None:
+                tw.store(buf)
             return
         cur = first[0]
         for k in range(len(starts)):
