@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-import logging
 import time
 from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
@@ -29,8 +28,6 @@ from nccl_ddp.zero.params import ScratchPool, UnitShards
 if TYPE_CHECKING:
     import torch
     from torch.distributed.device_mesh import DeviceMesh
-
-log = logging.getLogger(__name__)
 
 
 class State(enum.Enum):
@@ -56,8 +53,6 @@ class Schedule:
     the units as their forwards began / ended in the first step (for prefetching)."""
 
     def __init__(self, group: ProcessGroup, device: Device, mesh: DeviceMesh) -> None:
-        import functools
-
         self.group, self.device, self.mesh = group, device, mesh
         self.comm: Stream = device.new_stream()
         self.scratch = ScratchPool(functools.partial(group.zeros, device))
@@ -66,7 +61,9 @@ class Schedule:
         self.forward_order: List[Unit] = []
         self.post_forward_order: List[Unit] = []
         self.recording = True
-        self.pending: List[Tuple[Unit, Event, List[Any], list]] = []
+        # (unit, done event, reduced shards, which params had a grad): never the unsharded
+        # grads, which the comm stream's pack holds only until it has read them
+        self.pending: List[Tuple[Unit, Event, List[Any], List[bool]]] = []
         self.end_queued = False
 
     def adopt(self, unit: Unit) -> None:
@@ -107,9 +104,9 @@ class Schedule:
             if unit.backward_open:
                 unit.post_backward()
         pending, self.pending = self.pending, []
-        for unit, event, outs, grads in pending:
+        for unit, event, outs, had_grad in pending:
             event.synchronize(self.group.timeout)
-            unit.install_grads(outs, [g is not None for g in grads])
+            unit.install_grads(outs, had_grad)
         for unit in self.units:
             unit.forward_calls = 0
             if unit.reshard_after_backward and unit.state is not State.SHARDED:
@@ -241,7 +238,7 @@ class Unit:
             return
         native = [None if g is None else to_native(g) for g in grads]
         event, outs = self.shards.start_reduce(native, self.reduce_dtype, ReduceOp.AVG)
-        self.schedule.pending.append((self, event, outs, native))
+        self.schedule.pending.append((self, event, outs, [g is not None for g in native]))
 
     def install_grads(self, outs: List[Any], had_grad: List[bool]) -> None:
         """The reduced shards as the sharded grads of the parameters that had a grad here."""
