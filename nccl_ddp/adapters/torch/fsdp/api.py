@@ -11,11 +11,9 @@ through our group over the mesh's ranks (the host backend on CPU), never torch's
 
 from __future__ import annotations
 
-import logging
 import weakref
 from typing import Any, Dict, List, Optional, Tuple, Type, Union
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
@@ -24,15 +22,13 @@ from nccl_ddp.adapters.torch.fsdp import hooks
 from nccl_ddp.adapters.torch.fsdp.param import ShardedParam, Slot
 from nccl_ddp.adapters.torch.fsdp.unit import Schedule, State, Unit
 from nccl_ddp.adapters.torch.groups import ours_for
-from nccl_ddp.adapters.torch.tensors import to_native
+from nccl_ddp.arrays.dlpack import numpy_dtype
 from nccl_ddp.buckets.layout import ParamSpec
 from nccl_ddp.comm.group import ProcessGroup
 from nccl_ddp.ddp.param_sync import Subject, check_same_params
 from nccl_ddp.device import HostDevice
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 from nccl_ddp.zero.params import UnitShards, unit_layout
-
-log = logging.getLogger(__name__)
 
 _UNIT = "_nccl_ddp_fsdp_unit"  # on a sharded module: its Unit; on a managed parameter: the unit's name
 _SHARDED = Subject(
@@ -153,7 +149,7 @@ def fully_shard(
     policy = mp_policy
     param_dtype = getattr(policy, "param_dtype", None)
     found = _collect(modules, rank)
-    specs = [ParamSpec(tuple(p.shape), _np_dtype(param_dtype or p.dtype), name=fqn) for fqn, _, p in found]
+    specs = [ParamSpec(tuple(p.shape), numpy_dtype(param_dtype or p.dtype), name=fqn) for fqn, _, p in found]
     check_same_params(
         specs,
         ours,
@@ -181,7 +177,7 @@ def fully_shard(
         reshard_after_forward=_check_reshard(
             True if reshard_after_forward is None else reshard_after_forward
         ),
-        reduce_dtype=None if reduce is None else _np_dtype(reduce),  # None: each parameter's dtype
+        reduce_dtype=None if reduce is None else numpy_dtype(reduce),  # None: each parameter's dtype
     )
     for (_, _, p), sp in zip(found, params):
         setattr(p, _UNIT, name)
@@ -355,10 +351,6 @@ def _unit_of(module: Any, what: str) -> Unit:
     if not isinstance(unit, Unit):
         raise ConfigError(f"{what}: {type(module).__name__} was not sharded by nccl_ddp.fully_shard")
     return unit
-
-
-def _np_dtype(dtype: torch.dtype) -> np.dtype:
-    return np.dtype(to_native(torch.empty(0, dtype=dtype)).dtype)
 
 
 def _fsdp_class(cls: Type[Any]) -> type:
