@@ -35,6 +35,7 @@ from nccl_ddp.ddp.bucket_plan import (
     HookCall,
     Plan,
     Step,
+    param_views,
     plan_comm_hook,
     plan_compressed,
     plan_pack,
@@ -122,7 +123,7 @@ class BucketSubmitter:
         collective: Optional[BucketCollective] = None,
     ) -> None:
         self.group, self.device, self.comm = group, device, comm
-        self.specs, self.params, self.label = specs, params, label
+        self.label = label
         self.average_in_collective = average_in_collective
         self.collective: BucketCollective = AllReduce(group, device) if collective is None else collective
         # a GradPool (ZeRO-2 over grads handed in per step): "pack" mode's buffers, zeroed first
@@ -160,7 +161,7 @@ class BucketSubmitter:
         step); `flags`: the step's non-finite flags or None."""
         for b, bucket in enumerate(layout.buckets):
             buf = self.device.zeros(bucket.padded, bucket.dtype)
-            grads = [buf[o : o + n] for o, n in zip(bucket.offsets, bucket.numels)]
+            grads = param_views(bucket, buf)
             flag = None if flags is None else flags[b : b + 1]
             self.submit(layout, b, "per_grad" if per_grad else "view", grads, buf, flag, divisor)
 

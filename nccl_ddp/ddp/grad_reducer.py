@@ -44,6 +44,7 @@ from nccl_ddp.buckets.layout import (
 from nccl_ddp.comm.api import device_of, resolve_group
 from nccl_ddp.comm.group import ProcessGroup, ReduceOp
 from nccl_ddp.ddp import comm_hooks
+from nccl_ddp.ddp.bucket_plan import param_views
 from nccl_ddp.ddp.config import COMPRESS, CheckFinite, GradReducerConfig, config_from
 from nccl_ddp.ddp.finite_check import FiniteCheck, require_check
 from nccl_ddp.ddp.interfaces import grads_adapter_of
@@ -191,7 +192,7 @@ class DistributedGradReducer:
             bucket = self.layout.buckets[b]
             buf = self.device.empty(bucket.padded, bucket.dtype)  # this call's grads: fresh
             offsets = list(bucket.offsets)
-            views = [buf[off : off + n] for off, n in zip(offsets, bucket.numels)]
+            views = param_views(bucket, buf)
             wbuf = self._wire_buffer(b)
             flag = None if flags is None else flags[b : b + 1]
             # compute: ─[pack b]─●ready b─[pack b+1]─●ready b+1─ ... ── wait(done *) ─▶
