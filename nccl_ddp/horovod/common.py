@@ -20,7 +20,6 @@ import nccl_ddp as nd
 from nccl_ddp.comm.api import get_local_world_size
 from nccl_ddp.errors import CommError, ConfigError, ConfigTypeError
 from nccl_ddp.horovod import negotiation
-from nccl_ddp.horovod.arrays import host, xp_of
 from nccl_ddp.horovod.objects import allgather_object, broadcast_object
 from nccl_ddp.horovod.process_sets import (
     ProcessSet,
@@ -316,10 +315,6 @@ def stop_timeline() -> None:
 
 # ---------------------------------------------------------------------------------------------
 # objects (objects.py), barrier, join
-
-
-_xp = xp_of  # the names the TensorFlow facade imports
-_host = host
 
 
 def barrier(process_set: Optional[ProcessSet] = None) -> None:

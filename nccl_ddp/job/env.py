@@ -151,7 +151,7 @@ def resolve_env(
         secret=environ.get("NCCL_DDP_SECRET", ""),
         store_hosted_externally=hosted,
         store_port=store_port,
-        source=found.source if source != "arguments" else source,
+        source=source,
         ms_scheduler=found.ms_scheduler,
         world_from=_world_from(environ, source, found.names[1], world_size),
     )
