@@ -55,7 +55,7 @@ class Narrower:
         if m.any():
             idx = np.flatnonzero(m)
             t[idx] = _inf_nan(x[idx])
-        np.bitwise_xor(x, np.bitwise_and(x, _ABS, out=a), out=a)  # the sign bit alone
+        np.bitwise_xor(x, a, out=a)  # the sign bit alone (a still holds |x|'s bits)
         np.right_shift(a, 16, out=a)
         np.bitwise_or(t, a, out=t)
         np.copyto(dst.reshape(-1).view(np.uint16), t, casting="unsafe")  # the low 16 bits
