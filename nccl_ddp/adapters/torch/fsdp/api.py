@@ -326,6 +326,11 @@ def _check_param(fqn: str, p: Any, rank: int) -> None:
             f"rank {rank}: parameter {fqn!r} is not contiguous (strides {p.stride()}): make it "
             "contiguous (p.data = p.data.contiguous()) before fully_shard"
         )
+    if p.dim() == 0:
+        raise ConfigError(
+            f"rank {rank}: parameter {fqn!r} has no dimensions, so it cannot be sharded along dim 0: "
+            "give it shape (1,) (e.g. torch.nn.Parameter(t.reshape(1)))"
+        )
 
 
 def _is_dtensor(p: Any) -> bool:

@@ -47,10 +47,14 @@ def _errors(rank: int, world: int, store_dir: str) -> dict:
         m.weight = torch.nn.Parameter(torch.randn(4, 6).t())
         nd.fully_shard(m)
 
+    def no_dimensions():
+        m = torch.nn.Linear(4, 4)
+        m.scale = torch.nn.Parameter(torch.tensor(1.0))
+        nd.fully_shard(m)
+
+    cases = (twice, shared_across_units, shapes_differ, meta, not_contiguous, no_dimensions)
     with gloo(rank, world, store_dir):
-        return {
-            f.__name__: outcome(f) for f in (twice, shared_across_units, shapes_differ, meta, not_contiguous)
-        }
+        return {f.__name__: outcome(f) for f in cases}
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +72,7 @@ def ranks(tmp_path_factory) -> list:
         ("shapes_differ", "RankMismatchError", ["'weight'", "rank 1 has shape (5, 4)"]),
         ("meta", "ConfigError", ["'weight'", "meta device", "to_empty"]),
         ("not_contiguous", "ConfigError", ["'weight'", "not contiguous", "contiguous()"]),
+        ("no_dimensions", "ConfigError", ["'scale'", "no dimensions", "shape (1,)"]),
     ],
 )
 def test_errors_named_on_every_rank(ranks, case, error, words):
