@@ -165,17 +165,17 @@ def _iters(args, size: int) -> int:
     return max(3, min(args.iters, BYTES_PER_SIZE // size))
 
 
-def _time_ours(nd, args, x, iters: int) -> float:
-    """Seconds per all-reduce of `x` (NumPy on host, CuPy on nccl: NCCL calls return before the
-    GPU ran them, so the device is synchronised around the timed loop)."""
+def _time_ours(nd, args, x, iters: int, group=None) -> float:
+    """Seconds per all-reduce of `x` on `group` (None: the world's; NumPy on host, CuPy on nccl:
+    NCCL calls return before the GPU ran them, so the device is synchronised around the loop)."""
     xp = array_module(nd)
     for _ in range(max(2, args.warmup)):  # (a private array's twin is made at its second call)
-        nd.all_reduce(x, op=args.op)
+        nd.all_reduce(x, op=args.op, group=group)
     nd.barrier()
     synchronize(xp)
     t0 = time.perf_counter()
     for _ in range(iters):
-        nd.all_reduce(x, op=args.op)
+        nd.all_reduce(x, op=args.op, group=group)
     synchronize(xp)
     return slowest(nd, (time.perf_counter() - t0) / iters)
 
@@ -239,16 +239,11 @@ def _flat_group(nd):
 
 def _time_on(nd, args, x, iters: int, group) -> tuple:
     """(seconds per all-reduce of `x` on `group`, MiB a rank sent between nodes per op, the most
-    of any rank)."""
-    for _ in range(max(2, args.warmup)):
-        nd.all_reduce(x, op=args.op, group=group)
-    nd.barrier()
+    of any rank: counted over one more call, the bytes of an op being the same every time)."""
+    t = _time_ours(nd, args, x, iters, group)
     sent = group.cross_node_bytes()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        nd.all_reduce(x, op=args.op, group=group)
-    t = slowest(nd, (time.perf_counter() - t0) / iters)
-    return t, slowest(nd, (group.cross_node_bytes() - sent) / iters / (1 << 20))
+    nd.all_reduce(x, op=args.op, group=group)
+    return t, slowest(nd, (group.cross_node_bytes() - sent) / (1 << 20))
 
 
 def _time_limit(nd, args, x, iters: int) -> float:
