@@ -124,7 +124,11 @@ def _human(n: int) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    # @FILE reads arguments from FILE, one per line: a launcher's own parser (torchrun's and ours)
+    # refuses --max after the script as an abbreviation of its --max-restarts
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter, fromfile_prefix_chars="@"
+    )
     p.add_argument("--min", type=_bytes, default=_bytes("1K"), help="smallest size (1K)")
     p.add_argument("--max", type=_bytes, default=_bytes("256M"), help="largest size (256M)")
     p.add_argument("--dtype", default="float32", help="float32, float16, bfloat16, int32, ...")
