@@ -18,7 +18,10 @@ def _namespaces() -> set:
     return {line.split()[0] for line in r.stdout.splitlines() if line.strip()}
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("tc")), reason="needs root, ip, tc")
+NETNS = os.geteuid() == 0 and bool(shutil.which("ip") and shutil.which("tc"))
+
+
+@pytest.mark.skipif(not NETNS, reason="needs root, ip and tc")
 def test_two_namespaces_cross_a_paced_link(tmp_path):
     try:
         before = _namespaces()
