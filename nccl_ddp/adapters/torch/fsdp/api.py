@@ -57,6 +57,17 @@ class FSDPModule(TorchFSDPModule):
         """Free the unsharded parameters; the module holds its sharded DTensors (not recursive)."""
         self._nccl_unit().reshard()
 
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        """`to_empty(device="cpu")`, `.to(...)` and the like, on the sharded DTensors: after
+        torch's `_apply` the unit's parameters get their local tensors back in the shard memory
+        (meta ones materialised there as zeros, for the init that follows)."""
+        unit = self._nccl_unit()
+        unit.reshard()
+        out = super(TorchFSDPModule, self)._apply(*args, **kwargs)  # nn.Module's, not torch FSDP's
+        for p in unit.params:
+            p.materialise()
+        return out
+
     def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
         """Gather the parameters (not recursive); `async_op=True` returns a handle to wait on."""
         unit = self._nccl_unit()
@@ -181,7 +192,7 @@ def fully_shard(
     )
     for (_, _, p), sp in zip(found, params):
         setattr(p, _UNIT, name)
-        setattr(sp.sharded, _UNIT, name)
+        sp.tag(_UNIT, name)
         sp.register(unsharded=False)
     for inner in _units_in(
         modules, recurse=True
@@ -309,14 +320,12 @@ def _check_param(fqn: str, p: Any, rank: int) -> None:
 
     if _is_dtensor(p):
         raise ConfigError(f"rank {rank}: parameter {fqn!r} is already a DTensor (torch's fully_shard or TP?)")
-    if is_lazy(p) or p.is_meta:
+    if is_lazy(p):
         raise ConfigError(
-            f"rank {rank}: parameter {fqn!r} is "
-            f"{'uninitialized (lazy)' if is_lazy(p) else 'on the meta device'}: "
-            "materialise it (module.to_empty(device='cpu') and initialise, or run one forward for lazy "
-            "modules) before fully_shard"
+            f"rank {rank}: parameter {fqn!r} is uninitialized (lazy): run one forward of its "
+            "module (or build it with its sizes) before fully_shard"
         )
-    if p.device.type != "cpu":
+    if p.device.type not in ("cpu", "meta"):  # meta: a meta DTensor until module.to_empty(device="cpu")
         raise ConfigError(
             f"rank {rank}: parameter {fqn!r} is on {p.device}: nccl_ddp's fully_shard runs on "
             "CPU tensors only so far (the GPU path is not built yet)"

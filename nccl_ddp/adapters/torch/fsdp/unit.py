@@ -23,6 +23,7 @@ from nccl_ddp.adapters.torch.fsdp.param import ShardedParam
 from nccl_ddp.adapters.torch.tensors import from_native, to_native
 from nccl_ddp.comm.group import ProcessGroup, ReduceOp
 from nccl_ddp.device import Device, Event, Stream
+from nccl_ddp.errors import ConfigError
 from nccl_ddp.zero.params import ScratchPool, UnitShards
 
 if TYPE_CHECKING:
@@ -150,6 +151,16 @@ class Unit:
         """Start the all-gather (no-op when gathered or in flight)."""
         if self.state is not State.SHARDED:
             return
+        for p in self.params:
+            if p.meta:  # moved by an _apply of a submodule that is not a sharded one: adopt it
+                p.materialise()
+        meta = [p.fqn for p in self.params if p.meta]
+        if meta:
+            raise ConfigError(
+                f"rank {self.shards.rank}: parameter {meta[0]!r} of the fully_shard unit {self.name} "
+                "is still on the meta device: after fully_shard, call module.to_empty(device='cpu') "
+                "and initialise it (e.g. reset_parameters()) before the first forward"
+            )
         outs = [p.alloc() for p in self.params]
         mirrors = [p for p in self.params if p.mirror is not None]
         before = functools.partial(_cast_all, mirrors) if mirrors else None

@@ -1,6 +1,7 @@
 """fully_shard's bad inputs, 2 ranks: each raises on every rank, before any data moves, naming
 the rank, the parameter and what to do (a unit applied twice, a parameter shared with another
-unit, shapes that differ across ranks, a meta parameter, a non-contiguous one)."""
+unit, shapes that differ across ranks, a meta parameter never materialised (at the first
+forward), a non-contiguous one)."""
 
 from __future__ import annotations
 
@@ -37,10 +38,12 @@ def _errors(rank: int, world: int, store_dir: str) -> dict:
     def shapes_differ():
         nd.fully_shard(torch.nn.Linear(4, 4 + rank))
 
-    def meta():
+    def meta_never_materialised():  # sharded on meta (FSDP2's deferred init), no to_empty
         with torch.device("meta"):
-            m = torch.nn.Linear(4, 4)
+            m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        nd.fully_shard(m[0])
         nd.fully_shard(m)
+        m(torch.ones(2, 4))
 
     def not_contiguous():
         m = torch.nn.Linear(4, 6)
@@ -52,7 +55,8 @@ def _errors(rank: int, world: int, store_dir: str) -> dict:
         m.scale = torch.nn.Parameter(torch.tensor(1.0))
         nd.fully_shard(m)
 
-    cases = (twice, shared_across_units, shapes_differ, meta, not_contiguous, no_dimensions)
+    cases = (twice, shared_across_units, shapes_differ, meta_never_materialised, not_contiguous)
+    cases += (no_dimensions,)
     with gloo(rank, world, store_dir):
         return {f.__name__: outcome(f) for f in cases}
 
@@ -70,7 +74,7 @@ def ranks(tmp_path_factory) -> list:
         ("twice", "ConfigError", ["applied twice", "once per module"]),
         ("shared_across_units", "ConfigError", ["'weight'", "already manages it", "one unit"]),
         ("shapes_differ", "RankMismatchError", ["'weight'", "rank 1 has shape (5, 4)"]),
-        ("meta", "ConfigError", ["'weight'", "meta device", "to_empty"]),
+        ("meta_never_materialised", "ConfigError", ["'1.weight'", "meta device", "to_empty(device='cpu')"]),
         ("not_contiguous", "ConfigError", ["'weight'", "not contiguous", "contiguous()"]),
         ("no_dimensions", "ConfigError", ["'scale'", "no dimensions", "shape (1,)"]),
     ],
