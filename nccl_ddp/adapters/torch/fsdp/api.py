@@ -79,25 +79,18 @@ class FSDPModule(TorchFSDPModule):
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """False: backward keeps the local unsharded grads (no reduce-scatter) and adds them to
-        the next synchronised backward's, which reduces the sum (torch's no_sync)."""
+        the next synchronised backward's, which reduces the sum (torch's no_sync). Sets
+        `set_requires_all_reduce` to the same value (torch's)."""
         for unit in self._units(recurse):
-            unit.requires_gradient_sync = bool(requires_gradient_sync)
+            unit.requires_gradient_sync = unit.requires_all_reduce = bool(requires_gradient_sync)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """HSDP's all-reduce switch. True (every step all-reduces over the replicate group) is
-        what ours does; False, torch's accumulation of partial reductions, is not built: a
-        ConfigError on a 2-D mesh, rather than a step that silently all-reduces anyway. On a
-        1-D mesh there is no replicate group, and torch's switch changes nothing either."""
-        if requires_all_reduce:
-            return
-        hsdp = [u.name for u in self._units(recurse) if u.shards.replicate is not None]
-        if hsdp:
-            raise ConfigError(
-                f"rank {dist.get_rank()}: set_requires_all_reduce(False) on {hsdp[0]}: nccl_ddp's "
-                "fully_shard always all-reduces the shards over the replicate group (mesh dim 0); "
-                "accumulate with set_requires_gradient_sync(False) instead, which defers the "
-                "reduce-scatter and the all-reduce both"
-            )
+        """HSDP (2-D mesh): False still reduce-scatters each backward over the shard group but
+        skips the all-reduce over the replicate group: the reduced shards accumulate apart (the
+        sharded grads unchanged) until a backward with True adds them in and all-reduces the
+        sum. On a 1-D mesh there is no replicate group: no effect (as torch's)."""
+        for unit in self._units(recurse):
+            unit.requires_all_reduce = bool(requires_all_reduce)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         for unit in self._units(recurse):

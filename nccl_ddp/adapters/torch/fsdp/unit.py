@@ -64,7 +64,7 @@ class Schedule:
         self.recording = True
         # (unit, done event, reduced shards, which params had a grad): never the unsharded
         # grads, which the comm stream's pack holds only until it has read them
-        self.pending: List[Tuple[Unit, Event, List[Any], List[bool]]] = []
+        self.pending: List[Tuple[Unit, Event, Optional[List[Any]], List[bool]]] = []
         self.end_queued = False
 
     def adopt(self, unit: Unit) -> None:
@@ -136,6 +136,8 @@ class Unit:
         self.reshard_unless_root = False  # reshard_after_forward=None: True once adopted
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
+        self.requires_all_reduce = True  # HSDP: False keeps the reduce-scattered shards partial
+        self._partial_had: List[bool] = []  # which parameters the partial shards hold grads of
         self.reduce_dtype = reduce_dtype  # numpy dtype of the reduce-scatter
         self.state = State.SHARDED
         self._gathered: Optional[Event] = None
@@ -248,11 +250,18 @@ class Unit:
         if all(g is None for g in grads):
             return
         native = [None if g is None else to_native(g) for g in grads]
-        event, outs = self.shards.start_reduce(native, self.reduce_dtype, ReduceOp.AVG)
-        self.schedule.pending.append((self, event, outs, [g is not None for g in native]))
+        event, outs = self.shards.start_reduce(
+            native, self.reduce_dtype, ReduceOp.AVG, all_reduce=self.requires_all_reduce
+        )
+        had = [g is not None or bool(k) for g, k in zip(native, self._partial_had or [False] * len(native))]
+        self._partial_had = had if outs is None else []
+        self.schedule.pending.append((self, event, outs, had))
 
-    def install_grads(self, outs: List[Any], had_grad: List[bool]) -> None:
-        """The reduced shards as the sharded grads of the parameters that had a grad here."""
+    def install_grads(self, outs: Optional[List[Any]], had_grad: List[bool]) -> None:
+        """The reduced shards as the sharded grads of the parameters that had a grad in them
+        (None: HSDP's partial shards, kept for a later backward that all-reduces)."""
+        if outs is None:
+            return
         for p, had in zip(self.params, had_grad):
             if had and p.requires_grad:
                 p.add_sharded_grad(from_native(self.shards.grad_local(outs, p.index)), self.schedule.mesh)
