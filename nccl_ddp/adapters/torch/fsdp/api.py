@@ -62,6 +62,10 @@ class FSDPModule(TorchFSDPModule):
         torch's `_apply` the unit's parameters get their local tensors back in the shard memory
         (meta ones materialised there as zeros, for the init that follows)."""
         unit = self._nccl_unit()
+        fn = args[0] if args else kwargs["fn"]
+        for u in self._units(recurse=True):  # a change of dtype or device: refused before any moves
+            for p in u.params:
+                p.check_apply(fn)
         unit.reshard()
         out = super(TorchFSDPModule, self)._apply(*args, **kwargs)  # nn.Module's, not torch FSDP's
         for p in unit.params:

@@ -102,18 +102,30 @@ class ShardedParam:
         """`local`'s values into our memory, and `new` swapped to a DTensor over that memory."""
         import torch
 
-        if local.dtype != self.orig_dtype or local.device.type != "cpu":
-            raise ConfigError(
-                f"rank {self.rank}: parameter {self.fqn!r} became {local.dtype} on {local.device} "
-                f"(it was {self.orig_dtype} on cpu at fully_shard, which laid out its shards): change "
-                "the dtype or device before fully_shard (or use a MixedPrecisionPolicy)"
-            )
+        self._check_moved(local)
         ours = self._new_local()
         ours.copy_(local)
         torch.utils.swap_tensors(
             new, torch.nn.Parameter(_sharded(ours, self.mesh, self.shape), new.requires_grad)
         )
         self._ours = ours
+
+    def check_apply(self, fn: Any) -> None:
+        """Before an `_apply(fn)` moves anything: `fn` (tried on the sharded parameter) must keep
+        it a CPU tensor of its dtype, the shard layout's."""
+        import torch
+
+        with torch.no_grad():
+            self._check_moved(fn(self.sharded))
+
+    def _check_moved(self, t: torch.Tensor) -> None:
+        if t.dtype != self.orig_dtype or t.device.type not in ("cpu", "meta"):
+            raise ConfigError(
+                f"rank {self.rank}: parameter {self.fqn!r} would become {t.dtype} on {t.device} "
+                f"(it is {self.orig_dtype} on cpu, as fully_shard laid out its shards): change the "
+                "dtype or device before fully_shard (or use a MixedPrecisionPolicy); to_empty("
+                "device='cpu') and .to('cpu') are what works after it"
+            )
 
     @property
     def meta(self) -> bool:

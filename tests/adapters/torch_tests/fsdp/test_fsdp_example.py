@@ -77,6 +77,7 @@ def _example(fs, prefetch: bool, bf16: bool, meta: bool) -> dict:
         assert all(p.is_meta for p in model.parameters())
         model.to_empty(device="cpu")
         _init(model)
+        model.to("cpu")  # where it is: nothing moves (ours keeps its shard memory)
     shards_ok = fs is not nd.fully_shard or _in_our_shards(model)
     if prefetch:
         _prefetch(model, 2)
