@@ -125,6 +125,7 @@ class UnitShards:
         self.layout, self.group, self.device, self.comm = layout, group, device, comm
         self.scratch, self.name, self.rank = scratch, name, group.rank
         self.replicate = replicate  # HSDP: the reduced shards are all-reduced over it too
+        self.partial: Optional[List[Any]] = None  # HSDP: reduced shards not yet all-reduced
         self.shards: List[Any] = [group.zeros(device, b.padded, b.dtype) for b in layout.shard.buckets]
 
     def chunk(self, i: int) -> Any:
@@ -161,13 +162,20 @@ class UnitShards:
     # ------------------------------------------------------------------ reduce-scatter
 
     def start_reduce(
-        self, grads: Sequence[Optional[Any]], dtype: Any = None, op: ReduceOp = ReduceOp.AVG
-    ) -> Tuple[Event, List[Any]]:
+        self,
+        grads: Sequence[Optional[Any]],
+        dtype: Any = None,
+        op: ReduceOp = ReduceOp.AVG,
+        *,
+        all_reduce: bool = True,
+    ) -> Tuple[Event, Optional[List[Any]]]:
         """Reduce the unsharded grads (flat arrays, full numel; None reads as zeros) over the
         group in `dtype` (None: each bucket's own): packed rank-major into the shared scratch
         buffer, reduce-scattered with `op`. Returns the done event and this rank's reduced
         shards (one flat array per bucket, in the shard layout: `grad_local` cuts parameter i's
-        rows out of them)."""
+        rows out of them). HSDP (`replicate`): the shards are all-reduced over it too, with the
+        partial shards kept since added in; `all_reduce=False` skips that all-reduce and adds
+        the shards to the partial ones instead (returned as None: no grad to install yet)."""
         outs = []
         for b, bucket in enumerate(self.layout.shard.buckets):
             n, dt = bucket.padded, bucket.dtype if dtype is None else dtype
@@ -176,9 +184,17 @@ class UnitShards:
             self.comm.submit(_pack, self.layout, pack, n, params, [grads[i] for i in bucket.params])
             out = self.device.empty(n, dt)
             self.group.reduce_scatter(out, pack, op, self.comm, tag=self._tag("reduce-scatter", b))
-            if self.replicate is not None:
-                self.replicate.all_reduce(out, op, self.comm, tag=self._tag("replicate all-reduce", b))
             outs.append(out)
+        if self.replicate is None:
+            return self.comm.record(), outs
+        if self.partial is not None:  # the shards reduced since the last all-reduce, added in
+            self.comm.submit(_add_into, outs, self.partial)
+        if not all_reduce:
+            self.partial = outs
+            return self.comm.record(), None
+        self.partial = None
+        for b, out in enumerate(outs):
+            self.replicate.all_reduce(out, op, self.comm, tag=self._tag("replicate all-reduce", b))
         return self.comm.record(), outs
 
     def grad_local(self, outs: Sequence[Any], i: int) -> Any:
@@ -197,6 +213,12 @@ def _copy_out(layout: UnitLayout, gathered: Any, shard_n: int, params: list, out
             if n:
                 lo = r * layout.rows[i] * per
                 dst[lo : lo + n] = gathered[r * shard_n + off : r * shard_n + off + n]
+
+
+def _add_into(outs: Sequence[Any], partial: Sequence[Any]) -> None:
+    """Each bucket's partial shard added into its newly reduced one."""
+    for out, part in zip(outs, partial):
+        out += part
 
 
 def _pack(layout: UnitLayout, pack: Any, shard_n: int, params: list, grads: Sequence[Optional[Any]]) -> None:

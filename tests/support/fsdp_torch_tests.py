@@ -60,8 +60,9 @@ TORCH_TESTS = {
     "test_shard_placement_fn_tp_ep": GPU,
     "test_3d_mlp_with_nd_mesh": UNSUPPORTED + "3-D meshes",
     "test_train_parity_hsdp": (
-        "test_fsdp_hsdp.py case: a (2, 2) mesh at 4 ranks, AdamW on the test Transformer, to 1e-5 "
-        "(torch's: MLP stacks on GPUs, set_requires_all_reduce variants)"
+        "test_fsdp_hsdp.py case: a (2, 2) mesh at 4 ranks, AdamW on the test Transformer, to 1e-5, "
+        "and set_requires_all_reduce(False) accumulation over micro-batches (torch's: MLP stacks "
+        "on GPUs)"
     ),
     # TestFullyShardCustomForwardMethod / ShareCommContext / WorldSize1 / CudaGraph
     "test_register_fsdp_forward_method": UNSUPPORTED + "register_fsdp_forward_method",

@@ -1,7 +1,7 @@
 """ZeRO-3's framework-free core (zero/params.py): the dim-0 cut of a unit (torch.chunk's rows,
 padding past the end, one aligned flat shard per dtype), and on 3 ranks of the host backend the
 all-gather that rebuilds every parameter from the shards and the reduce-scatter that averages
-the grads into them (NumPy arrays only)."""
+the grads into them; on 4 (HSDP) the partial reductions kept until an all-reduce (NumPy only)."""
 
 import numpy as np
 import pytest
@@ -81,3 +81,47 @@ def test_gather_rebuilds_and_reduce_scatter_averages_on_three_ranks():
     for rank, (gathered, reduced) in enumerate(run_ranks(_round_trip, 3, None, timeout=60)):
         assert gathered, rank
         assert all(reduced), (rank, reduced)
+
+
+def _partial(rank, world, _):
+    """HSDP on 4 ranks: shard groups {0,1} {2,3}, replicate groups {0,2} {1,3}; three reductions,
+    the first two with all_reduce=False."""
+    import nccl_ddp as nd
+    from nccl_ddp.device import HostDevice
+    from nccl_ddp.zero.params import ScratchPool, UnitShards
+
+    nd.init_process_group("host")
+    try:
+        all_groups = [(ranks, nd.new_group(ranks)) for ranks in ([0, 1], [2, 3], [0, 2], [1, 3])]
+        shard, replicate = [g for ranks, g in all_groups if rank in ranks]  # (shard, replicate)
+        device = HostDevice()
+        layout = unit_layout(_specs(), 2, device.align_bytes)
+        comm = device.new_stream()
+        pool = ScratchPool(lambda n, dt: shard.zeros(device, n, dt))
+        shards = UnitShards(layout, shard, device, comm, pool, "u", replicate=replicate)
+        full = [np.arange(np.prod(s), dtype=sp.dtype) + 1 for s, sp in zip(SHAPES, _specs())]
+        returned = []
+        for k, all_reduce in enumerate((False, False, True)):
+            event, red = shards.start_reduce([f * (rank + 1) * (k + 1) for f in full], all_reduce=all_reduce)
+            event.synchronize(30)
+            returned.append(red is not None)
+        mean = np.mean([r + 1 for r in range(world)]) * (1 + 2 + 3)  # every rank's, every step's
+        reduced = []
+        for i, f in enumerate(full):
+            lo = shard.rank * layout.rows[i] * layout.row_numel[i]
+            want = f[lo : lo + shards.local(i).size] * mean
+            reduced.append(np.allclose(shards.grad_local(red, i), want))
+        comm.close()
+        return returned, reduced, shards.partial is None
+    finally:
+        nd.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_partial_reductions_are_kept_until_an_all_reduce_on_four_ranks():
+    from mp import run_ranks
+
+    for rank, (returned, reduced, cleared) in enumerate(run_ranks(_partial, 4, None, timeout=90)):
+        assert returned == [False, False, True], rank  # no shards to install until the all-reduce
+        assert all(reduced), (rank, reduced)
+        assert cleared, rank

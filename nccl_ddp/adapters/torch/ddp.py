@@ -107,6 +107,7 @@ class TorchDistributedDataParallel(torch.nn.Module, DistributedDataParallel, _To
         check_torch_options(torch_options, dim, gradient_as_bucket_view, check_reduction)
         if not isinstance(module, torch.nn.Module):
             raise ConfigTypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        _refuse_fully_shard(module)
         join_torch_world(process_group, "DistributedDataParallel")
         config = given.get("config")
         if given.get("zero") is not None or (isinstance(config, DDPConfig) and config.zero is not None):
@@ -356,3 +357,29 @@ class TorchDistributedDataParallel(torch.nn.Module, DistributedDataParallel, _To
         super()._apply(fn, recurse)
         self._torch_module.realias_grads()
         return self
+
+
+def _refuse_fully_shard(module: torch.nn.Module) -> None:
+    """A model sharded by `fully_shard` (ours or torch's) holds DTensor shards whose grads its
+    units install after backward, where our DDP's grad hooks never see them: refused, pointing
+    at the 2-D mesh, which does what DDP over the shards would (HSDP)."""
+    import sys
+
+    import torch.distributed as dist
+
+    if "torch.distributed.fsdp" not in sys.modules:  # nothing can be sharded: no import for it
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = next((n for n, m in module.named_modules() if isinstance(m, FSDPModule)), None)
+    if sharded is not None:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        cls = type(module.get_submodule(sharded)).__name__
+        where = f"{cls} at {sharded!r}" if sharded else f"{cls} at the root"
+        raise ConfigError(
+            f"rank {rank}: DistributedDataParallel got a model sharded by fully_shard ({where}): DDP "
+            "over a sharded model is not supported. For HSDP (shard inside a node, replicate "
+            "across nodes) give fully_shard a 2-D mesh instead, e.g. mesh=init_device_mesh('cpu', "
+            "(nodes, ranks_per_node)): it reduce-scatters in the shard group and all-reduces the "
+            "shards over the replicate group (mesh dim 0)"
+        )

@@ -57,6 +57,21 @@ class FSDPModule(TorchFSDPModule):
         """Free the unsharded parameters; the module holds its sharded DTensors (not recursive)."""
         self._nccl_unit().reshard()
 
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        """`to_empty(device="cpu")`, `.to(...)` and the like, on the sharded DTensors: after
+        torch's `_apply` the unit's parameters get their local tensors back in the shard memory
+        (meta ones materialised there as zeros, for the init that follows)."""
+        unit = self._nccl_unit()
+        fn = args[0] if args else kwargs["fn"]
+        for u in self._units(recurse=True):  # a change of dtype or device: refused before any moves
+            for p in u.params:
+                p.check_apply(fn)
+        unit.reshard()
+        out = super(TorchFSDPModule, self)._apply(*args, **kwargs)  # nn.Module's, not torch FSDP's
+        for p in unit.params:
+            p.materialise()
+        return out
+
     def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
         """Gather the parameters (not recursive); `async_op=True` returns a handle to wait on."""
         unit = self._nccl_unit()
@@ -68,25 +83,18 @@ class FSDPModule(TorchFSDPModule):
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """False: backward keeps the local unsharded grads (no reduce-scatter) and adds them to
-        the next synchronised backward's, which reduces the sum (torch's no_sync)."""
+        the next synchronised backward's, which reduces the sum (torch's no_sync). Sets
+        `set_requires_all_reduce` to the same value (torch's)."""
         for unit in self._units(recurse):
-            unit.requires_gradient_sync = bool(requires_gradient_sync)
+            unit.requires_gradient_sync = unit.requires_all_reduce = bool(requires_gradient_sync)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """HSDP's all-reduce switch. True (every step all-reduces over the replicate group) is
-        what ours does; False, torch's accumulation of partial reductions, is not built: a
-        ConfigError on a 2-D mesh, rather than a step that silently all-reduces anyway. On a
-        1-D mesh there is no replicate group, and torch's switch changes nothing either."""
-        if requires_all_reduce:
-            return
-        hsdp = [u.name for u in self._units(recurse) if u.shards.replicate is not None]
-        if hsdp:
-            raise ConfigError(
-                f"rank {dist.get_rank()}: set_requires_all_reduce(False) on {hsdp[0]}: nccl_ddp's "
-                "fully_shard always all-reduces the shards over the replicate group (mesh dim 0); "
-                "accumulate with set_requires_gradient_sync(False) instead, which defers the "
-                "reduce-scatter and the all-reduce both"
-            )
+        """HSDP (2-D mesh): False still reduce-scatters each backward over the shard group but
+        skips the all-reduce over the replicate group: the reduced shards accumulate apart (the
+        sharded grads unchanged) until a backward with True adds them in and all-reduces the
+        sum. On a 1-D mesh there is no replicate group: no effect (as torch's)."""
+        for unit in self._units(recurse):
+            unit.requires_all_reduce = bool(requires_all_reduce)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         for unit in self._units(recurse):
@@ -181,7 +189,7 @@ def fully_shard(
     )
     for (_, _, p), sp in zip(found, params):
         setattr(p, _UNIT, name)
-        setattr(sp.sharded, _UNIT, name)
+        sp.tag(_UNIT, name)
         sp.register(unsharded=False)
     for inner in _units_in(
         modules, recurse=True
@@ -309,14 +317,12 @@ def _check_param(fqn: str, p: Any, rank: int) -> None:
 
     if _is_dtensor(p):
         raise ConfigError(f"rank {rank}: parameter {fqn!r} is already a DTensor (torch's fully_shard or TP?)")
-    if is_lazy(p) or p.is_meta:
+    if is_lazy(p):
         raise ConfigError(
-            f"rank {rank}: parameter {fqn!r} is "
-            f"{'uninitialized (lazy)' if is_lazy(p) else 'on the meta device'}: "
-            "materialise it (module.to_empty(device='cpu') and initialise, or run one forward for lazy "
-            "modules) before fully_shard"
+            f"rank {rank}: parameter {fqn!r} is uninitialized (lazy): run one forward of its "
+            "module (or build it with its sizes) before fully_shard"
         )
-    if p.device.type != "cpu":
+    if p.device.type not in ("cpu", "meta"):  # meta: a meta DTensor until module.to_empty(device="cpu")
         raise ConfigError(
             f"rank {rank}: parameter {fqn!r} is on {p.device}: nccl_ddp's fully_shard runs on "
             "CPU tensors only so far (the GPU path is not built yet)"

@@ -7,9 +7,10 @@ references see the new values)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from nccl_ddp.adapters.torch.tensors import from_native, to_native
+from nccl_ddp.errors import ConfigError
 from nccl_ddp.zero.params import UnitShards
 
 if TYPE_CHECKING:
@@ -36,30 +37,100 @@ class ShardedParam:
     ) -> None:
         import torch
 
-        self.index, self.fqn, self.slots = index, fqn, slots
+        self.index, self.fqn, self.slots, self.mesh = index, fqn, slots, mesh
         self.shape = tuple(param.shape)
         self.orig_dtype, self.compute_dtype = param.dtype, compute_dtype
         self.requires_grad = param.requires_grad
-        rank, layout = shards.rank, shards.layout
+        self.rank = rank = shards.rank
+        layout = shards.layout
         rows = layout.local_rows(index, rank)
         lo = rank * layout.rows[index]
         chunk = from_native(shards.local(index)).view(rows, *self.shape[1:])
+        self._chunk = chunk  # this rank's rows in the shard memory (the gather's input)
+        self.mirror: Optional[Any] = None if compute_dtype == param.dtype else chunk
+        # the DTensor's local tensor in our memory; None for a meta parameter (FSDP2's deferred
+        # init: a meta DTensor until `materialise`)
+        self._ours: Optional[torch.Tensor] = None
         with torch.no_grad():
-            if compute_dtype == param.dtype:
-                local = chunk  # the DTensor's local tensor is the shard itself
-            else:  # mixed precision: fp32 shard of our own, cast into the gather shard
-                local = torch.empty_like(chunk, dtype=param.dtype)
-            local.copy_(param.detach()[lo : lo + rows])
-            self.mirror: Optional[Any] = None if local is chunk else chunk
+            if param.is_meta:
+                local = torch.empty(chunk.shape, dtype=param.dtype, device="meta")
+            else:
+                local = self._ours = self._new_local()
+                local.copy_(param.detach()[lo : lo + rows])
             dt = _sharded(local, mesh, self.shape)
         self.sharded = torch.nn.Parameter(dt, requires_grad=self.requires_grad)
+        self.attrs: Dict[str, Any] = {}  # kept on `sharded` across tensor swaps (which swap __dict__)
         self.unsharded = torch.nn.Parameter(
-            torch.empty(self.shape, dtype=compute_dtype, device=param.device),
+            torch.empty(self.shape, dtype=compute_dtype, device="cpu"),
             requires_grad=self.requires_grad,
         )
         self._nbytes = self.unsharded.numel() * self.unsharded.element_size()
         self.free()
         self.grad_partial: Optional[torch.Tensor] = None  # local grads kept while not syncing
+
+    def _new_local(self) -> torch.Tensor:
+        """The DTensor's local tensor: the shard itself, or (mixed precision) an fp32 tensor of
+        our own (zeros) that is cast into the gather shard before each all-gather."""
+        import torch
+
+        return self._chunk if self.mirror is None else torch.zeros_like(self._chunk, dtype=self.orig_dtype)
+
+    def tag(self, name: str, value: Any) -> None:
+        """Set attribute `name` on the sharded Parameter, and again after any tensor swap."""
+        self.attrs[name] = value
+        setattr(self.sharded, name, value)
+
+    def materialise(self) -> None:
+        """After an `_apply` (`to_empty(device="cpu")`, `.to(...)`): the DTensor registered now
+        gets its local tensor back in our shard memory (the values it holds copied in: none
+        worth keeping after to_empty, which init then overwrites in place). Still meta: no-op."""
+        import torch
+
+        module, name = self.slots[0]
+        new = module._parameters[name]
+        if new is not self.sharded:  # _apply made a new Parameter (no tensor swap)
+            self.sharded = new
+            self.register(unsharded=False)
+        with torch.no_grad():
+            local = new.to_local()
+            if not local.is_meta and (self._ours is None or local.data_ptr() != self._ours.data_ptr()):
+                self._adopt(new, local)  # else still meta, or still our memory (.to() where it is)
+        for k, v in self.attrs.items():
+            setattr(new, k, v)
+
+    def _adopt(self, new: Any, local: torch.Tensor) -> None:
+        """`local`'s values into our memory, and `new` swapped to a DTensor over that memory."""
+        import torch
+
+        self._check_moved(local)
+        ours = self._new_local()
+        ours.copy_(local)
+        torch.utils.swap_tensors(
+            new, torch.nn.Parameter(_sharded(ours, self.mesh, self.shape), new.requires_grad)
+        )
+        self._ours = ours
+
+    def check_apply(self, fn: Any) -> None:
+        """Before an `_apply(fn)` moves anything: `fn` (tried on the sharded parameter) must keep
+        it a CPU tensor of its dtype, the shard layout's."""
+        import torch
+
+        with torch.no_grad():
+            self._check_moved(fn(self.sharded))
+
+    def _check_moved(self, t: torch.Tensor) -> None:
+        if t.dtype != self.orig_dtype or t.device.type not in ("cpu", "meta"):
+            raise ConfigError(
+                f"rank {self.rank}: parameter {self.fqn!r} would become {t.dtype} on {t.device} "
+                f"(it is {self.orig_dtype} on cpu, as fully_shard laid out its shards): change the "
+                "dtype or device before fully_shard (or use a MixedPrecisionPolicy); to_empty("
+                "device='cpu') and .to('cpu') are what works after it"
+            )
+
+    @property
+    def meta(self) -> bool:
+        """Still on the meta device (never materialised): it cannot be gathered."""
+        return self._ours is None
 
     # ------------------------------------------------------------------ registration
 

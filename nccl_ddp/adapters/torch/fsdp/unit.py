@@ -23,6 +23,7 @@ from nccl_ddp.adapters.torch.fsdp.param import ShardedParam
 from nccl_ddp.adapters.torch.tensors import from_native, to_native
 from nccl_ddp.comm.group import ProcessGroup, ReduceOp
 from nccl_ddp.device import Device, Event, Stream
+from nccl_ddp.errors import ConfigError
 from nccl_ddp.zero.params import ScratchPool, UnitShards
 
 if TYPE_CHECKING:
@@ -63,7 +64,7 @@ class Schedule:
         self.recording = True
         # (unit, done event, reduced shards, which params had a grad): never the unsharded
         # grads, which the comm stream's pack holds only until it has read them
-        self.pending: List[Tuple[Unit, Event, List[Any], List[bool]]] = []
+        self.pending: List[Tuple[Unit, Event, Optional[List[Any]], List[bool]]] = []
         self.end_queued = False
 
     def adopt(self, unit: Unit) -> None:
@@ -135,6 +136,8 @@ class Unit:
         self.reshard_unless_root = False  # reshard_after_forward=None: True once adopted
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
+        self.requires_all_reduce = True  # HSDP: False keeps the reduce-scattered shards partial
+        self._partial_had: List[bool] = []  # which parameters the partial shards hold grads of
         self.reduce_dtype = reduce_dtype  # numpy dtype of the reduce-scatter
         self.state = State.SHARDED
         self._gathered: Optional[Event] = None
@@ -150,6 +153,16 @@ class Unit:
         """Start the all-gather (no-op when gathered or in flight)."""
         if self.state is not State.SHARDED:
             return
+        for p in self.params:
+            if p.meta:  # moved by an _apply of a submodule that is not a sharded one: adopt it
+                p.materialise()
+        meta = [p.fqn for p in self.params if p.meta]
+        if meta:
+            raise ConfigError(
+                f"rank {self.shards.rank}: parameter {meta[0]!r} of the fully_shard unit {self.name} "
+                "is still on the meta device: after fully_shard, call module.to_empty(device='cpu') "
+                "and initialise it (e.g. reset_parameters()) before the first forward"
+            )
         outs = [p.alloc() for p in self.params]
         mirrors = [p for p in self.params if p.mirror is not None]
         before = functools.partial(_cast_all, mirrors) if mirrors else None
@@ -237,11 +250,18 @@ class Unit:
         if all(g is None for g in grads):
             return
         native = [None if g is None else to_native(g) for g in grads]
-        event, outs = self.shards.start_reduce(native, self.reduce_dtype, ReduceOp.AVG)
-        self.schedule.pending.append((self, event, outs, [g is not None for g in native]))
+        event, outs = self.shards.start_reduce(
+            native, self.reduce_dtype, ReduceOp.AVG, all_reduce=self.requires_all_reduce
+        )
+        had = [g is not None or bool(k) for g, k in zip(native, self._partial_had or [False] * len(native))]
+        self._partial_had = had if outs is None else []
+        self.schedule.pending.append((self, event, outs, had))
 
-    def install_grads(self, outs: List[Any], had_grad: List[bool]) -> None:
-        """The reduced shards as the sharded grads of the parameters that had a grad here."""
+    def install_grads(self, outs: Optional[List[Any]], had_grad: List[bool]) -> None:
+        """The reduced shards as the sharded grads of the parameters that had a grad in them
+        (None: HSDP's partial shards, kept for a later backward that all-reduces)."""
+        if outs is None:
+            return
         for p, had in zip(self.params, had_grad):
             if had and p.requires_grad:
                 p.add_sharded_grad(from_native(self.shards.grad_local(outs, p.index)), self.schedule.mesh)

@@ -1,6 +1,7 @@
 """fully_shard's bad inputs, 2 ranks: each raises on every rank, before any data moves, naming
 the rank, the parameter and what to do (a unit applied twice, a parameter shared with another
-unit, shapes that differ across ranks, a meta parameter, a non-contiguous one)."""
+unit, shapes that differ across ranks, a meta parameter never materialised (at the first
+forward), a non-contiguous one, a cast after fully_shard, our DDP over a sharded model)."""
 
 from __future__ import annotations
 
@@ -37,10 +38,12 @@ def _errors(rank: int, world: int, store_dir: str) -> dict:
     def shapes_differ():
         nd.fully_shard(torch.nn.Linear(4, 4 + rank))
 
-    def meta():
+    def meta_never_materialised():  # sharded on meta (FSDP2's deferred init), no to_empty
         with torch.device("meta"):
-            m = torch.nn.Linear(4, 4)
+            m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        nd.fully_shard(m[0])
         nd.fully_shard(m)
+        m(torch.ones(2, 4))
 
     def not_contiguous():
         m = torch.nn.Linear(4, 6)
@@ -52,7 +55,23 @@ def _errors(rank: int, world: int, store_dir: str) -> dict:
         m.scale = torch.nn.Parameter(torch.tensor(1.0))
         nd.fully_shard(m)
 
-    cases = (twice, shared_across_units, shapes_differ, meta, not_contiguous, no_dimensions)
+    def cast_after_fully_shard():  # refused before anything moves: still float32 after
+        m = _mlp(4)
+        nd.fully_shard(m.in_proj)
+        nd.fully_shard(m)
+        try:
+            m.to(torch.float64)
+        finally:
+            assert {p.dtype for p in m.parameters()} == {torch.float32}
+
+    def ddp_over_fully_shard():  # HSDP is the 2-D mesh's, not our DDP's over the shards
+        m = _mlp(4)
+        nd.fully_shard(m.in_proj)
+        nd.fully_shard(m)
+        nd.DistributedDataParallel(m)
+
+    cases = (twice, shared_across_units, shapes_differ, meta_never_materialised, not_contiguous)
+    cases += (no_dimensions, cast_after_fully_shard, ddp_over_fully_shard)
     with gloo(rank, world, store_dir):
         return {f.__name__: outcome(f) for f in cases}
 
@@ -70,9 +89,11 @@ def ranks(tmp_path_factory) -> list:
         ("twice", "ConfigError", ["applied twice", "once per module"]),
         ("shared_across_units", "ConfigError", ["'weight'", "already manages it", "one unit"]),
         ("shapes_differ", "RankMismatchError", ["'weight'", "rank 1 has shape (5, 4)"]),
-        ("meta", "ConfigError", ["'weight'", "meta device", "to_empty"]),
+        ("meta_never_materialised", "ConfigError", ["'1.weight'", "meta device", "to_empty(device='cpu')"]),
         ("not_contiguous", "ConfigError", ["'weight'", "not contiguous", "contiguous()"]),
         ("no_dimensions", "ConfigError", ["'scale'", "no dimensions", "shape (1,)"]),
+        ("cast_after_fully_shard", "ConfigError", ["'out_proj.weight'", "float64", "before fully_shard"]),
+        ("ddp_over_fully_shard", "ConfigError", ["FSDPMLP at the root", "2-D mesh", "replicate group"]),
     ],
 )
 def test_errors_named_on_every_rank(ranks, case, error, words):
