@@ -22,6 +22,7 @@ from nccl_ddp.comm.group import ProcessGroup, ReduceOp, Work
 from nccl_ddp.ddp.data_parallel import DistributedDataParallel
 from nccl_ddp.ddp.grad_reducer import DistributedGradReducer
 from nccl_ddp.ddp.join import Join
+from nccl_ddp.ddp.sharded_params import ShardedParams
 from nccl_ddp.errors import NcclDdpError
 from nccl_ddp.zero.config import ZeroConfig
 from nccl_ddp.zero.optim import ShardAdamW, ShardSGD
@@ -63,6 +64,7 @@ __all__ = [
     "ReduceOp",
     "ShardAdamW",
     "ShardSGD",
+    "ShardedParams",
     "Work",
     "ZeroConfig",
     "ZeroOptimizer",
