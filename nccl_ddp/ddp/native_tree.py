@@ -35,7 +35,7 @@ class NativeTree(GradsAdapter):
                 f"{self.owner}: params must be a list, tuple or dict of NumPy/CuPy arrays (or a JAX "
                 f"pytree, or a list of one framework's tensors), got {type(parameters).__name__}"
             )
-        leaves = self.leaves(parameters, "params", check=False)
+        leaves = self.leaves(parameters, f"{self.owner}: params", check=False)
         if not leaves:
             raise ConfigError(f"{self.owner}: params has no arrays")
         self.count = len(leaves)
@@ -43,25 +43,26 @@ class NativeTree(GradsAdapter):
         return [ParamSpec(tuple(x.shape), x.dtype, n) for x, n in zip(leaves, names)]
 
     def leaves(self, tree: Any, what: str, check: bool = True) -> List[NativeArray]:
-        """The arrays of `tree` in order; with `check`, its container must be the parameters'."""
+        """The arrays of `tree` in order; with `check`, its container must be the parameters'.
+        `what` starts the messages (the caller adds which rank and call)."""
         if self.keys is not None and check:
             if not isinstance(tree, Mapping) or list(tree) != self.keys:
                 got = list(tree) if isinstance(tree, Mapping) else type(tree).__name__
                 raise ConfigError(
-                    f"{self.owner}: {what} must be a dict with the parameters' keys {self.keys} "
+                    f"{what} must be a dict with the parameters' keys {self.keys} "
                     f"in that order, got {got}"
                 )
         elif check and (not isinstance(tree, (list, tuple)) or len(tree) != self.count):
             got = f"{len(tree)} entries" if isinstance(tree, (list, tuple)) else type(tree).__name__
             raise ConfigError(
-                f"{self.owner}: {what} must be a list or tuple of {self.count} arrays (one per "
+                f"{what} must be a list or tuple of {self.count} arrays (one per "
                 f"parameter, in order), got {got}"
             )
         items = list(tree.items()) if isinstance(tree, Mapping) else list(enumerate(tree))
         for k, x in items:
             if frameworks.framework_of(x) is not None or not hasattr(x, "shape"):
                 raise ConfigTypeError(
-                    f"{self.owner}: {what}[{k!r}] is a {type(x).__module__}.{type(x).__name__}, "
+                    f"{what}[{k!r}] is a {type(x).__module__}.{type(x).__name__}, "
                     "but these parameters are NumPy/CuPy arrays: pass arrays of the parameters' "
                     "framework; nccl_ddp never mixes frameworks"
                 )

@@ -209,7 +209,10 @@ class ShardedParams:
         shapes) into this rank's shards (one reduce-scatter per unit and dtype, in float32) and
         step the optimizer on them; the next gather returns the updated values. `lr` overrides
         the optimizer's for this step. Collective."""
-        natives = self._tree.to_native(grads)
+        try:
+            natives = self._tree.to_native(grads)
+        except (ConfigError, ConfigTypeError) as e:  # the adapter's own: say which rank and call
+            raise type(e)(f"rank {self.group.rank}: {OWNER}.step: {e}") from e
         self._check_grads(natives)
         flat = [g.reshape(-1) for g in natives]
         for unit in self.units:  # a gather started before the step reads the old values: drop it

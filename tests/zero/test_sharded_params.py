@@ -230,6 +230,7 @@ def test_bad_input_refused_on_every_rank_before_data_moves():
         assert "shard optimizer" in seen["optimizer"], seen
         assert "must be a dict" in seen["grads list"] and "must be a dict" in seen["grads keys"], seen
         assert "must be a dict" in seen["grads missing"], seen
+        assert seen["grads list"].startswith(f"rank {rank}: ShardedParams.step: grads must be"), seen
         assert "'w1'" in seen["grads shape"] and "(23, 37)" in seen["grads shape"], seen
         assert f"rank {rank}" in seen["grads shape"], seen
     for k in SHAPES:  # the group survived the refusals: the good step paired up
