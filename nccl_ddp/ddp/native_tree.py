@@ -49,8 +49,7 @@ class NativeTree(GradsAdapter):
             if not isinstance(tree, Mapping) or list(tree) != self.keys:
                 got = list(tree) if isinstance(tree, Mapping) else type(tree).__name__
                 raise ConfigError(
-                    f"{what} must be a dict with the parameters' keys {self.keys} "
-                    f"in that order, got {got}"
+                    f"{what} must be a dict with the parameters' keys {self.keys} in that order, got {got}"
                 )
         elif check and (not isinstance(tree, (list, tuple)) or len(tree) != self.count):
             got = f"{len(tree)} entries" if isinstance(tree, (list, tuple)) else type(tree).__name__

@@ -46,7 +46,9 @@ from nccl_ddp.zero.params import ScratchPool, UnitShards, unit_layout
 
 OWNER = "ShardedParams"
 _SUBJECT = Subject(
-    "parameters given to ShardedParams", "leaf", "pass the same parameters (same structure, shapes and dtypes)"
+    "parameters given to ShardedParams",
+    "leaf",
+    "pass the same parameters (same structure, shapes and dtypes)",
 )
 _INITS = ("broadcast", "check")
 _BROADCAST_CHUNK = 64 << 20  # bytes per broadcast while the initial values are sent
@@ -108,7 +110,9 @@ class ShardedParams:
         group: Optional[ProcessGroup] = None,
         init: str = "broadcast",
     ) -> None:
-        if not (callable(getattr(optimizer, "init_state", None)) and callable(getattr(optimizer, "step", None))):
+        if not (
+            callable(getattr(optimizer, "init_state", None)) and callable(getattr(optimizer, "step", None))
+        ):
             raise ConfigTypeError(
                 f"{OWNER}: optimizer must be a shard optimizer (nd.ShardAdamW, nd.ShardSGD: "
                 f"init_state(master) and step(master, grad, state, ...)), got {type(optimizer).__name__}"
@@ -134,12 +138,12 @@ class ShardedParams:
             _check_leaf(i, s.name, tuple(s.shape), np.dtype(s.dtype))
         # the skeleton: the parameters' structure over one-element leaves (the whole values
         # are not kept), which the framework's adapter rebuilds gathered trees from
-        self._skeleton = self._tree.from_native(
-            params, [self.device.zeros(1, s.dtype) for s in self.specs]
-        )
+        self._skeleton = self._tree.from_native(params, [self.device.zeros(1, s.dtype) for s in self.specs])
         self.comm = self.device.new_stream()
         self.scratch = ScratchPool(functools.partial(self.group.zeros, self.device))
-        self.units = [self._build_unit(u, leaves, natives, init) for u, leaves in enumerate(self._unit_leaves)]
+        self.units = [
+            self._build_unit(u, leaves, natives, init) for u, leaves in enumerate(self._unit_leaves)
+        ]
         self.steps = 0
 
     # ------------------------------------------------------------------ construction
@@ -182,7 +186,9 @@ class ShardedParams:
         """Unit u's leaves, whole, in the framework's arrays, in the unit's order. With `prefetch`,
         the next unit's gather is started before this one is waited for. Collective."""
         if isinstance(u, bool) or not isinstance(u, int) or not 0 <= u < len(self.units):
-            raise ConfigError(f"{OWNER}.gather_unit: unit must be an int in [0, {len(self.units)}), got {u!r}")
+            raise ConfigError(
+                f"{OWNER}.gather_unit: unit must be an int in [0, {len(self.units)}), got {u!r}"
+            )
         unit = self.units[u]
         self._start_gather(unit)
         if prefetch and u + 1 < len(self.units):
@@ -219,7 +225,9 @@ class ShardedParams:
             if unit.pending is not None:
                 unit.pending[0].synchronize(self.group.timeout)
                 unit.pending = None
-        started = [u.shards.start_reduce([flat[i] for i in u.leaves], np.float32, ReduceOp.AVG) for u in self.units]
+        started = [
+            u.shards.start_reduce([flat[i] for i in u.leaves], np.float32, ReduceOp.AVG) for u in self.units
+        ]
         for unit, (event, reduced) in zip(self.units, started):
             event.synchronize(self.group.timeout)
             for b, (master, grad, state) in enumerate(zip(unit.masters, reduced, unit.states)):
@@ -284,7 +292,9 @@ def _resolve_units(units: Units, specs: Sequence[Any]) -> List[List[int]]:
     if units is None:
         return [list(range(len(specs)))]
     if isinstance(units, (str, bytes)) or not isinstance(units, (list, tuple)) or not units:
-        raise ConfigTypeError(f"{OWNER}: units must be None or a non-empty list of lists of leaves, got {units!r}")
+        raise ConfigTypeError(
+            f"{OWNER}: units must be None or a non-empty list of lists of leaves, got {units!r}"
+        )
     names = {s.name: i for i, s in enumerate(specs) if s.name is not None}
     owner: Dict[int, int] = {}
     out = []
@@ -303,7 +313,9 @@ def _resolve_units(units: Units, specs: Sequence[Any]) -> List[List[int]]:
                     f"(leaves: {len(specs)}, names: {sorted(names)[:20]})"
                 )
             if i in owner:
-                raise ConfigError(f"{OWNER}: leaf {leaf!r} is in units[{owner[i]}] and units[{u}]: put it in one")
+                raise ConfigError(
+                    f"{OWNER}: leaf {leaf!r} is in units[{owner[i]}] and units[{u}]: put it in one"
+                )
             owner[i] = u
             leaves.append(i)
         out.append(leaves)
@@ -328,7 +340,11 @@ def _check_leaf(i: int, name: Optional[str], shape: Tuple[int, ...], dtype: np.d
 
 def _describe_optimizer(optimizer: Any) -> Any:
     config = getattr(optimizer, "config", None)
-    fields = dataclasses.asdict(config) if dataclasses.is_dataclass(config) and not isinstance(config, type) else {}
+    fields = (
+        dataclasses.asdict(config)
+        if dataclasses.is_dataclass(config) and not isinstance(config, type)
+        else {}
+    )
     return {"type": type(optimizer).__name__, **fields}
 
 

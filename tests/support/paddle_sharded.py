@@ -53,7 +53,10 @@ def main(out: str) -> None:
         full = sp.gather()
         seen["types"] = sorted({type(t).__name__ for t in full + sp.gather_unit(1)})
         sp.step([paddle.to_tensor(g) for g in grads(rank, step)])
-    for what, bad in [("numpy", grads(rank, 0)), ("short", [paddle.to_tensor(g) for g in grads(rank, 0)[:3]])]:
+    for what, bad in [
+        ("numpy", grads(rank, 0)),
+        ("short", [paddle.to_tensor(g) for g in grads(rank, 0)[:3]]),
+    ]:
         try:
             sp.step(bad)
         except (ConfigError, ConfigTypeError) as e:

@@ -218,7 +218,7 @@ def _errors(rank, world):
 @pytest.mark.slow
 def test_bad_input_refused_on_every_rank_before_data_moves():
     results = run_ranks(_errors, WORLD, timeout=120)
-    for rank, (seen, out) in enumerate(results):
+    for rank, (seen, _) in enumerate(results):
         assert "shapes" in seen and "rank 1" in seen["shapes"] and "'w2'" in seen["shapes"], seen
         assert f"rank {rank}:" in seen["shapes"] and "(5, 8)" in seen["shapes"], seen["shapes"]
         assert "value digest of parameter 0" in seen["values"] and "rank 1" in seen["values"], seen

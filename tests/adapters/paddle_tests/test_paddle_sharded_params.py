@@ -20,14 +20,18 @@ import nccl_ddp as nd
 
 TIMEOUT = 150
 pytestmark = [
-    pytest.mark.skipif(paddle_venv.missing("paddle"), reason=f"no Paddle venv at {VENV}: run scripts/setup_paddle_venv.sh"),
+    pytest.mark.skipif(
+        paddle_venv.missing("paddle"), reason=f"no Paddle venv at {VENV}: run scripts/setup_paddle_venv.sh"
+    ),
     pytest.mark.slow,
     pytest.mark.timeout(2 * TIMEOUT + 60),
 ]
 
 
 def _launch(script: str, *args: str, cwd) -> str:
-    return paddle_venv.run([PY, "-m", "nccl_ddp.launch", "--nproc-per-node", "2", script, *args], cwd, TIMEOUT)
+    return paddle_venv.run(
+        [PY, "-m", "nccl_ddp.launch", "--nproc-per-node", "2", script, *args], cwd, TIMEOUT
+    )
 
 
 def _unsharded(checks):
@@ -51,7 +55,9 @@ def test_paddle_tensors_sharded_equal_unsharded_bitwise(tmp_path):
     for rank in (0, 1):
         seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert seen["types"] == ["Tensor"], seen
-        assert seen["numpy"].startswith(f"rank {rank}: ShardedParams.step") and "paddle" in seen["numpy"], seen
+        assert seen["numpy"].startswith(f"rank {rank}: ShardedParams.step") and "paddle" in seen["numpy"], (
+            seen
+        )
         assert f"rank {rank}" in seen["short"] and "3 leaves" in seen["short"], seen
         got = np.load(tmp_path / f"rank{rank}.npz")
         for i, ref in enumerate(want):
