@@ -199,6 +199,7 @@ class ShardedParams:
         if unit.pending is not None:
             return
         outs = [self.device.empty(s.numel, s.dtype) for s in unit.shards.layout.specs]
+        self._comm_after_compute()  # the optimizer's last writes into the shards
         unit.pending = (unit.shards.start_gather(outs), outs)
 
     def _wait_gather(self, unit: _Unit) -> List[Any]:
@@ -225,6 +226,7 @@ class ShardedParams:
             if unit.pending is not None:
                 unit.pending[0].synchronize(self.group.timeout)
                 unit.pending = None
+        self._comm_after_compute()  # the caller's grads are complete on its stream
         started = [
             u.shards.start_reduce([flat[i] for i in u.leaves], np.float32, ReduceOp.AVG) for u in self.units
         ]
@@ -250,6 +252,16 @@ class ShardedParams:
                     f"shape {tuple(g.shape)} {dt}, the parameter is {tuple(s.shape)} {np.dtype(s.dtype)}; "
                     "pass a floating grad of the parameter's shape"
                 )
+
+    def _comm_after_compute(self) -> None:
+        """The comm stream waits for what the current stream has queued (on a GPU, the fused
+        optimizer's writes and the caller's grads; on the host both are done already):
+
+          current: ─[optimizer / grads]─record─
+                                          ╲
+          comm:    ─────────────────────wait─[all-gather | reduce-scatter]─
+        """
+        self.comm.wait(self.device.current_stream().record())
 
     # ------------------------------------------------------------------ memory
 
@@ -353,7 +365,6 @@ def _digest(x: Any) -> str:
 
 
 def _state_arrays(state: Any) -> List[Any]:
+    """A shard optimizer state's arrays: its `buffers` (ShardState's, ShardOptax's)."""
     buffers = getattr(state, "buffers", None)
-    if isinstance(buffers, dict):
-        return list(buffers.values())
-    return [x for x in (state if isinstance(state, (list, tuple)) else [state]) if hasattr(x, "nbytes")]
+    return list(buffers.values()) if isinstance(buffers, dict) else []

@@ -84,6 +84,13 @@ def check_elementwise(tx: optax.GradientTransformation, steps: int = 3) -> None:
         ) from e
 
 
+def check_transformation(tx: optax.GradientTransformation, owner: str) -> None:
+    """`tx` must be an optax transformation (ConfigTypeError) and elementwise (ConfigError)."""
+    if not (hasattr(tx, "init") and hasattr(tx, "update")):
+        raise ConfigTypeError(f"{owner} needs an optax GradientTransformation, got {type(tx).__name__}")
+    check_elementwise(tx)
+
+
 def _name(tx: optax.GradientTransformation) -> str:
     return getattr(getattr(tx, "update", None), "__qualname__", type(tx).__name__)
 
@@ -103,11 +110,7 @@ class ZeroOptimizer:
     ) -> None:
         import jax
 
-        if not (hasattr(tx, "init") and hasattr(tx, "update")):
-            raise ConfigTypeError(
-                f"ZeroOptimizer needs an optax GradientTransformation, got {type(tx).__name__}"
-            )
-        check_elementwise(tx)
+        check_transformation(tx, "ZeroOptimizer")
         self.tx = tx
         self.group = group if group is not None else get_world_group()
         self.device = device_of(self.group)
@@ -209,9 +212,7 @@ class ShardOptax:
     probe of `ZeroOptimizer`); the learning rate lives in the transformation (a schedule)."""
 
     def __init__(self, tx: optax.GradientTransformation) -> None:
-        if not (hasattr(tx, "init") and hasattr(tx, "update")):
-            raise ConfigTypeError(f"ShardOptax needs an optax GradientTransformation, got {type(tx).__name__}")
-        check_elementwise(tx)
+        check_transformation(tx, "ShardOptax")
         self.tx = tx
 
     def init_state(self, master: np.ndarray) -> OptaxShardState:
@@ -234,7 +235,9 @@ class ShardOptax:
         if lr is not None:
             raise ConfigError("ShardOptax.step: lr= is not supported; give optax a schedule instead")
         if not isinstance(state, OptaxShardState):
-            raise ConfigTypeError(f"ShardOptax.step: state must be init_state(master)'s, got {type(state).__name__}")
+            raise ConfigTypeError(
+                f"ShardOptax.step: state must be init_state(master)'s, got {type(state).__name__}"
+            )
         g = np.asarray(grad, np.float32) * np.float32(grad_scale) if grad_scale != 1.0 else np.array(grad)
         m = from_native(np.array(master))  # copies: the master is written below
         updates, state.opt_state = self.tx.update([from_native(g)], state.opt_state, [m])
