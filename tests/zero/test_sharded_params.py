@@ -263,3 +263,27 @@ def test_gather_unit_prefetches_the_next_and_a_step_drops_stale_gathers():
             for name, x in zip(names, after[u]):
                 np.testing.assert_array_equal(x, whole[name])
                 assert not np.array_equal(x, init[name]), name  # the updated values, not stale
+
+
+def _keeps_no_full_copy(rank, world):
+    import gc
+    import weakref
+
+    nd.init_process_group("host")
+    try:
+        params = _init()
+        refs = {k: weakref.ref(v) for k, v in params.items()}
+        sp = nd.ShardedParams(params, _opt("adamw"), units=UNITS)
+        del params
+        gc.collect()
+        alive = sorted(k for k, r in refs.items() if r() is not None)
+        sp.close()
+        return alive
+    finally:
+        nd.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_keeps_no_reference_to_the_full_parameters():
+    """Once built, a rank holds only its shards: the caller's full arrays can be freed."""
+    assert run_ranks(_keeps_no_full_copy, WORLD, timeout=60) == [[], []]
