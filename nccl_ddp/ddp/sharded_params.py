@@ -117,23 +117,24 @@ class ShardedParams:
                 f"{OWNER}: optimizer must be a shard optimizer (nd.ShardAdamW, nd.ShardSGD: "
                 f"init_state(master) and step(master, grad, state, ...)), got {type(optimizer).__name__}"
             )
-        if init not in _INITS:
-            raise ConfigError(f"{OWNER}: init must be one of {_INITS}, got {init!r}")
         self.optimizer, self.group = optimizer, resolve_group(group, "group")
         self.device = device_of(self.group)
         self._tree, self._leaf_out = _structure(params)
         self.specs = self._tree.param_infos(params)
         natives = self._tree.to_native(params)
-        self._unit_leaves = _resolve_units(units, self.specs)
         settings: Dict[str, Any] = {
-            "units": self._unit_leaves,
+            "units": _units_as_given(units),
             "optimizer": _describe_optimizer(optimizer),
-            "init": init,
+            "init": init if isinstance(init, str) else repr(init),
         }
         if init == "check":
             settings["value digest"] = [_digest(x) for x in natives]
         # one collective before anything else: every rank raises the same error, naming the leaf
         check_same_params(self.specs, self.group, self.device, settings, owner=OWNER, subject=_SUBJECT)
+        # the same arguments on every rank now: each raises the same error, if any
+        if init not in _INITS:
+            raise ConfigError(f"{OWNER}: init must be one of {_INITS}, got {init!r}")
+        self._unit_leaves = _resolve_units(units, self.specs)
         for i, s in enumerate(self.specs):
             _check_leaf(i, s.name, tuple(s.shape), np.dtype(s.dtype))
         # the skeleton: the parameters' structure over one-element leaves (the whole values
@@ -299,20 +300,31 @@ def _structure(params: Any) -> Tuple[GradsAdapter, Callable[[Any], Any]]:
     return adapter.grads_adapter(), adapter.from_native
 
 
-def _resolve_units(units: Units, specs: Sequence[Any]) -> List[List[int]]:
-    """`units` as lists of leaf indices, each leaf in exactly one (ConfigError naming it)."""
+def _units_as_given(units: Units) -> Optional[List[List[Any]]]:
+    """`units` as every rank can compare them (JSON: names, indices, reprs of anything else);
+    ConfigTypeError for a container that is no list of lists."""
     if units is None:
-        return [list(range(len(specs)))]
+        return None
     if isinstance(units, (str, bytes)) or not isinstance(units, (list, tuple)) or not units:
         raise ConfigTypeError(
             f"{OWNER}: units must be None or a non-empty list of lists of leaves, got {units!r}"
         )
+    for u, group in enumerate(units):
+        if isinstance(group, (str, bytes)) or not isinstance(group, (list, tuple)) or not group:
+            raise ConfigTypeError(f"{OWNER}: units[{u}] must be a non-empty list of leaves, got {group!r}")
+    plain = (str, int)
+    return [[x if isinstance(x, plain) and not isinstance(x, bool) else repr(x) for x in g] for g in units]
+
+
+def _resolve_units(units: Units, specs: Sequence[Any]) -> List[List[int]]:
+    """`units` as lists of leaf indices, each leaf in exactly one (ConfigError naming it);
+    `_units_as_given` has checked the containers."""
+    if units is None:
+        return [list(range(len(specs)))]
     names = {s.name: i for i, s in enumerate(specs) if s.name is not None}
     owner: Dict[int, int] = {}
     out = []
     for u, group in enumerate(units):
-        if not isinstance(group, (list, tuple)) or not group:
-            raise ConfigTypeError(f"{OWNER}: units[{u}] must be a non-empty list of leaves, got {group!r}")
         leaves = []
         for leaf in group:
             if isinstance(leaf, str) and leaf in names:

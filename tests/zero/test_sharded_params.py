@@ -175,6 +175,13 @@ def _errors(rank, world):
             nd.ShardedParams(mine, _opt("sgd"))
         except RankMismatchError as e:
             seen["shapes"] = str(e)
+        # units differ across ranks (rank 1's would be wrong alone): compared before resolved
+        try:
+            nd.ShardedParams(
+                params, _opt("sgd"), units=[["w1", "b1", "w2", "b2"] + (["nope"] if rank else ["e"])]
+            )
+        except RankMismatchError as e:
+            seen["units"] = str(e)
         # init="check": the values differ on rank 1
         try:
             nd.ShardedParams(_init(seed=rank), _opt("sgd"), init="check")
@@ -221,6 +228,9 @@ def test_bad_input_refused_on_every_rank_before_data_moves():
     for rank, (seen, _) in enumerate(results):
         assert "shapes" in seen and "rank 1" in seen["shapes"] and "'w2'" in seen["shapes"], seen
         assert f"rank {rank}:" in seen["shapes"] and "(5, 8)" in seen["shapes"], seen["shapes"]
+        assert "units" in seen["units"] and "'nope'" in seen["units"] and f"rank {rank}:" in seen["units"], (
+            seen
+        )
         assert "value digest of parameter 0" in seen["values"] and "rank 1" in seen["values"], seen
         assert "'s'" in seen["0-dim"] and "no dimensions" in seen["0-dim"], seen
         assert "'n'" in seen["int"] and "int32" in seen["int"], seen
