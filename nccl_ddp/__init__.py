@@ -22,6 +22,7 @@ from nccl_ddp.comm.group import ProcessGroup, ReduceOp, Work
 from nccl_ddp.ddp.data_parallel import DistributedDataParallel
 from nccl_ddp.ddp.grad_reducer import DistributedGradReducer
 from nccl_ddp.ddp.join import Join
+from nccl_ddp.ddp.sharded_params import ShardedParams
 from nccl_ddp.errors import NcclDdpError
 from nccl_ddp.zero.config import ZeroConfig
 from nccl_ddp.zero.optim import ShardAdamW, ShardSGD
@@ -35,7 +36,7 @@ plain `import nccl_ddp`); each imports its framework only when one of its names 
 
 
 def __getattr__(name: str) -> Any:
-    """`ZeroRedundancyOptimizer` (torch) and `ZeroOptimizer` (JAX + optax) load their framework
+    """`ZeroRedundancyOptimizer` (torch), `ZeroOptimizer` and `ShardOptax` (JAX + optax) load their framework
     only when first used; so do the glue modules (`nccl_ddp.lightning`, ...)."""
     if name == "ZeroRedundancyOptimizer":
         from nccl_ddp.adapters.torch.zero.optimizer import ZeroRedundancyOptimizer
@@ -45,10 +46,10 @@ def __getattr__(name: str) -> Any:
         from nccl_ddp.adapters.torch.fsdp import api
 
         return getattr(api, name)
-    if name == "ZeroOptimizer":
-        from nccl_ddp.adapters.jax.zero import ZeroOptimizer
+    if name in ("ZeroOptimizer", "ShardOptax"):
+        from nccl_ddp.adapters.jax import zero
 
-        return ZeroOptimizer
+        return getattr(zero, name)
     if name in _SUBMODULES:
         return importlib.import_module(f"nccl_ddp.{name}")
     raise AttributeError(f"module 'nccl_ddp' has no attribute {name!r}")
@@ -62,7 +63,9 @@ __all__ = [
     "ProcessGroup",
     "ReduceOp",
     "ShardAdamW",
+    "ShardOptax",
     "ShardSGD",
+    "ShardedParams",
     "Work",
     "ZeroConfig",
     "ZeroOptimizer",

@@ -11,6 +11,9 @@ rank's flat shards, and all-gathers the parameters (zero/shards.py). Sharding is
 for elementwise transformations (adam, adamw, sgd, schedules, ...): the constructor probes the
 transformation and refuses one whose update of a shard differs from its update of the whole
 (global-norm clipping, LAMB, adafactor, masks that depend on a leaf's shape).
+
+`ShardOptax(tx)` is the same transformation as a flat-shard optimizer for `nd.ShardedParams`
+(ZeRO-3): one optax state per shard, the interface of nd.ShardSGD / nd.ShardAdamW.
 """
 
 from __future__ import annotations
@@ -81,6 +84,13 @@ def check_elementwise(tx: optax.GradientTransformation, steps: int = 3) -> None:
         ) from e
 
 
+def check_transformation(tx: optax.GradientTransformation, owner: str) -> None:
+    """`tx` must be an optax transformation (ConfigTypeError) and elementwise (ConfigError)."""
+    if not (hasattr(tx, "init") and hasattr(tx, "update")):
+        raise ConfigTypeError(f"{owner} needs an optax GradientTransformation, got {type(tx).__name__}")
+    check_elementwise(tx)
+
+
 def _name(tx: optax.GradientTransformation) -> str:
     return getattr(getattr(tx, "update", None), "__qualname__", type(tx).__name__)
 
@@ -100,11 +110,7 @@ class ZeroOptimizer:
     ) -> None:
         import jax
 
-        if not (hasattr(tx, "init") and hasattr(tx, "update")):
-            raise ConfigTypeError(
-                f"ZeroOptimizer needs an optax GradientTransformation, got {type(tx).__name__}"
-            )
-        check_elementwise(tx)
+        check_transformation(tx, "ZeroOptimizer")
         self.tx = tx
         self.group = group if group is not None else get_world_group()
         self.device = device_of(self.group)
@@ -183,3 +189,58 @@ class ZeroOptimizer:
                     f"ZeroOptimizer.step: {what} leaf {i} has shape "
                     f"{tuple(x.shape)}, the parameter has {tuple(p.shape)}"
                 )
+
+
+class OptaxShardState:
+    """One flat shard's optax state (optax's functional state, replaced at every step)."""
+
+    def __init__(self, opt_state: optax.OptState) -> None:
+        self.opt_state = opt_state
+
+    @property
+    def buffers(self) -> dict:
+        """The state's arrays by leaf index (what `ShardedParams.state_nbytes` counts)."""
+        import jax
+
+        return dict(enumerate(jax.tree_util.tree_leaves(self.opt_state)))
+
+
+class ShardOptax:
+    """An elementwise optax transformation as a flat-shard optimizer (`nd.ShardedParams`'s, the
+    interface of nd.ShardSGD / nd.ShardAdamW): each float32 shard gets its own optax state and
+    is updated in place. Refused (`ConfigError`) unless the transformation is elementwise (the
+    probe of `ZeroOptimizer`); the learning rate lives in the transformation (a schedule)."""
+
+    def __init__(self, tx: optax.GradientTransformation) -> None:
+        check_transformation(tx, "ShardOptax")
+        self.tx = tx
+
+    def init_state(self, master: np.ndarray) -> OptaxShardState:
+        return OptaxShardState(self.tx.init([from_native(np.array(master))]))
+
+    def step(
+        self,
+        master: np.ndarray,
+        grad: np.ndarray,
+        state: OptaxShardState,
+        params_out: Optional[np.ndarray] = None,
+        *,
+        grad_scale: float = 1.0,
+        lr: Optional[float] = None,
+    ) -> None:
+        """One optax update of `master` in place from `grad * grad_scale`; `params_out` (the
+        low-precision copy of the shard, or None) := the new master cast."""
+        import optax
+
+        if lr is not None:
+            raise ConfigError("ShardOptax.step: lr= is not supported; give optax a schedule instead")
+        if not isinstance(state, OptaxShardState):
+            raise ConfigTypeError(
+                f"ShardOptax.step: state must be init_state(master)'s, got {type(state).__name__}"
+            )
+        g = np.asarray(grad, np.float32) * np.float32(grad_scale) if grad_scale != 1.0 else np.array(grad)
+        m = from_native(np.array(master))  # copies: the master is written below
+        updates, state.opt_state = self.tx.update([from_native(g)], state.opt_state, [m])
+        master[...] = to_native(optax.apply_updates([m], updates)[0])
+        if params_out is not None:
+            params_out[...] = master.astype(params_out.dtype)
