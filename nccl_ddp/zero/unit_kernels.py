@@ -9,16 +9,25 @@ packed) buffer, at `rank_rows(i)[r]` in the flat unsharded array.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Protocol, Sequence, Tuple
 
 from nccl_ddp import kernels as K
 
-if TYPE_CHECKING:
-    from nccl_ddp.zero.params import ScratchPool, UnitLayout
+
+class UnitRows(Protocol):
+    """What the copies read of a unit's layout (zero/params.py `UnitLayout`)."""
+
+    def rank_rows(self, i: int) -> List[Tuple[int, int]]: ...
+
+
+class Scratch(Protocol):
+    """Where a widening pack gets its buffer (zero/params.py `ScratchPool`)."""
+
+    def get(self, n: int, dtype: Any) -> Any: ...
 
 
 def _segments(
-    layout: UnitLayout, shard_n: int, params: list, arrays: Sequence[Optional[Any]]
+    layout: UnitRows, shard_n: int, params: list, arrays: Sequence[Optional[Any]]
 ) -> Tuple[List[Any], List[int]]:
     """(views of `arrays[k]`'s real rows of each rank, their offsets in the world-sized buffer)
     for every (parameter, offset) of `params`; a None array has none."""
@@ -33,9 +42,7 @@ def _segments(
     return views, offsets
 
 
-def device_copy_out(
-    layout: UnitLayout, gathered: Any, shard_n: int, params: list, outs: Sequence[Any]
-) -> None:
+def device_copy_out(layout: UnitRows, gathered: Any, shard_n: int, params: list, outs: Sequence[Any]) -> None:
     """Every parameter's rows out of the `world` gathered shards into its unsharded array: one
     unpack (the arrays are in the bucket's dtype)."""
     dsts, offsets = _segments(layout, shard_n, params, [outs[i] for i, _ in params])
@@ -44,12 +51,12 @@ def device_copy_out(
 
 
 def device_pack(
-    layout: UnitLayout,
+    layout: UnitRows,
     pack: Any,
     shard_n: int,
     params: list,
     grads: Sequence[Optional[Any]],
-    scratch: ScratchPool,
+    scratch: Scratch,
 ) -> None:
     """Rank r's rows of every grad into chunk r of `pack`, cast to its dtype; everything else
     (padding rows, missing grads, alignment gaps) zero. A narrowing or same-dtype cast is one
