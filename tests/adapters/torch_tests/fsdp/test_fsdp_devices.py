@@ -43,3 +43,28 @@ def test_cpu_parameters_take_the_host_path_and_not_a_nccl_group():
 def test_cuda_parameters_need_the_nccl_backend():
     with pytest.raises(ConfigError, match=r"rank 0: .*on cuda:0.*'host' backend.*'nccl'"):
         api._device(torch.device("cuda", 0), _group("host"), 0)
+
+
+def test_the_compute_stream_waits_on_cuda_and_the_host_thread_blocks_on_the_host(monkeypatch):
+    """A unit's wait for its gather (and the end of backward's for the reduce-scatters): on CUDA
+    queued on the compute stream (CuPy's current one: torch's under the hooks), the host not
+    blocked; on the host backend the calling thread blocks, up to the group's timeout."""
+    import _fake_cupy
+    from kernel_checks import fake_cupy_installed
+
+    from nccl_ddp.adapters.torch.fsdp.unit import Schedule
+    from nccl_ddp.device import CudaDevice, HostEvent
+    from nccl_ddp.errors import CommTimeout
+
+    fake_cupy_installed(monkeypatch)
+    group = SimpleNamespace(timeout=0.2, zeros=lambda device, n, dt: device.zeros(n, dt))
+    cuda = Schedule(group, CudaDevice(0), None)
+    event = cuda.comm.record()  # never reached on the fake GPU unless told
+    cuda.compute_waits(event)  # returns at once
+    assert _fake_cupy.FAKE_STATE["current"].waited == [event.event]
+    host = Schedule(group, HostDevice(), None)
+    try:
+        with pytest.raises(CommTimeout, match="0.2s"):
+            host.compute_waits(HostEvent())
+    finally:
+        host.close()
