@@ -42,7 +42,8 @@ class State(enum.Enum):
 @dataclasses.dataclass
 class UnitTimes:
     """What a unit's hooks cost the compute thread, summed since it was built (the benchmark
-    reads them): `waited_s`, blocked on its all-gathers (the exposed, not hidden, part);
+    reads them): `waited_s`, blocked on its all-gathers (the exposed, not hidden, part; ~0 on
+    CUDA, where the wait is queued on the compute stream and a GPU trace shows the exposure);
     `hooks_s`, in its hooks apart from those waits (the Python overhead); `gathers`."""
 
     waited_s: float = 0.0
