@@ -9,7 +9,7 @@ packed) buffer, at `rank_rows(i)[r]` in the flat unsharded array.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from nccl_ddp import kernels as K
 
@@ -59,17 +59,26 @@ def device_pack(
     scratch: Scratch,
 ) -> None:
     """Rank r's rows of every grad into chunk r of `pack`, cast to its dtype; everything else
-    (padding rows, missing grads, alignment gaps) zero. A narrowing or same-dtype cast is one
-    memset and one pack; a widening one (a bf16/fp16 grad reduced in fp32), which the pack
-    kernel does not take, packs into a scratch buffer of the grads' dtype and widens it whole
-    with one unpack."""
+    (padding rows, missing grads, alignment gaps) zero: one memset, then per grad dtype (one,
+    unless the caller mixes them) one pack launch for a narrowing or same-dtype cast; a
+    widening one (bf16/fp16 grads reduced in fp32), which the pack kernel does not take, packs
+    into a scratch buffer of the grads' dtype and widens those ranges with one unpack. A cast
+    neither kernel takes (float64 grads reduced in float32) is CuPy's, per range."""
     srcs, offsets = _segments(layout, shard_n, params, grads)
-    if not srcs or (K.dtype_name(srcs[0]), K.dtype_name(pack)) in K.PACK_PAIRS:
-        K.zero_(pack)
-        if srcs:
-            K.pack(srcs, pack, offsets)
-        return
-    narrow = scratch.get(pack.size, srcs[0].dtype)
-    K.zero_(narrow)
-    K.pack(srcs, narrow, offsets)
-    K.unpack([pack], narrow, [0])
+    K.zero_(pack)
+    by_dtype: Dict[str, Tuple[List[Any], List[int]]] = {}
+    for v, o in zip(srcs, offsets):
+        group = by_dtype.setdefault(K.dtype_name(v), ([], []))
+        group[0].append(v)
+        group[1].append(o)
+    to = K.dtype_name(pack)
+    for dt, (views, offs) in by_dtype.items():
+        if (dt, to) in K.PACK_PAIRS:
+            K.pack(views, pack, offs)
+        elif (dt, to) in K.UNPACK_PAIRS:
+            narrow = scratch.get(pack.size, views[0].dtype)
+            K.pack(views, narrow, offs)
+            K.unpack([pack[o : o + v.size] for v, o in zip(views, offs)], narrow, offs)
+        else:
+            for v, o in zip(views, offs):
+                pack[o : o + v.size] = v.astype(pack.dtype)

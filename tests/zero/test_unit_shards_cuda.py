@@ -103,10 +103,10 @@ def _round_trip(cp, rank, group, *, specs, reduce_dtype, grads_dtype=None):
     event.synchronize(5)
     gather_log = cp.log[mark:]
     gathered = [o.get() for o in outs]
-    gdt = grads_dtype or None
-    grads_np = [None if i == 3 else (f * (rank + 1)).astype(gdt or f.dtype) for i, f in enumerate(full)]
+    gdt = [grads_dtype[i % len(grads_dtype)] if grads_dtype else f.dtype for i, f in enumerate(full)]
+    grads_np = [None if i == 3 else (f * (rank + 1)).astype(gdt[i]) for i, f in enumerate(full)]
     grads = [None if g is None else cp.asarray(g) for g in grads_np]
-    stale = [cp.asarray((f * 0 + 5).astype(gdt or f.dtype)) for f in full]  # fills the scratch
+    stale = [cp.asarray((f * 0 + 5).astype(gdt[i])) for i, f in enumerate(full)]  # fills the scratch
     shards.start_reduce(stale, reduce_dtype)[0].synchronize(5)
     mark = len(cp.log)
     event, red = shards.start_reduce(grads, reduce_dtype)
@@ -156,6 +156,9 @@ CASES = {
     "f32+f64": dict(specs=[F32, F32, F64, F32, F32, F64], reduce_dtype=None),
     "bf16 reduced in f32": dict(specs=[BF16] * 6, reduce_dtype=F32),  # the widening pack
     "f32 reduced in bf16": dict(specs=[F32] * 6, reduce_dtype=BF16),  # the narrowing pack
+    "f64 reduced in f32": dict(specs=[F64] * 6, reduce_dtype=F32),  # no kernel: CuPy's cast
+    # grads of two dtypes in one bucket (ShardedParams takes any float grads): a pack each
+    "bf16 and f32 grads in f32": dict(specs=[BF16] * 6, reduce_dtype=F32, grads_dtype=[BF16, F32]),
 }
 
 

@@ -14,7 +14,10 @@ from nccl_ddp.errors import ConfigError  # noqa: E402
 
 
 def _found(*devices):
-    return [(f"layer{i}.weight", [], SimpleNamespace(device=torch.device(d))) for i, d in enumerate(devices)]
+    return [
+        (f"layer{i}.weight", [], SimpleNamespace(device=torch.device(d), is_meta=d == "meta"))
+        for i, d in enumerate(devices)
+    ]
 
 
 def _group(backend):
@@ -25,6 +28,7 @@ def test_one_device_per_unit():
     assert api._param_device(_found("cpu", "cpu"), 0) == torch.device("cpu")
     assert api._param_device(_found("cuda:1", "cuda:1"), 0) == torch.device("cuda", 1)
     assert api._param_device([], 0) == torch.device("cpu")
+    assert api._param_device(_found("meta", "cpu"), 0) == torch.device("cpu")  # to_empty(device="cpu")
     with pytest.raises(ConfigError, match=r"rank 3: .*several devices.*'layer1.weight' on cuda:0"):
         api._param_device(_found("cpu", "cuda:0"), 3)
 
