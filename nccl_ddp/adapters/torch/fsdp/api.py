@@ -72,7 +72,8 @@ class FSDPModule(TorchFSDPModule):
         for u in self._units(recurse=True):  # a change of dtype or device: refused before any moves
             for p in u.params:
                 p.check_apply(fn)
-        unit.reshard()
+        with torch_stream_current(unit.schedule.on_cuda):
+            unit.reshard()
         out = super(TorchFSDPModule, self)._apply(*args, **kwargs)  # nn.Module's, not torch FSDP's
         for p in unit.params:
             p.materialise()
