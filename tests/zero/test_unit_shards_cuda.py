@@ -230,3 +230,39 @@ def test_the_widening_pack_is_three_launches_per_bucket(cp):
     (r,), _ = run_world(cp, 1, lambda rank, group: _round_trip(cp, rank, group, **kw))
     names = [_name(e) for e in r["reduce_log"] if e[0] in ("launch", "memset")]
     assert names == ["memset", "nd_pack_small", "nd_unpack_small"]
+
+
+def test_the_gathered_buffer_is_freed_in_the_comm_streams_order_under_the_async_pool(monkeypatch):
+    """Under CuPy's MemoryAsyncPool a buffer is freed on the stream current at its allocation
+    (while that stream lives): the gathered buffer, read by the copy-out on the comm stream, is
+    allocated with the comm stream current, so its free cannot overtake that read (the fake
+    records every free that could: `hazards`). Nothing here waits for an event."""
+    import gc
+    import sys
+
+    from fake_nccl import wait_for
+    from kernel_checks import cpu_or_skip
+
+    from nccl_ddp.kernels import cuda as ck
+
+    cpu_or_skip()
+    fake = _fake_cupy.FakeCupy(async_pool=True)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(ck, "_BACKEND", ck.CudaKernels(fake))
+    specs = _specs([F32, F32, F64, F32, F32, F64])
+
+    def gather(rank, group):
+        device = CudaDevice(0)
+        layout = P.unit_layout(specs, group.size, device.align_bytes)
+        scratch = P.ScratchPool(functools.partial(group.zeros, device))
+        comm = device.new_stream()
+        shards = P.UnitShards(layout, group, device, comm, scratch, "u")
+        outs = [fake.zeros(int(np.prod(s.shape)), s.dtype) for s in specs]
+        shards.start_gather(outs)
+        wait_for(lambda: not group._pending)  # the NCCL work no longer holds the buffer
+        gc.collect()
+        return list(fake.frees), comm.ptr
+
+    ((frees, comm),), _ = run_world(fake, 1, gather)
+    assert fake.hazards == []
+    assert (len([f for f in frees if f[1] == comm]), len(frees)) == (2, 2)  # one per bucket, on comm
