@@ -30,7 +30,7 @@ from nccl_ddp.buckets.layout import ALIGN_BYTES, BucketLayout, ParamSpec, assign
 from nccl_ddp.comm.group import ProcessGroup, ReduceOp
 from nccl_ddp.device import Device, Event, Stream
 from nccl_ddp.errors import ConfigError
-from nccl_ddp.zero.unit_kernels import device_copy_out, device_pack
+from nccl_ddp.zero.unit_kernels import device_add_into, device_copy_out, device_pack
 
 _ONE_BUCKET = 1 << 62  # a cap no unit reaches: one flat shard per dtype
 
@@ -211,7 +211,7 @@ class UnitShards:
         if self.replicate is None:
             return self.comm.record(), outs
         if self.partial is not None:  # the shards reduced since the last all-reduce, added in
-            self.comm.submit(_add_into, outs, self.partial)
+            self.comm.submit(device_add_into if self.device.kind == "cuda" else _add_into, outs, self.partial)
         if not all_reduce:
             self.partial = outs
             return self.comm.record(), None

@@ -82,3 +82,10 @@ def device_pack(
         else:
             for v, o in zip(views, offs):
                 pack[o : o + v.size] = v.astype(pack.dtype)
+
+
+def device_add_into(outs: Sequence[Any], partial: Sequence[Any]) -> None:
+    """HSDP's deferred all-reduce: each bucket's partial shard added into its newly reduced one
+    (an accumulating unpack each)."""
+    for out, part in zip(outs, partial):
+        K.unpack([out], part, [0], accumulate=True)

@@ -28,9 +28,9 @@ SUM, AVG = NCCL_H["NCCL_SUM"], NCCL_H["NCCL_AVG"]
 class World:
     """What the ranks share: the fake CuPy, the turn lock, the rendezvous and the log."""
 
-    def __init__(self, cp, size: int, timeout: float = 20.0, log=None) -> None:
+    def __init__(self, cp, size: int, timeout: float = 20.0, log=None, gpu=None) -> None:
         self.cp, self.size, self.timeout = cp, size, timeout
-        self.gpu = threading.Lock()
+        self.gpu = threading.Lock() if gpu is None else gpu  # one per fake GPU, shared by its groups
         self.barrier = threading.Barrier(size)
         self.posted: list = [None] * size
         self.log: list = [] if log is None else log
@@ -64,26 +64,26 @@ class WorldComm:
             if len(calls) != 1:
                 raise FakeNcclError(f"ranks disagree on the collective: {sorted(calls)}")
             with w.gpu:
-                self._move(name, recv, count, CODE_DTYPE[dtype], op)
-            w.barrier.wait(w.timeout)  # every rank has read the inputs before one changes them
+                out = self._result(name, count, CODE_DTYPE[dtype], op)
+            w.barrier.wait(w.timeout)  # every rank has read the inputs (in place: its output)
+            with w.gpu:
+                w.cp.heap.view(recv, out.size, out.dtype)[...] = out
         finally:
             w.take_turn(saved)
 
-    def _move(self, name, recv, count, dtype, op):
+    def _result(self, name, count, dtype, op):
+        """This rank's output, from every rank's input."""
         w, heap = self.world, self.world.cp.heap
         ins = [p[1] for p in w.posted]
         if name == "allGather":
-            out = heap.view(recv, count * w.size, dtype)
-            for r, send in enumerate(ins):
-                out[r * count : (r + 1) * count] = heap.view(send, count, dtype)
-            return
+            return np.concatenate([heap.view(send, count, dtype) for send in ins])
         lo = self.rank * count * dtype.itemsize if name == "reduceScatter" else 0
         total = sum(heap.view(send + lo, count, dtype).astype(np.float64) for send in ins)
         if op == AVG:
             total = total / w.size
         elif op != SUM:
             raise FakeNcclError(f"op {op} is not faked")
-        heap.view(recv, count, dtype)[...] = total.astype(dtype)
+        return total.astype(dtype)
 
     def allGather(self, send, recv, count, dtype, stream):
         self._collective("allGather", send, recv, count, dtype, None, stream)
@@ -143,39 +143,42 @@ class WorldRuntime:
         return None
 
 
-def run_world(cp, size: int, fn, timeout: float = 60.0, log=None) -> tuple:
-    """`fn(rank, group)` on `size` threads, each with its own `NcclProcessGroup` over one
-    `World` (logging into `log`); returns (the results by rank, the world). The first error is
-    raised here."""
-    world = World(cp, size, log=log)
-    results, errors = [None] * size, []
+def _group(world: World, rank: int, timeout: float, name: str):
+    return nb.NcclProcessGroup(
+        WorldComm(world, rank),
+        WorldRuntime(world),
+        rank=rank,
+        size=world.size,
+        ranks=range(world.size),
+        timeout=timeout,
+        name=name,
+        store=DictStore(),
+        poll=0.01,
+    )
+
+
+def _run(worlds, n: int, make_groups, fn, timeout: float) -> list:
+    """`fn(rank, *make_groups(rank))` on `n` threads taking turns on the worlds' one GPU lock;
+    the results by rank. The first error is raised here (the peers' rendezvous fail fast)."""
+    results, errors = [None] * n, []
+    turn = worlds[0]
 
     def body(rank: int) -> None:
-        world.take_turn({"current": FakeStream(null=True), "device": 0})
+        turn.take_turn({"current": FakeStream(null=True), "device": 0})
+        groups: list = []
         try:
-            rt = WorldRuntime(world)
-            group = nb.NcclProcessGroup(
-                WorldComm(world, rank),
-                rt,
-                rank=rank,
-                size=size,
-                ranks=range(size),
-                timeout=timeout,
-                name="world",
-                store=DictStore(),
-                poll=0.01,
-            )
-            try:
-                results[rank] = fn(rank, group)
-            finally:
-                group.shutdown()
-        except BaseException as e:  # reported by the caller; the peers' rendezvous fails fast
+            groups = make_groups(rank)
+            results[rank] = fn(rank, *groups)
+        except BaseException as e:  # reported by the caller
             errors.append(e)
-            world.barrier.abort()
+            for w in worlds:
+                w.barrier.abort()
         finally:
-            world.give_turn()
+            for g in groups:
+                g.shutdown()
+            turn.give_turn()
 
-    threads = [threading.Thread(target=body, args=(r,), name=f"rank-{r}") for r in range(size)]
+    threads = [threading.Thread(target=body, args=(r,), name=f"rank-{r}") for r in range(n)]
     for t in threads:
         t.start()
     for t in threads:
@@ -183,4 +186,29 @@ def run_world(cp, size: int, fn, timeout: float = 60.0, log=None) -> tuple:
     assert not any(t.is_alive() for t in threads), "a rank did not finish"
     if errors:
         raise errors[0]
-    return results, world
+    return results
+
+
+def run_world(cp, size: int, fn, timeout: float = 60.0, log=None) -> tuple:
+    """`fn(rank, group)` on `size` threads, each with its own `NcclProcessGroup` over one
+    `World` (logging into `log`); returns (the results by rank, the world)."""
+    world = World(cp, size, log=log)
+    return _run([world], size, lambda r: [_group(world, r, timeout, "world")], fn, timeout), world
+
+
+def run_mesh(cp, rows: int, cols: int, fn, timeout: float = 60.0) -> list:
+    """HSDP's 2-D mesh on `rows * cols` threads: `fn(rank, shard, replicate)`, `shard` the
+    group of rank's row (cols ranks), `replicate` the group of its column (rows ranks), all on
+    one fake GPU; the results by global rank (row-major)."""
+    gpu = threading.Lock()
+    shard = [World(cp, cols, gpu=gpu) for _ in range(rows)]
+    replicate = [World(cp, rows, gpu=gpu) for _ in range(cols)]
+
+    def groups(rank: int) -> list:
+        r, c = divmod(rank, cols)
+        return [
+            _group(shard[r], c, timeout, f"shard {r}"),
+            _group(replicate[c], r, timeout, f"replicate {c}"),
+        ]
+
+    return _run(shard + replicate, rows * cols, groups, fn, timeout)

@@ -14,7 +14,7 @@ import _fake_cupy
 import ml_dtypes
 import numpy as np
 import pytest
-from fake_nccl_world import run_world
+from fake_nccl_world import run_mesh, run_world
 from kernel_checks import assert_bits_equal, fake_cupy_installed
 
 from nccl_ddp.buckets.layout import ParamSpec
@@ -266,3 +266,37 @@ def test_the_gathered_buffer_is_freed_in_the_comm_streams_order_under_the_async_
     ((frees, comm),), _ = run_world(fake, 1, gather)
     assert fake.hazards == []
     assert (len([f for f in frees if f[1] == comm]), len(frees)) == (2, 2)  # one per bucket, on comm
+
+
+def test_hsdp_averages_over_the_replicas_and_defers_the_all_reduce(cp):
+    """A (2 replicas, 2 shards) mesh: the shards are reduce-scattered in the shard group, then
+    all-reduced over the replicate group on the same comm stream; with `all_reduce=False` a
+    backward's shards are kept (None returned) and added in by the next one's all-reduce (an
+    accumulating unpack). Every rank's shard is the mean of the 4 ranks' grads, summed over the
+    two backwards."""
+    specs = _specs([F32, F32, F64, F32, F32, F64])
+    rows = cols = 2
+
+    def grads_of(rank, step):
+        return [(f * (rank + 1) + step).astype(f.dtype) for f in _full(specs)]
+
+    def hsdp(rank, shard, replicate):
+        device = CudaDevice(0)
+        layout = P.unit_layout(specs, cols, device.align_bytes)
+        scratch = P.ScratchPool(functools.partial(shard.zeros, device))
+        shards = P.UnitShards(layout, shard, device, device.new_stream(), scratch, "u", replicate=replicate)
+        grads = [[cp.asarray(g) for g in grads_of(rank, step)] for step in range(2)]
+        event, kept = shards.start_reduce(grads[0], all_reduce=False)
+        event.synchronize(5)
+        event, red = shards.start_reduce(grads[1])
+        event.synchronize(5)
+        return kept, layout, [shards.grad_local(red, i).get() for i in range(len(specs))]
+
+    res = run_mesh(cp, rows, cols, hsdp)
+    for rank, (kept, layout, reduced) in enumerate(res):
+        assert kept is None
+        c = rank % cols  # the shard rank
+        for i, got in enumerate(reduced):
+            want = sum(grads_of(r, s)[i].astype(np.float64) for s in range(2) for r in range(4)) / 4
+            lo, n = layout.rank_rows(i)[c]
+            assert_bits_equal(got, want[lo : lo + n].astype(got.dtype), f"rank {rank} p{i}")
