@@ -300,3 +300,19 @@ def test_hsdp_averages_over_the_replicas_and_defers_the_all_reduce(cp):
             want = sum(grads_of(r, s)[i].astype(np.float64) for s in range(2) for r in range(4)) / 4
             lo, n = layout.rank_rows(i)[c]
             assert_bits_equal(got, want[lo : lo + n].astype(got.dtype), f"rank {rank} p{i}")
+
+
+def test_a_unit_of_many_parameters_takes_the_uploaded_table(cp):
+    """Over 32 (parameter, rank) segments the kernels read a device table uploaded on the comm
+    stream instead of the by-value one (kernels/cuda.py): 20 parameters at 2 ranks, still one
+    launch per bucket and the host path's values."""
+    specs = [ParamSpec((3 + i % 4, 2), F32, name=f"p{i}") for i in range(20)]
+    kw = dict(specs=specs, reduce_dtype=None)
+    res, _ = run_world(cp, 2, lambda rank, group: _round_trip(cp, rank, group, **kw))
+    want_outs, want_packs = _host_path(res, 2, None)
+    for rank, r in enumerate(res):
+        for i, (got, want) in enumerate(zip(r["gathered"], want_outs)):
+            assert_bits_equal(got, want, f"rank {rank} p{i} gathered")
+        assert_bits_equal(r["packs"][0], want_packs[0][rank], f"rank {rank} packed")
+        launches = [_name(e) for e in _on(r["comm"], r["gather_log"] + r["reduce_log"]) if e[0] == "launch"]
+        assert launches == ["nd_unpack", "nd_pack"], launches
