@@ -344,7 +344,8 @@ def _mesh(mesh: Any, group: Any, rank: int, kind: str) -> Any:
     if mesh.device_type != kind:
         raise ConfigError(
             f"rank {rank}: fully_shard got a {mesh.device_type!r} DeviceMesh for parameters on "
-            f"{kind}: build the mesh with init_device_mesh({kind!r}, ...)"
+            f"{kind} (meta parameters are sharded on the CPU): build the mesh with "
+            f"init_device_mesh({kind!r}, ...), or the model on the mesh's device"
         )
     return mesh
 
