@@ -10,7 +10,7 @@
 #   trace      torch.profiler CUPTI trace of DDP steps with several buckets (trace.json)
 #   overlap    scripts/overlap_report.py on it: per stream, hidden share of comm, pack/unpack
 #   bench      pack/unpack GB/s vs a D2D copy: 1, 25, 100 MiB x 10, 100, 1000 tensors
-#   pytest     the suite's gpu-marked tests
+#   pytest     the suite's gpu-marked tests (fully_shard on one GPU among them)
 # Each step runs under `timeout` and its failure is reported without stopping the others; the
 # worst case, graces included, stays under GPU_CHECK_BUDGET (400 s) or the run does not start.
 #

@@ -1,8 +1,15 @@
 """pytest plugin of scripts/gpu_check.sh: the GPU tests that matter most run first (the kernels bit
-for bit, torch on CUDA streams, DDP on the GPU, NCCL; bfloat16 cases first within each file), so a
-short GPU session sees their results even if the step runs out of time."""
+for bit, torch on CUDA streams, DDP on the GPU, NCCL, fully_shard on the GPU; bfloat16 cases
+first within each file), so a short GPU session sees their results even if the step runs out of
+time."""
 
-FIRST = ("test_kernels_gpu.py", "test_torch_adapter.py", "test_ddp_gpu.py", "test_nccl_backend.py")
+FIRST = (
+    "test_kernels_gpu.py",
+    "test_torch_adapter.py",
+    "test_ddp_gpu.py",
+    "test_nccl_backend.py",
+    "test_fsdp_gpu.py",
+)
 
 
 def _rank(item):

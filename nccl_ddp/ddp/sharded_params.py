@@ -233,6 +233,7 @@ class ShardedParams:
         ]
         for unit, (event, reduced) in zip(self.units, started):
             event.synchronize(self.group.timeout)
+            assert reduced is not None  # no replicate group here: start_reduce returns the shards
             for b, (master, grad, state) in enumerate(zip(unit.masters, reduced, unit.states)):
                 out = unit.shards.shards[b] if unit.low[b] else None
                 self.optimizer.step(master, grad, state, params_out=out, lr=lr)

@@ -51,6 +51,12 @@ class Stream(abc.ABC):
         hand-offs. A CUDA stream queues it."""
         return contextlib.nullcontext()
 
+    def allocating(self) -> ContextManager[Any]:
+        """Around allocations whose memory this stream's work uses: a CUDA stream is made
+        current, so CuPy's pool ties the memory to it (a block freed there is reused only by
+        work queued on it, or freed in its order under the async pool). Nothing on the host."""
+        return contextlib.nullcontext()
+
 
 class Device(abc.ABC):
     """Allocation, streams and the array module for one kind of device."""

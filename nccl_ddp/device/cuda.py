@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import sys
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from nccl_ddp.device.base import Device, Event, Stream
 from nccl_ddp.errors import CommTimeout, ConfigError, KernelError
@@ -108,6 +109,11 @@ class CudaStream(Stream):
     def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         with _cupy().cuda.Device(self.device_id), self.stream:
             fn(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def allocating(self) -> Iterator[None]:
+        with _cupy().cuda.Device(self.device_id), self.stream:
+            yield
 
     def record(self) -> CudaEvent:
         cp = _cupy()

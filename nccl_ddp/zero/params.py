@@ -13,8 +13,10 @@ reverse: the unsharded grads are packed rank-major (padding rows zero) into a sc
 units share, reduced, and this rank's grad shard comes back in the shard's layout.
 
 Everything a collective reads or writes runs on one comm stream in issue order (on the host
-backend its worker thread): packing, the collective, the copy out. Plain, frozen layout data;
-memory in `UnitShards`, scheduling in the adapter.
+backend its worker thread; on CUDA a CuPy stream, NCCL collectives and the bucket kernels of
+zero/unit_kernels.py): packing, the collective, the copy out, each batch after the compute
+stream's work so far. Plain, frozen layout data; memory in `UnitShards`, scheduling in the
+adapter.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from nccl_ddp.buckets.layout import ALIGN_BYTES, BucketLayout, ParamSpec, assign
 from nccl_ddp.comm.group import ProcessGroup, ReduceOp
 from nccl_ddp.device import Device, Event, Stream
 from nccl_ddp.errors import ConfigError
+from nccl_ddp.zero.unit_kernels import device_add_into, device_copy_out, device_pack
 
 _ONE_BUCKET = 1 << 62  # a cap no unit reaches: one flat shard per dtype
 
@@ -59,6 +62,12 @@ class UnitLayout:
 
     def chunk_numel(self, i: int) -> int:
         return self.rows[i] * self.row_numel[i]
+
+    def rank_rows(self, i: int) -> List[Tuple[int, int]]:
+        """(first element, elements) of each rank's real rows of parameter i in its flat
+        unsharded array, rank after rank (0 elements past the end)."""
+        per = self.row_numel[i]
+        return [(r * self.rows[i] * per, self.local_rows(i, r) * per) for r in range(self.world)]
 
 
 def unit_layout(specs: Sequence[ParamSpec], world: int, align_bytes: int = ALIGN_BYTES) -> UnitLayout:
@@ -150,13 +159,19 @@ class UnitShards:
         """Gather every rank's shards and copy parameter i's rows into `outs[i]` (flat, its full
         numel, the unsharded memory), all on the comm stream after `before()` (e.g. a cast into
         the shards). Returns the event to wait on before the unsharded values are read."""
+        # compute: ─[optimizer writes the shards; frees what `outs` reuse]─●
+        # comm:                                                            └wait─[cast]─[all-gather b
+        #          | copy out b]─...─●done (the caller's compute stream waits on it)
+        self.comm.wait(self.device.current_stream().record())
         if before is not None:
             self.comm.submit(before)
+        copy_out = device_copy_out if self.device.kind == "cuda" else _copy_out
         for b, bucket in enumerate(self.layout.shard.buckets):
-            gathered = self.device.empty(bucket.padded * self.layout.world, bucket.dtype)
+            with self.comm.allocating():  # freed in the comm stream's order
+                gathered = self.device.empty(bucket.padded * self.layout.world, bucket.dtype)
             self.group.all_gather(gathered, self.shards[b], self.comm, tag=self._tag("all-gather", b))
             params = [(i, off) for i, off in zip(bucket.params, bucket.offsets)]
-            self.comm.submit(_copy_out, self.layout, gathered, bucket.padded, params, outs)
+            self.comm.submit(copy_out, self.layout, gathered, bucket.padded, params, outs)
         return self.comm.record()
 
     # ------------------------------------------------------------------ reduce-scatter
@@ -176,19 +191,27 @@ class UnitShards:
         rows out of them). HSDP (`replicate`): the shards are all-reduced over it too, with the
         partial shards kept since added in; `all_reduce=False` skips that all-reduce and adds
         the shards to the partial ones instead (returned as None: no grad to install yet)."""
+        # compute: ─[backward writes the grads]─●
+        # comm:                                 └wait─[pack b | reduce-scatter b]─...─●done
+        self.comm.wait(self.device.current_stream().record())
         outs = []
         for b, bucket in enumerate(self.layout.shard.buckets):
             n, dt = bucket.padded, bucket.dtype if dtype is None else dtype
-            pack = self.scratch.get(n * self.layout.world, dt)
             params = list(zip(bucket.params, bucket.offsets))
-            self.comm.submit(_pack, self.layout, pack, n, params, [grads[i] for i in bucket.params])
-            out = self.device.empty(n, dt)
+            grads_b = [grads[i] for i in bucket.params]
+            with self.comm.allocating():  # freed in the comm stream's order
+                pack = self.scratch.get(n * self.layout.world, dt)
+                out = self.device.empty(n, dt)
+            if self.device.kind == "cuda":
+                self.comm.submit(device_pack, self.layout, pack, n, params, grads_b, self.scratch)
+            else:
+                self.comm.submit(_pack, self.layout, pack, n, params, grads_b)
             self.group.reduce_scatter(out, pack, op, self.comm, tag=self._tag("reduce-scatter", b))
             outs.append(out)
         if self.replicate is None:
             return self.comm.record(), outs
         if self.partial is not None:  # the shards reduced since the last all-reduce, added in
-            self.comm.submit(_add_into, outs, self.partial)
+            self.comm.submit(device_add_into if self.device.kind == "cuda" else _add_into, outs, self.partial)
         if not all_reduce:
             self.partial = outs
             return self.comm.record(), None
@@ -206,12 +229,9 @@ class UnitShards:
 def _copy_out(layout: UnitLayout, gathered: Any, shard_n: int, params: list, outs: Sequence[Any]) -> None:
     """Each parameter's rows out of the `world` gathered shards into its unsharded array."""
     for i, off in params:
-        per = layout.row_numel[i]
         dst = outs[i]
-        for r in range(layout.world):
-            n = layout.local_rows(i, r) * per
+        for r, (lo, n) in enumerate(layout.rank_rows(i)):
             if n:
-                lo = r * layout.rows[i] * per
                 dst[lo : lo + n] = gathered[r * shard_n + off : r * shard_n + off + n]
 
 
@@ -225,11 +245,10 @@ def _pack(layout: UnitLayout, pack: Any, shard_n: int, params: list, grads: Sequ
     """Rank r's rows of every grad into chunk r of `pack` (cast to its dtype); padding rows and
     missing grads as zeros (alignment gaps are left as they are: no parameter reads them)."""
     for (i, off), g in zip(params, grads):
-        per, chunk = layout.row_numel[i], layout.chunk_numel(i)
-        for r in range(layout.world):
+        chunk = layout.chunk_numel(i)
+        for r, (lo, n) in enumerate(layout.rank_rows(i)):
             dst = pack[r * shard_n + off : r * shard_n + off + chunk]
-            n = layout.local_rows(i, r) * per if g is not None else 0
+            n = n if g is not None else 0
             if g is not None and n:
-                lo = r * layout.rows[i] * per
                 dst[:n] = g[lo : lo + n]
             dst[n:] = 0

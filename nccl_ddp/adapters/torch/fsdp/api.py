@@ -6,7 +6,9 @@ module's parameters that no sharded submodule holds, replaces them by `Shard(0)`
 mesh (torch's optimizers, `clip_grad_norm_` and `torch.distributed.checkpoint` take them as they
 take FSDP2's) and changes the module's class to `FSDP<cls>`, an `FSDPModule` (torch's, so
 `isinstance` checks hold) whose public methods are ours. The all-gathers and reduce-scatters go
-through our group over the mesh's ranks (the host backend on CPU), never torch's collectives.
+through our group over the mesh's ranks (the host backend for CPU parameters, NCCL on the comm
+stream for CUDA ones, with torch's current stream as the compute stream), never torch's
+collectives.
 """
 
 from __future__ import annotations
@@ -22,11 +24,13 @@ from nccl_ddp.adapters.torch.fsdp import hooks
 from nccl_ddp.adapters.torch.fsdp.param import ShardedParam, Slot
 from nccl_ddp.adapters.torch.fsdp.unit import Schedule, State, Unit
 from nccl_ddp.adapters.torch.groups import ours_for
+from nccl_ddp.adapters.torch.tensors import torch_stream_current
 from nccl_ddp.arrays.dlpack import numpy_dtype
 from nccl_ddp.buckets.layout import ParamSpec
+from nccl_ddp.comm.api import device_of
 from nccl_ddp.comm.group import ProcessGroup
 from nccl_ddp.ddp.param_sync import Subject, check_same_params
-from nccl_ddp.device import HostDevice
+from nccl_ddp.device import Device, HostDevice
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 from nccl_ddp.zero.params import UnitShards, unit_layout
 
@@ -55,7 +59,9 @@ class FSDPModule(TorchFSDPModule):
 
     def reshard(self) -> None:
         """Free the unsharded parameters; the module holds its sharded DTensors (not recursive)."""
-        self._nccl_unit().reshard()
+        unit = self._nccl_unit()
+        with torch_stream_current(unit.schedule.on_cuda):
+            unit.reshard()
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         """`to_empty(device="cpu")`, `.to(...)` and the like, on the sharded DTensors: after
@@ -66,7 +72,8 @@ class FSDPModule(TorchFSDPModule):
         for u in self._units(recurse=True):  # a change of dtype or device: refused before any moves
             for p in u.params:
                 p.check_apply(fn)
-        unit.reshard()
+        with torch_stream_current(unit.schedule.on_cuda):
+            unit.reshard()
         out = super(TorchFSDPModule, self)._apply(*args, **kwargs)  # nn.Module's, not torch FSDP's
         for p in unit.params:
             p.materialise()
@@ -75,10 +82,11 @@ class FSDPModule(TorchFSDPModule):
     def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
         """Gather the parameters (not recursive); `async_op=True` returns a handle to wait on."""
         unit = self._nccl_unit()
-        unit.unshard()
-        if async_op:
-            return UnshardHandle(unit)
-        unit.wait()
+        with torch_stream_current(unit.schedule.on_cuda):
+            unit.unshard()
+            if async_op:
+                return UnshardHandle(unit)
+            unit.wait()
         return None
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
@@ -125,7 +133,8 @@ class UnshardHandle:
 
     def wait(self) -> None:
         if self._unit.state is not State.SHARDED:
-            self._unit.wait()
+            with torch_stream_current(self._unit.schedule.on_cuda):
+                self._unit.wait()
 
 
 _CLASSES: Dict[type, type] = {}
@@ -150,13 +159,29 @@ def fully_shard(
     whose class (each module's, for a list) is now `FSDP<cls>`."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     modules = _check_args(module, rank, offload_policy, shard_placement_fn)
-    mesh = _mesh(mesh, group, rank)
+    found = _collect(modules, rank)
+    where = _param_device(found, rank)
+    mesh = _mesh(mesh, group, rank, where.type)
     ours = _ours(mesh, mesh.ndim - 1, rank)
     replicate = _ours(mesh, 0, rank) if mesh.ndim == 2 else None
-    device = HostDevice()
-    policy = mp_policy
+    device = _device(where, ours, rank)
+    with torch_stream_current(device.kind == "cuda"):
+        _build(modules, found, mesh, ours, replicate, device, reshard_after_forward, mp_policy)
+    return module
+
+
+def _build(
+    modules: List[torch.nn.Module],
+    found: List[Tuple[str, List[Slot], Any]],
+    mesh: Any,
+    ours: ProcessGroup,
+    replicate: Optional[ProcessGroup],
+    device: Device,
+    reshard_after_forward: Optional[bool],
+    policy: Any,
+) -> None:
+    """The unit of `modules` over `found` (their parameters), its schedule and its hooks."""
     param_dtype = getattr(policy, "param_dtype", None)
-    found = _collect(modules, rank)
     specs = [ParamSpec(tuple(p.shape), numpy_dtype(param_dtype or p.dtype), name=fqn) for fqn, _, p in found]
     check_same_params(
         specs,
@@ -204,7 +229,6 @@ def fully_shard(
         m.__class__ = _fsdp_class(type(m))
     weakref.finalize(modules[0], schedule.close)  # its comm thread ends with the module
     hooks.install(modules, unit, policy)
-    return module
 
 
 def _check_args(
@@ -246,8 +270,57 @@ def _check_reshard(value: Any) -> bool:
     return value
 
 
-def _mesh(mesh: Any, group: Any, rank: int) -> Any:
-    """The DeviceMesh the DTensors live on (1-D, or 2-D for HSDP)."""
+def _param_device(found: List[Tuple[str, List[Slot], Any]], rank: int) -> torch.device:
+    """The one device every parameter of the unit is on (the CPU when it has none; a meta
+    parameter is sharded on the CPU, where `module.to_empty(device="cpu")` materialises it)."""
+    devices = {torch.device("cpu") if p.is_meta else p.device for _, _, p in found}
+    if len(devices) > 1:
+        named = ", ".join(f"{fqn!r} on {p.device}" for fqn, _, p in found[:8])
+        raise ConfigError(
+            f"rank {rank}: fully_shard got parameters on several devices ({named}): move the "
+            "module to one device (module.to(device)) first"
+        )
+    where = next(iter(devices)) if devices else torch.device("cpu")
+    if where.type not in ("cpu", "cuda"):
+        fqn = found[0][0]
+        raise ConfigError(
+            f"rank {rank}: parameter {fqn!r} is on {where}: nccl_ddp's fully_shard shards CPU "
+            "tensors (host backend) and CUDA tensors (nccl backend) only"
+        )
+    return where
+
+
+def _device(where: torch.device, group: ProcessGroup, rank: int) -> Device:
+    """Our device for parameters on `where`: the host for CPU ones, the GPU of the group's
+    NCCL communicator for CUDA ones (which must be the parameters' GPU)."""
+    if where.type == "cpu":
+        if group.backend == "nccl":
+            raise ConfigError(
+                f"rank {rank}: fully_shard got CPU parameters but the group {group.name!r} is "
+                "nccl_ddp's nccl backend: move the module to its GPU (module.cuda(local_rank)), "
+                "or use the host backend (torch's gloo) for CPU training"
+            )
+        return HostDevice()
+    if group.backend != "nccl":
+        raise ConfigError(
+            f"rank {rank}: fully_shard got parameters on {where} but the group {group.name!r} "
+            f"is nccl_ddp's {group.backend!r} backend: initialise torch.distributed with "
+            "'nccl' (or nccl_ddp.init_process_group('nccl')) for CUDA parameters"
+        )
+    device = device_of(group)
+    gpu = getattr(device, "device_id", None)
+    if where.index is not None and gpu != where.index:
+        raise ConfigError(
+            f"rank {rank}: fully_shard got parameters on {where} but this rank's NCCL "
+            f"communicator runs on GPU {gpu}: move the module to cuda:{gpu} (the local rank's "
+            "GPU), or set the device before initialising the process group"
+        )
+    return device
+
+
+def _mesh(mesh: Any, group: Any, rank: int, kind: str) -> Any:
+    """The DeviceMesh the DTensors live on (1-D, or 2-D for HSDP), of device type `kind`
+    (the parameters': "cpu" or "cuda")."""
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     if not dist.is_initialized():
@@ -258,15 +331,21 @@ def _mesh(mesh: Any, group: Any, rank: int) -> Any:
     if mesh is not None and group is not None:
         raise ConfigError(f"rank {rank}: pass mesh= or group= to fully_shard, not both")
     if mesh is None and group is None:
-        return init_device_mesh("cpu", (dist.get_world_size(),))
+        return init_device_mesh(kind, (dist.get_world_size(),))
     if mesh is None:
         if isinstance(group, dist.ProcessGroup):
-            return DeviceMesh.from_group(group, "cpu")
-        return DeviceMesh("cpu", list(group.ranks))
+            return DeviceMesh.from_group(group, kind)
+        return DeviceMesh(kind, list(group.ranks))
     if not isinstance(mesh, DeviceMesh) or mesh.ndim not in (1, 2):
         raise ConfigError(
             f"rank {rank}: fully_shard takes a 1-D DeviceMesh (shard) or a 2-D one (HSDP: "
             f"replicate on dim 0, shard on dim 1), got {mesh!r}"
+        )
+    if mesh.device_type != kind:
+        raise ConfigError(
+            f"rank {rank}: fully_shard got a {mesh.device_type!r} DeviceMesh for parameters on "
+            f"{kind} (meta parameters are sharded on the CPU): build the mesh with "
+            f"init_device_mesh({kind!r}, ...), or the model on the mesh's device"
         )
     return mesh
 
@@ -321,11 +400,6 @@ def _check_param(fqn: str, p: Any, rank: int) -> None:
         raise ConfigError(
             f"rank {rank}: parameter {fqn!r} is uninitialized (lazy): run one forward of its "
             "module (or build it with its sizes) before fully_shard"
-        )
-    if p.device.type not in ("cpu", "meta"):  # meta: a meta DTensor until module.to_empty(device="cpu")
-        raise ConfigError(
-            f"rank {rank}: parameter {fqn!r} is on {p.device}: nccl_ddp's fully_shard runs on "
-            "CPU tensors only so far (the GPU path is not built yet)"
         )
     if not p.is_contiguous():
         raise ConfigError(

@@ -12,6 +12,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Set, Tuple
 
 from nccl_ddp.adapters.torch.fsdp.unit import Unit
+from nccl_ddp.adapters.torch.tensors import torch_stream_current
 
 if TYPE_CHECKING:
     import torch
@@ -57,12 +58,14 @@ def _grouped(
 
 
 def _timed(unit: Unit, hook: Callable[..., Any]) -> Callable[..., Any]:
-    """`hook`, its time (less the unit's gather waits) added to `unit.times.hooks_s`."""
+    """`hook`, its time (less the unit's gather waits) added to `unit.times.hooks_s`; on CUDA
+    with torch's current stream as CuPy's (the compute stream the unit's waits are queued on)."""
 
     def timed(*args: Any) -> Any:
         t0, waited = time.perf_counter(), unit.times.waited_s
         try:
-            return hook(*args)
+            with torch_stream_current(unit.schedule.on_cuda):
+                return hook(*args)
         finally:
             unit.times.hooks_s += time.perf_counter() - t0 - (unit.times.waited_s - waited)
 

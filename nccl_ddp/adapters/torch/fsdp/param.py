@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
+from nccl_ddp import kernels as K
 from nccl_ddp.adapters.torch.tensors import from_native, to_native
 from nccl_ddp.errors import ConfigError
 from nccl_ddp.zero.params import UnitShards
@@ -61,7 +62,7 @@ class ShardedParam:
         self.sharded = torch.nn.Parameter(dt, requires_grad=self.requires_grad)
         self.attrs: Dict[str, Any] = {}  # kept on `sharded` across tensor swaps (which swap __dict__)
         self.unsharded = torch.nn.Parameter(
-            torch.empty(self.shape, dtype=compute_dtype, device="cpu"),
+            torch.empty(self.shape, dtype=compute_dtype, device=chunk.device),  # the shards' device
             requires_grad=self.requires_grad,
         )
         self._nbytes = self.unsharded.numel() * self.unsharded.element_size()
@@ -119,12 +120,13 @@ class ShardedParam:
             self._check_moved(fn(self.sharded))
 
     def _check_moved(self, t: torch.Tensor) -> None:
-        if t.dtype != self.orig_dtype or t.device.type not in ("cpu", "meta"):
+        where = self._chunk.device
+        if t.dtype != self.orig_dtype or t.device.type not in (where.type, "meta"):
             raise ConfigError(
                 f"rank {self.rank}: parameter {self.fqn!r} would become {t.dtype} on {t.device} "
-                f"(it is {self.orig_dtype} on cpu, as fully_shard laid out its shards): change the "
-                "dtype or device before fully_shard (or use a MixedPrecisionPolicy); to_empty("
-                "device='cpu') and .to('cpu') are what works after it"
+                f"(it is {self.orig_dtype} on {where.type}, as fully_shard laid out its shards): "
+                "change the dtype or device before fully_shard (or use a MixedPrecisionPolicy); "
+                f"to_empty(device={where.type!r}) and .to({where.type!r}) are what works after it"
             )
 
     @property
@@ -157,12 +159,21 @@ class ShardedParam:
         return self.unsharded.untyped_storage().size() > 0
 
     def cast_into_mirror(self) -> None:
-        """Mixed precision: the fp32 shard, rounded into the gather shard (on the comm stream)."""
+        """Mixed precision: the fp32 shard, rounded into the gather shard (on the comm stream:
+        on CUDA by our pack kernel on CuPy's current stream, which torch's copy_ would not use)."""
         import torch
 
-        if self.mirror is not None:
-            with torch.no_grad():
-                self.mirror.copy_(self.sharded.to_local())
+        if self.mirror is None:
+            return
+        if self.mirror.is_cuda:
+            src, dst = to_native(self.sharded.to_local().reshape(-1)), to_native(self.mirror.reshape(-1))
+            if (K.dtype_name(src), K.dtype_name(dst)) in K.PACK_PAIRS:
+                K.pack([src], dst, [0])
+            else:  # a cast the kernel does not take (float64 -> float32): CuPy's, same stream
+                dst[...] = src.astype(dst.dtype)
+            return
+        with torch.no_grad():
+            self.mirror.copy_(self.sharded.to_local())
 
     # ------------------------------------------------------------------ grads
 

@@ -9,6 +9,8 @@ buffers, the order units ran in for prefetching, the reduce-scatters still in fl
 Backward is the mirror: a unit's pre-backward waits for its own gather and starts the one of
 the unit that ran before it in forward; its post-backward packs and reduce-scatters its grads on
 the comm stream, and the end of backward waits for them all and installs the sharded grads.
+On CUDA the comm stream is a CuPy stream and the waits are the compute stream's (torch's current
+stream), queued without blocking the host; on the host backend they block the calling thread.
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ import time
 from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
 from nccl_ddp.adapters.torch.fsdp.param import ShardedParam
-from nccl_ddp.adapters.torch.tensors import from_native, to_native
+from nccl_ddp.adapters.torch.tensors import from_native, to_native, torch_stream_current
 from nccl_ddp.comm.group import ProcessGroup, ReduceOp
-from nccl_ddp.device import Device, Event, Stream
+from nccl_ddp.device import CudaStream, Device, Event, Stream
 from nccl_ddp.errors import ConfigError
 from nccl_ddp.zero.params import ScratchPool, UnitShards
 
@@ -40,7 +42,8 @@ class State(enum.Enum):
 @dataclasses.dataclass
 class UnitTimes:
     """What a unit's hooks cost the compute thread, summed since it was built (the benchmark
-    reads them): `waited_s`, blocked on its all-gathers (the exposed, not hidden, part);
+    reads them): `waited_s`, blocked on its all-gathers (the exposed, not hidden, part; ~0 on
+    CUDA, where the wait is queued on the compute stream and a GPU trace shows the exposure);
     `hooks_s`, in its hooks apart from those waits (the Python overhead); `gathers`."""
 
     waited_s: float = 0.0
@@ -89,13 +92,30 @@ class Schedule:
         i = order.index(unit) if unit in order else -1
         return order[i - 1] if i > 0 else None
 
+    @property
+    def on_cuda(self) -> bool:
+        return self.device.kind == "cuda"
+
+    def compute_waits(self, event: Event) -> None:
+        """The compute stream waits for `event`: on CUDA torch's current stream (made CuPy's
+        by the hooks), with no host block; on the host the calling thread blocks, bounded by
+        the group's timeout."""
+        if self.on_cuda:
+            self.device.current_stream().wait(event)
+        else:
+            event.synchronize(self.group.timeout)
+
     def queue_end_of_backward(self) -> None:
         """Once per backward: `end_of_backward` runs when autograd's engine finishes."""
         if not self.end_queued:
             import torch
 
             self.end_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.end_of_backward)
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward_on_stream)
+
+    def _end_of_backward_on_stream(self) -> None:
+        with torch_stream_current(self.on_cuda):
+            self.end_of_backward()
 
     def end_of_backward(self) -> None:
         """Reduce the units whose post-backward never ran (no input needed a grad), wait for
@@ -106,7 +126,9 @@ class Schedule:
                 unit.post_backward()
         pending, self.pending = self.pending, []
         for unit, event, outs, had_grad in pending:
-            event.synchronize(self.group.timeout)
+            # compute: ─[backward]────────────wait(done)─[install the sharded grads]─
+            # comm:    ─[pack | reduce-scatter]─●done┘
+            self.compute_waits(event)
             unit.install_grads(outs, had_grad)
         for unit in self.units:
             unit.forward_calls = 0
@@ -193,8 +215,10 @@ class Unit:
 
     def _sync_gather(self) -> None:
         if self._gathered is not None:
-            t0 = time.perf_counter()
-            self._gathered.synchronize(self.schedule.group.timeout)
+            t0 = time.perf_counter()  # on CUDA the wait is queued, not blocked on: ~0
+            # compute: ─pre-forward─wait(gathered)─[forward with the unsharded parameters]─
+            # comm:    ─[all-gather | copy out]─●┘
+            self.schedule.compute_waits(self._gathered)
             self.times.waited_s += time.perf_counter() - t0
             self._gathered = None
 
@@ -255,6 +279,8 @@ class Unit:
         )
         had = [g is not None or bool(k) for g, k in zip(native, self._partial_had or [False] * len(native))]
         self._partial_had = had if outs is None else []
+        if self.schedule.on_cuda:
+            _read_on(self.schedule.comm, grads)
         self.schedule.pending.append((self, event, outs, had))
 
     def install_grads(self, outs: Optional[List[Any]], had_grad: List[bool]) -> None:
@@ -265,6 +291,19 @@ class Unit:
         for p, had in zip(self.params, had_grad):
             if had and p.requires_grad:
                 p.add_sharded_grad(from_native(self.shards.grad_local(outs, p.index)), self.schedule.mesh)
+
+
+def _read_on(comm: Stream, grads: List[Optional[torch.Tensor]]) -> None:
+    """The comm stream's pack reads `grads` after this returns: torch's caching allocator must
+    not give their memory to a new tensor of the compute stream before that (record_stream)."""
+    import torch
+
+    kept = [g for g in grads if g is not None]
+    if not kept or not isinstance(comm, CudaStream):
+        return
+    stream = torch.cuda.ExternalStream(comm.ptr, device=kept[0].device)
+    for g in kept:
+        g.record_stream(stream)
 
 
 def _cast_all(params: List[ShardedParam]) -> None:
