@@ -15,7 +15,7 @@ halves that NumPy's own cast filled in once.
 from __future__ import annotations
 
 import threading
-from typing import Optional
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -179,3 +179,33 @@ def unpack_scaled(dst: np.ndarray, src: np.ndarray, scale: np.float32) -> None:
         widen(yo, x[o : o + PIECE])
         if scale != 1:
             np.multiply(yo, scale, out=yo)
+
+
+def _wide_scratch() -> tuple:
+    """This thread's two float32 pieces for `combine` (host streams run it on threads of their own)."""
+    pair: tuple | None = getattr(_local, "wide", None)
+    if pair is None:
+        pair = _local.wide = (np.empty(PIECE, np.float32), np.empty(PIECE, np.float32))
+    return pair
+
+
+def combine(
+    out: np.ndarray, others: Sequence[np.ndarray], ufunc: Any, finish: Optional[Callable[[np.ndarray], None]]
+) -> None:
+    """out (float16) = ufunc(... ufunc(out, others[0]) ..., others[-1]) in float32, then
+    `finish` (AVG's division) and one rounding: the bits of widening with astype and narrowing
+    with copyto (the host backend's float16 sums), a piece at a time."""
+    nar, (acc, tmp) = narrower(), _wide_scratch()
+    y = out.reshape(-1)
+    xs = [o.reshape(-1) for o in others]
+    with np.errstate(over="ignore", invalid="ignore"):
+        for lo in range(0, y.size, PIECE):
+            hi = min(y.size, lo + PIECE)
+            a, w = acc[: hi - lo], tmp[: hi - lo]
+            widen(a, y[lo:hi])
+            for x in xs:
+                widen(w, x[lo:hi])
+                ufunc(a, w, out=a)
+            if finish is not None:
+                finish(a)
+            nar(y[lo:hi], a)

@@ -13,6 +13,7 @@ import numpy as np
 
 from nccl_ddp.comm.group import ReduceOp
 from nccl_ddp.errors import ConfigError, ConfigTypeError
+from nccl_ddp.kernels import half
 from nccl_ddp.kernels.spec import SCALE_DTYPES, scale_ref
 
 DTYPE_NAMES: tuple = (
@@ -95,6 +96,9 @@ class Reduction:
 
     def combine(self, out: np.ndarray, others: Sequence[np.ndarray], final: bool) -> None:
         """out = out (op) others[0] (op) others[1] ..., in that order; `final`: divide for AVG."""
+        if self._fast_half(out):
+            half.combine(out, others, self.ufunc, self._divide if final else None)
+            return
         if self.half:
             acc = out.astype(np.float32)
             for o in others:
@@ -128,12 +132,19 @@ class Reduction:
         """Apply AVG's division to a fully reduced array (no-op for the other ops)."""
         if self.op is not ReduceOp.AVG:
             return
-        if self.half:
+        if self._fast_half(out):
+            half.combine(out, [], self.ufunc, self._divide)
+        elif self.half:
             acc = out.astype(np.float32)
             self._divide(acc)
             np.copyto(out, acc, casting="unsafe")
         else:
             self._divide(out)
+
+    def _fast_half(self, out: np.ndarray) -> bool:
+        """float16 through kernels.half's casts (NumPy's are scalar loops, slower on subnormals),
+        same bits; a strided `out` (none of the collectives hands one) through NumPy's."""
+        return self.half and self.dtype == np.float16 and out.flags.c_contiguous
 
     def _divide(self, a: np.ndarray) -> None:
         if self.op is not ReduceOp.AVG or self.world == 1:
