@@ -38,6 +38,15 @@ class Narrower:
         self._w = np.empty(PIECE, np.uint32)
         self._s = np.empty(PIECE, np.uint32)
         self._m = np.empty(PIECE, bool)
+        # min/max against a scalar is a scalar loop in NumPy (3x an add); against an array, not
+        self._tiny = np.full(PIECE, _TINY, np.uint32)
+        self._lims: dict = {}
+
+    def _lim(self, halvings: int) -> np.ndarray:
+        lim = self._lims.get(halvings)
+        if lim is None:
+            lim = self._lims[halvings] = np.full(PIECE, (halvings + 1) << 10, np.uint32)
+        return lim
 
     def __call__(self, dst: np.ndarray, src: np.ndarray, halvings: Optional[int] = None) -> None:
         """dst (float16, contiguous, at most PIECE elements) = src (float32) rounded; with
@@ -47,7 +56,7 @@ class Narrower:
         x = src.reshape(-1).view(np.uint32)
         t, a, w, m = self._t[:k], self._a[:k], self._w[:k], self._m[:k]
         np.bitwise_and(x, _ABS, out=a)
-        np.maximum(a, np.uint32(_TINY), out=w)  # below half's normal range: its smallest normal
+        np.maximum(a, self._tiny[:k], out=w)  # below half's normal range: its smallest normal
         np.right_shift(w, 13, out=t)
         np.bitwise_and(t, 1, out=t)  # the lowest kept bit: ties go to even
         np.add(t, w, out=t)
@@ -82,9 +91,9 @@ class Narrower:
             kept = t[big]
             kept[kept > _H_INF] |= np.uint32(0x200)  # a float multiply quiets a signaling NaN
         if halvings:
-            lim = np.uint32((halvings + 1) << 10)  # from here on the scaled result is normal
             s = self._s[:k]
-            np.minimum(t, lim, out=s)  # what is scaled to 2**-14 or more gives 0x400 below
+            # from (k + 1) << 10 on the scaled result is normal
+            np.minimum(t, self._lim(halvings)[:k], out=s)  # what is scaled to 2**-14 or more gives 0x400 below
             if halvings == 1:  # up to 0x800 a half's value is its bits times 2**-24: halve them
                 np.right_shift(s, 1, out=w)
                 np.bitwise_and(w, 1, out=w)  # ties to even
