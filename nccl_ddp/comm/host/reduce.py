@@ -13,7 +13,7 @@ import numpy as np
 
 from nccl_ddp.comm.group import ReduceOp
 from nccl_ddp.errors import ConfigError, ConfigTypeError
-from nccl_ddp.kernels import half
+from nccl_ddp.kernels import half, half_round
 from nccl_ddp.kernels.spec import SCALE_DTYPES, scale_ref
 
 DTYPE_NAMES: tuple = (
@@ -112,6 +112,11 @@ class Reduction:
         if final:
             self._divide(out)
 
+    @property
+    def prescales(self) -> bool:
+        """Whether each rank's input goes through `scaled` / `scale_all` before it is summed."""
+        return self.prescale != 1.0
+
     def scale_all(self, buf: np.ndarray) -> None:
         """This rank's whole input multiplied by `prescale`, in place (the unfused way)."""
         if self.prescale != 1.0:
@@ -157,3 +162,34 @@ class Reduction:
             q, r = np.divmod(a, self.world)
             q += ((r != 0) & (a < 0)).astype(a.dtype)
             np.copyto(a, q)
+
+
+class Float16WireSum(Reduction):
+    """A SUM of float32 buffers with the bits of the fp16 compression (torch's
+    `fp16_compress_hook` as the reducer fuses it: each rank's buffer rounded to float16, scaled
+    by `prescale`, rounded again; the float16 sum of those; widened back), computed on the
+    float32 values themselves (`kernels.half_round`): no float16 buffer, no casts of NumPy's.
+    Partial sums (the TCP ring's hops) are rounded as a float16 wire rounds them."""
+
+    def __init__(self, world: int, where: str, prescale: float) -> None:
+        super().__init__(np.float32, ReduceOp.SUM, world, where, prescale)
+        self.half = False
+
+    @property
+    def prescales(self) -> bool:
+        return True
+
+    def scale_all(self, buf: np.ndarray) -> None:
+        half_round.quantize(buf, buf, self.prescale)
+
+    def scaled(self, out: np.ndarray, x: np.ndarray) -> np.ndarray:
+        half_round.quantize(out, x, self.prescale)
+        return out
+
+    def combine(self, out: np.ndarray, others: Sequence[np.ndarray], final: bool) -> None:
+        for o in others:
+            np.add(out, o, out=out)
+        half_round.round_values(out, out)
+
+    def finish(self, out: np.ndarray) -> None:
+        return None

@@ -1,0 +1,92 @@
+"""float32 values rounded to float16's values and kept in float32 (the bits of
+`astype(float16).astype(float32)`), by two float additions a piece: what the host backend's fp16
+compression on float32 buffers computes (`comm/host/reduce.py`), with no half bits and no widening.
+
+y + m, where m is y's sign times 2**(e + 13) and e is y's exponent (at least -14, half's
+smallest normal), keeps 10 bits of y below its leading one (the subnormal step 2**-24 below
+2**-14), rounded to nearest even by the addition itself; subtracting m again is exact. From
+2**15 on (inf, NaN, overflow to inf) NumPy's casts do the few values there are.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from nccl_ddp.kernels.half import PIECE
+
+_SIGN = np.uint32(0x80000000)
+_EXP = np.uint32(0x7F800000)
+_MIN_E = 113 << 23  # 2**-14's exponent bits: below it, half's step stays 2**-24
+_MAGIC = np.uint32(13 << 23)  # 2**13 times y's power of two: its ulp is half's step at y
+_BIG_E = np.uint32(142 << 23)  # 2**15: from here on NumPy's casts (inf, NaN, 65520 -> inf)
+
+
+class Rounder:
+    """Rounds float32 to float16's grid in place or into another float32 array; holds its
+    scratch arrays (one piece each), so one instance per thread."""
+
+    def __init__(self) -> None:
+        self._s = np.empty(PIECE, np.uint32)
+        self._e = np.empty(PIECE, np.uint32)
+        self._m = np.empty(PIECE, bool)
+        self._min = np.full(PIECE, _MIN_E, np.uint32)  # (max with a scalar is a scalar loop)
+
+    def __call__(self, out: np.ndarray, y: np.ndarray) -> None:
+        """out (float32, contiguous, at most PIECE elements; `y` itself allowed) = y's float16
+        value (NumPy's cast, widened)."""
+        k = y.size
+        yf = y.reshape(-1)
+        yb, ob = yf.view(np.uint32), out.reshape(-1).view(np.uint32)
+        s, e, m = self._s[:k], self._e[:k], self._m[:k]
+        np.bitwise_and(yb, _SIGN, out=s)
+        np.bitwise_and(yb, _EXP, out=e)
+        np.greater_equal(e, _BIG_E, out=m)
+        big = np.flatnonzero(m) if m.any() else None
+        if big is not None:  # before `out` (maybe y) is written
+            kept = yf[big].astype(np.float16).astype(np.float32)
+        np.maximum(e, self._min[:k], out=e)
+        np.add(e, _MAGIC, out=e)
+        np.bitwise_or(e, s, out=e)  # m: y's sign, 2**(e + 13)
+        mf = e.view(np.float32)
+        of = ob.view(np.float32)
+        np.add(yf, mf, out=of)  # the rounding
+        np.subtract(of, mf, out=of)  # exact
+        np.bitwise_or(ob, s, out=ob)  # a zero keeps y's sign, as the cast keeps it
+        if big is not None:
+            of[big] = kept
+
+
+_local = threading.local()
+
+
+def rounder() -> Rounder:
+    """This thread's `Rounder` (host collectives run on threads of their own)."""
+    r: Rounder | None = getattr(_local, "rounder", None)
+    if r is None:
+        r = _local.rounder = Rounder()
+    return r
+
+
+def round_values(out: np.ndarray, y: np.ndarray) -> None:
+    """out (float32) = y rounded to float16's values, a piece at a time (`out` may be `y`)."""
+    r = rounder()
+    o, x = out.reshape(-1), y.reshape(-1)
+    with np.errstate(over="ignore", invalid="ignore"):
+        for lo in range(0, x.size, PIECE):
+            r(o[lo : lo + PIECE], x[lo : lo + PIECE])
+
+
+def quantize(out: np.ndarray, x: np.ndarray, scale: float) -> None:
+    """out (float32) = float32(half(float32(half(x)) * scale)): the fp16 compression's pack
+    (`spec.pack_ref`, torch's order: round, then scale) widened back, a piece at a time (`out`
+    may be `x`)."""
+    r, s = rounder(), np.float32(scale)
+    o, y = out.reshape(-1), x.reshape(-1)
+    with np.errstate(over="ignore", invalid="ignore"):
+        for lo in range(0, y.size, PIECE):
+            op = o[lo : lo + PIECE]
+            r(op, y[lo : lo + PIECE])
+            np.multiply(op, s, out=op)  # (by 1 too: a signaling NaN is quieted, as in the pack)
+            r(op, op)
