@@ -57,6 +57,23 @@ class Rounder:
         if big is not None:
             of[big] = kept
 
+    def to_step(self, v: np.ndarray) -> None:
+        """v (float32, contiguous, at most PIECE elements, on float16's grid wherever |v| is
+        2**-14 or more) rounded in place to half's subnormal step 2**-24 below 2**-14: adding
+        and subtracting 0.5 with v's sign is exact on that grid (up to 2**22) and rounds below it."""
+        k = v.size
+        vb = v.reshape(-1).view(np.uint32)
+        s, e = self._s[:k], self._e[:k]
+        np.bitwise_and(vb, _SIGN, out=s)
+        np.bitwise_or(s, _HALF, out=e)
+        ef, vf = e.view(np.float32), vb.view(np.float32)
+        np.add(vf, ef, out=vf)
+        np.subtract(vf, ef, out=vf)
+        np.bitwise_or(vb, s, out=vb)
+
+
+_HALF = np.uint32(0x3F000000)  # 0.5: its ulp is 2**-24
+
 
 _local = threading.local()
 
@@ -83,10 +100,13 @@ def quantize(out: np.ndarray, x: np.ndarray, scale: float) -> None:
     (`spec.pack_ref`, torch's order: round, then scale) widened back, a piece at a time (`out`
     may be `x`)."""
     r, s = rounder(), np.float32(scale)
+    m, _ = np.frexp(s)
+    # a power of two up to 1 keeps half's grid down to 2**-14: only the subnormal step to round
+    second = r.to_step if m == 0.5 and s <= 1 else (lambda v: r(v, v))
     o, y = out.reshape(-1), x.reshape(-1)
     with np.errstate(over="ignore", invalid="ignore"):
         for lo in range(0, y.size, PIECE):
             op = o[lo : lo + PIECE]
             r(op, y[lo : lo + PIECE])
             np.multiply(op, s, out=op)  # (by 1 too: a signaling NaN is quieted, as in the pack)
-            r(op, op)
+            second(op)
