@@ -98,7 +98,9 @@ class AllReduce:
         """float32 buf = its pack into `compression` with `scale`, all-reduced, widened back, in
         stream order (`ProcessGroup.all_reduce_compressed`)."""
         group = self.group
-        work = group.all_reduce_compressed(buf, scale, compression, stream=self.device.current_stream(), tag=tag)
+        work = group.all_reduce_compressed(
+            buf, scale, compression, stream=self.device.current_stream(), tag=tag
+        )
         work.wait(group.timeout)
 
     def premul_sum(self, buf: Any, scale: float, tag: str) -> None:
@@ -231,7 +233,9 @@ class BucketSubmitter:
             work = dataclasses.replace(work, scale=1.0 / (divisor or self.group.size), op=ReduceOp.SUM)
             if mode == "view" and work.flag is None and isinstance(collective, AllReduce):
                 if collective.fuses_compression(compression):
-                    return plan_compressed_fused(work, collective.phase, collective.compressed_sum, compression)
+                    return plan_compressed_fused(
+                        work, collective.phase, collective.compressed_sum, compression
+                    )
             wire = self._compressed_buffer(layout, b, compression)
             return first + plan_compressed(work, mode == "view", wire, compression, collective)
         if mode == "pack":
@@ -249,7 +253,6 @@ class BucketSubmitter:
         if buf is None:
             self._compressed_buffers = {k: v for k, v in self._compressed_buffers.items() if k[0] is layout}
             buf = self._compressed_buffers[key] = self.group.zeros(
-                self.device,
-                layout.buckets[b].padded, comm_hooks.compression_dtype(compression)
+                self.device, layout.buckets[b].padded, comm_hooks.compression_dtype(compression)
             )
         return buf

@@ -93,7 +93,9 @@ class Narrower:
         if halvings:
             s = self._s[:k]
             # from (k + 1) << 10 on the scaled result is normal
-            np.minimum(t, self._lim(halvings)[:k], out=s)  # what is scaled to 2**-14 or more gives 0x400 below
+            np.minimum(
+                t, self._lim(halvings)[:k], out=s
+            )  # what is scaled to 2**-14 or more gives 0x400 below
             if halvings == 1:  # up to 0x800 a half's value is its bits times 2**-24: halve them
                 np.right_shift(s, 1, out=w)
                 np.bitwise_and(w, 1, out=w)  # ties to even

@@ -47,7 +47,10 @@ def _staged_formula(world, chunk_elems):
     first, then the others in rank order), rounded once to float16. (Which rank sums an element
     decides the order of a 3-rank sum: chunks of float32 hold half the elements of float16's.)"""
     with np.errstate(all="ignore"):
-        qs = [(_grads(r).astype(np.float16).astype(np.float32) * np.float32(1 / world)).astype(np.float16) for r in range(world)]
+        qs = [
+            (_grads(r).astype(np.float16).astype(np.float32) * np.float32(1 / world)).astype(np.float16)
+            for r in range(world)
+        ]
         qs = [q.astype(np.float32) for q in qs]
         sums = []
         for j in range(world):
@@ -101,4 +104,6 @@ def _compressed_body(rank, world, transport):
 
 @pytest.mark.parametrize("world,transport", [(2, "auto"), (3, "auto"), (2, "tcp")])
 def test_compressed_sum_has_the_bits_of_the_float16_path(world, transport):
-    assert run_ranks(_compressed_body, world, transport, timeout=120) == [0 if transport == "tcp" else 2] * world
+    assert (
+        run_ranks(_compressed_body, world, transport, timeout=120) == [0 if transport == "tcp" else 2] * world
+    )

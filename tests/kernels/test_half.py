@@ -115,7 +115,9 @@ def test_power_of_two_scale_every_half_and_random_bits(k):
     with np.errstate(all="ignore"):
         exact = EVERY_HALF.astype(np.float32)
         u = rng.integers(0, 1 << 32, 2 * half.PIECE, dtype=np.uint64).astype(np.uint32)
-        near = (rng.standard_normal(half.PIECE) * 2.0 ** rng.integers(-26, -10, half.PIECE)).astype(np.float32)
+        near = (rng.standard_normal(half.PIECE) * 2.0 ** rng.integers(-26, -10, half.PIECE)).astype(
+            np.float32
+        )
         x = np.concatenate([exact, u.view(np.float32), near])
         got = np.empty(x.size, np.float16)
         pack_ref([x], got, [0], scale=2.0**-k)
@@ -133,7 +135,8 @@ def _numpy_combine(out, others, ufunc, world, avg):
 
 
 @pytest.mark.parametrize(
-    "op,peers", [(ReduceOp.SUM, 1), (ReduceOp.SUM, 2), (ReduceOp.AVG, 2), (ReduceOp.PROD, 1), (ReduceOp.MAX, 1)]
+    "op,peers",
+    [(ReduceOp.SUM, 1), (ReduceOp.SUM, 2), (ReduceOp.AVG, 2), (ReduceOp.PROD, 1), (ReduceOp.MAX, 1)],
 )
 def test_float16_reduction_as_numpy(op, peers):
     """`Reduction.combine` / `finish` on float16: every half against random halves, and pairs
@@ -142,8 +145,12 @@ def test_float16_reduction_as_numpy(op, peers):
     rng = np.random.default_rng(peers)
     n = EVERY_HALF.size
     out = EVERY_HALF.copy()
-    others = [rng.integers(0, 1 << 16, n, dtype=np.uint32).astype(np.uint16).view(np.float16) for _ in range(peers)]
-    edges = np.array([0x7BFF, 0x7C00, 0xFC00, 0x0001, 0x8001, 0x03FF, 0x0400, 0x3C00, 0x1400, 0x7E01], np.uint16)
+    others = [
+        rng.integers(0, 1 << 16, n, dtype=np.uint32).astype(np.uint16).view(np.float16) for _ in range(peers)
+    ]
+    edges = np.array(
+        [0x7BFF, 0x7C00, 0xFC00, 0x0001, 0x8001, 0x03FF, 0x0400, 0x3C00, 0x1400, 0x7E01], np.uint16
+    )
     out[: edges.size] = edges.view(np.float16)
     for o in others:
         o[: edges.size] = edges[::-1].view(np.float16)

@@ -22,7 +22,9 @@ def _inputs(seed):
         ties = ((h.astype(np.float64) + up.astype(np.float64)) / 2).astype(np.float32)
         bits = rng.integers(0, 1 << 32, 2 * PIECE + 3, dtype=np.uint64).astype(np.uint32).view(np.float32)
         mags = (rng.standard_normal(PIECE) * 10.0 ** rng.integers(-10, 6, PIECE)).astype(np.float32)
-        edges = np.array([65504, 65519.99, 65520, -65520, 2.0**-24, 2.0**-25, 3 * 2.0**-26, -0.0, 0.0], np.float32)
+        edges = np.array(
+            [65504, 65519.99, 65520, -65520, 2.0**-24, 2.0**-25, 3 * 2.0**-26, -0.0, 0.0], np.float32
+        )
         return np.concatenate([EVERY_HALF.astype(np.float32), ties, bits, mags, edges])
 
 
@@ -49,5 +51,9 @@ def test_quantize_is_the_fp16_pack_widened(scale):
     out = np.empty_like(x)
     half_round.quantize(out, x, scale)
     with np.errstate(all="ignore"):
-        want = (x.astype(np.float16).astype(np.float32) * np.float32(scale)).astype(np.float16).astype(np.float32)
+        want = (
+            (x.astype(np.float16).astype(np.float32) * np.float32(scale))
+            .astype(np.float16)
+            .astype(np.float32)
+        )
     np.testing.assert_array_equal(_bits(out), _bits(want))

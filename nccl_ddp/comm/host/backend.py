@@ -22,7 +22,8 @@ import numpy as np
 
 from nccl_ddp.comm.group import ProcessGroup, ReduceOp, check_gather_buffers
 from nccl_ddp.comm.host import hier, throttle
-from nccl_ddp.comm.host.reduce import Float16WireSum, Reduction, dtype_code
+from nccl_ddp.comm.host.fused import FusedSums
+from nccl_ddp.comm.host.reduce import Reduction, dtype_code, make_reduction
 from nccl_ddp.comm.host.rendezvous import Rendezvous, host_id
 from nccl_ddp.comm.host.ring import RingTransport, SelfTransport
 from nccl_ddp.comm.host.shared import shared_zeros
@@ -30,7 +31,7 @@ from nccl_ddp.comm.host.shm import SMALL_BYTES, ShmTransport
 from nccl_ddp.comm.host.wire import ALL_GATHER, ALL_REDUCE, BARRIER, BROADCAST, REDUCE_SCATTER
 from nccl_ddp.comm.host.work import HostWork
 from nccl_ddp.device import DEFAULT_TIMEOUT, Device, ImmediateStream, Stream
-from nccl_ddp.errors import CommError, ConfigError, ConfigTypeError, NcclDdpError, RankMismatchError
+from nccl_ddp.errors import CommError, ConfigError, NcclDdpError, RankMismatchError
 from nccl_ddp.job.env import env_int, node_rank
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ def _flat(a: np.ndarray, what: str, writable: bool) -> np.ndarray:
     return a.reshape(-1)
 
 
-class HostProcessGroup(ProcessGroup):
+class HostProcessGroup(FusedSums, ProcessGroup):
     """A group of ranks running host collectives; construction is collective over its members.
 
     `store` must be private to this group (e.g. a PrefixStore); `rank` is the group rank and
@@ -283,17 +284,12 @@ class HostProcessGroup(ProcessGroup):
         return (op, dtype_code(a.dtype, what), _REDOPS.index(redop) if redop else 0, root, a.size)
 
     def _reduction(
-        self, what: str, a: np.ndarray, op: Any, prescale: float = 1.0, wire: Optional[str] = None
+        self, what: str, a: np.ndarray, op: Any, prescale: float = 1.0, wire: Any = None
     ) -> Reduction:
-        op = ReduceOp.parse(op)
-        key = (a.dtype, op, prescale, wire)  # (a DDP step reduces a few dtypes with one op and scale)
-        red = self._reductions.get(key)
-        if red is None:
-            red = Reduction(a.dtype, op, self.size, what, prescale) if wire is None else Float16WireSum(
-                self.size, what, prescale
-            )
-            self._reductions[key] = red
-        return red
+        key = (a.dtype, ReduceOp.parse(op), prescale, wire)  # (a DDP step: a few of them)
+        if key not in self._reductions:
+            self._reductions[key] = make_reduction(a.dtype, key[1], self.size, what, prescale, wire)
+        return self._reductions[key]
 
     def zeros(self, device: Device, n: int, dtype: Any) -> Any:
         """On the shm transport, buffers over 64 KiB in shared memory of their own: an all-reduce
@@ -315,45 +311,6 @@ class HostProcessGroup(ProcessGroup):
     ) -> HostWork:
         return self._all_reduce(buf, op, 1.0, stream, tag)
 
-    def fuses_premul_sum(self, device: Device) -> bool:
-        """On the host device's (NumPy) buffers: the reduction scales the pieces as it reads them."""
-        return device.kind == "host"
-
-    def all_reduce_premul_sum(
-        self, buf: Any, factor: float, stream: Optional[Stream] = None, *, tag: Optional[str] = None
-    ) -> HostWork:
-        """On buffers in shared memory (`zeros`) the scale costs no pass of its own: each rank
-        scales the pieces it reduces as it reads them; elsewhere each scales its buffer first."""
-        return self._all_reduce(buf, ReduceOp.SUM, float(factor), stream, tag)
-
-    def fuses_compression(self, device: Device, compression: str) -> bool:
-        """float16 on the host device over shared memory: `all_reduce_compressed` rounds the
-        float32 values as it sums them (the ring's TCP wire would carry them at full width)."""
-        return device.kind == "host" and compression == "float16" and isinstance(self._transport, ShmTransport)
-
-    def all_reduce_compressed(
-        self,
-        buf: Any,
-        factor: float,
-        compression: str,
-        stream: Optional[Stream] = None,
-        *,
-        tag: Optional[str] = None,
-    ) -> HostWork:
-        """float32 `buf` = the fp16 compression's result (`Float16WireSum`: each rank's buffer
-        rounded to float16, scaled by `factor`, rounded; summed in float16; widened), where
-        `fuses_compression`."""
-        if compression != "float16" or not isinstance(self._transport, ShmTransport):
-            raise ConfigError(
-                f"rank {self.rank}: a fused {compression} all-reduce needs float16 on the shm "
-                f"transport (fuses_compression); group {self.name} runs {type(self._transport).__name__}"
-            )
-        if np.dtype(getattr(buf, "dtype", None)) != np.float32:  # before the op: no rank runs it
-            raise ConfigTypeError(
-                f"rank {self.rank}: a float16-compressed sum takes float32 buffers, got {buf.dtype}"
-            )
-        return self._all_reduce(buf, ReduceOp.SUM, float(factor), stream, tag, "float16")
-
     def _all_reduce(
         self,
         buf: Any,
@@ -361,7 +318,7 @@ class HostProcessGroup(ProcessGroup):
         prescale: float,
         stream: Optional[Stream],
         tag: Optional[str],
-        wire: Optional[str] = None,
+        wire: Any = None,
     ) -> HostWork:
         what = self._on("all_reduce", tag)
         with self.checking("all_reduce"):

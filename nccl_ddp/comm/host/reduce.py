@@ -193,3 +193,23 @@ class Float16WireSum(Reduction):
 
     def finish(self, out: np.ndarray) -> None:
         return None
+
+
+def make_reduction(dtype: Any, op: ReduceOp, world: int, where: str, prescale: float, wire: Any) -> Reduction:
+    """The reduction of a collective: `wire` "float16": the fp16 compression's (`Float16WireSum`)."""
+    if wire is None:
+        return Reduction(dtype, op, world, where, prescale)
+    return Float16WireSum(world, where, prescale)
+
+
+def check_compressed(rank: int, group: str, buf: Any, compression: str, transport: str) -> None:
+    """A fused compressed all-reduce is float16 of float32 buffers on the shm transport; else a
+    clear error, raised before the op (no rank runs it)."""
+    if compression != "float16" or transport != "ShmTransport":
+        raise ConfigError(
+            f"rank {rank}: a fused {compression} all-reduce needs float16 on the shm transport "
+            f"(fuses_compression); group {group} runs {transport}"
+        )
+    dtype = getattr(buf, "dtype", type(buf).__name__)
+    if dtype != np.float32:
+        raise ConfigTypeError(f"rank {rank}: a float16-compressed sum takes float32 buffers, got {dtype}")
