@@ -126,11 +126,19 @@ def _inf_nan(x: np.ndarray) -> np.ndarray:
 _local = threading.local()
 
 
+def per_thread(name: str, make: Callable[[], Any]) -> Any:
+    """This thread's instance of a kernel's scratch holder `name` (host streams and collectives
+    run on threads of their own), made by `make()` the first time."""
+    obj = getattr(_local, name, None)
+    if obj is None:
+        obj = make()
+        setattr(_local, name, obj)
+    return obj
+
+
 def narrower() -> Narrower:
-    """This thread's `Narrower` (host streams run kernels on threads of their own)."""
-    nar: Narrower | None = getattr(_local, "narrower", None)
-    if nar is None:
-        nar = _local.narrower = Narrower()
+    """This thread's `Narrower`."""
+    nar: Narrower = per_thread("narrower", Narrower)
     return nar
 
 
@@ -193,10 +201,8 @@ def unpack_scaled(dst: np.ndarray, src: np.ndarray, scale: np.float32) -> None:
 
 
 def _wide_scratch() -> tuple:
-    """This thread's two float32 pieces for `combine` (host streams run it on threads of their own)."""
-    pair: tuple | None = getattr(_local, "wide", None)
-    if pair is None:
-        pair = _local.wide = (np.empty(PIECE, np.float32), np.empty(PIECE, np.float32))
+    """This thread's two float32 pieces for `combine`."""
+    pair: tuple = per_thread("wide", lambda: (np.empty(PIECE, np.float32), np.empty(PIECE, np.float32)))
     return pair
 
 

@@ -10,11 +10,9 @@ smallest normal), keeps 10 bits of y below its leading one (the subnormal step 2
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 
-from nccl_ddp.kernels.half import PIECE
+from nccl_ddp.kernels.half import PIECE, per_thread
 
 _SIGN = np.uint32(0x80000000)
 _EXP = np.uint32(0x7F800000)
@@ -75,14 +73,9 @@ class Rounder:
 _HALF = np.uint32(0x3F000000)  # 0.5: its ulp is 2**-24
 
 
-_local = threading.local()
-
-
 def rounder() -> Rounder:
     """This thread's `Rounder` (host collectives run on threads of their own)."""
-    r: Rounder | None = getattr(_local, "rounder", None)
-    if r is None:
-        r = _local.rounder = Rounder()
+    r: Rounder = per_thread("rounder", Rounder)
     return r
 
 

@@ -3,7 +3,7 @@ roundings, applied as the reduction reads each rank's pieces instead of in passe
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from nccl_ddp.comm.group import ReduceOp
 from nccl_ddp.comm.host.reduce import check_compressed
@@ -19,17 +19,7 @@ class FusedSums:
     rank: int
     name: str
     _transport: Any
-
-    def _all_reduce(
-        self,
-        buf: Any,
-        op: Any,
-        prescale: float,
-        stream: Optional[Stream],
-        tag: Optional[str],
-        wire: Any = None,
-    ) -> HostWork:
-        raise NotImplementedError  # HostProcessGroup's
+    _all_reduce: Callable[..., HostWork]  # HostProcessGroup's: (buf, op, prescale, stream, tag, wire)
 
     def fuses_premul_sum(self, device: Device) -> bool:
         """On the host device's (NumPy) buffers: the reduction scales the pieces as it reads them."""
