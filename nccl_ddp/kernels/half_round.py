@@ -31,18 +31,20 @@ class Rounder:
         self._m = np.empty(PIECE, bool)
         self._min = np.full(PIECE, _MIN_E, np.uint32)  # (max with a scalar is a scalar loop)
 
-    def __call__(self, out: np.ndarray, y: np.ndarray) -> None:
+    def __call__(self, out: np.ndarray, y: np.ndarray, signed: bool = True) -> None:
         """out (float32, contiguous, at most PIECE elements; `y` itself allowed) = y's float16
-        value (NumPy's cast, widened)."""
+        value (NumPy's cast, widened). `signed` False: a zero result may lack y's sign, which
+        stays here for `to_step(signs_kept=True)` (a quantize's last rounding) to put back."""
         k = y.size
         yf = y.reshape(-1)
         yb, ob = yf.view(np.uint32), out.reshape(-1).view(np.uint32)
         s, e, m = self._s[:k], self._e[:k], self._m[:k]
         np.bitwise_and(yb, _SIGN, out=s)
         np.bitwise_and(yb, _EXP, out=e)
-        np.greater_equal(e, _BIG_E, out=m)
-        big = np.flatnonzero(m) if m.any() else None
-        if big is not None:  # before `out` (maybe y) is written
+        big = None
+        if k and e.max() >= _BIG_E:  # (one pass; the comparison only where there is one)
+            np.greater_equal(e, _BIG_E, out=m)
+            big = np.flatnonzero(m)  # before `out` (maybe y) is written:
             kept = yf[big].astype(np.float16).astype(np.float32)
         np.maximum(e, self._min[:k], out=e)
         np.add(e, _MAGIC, out=e)
@@ -51,18 +53,21 @@ class Rounder:
         of = ob.view(np.float32)
         np.add(yf, mf, out=of)  # the rounding
         np.subtract(of, mf, out=of)  # exact
-        np.bitwise_or(ob, s, out=ob)  # a zero keeps y's sign, as the cast keeps it
+        if signed:
+            np.bitwise_or(ob, s, out=ob)  # a zero keeps y's sign, as the cast keeps it
         if big is not None:
             of[big] = kept
 
-    def to_step(self, v: np.ndarray) -> None:
+    def to_step(self, v: np.ndarray, signs_kept: bool = False) -> None:
         """v (float32, contiguous, at most PIECE elements, on float16's grid wherever |v| is
         2**-14 or more) rounded in place to half's subnormal step 2**-24 below 2**-14: adding
-        and subtracting 0.5 with v's sign is exact on that grid (up to 2**22) and rounds below it."""
+        and subtracting 0.5 with v's sign is exact on that grid (up to 2**22) and rounds below it.
+        `signs_kept`: v's signs are the ones the last call left here (v came from that y)."""
         k = v.size
         vb = v.reshape(-1).view(np.uint32)
         s, e = self._s[:k], self._e[:k]
-        np.bitwise_and(vb, _SIGN, out=s)
+        if not signs_kept:
+            np.bitwise_and(vb, _SIGN, out=s)
         np.bitwise_or(s, _HALF, out=e)
         ef, vf = e.view(np.float32), vb.view(np.float32)
         np.add(vf, ef, out=vf)
@@ -95,11 +100,14 @@ def quantize(out: np.ndarray, x: np.ndarray, scale: float) -> None:
     r, s = rounder(), np.float32(scale)
     m, _ = np.frexp(s)
     # a power of two up to 1 keeps half's grid down to 2**-14: only the subnormal step to round
-    second = r.to_step if m == 0.5 and s <= 1 else (lambda v: r(v, v))
+    pow2 = bool(m == 0.5 and s <= 1)
     o, y = out.reshape(-1), x.reshape(-1)
     with np.errstate(over="ignore", invalid="ignore"):
         for lo in range(0, y.size, PIECE):
             op = o[lo : lo + PIECE]
-            r(op, y[lo : lo + PIECE])
+            r(op, y[lo : lo + PIECE], signed=not pow2)  # (to_step puts x's signs back)
             np.multiply(op, s, out=op)  # (by 1 too: a signaling NaN is quieted, as in the pack)
-            second(op)
+            if pow2:
+                r.to_step(op, signs_kept=True)
+            else:
+                r(op, op)
