@@ -85,6 +85,25 @@ class ProcessGroup(abc.ABC):
         where `fuses_premul_sum`; elsewhere callers scale first and all-reduce."""
         raise NotImplementedError(f"{type(self).__name__} has no fused pre-multiplied sum")
 
+    def fuses_compression(self, device: Device, compression: str) -> bool:
+        """Whether `all_reduce_compressed` on `device`'s float32 buffers gives the bits of a
+        `compression` ("float16") hook's pack, all-reduce and unpack more cheaply than those
+        three steps (the reducer then asks for it). False here."""
+        return False
+
+    def all_reduce_compressed(
+        self,
+        buf: Any,
+        factor: float,
+        compression: str,
+        stream: Optional[Stream] = None,
+        *,
+        tag: Optional[str] = None,
+    ) -> Work:
+        """float32 `buf` = what packing it into `compression` with `factor`, all-reducing that
+        and widening it back would give. Only where `fuses_compression`."""
+        raise NotImplementedError(f"{type(self).__name__} has no fused compressed all-reduce")
+
     def zeros(self, device: Device, n: int, dtype: Any) -> Any:
         """A zero-filled buffer of `n` `dtype` for this group's collectives (a bucket's): here
         `device.zeros`; the host backend's shm transport gives memory its peers read in place."""

@@ -11,6 +11,8 @@ hands it the buffers). Which path a bucket takes is the submitter's choice (buck
 - `plan_pack` (grads live elsewhere): one fused pack with the scale, reduce, one unpack.
 - `plan_compressed` (a built-in fp16/bf16 hook on a float32 bucket): pack into the wire dtype with
   the scale, reduce that, unpack widened back.
+- `plan_compressed_fused`: the same bits in one step where the group rounds as it sums (fp16 on
+  the host's shared memory: no wire buffer, no casts).
 - `plan_comm_hook` (any other registered hook): the hook on the unscaled bucket (`HookCall`).
 
 With check_finite's flag the scale (or a pass of its own) and the unpack raise the bucket's flag.
@@ -136,6 +138,16 @@ def plan_compressed(
         Step(collective.phase, wire.nbytes, collective, (wire, w.op, w.tag), compression),
         Step("unpack", n, unpack, (srcs, wire, offsets)),
     ]
+
+
+def plan_compressed_fused(
+    w: BucketWork, phase: str, compressed_sum: Callable[[Any, float, str, str], None], compression: str
+) -> Plan:
+    """A float32 view bucket through a built-in compression hook on a group that rounds as it
+    sums (`ProcessGroup.fuses_compression`: float16 on the host's shared memory): one step, the
+    bits of pack, reduce and unpack; its span counts the bytes a `compression` wire would carry."""
+    wire_bytes = w.bucket.nbytes // 2
+    return [Step(phase, wire_bytes, compressed_sum, (w.buf, w.scale, compression, w.tag), compression)]
 
 
 def plan_comm_hook(w: BucketWork, run: Callable[..., None], args: Tuple[Any, ...]) -> Plan:

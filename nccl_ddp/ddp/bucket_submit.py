@@ -38,6 +38,7 @@ from nccl_ddp.ddp.bucket_plan import (
     param_views,
     plan_comm_hook,
     plan_compressed,
+    plan_compressed_fused,
     plan_pack,
     plan_per_grad,
     plan_premul_view,
@@ -88,6 +89,19 @@ class AllReduce:
     def fuses_scale(self) -> bool:
         """The group scales and sums in one pass on this device (the group's answer)."""
         return self.group.fuses_premul_sum(self.device)
+
+    def fuses_compression(self, compression: str) -> bool:
+        """The group gives a compression hook's bits on the float32 bucket itself (its answer)."""
+        return self.group.fuses_compression(self.device, compression)
+
+    def compressed_sum(self, buf: Any, scale: float, compression: str, tag: str) -> None:
+        """float32 buf = its pack into `compression` with `scale`, all-reduced, widened back, in
+        stream order (`ProcessGroup.all_reduce_compressed`)."""
+        group = self.group
+        work = group.all_reduce_compressed(
+            buf, scale, compression, stream=self.device.current_stream(), tag=tag
+        )
+        work.wait(group.timeout)
 
     def premul_sum(self, buf: Any, scale: float, tag: str) -> None:
         """buf = the sum over ranks of scale * buf, in stream order (see `all_reduce_here`)."""
@@ -216,8 +230,13 @@ class BucketSubmitter:
             work = dataclasses.replace(work, buf=self.pool.buffers[b])
             first = [Step("pack", bucket.nbytes, self.pool.clear, (b,))]
         if path is HookPath.COMPRESSED:  # the hook's contract: scaled by 1/world, then summed
-            wire = self._compressed_buffer(layout, b, compression)
             work = dataclasses.replace(work, scale=1.0 / (divisor or self.group.size), op=ReduceOp.SUM)
+            if mode == "view" and work.flag is None and isinstance(collective, AllReduce):
+                if collective.fuses_compression(compression):
+                    return plan_compressed_fused(
+                        work, collective.phase, collective.compressed_sum, compression
+                    )
+            wire = self._compressed_buffer(layout, b, compression)
             return first + plan_compressed(work, mode == "view", wire, compression, collective)
         if mode == "pack":
             return first + plan_pack(work, collective)
@@ -227,12 +246,13 @@ class BucketSubmitter:
         return plan_view(work, collective)
 
     def _compressed_buffer(self, layout: BucketLayout, b: int, compression: str) -> Any:
-        """Bucket b's buffer in the compression dtype (allocated once per layout)."""
+        """Bucket b's buffer in the compression dtype (allocated once per layout), from the
+        group (on the host's shm transport, memory the peers reduce in place)."""
         key = (layout, b)
         buf = self._compressed_buffers.get(key)
         if buf is None:
             self._compressed_buffers = {k: v for k, v in self._compressed_buffers.items() if k[0] is layout}
-            buf = self._compressed_buffers[key] = self.device.zeros(
-                layout.buckets[b].padded, comm_hooks.compression_dtype(compression)
+            buf = self._compressed_buffers[key] = self.group.zeros(
+                self.device, layout.buckets[b].padded, comm_hooks.compression_dtype(compression)
             )
         return buf

@@ -157,6 +157,17 @@ class _Pooled:
 
 
 _FUSES, _PLAIN = "host group of 1 (fuses the pre-multiplied sum)", "group of 2 that does not fuse"
+_ROUNDS = "group of 2 that rounds to float16 as it sums"
+
+
+class _RoundingGroup(FakeGroup):
+    """A group that says it gives the fp16 compression's bits on float32 buffers (the host's
+    shared memory does), and only those."""
+
+    def fuses_compression(self, device, compression):
+        return compression == "float16"
+
+
 F32 = "float32"
 G = [f"{F32}[6]", f"{F32}[10]"]  # the two grads, in bucket order
 B = f"{F32}[20]"  # the bucket's buffer
@@ -274,6 +285,26 @@ PATHS = {
             ("unpack", 0, 80, _UNPACK.format(None), ([B], "float16[20]", [0]), ""),
         ],
     ),
+    "compressed, view, on a group that rounds as it sums": (  # one step, fp16's wire bytes
+        (_ROUNDS, "view", hooks.fp16_compress, False, True, None, False),
+        [("allreduce", 0, 40, "compressed_sum", (B, 0.5, "float16", TAG), "float16")],
+    ),
+    "compressed, view, flag, on a group that rounds as it sums": (  # the flag: pack and unpack
+        (_ROUNDS, "view", hooks.fp16_compress, True, False, None, False),
+        [
+            ("pack", 0, 80, _PACK.format(FLAG, 0.5), ([B], "float16[20]", [0]), ""),
+            ("allreduce", 0, 40, "AllReduce", ("float16[20]", "sum", TAG), "float16"),
+            ("unpack", 0, 80, _UNPACK.format(FLAG), ([B], "float16[20]", [0]), ""),
+        ],
+    ),
+    "compressed bf16, view, on a group that rounds fp16 only": (
+        (_ROUNDS, "view", hooks.bf16_compress, False, False, None, False),
+        [
+            ("pack", 0, 80, _PACK.format(None, 0.5), ([B], "bfloat16[20]", [0]), ""),
+            ("allreduce", 0, 40, "AllReduce", ("bfloat16[20]", "sum", TAG), "bfloat16"),
+            ("unpack", 0, 80, _UNPACK.format(None), ([B], "bfloat16[20]", [0]), ""),
+        ],
+    ),
     "hook, view": (
         (_PLAIN, "view", _hook, False, False, None, False),
         [("hook", 0, 80, "run_comm_hook", ("BucketLayout", 0, "view", [], B, None, None, "hook"), "")],
@@ -291,7 +322,8 @@ def test_each_path_queues_todays_steps(path):
     specs = [ParamSpec((10,), np.dtype(np.float32)), ParamSpec((6,), np.dtype(np.float32))]
     layout = assign_buckets(specs)
     assert len(layout.buckets) == 1 and layout.buckets[0].padded == 20
-    group = HostProcessGroup(None, 0, 1) if group_kind == _FUSES else FakeGroup(_Shared(2, 5.0), 0, 2)
+    kinds = {_PLAIN: FakeGroup, _ROUNDS: _RoundingGroup}
+    group = HostProcessGroup(None, 0, 1) if group_kind == _FUSES else kinds[group_kind](_Shared(2, 5.0), 0, 2)
     try:
         sub = BucketSubmitter(
             group,
@@ -329,6 +361,8 @@ def test_the_group_says_whether_it_fuses_the_scale():
     try:
         assert AllReduce(host, get_device("host")).fuses_scale
         assert not host.fuses_premul_sum(_Device("cuda"))
+        assert not host.fuses_compression(get_device("host"), "float16")  # 1 rank: no shm transport
+        assert not plain.fuses_compression(get_device("host"), "float16")
         assert not AllReduce(plain, get_device("host")).fuses_scale
     finally:
         host.shutdown()

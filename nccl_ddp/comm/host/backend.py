@@ -22,7 +22,8 @@ import numpy as np
 
 from nccl_ddp.comm.group import ProcessGroup, ReduceOp, check_gather_buffers
 from nccl_ddp.comm.host import hier, throttle
-from nccl_ddp.comm.host.reduce import Reduction, dtype_code
+from nccl_ddp.comm.host.fused import FusedSums
+from nccl_ddp.comm.host.reduce import Reduction, dtype_code, make_reduction
 from nccl_ddp.comm.host.rendezvous import Rendezvous, host_id
 from nccl_ddp.comm.host.ring import RingTransport, SelfTransport
 from nccl_ddp.comm.host.shared import shared_zeros
@@ -51,7 +52,7 @@ def _flat(a: np.ndarray, what: str, writable: bool) -> np.ndarray:
     return a.reshape(-1)
 
 
-class HostProcessGroup(ProcessGroup):
+class HostProcessGroup(FusedSums, ProcessGroup):
     """A group of ranks running host collectives; construction is collective over its members.
 
     `store` must be private to this group (e.g. a PrefixStore); `rank` is the group rank and
@@ -282,13 +283,13 @@ class HostProcessGroup(ProcessGroup):
     ) -> tuple:
         return (op, dtype_code(a.dtype, what), _REDOPS.index(redop) if redop else 0, root, a.size)
 
-    def _reduction(self, what: str, a: np.ndarray, op: Any, prescale: float = 1.0) -> Reduction:
-        op = ReduceOp.parse(op)
-        key = (a.dtype, op, prescale)  # (a DDP step reduces a few dtypes with one op and scale)
-        red = self._reductions.get(key)
-        if red is None:
-            red = self._reductions[key] = Reduction(a.dtype, op, self.size, what, prescale)
-        return red
+    def _reduction(
+        self, what: str, a: np.ndarray, op: Any, prescale: float = 1.0, wire: Any = None
+    ) -> Reduction:
+        key = (a.dtype, ReduceOp.parse(op), prescale, wire)  # (a DDP step: a few of them)
+        if key not in self._reductions:
+            self._reductions[key] = make_reduction(a.dtype, key[1], self.size, what, prescale, wire)
+        return self._reductions[key]
 
     def zeros(self, device: Device, n: int, dtype: Any) -> Any:
         """On the shm transport, buffers over 64 KiB in shared memory of their own: an all-reduce
@@ -310,24 +311,19 @@ class HostProcessGroup(ProcessGroup):
     ) -> HostWork:
         return self._all_reduce(buf, op, 1.0, stream, tag)
 
-    def fuses_premul_sum(self, device: Device) -> bool:
-        """On the host device's (NumPy) buffers: the reduction scales the pieces as it reads them."""
-        return device.kind == "host"
-
-    def all_reduce_premul_sum(
-        self, buf: Any, factor: float, stream: Optional[Stream] = None, *, tag: Optional[str] = None
-    ) -> HostWork:
-        """On buffers in shared memory (`zeros`) the scale costs no pass of its own: each rank
-        scales the pieces it reduces as it reads them; elsewhere each scales its buffer first."""
-        return self._all_reduce(buf, ReduceOp.SUM, float(factor), stream, tag)
-
     def _all_reduce(
-        self, buf: Any, op: Any, prescale: float, stream: Optional[Stream], tag: Optional[str]
+        self,
+        buf: Any,
+        op: Any,
+        prescale: float,
+        stream: Optional[Stream],
+        tag: Optional[str],
+        wire: Any = None,
     ) -> HostWork:
         what = self._on("all_reduce", tag)
         with self.checking("all_reduce"):
             flat = _flat(buf, what, True)
-            red = self._reduction(what, flat, op, prescale)
+            red = self._reduction(what, flat, op, prescale, wire)
             desc = self._desc(what, ALL_REDUCE, flat, red.op)
         return self._submit(
             "all_reduce", tag, lambda: self._transport.all_reduce(flat, red, desc), buf, stream

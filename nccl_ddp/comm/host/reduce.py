@@ -13,6 +13,7 @@ import numpy as np
 
 from nccl_ddp.comm.group import ReduceOp
 from nccl_ddp.errors import ConfigError, ConfigTypeError
+from nccl_ddp.kernels import half, half_round
 from nccl_ddp.kernels.spec import SCALE_DTYPES, scale_ref
 
 DTYPE_NAMES: tuple = (
@@ -95,6 +96,9 @@ class Reduction:
 
     def combine(self, out: np.ndarray, others: Sequence[np.ndarray], final: bool) -> None:
         """out = out (op) others[0] (op) others[1] ..., in that order; `final`: divide for AVG."""
+        if self._fast_half(out):
+            half.combine(out, others, self.ufunc, self._divide if final else None)
+            return
         if self.half:
             acc = out.astype(np.float32)
             for o in others:
@@ -107,6 +111,11 @@ class Reduction:
             self.ufunc(out, o, out=out)
         if final:
             self._divide(out)
+
+    @property
+    def prescales(self) -> bool:
+        """Whether each rank's input goes through `scaled` / `scale_all` before it is summed."""
+        return self.prescale != 1.0
 
     def scale_all(self, buf: np.ndarray) -> None:
         """This rank's whole input multiplied by `prescale`, in place (the unfused way)."""
@@ -128,12 +137,19 @@ class Reduction:
         """Apply AVG's division to a fully reduced array (no-op for the other ops)."""
         if self.op is not ReduceOp.AVG:
             return
-        if self.half:
+        if self._fast_half(out):
+            half.combine(out, [], self.ufunc, self._divide)
+        elif self.half:
             acc = out.astype(np.float32)
             self._divide(acc)
             np.copyto(out, acc, casting="unsafe")
         else:
             self._divide(out)
+
+    def _fast_half(self, out: np.ndarray) -> bool:
+        """float16 through kernels.half's casts (NumPy's are scalar loops, slower on subnormals),
+        same bits; a strided `out` (none of the collectives hands one) through NumPy's."""
+        return self.half and self.dtype == np.float16 and out.flags.c_contiguous
 
     def _divide(self, a: np.ndarray) -> None:
         if self.op is not ReduceOp.AVG or self.world == 1:
@@ -146,3 +162,54 @@ class Reduction:
             q, r = np.divmod(a, self.world)
             q += ((r != 0) & (a < 0)).astype(a.dtype)
             np.copyto(a, q)
+
+
+class Float16WireSum(Reduction):
+    """A SUM of float32 buffers with the bits of the fp16 compression (torch's
+    `fp16_compress_hook` as the reducer fuses it: each rank's buffer rounded to float16, scaled
+    by `prescale`, rounded again; the float16 sum of those; widened back), computed on the
+    float32 values themselves (`kernels.half_round`): no float16 buffer, no casts of NumPy's.
+    Partial sums (the TCP ring's hops) are rounded as a float16 wire rounds them."""
+
+    def __init__(self, world: int, where: str, prescale: float) -> None:
+        super().__init__(np.float32, ReduceOp.SUM, world, where, prescale)
+        self.half = False
+
+    @property
+    def prescales(self) -> bool:
+        return True
+
+    def scale_all(self, buf: np.ndarray) -> None:
+        half_round.quantize(buf, buf, self.prescale)
+
+    def scaled(self, out: np.ndarray, x: np.ndarray) -> np.ndarray:
+        half_round.quantize(out, x, self.prescale)
+        return out
+
+    def combine(self, out: np.ndarray, others: Sequence[np.ndarray], final: bool) -> None:
+        for o in others:
+            np.add(out, o, out=out)
+        half_round.round_values(out, out)
+
+    def finish(self, out: np.ndarray) -> None:
+        return None
+
+
+def make_reduction(dtype: Any, op: ReduceOp, world: int, where: str, prescale: float, wire: Any) -> Reduction:
+    """The reduction of a collective: `wire` "float16": the fp16 compression's (`Float16WireSum`)."""
+    if wire is None:
+        return Reduction(dtype, op, world, where, prescale)
+    return Float16WireSum(world, where, prescale)
+
+
+def check_compressed(rank: int, group: str, buf: Any, compression: str, transport: str) -> None:
+    """A fused compressed all-reduce is float16 of float32 buffers on the shm transport; else a
+    clear error, raised before the op (no rank runs it)."""
+    if compression != "float16" or transport != "ShmTransport":
+        raise ConfigError(
+            f"rank {rank}: a fused {compression} all-reduce needs float16 on the shm transport "
+            f"(fuses_compression); group {group} runs {transport}"
+        )
+    dtype = getattr(buf, "dtype", type(buf).__name__)
+    if dtype != np.float32:
+        raise ConfigTypeError(f"rank {rank}: a float16-compressed sum takes float32 buffers, got {dtype}")

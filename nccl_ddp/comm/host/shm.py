@@ -179,7 +179,7 @@ class ShmTransport:
         theirs = [peers[j] for j in range(self.size) if j != self.rank]
         step = max(1, PIECE_BYTES // buf.itemsize)
         tmp = None
-        if red.prescale != 1.0:  # the scale fused in, through cached temporaries: the same bits
+        if red.prescales:  # the scale fused in, through cached temporaries: the same bits
             tmp = [np.empty(step, buf.dtype) for _ in theirs]
         for x in range(a, b, step):
             y = min(b, x + step)

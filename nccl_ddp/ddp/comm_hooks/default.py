@@ -11,7 +11,8 @@ The built-ins (`nccl_ddp.hooks`) compute what torch's `default_hooks` compute. T
 bucket submission (`ddp/bucket_submit.py`) also recognises them (`builtin_compression`) and runs them in
 its fused kernels: `allreduce_hook` is its default path; `fp16_compress_hook` /
 `bf16_compress_hook` pack a float32 bucket straight into the compression dtype with the 1/world scale
-(one launch), all-reduce that, and unpack it widened back.
+(one launch), all-reduce that, and unpack it widened back; where the group rounds as it sums
+(`fuses_compression`: fp16 on the host's shared memory) that is one all-reduce of the float32 bucket.
 """
 
 from __future__ import annotations
