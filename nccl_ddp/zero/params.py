@@ -22,6 +22,7 @@ adapter.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -30,6 +31,7 @@ from nccl_ddp.buckets.layout import ALIGN_BYTES, BucketLayout, ParamSpec, assign
 from nccl_ddp.comm.group import ProcessGroup, ReduceOp
 from nccl_ddp.device import Device, Event, Stream
 from nccl_ddp.errors import ConfigError
+from nccl_ddp.zero.unit_copy import Cut, bucket_cuts, copy_out, pack
 from nccl_ddp.zero.unit_kernels import device_add_into, device_copy_out, device_pack
 
 _ONE_BUCKET = 1 << 62  # a cap no unit reaches: one flat shard per dtype
@@ -91,12 +93,20 @@ def unit_layout(specs: Sequence[ParamSpec], world: int, align_bytes: int = ALIGN
 
 class ScratchPool:
     """One growing buffer per dtype that every unit of a model packs its grads into before the
-    reduce-scatter (from `zeros`: the group's, shared memory on the host's shm transport). Safe
-    to share: the packs and collectives that use it run in order on one comm stream."""
+    reduce-scatter (from `zeros`: the group's, shared memory on the host's shm transport), or
+    all-gathers into before the copy-out (from `device.empty`). Safe to share between units,
+    even with two gathers in flight at once (a prefetch): everything that writes or reads it
+    (pack, collective, copy-out) runs in issue order on the one comm stream they all use, so a
+    gather writes the buffer only once the copy-out of the one before it has read it."""
 
     def __init__(self, zeros: Callable[[int, Any], Any]) -> None:
         self._zeros = zeros
         self._buffers: Dict[np.dtype, Any] = {}
+
+    def release(self) -> None:
+        """Drop the buffers (work already queued keeps its own reference): between steps, when
+        nothing uses them, the memory goes back; the next `get` allocates again."""
+        self._buffers.clear()
 
     def get(self, n: int, dtype: Any) -> Any:
         dt = np.dtype(dtype)
@@ -113,7 +123,11 @@ class ScratchPool:
 class UnitShards:
     """One unit's memory on this rank: `shards[b]`, its flat shard per dtype (from the group's
     `zeros`: peers read it in place on the shm transport), and the two collectives on `comm`.
-    `name` says which unit, in collective tags and errors."""
+    `name` says which unit, in collective tags and errors; `gathers`: the all-gather buffers
+    (a `ScratchPool` of `device.empty`, the model's, shared by its units on the same comm
+    stream, released by its owner between steps; None: a buffer allocated per gather and
+    dropped after its copy-out, so a unit alone keeps none between its gathers). `gather_s`: the comm
+    stream's time from the start of each gather to the end of its copy-out, summed."""
 
     def __init__(
         self,
@@ -125,6 +139,7 @@ class UnitShards:
         name: str,
         *,
         replicate: Optional[ProcessGroup] = None,
+        gathers: Optional[ScratchPool] = None,
     ) -> None:
         if group.size != layout.world:
             raise ConfigError(
@@ -136,6 +151,14 @@ class UnitShards:
         self.replicate = replicate  # HSDP: the reduced shards are all-reduced over it too
         self.partial: Optional[List[Any]] = None  # HSDP: reduced shards not yet all-reduced
         self.shards: List[Any] = [group.zeros(device, b.padded, b.dtype) for b in layout.shard.buckets]
+        self.gathers = gathers
+        dims0 = [s.shape[0] for s in layout.specs]
+        self._cuts: List[Tuple[Cut, ...]] = [
+            bucket_cuts(b.params, b.offsets, dims0, layout.rows, layout.row_numel)
+            for b in layout.shard.buckets
+        ]
+        self.gather_s = 0.0
+        self._gather_t0 = 0.0  # the running gather's start (one at a time per unit, in stream order)
 
     def chunk(self, i: int) -> Any:
         """Parameter i's whole chunk in this rank's shard (padding rows included), flat."""
@@ -163,16 +186,35 @@ class UnitShards:
         # comm:                                                            └wait─[cast]─[all-gather b
         #          | copy out b]─...─●done (the caller's compute stream waits on it)
         self.comm.wait(self.device.current_stream().record())
-        if before is not None:
-            self.comm.submit(before)
-        copy_out = device_copy_out if self.device.kind == "cuda" else _copy_out
-        for b, bucket in enumerate(self.layout.shard.buckets):
-            with self.comm.allocating():  # freed in the comm stream's order
-                gathered = self.device.empty(bucket.padded * self.layout.world, bucket.dtype)
+        self.comm.submit(self._begin_gather, before)
+        buckets = self.layout.shard.buckets
+        for b, bucket in enumerate(buckets):
+            n = bucket.padded * self.layout.world
+            if self.gathers is not None:
+                gathered = self.gathers.get(n, bucket.dtype)
+            else:
+                with self.comm.allocating():  # freed in the comm stream's order
+                    gathered = self.device.empty(n, bucket.dtype)
             self.group.all_gather(gathered, self.shards[b], self.comm, tag=self._tag("all-gather", b))
-            params = [(i, off) for i, off in zip(bucket.params, bucket.offsets)]
-            self.comm.submit(copy_out, self.layout, gathered, bucket.padded, params, outs)
+            self.comm.submit(self._copy_out, b, gathered, outs, b == len(buckets) - 1)
         return self.comm.record()
+
+    def _begin_gather(self, before: Optional[Callable[[], None]]) -> None:
+        self._gather_t0 = time.perf_counter()
+        if before is not None:
+            before()
+
+    def _copy_out(self, b: int, gathered: Any, outs: Sequence[Any], last: bool) -> None:
+        """On the comm stream: the rows out of bucket b's gather (the last one's: the gather's
+        time, on the host; on CUDA this only queues the kernels)."""
+        if self.device.kind == "cuda":
+            bucket = self.layout.shard.buckets[b]
+            params = list(zip(bucket.params, bucket.offsets))
+            device_copy_out(self.layout, gathered, bucket.padded, params, outs)
+        else:
+            copy_out(self._cuts[b], gathered, self.layout.world, outs)
+        if last:
+            self.gather_s += time.perf_counter() - self._gather_t0
 
     # ------------------------------------------------------------------ reduce-scatter
 
@@ -197,16 +239,16 @@ class UnitShards:
         outs = []
         for b, bucket in enumerate(self.layout.shard.buckets):
             n, dt = bucket.padded, bucket.dtype if dtype is None else dtype
-            params = list(zip(bucket.params, bucket.offsets))
             grads_b = [grads[i] for i in bucket.params]
             with self.comm.allocating():  # freed in the comm stream's order
-                pack = self.scratch.get(n * self.layout.world, dt)
+                packed = self.scratch.get(n * self.layout.world, dt)
                 out = self.device.empty(n, dt)
             if self.device.kind == "cuda":
-                self.comm.submit(device_pack, self.layout, pack, n, params, grads_b, self.scratch)
+                params = list(zip(bucket.params, bucket.offsets))
+                self.comm.submit(device_pack, self.layout, packed, n, params, grads_b, self.scratch)
             else:
-                self.comm.submit(_pack, self.layout, pack, n, params, grads_b)
-            self.group.reduce_scatter(out, pack, op, self.comm, tag=self._tag("reduce-scatter", b))
+                self.comm.submit(pack, self._cuts[b], packed, self.layout.world, grads_b)
+            self.group.reduce_scatter(out, packed, op, self.comm, tag=self._tag("reduce-scatter", b))
             outs.append(out)
         if self.replicate is None:
             return self.comm.record(), outs
@@ -226,29 +268,7 @@ class UnitShards:
         return outs[b][off : off + self.layout.local_rows(i, self.rank) * self.layout.row_numel[i]]
 
 
-def _copy_out(layout: UnitLayout, gathered: Any, shard_n: int, params: list, outs: Sequence[Any]) -> None:
-    """Each parameter's rows out of the `world` gathered shards into its unsharded array."""
-    for i, off in params:
-        dst = outs[i]
-        for r, (lo, n) in enumerate(layout.rank_rows(i)):
-            if n:
-                dst[lo : lo + n] = gathered[r * shard_n + off : r * shard_n + off + n]
-
-
 def _add_into(outs: Sequence[Any], partial: Sequence[Any]) -> None:
     """Each bucket's partial shard added into its newly reduced one."""
     for out, part in zip(outs, partial):
         out += part
-
-
-def _pack(layout: UnitLayout, pack: Any, shard_n: int, params: list, grads: Sequence[Optional[Any]]) -> None:
-    """Rank r's rows of every grad into chunk r of `pack` (cast to its dtype); padding rows and
-    missing grads as zeros (alignment gaps are left as they are: no parameter reads them)."""
-    for (i, off), g in zip(params, grads):
-        chunk = layout.chunk_numel(i)
-        for r, (lo, n) in enumerate(layout.rank_rows(i)):
-            dst = pack[r * shard_n + off : r * shard_n + off + chunk]
-            n = n if g is not None else 0
-            if g is not None and n:
-                dst[:n] = g[lo : lo + n]
-            dst[n:] = 0

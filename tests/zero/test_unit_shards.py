@@ -58,6 +58,28 @@ def _round_trip(rank, world, _):
         outs = [np.full(f.size, -1, f.dtype) for f in full]
         shards.start_gather(outs).synchronize(30)
         gathered = all(np.array_equal(o, f) for o, f in zip(outs, full))
+        # two units sharing one gather buffer per dtype, both in flight at once (a prefetch),
+        # twice: each gets its own values (the stream orders the second gather after the
+        # first one's copy-out)
+        pool = ScratchPool(device.empty)
+        units = [
+            UnitShards(layout, group, device, comm, shards.scratch, f"u{k}", gathers=pool) for k in range(2)
+        ]
+        for k, unit in enumerate(units):
+            for i, f in enumerate(full):
+                lo = rank * layout.rows[i] * layout.row_numel[i]
+                unit.local(i)[...] = f[lo : lo + unit.local(i).size] * (k + 2)
+        for _ in range(2):
+            got = [[np.full(f.size, -1, f.dtype) for f in full] for _ in units]
+            events = [unit.start_gather(o) for unit, o in zip(units, got)]
+            for e in events:
+                e.synchronize(30)
+            gathered = gathered and all(
+                np.array_equal(o, f * (k + 2)) for k, g in enumerate(got) for o, f in zip(g, full)
+            )
+        gathered = gathered and pool.nbytes == sum(
+            b.padded * world * b.dtype.itemsize for b in layout.shard.buckets
+        )
         grads = [f * (rank + 1) for f in full]
         grads[3] = None  # a missing grad reads as zeros
         event, red = shards.start_reduce(grads)

@@ -4,7 +4,7 @@ reduce-scatter are NCCL calls of real `NcclProcessGroup`s (1-3 ranks as threads 
 heap, tests/support/fake_nccl_world.py), and the copy-out and the grad pack are the real
 kernels/bucket.cu compiled for the CPU (tests/support/cuda_cpu, memory checked). Every gathered
 parameter, packed buffer and reduced shard is compared bit for bit with what the host path's
-NumPy copies (zero/params.py `_copy_out`, `_pack`) compute from the same values; the stream
+NumPy copies (zero/unit_copy.py `copy_out`, `pack`) compute from the same values; the stream
 order (the comm stream waits for the compute stream, then collective and kernel in turn on the
 comm stream, then its done event) is read from the fake's log."""
 
@@ -20,6 +20,7 @@ from kernel_checks import assert_bits_equal, fake_cupy_installed
 from nccl_ddp.buckets.layout import ParamSpec
 from nccl_ddp.device import CudaDevice
 from nccl_ddp.zero import params as P
+from nccl_ddp.zero import unit_copy
 
 F32, F64, BF16 = np.dtype(np.float32), np.dtype(np.float64), np.dtype(ml_dtypes.bfloat16)
 SHAPES = [(7, 3), (1,), (10,), (2, 2, 2), (0, 4), (5,)]  # uneven rows, fewer rows than ranks, empty
@@ -133,20 +134,21 @@ def _round_trip(cp, rank, group, *, specs, reduce_dtype, grads_dtype=None):
 
 
 def _host_path(res, world, reduce_dtype):
-    """What the host path's copies make of the same values: the gathered parameters (`_copy_out`
-    of the world's shards), each rank's packed grads (`_pack`), and their average's chunk."""
+    """What the host path's copies make of the same values: the gathered parameters (`copy_out`
+    of the world's shards), each rank's packed grads (`pack`), and their average's chunk."""
     layout, full = res[0]["layout"], res[0]["full"]
     outs = [np.full(f.size, -1, f.dtype) for f in full]
     packs = []
     for b, bucket in enumerate(layout.shard.buckets):
         gathered = np.concatenate([_host_shard(layout, full, r, b) for r in range(world)])
-        params = list(zip(bucket.params, bucket.offsets))
-        P._copy_out(layout, gathered, bucket.padded, params, outs)
+        dims0 = [s.shape[0] for s in layout.specs]
+        cuts = unit_copy.bucket_cuts(bucket.params, bucket.offsets, dims0, layout.rows, layout.row_numel)
+        unit_copy.copy_out(cuts, gathered, world, outs)
         dt = bucket.dtype if reduce_dtype is None else reduce_dtype
         per_rank = []
         for r in range(world):
             pack = np.zeros(bucket.padded * world, dt)
-            P._pack(layout, pack, bucket.padded, params, [res[r]["grads"][i] for i in bucket.params])
+            unit_copy.pack(cuts, pack, world, [res[r]["grads"][i] for i in bucket.params])
             per_rank.append(pack)
         packs.append(per_rank)
     return outs, packs

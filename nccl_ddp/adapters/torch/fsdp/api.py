@@ -195,7 +195,14 @@ def _build(
     schedule = Schedule(ours, device, mesh)
     layout = unit_layout(specs, ours.size, device.align_bytes)
     shards = UnitShards(
-        layout, ours, device, schedule.comm, schedule.scratch, f"fully_shard unit {name}", replicate=replicate
+        layout,
+        ours,
+        device,
+        schedule.comm,
+        schedule.scratch,
+        f"fully_shard unit {name}",
+        replicate=replicate,
+        gathers=schedule.gathers,
     )
     params = [
         ShardedParam(i, fqn, slots, p, shards, mesh, param_dtype or p.dtype)

@@ -58,16 +58,19 @@ def _grouped(
 
 
 def _timed(unit: Unit, hook: Callable[..., Any]) -> Callable[..., Any]:
-    """`hook`, its time (less the unit's gather waits) added to `unit.times.hooks_s`; on CUDA
-    with torch's current stream as CuPy's (the compute stream the unit's waits are queued on)."""
+    """`hook`, its time (less the unit's gather waits) added to `unit.times.hooks_s`, its CPU
+    time to `hooks_cpu_s`; on CUDA with torch's current stream as CuPy's (the compute stream
+    the unit's waits are queued on)."""
 
     def timed(*args: Any) -> Any:
-        t0, waited = time.perf_counter(), unit.times.waited_s
+        times = unit.times
+        t0, c0, waited = time.perf_counter(), time.thread_time(), times.waited_s
         try:
             with torch_stream_current(unit.schedule.on_cuda):
                 return hook(*args)
         finally:
-            unit.times.hooks_s += time.perf_counter() - t0 - (unit.times.waited_s - waited)
+            times.hooks_cpu_s += time.thread_time() - c0
+            times.hooks_s += time.perf_counter() - t0 - (times.waited_s - waited)
 
     return timed
 

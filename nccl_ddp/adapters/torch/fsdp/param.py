@@ -68,6 +68,7 @@ class ShardedParam:
         self._nbytes = self.unsharded.numel() * self.unsharded.element_size()
         self.free()
         self.grad_partial: Optional[torch.Tensor] = None  # local grads kept while not syncing
+        self._grad_spec: Any = None  # the sharded grads' DTensorSpec, from the first one
 
     def _new_local(self) -> torch.Tensor:
         """The DTensor's local tensor: the shard itself, or (mixed precision) an fp32 tensor of
@@ -203,10 +204,16 @@ class ShardedParam:
         if local.dtype != self.orig_dtype:
             local = local.to(self.orig_dtype)
         with torch.no_grad():
-            if self.sharded.grad is None:
-                self.sharded.grad = _sharded(local, mesh, self.shape)
-            else:
+            if self.sharded.grad is not None:
                 self.sharded.grad.to_local().add_(local)
+            elif self._grad_spec is None:  # the first: from_local builds (and checks) the spec
+                self.sharded.grad = _sharded(local, mesh, self.shape)
+                self._grad_spec = self.sharded.grad._spec
+            else:  # then the same spec again: a DTensor per grad and step without from_local's
+                # Python work (a fifth of the end of backward's), as FSDP2's _from_local_no_grad
+                from torch.distributed.tensor import DTensor
+
+                self.sharded.grad = DTensor(local, self._grad_spec, requires_grad=False)
 
 
 def _sharded(local: torch.Tensor, mesh: DeviceMesh, shape: tuple) -> Any:

@@ -19,7 +19,7 @@ import dataclasses
 import enum
 import functools
 import time
-from typing import TYPE_CHECKING, Any, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from nccl_ddp.adapters.torch.fsdp.param import ShardedParam
 from nccl_ddp.adapters.torch.tensors import from_native, to_native, torch_stream_current
@@ -44,26 +44,36 @@ class UnitTimes:
     """What a unit's hooks cost the compute thread, summed since it was built (the benchmark
     reads them): `waited_s`, blocked on its all-gathers (the exposed, not hidden, part; ~0 on
     CUDA, where the wait is queued on the compute stream and a GPU trace shows the exposure);
-    `hooks_s`, in its hooks apart from those waits (the Python overhead); `gathers`."""
+    `hooks_s`, wall time in its hooks apart from those waits (the Python overhead, with the
+    waits for the GIL and for a core); `hooks_cpu_s`, the compute thread's CPU time in them
+    (the overhead itself); `gathers`."""
 
     waited_s: float = 0.0
     hooks_s: float = 0.0
+    hooks_cpu_s: float = 0.0
     gathers: int = 0
 
 
 class Schedule:
     """What the units of one root share. `comm`: the stream every collective of these units
-    runs on, in issue order (the same on every rank); `forward_order` / `post_forward_order`:
-    the units as their forwards began / ended in the first step (for prefetching)."""
+    runs on, in issue order (the same on every rank); `scratch` / `gathers`: the grad packing
+    buffers and the all-gather buffers; `forward_order` / `post_forward_order`: the units as
+    their forwards began / ended in the first step (for prefetching), with each unit's place
+    in them."""
 
     def __init__(self, group: ProcessGroup, device: Device, mesh: DeviceMesh) -> None:
         self.group, self.device, self.mesh = group, device, mesh
         self.comm: Stream = device.new_stream()
         self.scratch = ScratchPool(functools.partial(group.zeros, device))
+        # the all-gathers' buffer per dtype (shared in stream order); on CUDA the stream-ordered
+        # allocator already reuses each gather's memory, so none is kept there
+        self.gathers = ScratchPool(device.empty) if device.kind == "host" else None
         self.units: List[Unit] = []
         self.root: Optional[Unit] = None
         self.forward_order: List[Unit] = []
         self.post_forward_order: List[Unit] = []
+        self._forward_at: Dict[Unit, int] = {}
+        self._post_forward_at: Dict[Unit, int] = {}
         self.recording = True
         # (unit, done event, reduced shards, which params had a grad): never the unsharded
         # grads, which the comm stream's pack holds only until it has read them
@@ -78,19 +88,31 @@ class Schedule:
             unit.reshard_after_forward = True
         unit.shards.comm = self.comm
         unit.shards.scratch = self.scratch
+        unit.shards.gathers = self.gathers
         self.units.append(unit)
         if old is not self:
             old.comm.close()
 
+    def began_forward(self, unit: Unit) -> None:
+        """While recording: `unit`'s forward begins (its first time: its place in the order)."""
+        if self.recording and unit not in self._forward_at:
+            self._forward_at[unit] = len(self.forward_order)
+            self.forward_order.append(unit)
+
+    def ended_forward(self, unit: Unit) -> None:
+        if self.recording and unit not in self._post_forward_at:
+            self._post_forward_at[unit] = len(self.post_forward_order)
+            self.post_forward_order.append(unit)
+        if unit is self.root:  # the first step's order is known now
+            self.recording = False
+
     def next_in_forward(self, unit: Unit) -> Optional[Unit]:
-        order = self.forward_order
-        i = order.index(unit) if unit in order else -1
-        return order[i + 1] if 0 <= i < len(order) - 1 else None
+        i = self._forward_at.get(unit, -1)
+        return self.forward_order[i + 1] if 0 <= i < len(self.forward_order) - 1 else None
 
     def next_in_backward(self, unit: Unit) -> Optional[Unit]:
-        order = self.post_forward_order
-        i = order.index(unit) if unit in order else -1
-        return order[i - 1] if i > 0 else None
+        i = self._post_forward_at.get(unit, -1)
+        return self.post_forward_order[i - 1] if i > 0 else None
 
     @property
     def on_cuda(self) -> bool:
@@ -134,6 +156,8 @@ class Schedule:
             unit.forward_calls = 0
             if unit.reshard_after_backward and unit.state is not State.SHARDED:
                 unit.reshard()
+        if self.gathers is not None:
+            self.gathers.release()  # the next gather is the next forward's
 
     def close(self) -> None:
         self.comm.close()
@@ -230,18 +254,13 @@ class Unit:
 
     def pre_forward(self) -> None:
         sched = self.schedule
-        if sched.recording and self not in sched.forward_order:
-            sched.forward_order.append(self)
+        sched.began_forward(self)
         self.unshard()
         self.prefetch(self.forward_prefetch, sched.next_in_forward(self))
         self.wait()
 
     def post_forward(self) -> None:
-        sched = self.schedule
-        if sched.recording and self not in sched.post_forward_order:
-            sched.post_forward_order.append(self)
-        if self is sched.root:  # the first step's order is known now
-            sched.recording = False
+        self.schedule.ended_forward(self)
         if self.reshard_after_forward:
             self.reshard()
 
