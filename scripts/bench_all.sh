@@ -126,6 +126,8 @@ if [[ $quick == 1 ]]; then
     --steps 2 --warmup 1 --profile-steps 1 --csv "$out/hooks.csv" --png ""
   table find_unused $P 300 scripts/bench_ddp.py --many-params --find-unused --worlds 2 --linears 20 --rounds 3 \
     --params-csv "$out/find_unused.csv" --params-png ""
+  table fsdp $P 300 scripts/bench_fsdp.py --worlds 2 --layers 2 --dim 64 --vocab 128 --seq 16 --steps 1 --warmup 1 \
+    --csv "$out/fsdp.csv"
   table zero $P 600 scripts/bench_zero.py --worlds 2 --hidden 256 --layers 2 --steps 1 --warmup 1 \
     --profile-steps 1 --modes ddp_adamw,zero2,torch_zero --csv "$out/zero.csv"
   table jax_jit $P 300 scripts/bench_jax_jit.py --models small --steps 2 --rounds 1 --warmup 1 --csv "$out/jax_jit.csv"
@@ -161,6 +163,8 @@ else
     --layers 3 --steps 20 --csv "$out/hooks.csv" --png "$out/hooks.png"
   table find_unused $P 300 scripts/bench_ddp.py --many-params --find-unused --worlds 2 --rounds 20 \
     --params-csv "$out/find_unused.csv" --params-png ""
+  # ZeRO-3: ours against torch's fully_shard (gloo) on torch's test Transformer, 3 jobs per mode
+  table fsdp $P 900 scripts/bench_fsdp.py --worlds 2,4 --rounds 3 --csv "$out/fsdp.csv"
   table zero $P 600 scripts/bench_zero.py --worlds 2 --modes ddp_adamw,zero2,torch_zero --rounds 3 \
     --csv "$out/zero.csv"
   table jax_jit $P 300 scripts/bench_jax_jit.py --steps 10 --rounds 5 --csv "$out/jax_jit.csv"
