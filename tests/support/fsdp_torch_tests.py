@@ -8,6 +8,7 @@ GPU = "runs only with GPUs (skip_if_lt_x_gpu without allow_cpu, or CUDA graphs)"
 UNSUPPORTED = "not supported by nccl_ddp's fully_shard yet: "
 LIST = "not answered yet: a list's unit is built (test_fsdp_grouped.py), this test's "
 PRIVATE = "reads torch-private FSDP2 internals: "
+G = "test_fsdp_grouped_partial.py case: "
 
 TORCH_TESTS = {
     # TestFullyShardForwardInputs
@@ -24,7 +25,9 @@ TORCH_TESTS = {
     "test_train_parity_single_group_shard_dim0": "case",
     "test_train_parity_single_group_shard_largest_dim": UNSUPPORTED + "shard_placement_fn",
     "test_train_parity_multi_group": GPU,
-    "test_train_parity_multi_group_cpu_offload_eager": UNSUPPORTED + "offload_policy",
+    "test_train_parity_multi_group_cpu_offload_eager": (
+        'test_fsdp_grouped_partial.py case "offload": CPUOffloadPolicy on CPU parameters (a no-op)'
+    ),
     "test_train_parity_multi_group_unshard_async_op": PRIVATE + "_set_unshard_async_op",
     "test_non_root_forward_backward": "case",
     "test_multi_forward_module": "case: reshard_after_forward True (not 2)",
@@ -32,9 +35,9 @@ TORCH_TESTS = {
     "test_post_optim_event": GPU,
     # TestFullyShard1DTrainingCompose
     "test_train_parity_with_activation_checkpointing": GPU,
-    "test_partial_group_forward_then_standalone": LIST + "partial forwards are unchecked",
-    "test_grouped_module_cast_forward_inputs": LIST + "input casts are unchecked",
-    "test_partial_group_forward_grad_accum_chunked": LIST + "partial forwards are unchecked",
+    "test_partial_group_forward_then_standalone": G + "chunked1/chunked3 (the skipped module run apart)",
+    "test_grouped_module_cast_forward_inputs": G + "cast (each module casts its own inputs)",
+    "test_partial_group_forward_grad_accum_chunked": G + "chunked3 (a backward per chunk, then the root's)",
     "test_partial_group_reshard_toggle": PRIVATE + "_fsdp_param_group",
     "test_reset_iter_state_after_exception": UNSUPPORTED + "reset_iter_state",
     "test_double_forward_with_nested_fsdp_and_checkpoint": "not answered yet (checkpointing untested)",

@@ -158,9 +158,10 @@ def fully_shard(
     Collective: every rank calls it for the same modules in the same order. Returns `module`,
     whose class (each module's, for a list) is now `FSDP<cls>`."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    modules = _check_args(module, rank, offload_policy, shard_placement_fn)
+    modules = _check_args(module, rank, shard_placement_fn)
     found = _collect(modules, rank)
     where = _param_device(found, rank)
+    _check_offload(offload_policy, where.type, rank)
     mesh = _mesh(mesh, group, rank, where.type)
     ours = _ours(mesh, mesh.ndim - 1, rank)
     replicate = _ours(mesh, 0, rank) if mesh.ndim == 2 else None
@@ -238,9 +239,7 @@ def _build(
     hooks.install(modules, unit, policy)
 
 
-def _check_args(
-    module: Any, rank: int, offload_policy: Any, shard_placement_fn: Any
-) -> List[torch.nn.Module]:
+def _check_args(module: Any, rank: int, shard_placement_fn: Any) -> List[torch.nn.Module]:
     """The modules of the unit (`module`, or the list's), checked."""
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules:
@@ -261,11 +260,22 @@ def _check_args(
         raise ConfigError(
             f"rank {rank}: fully_shard(shard_placement_fn=...) is not supported: ours shards dim 0"
         )
-    if offload_policy is not None and type(offload_policy).__name__ != "OffloadPolicy":
-        raise ConfigError(
-            f"rank {rank}: fully_shard(offload_policy={offload_policy!r}) is not supported (no offload)"
-        )
     return modules
+
+
+def _check_offload(policy: Any, device_type: str, rank: int) -> None:
+    """torch's `OffloadPolicy()` offloads nothing; `CPUOffloadPolicy` keeps the shards, grads and
+    optimizer step in host memory, where the host path (CPU or meta parameters) keeps them
+    anyway, so it changes nothing there. Offloading a GPU's parameters is not built."""
+    name = type(policy).__name__
+    host = device_type in ("cpu", "meta")
+    if policy is None or name == "OffloadPolicy" or (name == "CPUOffloadPolicy" and host):
+        return
+    raise ConfigError(
+        f"rank {rank}: fully_shard(offload_policy={policy!r}) is not supported for parameters on "
+        f"{device_type}: nccl_ddp does not offload GPU parameters (CPUOffloadPolicy is accepted for "
+        "CPU parameters, which stay in host memory anyway)"
+    )
 
 
 def _check_reshard(value: Any) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
 
 from nccl_ddp.adapters.torch.fsdp.unit import Unit
 from nccl_ddp.adapters.torch.tensors import torch_stream_current
@@ -20,41 +20,51 @@ if TYPE_CHECKING:
 
 def install(modules: List[torch.nn.Module], unit: Unit, policy: Any) -> None:
     """Register the unit's forward hooks on its modules. `policy`: a MixedPrecisionPolicy or
-    None. For several modules (`fully_shard([a, b])`, FSDP2's grouping) the pre-forward runs
-    before the first of them to run and the post-forward after the last of them has run."""
+    None. For several modules (`fully_shard([a, b])`, FSDP2's grouping, torch 2.13's rules): the
+    first of them to run in a pass gathers (and registers the post-backward); each later one
+    only makes sure the unit is gathered and casts its own inputs; the post-forward runs when
+    the last of them has run (the others cast their outputs only), or at the root's
+    post-forward for those a forward skipped (`force_complete`)."""
     pre = _timed(unit, functools.partial(_pre_forward, unit, policy))
     post = _timed(unit, functools.partial(_post_forward, unit, policy))
     if len(modules) == 1:
         modules[0].register_forward_pre_hook(pre, prepend=True, with_kwargs=True)
         modules[0].register_forward_hook(post, prepend=False)
         return
-    first, post_of = _grouped(modules, pre, post)
-    for m in modules:
-        m.register_forward_pre_hook(first, prepend=True, with_kwargs=True)
-        m.register_forward_hook(post_of(m), prepend=False)
+    join = _timed(unit, functools.partial(_join_forward, unit, policy))
+    ids = {id(m) for m in modules}
 
+    def grouped_pre(module: Any, args: tuple, kwargs: dict) -> Any:
+        if not unit.to_run:  # the first of the group in this pass
+            unit.to_run.update(ids)
+            return pre(module, args, kwargs)
+        return join(module, args, kwargs)
 
-def _grouped(
-    modules: List[torch.nn.Module], pre: Callable[..., Any], post: Callable[..., Any]
-) -> Tuple[Callable[..., Any], Callable[[Any], Callable[..., Any]]]:
-    """`pre` only when none of `modules` is mid-forward (the first to run), `post` once each of
-    them has run (the set still to run empties)."""
-    to_run: Set[int] = set()
-
-    def grouped_pre(*args: Any) -> Any:
-        if not to_run:
-            to_run.update(id(m) for m in modules)
-            return pre(*args)
-        return None
-
-    def post_of(module: Any) -> Callable[..., Any]:
-        def grouped_post(*args: Any) -> Any:
-            to_run.discard(id(module))
-            return post(*args) if not to_run else None
+    def post_of(member: Any) -> Callable[..., Any]:
+        def grouped_post(module: Any, args: tuple, output: Any) -> Any:
+            if id(member) in unit.to_run:
+                unit.to_run.discard(id(member))
+                if not unit.to_run:
+                    return post(module, args, output)
+            return _cast_output(policy, output)
 
         return grouped_post
 
-    return grouped_pre, post_of
+    unit.complete_forward = functools.partial(post, None, ())
+    for m in modules:
+        m.register_forward_pre_hook(grouped_pre, prepend=True, with_kwargs=True)
+        m.register_forward_hook(post_of(m), prepend=False)
+
+
+def force_complete(root: Unit, output: Any) -> Any:
+    """At the root's post-forward: the post-forward of every grouped unit whose forward ran
+    only some of its modules (it reshards and hooks the root's output for the re-gather
+    before backward), innermost first, as torch's `_force_complete_incomplete_states`."""
+    for unit in reversed(root.schedule.units):
+        if unit is not root and unit.to_run and unit.complete_forward is not None:
+            unit.to_run.clear()
+            output = unit.complete_forward(output)
+    return output
 
 
 def _timed(unit: Unit, hook: Callable[..., Any]) -> Callable[..., Any]:
@@ -80,9 +90,7 @@ def _pre_forward(unit: Unit, policy: Any, module: Any, args: tuple, kwargs: dict
     from torch.utils._pytree import tree_flatten, tree_unflatten
 
     unit.pre_forward()
-    param_dtype = getattr(policy, "param_dtype", None)
-    if param_dtype is not None and getattr(policy, "cast_forward_inputs", True):
-        args, kwargs = _cast((args, kwargs), param_dtype)
+    args, kwargs = _cast_inputs(policy, args, kwargs)
     if not torch.is_grad_enabled():
         return args, kwargs
     unit.backward_open = True
@@ -97,18 +105,38 @@ def _pre_forward(unit: Unit, policy: Any, module: Any, args: tuple, kwargs: dict
     return args, kwargs
 
 
+def _join_forward(unit: Unit, policy: Any, module: Any, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
+    """A later module of a grouped unit already in its pass: the unit gathered (again, if a
+    partial pass left it sharded), the module's own inputs cast."""
+    unit.wait()
+    return _cast_inputs(policy, args, kwargs)
+
+
+def _cast_inputs(policy: Any, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
+    param_dtype = getattr(policy, "param_dtype", None)
+    if param_dtype is not None and getattr(policy, "cast_forward_inputs", True):
+        cast: Tuple[tuple, dict] = _cast((args, kwargs), param_dtype)
+        return cast
+    return args, kwargs
+
+
+def _cast_output(policy: Any, output: Any) -> Any:
+    output_dtype = getattr(policy, "output_dtype", None)
+    return output if output_dtype is None else _cast(output, output_dtype)
+
+
 def _post_forward(unit: Unit, policy: Any, module: Any, args: tuple, output: Any) -> Any:
     import torch
     from torch.utils._pytree import tree_flatten
 
     unit.post_forward()
-    output_dtype = getattr(policy, "output_dtype", None)
-    if output_dtype is not None:
-        output = _cast(output, output_dtype)
+    output = _cast_output(policy, output)
     if torch.is_grad_enabled():
         for t in tree_flatten(output)[0]:
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(functools.partial(_pre_backward, unit))
+    if unit is unit.schedule.root:
+        output = force_complete(unit, output)
     return output
 
 

@@ -19,7 +19,7 @@ import dataclasses
 import enum
 import functools
 import time
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tuple
 
 from nccl_ddp.adapters.torch.fsdp.param import ShardedParam
 from nccl_ddp.adapters.torch.tensors import from_native, to_native, torch_stream_current
@@ -154,6 +154,7 @@ class Schedule:
             unit.install_grads(outs, had_grad)
         for unit in self.units:
             unit.forward_calls = 0
+            unit.to_run.clear()  # (a pass that ran only some of a group's modules starts afresh)
             if unit.reshard_after_backward and unit.state is not State.SHARDED:
                 unit.reshard()
         if self.gathers is not None:
@@ -191,6 +192,8 @@ class Unit:
         self.backward_open = False  # ran forward with grad this step, grads not yet reduced
         self.forward_prefetch: Optional[List[Unit]] = None  # set_modules_to_forward_prefetch
         self.backward_prefetch: Optional[List[Unit]] = None
+        self.to_run: Set[int] = set()  # a grouped unit's modules still to run forward this pass
+        self.complete_forward: Optional[Callable[[Any], Any]] = None  # its post-forward, on an output
         self.times = UnitTimes()
 
     # ------------------------------------------------------------------ all-gather
