@@ -1,5 +1,6 @@
-"""scripts/bench_2nodes_netns.sh: two nodes in network namespaces joined by a paced veth run the
-hierarchical all-reduce, the flat ring and gloo over it, and leave no namespace behind. Needs
+"""scripts/bench_2nodes_netns.sh: two nodes in network namespaces joined by a paced veth (or one
+per local rank, --rails 2) run the hierarchical all-reduce, the flat ring and gloo over it, and
+leave no namespace behind. Needs
 root, ip and tc (skipped otherwise)."""
 
 import os
@@ -22,14 +23,16 @@ NETNS = os.geteuid() == 0 and bool(shutil.which("ip") and shutil.which("tc"))
 
 
 @pytest.mark.skipif(not NETNS, reason="needs root, ip and tc")
-def test_two_namespaces_cross_a_paced_link(tmp_path):
+@pytest.mark.parametrize("rails", [1, 2])
+def test_two_namespaces_cross_a_paced_link(tmp_path, rails):
     try:
         before = _namespaces()
     except (OSError, subprocess.SubprocessError) as e:
         pytest.skip(f"ip netns unusable here: {e}")
     args = ["--min", "1M", "--max", "1M", "--iters", "2", "--warmup", "1", "--limit-min", "0", "--png", ""]
     r = subprocess.run(
-        ["bash", os.path.join(ROOT, "scripts", "bench_2nodes_netns.sh"), "--rate", "2gbit", "--", *args],
+        ["bash", os.path.join(ROOT, "scripts", "bench_2nodes_netns.sh"), "--rate", "2gbit"]
+        + ["--rails", str(rails), "--", *args],
         capture_output=True,
         text=True,
         timeout=240,
