@@ -22,15 +22,14 @@ from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
 from nccl_ddp.adapters.torch.fsdp import hooks
 from nccl_ddp.adapters.torch.fsdp.param import ShardedParam, Slot
+from nccl_ddp.adapters.torch.fsdp.placement import check_offload, device_for, mesh_for, ours_on, param_device
 from nccl_ddp.adapters.torch.fsdp.unit import Schedule, State, Unit
-from nccl_ddp.adapters.torch.groups import ours_for
 from nccl_ddp.adapters.torch.tensors import torch_stream_current
 from nccl_ddp.arrays.dlpack import numpy_dtype
 from nccl_ddp.buckets.layout import ParamSpec
-from nccl_ddp.comm.api import device_of
 from nccl_ddp.comm.group import ProcessGroup
 from nccl_ddp.ddp.param_sync import Subject, check_same_params
-from nccl_ddp.device import Device, HostDevice
+from nccl_ddp.device import Device
 from nccl_ddp.errors import ConfigError, ConfigTypeError
 from nccl_ddp.zero.params import UnitShards, unit_layout
 
@@ -160,12 +159,12 @@ def fully_shard(
     rank = dist.get_rank() if dist.is_initialized() else 0
     modules = _check_args(module, rank, shard_placement_fn)
     found = _collect(modules, rank)
-    where = _param_device(found, rank)
-    _check_offload(offload_policy, where.type, rank)
-    mesh = _mesh(mesh, group, rank, where.type)
-    ours = _ours(mesh, mesh.ndim - 1, rank)
-    replicate = _ours(mesh, 0, rank) if mesh.ndim == 2 else None
-    device = _device(where, ours, rank)
+    where = param_device(found, rank)
+    check_offload(offload_policy, where.type, rank)
+    mesh = mesh_for(mesh, group, rank, where.type)
+    ours = ours_on(mesh, mesh.ndim - 1, rank)
+    replicate = ours_on(mesh, 0, rank) if mesh.ndim == 2 else None
+    device = device_for(where, ours, rank)
     with torch_stream_current(device.kind == "cuda"):
         _build(modules, found, mesh, ours, replicate, device, reshard_after_forward, mp_policy)
     return module
@@ -263,21 +262,6 @@ def _check_args(module: Any, rank: int, shard_placement_fn: Any) -> List[torch.n
     return modules
 
 
-def _check_offload(policy: Any, device_type: str, rank: int) -> None:
-    """torch's `OffloadPolicy()` offloads nothing; `CPUOffloadPolicy` keeps the shards, grads and
-    optimizer step in host memory, where the host path (CPU or meta parameters) keeps them
-    anyway, so it changes nothing there. Offloading a GPU's parameters is not built."""
-    name = type(policy).__name__
-    host = device_type in ("cpu", "meta")
-    if policy is None or name == "OffloadPolicy" or (name == "CPUOffloadPolicy" and host):
-        return
-    raise ConfigError(
-        f"rank {rank}: fully_shard(offload_policy={policy!r}) is not supported for parameters on "
-        f"{device_type}: nccl_ddp does not offload GPU parameters (CPUOffloadPolicy is accepted for "
-        "CPU parameters, which stay in host memory anyway)"
-    )
-
-
 def _check_reshard(value: Any) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(
@@ -285,94 +269,6 @@ def _check_reshard(value: Any) -> bool:
             "(an int, FSDP2's reshard to a smaller mesh, is not supported)"
         )
     return value
-
-
-def _param_device(found: List[Tuple[str, List[Slot], Any]], rank: int) -> torch.device:
-    """The one device every parameter of the unit is on (the CPU when it has none; a meta
-    parameter is sharded on the CPU, where `module.to_empty(device="cpu")` materialises it)."""
-    devices = {torch.device("cpu") if p.is_meta else p.device for _, _, p in found}
-    if len(devices) > 1:
-        named = ", ".join(f"{fqn!r} on {p.device}" for fqn, _, p in found[:8])
-        raise ConfigError(
-            f"rank {rank}: fully_shard got parameters on several devices ({named}): move the "
-            "module to one device (module.to(device)) first"
-        )
-    where = next(iter(devices)) if devices else torch.device("cpu")
-    if where.type not in ("cpu", "cuda"):
-        fqn = found[0][0]
-        raise ConfigError(
-            f"rank {rank}: parameter {fqn!r} is on {where}: nccl_ddp's fully_shard shards CPU "
-            "tensors (host backend) and CUDA tensors (nccl backend) only"
-        )
-    return where
-
-
-def _device(where: torch.device, group: ProcessGroup, rank: int) -> Device:
-    """Our device for parameters on `where`: the host for CPU ones, the GPU of the group's
-    NCCL communicator for CUDA ones (which must be the parameters' GPU)."""
-    if where.type == "cpu":
-        if group.backend == "nccl":
-            raise ConfigError(
-                f"rank {rank}: fully_shard got CPU parameters but the group {group.name!r} is "
-                "nccl_ddp's nccl backend: move the module to its GPU (module.cuda(local_rank)), "
-                "or use the host backend (torch's gloo) for CPU training"
-            )
-        return HostDevice()
-    if group.backend != "nccl":
-        raise ConfigError(
-            f"rank {rank}: fully_shard got parameters on {where} but the group {group.name!r} "
-            f"is nccl_ddp's {group.backend!r} backend: initialise torch.distributed with "
-            "'nccl' (or nccl_ddp.init_process_group('nccl')) for CUDA parameters"
-        )
-    device = device_of(group)
-    gpu = getattr(device, "device_id", None)
-    if where.index is not None and gpu != where.index:
-        raise ConfigError(
-            f"rank {rank}: fully_shard got parameters on {where} but this rank's NCCL "
-            f"communicator runs on GPU {gpu}: move the module to cuda:{gpu} (the local rank's "
-            "GPU), or set the device before initialising the process group"
-        )
-    return device
-
-
-def _mesh(mesh: Any, group: Any, rank: int, kind: str) -> Any:
-    """The DeviceMesh the DTensors live on (1-D, or 2-D for HSDP), of device type `kind`
-    (the parameters': "cpu" or "cuda")."""
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
-    if not dist.is_initialized():
-        raise ConfigError(
-            f"rank {rank}: fully_shard needs torch.distributed initialised (its DTensors live on a "
-            "DeviceMesh): call torch.distributed.init_process_group('gloo') first"
-        )
-    if mesh is not None and group is not None:
-        raise ConfigError(f"rank {rank}: pass mesh= or group= to fully_shard, not both")
-    if mesh is None and group is None:
-        return init_device_mesh(kind, (dist.get_world_size(),))
-    if mesh is None:
-        if isinstance(group, dist.ProcessGroup):
-            return DeviceMesh.from_group(group, kind)
-        return DeviceMesh(kind, list(group.ranks))
-    if not isinstance(mesh, DeviceMesh) or mesh.ndim not in (1, 2):
-        raise ConfigError(
-            f"rank {rank}: fully_shard takes a 1-D DeviceMesh (shard) or a 2-D one (HSDP: "
-            f"replicate on dim 0, shard on dim 1), got {mesh!r}"
-        )
-    if mesh.device_type != kind:
-        raise ConfigError(
-            f"rank {rank}: fully_shard got a {mesh.device_type!r} DeviceMesh for parameters on "
-            f"{kind} (meta parameters are sharded on the CPU): build the mesh with "
-            f"init_device_mesh({kind!r}, ...), or the model on the mesh's device"
-        )
-    return mesh
-
-
-def _ours(mesh: Any, dim: int, rank: int) -> ProcessGroup:
-    """Our group over the ranks of the mesh's dimension `dim` that hold this rank."""
-    ours = ours_for(mesh.get_group(dim), "fully_shard(mesh=...)")
-    if ours is None:  # mesh.get_group() is a torch group: ours_for always answers for one
-        raise ConfigError(f"rank {rank}: fully_shard found no nccl_ddp group for the mesh {mesh}")
-    return ours
 
 
 def _collect(modules: List[torch.nn.Module], rank: int) -> List[Tuple[str, List[Slot], Any]]:

@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch==2.13.0)")
 
-from nccl_ddp.adapters.torch.fsdp import api  # noqa: E402
+from nccl_ddp.adapters.torch.fsdp import placement  # noqa: E402
 from nccl_ddp.device import HostDevice  # noqa: E402
 from nccl_ddp.errors import ConfigError  # noqa: E402
 
@@ -25,28 +25,28 @@ def _group(backend):
 
 
 def test_one_device_per_unit():
-    assert api._param_device(_found("cpu", "cpu"), 0) == torch.device("cpu")
-    assert api._param_device(_found("cuda:1", "cuda:1"), 0) == torch.device("cuda", 1)
-    assert api._param_device([], 0) == torch.device("cpu")
-    assert api._param_device(_found("meta", "cpu"), 0) == torch.device("cpu")  # to_empty(device="cpu")
+    assert placement.param_device(_found("cpu", "cpu"), 0) == torch.device("cpu")
+    assert placement.param_device(_found("cuda:1", "cuda:1"), 0) == torch.device("cuda", 1)
+    assert placement.param_device([], 0) == torch.device("cpu")
+    assert placement.param_device(_found("meta", "cpu"), 0) == torch.device("cpu")  # to_empty(device="cpu")
     with pytest.raises(ConfigError, match=r"rank 3: .*several devices.*'layer1.weight' on cuda:0"):
-        api._param_device(_found("cpu", "cuda:0"), 3)
+        placement.param_device(_found("cpu", "cuda:0"), 3)
 
 
 def test_a_device_without_a_backend_is_refused_by_name():
     with pytest.raises(ConfigError, match=r"rank 1: parameter 'layer0.weight' is on mps.*CUDA tensors"):
-        api._param_device(_found("mps"), 1)
+        placement.param_device(_found("mps"), 1)
 
 
 def test_cpu_parameters_take_the_host_path_and_not_a_nccl_group():
-    assert isinstance(api._device(torch.device("cpu"), _group("host"), 0), HostDevice)
+    assert isinstance(placement.device_for(torch.device("cpu"), _group("host"), 0), HostDevice)
     with pytest.raises(ConfigError, match=r"rank 2: .*CPU parameters.*nccl backend.*module.cuda"):
-        api._device(torch.device("cpu"), _group("nccl"), 2)
+        placement.device_for(torch.device("cpu"), _group("nccl"), 2)
 
 
 def test_cuda_parameters_need_the_nccl_backend():
     with pytest.raises(ConfigError, match=r"rank 0: .*on cuda:0.*'host' backend.*'nccl'"):
-        api._device(torch.device("cuda", 0), _group("host"), 0)
+        placement.device_for(torch.device("cuda", 0), _group("host"), 0)
 
 
 def test_the_compute_stream_waits_on_cuda_and_the_host_thread_blocks_on_the_host(monkeypatch):
