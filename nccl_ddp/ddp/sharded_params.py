@@ -200,7 +200,6 @@ class ShardedParams:
         if unit.pending is not None:
             return
         outs = [self.device.empty(s.numel, s.dtype) for s in unit.shards.layout.specs]
-        self._comm_after_compute()  # the optimizer's last writes into the shards
         unit.pending = (unit.shards.start_gather(outs), outs)
 
     def _wait_gather(self, unit: _Unit) -> List[Any]:
@@ -227,7 +226,6 @@ class ShardedParams:
             if unit.pending is not None:
                 unit.pending[0].synchronize(self.group.timeout)
                 unit.pending = None
-        self._comm_after_compute()  # the caller's grads are complete on its stream
         started = [
             u.shards.start_reduce([flat[i] for i in u.leaves], np.float32, ReduceOp.AVG) for u in self.units
         ]
@@ -254,16 +252,6 @@ class ShardedParams:
                     f"shape {tuple(g.shape)} {dt}, the parameter is {tuple(s.shape)} {np.dtype(s.dtype)}; "
                     "pass a floating grad of the parameter's shape"
                 )
-
-    def _comm_after_compute(self) -> None:
-        """The comm stream waits for what the current stream has queued (on a GPU, the fused
-        optimizer's writes and the caller's grads; on the host both are done already):
-
-          current: ─[optimizer / grads]─record─
-                                          ╲
-          comm:    ─────────────────────wait─[all-gather | reduce-scatter]─
-        """
-        self.comm.wait(self.device.current_stream().record())
 
     # ------------------------------------------------------------------ memory
 
