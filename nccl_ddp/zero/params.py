@@ -1,5 +1,5 @@
-"""Parameter sharding (ZeRO-3), framework-free: one unit's parameters cut along dim 0, its
-parameter all-gather and its grad reduce-scatter.
+"""Parameter sharding (ZeRO-3), framework-free: one unit's parameters cut along dim 0 (or each
+along a dim of its own: FSDP2's `Shard(d)`), its parameter all-gather and its grad reduce-scatter.
 
 A unit is the set of parameters gathered together (FSDP2's parameter group: one module's own,
 not those of a sharded submodule). Parameter i of dim-0 size `d` is cut in `world` chunks of
@@ -11,6 +11,12 @@ collective per dtype into a buffer of `world` shards, rank after rank; each para
 are then copied out of the `world` chunks into its unsharded memory. The reduce-scatter is the
 reverse: the unsharded grads are packed rank-major (padding rows zero) into a scratch buffer the
 units share, reduced, and this rank's grad shard comes back in the shard's layout.
+
+A parameter cut along dim d > 0 is seen as `(outer, size, inner)` (the dims before d, d itself,
+those after it): rank r holds rows [r * rows[i], ...) of the middle dim, torch.chunk's cut on
+dim d, stored compactly as a contiguous `(outer, local_rows, inner)` block at the start of its
+chunk (the padding after it), so the framework's local tensor is contiguous; its copies are
+strided ones per rank (zero/unit_copy.py `Strided`).
 
 Everything a collective reads or writes runs on one comm stream in issue order (on the host
 backend its worker thread; on CUDA a CuPy stream, NCCL collectives and the bucket kernels of
@@ -31,7 +37,7 @@ from nccl_ddp.buckets.layout import ALIGN_BYTES, BucketLayout, ParamSpec, assign
 from nccl_ddp.comm.group import ProcessGroup, ReduceOp
 from nccl_ddp.device import Device, Event, Stream
 from nccl_ddp.errors import ConfigError
-from nccl_ddp.zero.unit_copy import Cut, bucket_cuts, copy_out, pack
+from nccl_ddp.zero.unit_copy import Cut, Strided, bucket_cuts, copy_out, copy_out_strided, pack, pack_strided
 from nccl_ddp.zero.unit_kernels import device_add_into, device_copy_out, device_pack
 
 _ONE_BUCKET = 1 << 62  # a cap no unit reaches: one flat shard per dtype
@@ -39,20 +45,34 @@ _ONE_BUCKET = 1 << 62  # a cap no unit reaches: one flat shard per dtype
 
 @dataclasses.dataclass(frozen=True)
 class UnitLayout:
-    """`specs[i]`: parameter i's full shape and dtype; `rows[i]` the rows of its chunk on every
-    rank; `shard`: the layout of one rank's flat shard (a bucket per dtype holding each
-    parameter's chunk of `rows[i] * row_numel[i]` elements)."""
+    """`specs[i]`: parameter i's full shape and dtype; `dims[i]` the dim it is cut along,
+    `rows[i]` the rows (of that dim) of its chunk on every rank, `row_numel[i]` the elements of
+    one row (the dims after it), `outer[i]` the product of the dims before it (1 for dim 0);
+    `shard`: the layout of one rank's flat shard (a bucket per dtype holding each parameter's
+    chunk of `outer[i] * rows[i] * row_numel[i]` elements)."""
 
     specs: Tuple[ParamSpec, ...]
     world: int
     rows: Tuple[int, ...]
     row_numel: Tuple[int, ...]
     shard: BucketLayout
+    dims: Tuple[int, ...]
+    outer: Tuple[int, ...]
 
     def local_rows(self, i: int, rank: int) -> int:
         """The real (unpadded) rows of parameter i that `rank` holds: 0 past the end."""
-        d = self.specs[i].shape[0]
+        d = self.specs[i].shape[self.dims[i]]
         return max(0, min(self.rows[i], d - rank * self.rows[i]))
+
+    def local_numel(self, i: int, rank: int) -> int:
+        """The real elements of parameter i that `rank` holds (the start of its chunk)."""
+        return self.outer[i] * self.local_rows(i, rank) * self.row_numel[i]
+
+    def strided(self, i: int, offset: int) -> Strided:
+        """The copy plan of parameter i (cut along a dim > 0) at `offset` of a rank's shard."""
+        counts = tuple(self.local_rows(i, r) for r in range(self.world))
+        size = int(self.specs[i].shape[self.dims[i]])
+        return Strided(i, offset, self.outer[i], size, self.rows[i], self.row_numel[i], counts)
 
     def where(self, i: int) -> Tuple[int, int]:
         """(bucket, element offset) of parameter i's chunk in a rank's shard."""
@@ -63,32 +83,47 @@ class UnitLayout:
         return b, self.shard.buckets[b].offsets[slot]
 
     def chunk_numel(self, i: int) -> int:
-        return self.rows[i] * self.row_numel[i]
+        return self.outer[i] * self.rows[i] * self.row_numel[i]
 
     def rank_rows(self, i: int) -> List[Tuple[int, int]]:
-        """(first element, elements) of each rank's real rows of parameter i in its flat
-        unsharded array, rank after rank (0 elements past the end)."""
+        """(first element, elements) of each rank's real rows of parameter i (cut along dim 0)
+        in its flat unsharded array, rank after rank (0 elements past the end)."""
         per = self.row_numel[i]
         return [(r * self.rows[i] * per, self.local_rows(i, r) * per) for r in range(self.world)]
 
 
-def unit_layout(specs: Sequence[ParamSpec], world: int, align_bytes: int = ALIGN_BYTES) -> UnitLayout:
-    """The dim-0 cut of `specs` for `world` ranks. A parameter without dimensions cannot be cut
-    along dim 0: `ConfigError` naming it."""
+def unit_layout(
+    specs: Sequence[ParamSpec],
+    world: int,
+    align_bytes: int = ALIGN_BYTES,
+    dims: Optional[Sequence[int]] = None,
+) -> UnitLayout:
+    """The cut of `specs` for `world` ranks, parameter i along `dims[i]` (None: every one along
+    dim 0). A parameter without dimensions cannot be cut, nor one along a dim it lacks:
+    `ConfigError` naming it."""
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ConfigError(f"world size for sharding must be a positive int, got {world!r}")
-    rows, row_numel = [], []
-    for i, s in enumerate(specs):
+    dims = [0] * len(specs) if dims is None else [int(d) for d in dims]
+    if len(dims) != len(specs):
+        raise ConfigError(f"unit_layout got {len(dims)} shard dims for {len(specs)} parameters")
+    rows, row_numel, outer = [], [], []
+    for i, (s, d) in enumerate(zip(specs, dims)):
         if len(s.shape) == 0:
             raise ConfigError(
                 f"parameter {s.name or i} has no dimensions, so it cannot be sharded along dim 0: "
                 "give it shape (1,) (e.g. torch.nn.Parameter(t.reshape(1)))"
             )
-        rows.append(-(-int(s.shape[0]) // world))
-        row_numel.append(int(np.prod(s.shape[1:], dtype=np.int64)))
-    chunks = [ParamSpec((r * n,), s.dtype, s.name) for s, r, n in zip(specs, rows, row_numel)]
+        if not 0 <= d < len(s.shape):
+            raise ConfigError(
+                f"parameter {s.name or i} of shape {tuple(s.shape)} cannot be sharded along dim {d}: "
+                f"choose a dim in [0, {len(s.shape)})"
+            )
+        rows.append(-(-int(s.shape[d]) // world))
+        row_numel.append(int(np.prod(s.shape[d + 1 :], dtype=np.int64)))
+        outer.append(int(np.prod(s.shape[:d], dtype=np.int64)))
+    chunks = [ParamSpec((o * r * n,), s.dtype, s.name) for s, o, r, n in zip(specs, outer, rows, row_numel)]
     shard = assign_buckets(chunks, _ONE_BUCKET, _ONE_BUCKET, order=range(len(specs)), align_bytes=align_bytes)
-    return UnitLayout(tuple(specs), world, tuple(rows), tuple(row_numel), shard)
+    return UnitLayout(tuple(specs), world, tuple(rows), tuple(row_numel), shard, tuple(dims), tuple(outer))
 
 
 class ScratchPool:
@@ -152,10 +187,18 @@ class UnitShards:
         self.partial: Optional[List[Any]] = None  # HSDP: reduced shards not yet all-reduced
         self.shards: List[Any] = [group.zeros(device, b.padded, b.dtype) for b in layout.shard.buckets]
         self.gathers = gathers
+        # per bucket: the (parameter, offset) of those cut along dim 0 (one segment per rank:
+        # `_cuts`, and the bucket kernels' segments on CUDA) and the strided plans of the others
+        self._flat: List[List[Tuple[int, int]]] = []
+        self._strided: List[Tuple[Strided, ...]] = []
+        for b in layout.shard.buckets:
+            placed = list(zip(b.params, b.offsets))
+            self._flat.append([(i, off) for i, off in placed if layout.dims[i] == 0])
+            self._strided.append(tuple(layout.strided(i, off) for i, off in placed if layout.dims[i] != 0))
         dims0 = [s.shape[0] for s in layout.specs]
         self._cuts: List[Tuple[Cut, ...]] = [
-            bucket_cuts(b.params, b.offsets, dims0, layout.rows, layout.row_numel)
-            for b in layout.shard.buckets
+            bucket_cuts([i for i, _ in flat], [off for _, off in flat], dims0, layout.rows, layout.row_numel)
+            for flat in self._flat
         ]
         self.gather_s = 0.0
         self._gather_t0 = 0.0  # the running gather's start (one at a time per unit, in stream order)
@@ -167,7 +210,7 @@ class UnitShards:
 
     def local(self, i: int) -> Any:
         """This rank's real rows of parameter i, flat: what the framework's sharded parameter views."""
-        return self.chunk(i)[: self.layout.local_rows(i, self.rank) * self.layout.row_numel[i]]
+        return self.chunk(i)[: self.layout.local_numel(i, self.rank)]
 
     @property
     def nbytes(self) -> int:
@@ -209,10 +252,11 @@ class UnitShards:
         time, on the host; on CUDA this only queues the kernels)."""
         if self.device.kind == "cuda":
             bucket = self.layout.shard.buckets[b]
-            params = list(zip(bucket.params, bucket.offsets))
-            device_copy_out(self.layout, gathered, bucket.padded, params, outs)
+            device_copy_out(self.layout, gathered, bucket.padded, self._flat[b], outs)
         else:
             copy_out(self._cuts[b], gathered, self.layout.world, outs)
+        if self._strided[b]:  # NumPy's or CuPy's slicing (on CuPy's current stream: the comm one)
+            copy_out_strided(self._strided[b], gathered, self.layout.world, outs)
         if last:
             self.gather_s += time.perf_counter() - self._gather_t0
 
@@ -239,15 +283,17 @@ class UnitShards:
         outs = []
         for b, bucket in enumerate(self.layout.shard.buckets):
             n, dt = bucket.padded, bucket.dtype if dtype is None else dtype
-            grads_b = [grads[i] for i in bucket.params]
             with self.comm.allocating():  # freed in the comm stream's order
                 packed = self.scratch.get(n * self.layout.world, dt)
                 out = self.device.empty(n, dt)
+            flat = [grads[i] for i, _ in self._flat[b]]
             if self.device.kind == "cuda":
-                params = list(zip(bucket.params, bucket.offsets))
-                self.comm.submit(device_pack, self.layout, packed, n, params, grads_b, self.scratch)
+                self.comm.submit(device_pack, self.layout, packed, n, self._flat[b], flat, self.scratch)
             else:
-                self.comm.submit(pack, self._cuts[b], packed, self.layout.world, grads_b)
+                self.comm.submit(pack, self._cuts[b], packed, self.layout.world, flat)
+            if self._strided[b]:
+                strided = [grads[s.param] for s in self._strided[b]]
+                self.comm.submit(pack_strided, self._strided[b], packed, self.layout.world, strided)
             self.group.reduce_scatter(out, packed, op, self.comm, tag=self._tag("reduce-scatter", b))
             outs.append(out)
         if self.replicate is None:
@@ -265,7 +311,7 @@ class UnitShards:
     def grad_local(self, outs: Sequence[Any], i: int) -> Any:
         """This rank's real rows of parameter i's reduced grad, flat, from `start_reduce`'s shards."""
         b, off = self.layout.where(i)
-        return outs[b][off : off + self.layout.local_rows(i, self.rank) * self.layout.row_numel[i]]
+        return outs[b][off : off + self.layout.local_numel(i, self.rank)]
 
 
 def _add_into(outs: Sequence[Any], partial: Sequence[Any]) -> None:

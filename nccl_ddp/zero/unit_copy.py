@@ -4,6 +4,11 @@ array calls per parameter instead of one per rank: the gathered (or packed) buff
 a whole chunk (all but the last ones, torch.chunk's cut) move as one 2-D assignment, the one
 partial rank apart, and the ranks past the end hold no rows (only padding).
 
+A parameter cut along a dim d > 0 (`Strided`) is seen as `(outer, size, inner)`; rank r's
+chunk holds its `counts[r]` rows of the middle dim as one contiguous `(outer, counts[r], inner)`
+block (padding after it), which lands in the unsharded array as a strided region: one 3-D
+assignment per rank.
+
 Framework-free (NumPy on the host, CuPy on a GPU: the same slicing); the plans are made once per
 unit, so the hot path does no layout arithmetic.
 """
@@ -23,6 +28,21 @@ class Cut(NamedTuple):
     chunk: int
     full: int
     tail: int
+
+
+class Strided(NamedTuple):
+    """Parameter `param` cut along a dim d > 0, seen as `(outer, size, inner)` (the dims before d,
+    d, the dims after it): its chunk at `offset` of every rank's shard holds rank r's rows
+    `[r * rows, r * rows + counts[r])` of the middle dim as a contiguous `(outer, counts[r],
+    inner)` block, the rest of the chunk (`outer * rows * inner` elements) padding."""
+
+    param: int
+    offset: int
+    outer: int
+    size: int
+    rows: int
+    inner: int
+    counts: Tuple[int, ...]
 
 
 def cut(index: int, offset: int, dim0: int, rows: int, row_numel: int) -> Cut:
@@ -79,3 +99,33 @@ def bucket_cuts(
     """The cuts of one bucket's parameters (`params[k]` at `offsets[k]`; the per-parameter
     tables indexed by parameter)."""
     return tuple(cut(i, off, dims0[i], rows[i], row_numel[i]) for i, off in zip(params, offsets))
+
+
+def copy_out_strided(plans: Sequence[Strided], gathered: Any, world: int, outs: Sequence[Any]) -> None:
+    """Each strided parameter's blocks out of the `world` gathered shards into `outs[param]`
+    (flat, its full numel): rank r's block into rows `[r * rows, r * rows + counts[r])`."""
+    g = gathered.reshape(world, -1)
+    for s in plans:
+        dst = outs[s.param].reshape(s.outer, s.size, s.inner)
+        for r, n in enumerate(s.counts):
+            if n:
+                block = g[r, s.offset : s.offset + s.outer * n * s.inner]
+                dst[:, r * s.rows : r * s.rows + n] = block.reshape(s.outer, n, s.inner)
+
+
+def pack_strided(plans: Sequence[Strided], packed: Any, world: int, grads: Sequence[Optional[Any]]) -> None:
+    """Rank r's rows of every strided grad (`grads[k]` for `plans[k]`, flat, full numel) as its
+    contiguous block of rank r's shard of `packed` (cast to its dtype), the chunk's padding and
+    a missing grad (None) as zeros."""
+    p = packed.reshape(world, -1)
+    for s, g in zip(plans, grads):
+        cols = p[:, s.offset : s.offset + s.outer * s.rows * s.inner]
+        if g is None:
+            cols[...] = 0
+            continue
+        src = g.reshape(s.outer, s.size, s.inner)
+        for r, n in enumerate(s.counts):
+            m = s.outer * n * s.inner
+            if n:
+                cols[r, :m].reshape(s.outer, n, s.inner)[...] = src[:, r * s.rows : r * s.rows + n]
+            cols[r, m:] = 0

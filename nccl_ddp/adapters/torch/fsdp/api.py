@@ -2,10 +2,11 @@
 with the data moved by our process group.
 
 Applied to submodules first and then to the root, as FSDP2: each call makes one unit of the
-module's parameters that no sharded submodule holds, replaces them by `Shard(0)` DTensors on the
-mesh (torch's optimizers, `clip_grad_norm_` and `torch.distributed.checkpoint` take them as they
-take FSDP2's) and changes the module's class to `FSDP<cls>`, an `FSDPModule` (torch's, so
-`isinstance` checks hold) whose public methods are ours. The all-gathers and reduce-scatters go
+module's parameters that no sharded submodule holds, replaces them by `Shard(0)` DTensors (or
+`Shard(d)`, chosen per parameter by `shard_placement_fn`) on the mesh (torch's optimizers,
+`clip_grad_norm_` and `torch.distributed.checkpoint` take them as they take FSDP2's) and
+changes the module's class to `FSDP<cls>`, an `FSDPModule` (torch's, so `isinstance` checks
+hold) whose public methods are ours. The all-gathers and reduce-scatters go
 through our group over the mesh's ranks (the host backend for CPU parameters, NCCL on the comm
 stream for CUDA ones, with torch's current stream as the compute stream), never torch's
 collectives.
@@ -22,7 +23,14 @@ from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
 from nccl_ddp.adapters.torch.fsdp import hooks
 from nccl_ddp.adapters.torch.fsdp.param import ShardedParam, Slot
-from nccl_ddp.adapters.torch.fsdp.placement import check_offload, device_for, mesh_for, ours_on, param_device
+from nccl_ddp.adapters.torch.fsdp.placement import (
+    check_offload,
+    device_for,
+    mesh_for,
+    ours_on,
+    param_device,
+    shard_dims,
+)
 from nccl_ddp.adapters.torch.fsdp.unit import Schedule, State, Unit
 from nccl_ddp.adapters.torch.tensors import torch_stream_current
 from nccl_ddp.arrays.dlpack import numpy_dtype
@@ -149,7 +157,8 @@ def fully_shard(
     offload_policy: Any = None,
     shard_placement_fn: Any = None,
 ) -> torch.nn.Module:
-    """Shard `module`'s parameters along dim 0 over `mesh` (a 1-D torch DeviceMesh; a 2-D one
+    """Shard `module`'s parameters along dim 0 (or the dim `shard_placement_fn(param)` returns
+    as `Shard(dim)`; None: dim 0) over `mesh` (a 1-D torch DeviceMesh; a 2-D one
     for HSDP: replicated on dim 0, sharded on dim 1, the reduced shards all-reduced over dim 0;
     None: every rank of torch.distributed's world) or `group` (a group of ours or torch's over the ranks
     of the mesh to build). `module` may be a list of modules: one unit over all of them, gathered
@@ -157,8 +166,9 @@ def fully_shard(
     Collective: every rank calls it for the same modules in the same order. Returns `module`,
     whose class (each module's, for a list) is now `FSDP<cls>`."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    modules = _check_args(module, rank, shard_placement_fn)
+    modules = _check_args(module, rank)
     found = _collect(modules, rank)
+    dims = shard_dims(shard_placement_fn, found, rank)
     where = param_device(found, rank)
     check_offload(offload_policy, where.type, rank)
     mesh = mesh_for(mesh, group, rank, where.type)
@@ -166,13 +176,14 @@ def fully_shard(
     replicate = ours_on(mesh, 0, rank) if mesh.ndim == 2 else None
     device = device_for(where, ours, rank)
     with torch_stream_current(device.kind == "cuda"):
-        _build(modules, found, mesh, ours, replicate, device, reshard_after_forward, mp_policy)
+        _build(modules, found, dims, mesh, ours, replicate, device, reshard_after_forward, mp_policy)
     return module
 
 
 def _build(
     modules: List[torch.nn.Module],
     found: List[Tuple[str, List[Slot], Any]],
+    dims: List[int],
     mesh: Any,
     ours: ProcessGroup,
     replicate: Optional[ProcessGroup],
@@ -180,20 +191,21 @@ def _build(
     reshard_after_forward: Optional[bool],
     policy: Any,
 ) -> None:
-    """The unit of `modules` over `found` (their parameters), its schedule and its hooks."""
+    """The unit of `modules` over `found` (their parameters, each sharded along `dims[i]`), its
+    schedule and its hooks."""
     param_dtype = getattr(policy, "param_dtype", None)
     specs = [ParamSpec(tuple(p.shape), numpy_dtype(param_dtype or p.dtype), name=fqn) for fqn, _, p in found]
     check_same_params(
         specs,
         ours,
         device,
-        {"reshard_after_forward": reshard_after_forward},
+        {"reshard_after_forward": reshard_after_forward, "shard_placement_fn dims": dims},
         owner="fully_shard",
         subject=_SHARDED,
     )
     name = "+".join(type(m).__name__ for m in modules)
     schedule = Schedule(ours, device, mesh)
-    layout = unit_layout(specs, ours.size, device.align_bytes)
+    layout = unit_layout(specs, ours.size, device.align_bytes, dims)
     shards = UnitShards(
         layout,
         ours,
@@ -205,7 +217,7 @@ def _build(
         gathers=schedule.gathers,
     )
     params = [
-        ShardedParam(i, fqn, slots, p, shards, mesh, param_dtype or p.dtype)
+        ShardedParam(i, fqn, slots, p, shards, mesh, param_dtype or p.dtype, dims[i])
         for i, (fqn, slots, p) in enumerate(found)
     ]
     reduce = getattr(policy, "reduce_dtype", None) or param_dtype
@@ -238,7 +250,7 @@ def _build(
     hooks.install(modules, unit, policy)
 
 
-def _check_args(module: Any, rank: int, shard_placement_fn: Any) -> List[torch.nn.Module]:
+def _check_args(module: Any, rank: int) -> List[torch.nn.Module]:
     """The modules of the unit (`module`, or the list's), checked."""
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules:
@@ -255,10 +267,6 @@ def _check_args(module: Any, rank: int, shard_placement_fn: Any) -> List[torch.n
             )
     if len({id(m) for m in modules}) != len(modules):
         raise ConfigError(f"rank {rank}: fully_shard got the same module twice in its list")
-    if shard_placement_fn is not None:
-        raise ConfigError(
-            f"rank {rank}: fully_shard(shard_placement_fn=...) is not supported: ours shards dim 0"
-        )
     return modules
 
 

@@ -1,9 +1,10 @@
-"""One sharded parameter of `fully_shard`: its dim-0 shard as a torch DTensor (`Shard(0)` on the
-unit's DeviceMesh, `(Replicate(), Shard(0))` on HSDP's 2-D one; the local tensor a view of the
-unit's flat shard, so torch's optimizers, `clip_grad_norm_` and `torch.distributed.checkpoint`
-work on it unchanged), and the unsharded `nn.Parameter` the module computes with, whose storage
-is allocated for the all-gather and freed again at reshard (FSDP2's scheme: autograd's saved
-references see the new values)."""
+"""One sharded parameter of `fully_shard`: its shard along dim `dim` (0 unless
+`shard_placement_fn` chose another) as a torch DTensor (`Shard(dim)` on the unit's DeviceMesh,
+`(Replicate(), Shard(dim))` on HSDP's 2-D one; the local tensor, torch.chunk's chunk on `dim`,
+a contiguous view of the unit's flat shard, so torch's optimizers, `clip_grad_norm_` and
+`torch.distributed.checkpoint` work on it unchanged), and the unsharded `nn.Parameter` the
+module computes with, whose storage is allocated for the all-gather and freed again at reshard
+(FSDP2's scheme: autograd's saved references see the new values)."""
 
 from __future__ import annotations
 
@@ -35,18 +36,20 @@ class ShardedParam:
         shards: UnitShards,
         mesh: DeviceMesh,
         compute_dtype: torch.dtype,
+        dim: int = 0,
     ) -> None:
         import torch
 
-        self.index, self.fqn, self.slots, self.mesh = index, fqn, slots, mesh
+        self.index, self.fqn, self.slots, self.mesh, self.dim = index, fqn, slots, mesh, dim
         self.shape = tuple(param.shape)
         self.orig_dtype, self.compute_dtype = param.dtype, compute_dtype
         self.requires_grad = param.requires_grad
         self.rank = rank = shards.rank
         layout = shards.layout
         rows = layout.local_rows(index, rank)
-        lo = rank * layout.rows[index]
-        chunk = from_native(shards.local(index)).view(rows, *self.shape[1:])
+        lo = min(rank * layout.rows[index], self.shape[dim])  # past the end: no rows
+        self.local_shape = self.shape[:dim] + (rows,) + self.shape[dim + 1 :]
+        chunk = from_native(shards.local(index)).view(self.local_shape)
         self._chunk = chunk  # this rank's rows in the shard memory (the gather's input)
         self.mirror: Optional[Any] = None if compute_dtype == param.dtype else chunk
         # the DTensor's local tensor in our memory; None for a meta parameter (FSDP2's deferred
@@ -57,8 +60,8 @@ class ShardedParam:
                 local = torch.empty(chunk.shape, dtype=param.dtype, device="meta")
             else:
                 local = self._ours = self._new_local()
-                local.copy_(param.detach()[lo : lo + rows])
-            dt = _sharded(local, mesh, self.shape)
+                local.copy_(param.detach().narrow(dim, lo, rows))
+            dt = _sharded(local, mesh, self.shape, dim)
         self.sharded = torch.nn.Parameter(dt, requires_grad=self.requires_grad)
         self.attrs: Dict[str, Any] = {}  # kept on `sharded` across tensor swaps (which swap __dict__)
         self.unsharded = torch.nn.Parameter(
@@ -108,7 +111,7 @@ class ShardedParam:
         ours = self._new_local()
         ours.copy_(local)
         torch.utils.swap_tensors(
-            new, torch.nn.Parameter(_sharded(ours, self.mesh, self.shape), new.requires_grad)
+            new, torch.nn.Parameter(_sharded(ours, self.mesh, self.shape, self.dim), new.requires_grad)
         )
         self._ours = ours
 
@@ -200,14 +203,14 @@ class ShardedParam:
         parameter's grad, or added to it (torch's accumulation until `zero_grad`)."""
         import torch
 
-        local = reduced.view(-1, *self.shape[1:])
+        local = reduced.view(self.local_shape)
         if local.dtype != self.orig_dtype:
             local = local.to(self.orig_dtype)
         with torch.no_grad():
             if self.sharded.grad is not None:
                 self.sharded.grad.to_local().add_(local)
             elif self._grad_spec is None:  # the first: from_local builds (and checks) the spec
-                self.sharded.grad = _sharded(local, mesh, self.shape)
+                self.sharded.grad = _sharded(local, mesh, self.shape, self.dim)
                 self._grad_spec = self.sharded.grad._spec
             else:  # then the same spec again: a DTensor per grad and step without from_local's
                 # Python work (a fifth of the end of backward's), as FSDP2's _from_local_no_grad
@@ -216,12 +219,12 @@ class ShardedParam:
                 self.sharded.grad = DTensor(local, self._grad_spec, requires_grad=False)
 
 
-def _sharded(local: torch.Tensor, mesh: DeviceMesh, shape: tuple) -> Any:
-    """`local` as this rank's rows of a DTensor of `shape`: Shard(0) on the mesh's last dim,
-    replicated on the one before (HSDP's 2-D mesh)."""
+def _sharded(local: torch.Tensor, mesh: DeviceMesh, shape: tuple, dim: int) -> Any:
+    """`local` as this rank's chunk along `dim` of a DTensor of `shape`: Shard(dim) on the
+    mesh's last dim, replicated on the one before (HSDP's 2-D mesh)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    placements = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
+    placements = [Replicate()] * (mesh.ndim - 1) + [Shard(dim)]
     return DTensor.from_local(
         local, mesh, placements, run_check=False, shape=shape, stride=_contiguous(shape)
     )

@@ -119,3 +119,38 @@ def check_offload(policy: Any, device_type: str, rank: int) -> None:
         f"{device_type}: nccl_ddp does not offload GPU parameters (CPUOffloadPolicy is accepted for "
         "CPU parameters, which stay in host memory anyway)"
     )
+
+
+def shard_dims(fn: Any, found: List[Tuple[str, List[Slot], Any]], rank: int) -> List[int]:
+    """The dim each parameter is sharded along: `fn(param)` (torch's `shard_placement_fn`) returns
+    `Shard(dim)` or None (dim 0; no `fn`: all dim 0). A negative dim counts from the end, as
+    torch's; anything else is refused naming the rank, the parameter and what to return."""
+    if fn is None:
+        return [0] * len(found)
+    if not callable(fn):
+        raise ConfigError(
+            f"rank {rank}: fully_shard(shard_placement_fn={fn!r}) must be a callable taking a "
+            "parameter and returning Shard(dim) or None"
+        )
+    from torch.distributed.tensor import Shard
+
+    dims = []
+    for fqn, _, p in found:
+        got = fn(p)
+        if got is None:
+            dims.append(0)
+            continue
+        if type(got) is not Shard:  # _StridedShard (a Shard), ShardPlacementResult (its own mesh), ...
+            raise ConfigError(
+                f"rank {rank}: shard_placement_fn returned {got!r} for parameter {fqn!r}: nccl_ddp's "
+                "fully_shard takes Shard(dim) (on fully_shard's mesh) or None (Shard(0)); return one of those"
+            )
+        dim = got.dim + p.dim() if got.dim < 0 else got.dim
+        if not 0 <= dim < p.dim():
+            raise ConfigError(
+                f"rank {rank}: shard_placement_fn returned {got!r} for parameter {fqn!r} of shape "
+                f"{tuple(p.shape)}, which has no dim {got.dim}: return Shard(d) with "
+                f"-{p.dim()} <= d < {p.dim()}"
+            )
+        dims.append(dim)
+    return dims
