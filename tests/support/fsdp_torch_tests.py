@@ -9,6 +9,7 @@ UNSUPPORTED = "not supported by nccl_ddp's fully_shard yet: "
 LIST = "not answered yet: a list's unit is built (test_fsdp_grouped.py), this test's "
 PRIVATE = "reads torch-private FSDP2 internals: "
 G = "test_fsdp_grouped_partial.py case: "
+P = "test_fsdp_placement.py case: "
 
 TORCH_TESTS = {
     # TestFullyShardForwardInputs
@@ -23,7 +24,8 @@ TORCH_TESTS = {
     "test_to_float64_after_init": UNSUPPORTED + "casting the module after fully_shard",
     # TestFullyShard1DTrainingCore
     "test_train_parity_single_group_shard_dim0": "case",
-    "test_train_parity_single_group_shard_largest_dim": UNSUPPORTED + "shard_placement_fn",
+    "test_train_parity_single_group_shard_largest_dim": P
+    + "test_largest_dim_trains_as_torch_fully_shard[mlp] (its MLP, 2 ranks, against torch's fully_shard)",
     "test_train_parity_multi_group": GPU,
     "test_train_parity_multi_group_cpu_offload_eager": (
         'test_fsdp_grouped_partial.py case "offload": CPUOffloadPolicy on CPU parameters (a no-op)'
@@ -43,8 +45,10 @@ TORCH_TESTS = {
     "test_double_forward_with_nested_fsdp_and_checkpoint": "not answered yet (checkpointing untested)",
     "test_double_partial_forward_then_backward": LIST + "partial forwards are unchecked",
     # TestFullyShardShardPlacementFnMultiProcess / MultiThread
-    "test_train_parity_shard_placement_fn_shard_largest_dim": UNSUPPORTED + "shard_placement_fn",
-    "test_shard_placement_fn_contiguous_params_grads": UNSUPPORTED + "shard_placement_fn",
+    "test_train_parity_shard_placement_fn_shard_largest_dim": P
+    + "test_largest_dim_trains_as_torch_fully_shard[transformer] (per block and root, 2 ranks)",
+    "test_shard_placement_fn_contiguous_params_grads": P
+    + "test_local_shard_is_torch_chunk_on_its_dim (contiguous local params and grads, 2 and 3 ranks)",
     # TestFullyShardSharedParams
     "test_train_parity_with_shared_params": "case: without activation checkpointing",
     "test_train_shared_params_uneven_shard": (

@@ -80,7 +80,13 @@ def _run(model, data):
 def _locals(model, rank, world, fn):
     """Each parameter's placement, local shape and contiguity (and its grad's after one
     backward), and whether its local values are torch.chunk's chunk of the full tensor."""
-    out = {}
+    out: dict = {"unsharded_contiguous": []}
+
+    def unsharded(module, args):  # torch's check: the parameters forward computes with
+        out["unsharded_contiguous"] += [p.is_contiguous() for p in module.parameters()]
+
+    model.lin1.register_forward_pre_hook(unsharded)
+    model.lin2.register_forward_pre_hook(unsharded)
     model(torch.ones(2, 5)).sum().backward()
     for name, p in model.named_parameters():
         full = p.full_tensor()
@@ -92,7 +98,11 @@ def _locals(model, rank, world, fn):
             "shape": tuple(local.shape),
             "equal": bool(local.shape == want.shape and torch.equal(local, want)),
             "contiguous": [p.is_contiguous(), local.is_contiguous()],
-            "grad": [tuple(p.grad.to_local().shape), p.grad.is_contiguous(), p.grad.to_local().is_contiguous()],
+            "grad": [
+                tuple(p.grad.to_local().shape),
+                p.grad.is_contiguous(),
+                p.grad.to_local().is_contiguous(),
+            ],
         }
     return out
 
@@ -121,7 +131,9 @@ def _two(rank: int, world: int, store_dir: str) -> dict:
         m = _odd_sharded(nd.fully_shard, dim1)
         train(m, torch.optim.Adam(m.parameters(), lr=1e-2), _vectors(rank, 2, 5))
         sd = get_model_state_dict(m)
-        out["state_dict"] = {k: [str(x) for x in v.placements] + [tuple(v.to_local().shape)] for k, v in sd.items()}
+        out["state_dict"] = {
+            k: [str(x) for x in v.placements] + [tuple(v.to_local().shape)] for k, v in sd.items()
+        }
         path = os.path.join(store_dir, "dcp")
         dcp.save({"model": sd}, checkpoint_id=path)
         out["saved"] = full_params(m)
@@ -215,7 +227,9 @@ def test_uneven_dim1_trains_as_dim0_sharding(two, three):
         _same(res["odd-ours"], res["odd-torch-dim0"], f"2 ranks, rank {rank}")
     for rank, res in enumerate(three):
         ours, ref = res["ours"], res["torch-dim0"]
-        np.testing.assert_allclose(ours["losses"], ref["losses"], rtol=1e-5, atol=1e-6, err_msg=f"rank {rank}")
+        np.testing.assert_allclose(
+            ours["losses"], ref["losses"], rtol=1e-5, atol=1e-6, err_msg=f"rank {rank}"
+        )
         for name, value in ref["params"].items():
             np.testing.assert_allclose(ours["params"][name], value, rtol=1e-5, atol=1e-6, err_msg=name)
 
@@ -232,7 +246,8 @@ def test_local_shard_is_torch_chunk_on_its_dim(two, three):
     }
     for world, ranks in ((2, two), (3, three)):
         for rank, res in enumerate(ranks):
-            local = res["locals"]
+            local = dict(res["locals"])
+            assert local.pop("unsharded_contiguous") == [True] * 4, (world, rank)
             for name, info in local.items():
                 where = (world, rank, name)
                 assert info["equal"], where
