@@ -9,7 +9,7 @@ import pytest
 
 from nccl_ddp.buckets.layout import ParamSpec
 from nccl_ddp.zero.params import ScratchPool, unit_layout
-from nccl_ddp.zero.unit_copy import bucket_cuts, copy_out, cut, pack
+from nccl_ddp.zero.unit_copy import bucket_cuts, copy_out, copy_out_strided, cut, pack, pack_strided
 
 # uneven rows; fewer rows than ranks (the last ranks empty); a single row; empty dim 0 and row
 SHAPES = [(7, 3), (2,), (10,), (3, 2, 2), (0, 4), (5, 0), (1, 5), (12, 1)]
@@ -98,3 +98,71 @@ def test_the_scratch_pool_grows_per_dtype_and_releases():
     assert pool.get(300, np.float32).size == 300 and made[-1] == 300 and pool.nbytes == 300 * 4 + 10 * 8
     pool.release()
     assert pool.nbytes == 0 and pool.get(5, np.float32).size == 5 and made[-1] == 5
+
+
+# parameters cut along a dim > 0 (FSDP2's Shard(d)): uneven, empty last ranks, 3-D and 4-D, and
+# dim-0 ones beside them in the same bucket
+STRIDED = [
+    ((6, 5), 1),
+    ((4, 6), 1),
+    ((3, 4, 2), 1),
+    ((2, 3, 7), 2),
+    ((7, 3), 0),
+    ((2, 2, 5, 3), 2),
+    ((3, 0), 1),
+]
+
+
+def _strided_layout(world, dtype):
+    specs = [ParamSpec(s, np.dtype(dtype), name=f"p{i}") for i, (s, _) in enumerate(STRIDED)]
+    return unit_layout(specs, world, dims=[d for _, d in STRIDED])
+
+
+def _chunk(full, dim, rows, r):
+    """torch.chunk's chunk r on `dim` (empty past the end), as a contiguous flat array."""
+    size = full.shape[dim]
+    lo, hi = min(r * rows, size), min((r + 1) * rows, size)
+    return np.ascontiguousarray(np.take(full, np.arange(lo, hi), axis=dim)).ravel()
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+def test_strided_copies_hold_torch_chunks_per_rank(world):
+    layout = _strided_layout(world, np.float32)
+    (bucket,) = layout.shard.buckets
+    n = bucket.padded
+    rng = np.random.default_rng(world)
+    fulls = [rng.integers(1, 1000, s).astype(np.float32) for s, _ in STRIDED]
+    grads = [f.ravel() for f in fulls]
+    grads[1] = None  # packs as zeros
+    placed = list(zip(bucket.params, bucket.offsets))
+    plans = [layout.strided(i, off) for i, off in placed if layout.dims[i]]
+    flat = [(i, off) for i, off in placed if not layout.dims[i]]
+    cuts = bucket_cuts(
+        [i for i, _ in flat], [o for _, o in flat], [s[0] for s, _ in STRIDED], layout.rows, layout.row_numel
+    )
+    packed = np.full(n * world, 3, np.float64)  # stale values; a pack that casts
+    pack(cuts, packed, world, [grads[i] for i, _ in flat])
+    pack_strided(plans, packed, world, [grads[p.param] for p in plans])
+    for i, off in placed:
+        dim = STRIDED[i][1]
+        for r in range(world):
+            block = packed[r * n + off : r * n + off + layout.chunk_numel(i)]
+            real = layout.local_numel(i, r)
+            want = np.zeros(real) if grads[i] is None else _chunk(fulls[i], dim, layout.rows[i], r)
+            assert want.size == real, (i, r)
+            np.testing.assert_array_equal(block[:real], want, err_msg=f"param {i} rank {r}")
+            assert not block[real:].any(), f"param {i} rank {r}: padding not zero"
+    # the copy out of that buffer (as if gathered) gives back every full parameter but the None's
+    outs = [np.full(f.size, -7, np.float64) for f in fulls]
+    copy_out(cuts, packed, world, outs)
+    copy_out_strided(plans, packed, world, outs)
+    for i, f in enumerate(fulls):
+        want = np.zeros(f.size) if grads[i] is None else f.ravel()
+        np.testing.assert_array_equal(outs[i], want, err_msg=f"param {i}")
+
+
+def test_a_dim_the_parameter_lacks_is_refused():
+    from nccl_ddp.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="p0 of shape \\(4, 2\\) cannot be sharded along dim 2"):
+        unit_layout([ParamSpec((4, 2), np.dtype(np.float32), name="p0")], 2, dims=[2])
