@@ -144,7 +144,7 @@ def fully_shard(
     *,
     mesh: Any = None,
     group: Any = None,
-    reshard_after_forward: Optional[bool] = True,
+    reshard_after_forward: Union[bool, int, None] = True,
     mp_policy: Any = None,
     offload_policy: Any = None,
     shard_placement_fn: Any = None,
@@ -165,6 +165,7 @@ def fully_shard(
     ours = ours_on(mesh, mesh.ndim - 1, rank)
     replicate = ours_on(mesh, 0, rank) if mesh.ndim == 2 else None
     device = device_for(where, ours, rank)
+    reshard_after_forward = _reshard_to(reshard_after_forward, ours.size, rank)
     with torch_stream_current(device.kind == "cuda"):
         _build(modules, found, mesh, ours, replicate, device, reshard_after_forward, mp_policy)
     return module
@@ -260,6 +261,21 @@ def _check_args(module: Any, rank: int, shard_placement_fn: Any) -> List[torch.n
             f"rank {rank}: fully_shard(shard_placement_fn=...) is not supported: ours shards dim 0"
         )
     return modules
+
+
+def _reshard_to(value: Any, shard_size: int, rank: int) -> Any:
+    """FSDP2's int `reshard_after_forward` (the group size to reshard to after forward) as the
+    bool it amounts to, torch's rule: 1 keeps the whole parameters (False), the shard group's
+    size reshards (True). Another size (a smaller post-forward mesh) is not supported."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return value
+    if value in (1, shard_size):
+        return value != 1  # (1 on a group of 1 too: False, as torch's)
+    raise ConfigError(
+        f"rank {rank}: fully_shard(reshard_after_forward={value}) would reshard to a mesh of {value} "
+        "ranks after forward, which nccl_ddp's fully_shard does not support: pass True, False, "
+        f"None, 1 (False) or {shard_size} (the shard group's size: True)"
+    )
 
 
 def _check_reshard(value: Any) -> bool:

@@ -30,7 +30,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 class _Twice(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.first, self.inner, self.last = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
+        self.first, self.inner, self.last = (
+            torch.nn.Linear(8, 8),
+            torch.nn.Linear(8, 8),
+            torch.nn.Linear(8, 4),
+        )
 
     def forward(self, x):
         return self.last(self.inner(torch.tanh(self.inner(self.first(x)))))  # inner's inputs need a grad
@@ -148,7 +152,25 @@ def _accumulated(fs, rank: int, grouped: bool) -> list:
     return seen
 
 
+def _reshard_ints(fs, rank: int) -> list:
+    """FSDP2's int `reshard_after_forward`: 1 keeps the unit gathered after forward, the group's
+    size (2) reshards it; what the module holds after forward, then a step's grads."""
+    from torch.distributed.tensor import DTensor
+
+    torch.manual_seed(0)
+    model = _Twice()
+    fs(model.inner, reshard_after_forward=1)
+    fs(model, reshard_after_forward=2)
+    params = dict(model.named_parameters())
+    torch.manual_seed(100 + rank)
+    loss = model(torch.randn(6, 8)).pow(2).mean()
+    held = {n: isinstance(p, DTensor) for n, p in model.named_parameters()}
+    loss.backward()
+    return [held, _grads(params)]
+
+
 CASES = {
+    "reshard-ints": _reshard_ints,
     "twice": lambda fs, rank: _twice(fs, rank, True),
     "twice-keep": lambda fs, rank: _twice(fs, rank, False),
     "two-then-two": lambda fs, rank: _two_then_two(fs, rank, False),
@@ -191,6 +213,34 @@ def _same(ranks, name) -> None:
 @pytest.mark.parametrize("name", ["twice", "twice-keep", "two-then-two", "two-then-two-keep"])
 def test_a_unit_run_twice_reduces_per_call_like_torch(ranks, name):
     _same(ranks, name)
+
+
+def test_int_reshard_after_forward_one_and_group_size_like_torch(ranks):
+    _same(ranks, "reshard-ints")
+    held = ranks[0]["reshard-ints", "ours"][1][0]
+    assert held == {
+        "first.weight": True,
+        "first.bias": True,
+        "inner.weight": False,
+        "inner.bias": False,
+        "last.weight": True,
+        "last.bias": True,
+    }, held
+
+
+def _reshard_two_of_three(rank: int, world: int, store_dir: str):
+    import nccl_ddp as nd
+
+    with gloo(rank, world, store_dir):
+        return outcome(lambda: nd.fully_shard(torch.nn.Linear(4, 6), reshard_after_forward=2))
+
+
+def test_int_reshard_after_forward_of_another_size_is_refused(tmp_path):
+    """3 ranks cannot be resharded to 2 (torch: a ValueError, not a factor of 3); ours refuses
+    any size but 1 and the group's (a smaller post-forward mesh is not supported)."""
+
+    for rank, (kind, msg) in enumerate(run_ranks(_reshard_two_of_three, 3, str(tmp_path), timeout=120)):
+        assert kind == "ConfigError" and f"rank {rank}" in msg and "reshard_after_forward=2" in msg, msg
 
 
 @pytest.mark.parametrize("name", ["apart", "apart-ungrouped"])
