@@ -263,12 +263,14 @@ def _check_args(module: Any, rank: int, shard_placement_fn: Any) -> List[torch.n
     return modules
 
 
-def _reshard_to(value: Any, shard_size: int, rank: int) -> Any:
+def _reshard_to(value: Union[bool, int, None], shard_size: int, rank: int) -> Optional[bool]:
     """FSDP2's int `reshard_after_forward` (the group size to reshard to after forward) as the
     bool it amounts to, torch's rule: 1 keeps the whole parameters (False), the shard group's
     size reshards (True). Another size (a smaller post-forward mesh) is not supported."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    if value is None or isinstance(value, bool):
         return value
+    if not isinstance(value, int):
+        return _check_reshard(value)  # (raises: neither a bool nor an int)
     if value in (1, shard_size):
         return value != 1  # (1 on a group of 1 too: False, as torch's)
     raise ConfigError(
@@ -282,7 +284,7 @@ def _check_reshard(value: Any) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(
             f"reshard_after_forward must be True or False for nccl_ddp's fully_shard, got {value!r} "
-            "(an int, FSDP2's reshard to a smaller mesh, is not supported)"
+            "(fully_shard itself also takes None, and the ints 1 and the shard group's size)"
         )
     return value
 
