@@ -20,7 +20,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch==2.13.0)")
 pytest.importorskip("expecttest", reason="torch's test helpers need expecttest (the test extra)")
 
-from fsdp_cases import full_params, gloo, torch_and_ours  # noqa: E402
+from fsdp_cases import chunked_head, full_params, gloo, torch_and_ours  # noqa: E402
 from mp import run_ranks  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -33,18 +33,6 @@ class _Cast(torch.nn.Module):
 
     def forward(self, x):
         return self.b(self.a(x).float())  # b's input is float32 again: its own pre-forward casts it
-
-
-class _Chunked(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = torch.nn.Linear(8, 8, bias=False)
-        self.norm = torch.nn.RMSNorm(8)
-        self.head = torch.nn.Linear(8, 16, bias=False)
-
-    def forward(self, x, skip_head=False):
-        h = self.norm(self.body(x))
-        return h if skip_head else self.head(h)
 
 
 def _cast_steps(fs, rank: int) -> dict:
@@ -69,7 +57,7 @@ def _cast_steps(fs, rank: int) -> dict:
 
 def _chunked_steps(fs, rank: int, chunks: int) -> dict:
     torch.manual_seed(0)
-    model = _Chunked()
+    model = chunked_head()
     fs([model.norm, model.head])
     fs(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

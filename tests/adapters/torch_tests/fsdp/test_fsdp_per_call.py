@@ -21,7 +21,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch==2.13.0)")
 pytest.importorskip("expecttest", reason="torch's test helpers need expecttest (the test extra)")
 
-from fsdp_cases import full_params, gloo, torch_and_ours  # noqa: E402
+from fsdp_cases import chunked_head, full_params, gloo, torch_and_ours  # noqa: E402
 from mp import outcome, run_ranks  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -38,18 +38,6 @@ class _Twice(torch.nn.Module):
 
     def forward(self, x):
         return self.last(self.inner(torch.tanh(self.inner(self.first(x)))))  # inner's inputs need a grad
-
-
-class _Chunked(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = torch.nn.Linear(8, 8, bias=False)
-        self.norm = torch.nn.RMSNorm(8)
-        self.head = torch.nn.Linear(8, 16, bias=False)
-
-    def forward(self, x, skip_head=False):
-        h = self.norm(self.body(x))
-        return h if skip_head else self.head(h)
 
 
 def _grads(params: dict) -> dict:
@@ -102,15 +90,20 @@ def _two_then_two(fs, rank: int, keep: bool) -> list:
     return seen + [full_params(model)]
 
 
-def _chunked(fs, rank: int, grouped: bool) -> list:
+def _sharded_chunked(fs, grouped: bool):
+    """`chunked_head()` with [norm, head] one unit (`grouped`) or a unit each, then the root."""
     torch.manual_seed(0)
-    model = _Chunked()
+    model = chunked_head()
     if grouped:
         fs([model.norm, model.head])
     else:
         fs(model.norm)
         fs(model.head)
-    fs(model)
+    return fs(model)
+
+
+def _chunked(fs, rank: int, grouped: bool) -> list:
+    model = _sharded_chunked(fs, grouped)
     params = dict(model.named_parameters())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     seen = []
@@ -129,14 +122,7 @@ def _chunked(fs, rank: int, grouped: bool) -> list:
 
 
 def _accumulated(fs, rank: int, grouped: bool) -> list:
-    torch.manual_seed(0)
-    model = _Chunked()
-    if grouped:
-        fs([model.norm, model.head])
-    else:
-        fs(model.norm)
-        fs(model.head)
-    fs(model)
+    model = _sharded_chunked(fs, grouped)
     params = dict(model.named_parameters())
     seen = []
     for micro in range(3):
