@@ -5,7 +5,8 @@ backward):
 - a unit run twice in one forward on inputs that need a grad (as torch's, a post-backward per
   call, each reducing what grads there are by then), over two micro-batches a step, the first
   with `reshard_after_backward` True or False; and two forwards, then a backward of each (each
-  backward reduces its own grads), with `reshard_after_backward` True or False;
+  backward reduces its own grads), with `reshard_after_backward` True or False; and under
+  torch's activation checkpointing (`checkpoint(module)`: recomputed in backward);
 - the module of a grouped unit that the root's forward skipped, run apart over chunks with a
   backward each (its sharded grad set, and grown, after every chunk's backward);
 - micro-batches without gradient sync, then one with it, the last over chunks (the kept local
@@ -61,6 +62,27 @@ def _twice(fs, rank: int, keep: bool) -> list:
             torch.manual_seed(100 + 10 * step + micro + rank)
             model(torch.randn(6, 8)).pow(2).mean().backward()
             seen.append(_grads(params))
+        opt.step()
+        opt.zero_grad()
+    return seen + [full_params(model)]
+
+
+def _checkpointed(fs, rank: int) -> list:
+    """The twice-run unit under torch's activation checkpointing (recomputed in backward)."""
+    from torch.distributed._composable import checkpoint
+
+    torch.manual_seed(0)
+    model = _Twice()
+    checkpoint(model.inner)
+    fs(model.inner)
+    fs(model)
+    params = dict(model.named_parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = []
+    for step in range(2):
+        torch.manual_seed(100 + 10 * step + rank)
+        model(torch.randn(6, 8)).pow(2).mean().backward()
+        seen.append(_grads(params))
         opt.step()
         opt.zero_grad()
     return seen + [full_params(model)]
@@ -159,6 +181,7 @@ CASES = {
     "reshard-ints": _reshard_ints,
     "twice": lambda fs, rank: _twice(fs, rank, True),
     "twice-keep": lambda fs, rank: _twice(fs, rank, False),
+    "checkpointed": _checkpointed,
     "two-then-two": lambda fs, rank: _two_then_two(fs, rank, False),
     "two-then-two-keep": lambda fs, rank: _two_then_two(fs, rank, True),
     "apart": lambda fs, rank: _chunked(fs, rank, True),
@@ -196,7 +219,7 @@ def _same(ranks, name) -> None:
                     np.testing.assert_array_equal(o[pname], value, err_msg=where)
 
 
-@pytest.mark.parametrize("name", ["twice", "twice-keep", "two-then-two", "two-then-two-keep"])
+@pytest.mark.parametrize("name", ["twice", "twice-keep", "two-then-two", "two-then-two-keep", "checkpointed"])
 def test_a_unit_run_twice_reduces_per_call_like_torch(ranks, name):
     _same(ranks, name)
 
