@@ -47,6 +47,26 @@ def tied(vocab: int, dim: int = 16) -> Any:
     return Tied()
 
 
+def chunked_head() -> Any:
+    """body (Linear), norm (RMSNorm) and head (Linear 8 -> 16); `forward(x, skip_head=True)`
+    stops before the head, which a chunked loss then runs on its own (torch's ChunkedHeadModel,
+    smaller)."""
+    import torch
+
+    class ChunkedHead(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = torch.nn.Linear(8, 8, bias=False)
+            self.norm = torch.nn.RMSNorm(8)
+            self.head = torch.nn.Linear(8, 16, bias=False)
+
+        def forward(self, x: Any, skip_head: bool = False) -> Any:
+            h = self.norm(self.body(x))
+            return h if skip_head else self.head(h)
+
+    return ChunkedHead()
+
+
 def shard_blocks(model: Any, fully_shard: Callable[..., Any], **kw: Any) -> Any:
     """fully_shard on every TransformerBlock, then on the root (FSDP2's recipe)."""
     from torch.testing._internal.distributed._tensor.common_dtensor import TransformerBlock

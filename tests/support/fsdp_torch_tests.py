@@ -37,9 +37,14 @@ TORCH_TESTS = {
     "test_post_optim_event": GPU,
     # TestFullyShard1DTrainingCompose
     "test_train_parity_with_activation_checkpointing": GPU,
-    "test_partial_group_forward_then_standalone": G + "chunked1/chunked3 (the skipped module run apart)",
+    "test_partial_group_forward_then_standalone": G
+    + "chunked1/chunked3 (the skipped module run apart); test_fsdp_per_call.py case: apart (its grad "
+    + "after each chunk's backward, bitwise, grouped and not)",
     "test_grouped_module_cast_forward_inputs": G + "cast (each module casts its own inputs)",
-    "test_partial_group_forward_grad_accum_chunked": G + "chunked3 (a backward per chunk, then the root's)",
+    "test_partial_group_forward_grad_accum_chunked": (
+        "test_fsdp_per_call.py case: accum (without sync, then with it over chunks; grouped and not, "
+        "bitwise as torch's)"
+    ),
     "test_partial_group_reshard_toggle": PRIVATE + "_fsdp_param_group",
     "test_reset_iter_state_after_exception": UNSUPPORTED + "reset_iter_state",
     "test_double_forward_with_nested_fsdp_and_checkpoint": "not answered yet (checkpointing untested)",

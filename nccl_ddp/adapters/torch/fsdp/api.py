@@ -152,7 +152,7 @@ def fully_shard(
     *,
     mesh: Any = None,
     group: Any = None,
-    reshard_after_forward: Optional[bool] = True,
+    reshard_after_forward: Union[bool, int, None] = True,
     mp_policy: Any = None,
     offload_policy: Any = None,
     shard_placement_fn: Any = None,
@@ -175,6 +175,7 @@ def fully_shard(
     ours = ours_on(mesh, mesh.ndim - 1, rank)
     replicate = ours_on(mesh, 0, rank) if mesh.ndim == 2 else None
     device = device_for(where, ours, rank)
+    reshard_after_forward = _reshard_to(reshard_after_forward, ours.size, rank)
     with torch_stream_current(device.kind == "cuda"):
         _build(modules, found, dims, mesh, ours, replicate, device, reshard_after_forward, mp_policy)
     return module
@@ -270,11 +271,28 @@ def _check_args(module: Any, rank: int) -> List[torch.nn.Module]:
     return modules
 
 
+def _reshard_to(value: Union[bool, int, None], shard_size: int, rank: int) -> Optional[bool]:
+    """FSDP2's int `reshard_after_forward` (the group size to reshard to after forward) as the
+    bool it amounts to, torch's rule: 1 keeps the whole parameters (False), the shard group's
+    size reshards (True). Another size (a smaller post-forward mesh) is not supported."""
+    if value is None or isinstance(value, bool):
+        return value
+    if not isinstance(value, int):
+        return _check_reshard(value)  # (raises: neither a bool nor an int)
+    if value in (1, shard_size):
+        return value != 1  # (1 on a group of 1 too: False, as torch's)
+    raise ConfigError(
+        f"rank {rank}: fully_shard(reshard_after_forward={value}) would reshard to a mesh of {value} "
+        "ranks after forward, which nccl_ddp's fully_shard does not support: pass True, False, "
+        f"None, 1 (False) or {shard_size} (the shard group's size: True)"
+    )
+
+
 def _check_reshard(value: Any) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(
             f"reshard_after_forward must be True or False for nccl_ddp's fully_shard, got {value!r} "
-            "(an int, FSDP2's reshard to a smaller mesh, is not supported)"
+            "(fully_shard itself also takes None, and the ints 1 and the shard group's size)"
         )
     return value
 

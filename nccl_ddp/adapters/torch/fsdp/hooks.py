@@ -1,9 +1,11 @@
 """The module and autograd hooks that drive a `fully_shard` unit (FSDP2's contract): before the
 module's forward its parameters are gathered (and the next unit's prefetched), after it they are
 freed (`reshard_after_forward`); a hook on every output that needs a grad gathers them again
-before the module's backward, and an autograd function on its inputs runs the unit's
-post-backward (the reduce-scatter) once backward has gone through the module. The unit's
-mixed-precision casts of inputs and outputs happen here too."""
+before the module's backward, and an autograd function on each forward call's inputs runs the
+unit's post-backward (the reduce-scatter of what backward added since) once backward has gone
+through that call. A forward during the unit's backward (activation checkpointing's
+recomputation) only gathers and casts. The unit's mixed-precision casts of inputs and outputs
+happen here too."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import functools
 import time
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
 
-from nccl_ddp.adapters.torch.fsdp.unit import Unit
+from nccl_ddp.adapters.torch.fsdp.unit import Phase, Unit
 from nccl_ddp.adapters.torch.tensors import torch_stream_current
 
 if TYPE_CHECKING:
@@ -24,7 +26,9 @@ def install(modules: List[torch.nn.Module], unit: Unit, policy: Any) -> None:
     first of them to run in a pass gathers (and registers the post-backward); each later one
     only makes sure the unit is gathered and casts its own inputs; the post-forward runs when
     the last of them has run (the others cast their outputs only), or at the root's
-    post-forward for those a forward skipped (`force_complete`)."""
+    post-forward for those a forward skipped (`force_complete`). A module of the group run
+    apart after that (its pass incomplete, the unit not in a forward) starts a call of its
+    own: gathered, and a post-backward registered on its inputs."""
     pre = _timed(unit, functools.partial(_pre_forward, unit, policy))
     post = _timed(unit, functools.partial(_post_forward, unit, policy))
     if len(modules) == 1:
@@ -37,8 +41,9 @@ def install(modules: List[torch.nn.Module], unit: Unit, policy: Any) -> None:
     def grouped_pre(module: Any, args: tuple, kwargs: dict) -> Any:
         if not unit.to_run:  # the first of the group in this pass
             unit.to_run.update(ids)
-            return pre(module, args, kwargs)
-        return join(module, args, kwargs)
+        if unit.phase is Phase.FORWARD:  # another of the group began this call
+            return join(module, args, kwargs)
+        return pre(module, args, kwargs)
 
     def post_of(member: Any) -> Callable[..., Any]:
         def grouped_post(module: Any, args: tuple, output: Any) -> Any:
@@ -89,15 +94,16 @@ def _pre_forward(unit: Unit, policy: Any, module: Any, args: tuple, kwargs: dict
     import torch
     from torch.utils._pytree import tree_flatten, tree_unflatten
 
+    if unit.phase is Phase.PRE_BACKWARD:  # recomputed in backward: its post-backward is registered
+        unit.wait()
+        return _cast_inputs(policy, args, kwargs)
     unit.pre_forward()
     args, kwargs = _cast_inputs(policy, args, kwargs)
     if not torch.is_grad_enabled():
         return args, kwargs
-    unit.backward_open = True
     leaves, spec = tree_flatten((args, kwargs))
     needs = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
     if needs:
-        unit.forward_calls += 1
         out = _PostBackward.apply(unit, *[leaves[i] for i in needs])
         for i, t in zip(needs, out if isinstance(out, tuple) else (out,)):
             leaves[i] = t
@@ -129,6 +135,8 @@ def _post_forward(unit: Unit, policy: Any, module: Any, args: tuple, output: Any
     import torch
     from torch.utils._pytree import tree_flatten
 
+    if unit.phase is Phase.PRE_BACKWARD:  # recomputed in backward: the unit stays gathered
+        return _cast_output(policy, output)
     unit.post_forward()
     output = _cast_output(policy, output)
     if torch.is_grad_enabled():
@@ -162,8 +170,8 @@ def _post_backward_function() -> Any:
     import torch
 
     class PostBackward(torch.autograd.Function):
-        """Identity on the unit's inputs; its backward runs once every grad of those inputs is
-        computed, i.e. after the unit's own backward: the unit's post-backward."""
+        """Identity on one forward call's inputs; its backward runs once every grad of those
+        inputs is computed, i.e. after that call's backward: a post-backward of the unit."""
 
         @staticmethod
         def forward(ctx: Any, unit: Unit, *inputs: torch.Tensor) -> Any:

@@ -7,8 +7,10 @@ buffers, the order units ran in for prefetching, the reduce-scatters still in fl
   comm:    ───────[all-gather u | copy out]─[all-gather u+1 | copy out]───────────
 
 Backward is the mirror: a unit's pre-backward waits for its own gather and starts the one of
-the unit that ran before it in forward; its post-backward packs and reduce-scatters its grads on
-the comm stream, and the end of backward waits for them all and installs the sharded grads.
+the unit that ran before it in forward; each of its post-backward calls (one per forward call
+whose inputs needed a grad, as FSDP2's) packs and reduce-scatters the grads backward has made
+since on the comm stream, and the end of backward waits for them all and adds the reduced shards
+to the sharded grads, in the order they were reduced.
 On CUDA the comm stream is a CuPy stream and the waits are the compute stream's (torch's current
 stream), queued without blocking the host; on the host backend they block the calling thread.
 """
@@ -37,6 +39,15 @@ class State(enum.Enum):
     SHARDED = "sharded"  # only the shards exist
     GATHERING = "gathering"  # unsharded memory allocated, the all-gather in flight
     UNSHARDED = "unsharded"  # gathered and registered on the modules
+
+
+class Phase(enum.Enum):
+    """Where a unit is in a step (FSDP2's training states): what its hooks do next depends on it."""
+
+    IDLE = "idle"  # between forward calls, or backward done
+    FORWARD = "forward"  # a forward call in progress (for a group: until its last module ran)
+    PRE_BACKWARD = "pre-backward"  # gathered for backward (a forward now is a recomputation)
+    POST_BACKWARD = "post-backward"  # its grads so far reduced this backward
 
 
 @dataclasses.dataclass
@@ -79,6 +90,7 @@ class Schedule:
         # grads, which the comm stream's pack holds only until it has read them
         self.pending: List[Tuple[Unit, Event, Optional[List[Any]], List[bool]]] = []
         self.end_queued = False
+        self.end_full = False  # a pre-backward ran in this backward
 
     def adopt(self, unit: Unit) -> None:
         """`unit` (built before the root was sharded) joins this schedule."""
@@ -127,8 +139,13 @@ class Schedule:
         else:
             event.synchronize(self.group.timeout)
 
-    def queue_end_of_backward(self) -> None:
-        """Once per backward: `end_of_backward` runs when autograd's engine finishes."""
+    def queue_end_of_backward(self, *, full: bool = True) -> None:
+        """Once per backward, when autograd's engine finishes: `end_of_backward` if any unit's
+        pre-backward ran in it (`full`, torch's final callback), else (only post-backwards: a
+        module of a group run apart, which has no pre-backward) `finish_reductions` alone, the
+        other units left as they are (torch runs no callback then, and sets the sharded grads
+        in the post-backward itself)."""
+        self.end_full = self.end_full or full
         if not self.end_queued:
             import torch
 
@@ -137,28 +154,38 @@ class Schedule:
 
     def _end_of_backward_on_stream(self) -> None:
         with torch_stream_current(self.on_cuda):
-            self.end_of_backward()
+            if self.end_full:
+                self.end_of_backward()
+            else:
+                self.end_queued = False
+                self.finish_reductions()
 
     def end_of_backward(self) -> None:
-        """Reduce the units whose post-backward never ran (no input needed a grad), wait for
-        every reduce-scatter, install the sharded grads, reshard what backward left gathered."""
-        self.end_queued = False
+        """Run the post-backward of every unit whose last one did not run since it was gathered
+        or ran forward (no input needed a grad; a no-op with no grads), finish the reductions,
+        reshard what backward left gathered."""
+        self.end_queued = self.end_full = False
         for unit in self.units:
-            if unit.backward_open:
+            if unit.phase is not Phase.POST_BACKWARD:
                 unit.post_backward()
+        self.finish_reductions()
+        for unit in self.units:
+            unit.phase = Phase.IDLE
+            unit.to_run.clear()  # (a pass that ran only some of a group's modules starts afresh)
+            if unit.reshard_after_backward and unit.state is not State.SHARDED:
+                unit.reshard()
+        if self.gathers is not None:
+            self.gathers.release()  # the next gather is the next forward's
+
+    def finish_reductions(self) -> None:
+        """Wait for every reduce-scatter in flight and add its shards to the sharded grads, in
+        the order they were reduced (torch's order of accumulation)."""
         pending, self.pending = self.pending, []
         for unit, event, outs, had_grad in pending:
             # compute: ─[backward]────────────wait(done)─[install the sharded grads]─
             # comm:    ─[pack | reduce-scatter]─●done┘
             self.compute_waits(event)
             unit.install_grads(outs, had_grad)
-        for unit in self.units:
-            unit.forward_calls = 0
-            unit.to_run.clear()  # (a pass that ran only some of a group's modules starts afresh)
-            if unit.reshard_after_backward and unit.state is not State.SHARDED:
-                unit.reshard()
-        if self.gathers is not None:
-            self.gathers.release()  # the next gather is the next forward's
 
     def close(self) -> None:
         self.comm.close()
@@ -188,8 +215,7 @@ class Unit:
         self.reduce_dtype = reduce_dtype  # numpy dtype of the reduce-scatter
         self.state = State.SHARDED
         self._gathered: Optional[Event] = None
-        self.forward_calls = 0  # post-backward functions registered this step, not yet run
-        self.backward_open = False  # ran forward with grad this step, grads not yet reduced
+        self.phase = Phase.IDLE
         self.forward_prefetch: Optional[List[Unit]] = None  # set_modules_to_forward_prefetch
         self.backward_prefetch: Optional[List[Unit]] = None
         self.to_run: Set[int] = set()  # a grouped unit's modules still to run forward this pass
@@ -256,6 +282,7 @@ class Unit:
     # ------------------------------------------------------------------ hooks' work
 
     def pre_forward(self) -> None:
+        self.phase = Phase.FORWARD
         sched = self.schedule
         sched.began_forward(self)
         self.unshard()
@@ -263,26 +290,33 @@ class Unit:
         self.wait()
 
     def post_forward(self) -> None:
+        self.phase = Phase.IDLE
         self.schedule.ended_forward(self)
         if self.reshard_after_forward:
             self.reshard()
 
     def pre_backward(self) -> None:
+        """Gather for backward (once until the next post-backward: a unit with several
+        outputs gets a call from each)."""
         self.schedule.queue_end_of_backward()
+        if self.phase is Phase.PRE_BACKWARD and self.state is not State.SHARDED:
+            return
+        self.phase = Phase.PRE_BACKWARD
         self.unshard()
         self.prefetch(self.backward_prefetch, self.schedule.next_in_backward(self))
         self.wait()
 
     def post_backward_call(self) -> None:
-        """One forward call's inputs got their grads: the last one reduces."""
-        self.forward_calls = max(0, self.forward_calls - 1)
-        if self.forward_calls == 0 and self.backward_open:
-            self.post_backward()
+        """Autograd got the grads of one forward call's inputs: reduce what this unit's grads
+        got since (torch's per-call post-backward), and make sure the reductions finish by the end
+        of backward (a module of a group run apart registers no pre-backward to queue it)."""
+        self.schedule.queue_end_of_backward(full=False)
+        self.post_backward()
 
     def post_backward(self) -> None:
         """Reduce-scatter the unsharded grads (or keep them, without gradient sync), and free
         the unsharded parameters when `reshard_after_backward`."""
-        self.backward_open = False
+        self.phase = Phase.POST_BACKWARD
         if not self.requires_gradient_sync:
             for p in self.params:
                 p.keep_grad()
