@@ -160,6 +160,23 @@ class Schedule:
         if self.gathers is not None:
             self.gathers.release()  # the next gather is the next forward's
 
+    def reset_iteration(self) -> None:
+        """After an exception aborted a forward or backward (`reset_iter_state`): wait for the
+        collectives in flight, drop the reduced shards not yet installed (the failed step's
+        grads are lost, as torch's), reshard every unit and clear the step's trackers; an
+        aborted first step is recorded again."""
+        pending, self.pending = self.pending, []
+        for _, event, _, _ in pending:
+            self.compute_waits(event)
+        for unit in self.units:
+            unit.reset_iteration()
+        self.end_queued = False
+        if self.recording:
+            self.forward_order, self.post_forward_order = [], []
+            self._forward_at, self._post_forward_at = {}, {}
+        if self.gathers is not None:
+            self.gathers.release()
+
     def close(self) -> None:
         self.comm.close()
 
@@ -182,6 +199,7 @@ class Unit:
         self.reshard_after_forward = reshard_after_forward
         self.reshard_unless_root = False  # reshard_after_forward=None: True once adopted
         self.reshard_after_backward = True
+        self.unshard_in_backward = True  # set_unshard_in_backward
         self.requires_gradient_sync = True
         self.requires_all_reduce = True  # HSDP: False keeps the reduce-scattered shards partial
         self._partial_had: List[bool] = []  # which parameters the partial shards hold grads of
@@ -249,9 +267,20 @@ class Unit:
             self.times.waited_s += time.perf_counter() - t0
             self._gathered = None
 
-    def prefetch(self, units: Optional[List[Unit]], implicit: Optional[Unit]) -> None:
+    def prefetch(self, units: Optional[List[Unit]], implicit: Optional[Unit], backward: bool = False) -> None:
         for u in units if units is not None else ([implicit] if implicit is not None else []):
-            u.unshard()
+            if u.unshard_in_backward or not backward:
+                u.unshard()
+
+    def reset_iteration(self) -> None:
+        """`Schedule.reset_iteration`'s part for this unit: resharded (an in-flight gather
+        waited for), no post-backward owed, the unreduced and partial grads dropped."""
+        self.reshard()
+        self.forward_calls, self.backward_open = 0, False
+        self.to_run.clear()
+        self._partial_had, self.shards.partial = [], None
+        for p in self.params:
+            p.unsharded.grad, p.grad_partial = None, None
 
     # ------------------------------------------------------------------ hooks' work
 
@@ -269,9 +298,11 @@ class Unit:
 
     def pre_backward(self) -> None:
         self.schedule.queue_end_of_backward()
-        self.unshard()
-        self.prefetch(self.backward_prefetch, self.schedule.next_in_backward(self))
-        self.wait()
+        if self.unshard_in_backward:  # False: backward reads none of the parameters
+            self.unshard()
+        self.prefetch(self.backward_prefetch, self.schedule.next_in_backward(self), backward=True)
+        if self.unshard_in_backward:
+            self.wait()
 
     def post_backward_call(self) -> None:
         """One forward call's inputs got their grads: the last one reduces."""
