@@ -313,6 +313,7 @@ def test_unshard_in_backward_and_refused_methods(tmp_path):
         assert "'_fsdp_param_groups'" in refused["state"] and "FSDPSequential" in refused["state"]
 
 
+@pytest.mark.slow
 def test_every_public_torch_fsdp_module_method_is_ours():
     from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
