@@ -29,8 +29,9 @@ TORCH_TESTS = {
         'test_fsdp_grouped_partial.py case "offload": CPUOffloadPolicy on CPU parameters (a no-op)'
     ),
     "test_train_parity_multi_group_unshard_async_op": (
-        "not answered here (10 subtests of torch's Transformer, DDP-compared): `_set_unshard_async_op` is "
-        "accepted (test_fsdp_api.py case test_unshard_in_backward_and_refused_methods); ours gathers async"
+        "test_fsdp_api.py case (test_unshard_in_backward_and_refused_methods): `_set_unshard_async_op` "
+        "accepted, changing nothing (ours gathers on its comm stream either way); the training is "
+        "test_train_parity_multi_group_cpu_offload_eager's with that no-op"
     ),
     "test_non_root_forward_backward": "case",
     "test_multi_forward_module": "case: reshard_after_forward True (not 2)",
