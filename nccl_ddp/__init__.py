@@ -46,6 +46,10 @@ def __getattr__(name: str) -> Any:
         from nccl_ddp.adapters.torch.fsdp import api
 
         return getattr(api, name)
+    if name == "register_fsdp_forward_method":
+        from nccl_ddp.adapters.torch.fsdp.torch_methods import register_fsdp_forward_method
+
+        return register_fsdp_forward_method
     if name in ("ZeroOptimizer", "ShardOptax"):
         from nccl_ddp.adapters.jax import zero
 
@@ -79,6 +83,7 @@ __all__ = [
     "errors",
     "FSDPModule",
     "fully_shard",
+    "register_fsdp_forward_method",
     "frameworks",
     "hooks",
     "get_local_rank",

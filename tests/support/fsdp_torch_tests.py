@@ -30,7 +30,11 @@ TORCH_TESTS = {
     "test_train_parity_multi_group_cpu_offload_eager": (
         'test_fsdp_grouped_partial.py case "offload": CPUOffloadPolicy on CPU parameters (a no-op)'
     ),
-    "test_train_parity_multi_group_unshard_async_op": PRIVATE + "_set_unshard_async_op",
+    "test_train_parity_multi_group_unshard_async_op": (
+        "test_fsdp_api.py case (test_unshard_in_backward_and_refused_methods): `_set_unshard_async_op` "
+        "accepted, changing nothing (ours gathers on its comm stream either way); the training is "
+        "test_train_parity_multi_group_cpu_offload_eager's with that no-op"
+    ),
     "test_non_root_forward_backward": "case",
     "test_multi_forward_module": "case: reshard_after_forward True (not 2)",
     "test_explicit_prefetching": "case: 4 blocks (torch: 8)",
@@ -46,7 +50,10 @@ TORCH_TESTS = {
         "bitwise as torch's)"
     ),
     "test_partial_group_reshard_toggle": PRIVATE + "_fsdp_param_group",
-    "test_reset_iter_state_after_exception": UNSUPPORTED + "reset_iter_state",
+    "test_reset_iter_state_after_exception": (
+        "test_fsdp_api.py case: a partial forward and a backward that raise, each then 2 steps "
+        "equal to a run without the failed step"
+    ),
     "test_double_forward_with_nested_fsdp_and_checkpoint": "not answered yet (checkpointing untested)",
     "test_double_partial_forward_then_backward": LIST + "partial forwards are unchecked",
     # TestFullyShardShardPlacementFnMultiProcess / MultiThread
@@ -77,7 +84,9 @@ TORCH_TESTS = {
         "on GPUs)"
     ),
     # TestFullyShardCustomForwardMethod / ShareCommContext / WorldSize1 / CudaGraph
-    "test_register_fsdp_forward_method": UNSUPPORTED + "register_fsdp_forward_method",
+    "test_register_fsdp_forward_method": (
+        "test_fsdp_api.py case: ours and torch's function on our modules, 2 SGD steps (a smaller ViT)"
+    ),
     "test_share_comm_context": PRIVATE + "_comm_ctx, foreach_all_gather / foreach_reduce patches",
     "test_train_parity_single_worldsize1": "not answered yet (world size 1)",
     "test_two_layer_fully_shard_cudagraph": GPU,

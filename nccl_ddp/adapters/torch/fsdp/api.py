@@ -31,6 +31,7 @@ from nccl_ddp.adapters.torch.fsdp.placement import (
     param_device,
     shard_dims,
 )
+from nccl_ddp.adapters.torch.fsdp.torch_methods import TorchOnlyMethods, TorchStateView
 from nccl_ddp.adapters.torch.fsdp.unit import Schedule, State, Unit
 from nccl_ddp.adapters.torch.tensors import torch_stream_current
 from nccl_ddp.arrays.dlpack import numpy_dtype
@@ -38,7 +39,7 @@ from nccl_ddp.buckets.layout import ParamSpec
 from nccl_ddp.comm.group import ProcessGroup
 from nccl_ddp.ddp.param_sync import Subject, check_same_params
 from nccl_ddp.device import Device
-from nccl_ddp.errors import ConfigError, ConfigTypeError
+from nccl_ddp.errors import ConfigError, ConfigRuntimeError, ConfigTypeError
 from nccl_ddp.zero.params import UnitShards, unit_layout
 
 _UNIT = "_nccl_ddp_fsdp_unit"  # on a sharded module: its Unit; on a managed parameter: the unit's name
@@ -49,17 +50,48 @@ _SHARDED = Subject(
 )
 
 
-class FSDPModule(TorchFSDPModule):
-    """What `fully_shard` makes of a module (torch's FSDPModule methods, over our unit)."""
+class FSDPModule(TorchOnlyMethods, TorchFSDPModule):
+    """What `fully_shard` makes of a module (torch's FSDPModule methods, over our unit; those
+    for torch's own comm machinery refused or accepted by `TorchOnlyMethods`)."""
 
     def _nccl_unit(self) -> Unit:
         return _unit_of(self, type(self).__name__)
 
     def _get_fsdp_state(self) -> Any:
-        raise ConfigError(
-            f"{type(self).__name__} was sharded by nccl_ddp.fully_shard, which has no torch "
-            "FSDPState: this torch FSDPModule method is not supported by nccl_ddp's fully_shard"
-        )
+        """Not torch's FSDPState: a view that runs our forward hooks for torch's
+        `register_fsdp_forward_method` and names any other attribute in a ConfigError."""
+        return TorchStateView(self)
+
+    def reset_iter_state(self) -> None:
+        """After an exception aborted a forward or backward: wait for the collectives in flight,
+        reshard every unit, drop the failed step's unreduced and partially reduced grads
+        (`set_requires_gradient_sync(False)` / HSDP accumulation included) and clear the step's
+        state, so the next forward and backward run cleanly (torch's). On the root only."""
+        unit = self._nccl_unit()
+        if unit is not unit.schedule.root:
+            raise ConfigRuntimeError(
+                f"reset_iter_state must be called on the root module (the one fully_shard was "
+                f"applied to last), not on {type(self).__name__}"
+            )
+        with torch_stream_current(unit.schedule.on_cuda):
+            unit.schedule.reset_iteration()
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """False: backward reads none of this unit's parameters (an embedding's weight), so its
+        pre-backward gathers nothing; its grads are still reduce-scattered (not recursive)."""
+        self._nccl_unit().unshard_in_backward = bool(unshard_in_backward)
+
+    def set_post_optim_event(self, event: Any) -> None:
+        """The next gathers start after `event` (recorded after the optimizer step): on CUDA
+        torch's current stream waits for it (each gather waits for that stream, so this
+        orders, without torch's saving of the wait for the whole stream); on the host the
+        step has run when this is called: nothing to wait for."""
+        if self._nccl_unit().schedule.on_cuda:
+            event.wait(torch.cuda.current_stream())
+
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        """Accepted, changing nothing: ours gathers asynchronously on its comm stream either
+        way, waited for at the unit's pre-forward / pre-backward (or by `unshard`'s handle)."""
 
     def _units(self, recurse: bool) -> List[Unit]:
         return _units_in([self], recurse)
@@ -380,5 +412,7 @@ def _unit_of(module: Any, what: str) -> Unit:
 def _fsdp_class(cls: Type[Any]) -> type:
     """FSDP<cls>, one per class (torch's naming)."""
     if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"_orig_cls_mro_index": 3})
+        fsdp_cls: Type[Any] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+        fsdp_cls._orig_cls_mro_index = fsdp_cls.__mro__.index(cls)  # torch's __new__ builds a cls
+        _CLASSES[cls] = fsdp_cls
     return _CLASSES[cls]

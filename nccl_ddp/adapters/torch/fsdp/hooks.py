@@ -19,6 +19,8 @@ from nccl_ddp.adapters.torch.tensors import torch_stream_current
 if TYPE_CHECKING:
     import torch
 
+FORWARD_HOOKS = "_nccl_ddp_fsdp_forward_hooks"  # on a sharded module: its (pre, post) forward hooks
+
 
 def install(modules: List[torch.nn.Module], unit: Unit, policy: Any) -> None:
     """Register the unit's forward hooks on its modules. `policy`: a MixedPrecisionPolicy or
@@ -34,6 +36,7 @@ def install(modules: List[torch.nn.Module], unit: Unit, policy: Any) -> None:
     if len(modules) == 1:
         modules[0].register_forward_pre_hook(pre, prepend=True, with_kwargs=True)
         modules[0].register_forward_hook(post, prepend=False)
+        setattr(modules[0], FORWARD_HOOKS, (pre, post))
         return
     join = _timed(unit, functools.partial(_join_forward, unit, policy))
     ids = {id(m) for m in modules}
@@ -58,7 +61,24 @@ def install(modules: List[torch.nn.Module], unit: Unit, policy: Any) -> None:
     unit.complete_forward = functools.partial(post, None, ())
     for m in modules:
         m.register_forward_pre_hook(grouped_pre, prepend=True, with_kwargs=True)
-        m.register_forward_hook(post_of(m), prepend=False)
+        member_post = post_of(m)
+        m.register_forward_hook(member_post, prepend=False)
+        setattr(m, FORWARD_HOOKS, (grouped_pre, member_post))
+
+
+def run_as_forward(module: Any, method: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """`method(*args, **kwargs)` between `module`'s pre- and post-forward hooks, as if it were
+    the module's forward (`register_fsdp_forward_method`: gathered before, resharded after,
+    the output hooked for backward)."""
+    pre, post = forward_hooks(module)
+    args, kwargs = pre(module, args, kwargs)
+    return post(module, args, method(*args, **kwargs))
+
+
+def forward_hooks(module: Any) -> Tuple[Callable[..., Any], Callable[..., Any]]:
+    """The (pre, post) forward hooks `install` registered on `module`."""
+    hooks: Tuple[Callable[..., Any], Callable[..., Any]] = getattr(module, FORWARD_HOOKS)
+    return hooks
 
 
 def force_complete(root: Unit, output: Any) -> Any:

@@ -187,6 +187,23 @@ class Schedule:
             self.compute_waits(event)
             unit.install_grads(outs, had_grad)
 
+    def reset_iteration(self) -> None:
+        """After an exception aborted a forward or backward (`reset_iter_state`): wait for the
+        collectives in flight, drop the reduced shards not yet installed (the failed step's
+        grads are lost, as torch's), reshard every unit and clear the step's trackers; an
+        aborted first step is recorded again."""
+        pending, self.pending = self.pending, []
+        for _, event, _, _ in pending:
+            self.compute_waits(event)
+        for unit in self.units:
+            unit.reset_iteration()
+        self.end_queued = self.end_full = False
+        if self.recording:
+            self.forward_order, self.post_forward_order = [], []
+            self._forward_at, self._post_forward_at = {}, {}
+        if self.gathers is not None:
+            self.gathers.release()
+
     def close(self) -> None:
         self.comm.close()
 
@@ -209,6 +226,7 @@ class Unit:
         self.reshard_after_forward = reshard_after_forward
         self.reshard_unless_root = False  # reshard_after_forward=None: True once adopted
         self.reshard_after_backward = True
+        self.unshard_in_backward = True  # set_unshard_in_backward
         self.requires_gradient_sync = True
         self.requires_all_reduce = True  # HSDP: False keeps the reduce-scattered shards partial
         self._partial_had: List[bool] = []  # which parameters the partial shards hold grads of
@@ -275,9 +293,20 @@ class Unit:
             self.times.waited_s += time.perf_counter() - t0
             self._gathered = None
 
-    def prefetch(self, units: Optional[List[Unit]], implicit: Optional[Unit]) -> None:
+    def prefetch(self, units: Optional[List[Unit]], implicit: Optional[Unit], backward: bool = False) -> None:
         for u in units if units is not None else ([implicit] if implicit is not None else []):
-            u.unshard()
+            if u.unshard_in_backward or not backward:
+                u.unshard()
+
+    def reset_iteration(self) -> None:
+        """`Schedule.reset_iteration`'s part for this unit: resharded (an in-flight gather
+        waited for), no post-backward owed, the unreduced and partial grads dropped."""
+        self.reshard()
+        self.phase = Phase.IDLE
+        self.to_run.clear()
+        self._partial_had, self.shards.partial = [], None
+        for p in self.params:
+            p.unsharded.grad, p.grad_partial = None, None
 
     # ------------------------------------------------------------------ hooks' work
 
@@ -302,9 +331,11 @@ class Unit:
         if self.phase is Phase.PRE_BACKWARD and self.state is not State.SHARDED:
             return
         self.phase = Phase.PRE_BACKWARD
-        self.unshard()
-        self.prefetch(self.backward_prefetch, self.schedule.next_in_backward(self))
-        self.wait()
+        if self.unshard_in_backward:  # False: backward reads none of the parameters
+            self.unshard()
+        self.prefetch(self.backward_prefetch, self.schedule.next_in_backward(self), backward=True)
+        if self.unshard_in_backward:
+            self.wait()
 
     def post_backward_call(self) -> None:
         """Autograd got the grads of one forward call's inputs: reduce what this unit's grads

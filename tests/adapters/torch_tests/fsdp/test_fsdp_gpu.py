@@ -4,7 +4,8 @@ memory under torch CUDA DTensors, the hooks with torch's current stream as the c
 the NCCL all-gather and reduce-scatter on the comm stream, the bucket kernels' copy-out and pack,
 record_stream of the packed grads) trains torch's test Transformer, sharded per block and at the
 root, for a few AdamW steps to the losses of the same model unsharded on the same GPU; with a
-bf16 param / fp32 reduce policy, to torch's own fully_shard's losses with that policy. The
+bf16 param / fp32 reduce policy, to torch's own fully_shard's losses with that policy; with
+`set_post_optim_event` each step, to the same losses. The
 multi-rank arithmetic is proven without a GPU (tests/zero/test_unit_shards_cuda.py, fake NCCL).
 Prepared on a machine without a GPU: not run there."""
 
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.gpu
 STEPS = 4
 
 
-def _losses(model, steps):
+def _losses(model, steps, post_optim_event=False):
     import torch
     from fsdp_cases import tokens
 
@@ -32,6 +33,10 @@ def _losses(model, steps):
         loss = model(x.cuda()).float().mean()
         loss.backward()
         opt.step()
+        if post_optim_event:  # the next gathers after the step's event (recorded on a side stream)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            model.set_post_optim_event(side.record_event())
         out.append(loss.item())
     return out
 
@@ -57,6 +62,7 @@ def _train_on_gpu(rank: int, world: int, store_dir: str) -> dict:
         p = next(ours.parameters())
         out["sharded"] = (isinstance(p, DTensor), p.device.type, p.to_local().device.type)
         out["backend"] = nd.get_world_group().backend
+        out["post optim event"] = _losses(shard_blocks(transformer().cuda(), nd.fully_shard), STEPS, True)
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         out["bf16 torch"] = _losses(
             shard_blocks(transformer().cuda(), torch_fully_shard, mp_policy=mp), STEPS
@@ -75,4 +81,5 @@ def test_fully_shard_on_one_gpu_trains_as_the_unsharded_model(tmp_path):
     assert res["sharded"] == (True, "cuda", "cuda")
     assert len(res["ours"]) == STEPS
     np.testing.assert_allclose(res["ours"], res["plain"], rtol=1e-6)
+    np.testing.assert_allclose(res["post optim event"], res["ours"], rtol=1e-6)
     np.testing.assert_allclose(res["bf16 ours"], res["bf16 torch"], rtol=1e-3)
