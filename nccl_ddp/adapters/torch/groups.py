@@ -5,7 +5,9 @@ torch's world group (`dist.group.WORLD`, or any torch group of every rank) is ou
 subgroup (`dist.new_group(ranks)`, a data-parallel group of a Megatron-style script) is one of ours
 over the same global ranks, built by its members alone and keyed by torch's group name (torch's
 `new_group` was collective already, so ranks outside it never have to take part here). Our world
-joins beside torch's first when it is not up yet (adapters/torch/dist.py).
+joins beside torch's first when it is not up yet (adapters/torch/dist.py). A group of a backend we
+do not run (torch's "threaded" test world, "mpi", ...) gets a host group of ours whose collectives
+torch carries (adapters/torch/carried.py), outside our world.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from nccl_ddp.comm import api
+from nccl_ddp.comm.backends import backend_name
 from nccl_ddp.comm.group import ProcessGroup
 from nccl_ddp.errors import ConfigError
 
@@ -23,6 +26,15 @@ def is_torch_group(group: Any) -> bool:
     return dist.is_available() and isinstance(group, dist.ProcessGroup)
 
 
+def runs_natively(backend: str) -> bool:
+    """Whether a torch group of `backend` maps onto a group of ours ("gloo" -> host, "nccl")."""
+    try:
+        backend_name(backend)
+    except ConfigError:
+        return False
+    return True
+
+
 def ours_for(group: Any, argname: str) -> Optional[ProcessGroup]:
     """Our group over `group`'s ranks when it is a torch.distributed group (None otherwise)."""
     if not is_torch_group(group):
@@ -30,6 +42,12 @@ def ours_for(group: Any, argname: str) -> Optional[ProcessGroup]:
     import torch.distributed as dist
 
     from nccl_ddp.adapters.torch.dist import join_torch_world
+
+    backend = str(dist.get_backend(group))
+    if not runs_natively(backend):  # torch's "threaded", "mpi", ...: torch carries ours
+        from nccl_ddp.adapters.torch.carried import carried_group
+
+        return carried_group(group, backend, argname)
 
     join_torch_world(group, argname)
     world = api.get_world_group()

@@ -1,0 +1,171 @@
+"""nccl_ddp.fully_shard in torch's thread world (torch.testing's multi_threaded_pg: every rank a
+thread of one process, backend "threaded"), where our groups are host groups whose collectives
+torch carries (adapters/torch/carried.py): training matches torch's own fully_shard in the same
+thread world, nothing of ours outlives the rank threads, torch's fake backend is refused, and the
+carrier over a process-wide backend (gloo, whose works wait with our timeout) reduces every op
+as the host backend does (AVG truncating integers, the pre-scaled sum)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable, List
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch==2.13.0)")
+pytest.importorskip("expecttest", reason="torch's test helpers need expecttest (the test extra)")
+
+import torch.distributed as dist  # noqa: E402
+from fsdp_cases import full_params, gloo, shard_blocks, tokens, torch_and_ours, train, transformer  # noqa: E402
+from mp import run_ranks  # noqa: E402
+
+STEPS = 4
+
+
+def thread_world(fn: Callable[[int], Any], world: int, timeout: float = 120.0) -> List[Any]:
+    """`fn(rank)` on `world` threads, each rank of a torch "threaded" world; their results in rank
+    order (an exception is re-raised, naming its rank)."""
+    from torch.testing._internal.distributed import multi_threaded_pg as mtpg
+
+    c10d = torch._C._distributed_c10d
+    c10d._set_thread_isolation_mode(True)
+    mtpg._install_threaded_pg()
+    store = dist.HashStore()
+    out: List[Any] = [None] * world
+
+    def rank_main(rank: int) -> None:
+        dist.init_process_group("threaded", rank=rank, world_size=world, store=store)
+        try:
+            out[rank] = ("ok", fn(rank))
+        except BaseException as e:
+            out[rank] = ("error", e)
+            mtpg.ProcessLocalGroup.exception_handle(e)  # wakes the ranks blocked on this one
+        finally:
+            dist.destroy_process_group()
+
+    threads = [threading.Thread(target=rank_main, args=(r,), name=f"rank{r}") for r in range(world)]
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + timeout
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        stuck = [t.name for t in threads if t.is_alive()]
+        assert not stuck, f"{stuck} did not finish within {timeout}s"
+    finally:
+        mtpg.ProcessLocalGroup.reset()
+        mtpg._uninstall_threaded_pg()
+        c10d._set_thread_isolation_mode(False)
+    for rank, (how, value) in enumerate(out):
+        if how == "error":
+            raise AssertionError(f"rank {rank} raised {type(value).__name__}: {value}") from value
+    return [value for _, value in out]
+
+
+def _ours_threads() -> List[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("nccl_ddp")]
+
+
+def _parity(rank: int) -> dict:
+    torch.set_num_threads(1)
+    got = {}
+    for who, fs in torch_and_ours():
+        model = transformer()
+        for p in model.parameters():  # the seed is the process's, drawn from by every rank thread
+            dist.broadcast(p.detach(), src=0)
+        model = shard_blocks(model, fs)
+        res = train(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), tokens(rank, STEPS))
+        res["params"] = full_params(model)
+        got[who] = res
+    return got
+
+
+@pytest.mark.timeout(300)
+def test_training_matches_torch_fully_shard_in_the_thread_world():
+    before = _ours_threads()
+    results = thread_world(_parity, 2)
+    for rank, res in enumerate(results):
+        ref, ours = res["torch"], res["ours"]
+        assert len(ours["losses"]) == STEPS and len(set(ours["losses"])) > 1  # it trained
+        np.testing.assert_allclose(ours["losses"], ref["losses"], rtol=1e-6, err_msg=f"rank {rank}")
+        assert ours["params"].keys() == ref["params"].keys()
+        for name, p in ours["params"].items():
+            np.testing.assert_allclose(p, ref["params"][name], rtol=1e-5, atol=1e-6, err_msg=name)
+    assert results[0]["ours"]["losses"] != results[1]["ours"]["losses"]  # ranks saw different data
+    deadline = time.monotonic() + 5.0
+    while _ours_threads() != before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _ours_threads() == before, "nccl_ddp threads outlived the thread world's ranks"
+
+
+def _gathered_forward(rank: int) -> Any:
+    """Ranks whose weights differ (fully_shard checks shapes, not values): the forward's
+    all-gather (ours, carried by torch) puts rank 0's rows 0-1 and rank 1's rows 2-3 together."""
+    import nccl_ddp as nd
+
+    model = torch.nn.Linear(4, 4, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(rank + 1.0)
+    nd.fully_shard(model)
+    with torch.no_grad():
+        return model(torch.ones(1, 4))
+
+
+def test_the_forward_gathers_every_rank_shard_in_the_thread_world():
+    for out in thread_world(_gathered_forward, 2):
+        assert out.tolist() == [[4.0, 4.0, 8.0, 8.0]]
+
+
+def test_fake_backend_is_refused():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import nccl_ddp as nd
+    from nccl_ddp.errors import ConfigError
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        with pytest.raises(ConfigError, match="fake backend runs no collectives"):
+            nd.fully_shard(torch.nn.Linear(4, 4))
+    finally:
+        dist.destroy_process_group()
+
+
+def _carried_over_gloo(rank: int, world: int, store_dir: str) -> dict:
+    from nccl_ddp.adapters.torch.carried import carried_group
+    from nccl_ddp.comm.group import ReduceOp
+
+    with gloo(rank, world, store_dir):
+        g = carried_group(dist.group.WORLD, "gloo", "test")
+        out = {"name": g.name, "kind": g.transport_kind}
+        ints = np.array([rank * 3 - 4, 7, -7], dtype=np.int64)  # sums -5, 14, -14
+        g.all_reduce(ints, ReduceOp.AVG).wait()
+        out["avg_int"] = ints.tolist()
+        x = np.full(3, rank + 1.0, dtype=np.float32)
+        g.all_reduce_premul_sum(x, 0.5).wait()
+        out["premul"] = x.tolist()
+        gathered = np.zeros(4, np.float64)
+        g.all_gather(gathered, np.array([rank, rank + 0.5])).wait()
+        out["gather"] = gathered.tolist()
+        part = np.zeros(2, np.float32)
+        g.reduce_scatter(part, np.arange(4, dtype=np.float32) * (rank + 1), ReduceOp.MAX).wait()
+        out["scatter_max"] = part.tolist()
+        b = np.full(2, float(rank), np.float32)
+        g.broadcast(b, root=1).wait()
+        out["bcast"] = b.tolist()
+        g.barrier().wait()
+        g.shutdown()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_carrier_over_gloo_reduces_as_the_host_backend(tmp_path):
+    results = run_ranks(_carried_over_gloo, 2, str(tmp_path), timeout=90)
+    for rank, res in enumerate(results):
+        assert res["kind"] == "torch:gloo" and res["name"] == "torch-gloo-group[0,1]"
+        assert res["avg_int"] == [-2, 7, -7]  # -5 / 2 truncates toward zero, as NCCL's ncclAvg
+        assert res["premul"] == [1.5, 1.5, 1.5]  # 0.5 * 1 + 0.5 * 2
+        assert res["gather"] == [0.0, 0.5, 1.0, 1.5]
+        assert res["scatter_max"] == ([0.0, 2.0] if rank == 0 else [4.0, 6.0])
+        assert res["bcast"] == [1.0, 1.0]
