@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from nccl_ddp.comm import api
-from nccl_ddp.comm.backends import backend_name
 from nccl_ddp.comm.group import ProcessGroup
 from nccl_ddp.errors import ConfigError
 
@@ -26,22 +25,13 @@ def is_torch_group(group: Any) -> bool:
     return dist.is_available() and isinstance(group, dist.ProcessGroup)
 
 
-def runs_natively(backend: str) -> bool:
-    """Whether a torch group of `backend` maps onto a group of ours ("gloo" -> host, "nccl")."""
-    try:
-        backend_name(backend)
-    except ConfigError:
-        return False
-    return True
-
-
 def ours_for(group: Any, argname: str) -> Optional[ProcessGroup]:
     """Our group over `group`'s ranks when it is a torch.distributed group (None otherwise)."""
     if not is_torch_group(group):
         return None
     import torch.distributed as dist
 
-    from nccl_ddp.adapters.torch.dist import join_torch_world
+    from nccl_ddp.adapters.torch.dist import join_torch_world, runs_natively
 
     backend = str(dist.get_backend(group))
     if not runs_natively(backend):  # torch's "threaded", "mpi", ...: torch carries ours

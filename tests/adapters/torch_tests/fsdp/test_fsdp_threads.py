@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable, List
+from typing import Any, List
 
 import numpy as np
 import pytest
@@ -20,48 +20,9 @@ pytest.importorskip("expecttest", reason="torch's test helpers need expecttest (
 import torch.distributed as dist  # noqa: E402
 from fsdp_cases import full_params, gloo, shard_blocks, tokens, torch_and_ours, train, transformer  # noqa: E402
 from mp import run_ranks  # noqa: E402
+from thread_world import thread_world  # noqa: E402
 
 STEPS = 4
-
-
-def thread_world(fn: Callable[[int], Any], world: int, timeout: float = 120.0) -> List[Any]:
-    """`fn(rank)` on `world` threads, each rank of a torch "threaded" world; their results in rank
-    order (an exception is re-raised, naming its rank)."""
-    from torch.testing._internal.distributed import multi_threaded_pg as mtpg
-
-    c10d = torch._C._distributed_c10d
-    c10d._set_thread_isolation_mode(True)
-    mtpg._install_threaded_pg()
-    store = dist.HashStore()
-    out: List[Any] = [None] * world
-
-    def rank_main(rank: int) -> None:
-        dist.init_process_group("threaded", rank=rank, world_size=world, store=store)
-        try:
-            out[rank] = ("ok", fn(rank))
-        except BaseException as e:
-            out[rank] = ("error", e)
-            mtpg.ProcessLocalGroup.exception_handle(e)  # wakes the ranks blocked on this one
-        finally:
-            dist.destroy_process_group()
-
-    threads = [threading.Thread(target=rank_main, args=(r,), name=f"rank{r}") for r in range(world)]
-    try:
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + timeout
-        for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()))
-        stuck = [t.name for t in threads if t.is_alive()]
-        assert not stuck, f"{stuck} did not finish within {timeout}s"
-    finally:
-        mtpg.ProcessLocalGroup.reset()
-        mtpg._uninstall_threaded_pg()
-        c10d._set_thread_isolation_mode(False)
-    for rank, (how, value) in enumerate(out):
-        if how == "error":
-            raise AssertionError(f"rank {rank} raised {type(value).__name__}: {value}") from value
-    return [value for _, value in out]
 
 
 def _ours_threads() -> List[str]:
@@ -82,6 +43,7 @@ def _parity(rank: int) -> dict:
     return got
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_training_matches_torch_fully_shard_in_the_thread_world():
     before = _ours_threads()
@@ -113,6 +75,7 @@ def _gathered_forward(rank: int) -> Any:
         return model(torch.ones(1, 4))
 
 
+@pytest.mark.slow
 def test_the_forward_gathers_every_rank_shard_in_the_thread_world():
     for out in thread_world(_gathered_forward, 2):
         assert out.tolist() == [[4.0, 4.0, 8.0, 8.0]]
@@ -159,6 +122,7 @@ def _carried_over_gloo(rank: int, world: int, store_dir: str) -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_carrier_over_gloo_reduces_as_the_host_backend(tmp_path):
     results = run_ranks(_carried_over_gloo, 2, str(tmp_path), timeout=90)
