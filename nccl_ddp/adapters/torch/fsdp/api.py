@@ -234,7 +234,8 @@ def _build(
     for m in modules:
         setattr(m, _UNIT, unit)
         m.__class__ = _fsdp_class(type(m))
-    weakref.finalize(modules[0], schedule.close)  # its comm thread ends with the module
+    # its comm thread ends with the module (the stream alone: the schedule holds the module)
+    weakref.finalize(modules[0], schedule.comm.close)
     hooks.install(modules, unit, policy)
 
 

@@ -1,15 +1,19 @@
 """nccl_ddp.fully_shard in torch's thread world (torch.testing's multi_threaded_pg: every rank a
 thread of one process, backend "threaded"), where our groups are host groups whose collectives
-torch carries (adapters/torch/carried.py): training matches torch's own fully_shard in the same
-thread world, nothing of ours outlives the rank threads, torch's fake backend is refused, and the
-carrier over a process-wide backend (gloo, whose works wait with our timeout) reduces every op
-as the host backend does (AVG truncating integers, the pre-scaled sum)."""
+torch carries (adapters/torch/carried.py): training equals torch's own fully_shard in the same
+thread world bit for bit (losses and parameters), nothing of ours outlives the rank threads and
+the models, torch's fake backend is refused, and the carrier over a process-wide backend (gloo,
+whose works wait with our timeout) reduces every op as the host backend does (AVG truncating
+integers, the pre-scaled sum)."""
 
 from __future__ import annotations
 
+import copy
+import gc
 import threading
 import time
-from typing import Any, List
+import weakref
+from typing import Any, Set
 
 import numpy as np
 import pytest
@@ -25,18 +29,28 @@ from thread_world import thread_world  # noqa: E402
 STEPS = 4
 
 
-def _ours_threads() -> List[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("nccl_ddp")]
+def _ours_threads() -> Set[str]:
+    """Our groups' workers and our streams' threads (fully_shard's comm stream)."""
+    return {t.name for t in threading.enumerate() if t.name.startswith(("nccl_ddp", "host-stream"))}
+
+
+def _assert_none_left(before: Set[str]) -> None:
+    """No thread of ours started since `before` is alive (within 5 s, collecting cycles)."""
+    deadline = time.monotonic() + 5.0
+    while _ours_threads() - before and time.monotonic() < deadline:
+        gc.collect()  # the models' reference cycles (module <-> hooks): their comm streams close
+        time.sleep(0.05)
+    assert not _ours_threads() - before, "threads of nccl_ddp outlived the thread world and its models"
 
 
 def _parity(rank: int) -> dict:
     torch.set_num_threads(1)
     got = {}
+    first = transformer()
+    for p in first.parameters():  # the seed is the process's, drawn from by both rank threads
+        dist.broadcast(p.detach(), src=0)
     for who, fs in torch_and_ours():
-        model = transformer()
-        for p in model.parameters():  # the seed is the process's, drawn from by every rank thread
-            dist.broadcast(p.detach(), src=0)
-        model = shard_blocks(model, fs)
+        model = shard_blocks(copy.deepcopy(first), fs)
         res = train(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), tokens(rank, STEPS))
         res["params"] = full_params(model)
         got[who] = res
@@ -51,15 +65,12 @@ def test_training_matches_torch_fully_shard_in_the_thread_world():
     for rank, res in enumerate(results):
         ref, ours = res["torch"], res["ours"]
         assert len(ours["losses"]) == STEPS and len(set(ours["losses"])) > 1  # it trained
-        np.testing.assert_allclose(ours["losses"], ref["losses"], rtol=1e-6, err_msg=f"rank {rank}")
+        assert ours["losses"] == ref["losses"], f"rank {rank}"  # bit for bit: torch sums for both
         assert ours["params"].keys() == ref["params"].keys()
         for name, p in ours["params"].items():
-            np.testing.assert_allclose(p, ref["params"][name], rtol=1e-5, atol=1e-6, err_msg=name)
+            np.testing.assert_array_equal(p, ref["params"][name], err_msg=name)
     assert results[0]["ours"]["losses"] != results[1]["ours"]["losses"]  # ranks saw different data
-    deadline = time.monotonic() + 5.0
-    while _ours_threads() != before and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _ours_threads() == before, "nccl_ddp threads outlived the thread world's ranks"
+    _assert_none_left(before)
 
 
 def _gathered_forward(rank: int) -> Any:
@@ -79,6 +90,25 @@ def _gathered_forward(rank: int) -> Any:
 def test_the_forward_gathers_every_rank_shard_in_the_thread_world():
     for out in thread_world(_gathered_forward, 2):
         assert out.tolist() == [[4.0, 4.0, 8.0, 8.0]]
+
+
+def _forget_a_model(rank: int, refs: list) -> None:
+    import nccl_ddp as nd
+
+    model = torch.nn.Linear(4, 4)
+    refs.append(weakref.ref(model))
+    nd.fully_shard(model)
+    model(torch.ones(1, 4)).sum().backward()
+
+
+@pytest.mark.slow
+def test_a_freed_model_takes_its_comm_stream_along():
+    """fully_shard's finalizer held the schedule, whose units hold the module: the model and its
+    comm stream's thread lived on until the process ended."""
+    before, refs = _ours_threads(), []
+    thread_world(lambda rank: _forget_a_model(rank, refs), 2)
+    _assert_none_left(before)
+    assert [r() for r in refs] == [None, None], "the sharded models outlived every reference"
 
 
 def test_fake_backend_is_refused():
