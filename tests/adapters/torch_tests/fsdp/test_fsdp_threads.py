@@ -73,6 +73,51 @@ def test_training_matches_torch_fully_shard_in_the_thread_world():
     _assert_none_left(before)
 
 
+def _cast_after_init(rank: int, mixed: bool) -> dict:
+    """torch's test_to_float64_after_init, ours beside torch's: shard in_proj, out_proj and the
+    root (`mixed`: computing in bfloat16), then cast the whole model to float64 and train 5 Adam
+    steps."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.testing._internal.common_fsdp import MLP
+
+    kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)} if mixed else {}
+
+    torch.set_num_threads(1)
+    first, g = MLP(4), torch.Generator().manual_seed(0)  # the same values on both rank threads
+    with torch.no_grad():
+        for p in first.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(10 + rank), dtype=torch.float64)
+    got = {}
+    for who, fs in torch_and_ours():
+        model = copy.deepcopy(first)
+        for m in (model.in_proj, model.out_proj, model):
+            fs(m, **kw)
+        model.to(torch.float64)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        losses = []
+        for _ in range(5):
+            loss = model(x).float().sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        dtypes = {(p.dtype, p.to_local().dtype) for p in model.parameters()}
+        got[who] = {"losses": losses, "dtypes": dtypes, "params": full_params(model)}
+    return got
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mixed", [False, True], ids=["float64", "float64-bf16-compute"])
+def test_cast_to_float64_after_fully_shard_trains_as_torch(mixed):
+    for rank, res in enumerate(thread_world(lambda r: _cast_after_init(r, mixed), 2)):
+        ours, ref = res["ours"], res["torch"]
+        assert ours["dtypes"] == ref["dtypes"] == {(torch.float64, torch.float64)}
+        assert len(set(ours["losses"])) > 1 and ours["losses"] == ref["losses"], f"rank {rank}"
+        for name, p in ours["params"].items():
+            np.testing.assert_array_equal(p, ref["params"][name], err_msg=name)
+
+
 def _gathered_forward(rank: int) -> Any:
     """Ranks whose weights differ (fully_shard checks shapes, not values): the forward's
     all-gather (ours, carried by torch) puts rank 0's rows 0-1 and rank 1's rows 2-3 together."""
