@@ -23,6 +23,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from nccl_ddp.comm import api
+from nccl_ddp.comm.backends import backend_name
 from nccl_ddp.errors import ConfigError
 from nccl_ddp.job.env import DEFAULT_TIMEOUT, LOOPBACK, DistEnv, launcher_ranks, resolve_env
 
@@ -103,17 +104,36 @@ def _free_port(addr: str) -> int:
         return s.getsockname()[1]
 
 
+def runs_natively(backend: str) -> bool:
+    """Whether a torch group of `backend` maps onto a group of ours ("gloo" -> host, "nccl")."""
+    try:
+        backend_name(backend)
+    except ConfigError:
+        return False
+    return True
+
+
 def join_torch_world(group: Any, who: str) -> Any:
     """`group`, after joining our world beside torch's when `group` is None (the world) or a
     torch group, ours is not initialised and torch.distributed is: then our DDP /
     ZeroRedundancyOptimizer / grad reducer in a torch script need no
     `nccl_ddp.init_process_group()` of their own. Our group takes torch's ranks and backend
-    (gloo -> host, nccl -> nccl) and is destroyed at exit."""
+    (gloo -> host, nccl -> nccl) and is destroyed at exit. A torch group of another backend
+    joins nothing: torch carries ours over it (groups.py)."""
     torch_up = dist.is_available() and dist.is_initialized()
     ours_or_none = group is None or isinstance(group, dist.ProcessGroup)
     if not ours_or_none or api.is_initialized() or not torch_up:
         return group
     backend = str(dist.get_backend())
+    if not runs_natively(backend):  # torch's "threaded", "mpi", ...: groups.ours_for carries it
+        if group is None:
+            raise ConfigError(
+                f"rank {dist.get_rank()}: {who}: torch.distributed runs backend {backend!r}, "
+                "which nccl_ddp does not run itself: pass torch's group (process_group="
+                "torch.distributed.group.WORLD, or group= for the grad reducer), whose "
+                "collectives then carry ours"
+            )
+        return group
     log.info(
         "rank %d: %s joins nccl_ddp's process group beside torch.distributed's (%s, %d ranks)",
         dist.get_rank(),

@@ -5,7 +5,9 @@ torch's world group (`dist.group.WORLD`, or any torch group of every rank) is ou
 subgroup (`dist.new_group(ranks)`, a data-parallel group of a Megatron-style script) is one of ours
 over the same global ranks, built by its members alone and keyed by torch's group name (torch's
 `new_group` was collective already, so ranks outside it never have to take part here). Our world
-joins beside torch's first when it is not up yet (adapters/torch/dist.py).
+joins beside torch's first when it is not up yet (adapters/torch/dist.py). A group of a backend we
+do not run (torch's "threaded" test world, "mpi", ...) gets a host group of ours whose collectives
+torch carries (adapters/torch/carried.py), outside our world.
 """
 
 from __future__ import annotations
@@ -29,7 +31,13 @@ def ours_for(group: Any, argname: str) -> Optional[ProcessGroup]:
         return None
     import torch.distributed as dist
 
-    from nccl_ddp.adapters.torch.dist import join_torch_world
+    from nccl_ddp.adapters.torch.dist import join_torch_world, runs_natively
+
+    backend = str(dist.get_backend(group))
+    if not runs_natively(backend):  # torch's "threaded", "mpi", ...: torch carries ours
+        from nccl_ddp.adapters.torch.carried import carried_group
+
+        return carried_group(group, backend, argname)
 
     join_torch_world(group, argname)
     world = api.get_world_group()

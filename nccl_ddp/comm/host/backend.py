@@ -22,6 +22,7 @@ import numpy as np
 
 from nccl_ddp.comm.group import ProcessGroup, ReduceOp, check_gather_buffers
 from nccl_ddp.comm.host import hier, throttle
+from nccl_ddp.comm.host.carrier import Carrier
 from nccl_ddp.comm.host.fused import FusedSums
 from nccl_ddp.comm.host.reduce import Reduction, dtype_code, make_reduction
 from nccl_ddp.comm.host.rendezvous import Rendezvous, host_id
@@ -113,7 +114,9 @@ class HostProcessGroup(FusedSums, ProcessGroup):
 
     # -- setup ---------------------------------------------------------------------------------
 
-    def _connect(self, transport: str, chunk_bytes: int) -> Union[SelfTransport, ShmTransport, RingTransport]:
+    def _connect(
+        self, transport: str, chunk_bytes: int
+    ) -> Union[SelfTransport, ShmTransport, RingTransport, Carrier]:
         if transport not in ("auto", "shm", "tcp"):
             raise ConfigError(f"{self._where}: NCCL_DDP_HOST_TRANSPORT={transport!r}; use auto, shm or tcp")
         self._links: list = []
@@ -429,13 +432,15 @@ class HostProcessGroup(FusedSums, ProcessGroup):
         for link in self._links:  # peers blocked on us fail at once, with the reason
             link.abort(reason)
 
-    def shutdown(self) -> None:
+    def shutdown(self, wait: bool = True) -> None:
         if self._closed:
             return
         self._closed = True
         with self._cv:
             self._items.append(None)
             self._cv.notify_all()
+        if not wait:  # (carried.py's, from a finalizer) the worker stops after its current op
+            return
         self._worker.join(timeout=self.timeout)
         if self._worker.is_alive():  # stuck in a collective: unblock it by closing its sockets
             self._close_links()

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
-from nccl_ddp.adapters.torch.fsdp import hooks
+from nccl_ddp.adapters.torch.fsdp import hooks, recast
 from nccl_ddp.adapters.torch.fsdp.param import ShardedParam, Slot
 from nccl_ddp.adapters.torch.fsdp.placement import (
     check_offload,
@@ -104,18 +104,24 @@ class FSDPModule(TorchOnlyMethods, TorchFSDPModule):
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         """`to_empty(device="cpu")`, `.to(...)` and the like, on the sharded DTensors: after
-        torch's `_apply` the unit's parameters get their local tensors back in the shard memory
-        (meta ones materialised there as zeros, for the init that follows)."""
+        torch's `_apply` the units' parameters get their local tensors back in the shard memory
+        (meta ones materialised there as zeros, for the init that follows); a cast to another
+        dtype lays each changed unit's shards out anew first (recast.py)."""
         unit = self._nccl_unit()
         fn = args[0] if args else kwargs["fn"]
-        for u in self._units(recurse=True):  # a change of dtype or device: refused before any moves
+        for u in self._units(recurse=True):  # a change of device: refused before any moves
             for p in u.params:
                 p.check_apply(fn)
         with torch_stream_current(unit.schedule.on_cuda):
-            unit.reshard()
+            for u in self._units(recurse=True):
+                u.reshard()
+                dtypes = recast.new_dtypes(u, fn)
+                if dtypes != [p.orig_dtype for p in u.params]:  # a cast: new shards first
+                    recast.recast(u, dtypes)
         out = super(TorchFSDPModule, self)._apply(*args, **kwargs)  # nn.Module's, not torch FSDP's
-        for p in unit.params:
-            p.materialise()
+        for u in self._units(recurse=True):
+            for p in u.params:
+                p.materialise()
         return out
 
     def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
@@ -279,7 +285,8 @@ def _build(
     for m in modules:
         setattr(m, _UNIT, unit)
         m.__class__ = _fsdp_class(type(m))
-    weakref.finalize(modules[0], schedule.close)  # its comm thread ends with the module
+    # its comm thread ends with the module (the stream alone: the schedule holds the module)
+    weakref.finalize(modules[0], schedule.comm.close)
     hooks.install(modules, unit, policy)
 
 

@@ -115,17 +115,28 @@ class ShardedParam:
         )
         self._ours = ours
 
+    def adopt_local(self, local: torch.Tensor) -> None:
+        """This rank's rows `local` (a recast's values) copied into our shard memory, and the
+        sharded parameter a DTensor over it."""
+        import torch
+
+        ours = self._new_local()
+        ours.copy_(local)
+        self._ours = ours
+        self.sharded = torch.nn.Parameter(_sharded(ours, self.mesh, self.shape), self.requires_grad)
+
     def check_apply(self, fn: Any) -> None:
         """Before an `_apply(fn)` moves anything: `fn` (tried on the sharded parameter) must keep
-        it a CPU tensor of its dtype, the shard layout's."""
+        it on its device (a new dtype is a recast: recast.py)."""
         import torch
 
         with torch.no_grad():
-            self._check_moved(fn(self.sharded))
+            self._check_moved(fn(self.sharded), any_dtype=True)
 
-    def _check_moved(self, t: torch.Tensor) -> None:
+    def _check_moved(self, t: torch.Tensor, any_dtype: bool = False) -> None:
         where = self._chunk.device
-        if t.dtype != self.orig_dtype or t.device.type not in (where.type, "meta"):
+        dtype_ok = any_dtype or t.dtype == self.orig_dtype
+        if not dtype_ok or t.device.type not in (where.type, "meta"):
             raise ConfigError(
                 f"rank {self.rank}: parameter {self.fqn!r} would become {t.dtype} on {t.device} "
                 f"(it is {self.orig_dtype} on {where.type}, as fully_shard laid out its shards): "

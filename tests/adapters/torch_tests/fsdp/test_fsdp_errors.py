@@ -1,7 +1,8 @@
 """fully_shard's bad inputs, 2 ranks: each raises on every rank, before any data moves, naming
 the rank, the parameter and what to do (a unit applied twice, a parameter shared with another
 unit, shapes that differ across ranks, a meta parameter never materialised (at the first
-forward), a non-contiguous one, a cast after fully_shard, our DDP over a sharded model)."""
+forward), a non-contiguous one, a cast after fully_shard to dtypes that differ across ranks or
+with grads, our DDP over a sharded model)."""
 
 from __future__ import annotations
 
@@ -55,14 +56,20 @@ def _errors(rank: int, world: int, store_dir: str) -> dict:
         m.scale = torch.nn.Parameter(torch.tensor(1.0))
         nd.fully_shard(m)
 
-    def cast_after_fully_shard():  # refused before anything moves: still float32 after
+    def cast_differs_across_ranks():  # refused before anything moves: still float32 after
         m = _mlp(4)
         nd.fully_shard(m.in_proj)
         nd.fully_shard(m)
         try:
-            m.to(torch.float64)
+            m.to(torch.float64 if rank == 0 else torch.float16)
         finally:
             assert {p.dtype for p in m.parameters()} == {torch.float32}
+
+    def cast_with_grads():
+        m = _mlp(4)
+        nd.fully_shard(m)
+        m(torch.ones(2, 4)).sum().backward()
+        m.to(torch.float64)
 
     def ddp_over_fully_shard():  # HSDP is the 2-D mesh's, not our DDP's over the shards
         m = _mlp(4)
@@ -71,7 +78,7 @@ def _errors(rank: int, world: int, store_dir: str) -> dict:
         nd.DistributedDataParallel(m)
 
     cases = (twice, shared_across_units, shapes_differ, meta_never_materialised, not_contiguous)
-    cases += (no_dimensions, cast_after_fully_shard, ddp_over_fully_shard)
+    cases += (no_dimensions, cast_differs_across_ranks, cast_with_grads, ddp_over_fully_shard)
     with gloo(rank, world, store_dir):
         return {f.__name__: outcome(f) for f in cases}
 
@@ -92,7 +99,8 @@ def ranks(tmp_path_factory) -> list:
         ("meta_never_materialised", "ConfigError", ["'1.weight'", "meta device", "to_empty(device='cpu')"]),
         ("not_contiguous", "ConfigError", ["'weight'", "not contiguous", "contiguous()"]),
         ("no_dimensions", "ConfigError", ["'scale'", "no dimensions", "shape (1,)"]),
-        ("cast_after_fully_shard", "ConfigError", ["'out_proj.weight'", "float64", "before fully_shard"]),
+        ("cast_differs_across_ranks", "RankMismatchError", ["'out_proj.weight'", "float64", "float16"]),
+        ("cast_with_grads", "ConfigError", ["has grads", "zero_grad(set_to_none=True)"]),
         ("ddp_over_fully_shard", "ConfigError", ["FSDPMLP at the root", "2-D mesh", "replicate group"]),
     ],
 )
