@@ -14,6 +14,7 @@ collectives.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any, Dict, List, Optional, Tuple, Type, Union
 
@@ -312,19 +313,28 @@ def _check_args(module: Any, rank: int) -> List[torch.nn.Module]:
 
 def _reshard_to(value: Union[bool, int, None], shard_size: int, rank: int) -> Optional[bool]:
     """FSDP2's int `reshard_after_forward` (the group size to reshard to after forward) as the
-    bool it amounts to, torch's rule: 1 keeps the whole parameters (False), the shard group's
-    size reshards (True). Another size (a smaller post-forward mesh) is not supported."""
+    bool ours runs, after torch's check (a factor of the shard group's size): 1 keeps the whole
+    parameters (False), the group's size reshards (True). A size in between (torch's smaller
+    post-forward mesh, not built here) reshards fully, with a warning: the same values, less
+    memory held between forward and backward, the backward's gather over the whole group."""
     if value is None or isinstance(value, bool):
         return value
     if not isinstance(value, int):
         return _check_reshard(value)  # (raises: neither a bool nor an int)
-    if value in (1, shard_size):
-        return value != 1  # (1 on a group of 1 too: False, as torch's)
-    raise ConfigError(
-        f"rank {rank}: fully_shard(reshard_after_forward={value}) would reshard to a mesh of {value} "
-        "ranks after forward, which nccl_ddp's fully_shard does not support: pass True, False, "
-        f"None, 1 (False) or {shard_size} (the shard group's size: True)"
-    )
+    if value < 1 or value > shard_size or shard_size % value:
+        raise ConfigError(
+            f"rank {rank}: fully_shard(reshard_after_forward={value}): an int is the group size to "
+            f"reshard to after forward and must be a factor of the shard group's size {shard_size} "
+            f"(torch's rule): pass True, False, None or a factor of {shard_size}"
+        )
+    if value not in (1, shard_size):
+        warnings.warn(
+            f"rank {rank}: fully_shard(reshard_after_forward={value}): nccl_ddp has no smaller "
+            f"post-forward mesh; it reshards over all {shard_size} ranks of the shard group after "
+            "forward (as True: the same results, less memory, a whole-group gather in backward)",
+            stacklevel=3,
+        )
+    return value != 1  # (1 on a group of 1 too: False, as torch's)
 
 
 def _check_reshard(value: Any) -> bool:

@@ -244,12 +244,53 @@ def _reshard_two_of_three(rank: int, world: int, store_dir: str):
         return outcome(lambda: nd.fully_shard(torch.nn.Linear(4, 6), reshard_after_forward=2))
 
 
-def test_int_reshard_after_forward_of_another_size_is_refused(tmp_path):
-    """3 ranks cannot be resharded to 2 (torch: a ValueError, not a factor of 3); ours refuses
-    any size but 1 and the group's (a smaller post-forward mesh is not supported)."""
+def test_int_reshard_after_forward_not_a_factor_is_refused(tmp_path):
+    """3 ranks cannot be resharded to 2 (torch: a ValueError, not a factor of 3)."""
 
     for rank, (kind, msg) in enumerate(run_ranks(_reshard_two_of_three, 3, str(tmp_path), timeout=120)):
         assert kind == "ConfigError" and f"rank {rank}" in msg and "reshard_after_forward=2" in msg, msg
+        assert "factor of the shard group's size 3" in msg, msg
+
+
+def _reshard_to_half(rank: int, world: int, store_dir: str) -> dict:
+    """reshard_after_forward=2 at 4 ranks (torch: a post-forward mesh of 2): ours warns and
+    reshards fully; what each holds after forward and the step's grads, torch's and ours."""
+    import warnings
+
+    out = {}
+    with gloo(rank, world, store_dir):
+        for who, fs in torch_and_ours():
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                got = outcome(lambda: _reshard_half_run(fs, rank))
+            out[who] = got, [str(w.message) for w in caught if "post-forward mesh" in str(w.message)]
+    return out
+
+
+def _reshard_half_run(fs, rank: int) -> list:
+    from torch.distributed.tensor import DTensor
+
+    torch.manual_seed(0)
+    model = _Twice()
+    fs(model.inner, reshard_after_forward=2)
+    fs(model, reshard_after_forward=2)
+    params = dict(model.named_parameters())
+    torch.manual_seed(100 + rank)
+    loss = model(torch.randn(6, 8)).pow(2).mean()
+    held = {n: isinstance(p, DTensor) for n, p in model.named_parameters()}
+    loss.backward()
+    return [held, _grads(params)]
+
+
+def test_int_reshard_after_forward_a_smaller_factor_reshards_fully_with_a_warning(tmp_path):
+    ranks = run_ranks(_reshard_to_half, 4, str(tmp_path), timeout=240)
+    for rank, got in enumerate(ranks):
+        (ref, _), (ours, warned) = got["torch"], got["ours"]
+        assert ref[0] == "ok" and ours[0] == "ok", (rank, ref, ours)
+        assert ours[1][0] == ref[1][0] and all(ours[1][0].values()), (rank, ours[1][0])
+        assert len(warned) == 2 and f"rank {rank}" in warned[0], warned
+        for pname, value in ref[1][1].items():
+            np.testing.assert_array_equal(ours[1][1][pname], value, err_msg=f"rank {rank} {pname}")
 
 
 @pytest.mark.parametrize("name", ["apart", "apart-ungrouped"])
