@@ -22,6 +22,7 @@ adapter.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -31,7 +32,7 @@ from nccl_ddp.buckets.layout import ALIGN_BYTES, BucketLayout, ParamSpec, assign
 from nccl_ddp.comm.group import ProcessGroup, ReduceOp
 from nccl_ddp.device import Device, Event, Stream
 from nccl_ddp.errors import ConfigError
-from nccl_ddp.zero.unit_copy import Cut, bucket_cuts, copy_out, pack
+from nccl_ddp.zero.unit_copy import Cut, bucket_cuts, copy_out, copy_out_parts, pack
 from nccl_ddp.zero.unit_kernels import device_add_into, device_copy_out, device_pack
 
 _ONE_BUCKET = 1 << 62  # a cap no unit reaches: one flat shard per dtype
@@ -94,7 +95,8 @@ def unit_layout(specs: Sequence[ParamSpec], world: int, align_bytes: int = ALIGN
 class ScratchPool:
     """One growing buffer per dtype that every unit of a model packs its grads into before the
     reduce-scatter (from `zeros`: the group's, shared memory on the host's shm transport), or
-    all-gathers into before the copy-out (from `device.empty`). Safe to share between units,
+    all-gathers into before the copy-out (from `device.empty`; where the group does not
+    `gathers_in_parts`). Safe to share between units,
     even with two gathers in flight at once (a prefetch): everything that writes or reads it
     (pack, collective, copy-out) runs in issue order on the one comm stream they all use, so a
     gather writes the buffer only once the copy-out of the one before it has read it."""
@@ -126,8 +128,10 @@ class UnitShards:
     `name` says which unit, in collective tags and errors; `gathers`: the all-gather buffers
     (a `ScratchPool` of `device.empty`, the model's, shared by its units on the same comm
     stream, released by its owner between steps; None: a buffer allocated per gather and
-    dropped after its copy-out, so a unit alone keeps none between its gathers). `gather_s`: the comm
-    stream's time from the start of each gather to the end of its copy-out, summed."""
+    dropped after its copy-out, so a unit alone keeps none between its gathers), unused where
+    the group `gathers_in_parts` (the host backend: the rows are copied straight out of every
+    rank's shard). `gather_s`: the comm stream's time from the start of each gather to the end
+    of its copy-out, summed."""
 
     def __init__(
         self,
@@ -188,6 +192,13 @@ class UnitShards:
         self.comm.wait(self.device.current_stream().record())
         self.comm.submit(self._begin_gather, before)
         buckets = self.layout.shard.buckets
+        if self.device.kind != "cuda" and self.group.gathers_in_parts(self.device):
+            # the rows straight out of every rank's shard (a peer's own, on the shm transport)
+            for b in range(len(buckets)):
+                copy = functools.partial(copy_out_parts, self._cuts[b], outs)
+                self.group.all_gather_parts(self.shards[b], copy, self.comm, tag=self._tag("all-gather", b))
+            self.comm.submit(self._end_gather)
+            return self.comm.record()
         for b, bucket in enumerate(buckets):
             n = bucket.padded * self.layout.world
             if self.gathers is not None:
@@ -214,7 +225,10 @@ class UnitShards:
         else:
             copy_out(self._cuts[b], gathered, self.layout.world, outs)
         if last:
-            self.gather_s += time.perf_counter() - self._gather_t0
+            self._end_gather()
+
+    def _end_gather(self) -> None:
+        self.gather_s += time.perf_counter() - self._gather_t0
 
     # ------------------------------------------------------------------ reduce-scatter
 

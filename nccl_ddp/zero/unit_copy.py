@@ -47,6 +47,20 @@ def copy_out(cuts: Sequence[Cut], gathered: Any, world: int, outs: Sequence[Any]
             dst[full * chunk : full * chunk + tail] = g[full, off : off + tail]
 
 
+def copy_out_parts(cuts: Sequence[Cut], outs: Sequence[Any], parts: Sequence[Any]) -> None:
+    """`copy_out` from the `world` shards apart (`parts[j]`: rank j's, flat), as an all-gather
+    that hands each rank's input in place gives them: one contiguous copy per rank and
+    parameter, no gathered buffer in between."""
+    for i, off, chunk, full, tail in cuts:
+        if chunk == 0:
+            continue
+        dst = outs[i]
+        for j in range(full):
+            dst[j * chunk : (j + 1) * chunk] = parts[j][off : off + chunk]
+        if tail:
+            dst[full * chunk : full * chunk + tail] = parts[full][off : off + tail]
+
+
 def pack(cuts: Sequence[Cut], packed: Any, world: int, grads: Sequence[Optional[Any]]) -> None:
     """Rank r's rows of every grad (`grads[k]` for `cuts[k]`, flat, full numel) into rank r's
     shard of `packed` (flat, rank after rank; cast to its dtype); padding rows and a missing

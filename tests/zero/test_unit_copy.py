@@ -9,7 +9,7 @@ import pytest
 
 from nccl_ddp.buckets.layout import ParamSpec
 from nccl_ddp.zero.params import ScratchPool, unit_layout
-from nccl_ddp.zero.unit_copy import bucket_cuts, copy_out, cut, pack
+from nccl_ddp.zero.unit_copy import bucket_cuts, copy_out, copy_out_parts, cut, pack
 
 # uneven rows; fewer rows than ranks (the last ranks empty); a single row; empty dim 0 and row
 SHAPES = [(7, 3), (2,), (10,), (3, 2, 2), (0, 4), (5, 0), (1, 5), (12, 1)]
@@ -59,8 +59,14 @@ def test_copy_out_matches_the_per_rank_loop(world, dtype):
     got = [w.copy() for w in want]
     _ref_copy_out(layout, gathered, bucket.padded, params, want)
     copy_out(cuts, gathered, world, got)
-    for i, (w, g) in enumerate(zip(want, got)):
+    # the same rows from the shards apart (all_gather_parts: each rank's shard in place)
+    apart = [w.copy() for w in got]
+    for a in apart:
+        a[...] = -7
+    copy_out_parts(cuts, apart, [gathered[r * bucket.padded : (r + 1) * bucket.padded] for r in range(world)])
+    for i, (w, g, a) in enumerate(zip(want, got, apart)):
         assert w.tobytes() == g.tobytes(), f"parameter {i} of shape {SHAPES[i]}"
+        assert w.tobytes() == a.tobytes(), f"parameter {i} of shape {SHAPES[i]}, from the parts"
     # every element of a non-empty parameter came from the gather (no -7 left)
     assert all((g != -7).all() for g in got if g.size)
 
