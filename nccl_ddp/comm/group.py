@@ -10,7 +10,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import enum
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from nccl_ddp.device import Device, Stream
 from nccl_ddp.errors import ConfigError, NcclDdpError, RankMismatchError
@@ -103,6 +103,25 @@ class ProcessGroup(abc.ABC):
         """float32 `buf` = what packing it into `compression` with `factor`, all-reducing that
         and widening it back would give. Only where `fuses_compression`."""
         raise NotImplementedError(f"{type(self).__name__} has no fused compressed all-reduce")
+
+    def gathers_in_parts(self, device: Device) -> bool:
+        """Whether `all_gather_parts` on `device`'s buffers hands the caller every rank's input
+        without first gathering them into one buffer (the caller copies out of them what it
+        needs: one copy instead of two). False here: callers all-gather, then copy out."""
+        return False
+
+    def all_gather_parts(
+        self,
+        inp: Any,
+        apply: Callable[[Sequence[Any]], None],
+        stream: Optional[Stream] = None,
+        *,
+        tag: Optional[str] = None,
+    ) -> Work:
+        """`apply(parts)` in the collective's place on `stream`, `parts[j]` rank j's `inp`
+        (read-only, valid only during the call: a peer's own memory where the backend can map
+        it). Only where `gathers_in_parts`."""
+        raise NotImplementedError(f"{type(self).__name__} has no all_gather_parts")
 
     def zeros(self, device: Device, n: int, dtype: Any) -> Any:
         """A zero-filled buffer of `n` `dtype` for this group's collectives (a bucket's): here

@@ -28,6 +28,7 @@ adapter.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -37,7 +38,16 @@ from nccl_ddp.buckets.layout import ALIGN_BYTES, BucketLayout, ParamSpec, assign
 from nccl_ddp.comm.group import ProcessGroup, ReduceOp
 from nccl_ddp.device import Device, Event, Stream
 from nccl_ddp.errors import ConfigError
-from nccl_ddp.zero.unit_copy import Cut, Strided, bucket_cuts, copy_out, copy_out_strided, pack, pack_strided
+from nccl_ddp.zero.unit_copy import (
+    Cut,
+    Strided,
+    bucket_cuts,
+    copy_out,
+    copy_out_parts,
+    copy_out_strided,
+    pack,
+    pack_strided,
+)
 from nccl_ddp.zero.unit_kernels import device_add_into, device_copy_out, device_pack
 
 _ONE_BUCKET = 1 << 62  # a cap no unit reaches: one flat shard per dtype
@@ -129,7 +139,8 @@ def unit_layout(
 class ScratchPool:
     """One growing buffer per dtype that every unit of a model packs its grads into before the
     reduce-scatter (from `zeros`: the group's, shared memory on the host's shm transport), or
-    all-gathers into before the copy-out (from `device.empty`). Safe to share between units,
+    all-gathers into before the copy-out (from `device.empty`; where the group does not
+    `gathers_in_parts`). Safe to share between units,
     even with two gathers in flight at once (a prefetch): everything that writes or reads it
     (pack, collective, copy-out) runs in issue order on the one comm stream they all use, so a
     gather writes the buffer only once the copy-out of the one before it has read it."""
@@ -161,8 +172,10 @@ class UnitShards:
     `name` says which unit, in collective tags and errors; `gathers`: the all-gather buffers
     (a `ScratchPool` of `device.empty`, the model's, shared by its units on the same comm
     stream, released by its owner between steps; None: a buffer allocated per gather and
-    dropped after its copy-out, so a unit alone keeps none between its gathers). `gather_s`: the comm
-    stream's time from the start of each gather to the end of its copy-out, summed."""
+    dropped after its copy-out, so a unit alone keeps none between its gathers), unused where
+    the group `gathers_in_parts` (the host backend: the rows are copied straight out of every
+    rank's shard). `gather_s`: the comm stream's time from the start of each gather to the end
+    of its copy-out, summed."""
 
     def __init__(
         self,
@@ -231,6 +244,13 @@ class UnitShards:
         self.comm.wait(self.device.current_stream().record())
         self.comm.submit(self._begin_gather, before)
         buckets = self.layout.shard.buckets
+        if self.device.kind != "cuda" and self.group.gathers_in_parts(self.device):
+            # the rows straight out of every rank's shard (a peer's own, on the shm transport)
+            for b in range(len(buckets)):
+                copy = functools.partial(self._copy_out_parts, b, outs)
+                self.group.all_gather_parts(self.shards[b], copy, self.comm, tag=self._tag("all-gather", b))
+            self.comm.submit(self._end_gather)
+            return self.comm.record()
         for b, bucket in enumerate(buckets):
             n = bucket.padded * self.layout.world
             if self.gathers is not None:
@@ -256,9 +276,17 @@ class UnitShards:
         else:
             copy_out(self._cuts[b], gathered, self.layout.world, outs)
         if self._strided[b]:  # NumPy's or CuPy's slicing (on CuPy's current stream: the comm one)
-            copy_out_strided(self._strided[b], gathered, self.layout.world, outs)
+            copy_out_strided(self._strided[b], gathered.reshape(self.layout.world, -1), outs)
         if last:
-            self.gather_s += time.perf_counter() - self._gather_t0
+            self._end_gather()
+
+    def _copy_out_parts(self, b: int, outs: Sequence[Any], parts: Sequence[Any]) -> None:
+        copy_out_parts(self._cuts[b], outs, parts)
+        if self._strided[b]:
+            copy_out_strided(self._strided[b], parts, outs)
+
+    def _end_gather(self) -> None:
+        self.gather_s += time.perf_counter() - self._gather_t0
 
     # ------------------------------------------------------------------ reduce-scatter
 

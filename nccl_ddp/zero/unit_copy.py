@@ -67,6 +67,20 @@ def copy_out(cuts: Sequence[Cut], gathered: Any, world: int, outs: Sequence[Any]
             dst[full * chunk : full * chunk + tail] = g[full, off : off + tail]
 
 
+def copy_out_parts(cuts: Sequence[Cut], outs: Sequence[Any], parts: Sequence[Any]) -> None:
+    """`copy_out` from the `world` shards apart (`parts[j]`: rank j's, flat), as an all-gather
+    that hands each rank's input in place gives them: one contiguous copy per rank and
+    parameter, no gathered buffer in between."""
+    for i, off, chunk, full, tail in cuts:
+        if chunk == 0:
+            continue
+        dst = outs[i]
+        for j in range(full):
+            dst[j * chunk : (j + 1) * chunk] = parts[j][off : off + chunk]
+        if tail:
+            dst[full * chunk : full * chunk + tail] = parts[full][off : off + tail]
+
+
 def pack(cuts: Sequence[Cut], packed: Any, world: int, grads: Sequence[Optional[Any]]) -> None:
     """Rank r's rows of every grad (`grads[k]` for `cuts[k]`, flat, full numel) into rank r's
     shard of `packed` (flat, rank after rank; cast to its dtype); padding rows and a missing
@@ -101,15 +115,15 @@ def bucket_cuts(
     return tuple(cut(i, off, dims0[i], rows[i], row_numel[i]) for i, off in zip(params, offsets))
 
 
-def copy_out_strided(plans: Sequence[Strided], gathered: Any, world: int, outs: Sequence[Any]) -> None:
-    """Each strided parameter's blocks out of the `world` gathered shards into `outs[param]`
-    (flat, its full numel): rank r's block into rows `[r * rows, r * rows + counts[r])`."""
-    g = gathered.reshape(world, -1)
+def copy_out_strided(plans: Sequence[Strided], parts: Sequence[Any], outs: Sequence[Any]) -> None:
+    """Each strided parameter's blocks out of the ranks' shards (`parts[r]`: rank r's, flat; a
+    gathered buffer's `reshape(world, -1)` or an in-place all-gather's inputs) into
+    `outs[param]` (flat, its full numel): rank r's block into rows `[r * rows, r * rows + counts[r])`."""
     for s in plans:
         dst = outs[s.param].reshape(s.outer, s.size, s.inner)
         for r, n in enumerate(s.counts):
             if n:
-                block = g[r, s.offset : s.offset + s.outer * n * s.inner]
+                block = parts[r][s.offset : s.offset + s.outer * n * s.inner]
                 dst[:, r * s.rows : r * s.rows + n] = block.reshape(s.outer, n, s.inner)
 
 

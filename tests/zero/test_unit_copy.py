@@ -9,7 +9,15 @@ import pytest
 
 from nccl_ddp.buckets.layout import ParamSpec
 from nccl_ddp.zero.params import ScratchPool, unit_layout
-from nccl_ddp.zero.unit_copy import bucket_cuts, copy_out, copy_out_strided, cut, pack, pack_strided
+from nccl_ddp.zero.unit_copy import (
+    bucket_cuts,
+    copy_out,
+    copy_out_parts,
+    copy_out_strided,
+    cut,
+    pack,
+    pack_strided,
+)
 
 # uneven rows; fewer rows than ranks (the last ranks empty); a single row; empty dim 0 and row
 SHAPES = [(7, 3), (2,), (10,), (3, 2, 2), (0, 4), (5, 0), (1, 5), (12, 1)]
@@ -59,8 +67,14 @@ def test_copy_out_matches_the_per_rank_loop(world, dtype):
     got = [w.copy() for w in want]
     _ref_copy_out(layout, gathered, bucket.padded, params, want)
     copy_out(cuts, gathered, world, got)
-    for i, (w, g) in enumerate(zip(want, got)):
+    # the same rows from the shards apart (all_gather_parts: each rank's shard in place)
+    apart = [w.copy() for w in got]
+    for a in apart:
+        a[...] = -7
+    copy_out_parts(cuts, apart, [gathered[r * bucket.padded : (r + 1) * bucket.padded] for r in range(world)])
+    for i, (w, g, a) in enumerate(zip(want, got, apart)):
         assert w.tobytes() == g.tobytes(), f"parameter {i} of shape {SHAPES[i]}"
+        assert w.tobytes() == a.tobytes(), f"parameter {i} of shape {SHAPES[i]}, from the parts"
     # every element of a non-empty parameter came from the gather (no -7 left)
     assert all((g != -7).all() for g in got if g.size)
 
@@ -155,10 +169,17 @@ def test_strided_copies_hold_torch_chunks_per_rank(world):
     # the copy out of that buffer (as if gathered) gives back every full parameter but the None's
     outs = [np.full(f.size, -7, np.float64) for f in fulls]
     copy_out(cuts, packed, world, outs)
-    copy_out_strided(plans, packed, world, outs)
+    copy_out_strided(plans, packed.reshape(world, -1), outs)
     for i, f in enumerate(fulls):
         want = np.zeros(f.size) if grads[i] is None else f.ravel()
         np.testing.assert_array_equal(outs[i], want, err_msg=f"param {i}")
+    # and out of the ranks' shards apart (an in-place all-gather's inputs): the same
+    parts = [row.copy() for row in packed.reshape(world, -1)]
+    apart = [np.full(f.size, -7, np.float64) for f in fulls]
+    copy_out_parts(cuts, apart, parts)
+    copy_out_strided(plans, parts, apart)
+    for i in range(len(fulls)):
+        np.testing.assert_array_equal(apart[i], outs[i], err_msg=f"param {i} from parts")
 
 
 def test_a_dim_the_parameter_lacks_is_refused():

@@ -355,6 +355,35 @@ class HostProcessGroup(FusedSums, ProcessGroup):
             desc = self._desc(what, ALL_GATHER, i)
         return self._submit("all_gather", tag, lambda: self._transport.all_gather(o, i, desc), out, stream)
 
+    def gathers_in_parts(self, device: Device) -> bool:
+        """On the host: the shm transport hands the peers' shared inputs themselves, the others
+        views of a buffer gathered into (no saving there, but the same call)."""
+        return device.kind == "host"
+
+    def all_gather_parts(
+        self,
+        inp: Any,
+        apply: Callable[[Sequence[Any]], None],
+        stream: Optional[Stream] = None,
+        *,
+        tag: Optional[str] = None,
+    ) -> HostWork:
+        what = self._on("all_gather", tag)
+        with self.checking("all_gather"):
+            i = _flat(inp, what, False)
+            desc = self._desc(what, ALL_GATHER, i)
+        transport, n = self._transport, i.size
+
+        def run() -> None:
+            if isinstance(transport, ShmTransport):
+                transport.all_gather_parts(i, apply, desc)
+                return
+            out = np.empty(self.size * n, i.dtype)
+            transport.all_gather(out, i, desc)
+            apply([out[j * n : (j + 1) * n] for j in range(self.size)])
+
+        return self._submit("all_gather", tag, run, None, stream)
+
     def reduce_scatter(
         self,
         out: Any,

@@ -5,7 +5,7 @@ staged chunk by chunk."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -312,6 +312,33 @@ class ShmTransport:
     def all_gather(self, out: np.ndarray, inp: np.ndarray, desc: tuple) -> None:
         """Peers' inputs read in place where every rank's lies in shared memory (ZeRO's
         parameter shards: each a slice of its rank's shared bucket), else staged chunk by chunk."""
+        n = inp.size
+
+        def copy(parts: Sequence[np.ndarray]) -> None:
+            for j, src in enumerate(parts):
+                part = out[j * n : (j + 1) * n]
+                if part.ctypes.data != src.ctypes.data:  # (ZeRO's own shard is already in place)
+                    np.copyto(part, src)
+
+        self._gather(inp, desc, copy, lambda: out)
+
+    def all_gather_parts(
+        self, inp: np.ndarray, apply: Callable[[Sequence[np.ndarray]], None], desc: tuple
+    ) -> None:
+        """`apply(parts)`, `parts[j]` rank j's `inp`: the peers' own memory where every rank's
+        lies in shared memory (ZeRO-3's shards; read before the op's last signal, so no copy of
+        the gathered whole), else views of a buffer the inputs were staged into."""
+        self._gather(inp, desc, apply, None)
+
+    def _gather(
+        self,
+        inp: np.ndarray,
+        desc: tuple,
+        in_place: Callable[[Sequence[np.ndarray]], None],
+        out: Optional[Callable[[], np.ndarray]],
+    ) -> None:
+        """An all-gather: `in_place(parts)` on the peers' inputs where all are shared, else
+        staged into `out()` (None: a buffer of its own, then handed to `in_place` as parts)."""
         n, dt = inp.size, inp.dtype
         ce = self.chunk // dt.itemsize
 
@@ -322,16 +349,15 @@ class ShmTransport:
         tw = self._twin(inp)
         peers = self._open(inp if tw is None else tw.view, desc, lambda: stage(0))
         if peers is not None:
-            for j in range(self.size):
-                part = out[j * n : (j + 1) * n]
-                src = inp if j == self.rank else peers[j]
-                if part.ctypes.data != src.ctypes.data:  # (ZeRO's own shard is already in place)
-                    np.copyto(part, src)
+            in_place([inp if j == self.rank else peers[j] for j in range(self.size)])
             self._signal(desc, REDUCED)  # no rank changes its input while a peer still reads it
             return
+        dst = np.empty(self.size * n, dt) if out is None else out()
         for lo, hi, s in self._chunks(n, ce, stage, desc):
             for j in range(self.size):
-                np.copyto(out[j * n + lo : j * n + hi], self._slot(j, s, 0, hi - lo, dt))
+                np.copyto(dst[j * n + lo : j * n + hi], self._slot(j, s, 0, hi - lo, dt))
+        if out is None:
+            in_place([dst[j * n : (j + 1) * n] for j in range(self.size)])
 
     def reduce_scatter(self, out: np.ndarray, inp: np.ndarray, red: Reduction, desc: tuple) -> None:
         """Part `rank` of every rank's input reduced into `out`, in rank order after this rank's
