@@ -289,8 +289,10 @@ def test_int_reshard_after_forward_a_smaller_factor_reshards_fully_with_a_warnin
         assert ref[0] == "ok" and ours[0] == "ok", (rank, ref, ours)
         assert ours[1][0] == ref[1][0] and all(ours[1][0].values()), (rank, ours[1][0])
         assert len(warned) == 2 and f"rank {rank}" in warned[0], warned
-        for pname, value in ref[1][1].items():
-            np.testing.assert_array_equal(ours[1][1][pname], value, err_msg=f"rank {rank} {pname}")
+        for pname, value in ref[1][1].items():  # (4 ranks: gloo sums in another order than ours)
+            np.testing.assert_allclose(
+                ours[1][1][pname], value, rtol=1e-5, atol=1e-8, err_msg=f"rank {rank} {pname}"
+            )
 
 
 @pytest.mark.parametrize("name", ["apart", "apart-ungrouped"])
