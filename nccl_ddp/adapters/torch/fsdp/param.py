@@ -123,7 +123,7 @@ class ShardedParam:
         ours = self._new_local()
         ours.copy_(local)
         self._ours = ours
-        self.sharded = torch.nn.Parameter(_sharded(ours, self.mesh, self.shape), self.requires_grad)
+        self.sharded = torch.nn.Parameter(_sharded(ours, self.mesh, self.shape, self.dim), self.requires_grad)
 
     def check_apply(self, fn: Any) -> None:
         """Before an `_apply(fn)` moves anything: `fn` (tried on the sharded parameter) must keep

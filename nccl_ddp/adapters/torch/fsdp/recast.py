@@ -47,7 +47,7 @@ def recast(unit: Unit, dtypes: List[torch.dtype]) -> None:
     check_same_params(cast, group, shards.device, owner="fully_shard", subject=_CAST)
     specs = [ParamSpec(p.shape, numpy_dtype(c), name=p.fqn) for p, c in zip(old, computes)]
     new_shards = UnitShards(
-        unit_layout(specs, group.size, shards.device.align_bytes),
+        unit_layout(specs, group.size, shards.device.align_bytes, shards.layout.dims),
         group,
         shards.device,
         shards.comm,
@@ -62,7 +62,7 @@ def recast(unit: Unit, dtypes: List[torch.dtype]) -> None:
             torch.empty(p.shape, dtype=dtype, device="meta"), requires_grad=p.requires_grad
         )
         sp = ShardedParam(
-            p.index, p.fqn, p.slots, meta, shards=new_shards, mesh=p.mesh, compute_dtype=compute
+            p.index, p.fqn, p.slots, meta, shards=new_shards, mesh=p.mesh, compute_dtype=compute, dim=p.dim
         )
         if not p.meta:
             with torch.no_grad():

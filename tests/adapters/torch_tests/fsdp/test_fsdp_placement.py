@@ -127,6 +127,10 @@ def _two(rank: int, world: int, store_dir: str) -> dict:
         out["odd-ours"] = _run(_odd_sharded(nd.fully_shard, dim1), _vectors(rank, STEPS, 5))
         out["odd-torch-dim0"] = _run(_odd_sharded(impls["torch"], None), _vectors(rank, STEPS, 5))
         out["locals"] = _locals(_odd_sharded(nd.fully_shard, dim1), rank, world, dim1)
+        # cast to float64 after fully_shard (recast.py): the dim-1 shards laid out again on dim 1
+        data64 = [[x.double() for x in batch] for batch in _vectors(rank, STEPS, 5)]
+        out["odd64-ours"] = _run(_odd_sharded(nd.fully_shard, dim1).to(torch.float64), data64)
+        out["odd64-torch-dim0"] = _run(_odd_sharded(impls["torch"], None).to(torch.float64), data64)
         # state dict and DCP: saved with dim-1 shards, loaded into dim-0 ones (ours and torch's)
         m = _odd_sharded(nd.fully_shard, dim1)
         train(m, torch.optim.Adam(m.parameters(), lr=1e-2), _vectors(rank, 2, 5))
@@ -232,6 +236,11 @@ def test_uneven_dim1_trains_as_dim0_sharding(two, three):
         )
         for name, value in ref["params"].items():
             np.testing.assert_allclose(ours["params"][name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_a_cast_after_fully_shard_keeps_the_shard_dims(two):
+    for rank, res in enumerate(two):
+        _same(res["odd64-ours"], res["odd64-torch-dim0"], f"float64, rank {rank}")
 
 
 def test_local_shard_is_torch_chunk_on_its_dim(two, three):
