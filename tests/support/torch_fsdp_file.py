@@ -1,6 +1,6 @@
 """Runs torch's FSDP2 test file test/distributed/_composable/fsdp/test_fully_shard_training.py
 (not in the wheel: from a torch source checkout) with torch's fully_shard and with ours, and
-tabulates what passes:
+tabulates what passes.
 
     python tests/support/torch_fsdp_file.py [PATH] [--who torch,ours] [--all | -k NAME ...]
 
@@ -40,6 +40,7 @@ IN_CHECKOUT = Path("test/distributed/_composable/fsdp/test_fully_shard_training.
 DEFAULT_OUT = ROOT / "out" / "torch_fsdp_file"
 DEFAULT_TIMEOUT_S = 600.0
 DEFAULT_ACCEL = 8  # the largest world size of torch's file
+KILL_WAIT_S = 30.0  # for a killed process to be gone (a loaded machine)
 # what a rank reads from the launching environment: none of it may leak into torch's own spawning
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _SITECUSTOMIZE = """\
@@ -62,6 +63,7 @@ class Outcome:
     detail: str = ""
     seconds: float = 0.0
     leftovers: int = 0  # processes of the session still alive after pytest ended, killed
+    session: int = 0  # the run's process session (its pytest's pid): none of it is left
 
 
 @dataclasses.dataclass
@@ -93,7 +95,7 @@ def resolve_file(where: str | None) -> Path:
 
 
 def list_tests(path: Path) -> list[str]:
-    """"Class::test" for every test method of the file's classes, in the file's order (read, not
+    """ "Class::test" for every test method of the file's classes, in the file's order (read, not
     imported: importing it needs torch's test helpers and takes seconds)."""
     tree = ast.parse(path.read_text(), str(path))
     return [
@@ -122,7 +124,7 @@ def select(nodes: list[str], names: Iterable[str] | None) -> list[str]:
 
 
 def session_members(sid: int) -> list[int]:
-    """The pids of the live processes of session `sid` (read from /proc)."""
+    """The pids of the live processes of session `sid` (read from /proc; zombies are not)."""
     pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -132,20 +134,27 @@ def session_members(sid: int) -> list[int]:
         except OSError:  # ended meanwhile
             continue
         fields = stat.rpartition(")")[2].split()  # after "pid (comm)": state ppid pgrp session
-        if len(fields) > 3 and int(fields[3]) == sid:
+        if len(fields) > 3 and int(fields[3]) == sid and fields[0] not in ("Z", "X"):
             pids.append(int(entry))
     return pids
 
 
-def kill_session(sid: int) -> int:
-    """SIGKILL to each live process of session `sid`, by pid; how many there were."""
-    pids = session_members(sid)
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return len(pids)
+def kill_session(sid: int, wait_s: float = KILL_WAIT_S) -> int:
+    """SIGKILL to each live process of session `sid`, by pid, until none is left (a process
+    that outlives `wait_s` is an error); how many there were at first."""
+    first = pids = session_members(sid)
+    deadline = time.monotonic() + wait_s
+    while pids:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"session {sid}: processes {pids} still alive {wait_s:g} s after SIGKILL")
+        time.sleep(0.05)
+        pids = session_members(sid)
+    return len(first)
 
 
 _ERROR_LINE = re.compile(r"^\s*(?:E\s+)?([A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b.*)$")
@@ -169,7 +178,7 @@ def read_junit(path: Path) -> Outcome | None:
     for tag, result in (("failure", "fail"), ("error", "error"), ("skipped", "skip")):
         el = case.find(tag)
         if el is not None:
-            text = "\n".join(t for t in (el.text, el.get("message")) if t)
+            text = el.text or el.get("message") or ""
             detail = (el.get("message") or "")[:300] if tag == "skipped" else _last_error_line(text)
             return Outcome(result, detail)
     return Outcome("pass")
@@ -224,12 +233,13 @@ def run_test(
             seconds = time.monotonic() - start
             out.write(f"\n# exit {proc.returncode}, {seconds:.1f} s, {leftovers} leftover processes killed\n")
         if timed_out:
-            return Outcome("timeout", f"still running after {timeout_s:g} s", seconds, leftovers)
+            return Outcome("timeout", f"still running after {timeout_s:g} s", seconds, leftovers, proc.pid)
         got = read_junit(report)
         if got is None:
             tail = log.read_text().strip().splitlines()[-2:] if log else []
-            return Outcome("crash", f"exit {proc.returncode}, no report: " + " | ".join(tail), seconds, leftovers)
-        return dataclasses.replace(got, seconds=seconds, leftovers=leftovers)
+            detail = f"exit {proc.returncode}, no report: " + " | ".join(tail)
+            return Outcome("crash", detail, seconds, leftovers, proc.pid)
+        return dataclasses.replace(got, seconds=seconds, leftovers=leftovers, session=proc.pid)
 
 
 def run_file(
@@ -329,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     names = None if args.all else args.names or expected_to_pass()
     nodes = select(list_tests(path), names)
-    print(f"{path}: {len(nodes)} tests, with {' and '.join(whos)}'s fully_shard", flush=True)
+    print(f"{path}: {len(nodes)} tests, fully_shard of {' then '.join(whos)}", flush=True)
     rows = run_file(
         path,
         nodes,
