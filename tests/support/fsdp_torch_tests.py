@@ -2,7 +2,9 @@
 (not in the wheel: read with the search tools; no torch code is copied here), and what answers
 it here: "case" (a case of tests/adapters/torch_tests/fsdp/test_fsdp_features.py of that name,
 held to torch's fully_shard), "case: <what differs>" (answered in part), "<file> case: ..." (a
-test of that file in the same folder), or why not."""
+test of that file in the same folder), or why not. WITH_OURS (below): what each does in torch's
+file itself with our fully_shard in torch's place, `PASS` or why not (tests/support/
+torch_fsdp_file.py runs the file; test_torch_fsdp_file.py asserts every PASS)."""
 
 GPU = "runs only with GPUs (skip_if_lt_x_gpu without allow_cpu, or CUDA graphs)"
 UNSUPPORTED = "not supported by nccl_ddp's fully_shard yet: "
@@ -81,7 +83,7 @@ TORCH_TESTS = {
 # to PASS on its own line.
 PASS = "pass"
 SKIPPED = "skipped on CPU, with torch's fully_shard too: "
-THREADS = "fails: a thread world (FSDPTestMultiThread, backend 'threaded'); ours needs a process a rank"
+THREADS = "fails: a thread world (FSDPTestMultiThread, backend 'threaded'); ours needs a process per rank"
 NOT_BUILT = "fails: not supported by nccl_ddp's fully_shard yet: "
 TORCH_STATE = "fails: reads torch's FSDPState (ours has none): "
 
@@ -110,7 +112,7 @@ WITH_OURS = {
     "test_double_forward_with_nested_fsdp_and_checkpoint": PASS,
     "test_double_partial_forward_then_backward": PASS,
     "test_train_parity_shard_placement_fn_shard_largest_dim": NOT_BUILT + "shard_placement_fn",
-    "test_shard_placement_fn_contiguous_params_grads": NOT_BUILT + "shard_placement_fn (and THREADS)",
+    "test_shard_placement_fn_contiguous_params_grads": NOT_BUILT + "shard_placement_fn (threads too)",
     "test_train_parity_with_shared_params": PASS,
     "test_train_shared_params_uneven_shard": PASS,
     "test_shared_params_separate_fsdp_groups_error": "fails: ours raises at the second fully_shard",

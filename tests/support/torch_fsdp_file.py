@@ -40,6 +40,7 @@ IN_CHECKOUT = Path("test/distributed/_composable/fsdp/test_fully_shard_training.
 DEFAULT_OUT = ROOT / "out" / "torch_fsdp_file"
 DEFAULT_TIMEOUT_S = 600.0
 DEFAULT_ACCEL = 8  # the largest world size of torch's file
+TORCH_TIMEOUT = "DISTRIBUTED_TESTS_DEFAULT_TIMEOUT"  # read by torch's common_distributed
 KILL_WAIT_S = 30.0  # for a killed process to be gone (a loaded machine)
 # what a rank reads from the launching environment: none of it may leak into torch's own spawning
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -210,6 +211,9 @@ def run_test(
                 "TMPDIR": str(tmp / "tmp"),  # FSDPTest's store files and whatever else: removed
             }
         )
+        # torch's own limit per test (300 s) past ours: on a loaded machine an 8-rank test can
+        # take longer, and the timeout is ours to report
+        env.setdefault(TORCH_TIMEOUT, str(int(timeout_s) + 60))
         report = tmp / "report.xml"
         cmd = [
             sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", str(tmp / "pytest.ini"),
@@ -340,16 +344,18 @@ def main(argv: list[str] | None = None) -> int:
     names = None if args.all else args.names or expected_to_pass()
     nodes = select(list_tests(path), names)
     print(f"{path}: {len(nodes)} tests, fully_shard of {' then '.join(whos)}", flush=True)
-    rows = run_file(
-        path,
-        nodes,
-        whos,
-        timeout_s=args.timeout,
-        accel=args.accel,
-        log_dir=args.out / "logs",
-        progress=lambda line: print(line, flush=True),
-    )
-    write_csv(rows, args.out / "results.csv")
+    rows: list[Row] = []
+    for node in nodes:  # the CSV rewritten after each test: an interrupted run keeps what it ran
+        rows += run_file(
+            path,
+            [node],
+            whos,
+            timeout_s=args.timeout,
+            accel=args.accel,
+            log_dir=args.out / "logs",
+            progress=lambda line: print(line, flush=True),
+        )
+        write_csv(rows, args.out / "results.csv")
     print(format_table(rows))
     print(f"CSV: {args.out / 'results.csv'}; logs: {args.out / 'logs'}")
     return 0 if all(o.result == "pass" for r in rows for o in r.outcomes.values()) else 1

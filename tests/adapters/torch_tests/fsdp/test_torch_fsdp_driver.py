@@ -23,12 +23,14 @@ from paths import ROOT, SUPPORT  # noqa: E402
 
 SAMPLE = SUPPORT / "torch_style_fsdp_tests.py"
 CLS = "TestTorchStyleSample"
-RUN = [
-    "test_train_step_equals_local",
-    "test_fully_shard_is_torchs",
-    "test_planted_failure",
-    "test_needs_gpus",
-]
+# each test of the sample: (with torch's fully_shard, with ours, what a failure's error says)
+EXPECTED = {
+    "test_train_step_equals_local": ("pass", "pass", ""),
+    "test_fully_shard_is_torchs": ("pass", "fail", "fully_shard from nccl_ddp"),  # the ranks ran ours
+    "test_planted_failure": ("fail", "fail", "AssertionError: planted failure on rank 1"),
+    "test_needs_gpus": ("skip", "skip", ""),  # no allow_cpu: the faked count does not run it
+}
+RUN = list(EXPECTED)
 TIMEOUT_S = 120.0
 
 
@@ -45,34 +47,15 @@ def _results(row) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(8 * TIMEOUT_S)
-def test_a_passing_test_passes_with_both(rows):
-    row = rows["test_train_step_equals_local"]
-    assert _results(row) == {"torch": "pass", "ours": "pass"}, row.outcomes
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(8 * TIMEOUT_S)
-def test_ours_is_what_the_ranks_run_with_ours(rows):
-    row = rows["test_fully_shard_is_torchs"]
-    assert _results(row) == {"torch": "pass", "ours": "fail"}, row.outcomes
-    assert "fully_shard from nccl_ddp" in row.outcomes["ours"].detail
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(8 * TIMEOUT_S)
-def test_a_failing_test_is_reported_failing_with_its_error(rows):
-    row = rows["test_planted_failure"]
-    assert _results(row) == {"torch": "fail", "ours": "fail"}, row.outcomes
-    for got in row.outcomes.values():
-        assert got.detail == "AssertionError: planted failure on rank 1"
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(8 * TIMEOUT_S)
-def test_a_gpu_only_test_is_skipped(rows):
-    row = rows["test_needs_gpus"]
-    assert _results(row) == {"torch": "skip", "ours": "skip"}, row.outcomes
+@pytest.mark.timeout(8 * TIMEOUT_S)  # the first runs them all (the fixture)
+@pytest.mark.parametrize("name", RUN)
+def test_each_outcome_is_reported_as_it_was(rows, name):
+    torch_result, ours_result, error = EXPECTED[name]
+    got = rows[name].outcomes
+    assert (got["torch"].result, got["ours"].result) == (torch_result, ours_result), got
+    for outcome in got.values():
+        if outcome.result == "fail":
+            assert error in outcome.detail
 
 
 @pytest.mark.slow
@@ -182,3 +165,11 @@ def test_the_script_without_a_file_says_where_to_give_one():
         timeout=60,
     )
     assert proc.returncode == 2 and driver.ENV_FILE in proc.stderr, proc.stderr
+
+
+@pytest.mark.slow
+def test_torchs_own_limit_is_past_ours_unless_given(tmp_path, monkeypatch):
+    monkeypatch.setenv(driver.TORCH_TIMEOUT, "8")  # given: torch's limit reports first
+    got = driver.run_test(SAMPLE, f"{CLS}::test_hangs", "ours", timeout_s=TIMEOUT_S, accel=8)
+    assert got.result == "fail" and "timed out after 8" in got.detail, got
+    assert driver.session_members(got.session) == []
