@@ -57,8 +57,9 @@ _mod.apply_from_env()
 
 @dataclasses.dataclass(frozen=True)
 class Outcome:
-    """One test's run with one fully_shard: `result` is pass, fail, error, skip, timeout or crash
-    (no report: pytest itself died); `detail` the error's last line or the skip's reason."""
+    """One test's run with one fully_shard: `result` is pass, fail, error, skip, timeout, crash
+    (no report: pytest itself died) or missing (not in the file); `detail` the error's last line
+    or the skip's reason."""
 
     result: str
     detail: str = ""
