@@ -123,7 +123,7 @@ WITH_OURS = {
     "test_2d_mlp_with_nd_mesh": NOT_BUILT + "tensor parallel DTensors on a 2-D mesh",
     "test_shard_placement_fn_tp_ep": SKIPPED + "skip_if_lt_x_gpu(8) without allow_cpu",
     "test_3d_mlp_with_nd_mesh": NOT_BUILT + "3-D meshes (tensor parallel DTensors)",
-    "test_train_parity_hsdp": OFFLOAD,
+    "test_train_parity_hsdp": PASS,
     "test_register_fsdp_forward_method": TORCH_STATE + "register_fsdp_forward_method",
     "test_share_comm_context": TORCH_STATE + "_comm_ctx",
     "test_train_parity_single_worldsize1": PASS,
