@@ -85,7 +85,6 @@ PASS = "pass"
 SKIPPED = "skipped on CPU, with torch's fully_shard too: "
 THREADS = "fails: a thread world (FSDPTestMultiThread, backend 'threaded'); ours needs a process per rank"
 NOT_BUILT = "fails: not supported by nccl_ddp's fully_shard yet: "
-OFFLOAD = "not known: not rerun since ours accepts CPUOffloadPolicy (torch's 300 s limit hit at load 50)"
 TORCH_STATE = "fails: reads torch's FSDPState (ours has none): "
 
 WITH_OURS = {
@@ -98,7 +97,7 @@ WITH_OURS = {
     "test_train_parity_single_group_shard_dim0": PASS,
     "test_train_parity_single_group_shard_largest_dim": NOT_BUILT + "shard_placement_fn",
     "test_train_parity_multi_group": SKIPPED + "skip_if_lt_x_gpu(2) without allow_cpu",
-    "test_train_parity_multi_group_cpu_offload_eager": OFFLOAD,
+    "test_train_parity_multi_group_cpu_offload_eager": PASS,
     "test_train_parity_multi_group_unshard_async_op": TORCH_STATE + "_set_unshard_async_op",
     "test_non_root_forward_backward": PASS,
     "test_multi_forward_module": PASS,
