@@ -61,7 +61,7 @@ class FSDPModule(TorchOnlyMethods, TorchFSDPModule):
     def _get_fsdp_state(self) -> Any:
         """Not torch's FSDPState: a view that runs our forward hooks for torch's
         `register_fsdp_forward_method` and names any other attribute in a ConfigError."""
-        return TorchStateView(self)
+        return TorchStateView(self, self._nccl_unit())
 
     def reset_iter_state(self) -> None:
         """After an exception aborted a forward or backward: wait for the collectives in flight,
@@ -283,6 +283,7 @@ def _build(
     schedule.root = unit
     if reshard_after_forward is None:  # FSDP2's None: only the root keeps its parameters
         unit.reshard_after_forward, unit.reshard_unless_root = False, True
+    unit.members = tuple(modules)
     for m in modules:
         setattr(m, _UNIT, unit)
         m.__class__ = _fsdp_class(type(m))

@@ -7,9 +7,10 @@ would run on a module that has no torch FSDPState."""
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable, NoReturn, Set
 
 from nccl_ddp.adapters.torch.fsdp import hooks
+from nccl_ddp.adapters.torch.fsdp.unit import Unit
 from nccl_ddp.errors import ConfigError
 
 
@@ -46,11 +47,18 @@ def is_ours(module: Any) -> bool:
 
 class TorchStateView:
     """What `_get_fsdp_state()` returns on our modules: torch's module-level functions that
-    run a unit's forward hooks (its `register_fsdp_forward_method`) find them here; any other
-    attribute of torch's FSDPState is a ConfigError naming it."""
+    run a unit's forward hooks (its `register_fsdp_forward_method`) find them here, and
+    `_modules_to_run_forward` is our unit's; any other attribute of torch's FSDPState is a
+    ConfigError naming it."""
 
-    def __init__(self, module: Any) -> None:
-        self._module = module
+    def __init__(self, module: Any, unit: Unit) -> None:
+        self._module, self._unit = module, unit
+
+    @property
+    def _modules_to_run_forward(self) -> Set[Any]:
+        """The modules of a grouped unit still to run forward in this pass (torch's name for
+        the same state; empty between passes and for a one-module unit)."""
+        return {m for m in self._unit.members if id(m) in self._unit.to_run}
 
     def _pre_forward(self, module: Any, args: tuple, kwargs: dict) -> Any:
         return hooks.forward_hooks(module)[0](module, args, kwargs)

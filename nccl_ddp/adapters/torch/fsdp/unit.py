@@ -237,6 +237,7 @@ class Unit:
         self.forward_prefetch: Optional[List[Unit]] = None  # set_modules_to_forward_prefetch
         self.backward_prefetch: Optional[List[Unit]] = None
         self.to_run: Set[int] = set()  # a grouped unit's modules still to run forward this pass
+        self.members: Tuple[Any, ...] = ()  # the modules fully_shard made this unit of
         self.complete_forward: Optional[Callable[[Any], Any]] = None  # its post-forward, on an output
         self.times = UnitTimes()
 

@@ -324,3 +324,37 @@ def test_every_public_torch_fsdp_module_method_is_ours():
     names = public + ["_set_unshard_async_op", "_get_fsdp_state", "_apply"]
     torchs = [n for n in names if inspect.getattr_static(FSDPModule, n) is vars(TorchFSDPModule)[n]]
     assert not torchs, f"torch's FSDPModule methods not answered by ours: {torchs}"
+
+
+def _pending(rank: int, world: int, store_dir: str) -> dict:
+    """`_get_fsdp_state()._modules_to_run_forward` of ours: a one-module unit's is empty, a
+    grouped unit's holds the members still to run in its forward (read from a member's hook)."""
+    import nccl_ddp as nd
+
+    with gloo(rank, world, store_dir):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        nd.fully_shard(model[2])
+        nd.fully_shard([model[0], model[1]])
+        nd.fully_shard(model)
+        seen: dict = {"during": []}
+
+        def peek(module, args):
+            left = model[0]._get_fsdp_state()._modules_to_run_forward
+            seen["during"].append([model[0] in left, model[1] in left, len(left)])
+
+        model[1].register_forward_pre_hook(peek)
+        seen["before"] = [len(m._get_fsdp_state()._modules_to_run_forward) for m in (model, model[2])]
+        model(torch.ones(2, 4)).sum().backward()
+        seen["after"] = [
+            len(m._get_fsdp_state()._modules_to_run_forward) for m in (model, model[0], model[2])
+        ]
+    return seen
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_modules_to_run_forward_is_our_units(tmp_path):
+    for got in run_ranks(_pending, 2, str(tmp_path), timeout=240):
+        assert got["before"] == [0, 0], got
+        assert got["during"] == [[False, True, 1]], got  # model[0] ran, model[1] about to
+        assert got["after"] == [0, 0, 0], got
