@@ -127,7 +127,7 @@ WITH_OURS = {
     "test_train_parity_single_group_shard_largest_dim": PASS,
     "test_train_parity_multi_group": SKIPPED + "skip_if_lt_x_gpu(2) without allow_cpu",
     "test_train_parity_multi_group_cpu_offload_eager": PASS,
-    "test_train_parity_multi_group_unshard_async_op": TORCH_STATE + "_set_unshard_async_op",
+    "test_train_parity_multi_group_unshard_async_op": PASS,
     "test_non_root_forward_backward": PASS,
     "test_multi_forward_module": PASS,
     "test_explicit_prefetching": PASS,
