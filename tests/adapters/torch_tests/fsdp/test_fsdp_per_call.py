@@ -160,15 +160,16 @@ def _accumulated(fs, rank: int, grouped: bool) -> list:
     return seen
 
 
-def _reshard_ints(fs, rank: int) -> list:
-    """FSDP2's int `reshard_after_forward`: 1 keeps the unit gathered after forward, the group's
-    size (2) reshards it; what the module holds after forward, then a step's grads."""
+def _reshard_ints(fs, rank: int, inner: int = 1, root: int = 2) -> list:
+    """FSDP2's int `reshard_after_forward` (by default 1 on the inner unit: kept gathered after
+    forward, the group's size 2 on the root: resharded); what the module holds after forward,
+    then a step's grads."""
     from torch.distributed.tensor import DTensor
 
     torch.manual_seed(0)
     model = _Twice()
-    fs(model.inner, reshard_after_forward=1)
-    fs(model, reshard_after_forward=2)
+    fs(model.inner, reshard_after_forward=inner)
+    fs(model, reshard_after_forward=root)
     params = dict(model.named_parameters())
     torch.manual_seed(100 + rank)
     loss = model(torch.randn(6, 8)).pow(2).mean()
@@ -262,24 +263,9 @@ def _reshard_to_half(rank: int, world: int, store_dir: str) -> dict:
         for who, fs in torch_and_ours():
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                got = outcome(lambda: _reshard_half_run(fs, rank))
+                got = outcome(lambda: _reshard_ints(fs, rank, inner=2, root=2))
             out[who] = got, [str(w.message) for w in caught if "post-forward mesh" in str(w.message)]
     return out
-
-
-def _reshard_half_run(fs, rank: int) -> list:
-    from torch.distributed.tensor import DTensor
-
-    torch.manual_seed(0)
-    model = _Twice()
-    fs(model.inner, reshard_after_forward=2)
-    fs(model, reshard_after_forward=2)
-    params = dict(model.named_parameters())
-    torch.manual_seed(100 + rank)
-    loss = model(torch.randn(6, 8)).pow(2).mean()
-    held = {n: isinstance(p, DTensor) for n, p in model.named_parameters()}
-    loss.backward()
-    return [held, _grads(params)]
 
 
 def test_int_reshard_after_forward_a_smaller_factor_reshards_fully_with_a_warning(tmp_path):
